@@ -1,0 +1,793 @@
+"""transformer.py: the Transformer, hand-written, top to bottom, proven against PyTorch.
+
+Read it like an article: each numbered section depends only on torch and on the
+sections above it. Part I is the classic model (Vaswani et al., 2017, "Attention
+Is All You Need"), a decoder-only GPT built from the same blocks, and a toy task,
+pinyin to hanzi ("wo ai xue xi" -> 我爱学习), that trains in seconds on a CPU.
+
+    python transformer.py            # shapes, parameter counts, train, answer
+    python -m pytest -q              # every section against PyTorch's own
+"""
+
+# ===========================================================================
+# 0. Imports, device and the shape legend (导入、设备与形状记号)
+# ===========================================================================
+# One legend for every shape comment in the file:
+#   B batch, S source length, T target length, D d_model, H heads,
+#   dk = D // H (one head's width), F d_ff, V vocabulary size.
+# Attention scores are [B, H, Tq, Tk]: one row per query, one column per key.
+
+import argparse
+import math
+import random
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def pick_device(name="auto"):
+    """'auto' takes CUDA, then Apple MPS, then the CPU; a named device must exist."""
+    if name not in ("auto", "cpu", "cuda", "mps"):
+        raise ValueError(f"device must be auto, cpu, cuda or mps, got {name!r}")
+    cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
+    if name == "auto":
+        return torch.device("cuda" if cuda else "mps" if mps else "cpu")
+    if (name == "cuda" and not cuda) or (name == "mps" and not mps):
+        raise ValueError(f"device {name!r} was asked for but is not available here")
+    return torch.device(name)
+
+
+# ===========================================================================
+# 1. Positional encoding (位置编码)
+# ===========================================================================
+# Attention is blind to order: shuffle the tokens and each one sees the same set.
+# So every position gets a fixed vector added to its embedding. Sines and cosines
+# of geometrically spaced frequencies make PE[pos + k] a linear function of
+# PE[pos], which lets the model read relative positions.
+
+class PositionalEncoding(nn.Module):
+    """PE[pos, 2i] = sin(pos / 10000^(2i/D)), PE[pos, 2i+1] = cos(same angle)."""
+
+    def __init__(self, d_model, max_len=5000, dropout=0.1):
+        super().__init__()
+        if d_model % 2:
+            raise ValueError(f"d_model must be even for sin/cos pairs, got {d_model}")
+        self.dropout = nn.Dropout(dropout)
+        position = torch.arange(max_len).unsqueeze(1)                      # [max_len, 1]
+        # 10000^(-2i/D) computed as exp(-2i * ln(10000) / D): no huge powers
+        div_term = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))  # [D/2]
+        pe = torch.zeros(max_len, d_model)                                 # [max_len, D]
+        pe[:, 0::2] = torch.sin(position * div_term)                       # [max_len, D/2]
+        pe[:, 1::2] = torch.cos(position * div_term)                       # [max_len, D/2]
+        # a buffer, not a parameter: it moves with .to(device) and is saved, never trained
+        self.register_buffer("pe", pe.unsqueeze(0))                        # [1, max_len, D]
+
+    def forward(self, x, start=0):
+        """x [B, T, D]; start shifts the positions (a cached decoder's next token)."""
+        end = start + x.size(1)
+        if end > self.pe.size(1):
+            raise ValueError(f"sequence needs positions up to {end}, but max_len is {self.pe.size(1)}")
+        return self.dropout(x + self.pe[:, start:end])                     # [B, T, D]
+
+
+# ===========================================================================
+# 2. Scaled dot-product attention and masks (缩放点积注意力与掩码)
+# ===========================================================================
+# Each query scores every key, softmax turns the scores into weights, and the
+# output is the weighted sum of the values. Masks are bool with True = "may
+# attend" (the convention of F.scaled_dot_product_attention and of the
+# articles' masked_fill(mask == 0, ...)). nn.MultiheadAttention's
+# key_padding_mask is the opposite: True there means "ignore".
+# Masks are 4-D so they broadcast against [B, H, Tq, Tk] scores; a [B, T, T]
+# mask would line its batch up with the heads axis.
+
+def make_pad_mask(ids, pad_id):
+    """[B, S] token ids -> [B, 1, 1, S]: True where the key is a real token."""
+    return (ids != pad_id)[:, None, None, :]                               # [B, 1, 1, S]
+
+
+def make_causal_mask(T, device=None):
+    """[1, 1, T, T]: query i may attend to keys 0..i, never to the future."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]  # [1, 1, T, T]
+
+
+def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
+    """softmax(q k^T / sqrt(dk)) v. q [B, H, Tq, dk], k and v [B, H, Tk, dk]."""
+    dk = q.size(-1)
+    # divide by sqrt(dk) so the dot products keep unit variance and softmax does not saturate
+    scores = q @ k.transpose(-2, -1) / math.sqrt(dk)                       # [B, H, Tq, Tk]
+    if mask is not None:
+        # the dtype's own minimum, not -1e9 (which overflows float16) and not -inf
+        # (a row with nothing to attend to would become 0/0 = NaN)
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)  # [B, H, Tq, Tk]
+    weights = scores.softmax(dim=-1)                                       # [B, H, Tq, Tk]
+    if mask is not None:
+        # a query that may attend to nothing (an all-padding row) reads nothing:
+        # zero weights instead of a uniform average over padding
+        weights = weights.masked_fill(~mask, 0.0)                          # [B, H, Tq, Tk]
+    if dropout is not None:
+        weights = dropout(weights)                                         # [B, H, Tq, Tk]
+    return weights @ v, weights                                            # [B, H, Tq, dk], [B, H, Tq, Tk]
+
+
+# ===========================================================================
+# 3. Multi-head attention (多头注意力)
+# ===========================================================================
+# H heads of width dk = D / H attend in parallel, each in its own learned
+# subspace, and w_o mixes their outputs back together. The same module does
+# self-attention (query = key = value) and cross-attention (query from the
+# decoder, key and value from the encoder: Tq and Tk differ).
+
+class MultiHeadAttention(nn.Module):
+    """Project, split into heads, attend, merge heads, project."""
+
+    def __init__(self, d_model, n_heads, dropout=0.1):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        self.d_model, self.n_heads, self.dk = d_model, n_heads, d_model // n_heads
+        self.w_q = nn.Linear(d_model, d_model)
+        self.w_k = nn.Linear(d_model, d_model)
+        self.w_v = nn.Linear(d_model, d_model)
+        self.w_o = nn.Linear(d_model, d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.attn_weights = None  # the last forward's weights [B, H, Tq, Tk], for heatmaps
+
+    def split_heads(self, x):
+        """[B, T, D] -> [B, H, T, dk]. view first, then transpose: transposing
+        first and viewing would cut across heads and scramble them."""
+        B, T, _ = x.shape
+        return x.view(B, T, self.n_heads, self.dk).transpose(1, 2)         # [B, H, T, dk]
+
+    def forward(self, query, key, value, mask=None):
+        """query [B, Tq, D], key and value [B, Tk, D], mask broadcastable to [B, H, Tq, Tk]."""
+        B, Tq, _ = query.shape
+        # 1. project, then split each of q, k, v into heads with its own length
+        q = self.split_heads(self.w_q(query))                              # [B, H, Tq, dk]
+        k = self.split_heads(self.w_k(key))                                # [B, H, Tk, dk]
+        v = self.split_heads(self.w_v(value))                              # [B, H, Tk, dk]
+        # 2. attend in every head at once
+        out, weights = scaled_dot_product_attention(q, k, v, mask, self.dropout)  # [B, H, Tq, dk]
+        self.attn_weights = weights.detach()                               # [B, H, Tq, Tk]
+        # 3. merge the heads back (transpose makes it non-contiguous, so contiguous before view)
+        out = out.transpose(1, 2).contiguous().view(B, Tq, self.d_model)   # [B, Tq, D]
+        return self.w_o(out)                                               # [B, Tq, D]
+
+
+# ===========================================================================
+# 4. Position-wise feed-forward network (前馈网络)
+# ===========================================================================
+# Attention mixes information across positions; the feed-forward network then
+# transforms each position on its own: widen to F (usually 4 D), a nonlinearity,
+# narrow back to D.
+
+class FeedForward(nn.Module):
+    """fc2(dropout(activation(fc1(x)))), applied to every position alike."""
+
+    def __init__(self, d_model, d_ff, dropout=0.1, activation="relu"):
+        super().__init__()
+        if activation not in ("relu", "gelu"):
+            raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
+        self.fc1 = nn.Linear(d_model, d_ff)
+        self.fc2 = nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.activation = F.relu if activation == "relu" else F.gelu
+
+    def forward(self, x):
+        return self.fc2(self.dropout(self.activation(self.fc1(x))))        # [B, T, D]
+
+
+# ===========================================================================
+# 5. Layer normalization (层归一化)
+# ===========================================================================
+# Normalize each position's D features to mean 0 and variance 1, then let the
+# model rescale them (weight) and shift them (bias). Two classic slips, both
+# differ from nn.LayerNorm: the unbiased variance (divide by D - 1), and adding
+# eps to the standard deviation instead of to the variance.
+
+class LayerNorm(nn.Module):
+    """(x - mean) / sqrt(var + eps) * weight + bias, over the last dimension."""
+
+    def __init__(self, d_model, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))                    # [D]
+        self.bias = nn.Parameter(torch.zeros(d_model))                     # [D]
+
+    def forward(self, x):
+        mean = x.mean(dim=-1, keepdim=True)                                # [B, T, 1]
+        var = x.var(dim=-1, keepdim=True, unbiased=False)                  # [B, T, 1]
+        return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias  # [B, T, D]
+
+
+# ===========================================================================
+# 6. Encoder and decoder layers, post-LN and pre-LN (编码器层与解码器层)
+# ===========================================================================
+# Every sub-layer (attention or feed-forward) sits in a residual connection
+# with a LayerNorm. The paper normalizes after the sum (post-LN); GPT-2 and most
+# models since normalize the sub-layer's input and leave the residual path
+# untouched (pre-LN), which trains stably without warmup. One function holds
+# both orders, so they read side by side.
+
+def residual(x, norm, sublayer, norm_first):
+    """Residual connection around sublayer, LayerNorm before it or after the sum."""
+    if norm_first:
+        return x + sublayer(norm(x))      # pre-LN:  x + f(LN(x))                [B, T, D]
+    return norm(x + sublayer(x))          # post-LN: LN(x + f(x)), the paper's   [B, T, D]
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention, then feed-forward, each in a residual block."""
+
+    def __init__(self, d_model, n_heads, d_ff, dropout=0.1, norm_first=False, activation="relu"):
+        super().__init__()
+        self.norm_first = norm_first
+        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout)
+        self.ffn = FeedForward(d_model, d_ff, dropout, activation)
+        self.norm1 = LayerNorm(d_model)
+        self.norm2 = LayerNorm(d_model)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+
+    def forward(self, x, mask=None):
+        """x [B, S, D]; mask [B, 1, 1, S] (padding) or [1, 1, S, S] (causal)."""
+        x = residual(x, self.norm1, lambda h: self.dropout1(self.self_attn(h, h, h, mask)), self.norm_first)  # [B, S, D]
+        return residual(x, self.norm2, lambda h: self.dropout2(self.ffn(h)), self.norm_first)  # [B, S, D]
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, cross-attention to the encoder's memory, feed-forward."""
+
+    def __init__(self, d_model, n_heads, d_ff, dropout=0.1, norm_first=False, activation="relu"):
+        super().__init__()
+        self.norm_first = norm_first
+        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout)
+        self.cross_attn = MultiHeadAttention(d_model, n_heads, dropout)
+        self.ffn = FeedForward(d_model, d_ff, dropout, activation)
+        self.norm1 = LayerNorm(d_model)
+        self.norm2 = LayerNorm(d_model)
+        self.norm3 = LayerNorm(d_model)
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(dropout)
+        self.dropout3 = nn.Dropout(dropout)
+
+    def forward(self, x, memory, tgt_mask=None, memory_mask=None):
+        """x [B, T, D], memory [B, S, D]; tgt_mask [B, 1, T, T], memory_mask [B, 1, 1, S]."""
+        x = residual(x, self.norm1, lambda h: self.dropout1(self.self_attn(h, h, h, tgt_mask)), self.norm_first)  # [B, T, D]
+        # queries from the decoder, keys and values from the encoder: [B, H, T, S] scores
+        x = residual(x, self.norm2, lambda h: self.dropout2(self.cross_attn(h, memory, memory, memory_mask)), self.norm_first)  # [B, T, D]
+        return residual(x, self.norm3, lambda h: self.dropout3(self.ffn(h)), self.norm_first)  # [B, T, D]
+
+
+# ===========================================================================
+# 7. The encoder-decoder Transformer (编码器-解码器 Transformer)
+# ===========================================================================
+# The encoder reads the whole source once into a memory [B, S, D]; the decoder
+# writes the target one token at a time, attending causally to what it wrote and
+# freely to the memory. Training feeds the whole shifted target at once, so the
+# causal mask is what stops position t from reading the answer at t+1.
+
+def check_ids(name, ids, vocab_size, max_len):
+    """Token ids must be a [B, T] integer tensor inside the vocabulary and max_len."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+        shape = list(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"{name} must be a 2-D integer tensor [B, T], got {shape}")
+    if not 0 < ids.size(1) <= max_len:
+        raise ValueError(f"{name} has length {ids.size(1)}, expected 1 to max_len={max_len}")
+    low, high = ids.min().item(), ids.max().item()
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
+
+
+def init_embedding(embedding):
+    """N(0, 1/D): scaled by sqrt(D) in forward, a token vector then has unit-size
+    entries, the same size as the sinusoidal position it is added to."""
+    nn.init.normal_(embedding.weight, std=embedding.embedding_dim ** -0.5)
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer for sequence to sequence tasks."""
+
+    def __init__(self, src_vocab_size, tgt_vocab_size, d_model=512, n_heads=8, d_ff=2048,
+                 n_layers=6, dropout=0.1, max_len=5000, norm_first=False,
+                 share_embeddings=False, pad_id=0):
+        super().__init__()
+        if share_embeddings and src_vocab_size != tgt_vocab_size:
+            raise ValueError(f"share_embeddings needs one vocabulary, got src_vocab_size="
+                             f"{src_vocab_size} and tgt_vocab_size={tgt_vocab_size}")
+        self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
+        self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
+        self.src_embed = nn.Embedding(src_vocab_size, d_model)
+        self.tgt_embed = self.src_embed if share_embeddings else nn.Embedding(tgt_vocab_size, d_model)
+        self.pos_encoding = PositionalEncoding(d_model, max_len, dropout)
+        layer_args = (d_model, n_heads, d_ff, dropout, norm_first)
+        self.encoder_layers = nn.ModuleList([EncoderLayer(*layer_args) for _ in range(n_layers)])
+        self.decoder_layers = nn.ModuleList([DecoderLayer(*layer_args) for _ in range(n_layers)])
+        # pre-LN leaves the residual stream un-normalized, so the stacks end with a
+        # LayerNorm; post-LN already ends in one, and a second (nn.Transformer's
+        # default, pytorch issue 24930) would normalize twice
+        self.encoder_norm = LayerNorm(d_model) if norm_first else None
+        self.decoder_norm = LayerNorm(d_model) if norm_first else None
+        self.output_proj = nn.Linear(d_model, tgt_vocab_size)
+        init_embedding(self.src_embed)
+        init_embedding(self.tgt_embed)
+        if share_embeddings:  # the paper's three-way tying: source, target and output share one matrix
+            self.output_proj.weight = self.src_embed.weight
+
+    def embed(self, embedding, ids, start=0):
+        """Token embedding times sqrt(D), as in the paper, plus the position."""
+        return self.pos_encoding(embedding(ids) * math.sqrt(self.d_model), start)  # [B, T, D]
+
+    def encode(self, src):
+        """src [B, S] -> memory [B, S, D]; padded keys are masked out."""
+        check_ids("src", src, self.src_vocab_size, self.max_len)
+        src_mask = make_pad_mask(src, self.pad_id)                         # [B, 1, 1, S]
+        x = self.embed(self.src_embed, src)                                # [B, S, D]
+        for layer in self.encoder_layers:
+            x = layer(x, src_mask)                                         # [B, S, D]
+        return self.encoder_norm(x) if self.encoder_norm else x            # [B, S, D]
+
+    def decode(self, tgt, memory, src):
+        """tgt [B, T] (starting with bos), memory [B, S, D], src [B, S] -> logits [B, T, V]."""
+        check_ids("tgt", tgt, self.tgt_vocab_size, self.max_len)
+        # a target position sees real earlier tokens only; the source mask hides source padding
+        tgt_mask = make_pad_mask(tgt, self.pad_id) & make_causal_mask(tgt.size(1), tgt.device)  # [B, 1, T, T]
+        memory_mask = make_pad_mask(src, self.pad_id)                      # [B, 1, 1, S]
+        x = self.embed(self.tgt_embed, tgt)                                # [B, T, D]
+        for layer in self.decoder_layers:
+            x = layer(x, memory, tgt_mask, memory_mask)                    # [B, T, D]
+        x = self.decoder_norm(x) if self.decoder_norm else x               # [B, T, D]
+        return self.output_proj(x)                                         # [B, T, V]
+
+    def forward(self, src, tgt):
+        """src [B, S], tgt [B, T] -> logits [B, T, V] for the next token at every position."""
+        return self.decode(tgt, self.encode(src), src)                     # [B, T, V]
+
+
+# ===========================================================================
+# 8. The decoder-only Transformer, GPT style (仅解码器 Transformer)
+# ===========================================================================
+# Drop the encoder and the cross-attention and what is left is a language model:
+# each position predicts the next token from the ones before it. A GPT block is
+# exactly the encoder layer of section 6 run under a causal mask (pre-LN, GELU),
+# so it reuses EncoderLayer rather than writing the block twice.
+
+class DecoderOnlyTransformer(nn.Module):
+    """Token embedding, positions, N causal pre-LN blocks, a final LayerNorm, lm_head."""
+
+    def __init__(self, vocab_size, d_model, n_layers, n_heads, d_ff, max_len=5000,
+                 dropout=0.1, tie_weights=False):
+        super().__init__()
+        self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
+        self.token_embedding = nn.Embedding(vocab_size, d_model)
+        self.pos_encoding = PositionalEncoding(d_model, max_len, dropout)
+        self.layers = nn.ModuleList([
+            EncoderLayer(d_model, n_heads, d_ff, dropout, norm_first=True, activation="gelu")
+            for _ in range(n_layers)])
+        self.final_norm = LayerNorm(d_model)  # pre-LN: the residual stream is normalized once, at the end
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        init_embedding(self.token_embedding)
+        if tie_weights:  # input and output embeddings share one [V, D] matrix (GPT-2 does)
+            self.lm_head.weight = self.token_embedding.weight
+
+    def forward(self, input_ids):
+        """input_ids [B, T] -> logits [B, T, V]."""
+        check_ids("input_ids", input_ids, self.vocab_size, self.max_len)
+        x = self.token_embedding(input_ids) * math.sqrt(self.d_model)      # [B, T, D]
+        x = self.pos_encoding(x)                                           # [B, T, D]
+        mask = make_causal_mask(input_ids.size(1), input_ids.device)       # [1, 1, T, T]
+        for layer in self.layers:
+            x = layer(x, mask)                                             # [B, T, D]
+        return self.lm_head(self.final_norm(x))                            # [B, T, V]
+
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens):
+        """Greedy continuation: append the most likely next token max_new_tokens times."""
+        check_ids("input_ids", input_ids, self.vocab_size, self.max_len)
+        if input_ids.size(1) + max_new_tokens > self.max_len:
+            raise ValueError(f"prompt length {input_ids.size(1)} + max_new_tokens {max_new_tokens}"
+                             f" exceeds max_len={self.max_len}")
+        for _ in range(max_new_tokens):
+            logits = self(input_ids)[:, -1]                                # [B, V]
+            next_id = logits.argmax(dim=-1, keepdim=True)                  # [B, 1]
+            input_ids = torch.cat([input_ids, next_id], dim=1)             # [B, T+1]
+        return input_ids                                                   # [B, T + max_new_tokens]
+
+
+# ===========================================================================
+# 9. Parameter counts (参数量)
+# ===========================================================================
+# Count what is there, and derive the same number from the configuration, so a
+# claim like "this config has 30-odd million parameters" can be checked by hand.
+# Weights shared by tying are counted once, as model.parameters() yields them.
+
+def count_parameters(model):
+    """Number of distinct parameters (tied weights once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def _layer_params(d_model, d_ff, cross_attention):
+    attention = 4 * (d_model * d_model + d_model)          # w_q, w_k, w_v, w_o with biases
+    ffn = d_model * d_ff + d_ff + d_ff * d_model + d_model  # fc1 and fc2 with biases
+    norms = (3 if cross_attention else 2) * 2 * d_model     # weight and bias per LayerNorm
+    return attention * (2 if cross_attention else 1) + ffn + norms
+
+
+def transformer_param_formula(src_vocab_size, tgt_vocab_size, d_model=512, d_ff=2048, n_layers=6,
+                              norm_first=False, share_embeddings=False, **_):
+    """Closed form of count_parameters(Transformer(...)), same keywords."""
+    embeddings = src_vocab_size * d_model + (0 if share_embeddings else 2 * tgt_vocab_size * d_model)
+    layers = n_layers * (_layer_params(d_model, d_ff, False) + _layer_params(d_model, d_ff, True))
+    final_norms = 2 * 2 * d_model if norm_first else 0
+    return embeddings + layers + final_norms + tgt_vocab_size  # + output bias
+
+
+def decoder_only_param_formula(vocab_size, d_model, n_layers, d_ff, tie_weights=False, **_):
+    """Closed form of count_parameters(DecoderOnlyTransformer(...)), same keywords."""
+    embeddings = vocab_size * d_model * (1 if tie_weights else 2)  # token_embedding, lm_head
+    return embeddings + n_layers * _layer_params(d_model, d_ff, False) + 2 * d_model
+
+
+# ===========================================================================
+# 10. Toy data: pinyin to hanzi (玩具数据：拼音转汉字)
+# ===========================================================================
+# A task small enough to train in seconds and hard enough to need attention:
+# many syllables are written with different characters depending on the word
+# around them (shi: 是 十 事 时 市 视 师, ji: 几 鸡 机 记 计, yi: 一 医 衣 意 已 ...),
+# so the model must read its neighbours, not map syllable to character.
+# Pinyin is toneless and lowercase, one syllable per character, ü written v.
+# A small grammar composes sentences from a lexicon; the generator checks that
+# every pinyin sentence has exactly one hanzi answer.
+
+SUBJECTS = [("wo", "我"), ("ni", "你"), ("ta", "他"), ("wo men", "我们"), ("ni men", "你们"),
+            ("ta men", "他们"), ("lao shi", "老师"), ("xue sheng", "学生"), ("yi sheng", "医生"),
+            ("ma ma", "妈妈"), ("ba ba", "爸爸"), ("wo de peng you", "我的朋友"), ("di di", "弟弟"),
+            ("jie jie", "姐姐"), ("xiao li", "小李"), ("wang lao shi", "王老师"), ("nv er", "女儿")]
+TIMES = [("jin tian", "今天"), ("ming tian", "明天"), ("zuo tian", "昨天"), ("xian zai", "现在"),
+         ("wan shang", "晚上"), ("zao shang", "早上"), ("qi dian", "七点"), ("shi dian", "十点"),
+         ("xing qi yi", "星期一"), ("xia wu", "下午")]
+ADVERBS = [("yi jing", "已经"), ("yi qi", "一起"), ("zhi", "只"), ("chang chang", "常常"),
+           ("ye", "也"), ("yi zhi", "一直"), ("ma shang", "马上"), ("dou", "都")]
+PLACES = [("zai xue xiao", "在学校"), ("zai jia li", "在家里"), ("zai gong si", "在公司"),
+          ("zai shi chang", "在市场"), ("zai ji chang", "在机场")]
+PREDICATES = [
+    ("ai xue xi", "爱学习"), ("xue xi zhong wen", "学习中文"), ("xi huan chang ge", "喜欢唱歌"),
+    ("xi huan xi gua", "喜欢西瓜"), ("xi yi fu", "洗衣服"), ("chi xi gua", "吃西瓜"),
+    ("chi ji dan", "吃鸡蛋"), ("kan shu", "看书"), ("mai shu", "买书"), ("zhong shu", "种树"),
+    ("xue shu xue", "学数学"), ("xie han zi", "写汉字"), ("qu ji chang", "去机场"),
+    ("qu shi chang", "去市场"), ("hui jia", "回家"), ("mei you shi jian", "没有时间"),
+    ("zhi dao zhe jian shi", "知道这件事"), ("jian peng you", "见朋友"), ("qi che", "骑车"),
+    ("zuo qi che", "坐汽车"), ("sheng qi", "生气"), ("qi chuang", "起床"), ("kan dian shi", "看电视"),
+    ("da dian hua", "打电话"), ("xie ri ji", "写日记"), ("ji de zhe jian shi", "记得这件事"),
+    ("ji hua lv xing", "计划旅行"), ("he lv cha", "喝绿茶"), ("mai li wu", "买礼物"),
+    ("zheng li fang jian", "整理房间"), ("hen nu li", "很努力"), ("xiu xi", "休息"),
+    ("lian xi xie zi", "练习写字"), ("shi lao shi", "是老师"), ("shi yi sheng", "是医生"),
+    ("hen you yi si", "很有意思"), ("mai yi fu", "买衣服"), ("mai zhi", "买纸"), ("chi fan", "吃饭"),
+    ("shui jiao", "睡觉"), ("shang ke", "上课"), ("kai hui", "开会"), ("zuo zuo ye", "做作业"),
+    ("mai ji ben shu", "买几本书"), ("kan yi sheng", "看医生"), ("yong dian nao", "用电脑"),
+    ("hen gao xing", "很高兴"), ("qu lv xing", "去旅行"), ("xue xi li shi", "学习历史"),
+    ("zuo shi", "做事")]
+# each slot is optional except subject and predicate: (words, probability of using the slot)
+GRAMMAR = [(SUBJECTS, 1.0), (TIMES, 0.6), (ADVERBS, 0.5), (PLACES, 0.4), (PREDICATES, 1.0)]
+
+
+def make_toy_data(n_sentences=2400, seed=0, min_chars=3, max_chars=12):
+    """n distinct (pinyin, hanzi) sentences from the grammar, the same for the same seed."""
+    rng = random.Random(seed)
+    answers = {}  # pinyin sentence -> its one hanzi answer
+    for _ in range(100 * n_sentences):
+        if len(answers) == n_sentences:
+            break
+        words = [rng.choice(slot) for slot, p in GRAMMAR if rng.random() < p]
+        pinyin, hanzi = " ".join(w[0] for w in words), "".join(w[1] for w in words)
+        if not min_chars <= len(hanzi) <= max_chars:
+            continue
+        if answers.setdefault(pinyin, hanzi) != hanzi:
+            raise ValueError(f"ambiguous toy data: {pinyin!r} is both {answers[pinyin]} and {hanzi}")
+    if len(answers) < n_sentences:
+        raise ValueError(f"the grammar gave only {len(answers)} distinct sentences, asked for {n_sentences}")
+    return sorted(answers.items())
+
+
+def split_data(pairs, held_out=0.1, seed=0):
+    """Shuffle and hold out a fraction: the held-out sentences are never trained on."""
+    pairs = list(pairs)
+    random.Random(seed).shuffle(pairs)
+    n_test = max(1, round(len(pairs) * held_out))
+    return pairs[n_test:], pairs[:n_test]
+
+
+class Vocab:
+    """Token <-> id. Ids 0-3 are the specials: pad fills batches, bos starts a target,
+    eos ends one, unk stands for a token never seen in training."""
+    PAD, BOS, EOS, UNK = 0, 1, 2, 3
+    SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+
+    def __init__(self, tokens):
+        self.itos = self.SPECIALS + sorted(set(tokens) - set(self.SPECIALS))
+        self.stoi = {tok: i for i, tok in enumerate(self.itos)}
+
+    def __len__(self):
+        return len(self.itos)
+
+    def encode(self, tokens):
+        return [self.stoi.get(tok, self.UNK) for tok in tokens]
+
+    def decode(self, ids):
+        """Ids to tokens, stopping at eos and skipping pad and bos."""
+        out = []
+        for i in ids:
+            if i == self.EOS:
+                break
+            if i not in (self.PAD, self.BOS):
+                out.append(self.itos[i])
+        return out
+
+
+def build_vocabs(pairs):
+    """Source vocabulary of syllables, target vocabulary of characters."""
+    return (Vocab(s for pinyin, _ in pairs for s in pinyin.split()),
+            Vocab(c for _, hanzi in pairs for c in hanzi))
+
+
+class PinyinDataset(torch.utils.data.Dataset):
+    """(pinyin, hanzi) pairs as id tensors: source syllables, target bos + chars + eos."""
+
+    def __init__(self, pairs, src_vocab, tgt_vocab):
+        self.pairs, self.src_vocab, self.tgt_vocab = pairs, src_vocab, tgt_vocab
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def __getitem__(self, i):
+        pinyin, hanzi = self.pairs[i]
+        src = torch.tensor(self.src_vocab.encode(pinyin.split()))                         # [S]
+        tgt = torch.tensor([Vocab.BOS] + self.tgt_vocab.encode(hanzi) + [Vocab.EOS])     # [T+2]
+        return src, tgt
+
+
+def collate(batch):
+    """Pad a list of (src, tgt) to the longest in the batch: [B, S] and [B, T+2]."""
+    srcs, tgts = zip(*batch)
+    src = nn.utils.rnn.pad_sequence(srcs, batch_first=True, padding_value=Vocab.PAD)  # [B, S]
+    tgt = nn.utils.rnn.pad_sequence(tgts, batch_first=True, padding_value=Vocab.PAD)  # [B, T+2]
+    return src, tgt
+
+
+# ===========================================================================
+# 11. Greedy decoding (贪心解码)
+# ===========================================================================
+# At inference there is no target to feed: start every sentence with bos, run
+# the decoder, append the most likely next character, repeat until eos. The
+# source is encoded once. Finished sentences keep receiving pad, which the
+# target's padding mask hides. (Comes before training, which reports held-out
+# accuracy every epoch by decoding.)
+
+@torch.no_grad()
+def greedy_decode(model, src, bos_id, eos_id, max_len):
+    """src [B, S] -> generated ids [B, <= max_len], eos included, pad after it."""
+    if bos_id == model.pad_id:
+        raise ValueError(f"bos_id ({bos_id}) must differ from the pad id: decoding would start from padding")
+    was_training = model.training
+    model.eval()
+    memory = model.encode(src)                                             # [B, S, D]
+    ys = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)  # [B, 1]
+    done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)   # [B]
+    for _ in range(max_len):
+        logits = model.decode(ys, memory, src)[:, -1]                      # [B, V]
+        next_id = logits.argmax(dim=-1).masked_fill(done, model.pad_id)    # [B]
+        ys = torch.cat([ys, next_id[:, None]], dim=1)                      # [B, t+1]
+        done |= next_id == eos_id                                          # [B]
+        if done.all():
+            break
+    model.train(was_training)
+    return ys[:, 1:]                                                       # [B, <= max_len]
+
+
+def translate(model, sentences, src_vocab, tgt_vocab, batch_size=256):
+    """Pinyin strings -> hanzi strings, decoded greedily in batches."""
+    device = next(model.parameters()).device
+    out = []
+    for i in range(0, len(sentences), batch_size):
+        chunk = [src_vocab.encode(s.split()) for s in sentences[i:i + batch_size]]
+        src = nn.utils.rnn.pad_sequence([torch.tensor(c) for c in chunk], batch_first=True,
+                                        padding_value=Vocab.PAD).to(device)  # [B, S]
+        ids = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1)  # [B, <= S+1]
+        out += ["".join(tgt_vocab.decode(row)) for row in ids.tolist()]
+    return out
+
+
+def ambiguous_syllables(pairs):
+    """Syllables written with two or more characters somewhere in the data."""
+    seen = {}
+    for pinyin, hanzi in pairs:
+        for syllable, char in zip(pinyin.split(), hanzi):
+            seen.setdefault(syllable, set()).add(char)
+    return {s for s, chars in seen.items() if len(chars) > 1}
+
+
+def evaluate(model, pairs, src_vocab, tgt_vocab, ambiguous=()):
+    """Exact-match accuracy over sentences, and accuracy on the characters whose
+    syllable is in `ambiguous` (a wrong length counts the missing ones wrong)."""
+    predictions = translate(model, [p for p, _ in pairs], src_vocab, tgt_vocab)
+    exact = sum(pred == hanzi for pred, (_, hanzi) in zip(predictions, pairs))
+    amb_right = amb_total = 0
+    for pred, (pinyin, hanzi) in zip(predictions, pairs):
+        for i, (syllable, char) in enumerate(zip(pinyin.split(), hanzi)):
+            if syllable in ambiguous:
+                amb_total += 1
+                amb_right += i < len(pred) and pred[i] == char
+    return {"accuracy": exact / len(pairs), "exact": exact, "total": len(pairs),
+            "predictions": predictions, "ambiguous_right": amb_right, "ambiguous_total": amb_total}
+
+
+# ===========================================================================
+# 12. Training (训练)
+# ===========================================================================
+# Teacher forcing: the decoder reads the target shifted right (bos + chars) and
+# predicts it shifted left (chars + eos), all positions at once, the causal mask
+# keeping each from seeing its own answer. Padding is excluded from the loss
+# (ignore_index), label smoothing keeps the model from over-trusting one
+# character, and the paper's schedule warms the learning rate up linearly, then
+# decays it as 1/sqrt(step): Adam's early updates are noisy, so they are kept small.
+
+def noam_lambda(d_model, warmup):
+    """lr multiplier at step s (from 0): d_model^-0.5 * min(s^-0.5, s * warmup^-1.5)."""
+    return lambda step: d_model ** -0.5 * min((step + 1) ** -0.5, (step + 1) * warmup ** -1.5)
+
+
+def train(model, train_pairs, test_pairs, src_vocab, tgt_vocab, epochs=12, batch_size=64,
+          lr_factor=0.25, warmup=150, label_smoothing=0.1, clip=1.0, seed=0, log=print):
+    """Train with Adam + warmup, one line per epoch; returns the held-out exact-match accuracy."""
+    torch.manual_seed(seed)
+    device = next(model.parameters()).device
+    loader = torch.utils.data.DataLoader(
+        PinyinDataset(train_pairs, src_vocab, tgt_vocab), batch_size=batch_size, shuffle=True,
+        collate_fn=collate, generator=torch.Generator().manual_seed(seed))
+    criterion = nn.CrossEntropyLoss(ignore_index=Vocab.PAD, label_smoothing=label_smoothing)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr_factor, betas=(0.9, 0.98), eps=1e-9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, noam_lambda(model.d_model, warmup))
+    start, accuracy = time.perf_counter(), 0.0
+    for epoch in range(1, epochs + 1):
+        model.train()
+        total, count = 0.0, 0
+        for src, tgt in loader:
+            src, tgt = src.to(device), tgt.to(device)                      # [B, S], [B, T+2]
+            tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]                      # [B, T+1] each
+            logits = model(src, tgt_in)                                    # [B, T+1, V]
+            loss = criterion(logits.reshape(-1, logits.size(-1)), tgt_out.reshape(-1))  # []
+            optimizer.zero_grad()
+            loss.backward()
+            # clip the gradient norm so one bad batch cannot throw the weights far
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            scheduler.step()
+            total, count = total + loss.item() * len(src), count + len(src)
+        accuracy = evaluate(model, test_pairs, src_vocab, tgt_vocab)["accuracy"]
+        log(f"epoch {epoch:2d}  loss {total / count:.3f}  held-out accuracy "
+            f"{100 * accuracy:5.1f}%  {time.perf_counter() - start:5.1f}s")
+    return accuracy
+
+
+# ===========================================================================
+# 13. The demo (演示): python transformer.py
+# ===========================================================================
+# Shapes and parameter counts first (the articles' own configuration among them),
+# then the toy model learns pinyin to hanzi and answers sentences it never saw.
+
+SEED_000_CONFIG = dict(vocab_size=50257, d_model=512, n_layers=6, n_heads=8, d_ff=2048, max_len=1024)
+# the toy model: small enough to train in seconds on two CPU cores
+TOY_CONFIG = dict(d_model=64, n_heads=4, d_ff=256, n_layers=2, dropout=0.1, max_len=64)
+# (name, model class, configuration, what the source reports)
+CLASSIC_CONFIGS = [
+    ("Transformer base (Vaswani 2017)", Transformer, dict(
+        src_vocab_size=37000, tgt_vocab_size=37000, share_embeddings=True), "65M"),
+    ("Transformer big (Vaswani 2017)", Transformer, dict(
+        src_vocab_size=37000, tgt_vocab_size=37000, d_model=1024, n_heads=16, d_ff=4096,
+        share_embeddings=True), "213M"),
+    ("GPT-2 small (Radford 2019)", DecoderOnlyTransformer, dict(
+        vocab_size=50257, d_model=768, n_layers=12, n_heads=12, d_ff=3072, max_len=1024,
+        tie_weights=True), "124M"),
+    ("seed 000 article's config", DecoderOnlyTransformer, SEED_000_CONFIG, "3000多万 (30-odd M)"),
+]
+FORMULAS = {Transformer: transformer_param_formula, DecoderOnlyTransformer: decoder_only_param_formula}
+
+
+def show_models(device):
+    """Output shapes and parameter counts, counted and by formula."""
+    torch.manual_seed(0)
+    gpt = DecoderOnlyTransformer(**SEED_000_CONFIG).to(device).eval()
+    ids = torch.randint(0, SEED_000_CONFIG["vocab_size"], (2, 10), device=device)  # [B, T]
+    with torch.no_grad():
+        logits = gpt(ids)                                                  # [B, T, V]
+    print(f"decoder-only, seed 000's config {SEED_000_CONFIG}")
+    print(f"  input [2, 10] -> output shape: {list(logits.shape)}")
+    print(f"  parameters: {count_parameters(gpt):,} counted, "
+          f"{decoder_only_param_formula(**SEED_000_CONFIG):,} by formula")
+    del gpt
+    model = Transformer(1000, 1200, d_model=128, n_heads=4, d_ff=512, n_layers=2).to(device).eval()
+    src = torch.randint(1, 1000, (2, 7), device=device)                    # [B, S]
+    tgt = torch.randint(1, 1200, (2, 5), device=device)                    # [B, T]
+    with torch.no_grad():
+        logits = model(src, tgt)                                           # [B, T, V]
+    print("encoder-decoder, vocab 1000 -> 1200, d_model 128, 4 heads, d_ff 512, 2+2 layers")
+    print(f"  src [2, 7], tgt [2, 5] -> output shape: {list(logits.shape)}")
+    print(f"  parameters: {count_parameters(model):,} counted, "
+          f"{transformer_param_formula(1000, 1200, d_model=128, d_ff=512, n_layers=2):,} by formula")
+    print("\nclassic configurations (counted on the meta device: no memory, no time)")
+    print(f"  {'model':34s} {'counted':>13s} {'formula':>13s}  reported")
+    for name, cls, cfg, reported in CLASSIC_CONFIGS:
+        with torch.device("meta"):
+            counted = count_parameters(cls(**cfg))
+        print(f"  {name:34s} {counted:13,d} {FORMULAS[cls](**cfg):13,d}  {reported}")
+    print("  base/big: the shared 37,000-token vocabulary ties source, target and output embeddings.")
+    print("  GPT-2 small: add its learned position table, 1024 x 768 = 786,432, for 124,439,808;")
+    print("  the sinusoidal encoding here has no parameters.")
+    print("  seed 000: 70M untied; even tied (lm_head = token_embedding) it is 44.6M, not 30-odd M.")
+
+
+def show_toy(device, epochs, seed):
+    """Train the toy encoder-decoder and show it answering held-out sentences."""
+    pairs = make_toy_data(seed=seed)
+    train_pairs, test_pairs = split_data(pairs, seed=seed)
+    src_vocab, tgt_vocab = build_vocabs(train_pairs)
+    torch.manual_seed(seed)
+    model = Transformer(len(src_vocab), len(tgt_vocab), **TOY_CONFIG).to(device)
+    print(f"\ntoy task: {len(pairs):,} pinyin sentences, {len(test_pairs)} held out; "
+          f"{len(src_vocab)} syllables -> {len(tgt_vocab)} characters; "
+          f"{count_parameters(model):,} parameters")
+    train(model, train_pairs, test_pairs, src_vocab, tgt_vocab, epochs=epochs, seed=seed)
+    ambiguous = ambiguous_syllables(pairs)
+    result = evaluate(model, test_pairs, src_vocab, tgt_vocab, ambiguous)
+    print(f"held-out exact-match accuracy: {100 * result['accuracy']:.1f}% "
+          f"({result['exact']}/{result['total']} sentences)")
+    print(f"held-out characters with an ambiguous syllable ({len(ambiguous)} syllables such as "
+          f"shi, ji, yi, zhi): {100 * result['ambiguous_right'] / result['ambiguous_total']:.1f}% "
+          f"({result['ambiguous_right']}/{result['ambiguous_total']})")
+    rows = list(zip(test_pairs, result["predictions"]))
+    rows.sort(key=lambda row: row[0][1] == row[1])  # the mistakes first, then correct answers
+    width = max(len(pinyin) for (pinyin, _), _ in rows[:8])
+    print(f"\n  {'pinyin (held out)':{width}s}  {'expected':24s}  predicted")
+    for (pinyin, hanzi), predicted in rows[:8]:
+        mark = "" if predicted == hanzi else "  ✗ wrong"
+        # a hanzi is two columns wide in a terminal, so pad by 24 - 2 * len
+        print(f"  {pinyin:{width}s}  {hanzi}{' ' * (24 - 2 * len(hanzi))}  {predicted}{mark}")
+    answer = translate(model, ["wo ai xue xi"], src_vocab, tgt_vocab)[0]
+    print(f"\n  wo ai xue xi -> {answer}")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line on stderr and exit status 2, no usage dump."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(text):
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def main(argv=None):
+    parser = OneLineParser(prog="transformer.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or mps")
+    parser.add_argument("--epochs", type=positive_int, default=12, help="toy training epochs (default 12)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for the data split, weights and batches")
+    args = parser.parse_args(argv)
+    try:
+        device = pick_device(args.device)
+    except ValueError as e:
+        parser.error(f"--device: {e}")
+    print(f"device: {device}, torch {torch.__version__}\n")
+    show_models(device)
+    show_toy(device, args.epochs, args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
