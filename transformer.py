@@ -18,9 +18,15 @@ pinyin to hanzi ("wo ai xue xi" -> 我爱学习), that trains in seconds on a CP
 # Attention scores are [B, H, Tq, Tk]: one row per query, one column per key.
 
 import argparse
+import contextlib
 import math
+import os
 import random
+import re
+import signal
 import sys
+import tempfile
+import threading
 import time
 
 import torch
@@ -89,9 +95,12 @@ def make_pad_mask(ids, pad_id):
     return (ids != pad_id)[:, None, None, :]                               # [B, 1, 1, S]
 
 
-def make_causal_mask(T, device=None):
-    """[1, 1, T, T]: query i may attend to keys 0..i, never to the future."""
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]  # [1, 1, T, T]
+def make_causal_mask(T, device=None, past=0):
+    """[1, 1, T, past + T]: query i may attend to keys 0..past+i, never to the future.
+    past > 0 when earlier keys come from a KV cache (section 3): the mask is then
+    aligned bottom-right, so one new query sees every cached key. (is_causal in
+    F.scaled_dot_product_attention aligns top-left: wrong for that case.)"""
+    return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(past)[None, None]  # [1, 1, T, past+T]
 
 
 def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
@@ -121,6 +130,29 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
 # self-attention (query = key = value) and cross-attention (query from the
 # decoder, key and value from the encoder: Tq and Tk differ).
 
+class KVCache:
+    """One attention module's keys and values from earlier decoding steps.
+    Generating token t, only t is new: its query attends to the cached keys and
+    values of tokens 0..t-1 plus its own, instead of recomputing them all
+    (self-attention appends every step). Cross-attention's keys and values come
+    from the fixed source, so they are computed at the first step and reused
+    (static=True)."""
+
+    def __init__(self, static=False):
+        self.static, self.k, self.v = static, None, None                   # [B, H, t, dk] once filled
+
+    def __len__(self):
+        return 0 if self.k is None else self.k.size(2)
+
+    def append(self, k, v):
+        """Add this step's keys and values; return all of them."""
+        if self.k is not None:
+            k = torch.cat([self.k, k], dim=2)                              # [B, H, t+Tq, dk]
+            v = torch.cat([self.v, v], dim=2)                              # [B, H, t+Tq, dk]
+        self.k, self.v = k, v
+        return k, v
+
+
 class MultiHeadAttention(nn.Module):
     """Project, split into heads, attend, merge heads, project."""
 
@@ -142,13 +174,19 @@ class MultiHeadAttention(nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, self.n_heads, self.dk).transpose(1, 2)         # [B, H, T, dk]
 
-    def forward(self, query, key, value, mask=None):
-        """query [B, Tq, D], key and value [B, Tk, D], mask broadcastable to [B, H, Tq, Tk]."""
+    def forward(self, query, key, value, mask=None, cache=None):
+        """query [B, Tq, D], key and value [B, Tk, D], mask broadcastable to [B, H, Tq, Tk];
+        cache: a KVCache that supplies earlier keys and values and takes the new ones."""
         B, Tq, _ = query.shape
         # 1. project, then split each of q, k, v into heads with its own length
         q = self.split_heads(self.w_q(query))                              # [B, H, Tq, dk]
-        k = self.split_heads(self.w_k(key))                                # [B, H, Tk, dk]
-        v = self.split_heads(self.w_v(value))                              # [B, H, Tk, dk]
+        if cache is not None and cache.static and len(cache):
+            k, v = cache.k, cache.v                                        # [B, H, Tk, dk] each
+        else:
+            k = self.split_heads(self.w_k(key))                            # [B, H, Tk, dk]
+            v = self.split_heads(self.w_v(value))                          # [B, H, Tk, dk]
+            if cache is not None:
+                k, v = cache.append(k, v)                                  # [B, H, past+Tk, dk] each
         # 2. attend in every head at once
         out, weights = scaled_dot_product_attention(q, k, v, mask, self.dropout)  # [B, H, Tq, dk]
         self.attn_weights = weights.detach()                               # [B, H, Tq, Tk]
@@ -232,10 +270,12 @@ class EncoderLayer(nn.Module):
         self.dropout1 = nn.Dropout(dropout)
         self.dropout2 = nn.Dropout(dropout)
 
-    def forward(self, x, mask=None):
-        """x [B, S, D]; mask [B, 1, 1, S] (padding) or [1, 1, S, S] (causal)."""
-        x = residual(x, self.norm1, lambda h: self.dropout1(self.self_attn(h, h, h, mask)), self.norm_first)  # [B, S, D]
-        return residual(x, self.norm2, lambda h: self.dropout2(self.ffn(h)), self.norm_first)  # [B, S, D]
+    def forward(self, x, mask=None, cache=None):
+        """x [B, S, D]; mask [B, 1, 1, S] (padding) or [1, 1, S, S] (causal); cache a KVCache."""
+        sa = lambda h: self.dropout1(self.self_attn(h, h, h, mask, cache))  # noqa: E731   [B, S, D]
+        ff = lambda h: self.dropout2(self.ffn(h))                           # noqa: E731   [B, S, D]
+        x = residual(x, self.norm1, sa, self.norm_first)                   # [B, S, D]
+        return residual(x, self.norm2, ff, self.norm_first)                # [B, S, D]
 
 
 class DecoderLayer(nn.Module):
@@ -254,12 +294,17 @@ class DecoderLayer(nn.Module):
         self.dropout2 = nn.Dropout(dropout)
         self.dropout3 = nn.Dropout(dropout)
 
-    def forward(self, x, memory, tgt_mask=None, memory_mask=None):
-        """x [B, T, D], memory [B, S, D]; tgt_mask [B, 1, T, T], memory_mask [B, 1, 1, S]."""
-        x = residual(x, self.norm1, lambda h: self.dropout1(self.self_attn(h, h, h, tgt_mask)), self.norm_first)  # [B, T, D]
+    def forward(self, x, memory, tgt_mask=None, memory_mask=None, cache=None):
+        """x [B, T, D], memory [B, S, D]; tgt_mask [B, 1, T, T], memory_mask [B, 1, 1, S];
+        cache: (self-attention KVCache, static cross-attention KVCache) or None."""
+        self_cache, cross_cache = cache or (None, None)
+        sa = lambda h: self.dropout1(self.self_attn(h, h, h, tgt_mask, self_cache))  # noqa: E731  [B, T, D]
         # queries from the decoder, keys and values from the encoder: [B, H, T, S] scores
-        x = residual(x, self.norm2, lambda h: self.dropout2(self.cross_attn(h, memory, memory, memory_mask)), self.norm_first)  # [B, T, D]
-        return residual(x, self.norm3, lambda h: self.dropout3(self.ffn(h)), self.norm_first)  # [B, T, D]
+        ca = lambda h: self.dropout2(self.cross_attn(h, memory, memory, memory_mask, cross_cache))  # noqa: E731  [B, T, D]
+        ff = lambda h: self.dropout3(self.ffn(h))                          # noqa: E731  [B, T, D]
+        x = residual(x, self.norm1, sa, self.norm_first)                   # [B, T, D]
+        x = residual(x, self.norm2, ca, self.norm_first)                   # [B, T, D]
+        return residual(x, self.norm3, ff, self.norm_first)                # [B, T, D]
 
 
 # ===========================================================================
@@ -299,6 +344,9 @@ class Transformer(nn.Module):
         if share_embeddings and src_vocab_size != tgt_vocab_size:
             raise ValueError(f"share_embeddings needs one vocabulary, got src_vocab_size="
                              f"{src_vocab_size} and tgt_vocab_size={tgt_vocab_size}")
+        self.config = dict(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model,
+                           n_heads=n_heads, d_ff=d_ff, n_layers=n_layers, dropout=dropout, max_len=max_len,
+                           norm_first=norm_first, share_embeddings=share_embeddings, pad_id=pad_id)  # for checkpoints
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
         self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
         self.src_embed = nn.Embedding(src_vocab_size, d_model)
@@ -331,15 +379,23 @@ class Transformer(nn.Module):
             x = layer(x, src_mask)                                         # [B, S, D]
         return self.encoder_norm(x) if self.encoder_norm else x            # [B, S, D]
 
-    def decode(self, tgt, memory, src):
-        """tgt [B, T] (starting with bos), memory [B, S, D], src [B, S] -> logits [B, T, V]."""
+    def new_cache(self):
+        """An empty KV cache for decode: per layer, self- and cross-attention."""
+        return [(KVCache(), KVCache(static=True)) for _ in self.decoder_layers]
+
+    def decode(self, tgt, memory, src, cache=None):
+        """tgt [B, T] (starting with bos), memory [B, S, D], src [B, S] -> logits [B, T, V].
+        With a cache (new_cache()), only the tokens not yet cached are run, and the
+        logits are for those positions: [B, T - past, V]."""
         check_ids("tgt", tgt, self.tgt_vocab_size, self.max_len)
+        past = len(cache[0][0]) if cache else 0                            # tokens already cached
+        new = tgt[:, past:]                                                # [B, Tn]
         # a target position sees real earlier tokens only; the source mask hides source padding
-        tgt_mask = make_pad_mask(tgt, self.pad_id) & make_causal_mask(tgt.size(1), tgt.device)  # [B, 1, T, T]
+        tgt_mask = make_pad_mask(tgt, self.pad_id) & make_causal_mask(new.size(1), tgt.device, past)  # [B, 1, Tn, T]
         memory_mask = make_pad_mask(src, self.pad_id)                      # [B, 1, 1, S]
-        x = self.embed(self.tgt_embed, tgt)                                # [B, T, D]
-        for layer in self.decoder_layers:
-            x = layer(x, memory, tgt_mask, memory_mask)                    # [B, T, D]
+        x = self.embed(self.tgt_embed, new, start=past)                    # [B, Tn, D]
+        for i, layer in enumerate(self.decoder_layers):
+            x = layer(x, memory, tgt_mask, memory_mask, cache[i] if cache else None)  # [B, Tn, D]
         x = self.decoder_norm(x) if self.decoder_norm else x               # [B, T, D]
         return self.output_proj(x)                                         # [B, T, V]
 
@@ -362,6 +418,8 @@ class DecoderOnlyTransformer(nn.Module):
     def __init__(self, vocab_size, d_model, n_layers, n_heads, d_ff, max_len=5000,
                  dropout=0.1, tie_weights=False):
         super().__init__()
+        self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                           d_ff=d_ff, max_len=max_len, dropout=dropout, tie_weights=tie_weights)  # for checkpoints
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         self.token_embedding = nn.Embedding(vocab_size, d_model)
         self.pos_encoding = PositionalEncoding(d_model, max_len, dropout)
@@ -374,27 +432,54 @@ class DecoderOnlyTransformer(nn.Module):
         if tie_weights:  # input and output embeddings share one [V, D] matrix (GPT-2 does)
             self.lm_head.weight = self.token_embedding.weight
 
-    def forward(self, input_ids):
-        """input_ids [B, T] -> logits [B, T, V]."""
+    def new_cache(self):
+        """An empty KV cache for forward: one self-attention cache per layer."""
+        return [KVCache() for _ in self.layers]
+
+    def forward(self, input_ids, cache=None):
+        """input_ids [B, T] -> logits [B, T, V]. With a cache (new_cache()), only the
+        tokens not yet cached are run: logits [B, T - past, V]."""
         check_ids("input_ids", input_ids, self.vocab_size, self.max_len)
-        x = self.token_embedding(input_ids) * math.sqrt(self.d_model)      # [B, T, D]
-        x = self.pos_encoding(x)                                           # [B, T, D]
-        mask = make_causal_mask(input_ids.size(1), input_ids.device)       # [1, 1, T, T]
-        for layer in self.layers:
-            x = layer(x, mask)                                             # [B, T, D]
-        return self.lm_head(self.final_norm(x))                            # [B, T, V]
+        past = len(cache[0]) if cache else 0                               # tokens already cached
+        new = input_ids[:, past:]                                          # [B, Tn]
+        x = self.token_embedding(new) * math.sqrt(self.d_model)            # [B, Tn, D]
+        x = self.pos_encoding(x, start=past)                               # [B, Tn, D]
+        mask = make_causal_mask(new.size(1), input_ids.device, past)       # [1, 1, Tn, T]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, mask, cache[i] if cache else None)                # [B, Tn, D]
+        return self.lm_head(self.final_norm(x))                            # [B, Tn, V]
 
     @torch.no_grad()
-    def generate(self, input_ids, max_new_tokens):
-        """Greedy continuation: append the most likely next token max_new_tokens times."""
+    def generate(self, input_ids, max_new_tokens, temperature=0.0, top_k=None, generator=None,
+                 use_cache=True):
+        """Append max_new_tokens tokens: the most likely one when temperature is 0, else
+        sampled from softmax(logits / temperature), over the top_k most likely if given
+        (a torch.Generator makes sampling reproducible). The cache changes the speed, not
+        the tokens."""
         check_ids("input_ids", input_ids, self.vocab_size, self.max_len)
         if input_ids.size(1) + max_new_tokens > self.max_len:
             raise ValueError(f"prompt length {input_ids.size(1)} + max_new_tokens {max_new_tokens}"
                              f" exceeds max_len={self.max_len}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be a positive number of tokens or None, got {top_k}")
+        was_training = self.training
+        self.eval()
+        cache = self.new_cache() if use_cache else None
         for _ in range(max_new_tokens):
-            logits = self(input_ids)[:, -1]                                # [B, V]
-            next_id = logits.argmax(dim=-1, keepdim=True)                  # [B, 1]
+            logits = self(input_ids, cache)[:, -1]                         # [B, V]
+            if temperature == 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)              # [B, 1]
+            else:
+                logits = logits / temperature                              # [B, V]
+                if top_k is not None:
+                    kth = logits.topk(min(top_k, logits.size(-1))).values[:, -1:]  # [B, 1]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))  # [B, V]
+                probs = logits.softmax(dim=-1)                             # [B, V]
+                next_id = torch.multinomial(probs, 1, generator=generator)  # [B, 1]
             input_ids = torch.cat([input_ids, next_id], dim=1)             # [B, T+1]
+        self.train(was_training)
         return input_ids                                                   # [B, T + max_new_tokens]
 
 
@@ -535,7 +620,8 @@ def build_vocabs(pairs):
 
 
 class PinyinDataset(torch.utils.data.Dataset):
-    """(pinyin, hanzi) pairs as id tensors: source syllables, target bos + chars + eos."""
+    """Each item is the model's inputs, then the target: source syllable ids,
+    target in (bos + chars), target out (chars + eos)."""
 
     def __init__(self, pairs, src_vocab, tgt_vocab):
         self.pairs, self.src_vocab, self.tgt_vocab = pairs, src_vocab, tgt_vocab
@@ -547,15 +633,15 @@ class PinyinDataset(torch.utils.data.Dataset):
         pinyin, hanzi = self.pairs[i]
         src = torch.tensor(self.src_vocab.encode(pinyin.split()))                         # [S]
         tgt = torch.tensor([Vocab.BOS] + self.tgt_vocab.encode(hanzi) + [Vocab.EOS])     # [T+2]
-        return src, tgt
+        # teacher forcing: read the target shifted right, predict it shifted left
+        return src, tgt[:-1], tgt[1:]                                      # [S], [T+1], [T+1]
 
 
 def collate(batch):
-    """Pad a list of (src, tgt) to the longest in the batch: [B, S] and [B, T+2]."""
-    srcs, tgts = zip(*batch)
-    src = nn.utils.rnn.pad_sequence(srcs, batch_first=True, padding_value=Vocab.PAD)  # [B, S]
-    tgt = nn.utils.rnn.pad_sequence(tgts, batch_first=True, padding_value=Vocab.PAD)  # [B, T+2]
-    return src, tgt
+    """Pad every field of a list of items to the longest in the batch:
+    (src, tgt_in, tgt_out) items give [B, S], [B, T+1], [B, T+1]."""
+    return tuple(nn.utils.rnn.pad_sequence(field, batch_first=True, padding_value=Vocab.PAD)
+                 for field in zip(*batch))                                 # [B, longest] each
 
 
 # ===========================================================================
@@ -564,12 +650,14 @@ def collate(batch):
 # At inference there is no target to feed: start every sentence with bos, run
 # the decoder, append the most likely next character, repeat until eos. The
 # source is encoded once. Finished sentences keep receiving pad, which the
-# target's padding mask hides. (Comes before training, which reports held-out
-# accuracy every epoch by decoding.)
+# target's padding mask hides. With the KV cache of section 3 each step runs the
+# newest token only. (Comes before training, which reports held-out accuracy
+# every epoch by decoding.)
 
 @torch.no_grad()
-def greedy_decode(model, src, bos_id, eos_id, max_len):
-    """src [B, S] -> generated ids [B, <= max_len], eos included, pad after it."""
+def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True):
+    """src [B, S] -> generated ids [B, <= max_len], eos included, pad after it.
+    use_cache changes the work per step, not the tokens."""
     if bos_id == model.pad_id:
         raise ValueError(f"bos_id ({bos_id}) must differ from the pad id: decoding would start from padding")
     was_training = model.training
@@ -577,8 +665,9 @@ def greedy_decode(model, src, bos_id, eos_id, max_len):
     memory = model.encode(src)                                             # [B, S, D]
     ys = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)  # [B, 1]
     done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)   # [B]
+    cache = model.new_cache() if use_cache else None
     for _ in range(max_len):
-        logits = model.decode(ys, memory, src)[:, -1]                      # [B, V]
+        logits = model.decode(ys, memory, src, cache)[:, -1]               # [B, V]
         next_id = logits.argmax(dim=-1).masked_fill(done, model.pad_id)    # [B]
         ys = torch.cat([ys, next_id[:, None]], dim=1)                      # [B, t+1]
         done |= next_id == eos_id                                          # [B]
@@ -593,11 +682,11 @@ def translate(model, sentences, src_vocab, tgt_vocab, batch_size=256):
     device = next(model.parameters()).device
     out = []
     for i in range(0, len(sentences), batch_size):
-        chunk = [src_vocab.encode(s.split()) for s in sentences[i:i + batch_size]]
-        src = nn.utils.rnn.pad_sequence([torch.tensor(c) for c in chunk], batch_first=True,
-                                        padding_value=Vocab.PAD).to(device)  # [B, S]
-        ids = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1)  # [B, <= S+1]
-        out += ["".join(tgt_vocab.decode(row)) for row in ids.tolist()]
+        ids = [torch.tensor(src_vocab.encode(s.split()), dtype=torch.long) for s in sentences[i:i + batch_size]]  # B x [S_i]
+        src = nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=Vocab.PAD).to(device)  # [B, S]
+        # one character per syllable, so S + 1 steps always leave room for eos
+        generated = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1)  # [B, <= S+1]
+        out += ["".join(tgt_vocab.decode(row)) for row in generated.tolist()]
     return out
 
 
@@ -610,10 +699,11 @@ def ambiguous_syllables(pairs):
     return {s for s, chars in seen.items() if len(chars) > 1}
 
 
-def evaluate(model, pairs, src_vocab, tgt_vocab, ambiguous=()):
-    """Exact-match accuracy over sentences, and accuracy on the characters whose
-    syllable is in `ambiguous` (a wrong length counts the missing ones wrong)."""
-    predictions = translate(model, [p for p, _ in pairs], src_vocab, tgt_vocab)
+def evaluate(translate_fn, pairs, ambiguous=()):
+    """Exact-match accuracy of translate_fn (pinyin list -> hanzi list) over the
+    sentences, and accuracy on the characters whose syllable is in `ambiguous`
+    (a prediction of the wrong length counts its missing characters wrong)."""
+    predictions = translate_fn([pinyin for pinyin, _ in pairs])
     exact = sum(pred == hanzi for pred, (_, hanzi) in zip(predictions, pairs))
     amb_right = amb_total = 0
     for pred, (pinyin, hanzi) in zip(predictions, pairs):
@@ -628,60 +718,293 @@ def evaluate(model, pairs, src_vocab, tgt_vocab, ambiguous=()):
 # ===========================================================================
 # 12. Training (训练)
 # ===========================================================================
-# Teacher forcing: the decoder reads the target shifted right (bos + chars) and
-# predicts it shifted left (chars + eos), all positions at once, the causal mask
-# keeping each from seeing its own answer. Padding is excluded from the loss
-# (ignore_index), label smoothing keeps the model from over-trusting one
-# character, and the paper's schedule warms the learning rate up linearly, then
-# decays it as 1/sqrt(step): Adam's early updates are noisy, so they are kept small.
+# Teacher forcing: the model reads whole target sequences at once and predicts
+# every next token, the causal mask keeping each position from its own answer.
+# Padding is excluded from the loss (ignore_index), label smoothing keeps the
+# model from over-trusting one character, and the paper's schedule warms the
+# learning rate up linearly, then decays it as 1/sqrt(step): Adam's first
+# updates are noisy, so they are kept small. Ctrl-C stops after the current
+# step and returns what was learned so far.
 
 def noam_lambda(d_model, warmup):
-    """lr multiplier at step s (from 0): d_model^-0.5 * min(s^-0.5, s * warmup^-1.5)."""
+    """lr multiplier after `step` scheduler steps, with s = step + 1 (so it is never
+    0): d_model^-0.5 * min(s^-0.5, s * warmup^-1.5), the peak at s = warmup."""
     return lambda step: d_model ** -0.5 * min((step + 1) ** -0.5, (step + 1) * warmup ** -1.5)
 
 
-def train(model, train_pairs, test_pairs, src_vocab, tgt_vocab, epochs=12, batch_size=64,
-          lr_factor=0.25, warmup=150, label_smoothing=0.1, clip=1.0, seed=0, log=print):
-    """Train with Adam + warmup, one line per epoch; returns the held-out exact-match accuracy."""
+@contextlib.contextmanager
+def stop_on_ctrl_c():
+    """Within the block, Ctrl-C (SIGINT) only appends to the yielded list, which the
+    training loop reads between steps, so no step is cut in half; a second Ctrl-C
+    interrupts at once, as usual. Signals reach only the main thread: elsewhere
+    the list stays empty."""
+    stop = []
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handle(signum, frame):
+        stop.append(signum)
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, handle)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def train(model, dataset, evaluate_fn, epochs=12, batch_size=64, lr_factor=0.25, warmup=150,
+          label_smoothing=0.1, clip=1.0, seed=0, log=print):
+    """Train on dataset items (model inputs..., target) with Adam and warmup; log one
+    line per epoch with evaluate_fn()'s held-out accuracy. Returns the last epoch's
+    mean loss, the accuracy, the seconds taken and whether Ctrl-C stopped it."""
     torch.manual_seed(seed)
     device = next(model.parameters()).device
-    loader = torch.utils.data.DataLoader(
-        PinyinDataset(train_pairs, src_vocab, tgt_vocab), batch_size=batch_size, shuffle=True,
-        collate_fn=collate, generator=torch.Generator().manual_seed(seed))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collate,
+                                         generator=torch.Generator().manual_seed(seed))
     criterion = nn.CrossEntropyLoss(ignore_index=Vocab.PAD, label_smoothing=label_smoothing)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr_factor, betas=(0.9, 0.98), eps=1e-9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, noam_lambda(model.d_model, warmup))
-    start, accuracy = time.perf_counter(), 0.0
-    for epoch in range(1, epochs + 1):
-        model.train()
-        total, count = 0.0, 0
-        for src, tgt in loader:
-            src, tgt = src.to(device), tgt.to(device)                      # [B, S], [B, T+2]
-            tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]                      # [B, T+1] each
-            logits = model(src, tgt_in)                                    # [B, T+1, V]
-            loss = criterion(logits.reshape(-1, logits.size(-1)), tgt_out.reshape(-1))  # []
-            optimizer.zero_grad()
-            loss.backward()
-            # clip the gradient norm so one bad batch cannot throw the weights far
-            nn.utils.clip_grad_norm_(model.parameters(), clip)
-            optimizer.step()
-            scheduler.step()
-            total, count = total + loss.item() * len(src), count + len(src)
-        accuracy = evaluate(model, test_pairs, src_vocab, tgt_vocab)["accuracy"]
-        log(f"epoch {epoch:2d}  loss {total / count:.3f}  held-out accuracy "
-            f"{100 * accuracy:5.1f}%  {time.perf_counter() - start:5.1f}s")
-    return accuracy
+    start, loss_sum, count, accuracy = time.perf_counter(), 0.0, 0, 0.0
+    with stop_on_ctrl_c() as stop:
+        for epoch in range(1, epochs + 1):
+            model.train()
+            loss_sum, count = 0.0, 0
+            for batch in loader:
+                *inputs, target = [t.to(device) for t in batch]            # [B, S], [B, T], [B, T]
+                logits = model(*inputs)                                    # [B, T, V]
+                loss = criterion(logits.reshape(-1, logits.size(-1)), target.reshape(-1))  # []
+                optimizer.zero_grad()
+                loss.backward()
+                # clip the gradient norm so one bad batch cannot throw the weights far
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+                scheduler.step()
+                loss_sum, count = loss_sum + loss.item(), count + 1
+                if stop:
+                    break
+            accuracy = evaluate_fn()
+            log(f"epoch {epoch:2d}  loss {loss_sum / max(count, 1):.3f}  held-out accuracy "
+                f"{100 * accuracy:5.1f}%  {time.perf_counter() - start:5.1f}s")
+            if stop:
+                log(f"interrupted (Ctrl-C): stopped after step {scheduler.last_epoch}")
+                break
+    return {"loss": loss_sum / max(count, 1), "accuracy": accuracy,
+            "seconds": time.perf_counter() - start, "interrupted": bool(stop)}
 
 
 # ===========================================================================
-# 13. The demo (演示): python transformer.py
+# Part II: using the trained model (第二部分：用起来)
 # ===========================================================================
-# Shapes and parameter counts first (the articles' own configuration among them),
-# then the toy model learns pinyin to hanzi and answers sentences it never saw.
+
+# ===========================================================================
+# 13. The KV cache, measured (键值缓存)
+# ===========================================================================
+# Without a cache, generating token t reruns the whole prefix: t tokens through
+# every layer, so n tokens cost about n^2 / 2 token-passes. With the KVCache of
+# section 3 each step runs one token and reads the earlier keys and values:
+# n token-passes, plus attention over a growing cache. Same tokens, less work.
+
+def time_generation(model, prompt, max_new_tokens):
+    """Seconds to generate with and without the cache, and whether the tokens agree."""
+    seconds, tokens = {}, {}
+    for use_cache in (True, False):
+        start = time.perf_counter()
+        tokens[use_cache] = model.generate(prompt, max_new_tokens, use_cache=use_cache)  # [B, T+n]
+        seconds[use_cache] = time.perf_counter() - start
+    return seconds[True], seconds[False], torch.equal(tokens[True], tokens[False])
+
+
+# ===========================================================================
+# 14. A GPT on the same task (生成式模型)
+# ===========================================================================
+# The decoder-only model has no encoder to read the pinyin, so the pinyin goes
+# in front as a prompt: "wo ai xue xi <sep> 我 爱 学 习 <eos>", one sequence.
+# It learns to continue after <sep>; the prompt itself is given, not predicted,
+# so its positions are left out of the loss (target = pad, ignore_index).
+
+SEP = "<sep>"
+
+
+def build_gpt_vocab(pairs):
+    """One vocabulary for the whole sequence: syllables, characters and <sep>."""
+    src_vocab, tgt_vocab = build_vocabs(pairs)
+    return Vocab(src_vocab.itos + tgt_vocab.itos + [SEP])
+
+
+class PromptDataset(torch.utils.data.Dataset):
+    """Items (input ids, target): pinyin <sep> hanzi <eos> shifted by one, the
+    target padded over the prompt so that only the hanzi part is learned."""
+
+    def __init__(self, pairs, vocab):
+        self.pairs, self.vocab = pairs, vocab
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def __getitem__(self, i):
+        pinyin, hanzi = self.pairs[i]
+        prompt = self.vocab.encode(pinyin.split() + [SEP])
+        ids = torch.tensor(prompt + self.vocab.encode(hanzi) + [Vocab.EOS])  # [L]
+        target = ids[1:].clone()                                           # [L-1]
+        target[:len(prompt) - 1] = Vocab.PAD  # positions that would predict the prompt
+        return ids[:-1], target                                            # [L-1], [L-1]
+
+
+def gpt_translate(model, sentences, vocab):
+    """Pinyin strings -> hanzi, by greedy generation after the prompt. Sentences of
+    one length share a batch, so no prompt needs padding."""
+    device = next(model.parameters()).device
+    by_length, out = {}, [""] * len(sentences)
+    for i, sentence in enumerate(sentences):
+        by_length.setdefault(len(sentence.split()), []).append(i)
+    for n, rows in by_length.items():
+        prompt = torch.tensor([vocab.encode(sentences[i].split() + [SEP]) for i in rows], device=device)  # [B, n+1]
+        ids = model.generate(prompt, max_new_tokens=n + 1)                 # [B, 2n+2]
+        for i, answer in zip(rows, ids[:, n + 1:].tolist()):
+            out[i] = "".join(vocab.decode(answer))
+    return out
+
+
+# ===========================================================================
+# 15. Attention heatmap (注意力热力图)
+# ===========================================================================
+# Which syllables did each character read? The last decoder layer's
+# cross-attention weights [H, T, S], averaged over heads or for one head, drawn
+# as shades in the terminal: no plotting library needed.
+
+SHADES = " ░▒▓█"
+
+
+def render_heatmap(weights, col_labels, row_labels):
+    """weights [rows, cols] in [0, 1] -> a text grid, one shade per cell, with a legend."""
+    widths = [max(2, len(label)) for label in col_labels]
+    # a hanzi is two columns wide in a terminal: pad row labels to four columns
+    pad = lambda label: label + " " * (4 - sum(1 if c.isascii() else 2 for c in label))  # noqa: E731
+    lines = [pad("") + " ".join(label.ljust(w) for label, w in zip(col_labels, widths))]
+    for label, row in zip(row_labels, weights.tolist()):
+        cells = [SHADES[min(int(w * len(SHADES)), len(SHADES) - 1)] * width for w, width in zip(row, widths)]
+        lines.append(pad(label) + " ".join(cells))
+    step = 1 / len(SHADES)
+    lines.append("legend: " + "  ".join(f"'{s}' {i * step:.1f}-{(i + 1) * step:.1f}" for i, s in enumerate(SHADES)))
+    return "\n".join(lines)
+
+
+@torch.no_grad()
+def cross_attention_map(model, src, out, head=None):
+    """src [1, S] and the decoded out [1, T] -> the last decoder layer's
+    cross-attention [T, S]: row t is what the query predicting out[t] read."""
+    model.eval()
+    tgt = torch.cat([torch.full_like(out[:, :1], Vocab.BOS), out[:, :-1]], dim=1)  # [1, T]
+    model.decode(tgt, model.encode(src), src)                              # [1, T, V]
+    weights = model.decoder_layers[-1].cross_attn.attn_weights[0]          # [H, T, S]
+    return weights.mean(dim=0) if head is None else weights[head]          # [T, S]
+
+
+# ===========================================================================
+# 16. Your own data (自己的数据)
+# ===========================================================================
+# --data FILE.tsv trains on your pairs instead of the generated ones: UTF-8,
+# one "pinyin<TAB>hanzi" a line, one syllable per character, blank lines and
+# # comments skipped. A line that does not fit is reported as FILE:LINE.
+
+def read_pairs(path):
+    """(pinyin, hanzi) pairs from a TSV file; the first answer wins for a repeated
+    pinyin. Raises ValueError naming the file and line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    pairs = {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        where = f"{path}:{number}:"
+        fields = line.split("\t")
+        if len(fields) != 2:
+            raise ValueError(f"{where} expected 'pinyin<TAB>hanzi', found {len(fields)} tab-separated fields")
+        syllables, hanzi = fields[0].split(), fields[1].strip()
+        if not syllables or not hanzi:
+            raise ValueError(f"{where} empty {'pinyin' if not syllables else 'hanzi'}")
+        bad = next((s for s in syllables if not re.fullmatch("[a-z]+", s)), None)
+        if bad:
+            raise ValueError(f"{where} syllable {bad!r} is not toneless lowercase pinyin (a-z, ü written v)")
+        if len(syllables) != len(hanzi):
+            raise ValueError(f"{where} {len(syllables)} syllables but {len(hanzi)} characters {hanzi!r};"
+                             f" expected one syllable per character")
+        pairs.setdefault(" ".join(syllables), hanzi)
+    if len(pairs) < 2:
+        raise ValueError(f"{path}: found {len(pairs)} pinyin<TAB>hanzi lines, need at least 2")
+    return sorted(pairs.items())
+
+
+# ===========================================================================
+# 17. Saving and loading (保存与加载)
+# ===========================================================================
+# A checkpoint is data: the configuration, the weights and both vocabularies,
+# plain dicts, lists and tensors that torch.load(weights_only=True) reads
+# without running any pickled code. It is written to a temporary file in the
+# same folder, then renamed over the target in one step: an interrupted save
+# leaves the previous file as it was.
+
+CHECKPOINT_FORMAT = "transformer.py checkpoint v1"
+MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer}
+
+
+def save_checkpoint(path, kind, model, src_vocab, tgt_vocab):
+    checkpoint = {"format": CHECKPOINT_FORMAT, "kind": kind, "config": model.config,
+                  "state_dict": model.state_dict(), "src_vocab": src_vocab.itos, "tgt_vocab": tgt_vocab.itos}
+    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic on POSIX and Windows
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def load_checkpoint(path, device="cpu"):
+    """-> (kind, model in eval mode, src_vocab, tgt_vocab); ValueError for a missing,
+    truncated or foreign file."""
+    try:
+        checkpoint = torch.load(path, map_location=device, weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except Exception as e:  # truncated, not a torch file, or objects weights_only refuses
+        raise ValueError(f"{path}: not a readable checkpoint ({type(e).__name__})") from None
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path}: not a transformer.py checkpoint")
+    try:
+        model = MODEL_CLASSES[checkpoint["kind"]](**checkpoint["config"]).to(device)
+        model.load_state_dict(checkpoint["state_dict"])
+    except (KeyError, TypeError, RuntimeError) as e:
+        raise ValueError(f"{path}: damaged checkpoint ({type(e).__name__})") from None
+    return checkpoint["kind"], model.eval(), Vocab(checkpoint["src_vocab"]), Vocab(checkpoint["tgt_vocab"])
+
+
+def translator(kind, model, src_vocab, tgt_vocab):
+    """The one function that answers pinyin with hanzi, whichever model it is."""
+    if kind == "gpt":
+        return lambda sentences: gpt_translate(model, sentences, tgt_vocab)
+    return lambda sentences: translate(model, sentences, src_vocab, tgt_vocab)
+
+
+# ===========================================================================
+# 18. The demo and the command line (演示与命令行): python transformer.py
+# ===========================================================================
+# Shapes and parameter counts first (the articles' own configuration among
+# them) and the cache measured; then both toy models learn pinyin to hanzi,
+# answer sentences they never saw, and the encoder-decoder shows where it looked.
 
 SEED_000_CONFIG = dict(vocab_size=50257, d_model=512, n_layers=6, n_heads=8, d_ff=2048, max_len=1024)
-# the toy model: small enough to train in seconds on two CPU cores
-TOY_CONFIG = dict(d_model=64, n_heads=4, d_ff=256, n_layers=2, dropout=0.1, max_len=64)
 # (name, model class, configuration, what the source reports)
 CLASSIC_CONFIGS = [
     ("Transformer base (Vaswani 2017)", Transformer, dict(
@@ -695,10 +1018,17 @@ CLASSIC_CONFIGS = [
     ("seed 000 article's config", DecoderOnlyTransformer, SEED_000_CONFIG, "3000多万 (30-odd M)"),
 ]
 FORMULAS = {Transformer: transformer_param_formula, DecoderOnlyTransformer: decoder_only_param_formula}
+# the toy models, small enough to train in seconds on two CPU cores
+TOY_MODELS = {
+    "encdec": dict(name="encoder-decoder", epochs=12, lr_factor=0.25,
+                   config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=2, dropout=0.1)),
+    "gpt": dict(name="decoder-only (GPT)", epochs=12, lr_factor=0.35,
+                config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=3, dropout=0.0)),
+}
 
 
 def show_models(device):
-    """Output shapes and parameter counts, counted and by formula."""
+    """Output shapes, parameter counts (counted and by formula) and the cache's speedup."""
     torch.manual_seed(0)
     gpt = DecoderOnlyTransformer(**SEED_000_CONFIG).to(device).eval()
     ids = torch.randint(0, SEED_000_CONFIG["vocab_size"], (2, 10), device=device)  # [B, T]
@@ -728,36 +1058,86 @@ def show_models(device):
     print("  GPT-2 small: add its learned position table, 1024 x 768 = 786,432, for 124,439,808;")
     print("  the sinusoidal encoding here has no parameters.")
     print("  seed 000: 70M untied; even tied (lm_head = token_embedding) it is 44.6M, not 30-odd M.")
+    torch.manual_seed(0)
+    gpt = DecoderOnlyTransformer(1000, 512, 2, 8, 2048, max_len=512).to(device).eval()
+    prompt = torch.randint(0, 1000, (1, 8), device=device)                 # [B, T]
+    with_cache, without, same = time_generation(gpt, prompt, 256)
+    print(f"\nKV cache: decoder-only (d_model 512, 8 heads, d_ff 2048, 2 layers, vocab 1000), "
+          f"prompt 8, 256 new tokens:\n  with cache {with_cache:.2f} s, without {without:.2f} s "
+          f"({without / with_cache:.1f}x), same tokens: {'yes' if same else 'NO'}")
 
 
-def show_toy(device, epochs, seed):
-    """Train the toy encoder-decoder and show it answering held-out sentences."""
-    pairs = make_toy_data(seed=seed)
-    train_pairs, test_pairs = split_data(pairs, seed=seed)
-    src_vocab, tgt_vocab = build_vocabs(train_pairs)
+def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed):
+    """Build one toy model for the data, train it; -> (model, src_vocab, tgt_vocab, result)."""
+    spec = TOY_MODELS[kind]
+    # room for the longest sentence twice (a GPT sequence holds pinyin and hanzi) + <sep> + <eos>
+    max_len = 2 * max(len(pinyin.split()) for pinyin, _ in train_pairs + test_pairs) + 2
     torch.manual_seed(seed)
-    model = Transformer(len(src_vocab), len(tgt_vocab), **TOY_CONFIG).to(device)
-    print(f"\ntoy task: {len(pairs):,} pinyin sentences, {len(test_pairs)} held out; "
-          f"{len(src_vocab)} syllables -> {len(tgt_vocab)} characters; "
-          f"{count_parameters(model):,} parameters")
-    train(model, train_pairs, test_pairs, src_vocab, tgt_vocab, epochs=epochs, seed=seed)
-    ambiguous = ambiguous_syllables(pairs)
-    result = evaluate(model, test_pairs, src_vocab, tgt_vocab, ambiguous)
+    if kind == "encdec":
+        src_vocab, tgt_vocab = build_vocabs(train_pairs)
+        model = Transformer(len(src_vocab), len(tgt_vocab), max_len=max_len, **spec["config"])
+        dataset = PinyinDataset(train_pairs, src_vocab, tgt_vocab)
+    else:
+        src_vocab = tgt_vocab = build_gpt_vocab(train_pairs)
+        model = DecoderOnlyTransformer(len(tgt_vocab), max_len=max_len, **spec["config"])
+        dataset = PromptDataset(train_pairs, tgt_vocab)
+    model.to(device)
+    answer = translator(kind, model, src_vocab, tgt_vocab)
+    print(f"\n{spec['name']}: {count_parameters(model):,} parameters, {spec['config']}")
+    result = train(model, dataset, lambda: evaluate(answer, test_pairs)["accuracy"],
+                   epochs=epochs or spec["epochs"], lr_factor=spec["lr_factor"], seed=seed)
+    return model, src_vocab, tgt_vocab, result
+
+
+def report(answer, test_pairs, ambiguous, n_examples=6):
+    """Held-out accuracy, on all sentences and on ambiguous syllables, and examples."""
+    result = evaluate(answer, test_pairs, ambiguous)
     print(f"held-out exact-match accuracy: {100 * result['accuracy']:.1f}% "
           f"({result['exact']}/{result['total']} sentences)")
-    print(f"held-out characters with an ambiguous syllable ({len(ambiguous)} syllables such as "
-          f"shi, ji, yi, zhi): {100 * result['ambiguous_right'] / result['ambiguous_total']:.1f}% "
-          f"({result['ambiguous_right']}/{result['ambiguous_total']})")
-    rows = list(zip(test_pairs, result["predictions"]))
-    rows.sort(key=lambda row: row[0][1] == row[1])  # the mistakes first, then correct answers
-    width = max(len(pinyin) for (pinyin, _), _ in rows[:8])
-    print(f"\n  {'pinyin (held out)':{width}s}  {'expected':24s}  predicted")
-    for (pinyin, hanzi), predicted in rows[:8]:
+    if result["ambiguous_total"]:
+        print(f"held-out characters with an ambiguous syllable ({len(ambiguous)} syllables such as "
+              f"{', '.join(sorted(ambiguous)[:4])}): "
+              f"{100 * result['ambiguous_right'] / result['ambiguous_total']:.1f}% "
+              f"({result['ambiguous_right']}/{result['ambiguous_total']})")
+    rows = sorted(zip(test_pairs, result["predictions"]), key=lambda row: row[0][1] == row[1])[:n_examples]
+    width = max(len(pinyin) for (pinyin, _), _ in rows)  # the mistakes first, then correct answers
+    print(f"  {'pinyin (held out)':{width}s}  {'expected':24s}  predicted")
+    for (pinyin, hanzi), predicted in rows:
         mark = "" if predicted == hanzi else "  ✗ wrong"
         # a hanzi is two columns wide in a terminal, so pad by 24 - 2 * len
-        print(f"  {pinyin:{width}s}  {hanzi}{' ' * (24 - 2 * len(hanzi))}  {predicted}{mark}")
-    answer = translate(model, ["wo ai xue xi"], src_vocab, tgt_vocab)[0]
-    print(f"\n  wo ai xue xi -> {answer}")
+        print(f"  {pinyin:{width}s}  {hanzi}{' ' * max(0, 24 - 2 * len(hanzi))}  {predicted}{mark}")
+    return result
+
+
+def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head):
+    """Cross-attention of the held-out sentence with the most ambiguous syllables."""
+    pinyin, _ = max((p for p in test_pairs if len(p[0].split()) <= 8),
+                    key=lambda p: sum(s in ambiguous for s in p[0].split()), default=test_pairs[0])
+    device = next(model.parameters()).device
+    src = torch.tensor([src_vocab.encode(pinyin.split())], device=device)  # [1, S]
+    out = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1)  # [1, <= S+1]
+    chars = tgt_vocab.decode(out[0].tolist())
+    weights = cross_attention_map(model, src, out[:, :max(1, len(chars))], head)  # [T, S]
+    which = "averaged over heads" if head is None else f"head {head}"
+    print(f"\ncross-attention of the last decoder layer, {which}: {pinyin} -> {''.join(chars)}")
+    print(render_heatmap(weights, pinyin.split(), chars))
+
+
+def answer_lines(answer, src_vocab, max_len, lines):
+    """Print one hanzi line per pinyin line; a line the model cannot take gets one
+    error line on stderr and the rest still answer. -> exit status."""
+    status, longest = 0, (max_len - 2) // 2
+    for line in lines:
+        syllables = line.split()
+        unknown = next((s for s in syllables if not (re.fullmatch("[a-z]+", s) and s in src_vocab.stoi)), None)
+        if unknown or len(syllables) > longest:
+            problem = (f"unknown syllable {unknown!r}" if unknown else
+                       f"{len(syllables)} syllables, this model takes at most {longest}")
+            print(f"transformer.py: error: {problem} in {line.strip()!r}", file=sys.stderr)
+            status = 2
+            continue
+        print(answer([" ".join(syllables)])[0] if syllables else "", flush=True)
+    return status
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -767,26 +1147,85 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def positive_int(text):
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
+def int_at_least(low):
+    """An argparse type: an integer >= low (seeds stay below 2^63, torch's limit)."""
+    def parse(text):
+        value = int(text) if re.fullmatch(r"-?\d+", text) else None
+        if value is None or not low <= value < 2 ** 63:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return value
+    return parse
 
 
 def main(argv=None):
     parser = OneLineParser(prog="transformer.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or mps")
-    parser.add_argument("--epochs", type=positive_int, default=12, help="toy training epochs (default 12)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the data split, weights and batches")
+    parser.add_argument("--epochs", type=int_at_least(1), help="training epochs (default: 12 for each model)")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed for the data, split, weights, batches")
+    parser.add_argument("--model", choices=["encdec", "gpt", "both"], default="both",
+                        help="which toy model to train (default both; --save and --translate use the first)")
+    parser.add_argument("--data", metavar="FILE.tsv", help="train on your own pinyin<TAB>hanzi lines")
+    parser.add_argument("--save", metavar="PATH", help="after training, save the model and its vocabularies")
+    parser.add_argument("--load", metavar="PATH", help="load a saved model instead of training")
+    parser.add_argument("--translate", metavar="PINYIN", help="answer this pinyin sentence ('-': one per stdin line)")
+    parser.add_argument("--head", type=int_at_least(0), help="draw this head's attention in the heatmap, not the mean")
     args = parser.parse_args(argv)
     try:
         device = pick_device(args.device)
+        pairs = read_pairs(args.data) if args.data else None
+        loaded = load_checkpoint(args.load, device) if args.load else None
     except ValueError as e:
-        parser.error(f"--device: {e}")
-    print(f"device: {device}, torch {torch.__version__}\n")
-    show_models(device)
-    show_toy(device, args.epochs, args.seed)
-    return 0
+        parser.error(str(e))
+    n_heads = loaded[1].config["n_heads"] if loaded else TOY_MODELS["encdec"]["config"]["n_heads"]
+    if args.head is not None and args.head >= n_heads:
+        parser.error(f"--head {args.head}: the model has heads 0 to {n_heads - 1}")
+    if args.translate is None:
+        print(f"device: {device}, torch {torch.__version__}\n")
+        if not (loaded or args.data):
+            show_models(device)
+    pairs = pairs or make_toy_data(seed=args.seed)
+    train_pairs, test_pairs = split_data(pairs, seed=args.seed)
+    ambiguous = ambiguous_syllables(pairs)
+    if loaded:
+        kinds = [loaded[0]]
+        if args.translate is None:
+            print(f"loaded {args.load}; 'held out' below is the split of --seed {args.seed}: unseen "
+                  f"only if the model was trained with that seed and data")
+    else:
+        kinds = ["encdec", "gpt"] if args.model == "both" else [args.model]
+        print(f"\ntoy task: {len(pairs):,} pinyin sentences, {len(test_pairs):,} held out, "
+              f"{len(ambiguous)} syllables with two or more characters")
+    results = {}
+    for kind in kinds:
+        if loaded:
+            model, src_vocab, tgt_vocab, result = *loaded[1:], {}
+        else:
+            model, src_vocab, tgt_vocab, result = train_toy_model(
+                kind, train_pairs, test_pairs, device, args.epochs, args.seed)
+        if args.translate is None:
+            result.update(report(translator(kind, model, src_vocab, tgt_vocab), test_pairs, ambiguous))
+            if kind == "encdec":
+                show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, args.head)
+        results[kind] = (model, src_vocab, tgt_vocab, result)
+        if result.get("interrupted"):
+            break
+    if len(results) > 1 and args.translate is None:
+        print(f"\n  {'model':20s} {'parameters':>10s} {'train s':>8s}  held-out exact match")
+        for kind, (model, _, _, r) in results.items():
+            print(f"  {TOY_MODELS[kind]['name']:20s} {count_parameters(model):10,d} {r['seconds']:8.1f}"
+                  f"  {100 * r['accuracy']:.1f}% ({r['exact']}/{r['total']})")
+    kind = kinds[0]
+    model, src_vocab, tgt_vocab, _ = results[kind]
+    if args.save and not loaded:
+        try:
+            save_checkpoint(args.save, kind, model, src_vocab, tgt_vocab)
+        except OSError as e:
+            parser.error(f"--save {args.save}: {e.strerror}")
+        print(f"saved the {TOY_MODELS[kind]['name']} model to {args.save}")
+    if args.translate is None:
+        return 0
+    lines = sys.stdin if args.translate == "-" else [args.translate]
+    return answer_lines(translator(kind, model, src_vocab, tgt_vocab), src_vocab, model.max_len, lines)
 
 
 if __name__ == "__main__":
