@@ -469,12 +469,19 @@ def test_decoder_layer_matches_nn(norm_first, activation):
     assert_close(out, ref_out)
 
 
-def test_residual_pre_ln_and_post_ln():
+def test_layers_read_pre_ln_and_post_ln():
+    """pre-LN is x + f(LN(x)) and post-LN is LN(x + f(x)), with f each layer's own block."""
     x = torch.randn(2, 3, D)
-    norm = randomize_norms(tf.LayerNorm(D))
-    f = lambda h: 2 * h + 1  # noqa: E731
-    assert_close(tf.residual(x, norm, f, norm_first=True), x + f(norm(x)))
-    assert_close(tf.residual(x, norm, f, norm_first=False), norm(x + f(x)))
+    for norm_first in (True, False):
+        layer = randomize_norms(tf.EncoderLayer(D, H, FF, dropout=0.0, norm_first=norm_first)).eval()
+        sa = lambda h: layer.self_attn(h, h, h)  # noqa: E731
+        if norm_first:
+            h = x + sa(layer.norm1(x))
+            expected = h + layer.ffn(layer.norm2(h))
+        else:
+            h = layer.norm1(x + sa(x))
+            expected = layer.norm2(h + layer.ffn(h))
+        assert_close(layer(x), expected)
 
 
 # ===========================================================================
@@ -1320,3 +1327,877 @@ def test_translate_empty_sentence_order_independent():
     assert len(tf.translate(model, ["wo ai", ""], sv, tv)) == 2
     first_empty = tf.translate(model, ["", "wo ai"], sv, tv)  # an empty first row once gave a float batch
     assert first_empty[1] == tf.translate(model, ["wo ai"], sv, tv)[0]
+
+
+# ===========================================================================
+# Part II: 3/8/11. KV cache
+# ===========================================================================
+# Imports for Part II sit here so the tests above stay as they were.
+
+import contextlib  # noqa: E402
+import io  # noqa: E402
+import pickle  # noqa: E402
+import queue  # noqa: E402
+import random  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import unicodedata  # noqa: E402
+
+
+def test_make_causal_mask_with_past_is_bottom_right_aligned():
+    T, past = 3, 2
+    mask = tf.make_causal_mask(T, past=past)
+    assert mask.dtype == torch.bool and mask.shape == (1, 1, T, past + T)
+    # query i is the token at position past + i: it sees keys 0 .. past + i
+    by_hand = torch.tensor([[1, 1, 1, 0, 0],
+                            [1, 1, 1, 1, 0],
+                            [1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(mask[0, 0], by_hand)
+    # the last T rows of the full square mask: the same rows, computed in one pass
+    assert torch.equal(mask[0, 0], tf.make_causal_mask(past + T)[0, 0, past:])
+    # top-left alignment (what is_causal does) would hide cached keys from new tokens
+    top_left = torch.ones(T, past + T).tril().bool()
+    assert not torch.equal(mask[0, 0], top_left)
+    assert top_left[-1].tolist() == [True, True, True, False, False]
+    # one new token after any past sees every key; past 0 is the plain square mask
+    for p in (0, 1, 5):
+        assert tf.make_causal_mask(1, past=p)[0, 0].tolist() == [[True] * (p + 1)]
+    assert torch.equal(tf.make_causal_mask(4, past=0), tf.make_causal_mask(4))
+    # and F.scaled_dot_product_attention's is_causal is indeed the top-left one
+    q, k, v = _qkv(Tq=T, Tk=past + T)
+    ours, _ = tf.scaled_dot_product_attention(q, k, v, mask)
+    assert_close(ours, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert max_diff(ours, F.scaled_dot_product_attention(q, k, v, is_causal=True)) > 1e-3
+
+
+def test_kv_cache_len_and_append():
+    cache = tf.KVCache()
+    assert len(cache) == 0 and cache.k is None and cache.v is None and not cache.static
+    k1, v1 = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5)
+    k, v = cache.append(k1, v1)
+    assert len(cache) == 4 and torch.equal(k, k1) and torch.equal(v, v1)
+    k2, v2 = torch.randn(2, 3, 1, 5), torch.randn(2, 3, 1, 5)
+    k, v = cache.append(k2, v2)                        # keys along the time axis, dim 2
+    assert len(cache) == 5 and k.shape == v.shape == (2, 3, 5, 5)
+    assert torch.equal(k, torch.cat([k1, k2], 2)) and torch.equal(v, torch.cat([v1, v2], 2))
+    assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
+    assert tf.KVCache(static=True).static
+
+
+def test_mha_static_cache_keeps_the_first_keys_and_values():
+    mha = tf.MultiHeadAttention(D, H, dropout=0.0).eval()
+    query, memory = torch.randn(2, 1, D), torch.randn(2, 6, D)
+    cache = tf.KVCache(static=True)
+    first = mha(query, memory, memory, cache=cache)
+    assert len(cache) == 6
+    # a static cache is filled once: later calls reuse it, whatever key and value they pass
+    again = mha(query, torch.zeros_like(memory), torch.zeros_like(memory), cache=cache)
+    assert len(cache) == 6
+    assert_close(again, first)
+    assert_close(first, mha(query, memory, memory))
+
+
+@pytest.mark.parametrize("chunks", [(3, 9), (1, 2, 3, 4, 5, 6, 7, 8, 9), (5, 6, 9)])
+def test_gpt_forward_with_cache_in_chunks_equals_one_pass(chunks):
+    model = _gpt(max_len=16)
+    ids = torch.randint(0, V, (2, 9))
+    with torch.no_grad():
+        full = model(ids)                                # [2, 9, V]
+        cache, parts, past = model.new_cache(), [], 0
+        assert len(cache) == len(model.layers)
+        for end in chunks:
+            logits = model(ids[:, :end], cache)          # only the tokens past the cache
+            assert logits.shape == (2, end - past, V)
+            assert all(len(c) == end for c in cache)
+            parts.append(logits)
+            past = end
+    assert_close(torch.cat(parts, 1), full)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_decode_with_cache_in_chunks_equals_one_pass(norm_first):
+    model = randomize_norms(_tiny_seq2seq(norm_first=norm_first)).eval()
+    tgt = torch.randint(4, TGT_VOCAB, (2, 7))
+    tgt[:, 0] = BOS
+    tgt[1, 5:] = PAD                                     # a finished row, padded
+    with torch.no_grad():
+        memory = model.encode(SRC)                       # SRC: row 1 has source padding
+        full = model.decode(tgt, memory, SRC)
+        assert_close(full, model(SRC, tgt))
+        cache = model.new_cache()
+        first = model.decode(tgt[:, :3], memory, SRC, cache)  # 3 tokens, then the rest
+        rest = model.decode(tgt, memory, SRC, cache)
+    assert first.shape == (2, 3, TGT_VOCAB) and rest.shape == (2, 4, TGT_VOCAB)
+    assert_close(torch.cat([first, rest], 1), full)
+    # the self-attention caches hold all 7 target positions, the cross caches the 6 source ones
+    assert all(len(self_c) == 7 and len(cross_c) == SRC.size(1) and cross_c.static and not self_c.static
+               for self_c, cross_c in cache)
+
+
+def test_generate_with_cache_same_tokens_as_without():
+    model = _gpt(max_len=32)
+    for T in (2, 3, 6):                                  # prompts longer than one token
+        prompt = torch.randint(0, V, (3, T))
+        cached = model.generate(prompt, 14, use_cache=True)
+        plain = model.generate(prompt, 14, use_cache=False)
+        assert cached.shape == (3, T + 14) and torch.equal(cached[:, :T], prompt)
+        assert torch.equal(cached, plain), T
+
+
+def test_greedy_decode_with_cache_same_tokens_batch_of_different_lengths():
+    model = randomize_norms(_tiny_seq2seq(max_len=24)).eval()
+    lengths = [8, 3, 5, 1]
+    src = torch.zeros(4, 8, dtype=torch.long)            # padded with PAD = 0
+    for b, n in enumerate(lengths):
+        src[b, :n] = torch.randint(4, SRC_VOCAB, (n,))
+    for never_eos in (False, True):
+        if never_eos:                                     # every row runs all max_len steps
+            with torch.no_grad():
+                model.output_proj.bias[EOS] = -1e4
+        cached = tf.greedy_decode(model, src, BOS, EOS, max_len=12, use_cache=True)
+        plain = tf.greedy_decode(model, src, BOS, EOS, max_len=12, use_cache=False)
+        assert torch.equal(cached, plain), never_eos
+        # and each row decoded alone, without padding, gives the same tokens
+        for b, n in enumerate(lengths):
+            alone = tf.greedy_decode(model, src[b:b + 1, :n], BOS, EOS, max_len=12)[0]
+            assert torch.equal(cached[b, :alone.numel()], alone), (never_eos, b)
+            assert (cached[b, alone.numel():] == PAD).all()
+    assert cached.shape == (4, 12) and EOS not in cached.tolist()
+
+
+def test_translate_answer_does_not_depend_on_its_batch():
+    sv, tv = tf.Vocab(["wo", "ai", "xue", "xi"]), tf.Vocab(list("我爱学习"))
+    model = tf.Transformer(len(sv), len(tv), d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=16)
+    with torch.no_grad():                                # a model that has not learned to stop yet
+        model.output_proj.bias[[tf.Vocab.PAD, tf.Vocab.BOS, tf.Vocab.EOS]] = -1e4
+    alone = tf.translate(model, ["wo ai"], sv, tv)[0]
+    assert len(alone) == 3                               # its own budget: S + 1 steps
+    assert tf.translate(model, ["wo ai", "wo ai xue xi"], sv, tv)[0] == alone
+
+
+def test_cross_attention_keys_computed_once_per_layer_with_cache():
+    model = _tiny_seq2seq(n_layers=2).eval()
+    with torch.no_grad():
+        model.output_proj.bias[EOS] = -1e4               # never ends: exactly max_len steps
+    seen = {"cross": [[], []], "self": [[], []]}
+    hooks = []
+    for i, layer in enumerate(model.decoder_layers):
+        for name, mha in (("cross", layer.cross_attn), ("self", layer.self_attn)):
+            hooks.append(mha.w_k.register_forward_hook(
+                lambda module, args, output, shapes=seen[name][i]: shapes.append(tuple(args[0].shape))))
+    try:
+        steps, S = 6, SRC.size(1)
+        out = tf.greedy_decode(model, SRC, BOS, EOS, max_len=steps, use_cache=True)
+        assert out.shape == (2, steps)
+        for i in range(2):
+            assert seen["cross"][i] == [(2, S, D)]                  # once, at the first step
+            assert seen["self"][i] == [(2, 1, D)] * steps           # one new token per step
+        for shapes in seen["cross"] + seen["self"]:
+            shapes.clear()
+        assert torch.equal(tf.greedy_decode(model, SRC, BOS, EOS, max_len=steps, use_cache=False), out)
+        for i in range(2):
+            assert seen["cross"][i] == [(2, S, D)] * steps          # every step again
+            assert seen["self"][i] == [(2, t, D) for t in range(1, steps + 1)]  # the whole prefix
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_generate_sampling_reproducible_with_a_generator():
+    model = _gpt(max_len=32)
+    prompt = torch.randint(0, V, (2, 3))
+
+    def sample(seed, **kw):
+        return model.generate(prompt, 12, generator=torch.Generator().manual_seed(seed), **kw)
+
+    a = sample(1, temperature=1.0)
+    assert a.shape == (2, 15) and torch.equal(a[:, :3], prompt)
+    torch.manual_seed(123)                               # the global RNG plays no part
+    assert torch.equal(sample(1, temperature=1.0), a)
+    assert torch.equal(sample(1, temperature=1.0, use_cache=False), a)  # nor does the cache
+    assert not torch.equal(sample(2, temperature=1.0), a)
+    greedy = model.generate(prompt, 12)
+    assert not torch.equal(a, greedy)                    # it really sampled
+    # temperature 0 is greedy, whatever top_k and generator say
+    assert torch.equal(sample(1, temperature=0.0, top_k=3), greedy)
+    # top_k=1 keeps only the most likely token: greedy at any temperature
+    assert torch.equal(sample(1, temperature=1.0, top_k=1), greedy)
+    assert torch.equal(sample(7, temperature=5.0, top_k=1), greedy)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_generate_top_k_samples_only_from_the_top_k(k):
+    model = _gpt(max_len=48)
+    prompt = torch.randint(0, V, (3, 3))
+    out = model.generate(prompt, 40, temperature=3.0, top_k=k, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(out[:, :-1])[:, 2:]               # [3, 40, V]: the step before each new token
+    new = out[:, 3:]                                     # [3, 40]
+    top = logits.topk(k, dim=-1).indices                 # [3, 40, k]
+    assert (top == new[..., None]).any(-1).all()
+    assert (new != logits.argmax(-1)).any()              # not only the argmax: the check has teeth
+
+
+def test_generate_bad_sampling_arguments_raise():
+    model = _gpt()
+    prompt = torch.zeros(1, 2, dtype=torch.long)
+    for temperature in (-0.5, -1):
+        with pytest.raises(ValueError, match="temperature"):
+            model.generate(prompt, 3, temperature=temperature)
+    for top_k in (0, -1):
+        with pytest.raises(ValueError, match="top_k"):
+            model.generate(prompt, 3, temperature=1.0, top_k=top_k)
+
+
+def test_time_generation_returns_seconds_and_agreement():
+    model = _gpt(max_len=32)
+    prompt = torch.randint(0, V, (1, 4))
+    with_cache, without, same = tf.time_generation(model, prompt, 10)
+    assert same is True
+    assert isinstance(with_cache, float) and isinstance(without, float)
+    assert with_cache > 0 and without > 0                # no claim about speed here
+    # same is computed, not assumed: a cache that changed the tokens is reported
+    real = model.generate
+
+    def off_by_one(ids, n, use_cache=True, **kw):
+        out = real(ids, n, use_cache=use_cache, **kw)
+        return (out + 1) % V if use_cache else out
+
+    model.generate = off_by_one
+    try:
+        assert tf.time_generation(model, prompt, 10)[2] is False
+    finally:
+        del model.generate
+
+
+# ===========================================================================
+# 14. GPT on the toy task
+# ===========================================================================
+
+def test_build_gpt_vocab_holds_syllables_characters_and_sep():
+    pairs = [("wo ai xue xi", "我爱学习"), ("ni hao", "你好")]
+    vocab = tf.build_gpt_vocab(pairs)
+    assert vocab.itos[:4] == tf.Vocab.SPECIALS
+    assert set(vocab.itos[4:]) == {"wo", "ai", "xue", "xi", "ni", "hao",
+                                   "我", "爱", "学", "习", "你", "好", tf.SEP}
+    assert len(vocab) == 4 + 13 and len(set(vocab.itos)) == len(vocab)  # no specials twice
+    assert vocab.encode([tf.SEP]) != [tf.Vocab.UNK]
+
+
+def test_prompt_dataset_item_exact_ids():
+    pairs = [("wo ai", "我爱"), ("ni hao ma", "你好吗")]
+    vocab = tf.build_gpt_vocab(pairs)
+    s, P, E, SEP = vocab.stoi, tf.Vocab.PAD, tf.Vocab.EOS, vocab.stoi[tf.SEP]
+    ds = tf.PromptDataset(pairs, vocab)
+    assert len(ds) == 2
+    ids, target = ds[0]
+    assert ids.dtype == target.dtype == torch.long
+    # input: pinyin <sep> hanzi (no final eos); target: shifted by one, pad over the prompt
+    assert ids.tolist() == [s["wo"], s["ai"], SEP, s["我"], s["爱"]]
+    assert target.tolist() == [P, P, s["我"], s["爱"], E]
+    ids, target = ds[1]
+    assert ids.tolist() == [s["ni"], s["hao"], s["ma"], SEP, s["你"], s["好"], s["吗"]]
+    assert target.tolist() == [P, P, P, s["你"], s["好"], s["吗"], E]
+    # the <sep> position predicts the first character; only hanzi + eos are learned
+    assert target[ids.tolist().index(SEP)] == s["你"]
+    ids, target = tf.collate([ds[0], ds[1]])
+    assert ids.shape == target.shape == (2, 7)
+    assert [(row != P).sum().item() for row in target] == [3, 4]
+
+
+@pytest.fixture(scope="module")
+def gpt_overfit10():
+    """A tiny GPT trained with transformer.train on PromptDataset to memorize 10
+    sentences (observed: loss 0.001, 10/10, about 0.3 s). One thread, as overfit10.
+    Accuracy is measured after the first and the last epoch only (nan between):
+    generating every epoch would cost more than the training."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pairs = tf.make_toy_data(n_sentences=10, seed=2)
+        vocab = tf.build_gpt_vocab(pairs)
+        longest = max(len(pinyin.split()) for pinyin, _ in pairs)
+        torch.manual_seed(0)
+        model = tf.DecoderOnlyTransformer(len(vocab), d_model=32, n_layers=2, n_heads=2, d_ff=64,
+                                          max_len=2 * longest + 2, dropout=0.0)
+        answer = lambda sentences: tf.gpt_translate(model, sentences, vocab)  # noqa: E731
+        logs, epochs = [], []
+
+        def accuracy():
+            epochs.append(len(epochs) + 1)
+            return tf.evaluate(answer, pairs)["accuracy"] if epochs[-1] in (1, 40) else float("nan")
+
+        result = tf.train(model, tf.PromptDataset(pairs, vocab), accuracy, epochs=40, batch_size=10,
+                          label_smoothing=0.0, lr_factor=0.5, warmup=8, log=logs.append)
+    finally:
+        torch.set_num_threads(threads)
+    return model, pairs, vocab, result, logs
+
+
+def test_gpt_overfits_ten_sentences(gpt_overfit10):
+    model, pairs, vocab, result, logs = gpt_overfit10
+    assert len(logs) == 40 and not result["interrupted"]
+    first = float(re.search(r"held-out accuracy +(\d+\.\d)%", logs[0])[1])
+    assert first < 100.0                                 # one epoch in, it did not know them yet
+    assert result["loss"] < 0.05 and result["accuracy"] == 1.0
+    assert tf.gpt_translate(model, [p for p, _ in pairs], vocab) == [h for _, h in pairs]
+
+
+def test_gpt_translate_groups_by_length_keeps_input_order(gpt_overfit10):
+    model, pairs, vocab, _, _ = gpt_overfit10
+    by_len = {}
+    for pinyin, hanzi in pairs:
+        by_len.setdefault(len(pinyin.split()), []).append((pinyin, hanzi))
+    assert len(by_len) >= 3
+    (a, ha), (b, hb) = by_len[min(by_len)][0], by_len[max(by_len)][0]
+    assert len(a.split()) != len(b.split()) and ha != hb
+    alone = [tf.gpt_translate(model, [s], vocab)[0] for s in (a, b)]
+    assert alone == [ha, hb]
+    assert tf.gpt_translate(model, [a, b], vocab) == alone
+    assert tf.gpt_translate(model, [b, a], vocab) == alone[::-1]
+    # every sentence, shuffled: answers in input order, one generate call per length
+    mixed = [p for p, _ in pairs]
+    random.Random(0).shuffle(mixed)
+    prompts, real = [], model.generate
+
+    def spy(prompt, *args, **kwargs):
+        prompts.append(prompt.clone())
+        return real(prompt, *args, **kwargs)
+
+    model.generate = spy
+    try:
+        assert tf.gpt_translate(model, mixed, vocab) == [dict(pairs)[p] for p in mixed]
+    finally:
+        del model.generate
+    assert sorted(p.size(1) - 1 for p in prompts) == sorted(by_len)  # one batch per length
+    assert sum(p.size(0) for p in prompts) == len(pairs)
+    assert all((p[:, -1] == vocab.stoi[tf.SEP]).all() and tf.Vocab.PAD not in p.tolist() for p in prompts)
+
+
+# ===========================================================================
+# 15. Attention heatmap
+# ===========================================================================
+
+def _display_width(text):
+    """Terminal columns: a hanzi takes two."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def test_render_heatmap_exact_cells_and_legend():
+    weights = torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.3, 0.7]])
+    lines = tf.render_heatmap(weights, ["wo", "ai"], ["我", "爱", "学"]).split("\n")
+    assert len(lines) == 5
+    assert lines[0] == "    wo ai"
+    # each hanzi label (2 columns) is padded to 4 columns: "我" + 2 spaces, then the cells
+    cells = [(line[:3], line[3:5], line[5], line[6:]) for line in lines[1:4]]
+    assert cells == [("我  ", "██", " ", "  "),
+                     ("爱  ", "▒▒", " ", "▒▒"),
+                     ("学  ", "░░", " ", "▓▓")]
+    assert lines[4] == "legend: ' ' 0.0-0.2  '░' 0.2-0.4  '▒' 0.4-0.6  '▓' 0.6-0.8  '█' 0.8-1.0"
+    assert all(_display_width(line) == _display_width(lines[0]) for line in lines[1:4])
+
+
+def test_render_heatmap_columns_line_up():
+    weights = torch.tensor([[0.9, 0.1, 0.0], [0.25, 0.1, 0.65]])
+    cols, rows = ["xiang", "wo", "a"], ["想", "x"]
+    lines = tf.render_heatmap(weights, cols, rows).split("\n")
+    widths = [5, 2, 2]                                   # at least 2, else the label's length
+    starts = [4 + sum(widths[:j]) + j for j in range(3)]  # display column of each cell
+    for j, label in enumerate(cols):
+        assert lines[0][starts[j]:starts[j] + len(label)] == label
+    expected = [["█" * 5, "  ", "  "], ["░" * 5, "  ", "▓▓"]]
+    for line, label, shades in zip(lines[1:3], rows, expected):
+        assert line.startswith(label)
+        body = line[len(label):]
+        offset = _display_width(label)                   # 2 for the hanzi, 1 for "x"
+        for j, shade in enumerate(shades):
+            begin = starts[j] - offset
+            assert body[begin:begin + widths[j]] == shade, (label, j)
+        assert _display_width(line) == _display_width(lines[0])  # every row as wide as the header
+
+
+def test_render_heatmap_long_row_label_still_lines_up():
+    lines = tf.render_heatmap(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), ["wo", "ai"], ["<unk>", "我"]).split("\n")
+    assert len({_display_width(line) for line in lines[:3]}) == 1
+
+
+def test_cross_attention_map_rows_heads_and_padding():
+    model = randomize_norms(_tiny_seq2seq()).train()     # dropout 0.1: the map must run in eval
+    src = SRC[1:]                                        # [1, 6]: 3 real tokens, 3 pad
+    out = torch.tensor([[4, 6, 3, EOS]])                 # [1, T=4]
+    avg = tf.cross_attention_map(model, src, out)
+    assert avg.shape == (4, 6)
+    assert_close(avg.sum(-1), torch.ones(4))             # rows sum to 1 (no dropout)
+    assert (avg[:, 3:] == 0).all() and (avg[:, :3] > 0).all()
+    last = model.decoder_layers[-1].cross_attn.attn_weights  # [1, H, T, S]
+    assert last.shape == (1, H, 4, 6)
+    assert_close(avg, last[0].mean(0))
+    heads = [tf.cross_attention_map(model, src, out, head=h) for h in range(H)]
+    for h, weights in enumerate(heads):
+        assert weights.shape == (4, 6)
+        assert_close(weights, last[0, h])
+        assert_close(weights.sum(-1), torch.ones(4))
+        assert (weights[:, 3:] == 0).all()
+    assert max_diff(heads[0], heads[1]) > 1e-3          # a head is not the mean
+    assert_close(torch.stack(heads).mean(0), avg)
+    assert model.training                                # the map put the mode back
+    # row t is the query that predicts out[t]: the decoder read bos + out[:-1]
+    model.eval()
+    with torch.no_grad():
+        model.decode(torch.tensor([[BOS, 4, 6, 3]]), model.encode(src), src)
+    assert_close(model.decoder_layers[-1].cross_attn.attn_weights[0].mean(0), avg)
+    with torch.no_grad():
+        model.decode(out, model.encode(src), src)        # not shifted: other weights
+    assert max_diff(model.decoder_layers[-1].cross_attn.attn_weights[0].mean(0), avg) > 1e-4
+
+
+# ===========================================================================
+# 16. Your own data
+# ===========================================================================
+
+def _write_tsv(tmp_path, text, name="pairs.tsv"):
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def test_read_pairs_skips_comments_normalises_first_answer_wins(tmp_path):
+    path = _write_tsv(tmp_path, "# my own pairs\n"
+                                "\n"
+                                "wo  ai\t我爱\n"
+                                "   \n"
+                                "\t\n"
+                                "  # an indented comment\twith a tab\n"
+                                " ni   hao \t 你好 \n"
+                                "wo ai\t我碍\n"              # the same pinyin again: the first answer wins
+                                "ta\t他\n")
+    assert tf.read_pairs(path) == [("ni hao", "你好"), ("ta", "他"), ("wo ai", "我爱")]
+
+
+@pytest.mark.parametrize("line, words", [
+    ("wo ai 我爱", "found 1 tab-separated fields"),          # no tab
+    ("wo ai\t我爱\tx", "found 3 tab-separated fields"),
+    ("\t我爱", "empty pinyin"),
+    ("  \t我爱", "empty pinyin"),
+    ("wo ai\t", "empty hanzi"),
+    ("Wo ai\t我爱", "'Wo'"),                                 # uppercase
+    ("nǐ hao\t你好", "'nǐ'"),                                # tone mark
+    ("nü er\t女儿", "'nü'"),                                 # ü is written v
+    ("ni3 hao\t你好", "'ni3'"),                              # tone number
+    ("wo ai xue\t我爱", "3 syllables but 2 characters"),
+    ("wo\t我爱", "1 syllables but 2 characters"),
+])
+def test_read_pairs_malformed_line_names_file_and_line(tmp_path, line, words):
+    path = _write_tsv(tmp_path, "# header\nni hao\t你好\n\n" + line + "\nta\t他\nwo\t我\n")
+    with pytest.raises(ValueError) as info:
+        tf.read_pairs(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:4:"), message     # FILE:LINE:, the 4th line
+    assert words in message and "\n" not in message
+
+
+def test_read_pairs_missing_unreadable_or_not_utf8_names_the_path(tmp_path):
+    missing = str(tmp_path / "no-such.tsv")
+    with pytest.raises(ValueError, match=re.escape(missing)):
+        tf.read_pairs(missing)
+    gbk = tmp_path / "gbk.tsv"
+    gbk.write_bytes("wo ai\t我爱\nni hao\t你好\n".encode("gbk"))
+    with pytest.raises(ValueError) as info:
+        tf.read_pairs(str(gbk))
+    assert str(info.value).startswith(f"{gbk}:") and "UTF-8" in str(info.value)
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path))):
+        tf.read_pairs(str(tmp_path))                     # a folder, not a file
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n\n", "wo ai\t我爱\n", "wo ai\t我爱\nwo  ai\t我爱\n"])
+def test_read_pairs_needs_two_pairs(tmp_path, text):
+    path = _write_tsv(tmp_path, text)
+    with pytest.raises(ValueError, match=re.escape(path) + ".*at least 2"):
+        tf.read_pairs(path)
+
+
+def test_read_pairs_accepts_a_utf8_byte_order_mark(tmp_path):
+    path = tmp_path / "bom.tsv"
+    path.write_text("wo ai\t我爱\nni hao\t你好\n", encoding="utf-8-sig")
+    assert tf.read_pairs(str(path)) == [("ni hao", "你好"), ("wo ai", "我爱")]
+
+
+def test_unseen_character_maps_to_unk_and_counts_wrong(overfit10):
+    model, pairs, sv, tv, _, _ = overfit10
+    (pinyin, hanzi), other = pairs[0], pairs[1]
+    unseen = "龘"
+    assert unseen not in tv.stoi and tv.encode(unseen) == [tf.Vocab.UNK]
+    held_out = [(pinyin, unseen + hanzi[1:]), other]     # known syllables, a character never trained on
+    _, _, tgt_out = tf.PinyinDataset(held_out, sv, tv)[0]
+    assert tgt_out[0].item() == tf.Vocab.UNK
+    result = tf.evaluate(lambda sentences: tf.translate(model, sentences, sv, tv), held_out)
+    assert result["predictions"] == [hanzi, other[1]]    # the model answers what it learned
+    assert (result["exact"], result["total"]) == (1, 2)  # which is wrong for the unseen character
+
+
+# ===========================================================================
+# 17. Saving and loading
+# ===========================================================================
+
+def _checkpoint_model(kind, tied):
+    """A tiny model of each kind with its vocabularies and a function that runs it."""
+    pairs = tf.make_toy_data(n_sentences=10, seed=2)
+    if kind == "gpt":
+        sv = tv = tf.build_gpt_vocab(pairs)
+        model = tf.DecoderOnlyTransformer(len(tv), 16, 2, 2, 32, max_len=32, tie_weights=tied)
+        ids = torch.randint(0, len(tv), (2, 7))
+        return model, sv, tv, pairs, lambda m: m(ids)
+    if tied:                                             # one vocabulary for both sides
+        sv = tv = tf.build_gpt_vocab(pairs)
+    else:
+        sv, tv = tf.build_vocabs(pairs)
+    model = tf.Transformer(len(sv), len(tv), d_model=16, n_heads=2, d_ff=32, n_layers=2, max_len=32,
+                           norm_first=tied, share_embeddings=tied)
+    src, tgt = torch.randint(4, len(sv), (2, 6)), torch.randint(4, len(tv), (2, 5))
+    src[1, 4:] = PAD
+    return model, sv, tv, pairs, lambda m: m(src, tgt)
+
+
+@pytest.mark.parametrize("kind, tied", [("encdec", False), ("encdec", True), ("gpt", False), ("gpt", True)])
+def test_checkpoint_round_trip(tmp_path, kind, tied):
+    model, sv, tv, pairs, run = _checkpoint_model(kind, tied)
+    randomize_norms(model).train()                       # saved while training, norms not 1/0
+    path = tmp_path / "model.pt"
+    tf.save_checkpoint(str(path), kind, model, sv, tv)
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]  # no temporary file left
+    loaded_kind, loaded, sv2, tv2 = tf.load_checkpoint(str(path))
+    assert loaded_kind == kind and type(loaded) is type(model)
+    assert not loaded.training and loaded.config == model.config
+    assert sv2.itos == sv.itos and tv2.itos == tv.itos and sv2.stoi == sv.stoi and tv2.stoi == tv.stoi
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(run(loaded), run(model))
+    ours, theirs = model.state_dict(), loaded.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert tf.count_parameters(loaded) == tf.count_parameters(model)
+    if kind == "gpt":
+        tied_pairs = [(loaded.lm_head.weight, loaded.token_embedding.weight)]
+    else:
+        tied_pairs = [(loaded.output_proj.weight, loaded.src_embed.weight),
+                      (loaded.tgt_embed.weight, loaded.src_embed.weight)]
+    assert all((a.data_ptr() == b.data_ptr()) == tied for a, b in tied_pairs)
+    sentences = [pinyin for pinyin, _ in pairs[:4]]
+    assert (tf.translator(kind, loaded, sv2, tv2)(sentences) == tf.translator(kind, model, sv, tv)(sentences))
+
+
+@pytest.mark.parametrize("error", [OSError, KeyboardInterrupt])
+def test_save_checkpoint_is_atomic(tmp_path, monkeypatch, error):
+    sv = tv = tf.Vocab(["wo", "ai", "我", "爱"])
+    model = tf.DecoderOnlyTransformer(len(tv), 16, 1, 2, 32, max_len=8)
+    path = tmp_path / "model.pt"
+    tf.save_checkpoint(str(path), "gpt", model, sv, tv)
+    before = path.read_bytes()
+    real_save, during = torch.save, []
+
+    def save_half_then_fail(obj, f, *args, **kwargs):
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        f.write(buffer.getvalue()[:len(buffer.getvalue()) // 2])
+        f.flush()
+        during.append(sorted(p.name for p in tmp_path.iterdir()))
+        raise error("disk full")
+
+    monkeypatch.setattr(tf.torch, "save", save_half_then_fail)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)                   # a different model this time
+    with pytest.raises(error):
+        tf.save_checkpoint(str(path), "gpt", model, sv, tv)
+    # the half-written data went to a temporary file beside the target, never to PATH
+    assert len(during) == 1 and len(during[0]) == 2 and during[0][0].startswith(".checkpoint-")
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+    with pytest.raises(error):                           # a first save that fails leaves nothing
+        tf.save_checkpoint(str(tmp_path / "new.pt"), "gpt", model, sv, tv)
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+    monkeypatch.undo()
+    _, loaded, _, _ = tf.load_checkpoint(str(path))      # still the first model
+    assert not torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    assert torch.equal(loaded.lm_head.weight + 1.0, model.lm_head.weight)
+
+
+class _Plain:
+    """An arbitrary object: weights_only loading refuses its class."""
+
+
+class _Mkdir:
+    """Unpickling this calls os.mkdir(folder): proof that pickled code ran."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __reduce__(self):
+        return os.mkdir, (self.folder,)
+
+
+def _bad_checkpoint(tmp_path, what):
+    """Write the bad file `what` under tmp_path; -> its path."""
+    sv = tv = tf.Vocab(["wo", "ai", "我", "爱"])
+    good = tmp_path / "good.pt"
+    tf.save_checkpoint(str(good), "gpt", tf.DecoderOnlyTransformer(len(tv), 16, 1, 2, 32, max_len=8), sv, tv)
+    path = tmp_path / f"{what}.pt"
+    data = good.read_bytes()
+    checkpoint = torch.load(good, weights_only=True)
+    marker = str(tmp_path / "pwned")
+    if what == "missing":
+        return str(path)
+    if what == "truncated":
+        path.write_bytes(data[:len(data) // 2])
+    elif what == "empty":
+        path.write_bytes(b"")
+    elif what == "random-bytes":
+        path.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(4096)))
+    elif what == "other-format":
+        torch.save(dict(checkpoint, format="some other program v2"), path)
+    elif what == "not-a-dict":
+        torch.save([checkpoint], path)
+    elif what == "arbitrary-object":
+        torch.save({"format": tf.CHECKPOINT_FORMAT, "x": _Plain()}, path)
+    elif what == "os-system":
+        torch.save({"format": tf.CHECKPOINT_FORMAT, "x": os.system}, path)
+    elif what == "code-on-load":
+        torch.save(dict(checkpoint, x=_Mkdir(marker)), path)
+    elif what == "plain-pickle":
+        path.write_bytes(pickle.dumps(_Mkdir(marker), protocol=2))
+    elif what == "unknown-kind":
+        torch.save(dict(checkpoint, kind="rnn"), path)
+    elif what == "config-mismatch":                      # weights of another shape
+        torch.save(dict(checkpoint, config=dict(checkpoint["config"], d_ff=48)), path)
+    elif what == "config-missing-key":
+        torch.save(dict(checkpoint, config={k: v for k, v in checkpoint["config"].items() if k != "d_model"}), path)
+    elif what == "no-vocab":
+        torch.save({k: v for k, v in checkpoint.items() if k != "src_vocab"}, path)
+    elif what == "vocab-not-a-list":
+        torch.save(dict(checkpoint, tgt_vocab=5), path)
+    elif what == "odd-d-model":                          # a config the model class refuses
+        torch.save(dict(checkpoint, config=dict(checkpoint["config"], d_model=15)), path)
+    else:
+        raise AssertionError(what)
+    return str(path)
+
+
+@pytest.mark.parametrize("what", ["missing", "truncated", "empty", "random-bytes", "other-format", "not-a-dict",
+                                  "arbitrary-object", "os-system", "code-on-load", "plain-pickle",
+                                  "unknown-kind", "config-mismatch", "config-missing-key"])
+def test_load_checkpoint_bad_files_raise_value_error_naming_the_path(tmp_path, what):
+    path = _bad_checkpoint(tmp_path, what)
+    with pytest.raises(ValueError) as info:
+        tf.load_checkpoint(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:") and "\n" not in message, message
+    assert not (tmp_path / "pwned").exists()             # no pickled code ran
+
+
+@pytest.mark.parametrize("what", ["no-vocab", "vocab-not-a-list", "odd-d-model"])
+def test_load_checkpoint_damaged_fields_raise_value_error_naming_the_path(tmp_path, what):
+    path = _bad_checkpoint(tmp_path, what)
+    with pytest.raises(ValueError) as info:
+        tf.load_checkpoint(path)
+    assert str(info.value).startswith(f"{path}:"), str(info.value)
+
+
+# ===========================================================================
+# 18. Command line, Part II
+# ===========================================================================
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """Two short runs of main() on 30 toy pairs, one epoch, shared by the tests below:
+    the default (both models) with --head 1 and --save (which saves the first, the
+    encoder-decoder), and --model gpt with --save. One thread, as overfit10.
+    -> dict: folder, tsv, train/test pairs, checkpoint paths, and (status, stdout,
+    stderr) of each run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        folder = tmp_path_factory.mktemp("cli")
+        tsv = folder / "pairs.tsv"
+        pairs = tf.make_toy_data(n_sentences=30, seed=0)
+        tsv.write_text("".join(f"{p}\t{h}\n" for p, h in pairs), encoding="utf-8")
+        runs = dict(folder=folder, tsv=str(tsv), encdec=str(folder / "encdec.pt"), gpt=str(folder / "gpt.pt"))
+        runs["train"], runs["test"] = tf.split_data(pairs, seed=0)
+        for name, extra in (("both", ["--head", "1", "--save", runs["encdec"]]),
+                            ("gpt-only", ["--model", "gpt", "--save", runs["gpt"]])):
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                status = tf.main(["--data", runs["tsv"], "--epochs", "1", "--device", "cpu", *extra])
+            runs[name] = (status, out.getvalue(), err.getvalue())
+    finally:
+        torch.set_num_threads(threads)
+    return runs
+
+
+def test_cli_default_trains_both_and_compares(cli_runs):
+    status, out, err = cli_runs["both"]
+    assert status == 0 and err == ""
+    assert "toy task: 30 pinyin sentences, 3 held out" in out
+    assert out.count("held-out exact-match accuracy:") == 2       # one report per model
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if "held-out exact match" in line)
+    assert lines[header].split() == ["model", "parameters", "train", "s", "held-out", "exact", "match"]
+    row = re.compile(r"  (encoder-decoder|decoder-only \(GPT\)) +([\d,]+) +\d+\.\d  \d+\.\d% \(\d/3\)")
+    rows = [row.fullmatch(line) for line in lines[header + 1:header + 3]]
+    assert all(rows), lines[header:header + 3]
+    assert [m[1] for m in rows] == ["encoder-decoder", "decoder-only (GPT)"]
+    _, encdec, _, _ = tf.load_checkpoint(cli_runs["encdec"])      # the saved one is the first
+    assert int(rows[0][2].replace(",", "")) == tf.count_parameters(encdec)
+    assert f"saved the encoder-decoder model to {cli_runs['encdec']}" in out
+
+
+def test_cli_head_1_draws_that_head(cli_runs):
+    _, out, _ = cli_runs["both"]
+    titles = [line for line in out.splitlines() if line.startswith("cross-attention of the last decoder layer")]
+    assert len(titles) == 1 and "head 1:" in titles[0] and "averaged" not in titles[0]
+    heatmap = out[out.index(titles[0]):].splitlines()
+    legend = next(i for i, line in enumerate(heatmap) if line.startswith("legend:"))
+    pinyin = titles[0].split(": ", 1)[1].split(" -> ")[0]
+    assert heatmap[1].split() == pinyin.split()                   # the column labels
+    assert legend >= 3                                            # title, labels, rows...
+
+
+def test_cli_model_gpt_trains_only_the_gpt(cli_runs):
+    status, out, err = cli_runs["gpt-only"]
+    assert status == 0 and err == ""
+    assert "decoder-only (GPT)" in out and "encoder-decoder" not in out
+    assert out.count("held-out exact-match accuracy:") == 1
+    assert len(re.findall(r"^epoch +1 ", out, re.M)) == 1
+    assert "cross-attention" not in out and "held-out exact match" not in out  # no heatmap, no table
+    assert f"saved the decoder-only (GPT) model to {cli_runs['gpt']}" in out
+    assert tf.load_checkpoint(cli_runs["gpt"])[0] == "gpt"
+
+
+def test_cli_save_stores_the_trained_model(cli_runs):
+    # train_toy_model with the same data, split and seed gives the very weights --save wrote
+    with contextlib.redirect_stdout(io.StringIO()):
+        model, sv, tv, _ = tf.train_toy_model("encdec", cli_runs["train"], cli_runs["test"],
+                                              torch.device("cpu"), 1, 0)
+    kind, loaded, sv2, tv2 = tf.load_checkpoint(cli_runs["encdec"])
+    assert kind == "encdec" and sv2.itos == sv.itos and tv2.itos == tv.itos
+    ours, theirs = model.state_dict(), loaded.state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.parametrize("kind", ["encdec", "gpt"])
+def test_cli_load_translate_prints_what_the_model_answers(cli_runs, capsys, kind):
+    pinyin = cli_runs["train"][0][0]
+    assert tf.main(["--load", cli_runs[kind], "--translate", pinyin, "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.count("\n") == 1                     # one line, nothing else
+    loaded_kind, model, sv, tv = tf.load_checkpoint(cli_runs[kind])
+    assert loaded_kind == kind
+    assert out == tf.translator(kind, model, sv, tv)([pinyin])[0] + "\n"
+
+
+@pytest.mark.parametrize("kind", ["encdec", "gpt"])
+def test_cli_load_without_translate_reports_held_out(cli_runs, capsys, kind):
+    assert tf.main(["--load", cli_runs[kind], "--data", cli_runs["tsv"], "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and f"loaded {cli_runs[kind]}" in out
+    assert "epoch" not in out and "toy task" not in out           # nothing trained
+    exact = [line for line in out.splitlines() if line.startswith("held-out exact-match accuracy:")]
+    assert len(exact) == 1 and exact[0].endswith("/3 sentences)")
+    # the same model on the same split: the report of the run that trained it
+    trained = cli_runs["both" if kind == "encdec" else "gpt-only"][1]
+    assert exact[0] == next(line for line in trained.splitlines() if line.startswith("held-out exact-match"))
+    assert ("cross-attention" in out) == (kind == "encdec")       # the heatmap is the encoder-decoder's
+
+
+@pytest.mark.parametrize("kind", ["encdec", "gpt"])
+def test_cli_translate_stdin_unknown_syllable_is_one_error_line(cli_runs, capsys, monkeypatch, kind):
+    good = [pinyin for pinyin, _ in cli_runs["train"][:3]]
+    lines = [good[0], "wo xyz", good[1], "", good[2]]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    assert tf.main(["--load", cli_runs[kind], "--translate", "-", "--device", "cpu"]) == 2
+    out, err = capsys.readouterr()
+    errors = err.splitlines()
+    assert len(errors) == 1 and "'xyz'" in errors[0] and errors[0].startswith("transformer.py: error:")
+    _, model, sv, tv = tf.load_checkpoint(cli_runs[kind])
+    answer = tf.translator(kind, model, sv, tv)
+    # one line at a time, as answer_lines reads them: 4 answers (one empty), in order
+    assert out.split("\n")[:-1] == [answer([g])[0] for g in good[:2]] + [""] + answer(good[2:])
+
+
+def test_cli_data_malformed_line_is_one_line(capsys, tmp_path):
+    path = _write_tsv(tmp_path, "wo ai\t我爱\nni hao\t你好\nta men\t他\n")
+    line = _usage_error(capsys, ["--data", path, "--device", "cpu"])
+    assert line.startswith(f"transformer.py: error: {path}:3:")
+
+
+def test_cli_save_to_missing_folder_is_one_line(capsys, tmp_path):
+    target = tmp_path / "no-such-folder" / "model.pt"
+    with pytest.raises(SystemExit) as exit_info:
+        tf.main(["--data", _tiny_tsv(tmp_path), "--epochs", "1", "--model", "gpt", "--device", "cpu",
+                 "--save", str(target)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("transformer.py: error: --save") and str(target) in lines[0]
+    assert "Traceback" not in err and not target.parent.exists()
+
+
+def test_cli_load_missing_or_garbage_is_one_line_subprocess(tmp_path):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"\x00\x01 this is not a checkpoint \xff" * 40)
+    missing = tmp_path / "missing.pt"
+    # both at once: each pays for importing torch
+    procs = [(path, subprocess.Popen([sys.executable, "transformer.py", "--load", str(path)], cwd=HERE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8"))
+             for path in (missing, garbage)]
+    for path, proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and "Traceback" not in err, err
+        assert lines[0].startswith(f"transformer.py: error: {path}:")
+        assert out == ""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="sends SIGINT to a child process")
+def test_cli_ctrl_c_stops_training_reports_and_saves(tmp_path):
+    tsv, model_path = _tiny_tsv(tmp_path), tmp_path / "model.pt"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "transformer.py", "--data", tsv, "--model", "encdec", "--epochs", "200",
+                             "--device", "cpu", "--save", str(model_path)], cwd=HERE, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8")
+    lines = queue.Queue()
+
+    def read():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    seen, deadline = [], time.monotonic() + 60
+    try:
+        while not any(line.startswith("epoch") for line in seen):
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line is not None, "ended before its first epoch:\n" + "".join(seen)
+            seen.append(line)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(timeout=10)
+    while not lines.empty():
+        line = lines.get()
+        if line is not None:
+            seen.append(line)
+    out, err = "".join(seen), proc.stderr.read()
+    proc.stderr.close()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    epochs = [int(n) for n in re.findall(r"^epoch +(\d+) ", out, re.M)]
+    assert epochs and epochs == list(range(1, len(epochs) + 1)) and epochs[-1] < 200
+    assert "interrupted (Ctrl-C)" in out
+    assert re.search(r"^held-out exact-match accuracy: \d+\.\d% \(\d+/3 sentences\)$", out, re.M)
+    assert f"saved the encoder-decoder model to {model_path}" in out
+    kind, model, _, _ = tf.load_checkpoint(str(model_path))
+    assert kind == "encdec" and isinstance(model, tf.Transformer)

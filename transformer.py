@@ -1,12 +1,16 @@
 """transformer.py: the Transformer, hand-written, top to bottom, proven against PyTorch.
 
 Read it like an article: each numbered section depends only on torch and on the
-sections above it. Part I is the classic model (Vaswani et al., 2017, "Attention
-Is All You Need"), a decoder-only GPT built from the same blocks, and a toy task,
-pinyin to hanzi ("wo ai xue xi" -> 我爱学习), that trains in seconds on a CPU.
+sections above it. Part I (sections 1-12) is the classic model (Vaswani et al.,
+2017, "Attention Is All You Need"), a decoder-only GPT built from the same
+blocks, and a toy task, pinyin to hanzi ("wo ai xue xi" -> 我爱学习), that trains
+in seconds on a CPU. Part II (13-18) uses the trained models: the KV cache
+measured, a GPT on the same task, an attention heatmap, your own data,
+checkpoints and the command line.
 
-    python transformer.py            # shapes, parameter counts, train, answer
-    python -m pytest -q              # every section against PyTorch's own
+    python transformer.py                            # the demo
+    python transformer.py --translate "wo ai xue xi"  # train, then answer
+    python transformer.py --help                     # every option
 """
 
 # ===========================================================================
@@ -97,9 +101,10 @@ def make_pad_mask(ids, pad_id):
 
 def make_causal_mask(T, device=None, past=0):
     """[1, 1, T, past + T]: query i may attend to keys 0..past+i, never to the future.
-    past > 0 when earlier keys come from a KV cache (section 3): the mask is then
-    aligned bottom-right, so one new query sees every cached key. (is_causal in
-    F.scaled_dot_product_attention aligns top-left: wrong for that case.)"""
+    past > 0 when the keys of earlier tokens are cached (the KV cache, next
+    section): the mask is then aligned bottom-right, so a new query sees every
+    cached key. (is_causal in F.scaled_dot_product_attention aligns top-left:
+    wrong for that case.)"""
     return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(past)[None, None]  # [1, 1, T, past+T]
 
 
@@ -128,7 +133,9 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
 # H heads of width dk = D / H attend in parallel, each in its own learned
 # subspace, and w_o mixes their outputs back together. The same module does
 # self-attention (query = key = value) and cross-attention (query from the
-# decoder, key and value from the encoder: Tq and Tk differ).
+# decoder, key and value from the encoder: Tq and Tk differ). When generating,
+# a KVCache keeps the keys and values of earlier tokens, so each step projects
+# only the new token's.
 
 class KVCache:
     """One attention module's keys and values from earlier decoding steps.
@@ -181,6 +188,7 @@ class MultiHeadAttention(nn.Module):
         # 1. project, then split each of q, k, v into heads with its own length
         q = self.split_heads(self.w_q(query))                              # [B, H, Tq, dk]
         if cache is not None and cache.static and len(cache):
+            # cross-attention after the first step: the source's keys and values, as they were
             k, v = cache.k, cache.v                                        # [B, H, Tk, dk] each
         else:
             k = self.split_heads(self.w_k(key))                            # [B, H, Tk, dk]
@@ -247,15 +255,9 @@ class LayerNorm(nn.Module):
 # Every sub-layer (attention or feed-forward) sits in a residual connection
 # with a LayerNorm. The paper normalizes after the sum (post-LN); GPT-2 and most
 # models since normalize the sub-layer's input and leave the residual path
-# untouched (pre-LN), which trains stably without warmup. One function holds
-# both orders, so they read side by side.
-
-def residual(x, norm, sublayer, norm_first):
-    """Residual connection around sublayer, LayerNorm before it or after the sum."""
-    if norm_first:
-        return x + sublayer(norm(x))      # pre-LN:  x + f(LN(x))                [B, T, D]
-    return norm(x + sublayer(x))          # post-LN: LN(x + f(x)), the paper's   [B, T, D]
-
+# untouched (pre-LN), which trains stably without warmup. As in PyTorch's
+# nn.TransformerEncoderLayer, each sub-layer is a small _block method, so the
+# two orders read side by side in forward.
 
 class EncoderLayer(nn.Module):
     """Self-attention, then feed-forward, each in a residual block."""
@@ -272,10 +274,19 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x, mask=None, cache=None):
         """x [B, S, D]; mask [B, 1, 1, S] (padding) or [1, 1, S, S] (causal); cache a KVCache."""
-        sa = lambda h: self.dropout1(self.self_attn(h, h, h, mask, cache))  # noqa: E731   [B, S, D]
-        ff = lambda h: self.dropout2(self.ffn(h))                           # noqa: E731   [B, S, D]
-        x = residual(x, self.norm1, sa, self.norm_first)                   # [B, S, D]
-        return residual(x, self.norm2, ff, self.norm_first)                # [B, S, D]
+        if self.norm_first:  # pre-LN: x + f(LN(x)), the residual path never normalized
+            x = x + self._sa_block(self.norm1(x), mask, cache)             # [B, S, D]
+            x = x + self._ff_block(self.norm2(x))                          # [B, S, D]
+        else:                # post-LN, the paper's: LN(x + f(x))
+            x = self.norm1(x + self._sa_block(x, mask, cache))             # [B, S, D]
+            x = self.norm2(x + self._ff_block(x))                          # [B, S, D]
+        return x
+
+    def _sa_block(self, x, mask, cache):
+        return self.dropout1(self.self_attn(x, x, x, mask, cache))         # [B, S, D]
+
+    def _ff_block(self, x):
+        return self.dropout2(self.ffn(x))                                  # [B, S, D]
 
 
 class DecoderLayer(nn.Module):
@@ -298,13 +309,25 @@ class DecoderLayer(nn.Module):
         """x [B, T, D], memory [B, S, D]; tgt_mask [B, 1, T, T], memory_mask [B, 1, 1, S];
         cache: (self-attention KVCache, static cross-attention KVCache) or None."""
         self_cache, cross_cache = cache or (None, None)
-        sa = lambda h: self.dropout1(self.self_attn(h, h, h, tgt_mask, self_cache))  # noqa: E731  [B, T, D]
+        if self.norm_first:  # pre-LN
+            x = x + self._sa_block(self.norm1(x), tgt_mask, self_cache)                  # [B, T, D]
+            x = x + self._mha_block(self.norm2(x), memory, memory_mask, cross_cache)     # [B, T, D]
+            x = x + self._ff_block(self.norm3(x))                                        # [B, T, D]
+        else:                # post-LN
+            x = self.norm1(x + self._sa_block(x, tgt_mask, self_cache))                  # [B, T, D]
+            x = self.norm2(x + self._mha_block(x, memory, memory_mask, cross_cache))     # [B, T, D]
+            x = self.norm3(x + self._ff_block(x))                                        # [B, T, D]
+        return x
+
+    def _sa_block(self, x, mask, cache):
+        return self.dropout1(self.self_attn(x, x, x, mask, cache))         # [B, T, D]
+
+    def _mha_block(self, x, memory, mask, cache):
         # queries from the decoder, keys and values from the encoder: [B, H, T, S] scores
-        ca = lambda h: self.dropout2(self.cross_attn(h, memory, memory, memory_mask, cross_cache))  # noqa: E731  [B, T, D]
-        ff = lambda h: self.dropout3(self.ffn(h))                          # noqa: E731  [B, T, D]
-        x = residual(x, self.norm1, sa, self.norm_first)                   # [B, T, D]
-        x = residual(x, self.norm2, ca, self.norm_first)                   # [B, T, D]
-        return residual(x, self.norm3, ff, self.norm_first)                # [B, T, D]
+        return self.dropout2(self.cross_attn(x, memory, memory, mask, cache))  # [B, T, D]
+
+    def _ff_block(self, x):
+        return self.dropout3(self.ffn(x))                                  # [B, T, D]
 
 
 # ===========================================================================
@@ -317,9 +340,9 @@ class DecoderLayer(nn.Module):
 
 def check_ids(name, ids, vocab_size, max_len):
     """Token ids must be a [B, T] integer tensor inside the vocabulary and max_len."""
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
-        shape = list(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise ValueError(f"{name} must be a 2-D integer tensor [B, T], got {shape}")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() or not len(ids):
+        found = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"{name} must be a 2-D integer tensor [B, T] with B >= 1, got {found}")
     if not 0 < ids.size(1) <= max_len:
         raise ValueError(f"{name} has length {ids.size(1)}, expected 1 to max_len={max_len}")
     low, high = ids.min().item(), ids.max().item()
@@ -684,9 +707,10 @@ def translate(model, sentences, src_vocab, tgt_vocab, batch_size=256):
     for i in range(0, len(sentences), batch_size):
         ids = [torch.tensor(src_vocab.encode(s.split()), dtype=torch.long) for s in sentences[i:i + batch_size]]  # B x [S_i]
         src = nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=Vocab.PAD).to(device)  # [B, S]
-        # one character per syllable, so S + 1 steps always leave room for eos
+        # one character per syllable, so S + 1 steps leave room for eos; each row is cut
+        # at its own length + 1, so an answer never depends on the batch it was in
         generated = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1)  # [B, <= S+1]
-        out += ["".join(tgt_vocab.decode(row)) for row in generated.tolist()]
+        out += ["".join(tgt_vocab.decode(row[:len(s) + 1])) for row, s in zip(generated.tolist(), ids)]
     return out
 
 
@@ -868,6 +892,13 @@ def gpt_translate(model, sentences, vocab):
     return out
 
 
+def translator(kind, model, src_vocab, tgt_vocab):
+    """pinyin list -> hanzi list with either kind of model ("encdec" or "gpt")."""
+    if kind == "gpt":
+        return lambda sentences: gpt_translate(model, sentences, tgt_vocab)
+    return lambda sentences: translate(model, sentences, src_vocab, tgt_vocab)
+
+
 # ===========================================================================
 # 15. Attention heatmap (注意力热力图)
 # ===========================================================================
@@ -881,12 +912,13 @@ SHADES = " ░▒▓█"
 def render_heatmap(weights, col_labels, row_labels):
     """weights [rows, cols] in [0, 1] -> a text grid, one shade per cell, with a legend."""
     widths = [max(2, len(label)) for label in col_labels]
-    # a hanzi is two columns wide in a terminal: pad row labels to four columns
-    pad = lambda label: label + " " * (4 - sum(1 if c.isascii() else 2 for c in label))  # noqa: E731
-    lines = [pad("") + " ".join(label.ljust(w) for label, w in zip(col_labels, widths))]
-    for label, row in zip(row_labels, weights.tolist()):
+    # a hanzi is two columns wide in a terminal; row labels get a common width
+    columns = [sum(1 if c.isascii() else 2 for c in label) for label in row_labels]
+    label_width = max([3] + columns) + 1
+    lines = [" " * label_width + " ".join(label.ljust(w) for label, w in zip(col_labels, widths))]
+    for label, n, row in zip(row_labels, columns, weights.tolist()):
         cells = [SHADES[min(int(w * len(SHADES)), len(SHADES) - 1)] * width for w, width in zip(row, widths)]
-        lines.append(pad(label) + " ".join(cells))
+        lines.append(label + " " * (label_width - n) + " ".join(cells))
     step = 1 / len(SHADES)
     lines.append("legend: " + "  ".join(f"'{s}' {i * step:.1f}-{(i + 1) * step:.1f}" for i, s in enumerate(SHADES)))
     return "\n".join(lines)
@@ -896,9 +928,11 @@ def render_heatmap(weights, col_labels, row_labels):
 def cross_attention_map(model, src, out, head=None):
     """src [1, S] and the decoded out [1, T] -> the last decoder layer's
     cross-attention [T, S]: row t is what the query predicting out[t] read."""
+    was_training = model.training
     model.eval()
     tgt = torch.cat([torch.full_like(out[:, :1], Vocab.BOS), out[:, :-1]], dim=1)  # [1, T]
     model.decode(tgt, model.encode(src), src)                              # [1, T, V]
+    model.train(was_training)
     weights = model.decoder_layers[-1].cross_attn.attn_weights[0]          # [H, T, S]
     return weights.mean(dim=0) if head is None else weights[head]          # [T, S]
 
@@ -914,7 +948,7 @@ def read_pairs(path):
     """(pinyin, hanzi) pairs from a TSV file; the first answer wins for a repeated
     pinyin. Raises ValueError naming the file and line."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not text
             lines = f.read().splitlines()
     except OSError as e:
         raise ValueError(f"{path}: {e.strerror}") from None
@@ -960,7 +994,10 @@ def save_checkpoint(path, kind, model, src_vocab, tgt_vocab):
     checkpoint = {"format": CHECKPOINT_FORMAT, "kind": kind, "config": model.config,
                   "state_dict": model.state_dict(), "src_vocab": src_vocab.itos, "tgt_vocab": tgt_vocab.itos}
     fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", dir=os.path.dirname(os.path.abspath(path)))
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's file is private; a saved model is not
         with os.fdopen(fd, "wb") as f:
             torch.save(checkpoint, f)
             f.flush()
@@ -985,16 +1022,14 @@ def load_checkpoint(path, device="cpu"):
     try:
         model = MODEL_CLASSES[checkpoint["kind"]](**checkpoint["config"]).to(device)
         model.load_state_dict(checkpoint["state_dict"])
-    except (KeyError, TypeError, RuntimeError) as e:
-        raise ValueError(f"{path}: damaged checkpoint ({type(e).__name__})") from None
-    return checkpoint["kind"], model.eval(), Vocab(checkpoint["src_vocab"]), Vocab(checkpoint["tgt_vocab"])
-
-
-def translator(kind, model, src_vocab, tgt_vocab):
-    """The one function that answers pinyin with hanzi, whichever model it is."""
-    if kind == "gpt":
-        return lambda sentences: gpt_translate(model, sentences, tgt_vocab)
-    return lambda sentences: translate(model, sentences, src_vocab, tgt_vocab)
+        vocabs = Vocab(checkpoint["src_vocab"]), Vocab(checkpoint["tgt_vocab"])
+        sizes = [model.config.get(key, model.config.get("vocab_size")) for key in ("src_vocab_size", "tgt_vocab_size")]
+        if [len(vocab) for vocab in vocabs] != sizes:
+            raise ValueError(f"vocabularies of {[len(v) for v in vocabs]} tokens for a model of {sizes}")
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        detail = " ".join(str(e).split())[:100]  # one line, however long torch's message
+        raise ValueError(f"{path}: damaged checkpoint ({type(e).__name__}: {detail})") from None
+    return checkpoint["kind"], model.eval(), *vocabs
 
 
 # ===========================================================================
@@ -1176,6 +1211,8 @@ def main(argv=None):
         loaded = load_checkpoint(args.load, device) if args.load else None
     except ValueError as e:
         parser.error(str(e))
+    if args.save and not os.path.isdir(os.path.dirname(os.path.abspath(args.save))):
+        parser.error(f"--save {args.save}: no such folder")  # say so now, not after training
     n_heads = loaded[1].config["n_heads"] if loaded else TOY_MODELS["encdec"]["config"]["n_heads"]
     if args.head is not None and args.head >= n_heads:
         parser.error(f"--head {args.head}: the model has heads 0 to {n_heads - 1}")
