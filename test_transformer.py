@@ -1,14 +1,30 @@
-"""Tests for transformer.py, sections 1-9: every piece against PyTorch's own.
+"""Tests for transformer.py, in the file's order: every piece against PyTorch's own.
 
 Each component is compared with its PyTorch counterpart, weights copied, in eval
 mode, float32, max abs difference <= 1e-5 (unless a test says otherwise). Each
-mistake of GUIDE.md section 5 that these sections can make has a test named
-after it (test_pitfallN_...), written so that the mistaken version would fail.
+mistake of GUIDE.md section 5 has a test named after it (test_pitfallN_...),
+written so that the mistaken version would fail. Then the toy data, decoding,
+training, the KV cache, the GPT on the toy task, the heatmap, --data,
+checkpoints and the command line.
 
-    python -m pytest -q test_transformer.py
+    python -m pytest -q
 """
 
+import contextlib
+import inspect
+import io
 import math
+import os
+import pickle
+import queue
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import unicodedata
 
 import pytest
 import torch
@@ -759,11 +775,6 @@ def test_pitfall2_seed000_param_count(tie):
 # sit here so the tests of sections 1-9 above stay as they were.
 # ===========================================================================
 
-import inspect  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -1334,15 +1345,6 @@ def test_translate_empty_sentence_order_independent():
 # ===========================================================================
 # Imports for Part II sit here so the tests above stay as they were.
 
-import contextlib  # noqa: E402
-import io  # noqa: E402
-import pickle  # noqa: E402
-import queue  # noqa: E402
-import random  # noqa: E402
-import signal  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import unicodedata  # noqa: E402
 
 
 def test_make_causal_mask_with_past_is_bottom_right_aligned():
@@ -2035,7 +2037,7 @@ def cli_runs(tmp_path_factory):
 def test_cli_default_trains_both_and_compares(cli_runs):
     status, out, err = cli_runs["both"]
     assert status == 0 and err == ""
-    assert "toy task: 30 pinyin sentences, 3 held out" in out
+    assert "data: 30 pinyin sentences, 3 held out" in out
     assert out.count("held-out exact-match accuracy:") == 2       # one report per model
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if "held-out exact match" in line)
@@ -2201,3 +2203,79 @@ def test_cli_ctrl_c_stops_training_reports_and_saves(tmp_path):
     assert f"saved the encoder-decoder model to {model_path}" in out
     kind, model, _, _ = tf.load_checkpoint(str(model_path))
     assert kind == "encdec" and isinstance(model, tf.Transformer)
+
+
+# ===========================================================================
+# Bad input found in review: each a ValueError (or one CLI line), never a crash
+# ===========================================================================
+
+@pytest.mark.parametrize("build", [
+    lambda: tf.MultiHeadAttention(16, 0), lambda: tf.MultiHeadAttention(16, -2),
+    lambda: tf.PositionalEncoding(0), lambda: tf.PositionalEncoding(7)])
+def test_bad_sizes_raise_value_error(build):
+    with pytest.raises(ValueError):
+        build()
+
+
+def test_bool_ids_and_bad_generate_arguments_raise_value_error():
+    model = tf.DecoderOnlyTransformer(20, 16, 1, 2, 32, max_len=32).eval()
+    with pytest.raises(ValueError, match="integer"):
+        model(torch.ones(1, 3, dtype=torch.bool))
+    prompt = torch.tensor([[1, 2, 3]])
+    for kwargs, word in [(dict(max_new_tokens=-1), "max_new_tokens"),
+                         (dict(max_new_tokens=2, temperature=float("nan")), "temperature"),
+                         (dict(max_new_tokens=2, temperature=1.0, top_k=2.5), "top_k")]:
+        with pytest.raises(ValueError, match=word):
+            model.generate(prompt, **kwargs)
+
+
+def test_greedy_decode_max_len_beyond_the_model_names_max_len():
+    model = tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=8)
+    with pytest.raises(ValueError, match="max_len must be 1 to 7"):
+        tf.greedy_decode(model, torch.tensor([[4, 5]]), tf.Vocab.BOS, tf.Vocab.EOS, 8)
+
+
+def test_eval_mode_restores_training_even_on_error():
+    model = tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=8).train()
+    with pytest.raises(ValueError):
+        tf.greedy_decode(model, torch.tensor([[4, 99]]), tf.Vocab.BOS, tf.Vocab.EOS, 4)  # id 99 >= vocab
+    assert model.training
+
+
+def test_load_checkpoint_refuses_a_forged_layer_count_without_building_it(tmp_path):
+    model = tf.DecoderOnlyTransformer(20, 16, 1, 2, 32, max_len=16)
+    path = str(tmp_path / "m.pt")
+    tf.save_checkpoint(path, "gpt", model, tf.Vocab([]), tf.Vocab(list("abcdefghijklmnop")))
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["config"]["n_layers"] = 10 ** 6
+    torch.save(checkpoint, path)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="layers"):
+        tf.load_checkpoint(path)
+    assert time.perf_counter() - start < 2
+
+
+def test_cli_load_refuses_training_options(capsys):
+    for extra in (["--save", "x.pt"], ["--epochs", "3"], ["--model", "gpt"]):
+        with pytest.raises(SystemExit) as info:
+            tf.main(["--load", "whatever.pt", *extra])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "--load" in err
+
+
+def test_cli_save_to_an_empty_name_is_refused_before_training(capsys):
+    with pytest.raises(SystemExit) as info:
+        tf.main(["--save", "", "--device", "cpu"])
+    assert info.value.code == 2
+    assert "--save" in capsys.readouterr().err
+
+
+def test_cli_translate_trains_one_model_and_prints_only_the_answer(tmp_path, capsys):
+    data = tmp_path / "pairs.tsv"
+    data.write_text("".join(f"{p}\t{h}\n" for p, h in tf.make_toy_data(n_sentences=30, seed=0)), encoding="utf-8")
+    pinyin = tf.make_toy_data(n_sentences=30, seed=0)[0][0]
+    assert tf.main(["--data", str(data), "--epochs", "1", "--device", "cpu", "--translate", pinyin]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 1                      # the answer, nothing else
+    assert "encoder-decoder" in err and "decoder-only" not in err  # progress on stderr, one model

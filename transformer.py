@@ -20,6 +20,7 @@ checkpoints and the command line.
 #   B batch, S source length, T target length, D d_model, H heads,
 #   dk = D // H (one head's width), F d_ff, V vocabulary size.
 # Attention scores are [B, H, Tq, Tk]: one row per query, one column per key.
+# With a KV cache (section 3) t tokens are already cached and Tn are new.
 
 import argparse
 import contextlib
@@ -63,8 +64,8 @@ class PositionalEncoding(nn.Module):
 
     def __init__(self, d_model, max_len=5000, dropout=0.1):
         super().__init__()
-        if d_model % 2:
-            raise ValueError(f"d_model must be even for sin/cos pairs, got {d_model}")
+        if d_model < 2 or d_model % 2:
+            raise ValueError(f"d_model must be a positive even number (sin/cos pairs), got {d_model}")
         self.dropout = nn.Dropout(dropout)
         position = torch.arange(max_len).unsqueeze(1)                      # [max_len, 1]
         # 10000^(-2i/D) computed as exp(-2i * ln(10000) / D): no huge powers
@@ -165,8 +166,8 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, d_model, n_heads, dropout=0.1):
         super().__init__()
-        if d_model % n_heads:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        if n_heads < 1 or d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads}), n_heads >= 1")
         self.d_model, self.n_heads, self.dk = d_model, n_heads, d_model // n_heads
         self.w_q = nn.Linear(d_model, d_model)
         self.w_k = nn.Linear(d_model, d_model)
@@ -340,7 +341,8 @@ class DecoderLayer(nn.Module):
 
 def check_ids(name, ids, vocab_size, max_len):
     """Token ids must be a [B, T] integer tensor inside the vocabulary and max_len."""
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() or not len(ids):
+    integer = isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.dtype != torch.bool
+    if not integer or ids.dim() != 2 or not len(ids):
         found = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise ValueError(f"{name} must be a 2-D integer tensor [B, T] with B >= 1, got {found}")
     if not 0 < ids.size(1) <= max_len:
@@ -349,6 +351,18 @@ def check_ids(name, ids, vocab_size, max_len):
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """Eval mode (no dropout) inside the block; the caller's mode comes back after,
+    even on an error."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 def init_embedding(embedding):
@@ -419,8 +433,8 @@ class Transformer(nn.Module):
         x = self.embed(self.tgt_embed, new, start=past)                    # [B, Tn, D]
         for i, layer in enumerate(self.decoder_layers):
             x = layer(x, memory, tgt_mask, memory_mask, cache[i] if cache else None)  # [B, Tn, D]
-        x = self.decoder_norm(x) if self.decoder_norm else x               # [B, T, D]
-        return self.output_proj(x)                                         # [B, T, V]
+        x = self.decoder_norm(x) if self.decoder_norm else x               # [B, Tn, D]
+        return self.output_proj(x)                                         # [B, Tn, V]
 
     def forward(self, src, tgt):
         """src [B, S], tgt [B, T] -> logits [B, T, V] for the next token at every position."""
@@ -483,12 +497,16 @@ class DecoderOnlyTransformer(nn.Module):
         if input_ids.size(1) + max_new_tokens > self.max_len:
             raise ValueError(f"prompt length {input_ids.size(1)} + max_new_tokens {max_new_tokens}"
                              f" exceeds max_len={self.max_len}")
-        if temperature < 0:
+        if not max_new_tokens >= 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not temperature >= 0:  # also refuses NaN
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be a positive number of tokens or None, got {top_k}")
-        was_training = self.training
-        self.eval()
+        if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
+            raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+        with eval_mode(self):
+            return self._generate(input_ids, max_new_tokens, temperature, top_k, generator, use_cache)
+
+    def _generate(self, input_ids, max_new_tokens, temperature, top_k, generator, use_cache):
         cache = self.new_cache() if use_cache else None
         for _ in range(max_new_tokens):
             logits = self(input_ids, cache)[:, -1]                         # [B, V]
@@ -502,7 +520,6 @@ class DecoderOnlyTransformer(nn.Module):
                 probs = logits.softmax(dim=-1)                             # [B, V]
                 next_id = torch.multinomial(probs, 1, generator=generator)  # [B, 1]
             input_ids = torch.cat([input_ids, next_id], dim=1)             # [B, T+1]
-        self.train(was_training)
         return input_ids                                                   # [B, T + max_new_tokens]
 
 
@@ -683,20 +700,20 @@ def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True):
     use_cache changes the work per step, not the tokens."""
     if bos_id == model.pad_id:
         raise ValueError(f"bos_id ({bos_id}) must differ from the pad id: decoding would start from padding")
-    was_training = model.training
-    model.eval()
-    memory = model.encode(src)                                             # [B, S, D]
+    if not 1 <= max_len < model.max_len:
+        raise ValueError(f"max_len must be 1 to {model.max_len - 1} (the model's max_len less bos), got {max_len}")
     ys = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)  # [B, 1]
     done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)   # [B]
     cache = model.new_cache() if use_cache else None
-    for _ in range(max_len):
-        logits = model.decode(ys, memory, src, cache)[:, -1]               # [B, V]
-        next_id = logits.argmax(dim=-1).masked_fill(done, model.pad_id)    # [B]
-        ys = torch.cat([ys, next_id[:, None]], dim=1)                      # [B, t+1]
-        done |= next_id == eos_id                                          # [B]
-        if done.all():
-            break
-    model.train(was_training)
+    with eval_mode(model):
+        memory = model.encode(src)                                         # [B, S, D]
+        for _ in range(max_len):
+            logits = model.decode(ys, memory, src, cache)[:, -1]           # [B, V]
+            next_id = logits.argmax(dim=-1).masked_fill(done, model.pad_id)  # [B]
+            ys = torch.cat([ys, next_id[:, None]], dim=1)                  # [B, t+1]
+            done |= next_id == eos_id                                      # [B]
+            if done.all():
+                break
     return ys[:, 1:]                                                       # [B, <= max_len]
 
 
@@ -750,7 +767,7 @@ def evaluate(translate_fn, pairs, ambiguous=()):
 # updates are noisy, so they are kept small. Ctrl-C stops after the current
 # step and returns what was learned so far.
 
-def noam_lambda(d_model, warmup):
+def noam_lambda(d_model, warmup):  # "Noam" after Noam Shazeer, the paper's second author
     """lr multiplier after `step` scheduler steps, with s = step + 1 (so it is never
     0): d_model^-0.5 * min(s^-0.5, s * warmup^-1.5), the peak at s = warmup."""
     return lambda step: d_model ** -0.5 * min((step + 1) ** -0.5, (step + 1) * warmup ** -1.5)
@@ -791,7 +808,7 @@ def train(model, dataset, evaluate_fn, epochs=12, batch_size=64, lr_factor=0.25,
     criterion = nn.CrossEntropyLoss(ignore_index=Vocab.PAD, label_smoothing=label_smoothing)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr_factor, betas=(0.9, 0.98), eps=1e-9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, noam_lambda(model.d_model, warmup))
-    start, loss_sum, count, accuracy = time.perf_counter(), 0.0, 0, 0.0
+    start, accuracy = time.perf_counter(), 0.0
     with stop_on_ctrl_c() as stop:
         for epoch in range(1, epochs + 1):
             model.train()
@@ -928,11 +945,9 @@ def render_heatmap(weights, col_labels, row_labels):
 def cross_attention_map(model, src, out, head=None):
     """src [1, S] and the decoded out [1, T] -> the last decoder layer's
     cross-attention [T, S]: row t is what the query predicting out[t] read."""
-    was_training = model.training
-    model.eval()
     tgt = torch.cat([torch.full_like(out[:, :1], Vocab.BOS), out[:, :-1]], dim=1)  # [1, T]
-    model.decode(tgt, model.encode(src), src)                              # [1, T, V]
-    model.train(was_training)
+    with eval_mode(model):
+        model.decode(tgt, model.encode(src), src)                          # [1, T, V]
     weights = model.decoder_layers[-1].cross_attn.attn_weights[0]          # [H, T, S]
     return weights.mean(dim=0) if head is None else weights[head]          # [T, S]
 
@@ -1020,8 +1035,18 @@ def load_checkpoint(path, device="cpu"):
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path}: not a transformer.py checkpoint")
     try:
-        model = MODEL_CLASSES[checkpoint["kind"]](**checkpoint["config"]).to(device)
-        model.load_state_dict(checkpoint["state_dict"])
+        cls, config, state = MODEL_CLASSES[checkpoint["kind"]], checkpoint["config"], checkpoint["state_dict"]
+        # layer indices in the weights' names ("layers.3.ffn.fc1.weight"): a forged
+        # n_layers of a million would take minutes to build, even on the meta device
+        stored_layers = {name.split(".")[1] for name in state if name.split(".")[0].endswith("layers")}
+        if config["n_layers"] != len(stored_layers):
+            raise ValueError(f"config has {config['n_layers']} layers, the weights {len(stored_layers)}")
+        with torch.device("meta"):  # check the shapes first: a forged config cannot allocate
+            expected = {name: tuple(t.shape) for name, t in cls(**config).state_dict().items()}
+        if expected != {name: tuple(t.shape) for name, t in state.items()}:
+            raise ValueError("the weights do not fit the configuration")
+        model = cls(**config).to(device)
+        model.load_state_dict(state)
         vocabs = Vocab(checkpoint["src_vocab"]), Vocab(checkpoint["tgt_vocab"])
         sizes = [model.config.get(key, model.config.get("vocab_size")) for key in ("src_vocab_size", "tgt_vocab_size")]
         if [len(vocab) for vocab in vocabs] != sizes:
@@ -1090,9 +1115,12 @@ def show_models(device):
             counted = count_parameters(cls(**cfg))
         print(f"  {name:34s} {counted:13,d} {FORMULAS[cls](**cfg):13,d}  {reported}")
     print("  base/big: the shared 37,000-token vocabulary ties source, target and output embeddings.")
-    print("  GPT-2 small: add its learned position table, 1024 x 768 = 786,432, for 124,439,808;")
-    print("  the sinusoidal encoding here has no parameters.")
-    print("  seed 000: 70M untied; even tied (lm_head = token_embedding) it is 44.6M, not 30-odd M.")
+    gpt2 = CLASSIC_CONFIGS[2][2]
+    print(f"  GPT-2 small: add its learned position table, 1024 x 768 = {1024 * 768:,}, for "
+          f"{decoder_only_param_formula(**gpt2) + 1024 * 768:,}; the sinusoidal encoding here has none.")
+    tied = decoder_only_param_formula(**SEED_000_CONFIG, tie_weights=True)
+    print(f"  seed 000: {decoder_only_param_formula(**SEED_000_CONFIG) / 1e6:.1f}M untied; even tied "
+          f"(lm_head = token_embedding) it is {tied / 1e6:.1f}M, not 30-odd M.")
     torch.manual_seed(0)
     gpt = DecoderOnlyTransformer(1000, 512, 2, 8, 2048, max_len=512).to(device).eval()
     prompt = torch.randint(0, 1000, (1, 8), device=device)                 # [B, T]
@@ -1187,50 +1215,26 @@ def int_at_least(low):
     def parse(text):
         value = int(text) if re.fullmatch(r"-?\d+", text) else None
         if value is None or not low <= value < 2 ** 63:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to 2^63 - 1, got {text!r}")
         return value
     return parse
 
 
-def main(argv=None):
-    parser = OneLineParser(prog="transformer.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or mps")
-    parser.add_argument("--epochs", type=int_at_least(1), help="training epochs (default: 12 for each model)")
-    parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed for the data, split, weights, batches")
-    parser.add_argument("--model", choices=["encdec", "gpt", "both"], default="both",
-                        help="which toy model to train (default both; --save and --translate use the first)")
-    parser.add_argument("--data", metavar="FILE.tsv", help="train on your own pinyin<TAB>hanzi lines")
-    parser.add_argument("--save", metavar="PATH", help="after training, save the model and its vocabularies")
-    parser.add_argument("--load", metavar="PATH", help="load a saved model instead of training")
-    parser.add_argument("--translate", metavar="PINYIN", help="answer this pinyin sentence ('-': one per stdin line)")
-    parser.add_argument("--head", type=int_at_least(0), help="draw this head's attention in the heatmap, not the mean")
-    args = parser.parse_args(argv)
-    try:
-        device = pick_device(args.device)
-        pairs = read_pairs(args.data) if args.data else None
-        loaded = load_checkpoint(args.load, device) if args.load else None
-    except ValueError as e:
-        parser.error(str(e))
-    if args.save and not os.path.isdir(os.path.dirname(os.path.abspath(args.save))):
-        parser.error(f"--save {args.save}: no such folder")  # say so now, not after training
-    n_heads = loaded[1].config["n_heads"] if loaded else TOY_MODELS["encdec"]["config"]["n_heads"]
-    if args.head is not None and args.head >= n_heads:
-        parser.error(f"--head {args.head}: the model has heads 0 to {n_heads - 1}")
-    if args.translate is None:
-        print(f"device: {device}, torch {torch.__version__}\n")
-        if not (loaded or args.data):
-            show_models(device)
-    pairs = pairs or make_toy_data(seed=args.seed)
+def run(args, device, pairs, loaded):
+    """Train each model asked for (or take the loaded one), report on the held-out
+    sentences, draw the heatmap, save; -> the first (kind, model, src_vocab, tgt_vocab)."""
+    answering = args.translate is not None
     train_pairs, test_pairs = split_data(pairs, seed=args.seed)
     ambiguous = ambiguous_syllables(pairs)
     if loaded:
         kinds = [loaded[0]]
-        if args.translate is None:
+        if not answering:
             print(f"loaded {args.load}; 'held out' below is the split of --seed {args.seed}: unseen "
                   f"only if the model was trained with that seed and data")
     else:
-        kinds = ["encdec", "gpt"] if args.model == "both" else [args.model]
-        print(f"\ntoy task: {len(pairs):,} pinyin sentences, {len(test_pairs):,} held out, "
+        kinds = ["encdec", "gpt"] if args.model in (None, "both") else [args.model]
+        kinds = kinds[:1] if answering else kinds  # one model answers: train only that one
+        print(f"\ndata: {len(pairs):,} pinyin sentences, {len(test_pairs):,} held out, "
               f"{len(ambiguous)} syllables with two or more characters")
     results = {}
     for kind in kinds:
@@ -1239,31 +1243,74 @@ def main(argv=None):
         else:
             model, src_vocab, tgt_vocab, result = train_toy_model(
                 kind, train_pairs, test_pairs, device, args.epochs, args.seed)
-        if args.translate is None:
+        if not answering:
             result.update(report(translator(kind, model, src_vocab, tgt_vocab), test_pairs, ambiguous))
             if kind == "encdec":
                 show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, args.head)
         results[kind] = (model, src_vocab, tgt_vocab, result)
         if result.get("interrupted"):
             break
-    if len(results) > 1 and args.translate is None:
+    if len(results) > 1:
         print(f"\n  {'model':20s} {'parameters':>10s} {'train s':>8s}  held-out exact match")
         for kind, (model, _, _, r) in results.items():
             print(f"  {TOY_MODELS[kind]['name']:20s} {count_parameters(model):10,d} {r['seconds']:8.1f}"
                   f"  {100 * r['accuracy']:.1f}% ({r['exact']}/{r['total']})")
     kind = kinds[0]
     model, src_vocab, tgt_vocab, _ = results[kind]
-    if args.save and not loaded:
-        try:
-            save_checkpoint(args.save, kind, model, src_vocab, tgt_vocab)
-        except OSError as e:
-            parser.error(f"--save {args.save}: {e.strerror}")
+    if args.save:
+        save_checkpoint(args.save, kind, model, src_vocab, tgt_vocab)
         print(f"saved the {TOY_MODELS[kind]['name']} model to {args.save}")
+    return kind, model, src_vocab, tgt_vocab
+
+
+def main(argv=None):
+    parser = OneLineParser(prog="transformer.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or mps")
+    parser.add_argument("--epochs", type=int_at_least(1),
+                        help=f"training epochs (default: {TOY_MODELS['encdec']['epochs']} for each model)")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed for the data, split, weights, batches")
+    parser.add_argument("--model", choices=["encdec", "gpt", "both"],
+                        help="which toy model to train (default both; --save and --translate use the first)")
+    parser.add_argument("--data", metavar="FILE.tsv", help="train on your own pinyin<TAB>hanzi lines")
+    parser.add_argument("--save", metavar="PATH", help="after training, save the model and its vocabularies")
+    parser.add_argument("--load", metavar="PATH", help="load a saved model instead of training")
+    parser.add_argument("--translate", metavar="PINYIN", help="answer this pinyin sentence ('-': one per stdin line)")
+    parser.add_argument("--head", type=int_at_least(0), help="draw this head's attention in the heatmap, not the mean")
+    args = parser.parse_args(argv)
+    # every problem that can be seen before the work starts is reported before it starts
+    if args.load and (args.save or args.epochs or args.model):
+        parser.error("--load skips training, so --save, --epochs and --model do not apply")
+    if args.save is not None and not (os.path.basename(args.save)
+                                      and os.path.isdir(os.path.dirname(os.path.abspath(args.save)))):
+        parser.error(f"--save {args.save!r}: expected a file name in an existing folder")
+    try:
+        device = pick_device(args.device)
+    except ValueError as e:
+        parser.error(f"--device: {e}")
+    try:
+        pairs = read_pairs(args.data) if args.data else make_toy_data(seed=args.seed)
+        loaded = load_checkpoint(args.load, device) if args.load else None
+    except ValueError as e:
+        parser.error(str(e))
+    n_heads = loaded[1].config["n_heads"] if loaded else TOY_MODELS["encdec"]["config"]["n_heads"]
+    if args.head is not None and args.head >= n_heads:
+        parser.error(f"--head {args.head}: the model has heads 0 to {n_heads - 1}")
     if args.translate is None:
+        print(f"device: {device}, torch {torch.__version__}\n")
+        if not (loaded or args.data):
+            show_models(device)
+        run(args, device, pairs, loaded)
         return 0
+    # answering: the answers alone go to stdout, the training progress to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        kind, model, src_vocab, tgt_vocab = run(args, device, pairs, loaded)
     lines = sys.stdin if args.translate == "-" else [args.translate]
     return answer_lines(translator(kind, model, src_vocab, tgt_vocab), src_vocab, model.max_len, lines)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # the reader left early (| head): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
