@@ -347,7 +347,7 @@ def check_ids(name, ids, vocab_size, max_len):
         raise ValueError(f"{name} must be a 2-D integer tensor [B, T] with B >= 1, got {found}")
     if not 0 < ids.size(1) <= max_len:
         raise ValueError(f"{name} has length {ids.size(1)}, expected 1 to max_len={max_len}")
-    low, high = ids.min().item(), ids.max().item()
+    low, high = ids.min().item(), ids.max().item()                     # two ints from [B, T]
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
@@ -507,7 +507,7 @@ class DecoderOnlyTransformer(nn.Module):
             return self._generate(input_ids, max_new_tokens, temperature, top_k, generator, use_cache)
 
     def _generate(self, input_ids, max_new_tokens, temperature, top_k, generator, use_cache):
-        cache = self.new_cache() if use_cache else None
+        cache = self.new_cache() if use_cache else None                    # per layer [B, H, t, dk]
         for _ in range(max_new_tokens):
             logits = self(input_ids, cache)[:, -1]                         # [B, V]
             if temperature == 0:
@@ -655,8 +655,8 @@ class Vocab:
 
 def build_vocabs(pairs):
     """Source vocabulary of syllables, target vocabulary of characters."""
-    return (Vocab(s for pinyin, _ in pairs for s in pinyin.split()),
-            Vocab(c for _, hanzi in pairs for c in hanzi))
+    return (Vocab(s for pinyin, _ in pairs for s in pinyin.split()),    # ['wo', 'ai', ...]
+            Vocab(c for _, hanzi in pairs for c in hanzi))                # ['我', '爱', ...]
 
 
 class PinyinDataset(torch.utils.data.Dataset):
@@ -722,12 +722,14 @@ def translate(model, sentences, src_vocab, tgt_vocab, batch_size=256):
     device = next(model.parameters()).device
     out = []
     for i in range(0, len(sentences), batch_size):
-        ids = [torch.tensor(src_vocab.encode(s.split()), dtype=torch.long) for s in sentences[i:i + batch_size]]  # B x [S_i]
-        src = nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=Vocab.PAD).to(device)  # [B, S]
+        chunk = [src_vocab.encode(s.split()) for s in sentences[i:i + batch_size]]  # B lists of ids
+        # collate pads every row to the longest (an empty sentence becomes all padding)
+        src, = collate([(torch.tensor(ids, dtype=torch.long),) for ids in chunk])  # [B, S]
+        src = src.to(device)                                               # [B, S]
         # one character per syllable, so S + 1 steps leave room for eos; each row is cut
         # at its own length + 1, so an answer never depends on the batch it was in
         generated = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1)  # [B, <= S+1]
-        out += ["".join(tgt_vocab.decode(row[:len(s) + 1])) for row, s in zip(generated.tolist(), ids)]
+        out += ["".join(tgt_vocab.decode(row[:len(ids) + 1])) for row, ids in zip(generated.tolist(), chunk)]
     return out
 
 
@@ -804,7 +806,7 @@ def train(model, dataset, evaluate_fn, epochs=12, batch_size=64, lr_factor=0.25,
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collate,
-                                         generator=torch.Generator().manual_seed(seed))
+                                         generator=torch.Generator().manual_seed(seed))  # [B, longest] fields
     criterion = nn.CrossEntropyLoss(ignore_index=Vocab.PAD, label_smoothing=label_smoothing)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr_factor, betas=(0.9, 0.98), eps=1e-9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, noam_lambda(model.d_model, warmup))
@@ -855,7 +857,7 @@ def time_generation(model, prompt, max_new_tokens):
         start = time.perf_counter()
         tokens[use_cache] = model.generate(prompt, max_new_tokens, use_cache=use_cache)  # [B, T+n]
         seconds[use_cache] = time.perf_counter() - start
-    return seconds[True], seconds[False], torch.equal(tokens[True], tokens[False])
+    return seconds[True], seconds[False], torch.equal(tokens[True], tokens[False])  # same [B, T+n]?
 
 
 # ===========================================================================
@@ -887,7 +889,7 @@ class PromptDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         pinyin, hanzi = self.pairs[i]
-        prompt = self.vocab.encode(pinyin.split() + [SEP])
+        prompt = self.vocab.encode(pinyin.split() + [SEP])                # ids of ['wo', 'ai', '<sep>']
         ids = torch.tensor(prompt + self.vocab.encode(hanzi) + [Vocab.EOS])  # [L]
         target = ids[1:].clone()                                           # [L-1]
         target[:len(prompt) - 1] = Vocab.PAD  # positions that would predict the prompt
@@ -974,10 +976,10 @@ def read_pairs(path):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         where = f"{path}:{number}:"
-        fields = line.split("\t")
+        fields = line.split("\t")                                           # ['wo ai', '我爱']
         if len(fields) != 2:
             raise ValueError(f"{where} expected 'pinyin<TAB>hanzi', found {len(fields)} tab-separated fields")
-        syllables, hanzi = fields[0].split(), fields[1].strip()
+        syllables, hanzi = fields[0].split(), fields[1].strip()             # ['wo', 'ai'], '我爱'
         if not syllables or not hanzi:
             raise ValueError(f"{where} empty {'pinyin' if not syllables else 'hanzi'}")
         bad = next((s for s in syllables if not re.fullmatch("[a-z]+", s)), None)
@@ -1191,7 +1193,7 @@ def answer_lines(answer, src_vocab, max_len, lines):
     error line on stderr and the rest still answer. -> exit status."""
     status, longest = 0, (max_len - 2) // 2
     for line in lines:
-        syllables = line.split()
+        syllables = line.split()                                           # ['wo', 'ai', ...]
         unknown = next((s for s in syllables if not (re.fullmatch("[a-z]+", s) and s in src_vocab.stoi)), None)
         if unknown or len(syllables) > longest:
             problem = (f"unknown syllable {unknown!r}" if unknown else
