@@ -798,7 +798,7 @@ def stop_on_ctrl_c():
         signal.signal(signal.SIGINT, previous)
 
 
-def train(model, dataset, evaluate_fn, epochs=12, batch_size=64, lr_factor=0.25, warmup=150,
+def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25, warmup=150,
           label_smoothing=0.1, clip=1.0, seed=0, log=print):
     """Train on dataset items (model inputs..., target) with Adam and warmup; log one
     line per epoch with evaluate_fn()'s held-out accuracy. Returns the last epoch's
@@ -1082,9 +1082,9 @@ CLASSIC_CONFIGS = [
 FORMULAS = {Transformer: transformer_param_formula, DecoderOnlyTransformer: decoder_only_param_formula}
 # the toy models, small enough to train in seconds on two CPU cores
 TOY_MODELS = {
-    "encdec": dict(name="encoder-decoder", epochs=12, lr_factor=0.25,
+    "encdec": dict(name="encoder-decoder", epochs=10, lr_factor=0.25,
                    config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=2, dropout=0.1)),
-    "gpt": dict(name="decoder-only (GPT)", epochs=12, lr_factor=0.35,
+    "gpt": dict(name="decoder-only (GPT)", epochs=10, lr_factor=0.35,
                 config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=3, dropout=0.0)),
 }
 
