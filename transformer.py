@@ -1246,7 +1246,10 @@ def run(args, device, pairs, loaded):
             model, src_vocab, tgt_vocab, result = train_toy_model(
                 kind, train_pairs, test_pairs, device, args.epochs, args.seed)
         if not answering:
-            result.update(report(translator(kind, model, src_vocab, tgt_vocab), test_pairs, ambiguous))
+            answer = translator(kind, model, src_vocab, tgt_vocab)
+            result.update(report(answer, test_pairs, ambiguous))
+            if not args.data:  # the articles' own example
+                print(f"  wo ai xue xi -> {answer(['wo ai xue xi'])[0]}")
             if kind == "encdec":
                 show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, args.head)
         results[kind] = (model, src_vocab, tgt_vocab, result)
