@@ -2279,3 +2279,11 @@ def test_cli_translate_trains_one_model_and_prints_only_the_answer(tmp_path, cap
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 1                      # the answer, nothing else
     assert "encoder-decoder" in err and "decoder-only" not in err  # progress on stderr, one model
+
+
+def test_pitfall3_greedy_decode_refuses_a_3d_source():
+    """Seed 002 decodes torch.tensor([src_seq]).unsqueeze(0), a [1, 1, S] source."""
+    model = tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=8)
+    src = torch.tensor([[4, 5, 6]]).unsqueeze(0)                          # [1, 1, 3]
+    with pytest.raises(ValueError, match=r"2-D integer tensor \[B, T\].*\[1, 1, 3\]"):
+        tf.greedy_decode(model, src, tf.Vocab.BOS, tf.Vocab.EOS, 4)
