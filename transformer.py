@@ -890,10 +890,10 @@ class PromptDataset(torch.utils.data.Dataset):
     def __getitem__(self, i):
         pinyin, hanzi = self.pairs[i]
         prompt = self.vocab.encode(pinyin.split() + [SEP])                # ids of ['wo', 'ai', '<sep>']
-        ids = torch.tensor(prompt + self.vocab.encode(hanzi) + [Vocab.EOS])  # [L]
-        target = ids[1:].clone()                                           # [L-1]
+        ids = torch.tensor(prompt + self.vocab.encode(hanzi) + [Vocab.EOS])  # [S+T+2]
+        target = ids[1:].clone()                                           # [S+T+1]
         target[:len(prompt) - 1] = Vocab.PAD  # positions that would predict the prompt
-        return ids[:-1], target                                            # [L-1], [L-1]
+        return ids[:-1], target                                            # [S+T+1] each
 
 
 def gpt_translate(model, sentences, vocab):
@@ -903,10 +903,10 @@ def gpt_translate(model, sentences, vocab):
     by_length, out = {}, [""] * len(sentences)
     for i, sentence in enumerate(sentences):
         by_length.setdefault(len(sentence.split()), []).append(i)
-    for n, rows in by_length.items():
-        prompt = torch.tensor([vocab.encode(sentences[i].split() + [SEP]) for i in rows], device=device)  # [B, n+1]
-        ids = model.generate(prompt, max_new_tokens=n + 1)                 # [B, 2n+2]
-        for i, answer in zip(rows, ids[:, n + 1:].tolist()):
+    for S, rows in by_length.items():
+        prompt = torch.tensor([vocab.encode(sentences[i].split() + [SEP]) for i in rows], device=device)  # [B, S+1]
+        ids = model.generate(prompt, max_new_tokens=S + 1)                 # [B, 2S+2]: T = S, + eos
+        for i, answer in zip(rows, ids[:, S + 1:].tolist()):
             out[i] = "".join(vocab.decode(answer))
     return out
 
@@ -1164,8 +1164,9 @@ def report(answer, test_pairs, ambiguous, n_examples=6):
               f"{', '.join(sorted(ambiguous)[:4])}): "
               f"{100 * result['ambiguous_right'] / result['ambiguous_total']:.1f}% "
               f"({result['ambiguous_right']}/{result['ambiguous_total']})")
+    # the mistakes first (False sorts before True), then correct answers
     rows = sorted(zip(test_pairs, result["predictions"]), key=lambda row: row[0][1] == row[1])[:n_examples]
-    width = max(len(pinyin) for (pinyin, _), _ in rows)  # the mistakes first, then correct answers
+    width = max(len(pinyin) for (pinyin, _), _ in rows)
     print(f"  {'pinyin (held out)':{width}s}  {'expected':24s}  predicted")
     for (pinyin, hanzi), predicted in rows:
         mark = "" if predicted == hanzi else "  ✗ wrong"
