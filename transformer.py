@@ -722,7 +722,7 @@ def translate(model, sentences, src_vocab, tgt_vocab, batch_size=256):
     device = next(model.parameters()).device
     out = []
     for i in range(0, len(sentences), batch_size):
-        chunk = [src_vocab.encode(s.split()) for s in sentences[i:i + batch_size]]  # B lists of ids
+        chunk = [src_vocab.encode(s.split()) for s in sentences[i:i + batch_size]]  # B lists of [S_i] ids
         # collate pads every row to the longest (an empty sentence becomes all padding)
         src, = collate([(torch.tensor(ids, dtype=torch.long),) for ids in chunk])  # [B, S]
         src = src.to(device)                                               # [B, S]
