@@ -507,6 +507,7 @@ class DecoderOnlyTransformer(nn.Module):
             return self._generate(input_ids, max_new_tokens, temperature, top_k, generator, use_cache)
 
     def _generate(self, input_ids, max_new_tokens, temperature, top_k, generator, use_cache):
+        """generate's loop, its arguments checked, the model in eval mode."""
         cache = self.new_cache() if use_cache else None                    # per layer [B, H, t, dk]
         for _ in range(max_new_tokens):
             logits = self(input_ids, cache)[:, -1]                         # [B, V]
@@ -516,6 +517,7 @@ class DecoderOnlyTransformer(nn.Module):
                 logits = logits / temperature                              # [B, V]
                 if top_k is not None:
                     kth = logits.topk(min(top_k, logits.size(-1))).values[:, -1:]  # [B, 1]
+                    # -inf is safe here (unlike in masks): the k best stay finite
                     logits = logits.masked_fill(logits < kth, float("-inf"))  # [B, V]
                 probs = logits.softmax(dim=-1)                             # [B, V]
                 next_id = torch.multinomial(probs, 1, generator=generator)  # [B, 1]
