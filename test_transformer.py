@@ -2289,3 +2289,27 @@ def test_pitfall3_greedy_decode_refuses_a_3d_source():
     src = torch.tensor([[4, 5, 6]]).unsqueeze(0)                          # [1, 1, 3]
     with pytest.raises(ValueError, match=r"2-D integer tensor \[B, T\].*\[1, 1, 3\]"):
         tf.greedy_decode(model, src, tf.Vocab.BOS, tf.Vocab.EOS, 4)
+
+
+def test_cli_save_onto_a_folder_is_refused_before_training(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        tf.main(["--save", str(tmp_path), "--device", "cpu"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--save" in err
+
+
+def test_cli_save_failing_midway_is_one_line_and_keeps_the_old_file(tmp_path, monkeypatch, capsys):
+    target = tmp_path / "model.pt"
+    target.write_bytes(b"the previous checkpoint")
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(tf.torch, "save", full_disk)
+    with pytest.raises(SystemExit) as info:
+        tf.main(["--data", _tiny_tsv(tmp_path), "--epochs", "1", "--model", "encdec", "--device", "cpu",
+                 "--save", str(target)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "No space left on device" in err
+    assert target.read_bytes() == b"the previous checkpoint"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "pairs.tsv"]  # no temp file left

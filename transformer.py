@@ -1266,7 +1266,11 @@ def run(args, device, pairs, loaded):
     kind = kinds[0]
     model, src_vocab, tgt_vocab, _ = results[kind]
     if args.save:
-        save_checkpoint(args.save, kind, model, src_vocab, tgt_vocab)
+        try:
+            save_checkpoint(args.save, kind, model, src_vocab, tgt_vocab)
+        except OSError as e:  # the disk filled up, the folder went away: the old file is intact
+            print(f"transformer.py: error: --save {args.save}: {e.strerror}", file=sys.stderr)
+            raise SystemExit(2) from None
         print(f"saved the {TOY_MODELS[kind]['name']} model to {args.save}")
     return kind, model, src_vocab, tgt_vocab
 
@@ -1288,8 +1292,8 @@ def main(argv=None):
     # every problem that can be seen before the work starts is reported before it starts
     if args.load and (args.save or args.epochs or args.model):
         parser.error("--load skips training, so --save, --epochs and --model do not apply")
-    if args.save is not None and not (os.path.basename(args.save)
-                                      and os.path.isdir(os.path.dirname(os.path.abspath(args.save)))):
+    if args.save is not None and (not os.path.basename(args.save) or os.path.isdir(args.save)
+                                  or not os.path.isdir(os.path.dirname(os.path.abspath(args.save)))):
         parser.error(f"--save {args.save!r}: expected a file name in an existing folder")
     try:
         device = pick_device(args.device)
