@@ -963,6 +963,9 @@ def cross_attention_map(model, src, out, head=None):
 # one "pinyin<TAB>hanzi" a line, one syllable per character, blank lines and
 # # comments skipped. A line that does not fit is reported as FILE:LINE.
 
+SYLLABLE = re.compile("[a-z]+")  # toneless lowercase pinyin, ü written v: the one rule for input
+
+
 def read_pairs(path):
     """(pinyin, hanzi) pairs from a TSV file; the first answer wins for a repeated
     pinyin. Raises ValueError naming the file and line."""
@@ -984,7 +987,7 @@ def read_pairs(path):
         syllables, hanzi = fields[0].split(), fields[1].strip()             # ['wo', 'ai'], '我爱'
         if not syllables or not hanzi:
             raise ValueError(f"{where} empty {'pinyin' if not syllables else 'hanzi'}")
-        bad = next((s for s in syllables if not re.fullmatch("[a-z]+", s)), None)
+        bad = next((s for s in syllables if not SYLLABLE.fullmatch(s)), None)
         if bad:
             raise ValueError(f"{where} syllable {bad!r} is not toneless lowercase pinyin (a-z, ü written v)")
         if len(syllables) != len(hanzi):
@@ -1197,7 +1200,7 @@ def answer_lines(answer, src_vocab, max_len, lines):
     status, longest = 0, (max_len - 2) // 2
     for line in lines:
         syllables = line.split()                                           # ['wo', 'ai', ...]
-        unknown = next((s for s in syllables if not (re.fullmatch("[a-z]+", s) and s in src_vocab.stoi)), None)
+        unknown = next((s for s in syllables if not (SYLLABLE.fullmatch(s) and s in src_vocab.stoi)), None)
         if unknown or len(syllables) > longest:
             problem = (f"unknown syllable {unknown!r}" if unknown else
                        f"{len(syllables)} syllables, this model takes at most {longest}")
