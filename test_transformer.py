@@ -280,14 +280,17 @@ def test_pitfall8_mask_3d_broadcasts_wrongly():
     mask4 = tf.make_pad_mask(ids, 0) & tf.make_causal_mask(T)            # [B, 1, T, T]
     mask3 = mask4[:, 0]                                                  # [B, T, T]: the mistake
     right, _ = tf.scaled_dot_product_attention(q, k, v, mask4)
-    wrong, _ = tf.scaled_dot_product_attention(q, k, v, mask3)
     for b in range(B):  # the 4-D mask is the per-example computation
         assert_close(right[b], F.scaled_dot_product_attention(q[b], k[b], v[b], attn_mask=mask4[b, 0]))
+    # the mistaken 3-D mask runs without complaint elsewhere and gives other numbers ...
+    wrong = F.scaled_dot_product_attention(q, k, v, attn_mask=mask3)
     assert max_diff(right, wrong) > 1e-2
-    # B != H: the 3-D mask does not even broadcast
-    q, k, v = _qkv(B=2, H=3, Tq=T, Tk=T)
-    with pytest.raises(RuntimeError):
-        tf.scaled_dot_product_attention(q, k, v, mask3)
+    # ... so ours refuses any mask that is not 4-D, whatever B and H are
+    for mask in (mask3, mask4[0, 0], mask4[None]):
+        with pytest.raises(ValueError, match="mask must be 4-D"):
+            tf.scaled_dot_product_attention(q, k, v, mask)
+    with pytest.raises(ValueError, match="mask must be 4-D"):
+        tf.MultiHeadAttention(8, 2)(torch.randn(B, T, 8), torch.randn(B, T, 8), torch.randn(B, T, 8), mask3)
 
 
 # ===========================================================================

@@ -1,12 +1,34 @@
 """transformer.py: the Transformer, hand-written, top to bottom, proven against PyTorch.
 
 Read it like an article: each numbered section depends only on torch and on the
-sections above it. Part I (sections 1-12) is the classic model (Vaswani et al.,
-2017, "Attention Is All You Need"), a decoder-only GPT built from the same
-blocks, and a toy task, pinyin to hanzi ("wo ai xue xi" -> 我爱学习), that trains
-in seconds on a CPU. Part II (13-18) uses the trained models: the KV cache
-measured, a GPT on the same task, an attention heatmap, your own data,
-checkpoints and the command line.
+sections above it, so the file cut after any model's section still runs.
+
+  Part I    The classic Transformer (Vaswani et al., 2017, "Attention Is All You Need")
+              1 positional encoding       2 attention and masks     3 multi-head attention
+              4 feed-forward network      5 layer normalization     6 encoder and decoder layers
+              7 token ids and embeddings  8 the encoder-decoder     9 the decoder-only GPT
+             10 parameter counts
+  Part II   The modern decoder, Llama-style
+             11 RMSNorm                   12 rotary positions       13 SwiGLU
+             14 grouped-query attention   15 the Llama model        16 parameters, KV-cache memory
+  Part III  Learning and using it: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
+             17 the toy task              18 decoding               19 training
+             20 the KV cache measured     21 decoder-only models on the task
+             22 the attention heatmap
+  Tools     After a banner that says the article ends: your own data, checkpoints,
+            the demo and the command line.
+
+The encoder-decoder (Part I) and its shapes, for a batch of B sentences:
+
+    src ids [B, S] -> embed + position -> N x EncoderLayer ---------> memory [B, S, D]
+                                                                          |
+    tgt ids [B, T] -> embed + position -> N x DecoderLayer <--------------+ cross-attention
+                                          (causal self-attention)
+                                       -> output_proj -> logits [B, T, V]: the next token
+
+It follows the order of three Chinese tutorial articles (a line-by-line reading of a
+decoder-only GPT, a 350-line walk through attention, and a build-it-yourself
+encoder-decoder), fixes their mistakes, and proves each piece in test_transformer.py.
 
     python transformer.py                            # the demo
     python transformer.py --translate "wo ai xue xi"  # train, then answer
@@ -14,41 +36,22 @@ checkpoints and the command line.
 """
 
 # ===========================================================================
-# 0. Imports, device and the shape legend (导入、设备与形状记号)
+# Part I: the classic Transformer (第一部分：经典 Transformer)
 # ===========================================================================
-# One legend for every shape comment in the file:
-#   B batch, S source length, T target length, D d_model, H heads,
-#   dk = D // H (one head's width), F d_ff, V vocabulary size.
-# Attention scores are [B, H, Tq, Tk]: one row per query, one column per key.
-# With a KV cache (section 3) t tokens are already cached and Tn are new.
 
-import argparse
-import contextlib
+# ===========================================================================
+# 0. Imports and the shape legend (导入与形状记号)
+# ===========================================================================
+# The models need nothing but torch. One legend for every shape comment:
+#   B batch, S source length, T target length, D d_model, H heads,
+#   dk = D // H (one head's width), Dff the feed-forward width, V vocabulary size.
+# Attention scores are [B, H, Tq, Tk]: one row per query, one column per key.
+
 import math
-import os
-import random
-import re
-import signal
-import sys
-import tempfile
-import threading
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-
-def pick_device(name="auto"):
-    """'auto' takes CUDA, then Apple MPS, then the CPU; a named device must exist."""
-    if name not in ("auto", "cpu", "cuda", "mps"):
-        raise ValueError(f"device must be auto, cpu, cuda or mps, got {name!r}")
-    cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
-    if name == "auto":
-        return torch.device("cuda" if cuda else "mps" if mps else "cpu")
-    if (name == "cuda" and not cuda) or (name == "mps" and not mps):
-        raise ValueError(f"device {name!r} was asked for but is not available here")
-    return torch.device(name)
 
 
 # ===========================================================================
@@ -77,11 +80,16 @@ class PositionalEncoding(nn.Module):
         self.register_buffer("pe", pe.unsqueeze(0))                        # [1, max_len, D]
 
     def forward(self, x, start=0):
-        """x [B, T, D]; start shifts the positions (a cached decoder's next token)."""
+        """x [B, T, D] holds positions start .. start+T-1: start is 0 for a whole
+        sequence, and the count of earlier tokens when a sequence is fed in pieces."""
         end = start + x.size(1)
         if end > self.pe.size(1):
             raise ValueError(f"sequence needs positions up to {end}, but max_len is {self.pe.size(1)}")
         return self.dropout(x + self.pe[:, start:end])                     # [B, T, D]
+
+# Try it:
+#   >>> PositionalEncoding(d_model=8, dropout=0.0)(torch.zeros(2, 5, 8)).shape
+#   torch.Size([2, 5, 8])
 
 
 # ===========================================================================
@@ -90,10 +98,13 @@ class PositionalEncoding(nn.Module):
 # Each query scores every key, softmax turns the scores into weights, and the
 # output is the weighted sum of the values. Masks are bool with True = "may
 # attend" (the convention of F.scaled_dot_product_attention and of the
-# articles' masked_fill(mask == 0, ...)). nn.MultiheadAttention's
+# tutorials' masked_fill(mask == 0, ...)). nn.MultiheadAttention's
 # key_padding_mask is the opposite: True there means "ignore".
-# Masks are 4-D so they broadcast against [B, H, Tq, Tk] scores; a [B, T, T]
-# mask would line its batch up with the heads axis.
+# Two masks: padding (a batch fills short sentences up to the longest with a
+# pad id, and no query may read those slots) and causal (a position being
+# predicted may not read the positions after it). Both are 4-D, so they
+# broadcast against [B, H, Tq, Tk] scores; a 3-D [B, T, T] mask would line its
+# batch up with the heads axis, so attention refuses it.
 
 def make_pad_mask(ids, pad_id):
     """[B, S] token ids -> [B, 1, 1, S]: True where the key is a real token."""
@@ -101,16 +112,20 @@ def make_pad_mask(ids, pad_id):
 
 
 def make_causal_mask(T, device=None, past=0):
-    """[1, 1, T, past + T]: query i may attend to keys 0..past+i, never to the future.
-    past > 0 when the keys of earlier tokens are cached (the KV cache, next
-    section): the mask is then aligned bottom-right, so a new query sees every
-    cached key. (is_causal in F.scaled_dot_product_attention aligns top-left:
-    wrong for that case.)"""
+    """[1, 1, T, past + T]: query i may attend to keys 0 .. past + i, never later.
+    past = 0 is the whole sequence at once: the lower triangle. past > 0 is for a
+    model that generates in pieces and keeps the keys of the `past` tokens it has
+    already processed: its T new queries sit at positions past .. past + T - 1, so
+    new query i sees every earlier key and the new ones up to itself. That is the
+    bottom-right corner of the full (past + T)-square mask; the top-left alignment
+    of is_causal in F.scaled_dot_product_attention would hide keys it may see."""
     return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(past)[None, None]  # [1, 1, T, past+T]
 
 
 def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
     """softmax(q k^T / sqrt(dk)) v. q [B, H, Tq, dk], k and v [B, H, Tk, dk]."""
+    if mask is not None and mask.dim() != 4:
+        raise ValueError(f"mask must be 4-D, broadcastable to [B, H, Tq, Tk], got shape {list(mask.shape)}")
     dk = q.size(-1)
     # divide by sqrt(dk) so the dot products keep unit variance and softmax does not saturate
     scores = q @ k.transpose(-2, -1) / math.sqrt(dk)                       # [B, H, Tq, Tk]
@@ -127,24 +142,36 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
         weights = dropout(weights)                                         # [B, H, Tq, Tk]
     return weights @ v, weights                                            # [B, H, Tq, dk], [B, H, Tq, Tk]
 
+# Try it:
+#   >>> make_causal_mask(3)[0, 0].int().tolist()
+#   [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+#   >>> make_causal_mask(1, past=2)[0, 0].int().tolist()    # a new token sees all 3
+#   [[1, 1, 1]]
+#   >>> out, w = scaled_dot_product_attention(torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8),
+#   ...                                       torch.randn(2, 4, 7, 8))
+#   >>> out.shape, w.shape
+#   (torch.Size([2, 4, 5, 8]), torch.Size([2, 4, 5, 7]))
+
 
 # ===========================================================================
-# 3. Multi-head attention (多头注意力)
+# 3. Multi-head attention and the KV cache (多头注意力与键值缓存)
 # ===========================================================================
 # H heads of width dk = D / H attend in parallel, each in its own learned
 # subspace, and w_o mixes their outputs back together. The same module does
 # self-attention (query = key = value) and cross-attention (query from the
-# decoder, key and value from the encoder: Tq and Tk differ). When generating,
-# a KVCache keeps the keys and values of earlier tokens, so each step projects
-# only the new token's.
+# decoder, key and value from the encoder: Tq and Tk differ).
+# A model that generates text writes one token per step. At step t, the new
+# token's query must read the keys and values of tokens 0..t; those of 0..t-1
+# were computed at earlier steps, from the same inputs and the same weights,
+# and would come out the same. A KVCache keeps them, so each step projects only
+# the new token: n generated tokens cost n token-passes instead of
+# 1 + 2 + ... + n ≈ n²/2. Earlier queries are never needed again, so there is
+# no Q cache.
 
 class KVCache:
-    """One attention module's keys and values from earlier decoding steps.
-    Generating token t, only t is new: its query attends to the cached keys and
-    values of tokens 0..t-1 plus its own, instead of recomputing them all
-    (self-attention appends every step). Cross-attention's keys and values come
-    from the fixed source, so they are computed at the first step and reused
-    (static=True)."""
+    """One attention module's keys and values from earlier steps, [B, H, t, dk] each.
+    Self-attention appends every step. Cross-attention reads the fixed source, so
+    its keys and values are computed at the first step and reused (static=True)."""
 
     def __init__(self, static=False):
         self.static, self.k, self.v = static, None, None                   # [B, H, t, dk] once filled
@@ -153,10 +180,10 @@ class KVCache:
         return 0 if self.k is None else self.k.size(2)
 
     def append(self, k, v):
-        """Add this step's keys and values; return all of them."""
+        """Add this step's keys and values [B, H, Tn, dk]; return all of them."""
         if self.k is not None:
-            k = torch.cat([self.k, k], dim=2)                              # [B, H, t+Tq, dk]
-            v = torch.cat([self.v, v], dim=2)                              # [B, H, t+Tq, dk]
+            k = torch.cat([self.k, k], dim=2)                              # [B, H, t+Tn, dk]
+            v = torch.cat([self.v, v], dim=2)                              # [B, H, t+Tn, dk]
         self.k, self.v = k, v
         return k, v
 
@@ -177,14 +204,15 @@ class MultiHeadAttention(nn.Module):
         self.attn_weights = None  # the last forward's weights [B, H, Tq, Tk], for heatmaps
 
     def split_heads(self, x):
-        """[B, T, D] -> [B, H, T, dk]. view first, then transpose: transposing
-        first and viewing would cut across heads and scramble them."""
+        """[B, T, D] -> [B, H, T, dk]: head h is features h*dk .. (h+1)*dk - 1 of every
+        position. view as [B, T, H, dk], then transpose. Reshaping [B, T, D] straight to
+        [B, H, T, dk] runs without error and mixes positions into heads."""
         B, T, _ = x.shape
         return x.view(B, T, self.n_heads, self.dk).transpose(1, 2)         # [B, H, T, dk]
 
     def forward(self, query, key, value, mask=None, cache=None):
-        """query [B, Tq, D], key and value [B, Tk, D], mask broadcastable to [B, H, Tq, Tk];
-        cache: a KVCache that supplies earlier keys and values and takes the new ones."""
+        """query [B, Tq, D], key and value [B, Tk, D], mask broadcastable to [B, H, Tq, Tk]
+        (with a cache: to [B, H, Tq, t + Tk]); cache: a KVCache, or None."""
         B, Tq, _ = query.shape
         # 1. project, then split each of q, k, v into heads with its own length
         q = self.split_heads(self.w_q(query))                              # [B, H, Tq, dk]
@@ -195,7 +223,7 @@ class MultiHeadAttention(nn.Module):
             k = self.split_heads(self.w_k(key))                            # [B, H, Tk, dk]
             v = self.split_heads(self.w_v(value))                          # [B, H, Tk, dk]
             if cache is not None:
-                k, v = cache.append(k, v)                                  # [B, H, past+Tk, dk] each
+                k, v = cache.append(k, v)                                  # [B, H, t+Tk, dk] each
         # 2. attend in every head at once
         out, weights = scaled_dot_product_attention(q, k, v, mask, self.dropout)  # [B, H, Tq, dk]
         self.attn_weights = weights.detach()                               # [B, H, Tq, Tk]
@@ -203,13 +231,20 @@ class MultiHeadAttention(nn.Module):
         out = out.transpose(1, 2).contiguous().view(B, Tq, self.d_model)   # [B, Tq, D]
         return self.w_o(out)                                               # [B, Tq, D]
 
+# Try it: self-attention keeps the query's shape; cross-attention reads 7 keys.
+#   >>> mha = MultiHeadAttention(d_model=16, n_heads=4)
+#   >>> mha(torch.randn(2, 5, 16), torch.randn(2, 7, 16), torch.randn(2, 7, 16)).shape
+#   torch.Size([2, 5, 16])
+#   >>> cache = KVCache(); _ = mha(*[torch.randn(2, 3, 16)] * 3, cache=cache); len(cache)
+#   3
+
 
 # ===========================================================================
 # 4. Position-wise feed-forward network (前馈网络)
 # ===========================================================================
 # Attention mixes information across positions; the feed-forward network then
-# transforms each position on its own: widen to F (usually 4 D), a nonlinearity,
-# narrow back to D.
+# transforms each position on its own: widen to Dff (usually 4 D), a
+# nonlinearity, narrow back to D.
 
 class FeedForward(nn.Module):
     """fc2(dropout(activation(fc1(x)))), applied to every position alike."""
@@ -225,6 +260,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x):
         return self.fc2(self.dropout(self.activation(self.fc1(x))))        # [B, T, D]
+
+# Try it:
+#   >>> FeedForward(d_model=8, d_ff=32)(torch.randn(2, 5, 8)).shape
+#   torch.Size([2, 5, 8])
 
 
 # ===========================================================================
@@ -249,6 +288,11 @@ class LayerNorm(nn.Module):
         var = x.var(dim=-1, keepdim=True, unbiased=False)                  # [B, T, 1]
         return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias  # [B, T, D]
 
+# Try it: every position comes out with mean 0 and variance 1.
+#   >>> y = LayerNorm(8)(torch.randn(2, 5, 8) * 3 + 7)
+#   >>> bool(y.mean(-1).abs().max() < 1e-5), bool((y.var(-1, unbiased=False) - 1).abs().max() < 1e-3)
+#   (True, True)
+
 
 # ===========================================================================
 # 6. Encoder and decoder layers, post-LN and pre-LN (编码器层与解码器层)
@@ -256,9 +300,12 @@ class LayerNorm(nn.Module):
 # Every sub-layer (attention or feed-forward) sits in a residual connection
 # with a LayerNorm. The paper normalizes after the sum (post-LN); GPT-2 and most
 # models since normalize the sub-layer's input and leave the residual path
-# untouched (pre-LN), which trains stably without warmup. As in PyTorch's
+# untouched (pre-LN), which keeps gradients well scaled in deep stacks (they
+# still use a learning-rate warmup, as this file does). As in PyTorch's
 # nn.TransformerEncoderLayer, each sub-layer is a small _block method, so the
 # two orders read side by side in forward.
+# The decoder layer adds cross-attention to the memory: the encoder's output
+# [B, S, D], one vector per source token, which every decoder layer reads.
 
 class EncoderLayer(nn.Module):
     """Self-attention, then feed-forward, each in a residual block."""
@@ -274,7 +321,9 @@ class EncoderLayer(nn.Module):
         self.dropout2 = nn.Dropout(dropout)
 
     def forward(self, x, mask=None, cache=None):
-        """x [B, S, D]; mask [B, 1, 1, S] (padding) or [1, 1, S, S] (causal); cache a KVCache."""
+        """x [B, S, D]; mask [B, 1, 1, S] (padding) or [1, 1, S, S] (causal). cache: a
+        KVCache for running under a causal mask one piece at a time, the way a
+        decoder-only model uses this layer as its block (section 9)."""
         if self.norm_first:  # pre-LN: x + f(LN(x)), the residual path never normalized
             x = x + self._sa_block(self.norm1(x), mask, cache)             # [B, S, D]
             x = x + self._ff_block(self.norm2(x))                          # [B, S, D]
@@ -330,39 +379,40 @@ class DecoderLayer(nn.Module):
     def _ff_block(self, x):
         return self.dropout3(self.ffn(x))                                  # [B, T, D]
 
+# Try it: a decoder layer maps [B, T, D] to [B, T, D] whatever the memory's length.
+#   >>> layer = DecoderLayer(d_model=16, n_heads=4, d_ff=64)
+#   >>> layer(torch.randn(2, 5, 16), torch.randn(2, 9, 16), make_causal_mask(5)).shape
+#   torch.Size([2, 5, 16])
+
 
 # ===========================================================================
-# 7. The encoder-decoder Transformer (编码器-解码器 Transformer)
+# 7. Token ids and embeddings (词元与嵌入)
 # ===========================================================================
-# The encoder reads the whole source once into a memory [B, S, D]; the decoder
-# writes the target one token at a time, attending causally to what it wrote and
-# freely to the memory. Training feeds the whole shifted target at once, so the
-# causal mask is what stops position t from reading the answer at t+1.
+# A model reads token ids: integers from 0 to V - 1, one per token, in a [B, T]
+# tensor. An embedding table turns each id into a learned D-vector. What every
+# model below shares lives here: the checks on its sizes and on the ids it is
+# given (a clear error now instead of an index error deep inside), the
+# embedding's initial scale, and an "eval mode" block for inference.
+
+def check_sizes(**sizes):
+    """Each keyword must be an integer >= 1 (a vocabulary, a width, a count)."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
 
 def check_ids(name, ids, vocab_size, max_len):
-    """Token ids must be a [B, T] integer tensor inside the vocabulary and max_len."""
-    integer = isinstance(ids, torch.Tensor) and not ids.is_floating_point() and ids.dtype != torch.bool
+    """Token ids must be a [B, T] int64 or int32 tensor inside the vocabulary and max_len."""
+    integer = isinstance(ids, torch.Tensor) and ids.dtype in (torch.long, torch.int)  # what nn.Embedding takes
     if not integer or ids.dim() != 2 or not len(ids):
         found = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
-        raise ValueError(f"{name} must be a 2-D integer tensor [B, T] with B >= 1, got {found}")
+        raise ValueError(f"{name} must be a 2-D integer tensor [B, T] (int64 or int32), B >= 1, got {found}")
     if not 0 < ids.size(1) <= max_len:
         raise ValueError(f"{name} has length {ids.size(1)}, expected 1 to max_len={max_len}")
-    low, high = ids.min().item(), ids.max().item()                     # two ints from [B, T]
+    low, high = ids.min().item(), ids.max().item()                         # two ints from [B, T]
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
-
-
-@contextlib.contextmanager
-def eval_mode(model):
-    """Eval mode (no dropout) inside the block; the caller's mode comes back after,
-    even on an error."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
 
 
 def init_embedding(embedding):
@@ -371,6 +421,38 @@ def init_embedding(embedding):
     nn.init.normal_(embedding.weight, std=embedding.embedding_dim ** -0.5)
 
 
+class eval_mode:
+    """with eval_mode(model): dropout off inside the block, and the caller's mode
+    (training or not) restored after, even on an error."""
+
+    def __init__(self, model):
+        self.model, self.was_training = model, model.training
+
+    def __enter__(self):
+        return self.model.eval()
+
+    def __exit__(self, *exc):
+        self.model.train(self.was_training)
+
+# Try it:
+#   >>> check_ids("src", torch.tensor([[5, 7, 900]]), vocab_size=100, max_len=10)
+#   Traceback (most recent call last):
+#   ValueError: src holds token id 900, outside the vocabulary [0, 100)
+
+
+
+
+# ===========================================================================
+# 8. The encoder-decoder Transformer (编码器-解码器 Transformer)
+# ===========================================================================
+# The encoder reads the whole source once into the memory [B, S, D]; the decoder
+# writes the target one token at a time, attending causally to what it wrote and
+# freely to the memory. The target starts with a bos ("beginning of sentence")
+# token, so the first real token has something to be predicted from, and ends
+# with eos ("end of sentence"), so the model can say when to stop. Training
+# feeds the whole shifted target at once, so the causal mask is what stops
+# position t from reading the answer at t+1.
+
 class Transformer(nn.Module):
     """Encoder-decoder Transformer for sequence to sequence tasks."""
 
@@ -378,9 +460,15 @@ class Transformer(nn.Module):
                  n_layers=6, dropout=0.1, max_len=5000, norm_first=False,
                  share_embeddings=False, pad_id=0):
         super().__init__()
+        check_sizes(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model,
+                    n_heads=n_heads, d_ff=d_ff, n_layers=n_layers, max_len=max_len)
         if share_embeddings and src_vocab_size != tgt_vocab_size:
             raise ValueError(f"share_embeddings needs one vocabulary, got src_vocab_size="
                              f"{src_vocab_size} and tgt_vocab_size={tgt_vocab_size}")
+        if isinstance(pad_id, bool) or not isinstance(pad_id, int) or not 0 <= pad_id < min(src_vocab_size,
+                                                                                          tgt_vocab_size):
+            raise ValueError(f"pad_id must be an id in both vocabularies, 0 to "
+                             f"{min(src_vocab_size, tgt_vocab_size) - 1}, got {pad_id!r}")
         self.config = dict(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model,
                            n_heads=n_heads, d_ff=d_ff, n_layers=n_layers, dropout=dropout, max_len=max_len,
                            norm_first=norm_first, share_embeddings=share_embeddings, pad_id=pad_id)  # for checkpoints
@@ -389,9 +477,9 @@ class Transformer(nn.Module):
         self.src_embed = nn.Embedding(src_vocab_size, d_model)
         self.tgt_embed = self.src_embed if share_embeddings else nn.Embedding(tgt_vocab_size, d_model)
         self.pos_encoding = PositionalEncoding(d_model, max_len, dropout)
-        layer_args = (d_model, n_heads, d_ff, dropout, norm_first)
-        self.encoder_layers = nn.ModuleList([EncoderLayer(*layer_args) for _ in range(n_layers)])
-        self.decoder_layers = nn.ModuleList([DecoderLayer(*layer_args) for _ in range(n_layers)])
+        layer_args = dict(d_model=d_model, n_heads=n_heads, d_ff=d_ff, dropout=dropout, norm_first=norm_first)
+        self.encoder_layers = nn.ModuleList([EncoderLayer(**layer_args) for _ in range(n_layers)])
+        self.decoder_layers = nn.ModuleList([DecoderLayer(**layer_args) for _ in range(n_layers)])
         # pre-LN leaves the residual stream un-normalized, so the stacks end with a
         # LayerNorm; post-LN already ends in one, and a second (nn.Transformer's
         # default, pytorch issue 24930) would normalize twice
@@ -422,9 +510,11 @@ class Transformer(nn.Module):
 
     def decode(self, tgt, memory, src, cache=None):
         """tgt [B, T] (starting with bos), memory [B, S, D], src [B, S] -> logits [B, T, V].
-        With a cache (new_cache()), only the tokens not yet cached are run, and the
-        logits are for those positions: [B, T - past, V]."""
+        With a cache (new_cache()), the first `past` tokens of tgt were run before and
+        only the rest are: logits [B, T - past, V]."""
         check_ids("tgt", tgt, self.tgt_vocab_size, self.max_len)
+        if not tgt.size(0) == memory.size(0) == src.size(0):
+            raise ValueError(f"batch sizes differ: tgt {tgt.size(0)}, memory {memory.size(0)}, src {src.size(0)}")
         past = len(cache[0][0]) if cache else 0                            # tokens already cached
         new = tgt[:, past:]                                                # [B, Tn]
         # a target position sees real earlier tokens only; the source mask hides source padding
@@ -440,14 +530,78 @@ class Transformer(nn.Module):
         """src [B, S], tgt [B, T] -> logits [B, T, V] for the next token at every position."""
         return self.decode(tgt, self.encode(src), src)                     # [B, T, V]
 
+# Try it:
+#   >>> model = Transformer(src_vocab_size=30, tgt_vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2)
+#   >>> model(torch.randint(1, 30, (2, 7)), torch.randint(1, 40, (2, 5))).shape
+#   torch.Size([2, 5, 40])
+
 
 # ===========================================================================
-# 8. The decoder-only Transformer, GPT style (仅解码器 Transformer)
+# 9. The decoder-only Transformer, GPT style (仅解码器 Transformer)
 # ===========================================================================
 # Drop the encoder and the cross-attention and what is left is a language model:
 # each position predicts the next token from the ones before it. A GPT block is
 # exactly the encoder layer of section 6 run under a causal mask (pre-LN, GELU),
 # so it reuses EncoderLayer rather than writing the block twice.
+# How it differs from GPT-2 itself: fixed sinusoidal positions instead of a
+# learned table, embeddings scaled by sqrt(D) as in the 2017 paper, the exact
+# erf GELU instead of GPT-2's tanh approximation, and PyTorch's default
+# initialization instead of GPT-2's N(0, 0.02) with scaled residual layers.
+# generate() writes one token per step: the most likely one (greedy), or one
+# drawn at random from the model's distribution (sampling, for varied text).
+# Section 3's KV cache makes each step run only the newest token.
+
+def next_token(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
+    """logits [B, V] -> the next ids [B, 1]. temperature 0 takes the most likely;
+    otherwise sample from softmax(logits / temperature), over the top_k most likely
+    and/or the smallest set whose probabilities add up to top_p (nucleus sampling)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)                         # [B, 1]
+    logits = logits.float() / temperature                                  # [B, V]
+    if not torch.isfinite(logits).all():
+        raise ValueError(f"temperature {temperature} is too small: logits / temperature overflow"
+                         f" (use temperature=0 for greedy)")
+    # -inf is safe here (unlike in masks): the most likely token always stays finite
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.size(-1))).values[:, -1:]      # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))           # [B, V]
+    if top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)        # [B, V] each
+        probs = sorted_logits.softmax(dim=-1)                              # [B, V], most likely first
+        before = probs.cumsum(dim=-1) - probs                              # [B, V]: mass ahead of each
+        # drop a token when the ones more likely than it already reach top_p
+        drop = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, before >= top_p)  # [B, V]
+        logits = logits.masked_fill(drop, float("-inf"))                   # [B, V]
+    probs = logits.softmax(dim=-1)                                         # [B, V]
+    return torch.multinomial(probs, 1, generator=generator)                # [B, 1]
+
+
+@torch.no_grad()
+def generate_tokens(model, input_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
+                    generator=None, use_cache=True):
+    """input_ids [B, T] -> [B, T + max_new_tokens], one next_token per step, for any
+    decoder-only model with new_cache() and forward(ids, cache). A torch.Generator
+    makes sampling reproducible; the cache changes the speed, not the tokens."""
+    check_ids("input_ids", input_ids, model.vocab_size, model.max_len)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if input_ids.size(1) + max_new_tokens > model.max_len:
+        raise ValueError(f"prompt length {input_ids.size(1)} + max_new_tokens {max_new_tokens}"
+                         f" exceeds max_len={model.max_len}")
+    if not (isinstance(temperature, (int, float)) and temperature >= 0):  # also refuses NaN
+        raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    with eval_mode(model):
+        cache = model.new_cache() if use_cache else None                   # per layer [B, H, t, dk]
+        for _ in range(max_new_tokens):
+            logits = model(input_ids, cache)[:, -1]                        # [B, V]
+            token = next_token(logits, temperature, top_k, top_p, generator)  # [B, 1]
+            input_ids = torch.cat([input_ids, token], dim=1)               # [B, T+1]
+    return input_ids                                                       # [B, T + max_new_tokens]
+
 
 class DecoderOnlyTransformer(nn.Module):
     """Token embedding, positions, N causal pre-LN blocks, a final LayerNorm, lm_head."""
@@ -455,6 +609,8 @@ class DecoderOnlyTransformer(nn.Module):
     def __init__(self, vocab_size, d_model, n_layers, n_heads, d_ff, max_len=5000,
                  dropout=0.1, tie_weights=False):
         super().__init__()
+        check_sizes(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                    d_ff=d_ff, max_len=max_len)
         self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                            d_ff=d_ff, max_len=max_len, dropout=dropout, tie_weights=tie_weights)  # for checkpoints
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
@@ -474,8 +630,8 @@ class DecoderOnlyTransformer(nn.Module):
         return [KVCache() for _ in self.layers]
 
     def forward(self, input_ids, cache=None):
-        """input_ids [B, T] -> logits [B, T, V]. With a cache (new_cache()), only the
-        tokens not yet cached are run: logits [B, T - past, V]."""
+        """input_ids [B, T] -> logits [B, T, V]. With a cache (new_cache()), the first
+        `past` tokens were run before and only the rest are: logits [B, T - past, V]."""
         check_ids("input_ids", input_ids, self.vocab_size, self.max_len)
         past = len(cache[0]) if cache else 0                               # tokens already cached
         new = input_ids[:, past:]                                          # [B, Tn]
@@ -486,51 +642,26 @@ class DecoderOnlyTransformer(nn.Module):
             x = layer(x, mask, cache[i] if cache else None)                # [B, Tn, D]
         return self.lm_head(self.final_norm(x))                            # [B, Tn, V]
 
-    @torch.no_grad()
-    def generate(self, input_ids, max_new_tokens, temperature=0.0, top_k=None, generator=None,
-                 use_cache=True):
-        """Append max_new_tokens tokens: the most likely one when temperature is 0, else
-        sampled from softmax(logits / temperature), over the top_k most likely if given
-        (a torch.Generator makes sampling reproducible). The cache changes the speed, not
-        the tokens."""
-        check_ids("input_ids", input_ids, self.vocab_size, self.max_len)
-        if input_ids.size(1) + max_new_tokens > self.max_len:
-            raise ValueError(f"prompt length {input_ids.size(1)} + max_new_tokens {max_new_tokens}"
-                             f" exceeds max_len={self.max_len}")
-        if not max_new_tokens >= 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if not temperature >= 0:  # also refuses NaN
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-        if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
-            raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
-        with eval_mode(self):
-            return self._generate(input_ids, max_new_tokens, temperature, top_k, generator, use_cache)
+    def generate(self, input_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
+                 generator=None, use_cache=True):
+        """Append max_new_tokens tokens to input_ids [B, T]: see generate_tokens."""
+        return generate_tokens(self, input_ids, max_new_tokens, temperature, top_k, top_p, generator, use_cache)
 
-    def _generate(self, input_ids, max_new_tokens, temperature, top_k, generator, use_cache):
-        """generate's loop, its arguments checked, the model in eval mode."""
-        cache = self.new_cache() if use_cache else None                    # per layer [B, H, t, dk]
-        for _ in range(max_new_tokens):
-            logits = self(input_ids, cache)[:, -1]                         # [B, V]
-            if temperature == 0:
-                next_id = logits.argmax(dim=-1, keepdim=True)              # [B, 1]
-            else:
-                logits = logits / temperature                              # [B, V]
-                if top_k is not None:
-                    kth = logits.topk(min(top_k, logits.size(-1))).values[:, -1:]  # [B, 1]
-                    # -inf is safe here (unlike in masks): the k best stay finite
-                    logits = logits.masked_fill(logits < kth, float("-inf"))  # [B, V]
-                probs = logits.softmax(dim=-1)                             # [B, V]
-                next_id = torch.multinomial(probs, 1, generator=generator)  # [B, 1]
-            input_ids = torch.cat([input_ids, next_id], dim=1)             # [B, T+1]
-        return input_ids                                                   # [B, T + max_new_tokens]
+# Try it:
+#   >>> gpt = DecoderOnlyTransformer(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+#   >>> gpt(torch.randint(0, 50, (2, 6))).shape
+#   torch.Size([2, 6, 50])
+#   >>> gpt.generate(torch.randint(0, 50, (2, 6)), max_new_tokens=4).shape
+#   torch.Size([2, 10])
 
 
 # ===========================================================================
-# 9. Parameter counts (参数量)
+# 10. Parameter counts (参数量)
 # ===========================================================================
 # Count what is there, and derive the same number from the configuration, so a
-# claim like "this config has 30-odd million parameters" can be checked by hand.
-# Weights shared by tying are counted once, as model.parameters() yields them.
+# claim like "this config has 30-odd million parameters" (the decoder-only
+# tutorial's, for vocabulary 50257, D 512, 6 layers, Dff 2048) can be checked by
+# hand. Weights shared by tying are counted once, as model.parameters() yields them.
 
 def count_parameters(model):
     """Number of distinct parameters (tied weights once)."""
@@ -558,9 +689,29 @@ def decoder_only_param_formula(vocab_size, d_model, n_layers, d_ff, tie_weights=
     embeddings = vocab_size * d_model * (1 if tie_weights else 2)  # token_embedding, lm_head
     return embeddings + n_layers * _layer_params(d_model, d_ff, False) + 2 * d_model
 
+# Try it: the meta device builds a model's shapes without allocating its weights.
+#   >>> with torch.device("meta"):
+#   ...     n = count_parameters(DecoderOnlyTransformer(50257, d_model=512, n_layers=6, n_heads=8, d_ff=2048))
+#   >>> n, decoder_only_param_formula(50257, d_model=512, n_layers=6, d_ff=2048)
+#   (70378496, 70378496)
+
 
 # ===========================================================================
-# 10. Toy data: pinyin to hanzi (玩具数据：拼音转汉字)
+# Part III: learning and using it (第三部分：训练与使用)
+# ===========================================================================
+# A task small enough to learn in seconds on a CPU, the ways to decode an answer,
+# the training loop, and what the models learned. Python's standard library
+# supplies the rest: random for the toy data, time and signal for training.
+
+import contextlib
+import random
+import signal
+import threading
+import time
+
+
+# ===========================================================================
+# 17. The toy task: pinyin to hanzi (玩具任务：拼音转汉字)
 # ===========================================================================
 # A task small enough to train in seconds and hard enough to need attention:
 # many syllables are written with different characters depending on the word
@@ -687,7 +838,7 @@ def collate(batch):
 
 
 # ===========================================================================
-# 11. Greedy decoding (贪心解码)
+# 18. Decoding (解码)
 # ===========================================================================
 # At inference there is no target to feed: start every sentence with bos, run
 # the decoder, append the most likely next character, repeat until eos. The
@@ -761,7 +912,7 @@ def evaluate(translate_fn, pairs, ambiguous=()):
 
 
 # ===========================================================================
-# 12. Training (训练)
+# 19. Training (训练)
 # ===========================================================================
 # Teacher forcing: the model reads whole target sequences at once and predicts
 # every next token, the causal mask keeping each position from its own answer.
@@ -841,11 +992,7 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
 
 
 # ===========================================================================
-# Part II: using the trained model (第二部分：用起来)
-# ===========================================================================
-
-# ===========================================================================
-# 13. The KV cache, measured (键值缓存)
+# 20. The KV cache, measured (键值缓存实测)
 # ===========================================================================
 # Without a cache, generating token t reruns the whole prefix: t tokens through
 # every layer, so n tokens cost about n^2 / 2 token-passes. With the KVCache of
@@ -863,7 +1010,7 @@ def time_generation(model, prompt, max_new_tokens):
 
 
 # ===========================================================================
-# 14. A GPT on the same task (生成式模型)
+# 21. Decoder-only models on the task (仅解码器模型做同一任务)
 # ===========================================================================
 # The decoder-only model has no encoder to read the pinyin, so the pinyin goes
 # in front as a prompt: "wo ai xue xi <sep> 我 爱 学 习 <eos>", one sequence.
@@ -921,7 +1068,7 @@ def translator(kind, model, src_vocab, tgt_vocab):
 
 
 # ===========================================================================
-# 15. Attention heatmap (注意力热力图)
+# 22. The attention heatmap (注意力热力图)
 # ===========================================================================
 # Which syllables did each character read? The last decoder layer's
 # cross-attention weights [H, T, S], averaged over heads or for one head, drawn
@@ -957,7 +1104,20 @@ def cross_attention_map(model, src, out, head=None):
 
 
 # ===========================================================================
-# 16. Your own data (自己的数据)
+# The article ends here (正文到此结束)
+# ===========================================================================
+# What follows are the tools around it: training on your own pairs, saving and
+# loading a model, the demo and the command line. Nothing above depends on them.
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+
+
+# ===========================================================================
+# 23. Your own data (自己的数据)
 # ===========================================================================
 # --data FILE.tsv trains on your pairs instead of the generated ones: UTF-8,
 # one "pinyin<TAB>hanzi" a line, one syllable per character, blank lines and
@@ -1000,7 +1160,7 @@ def read_pairs(path):
 
 
 # ===========================================================================
-# 17. Saving and loading (保存与加载)
+# 24. Saving and loading (保存与加载)
 # ===========================================================================
 # A checkpoint is data: the configuration, the weights and both vocabularies,
 # plain dicts, lists and tensors that torch.load(weights_only=True) reads
@@ -1024,7 +1184,7 @@ def save_checkpoint(path, kind, model, src_vocab, tgt_vocab):
             torch.save(checkpoint, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic on POSIX and Windows
+        os.replace(tmp, path)  # one rename: readers see the old file or the new, never half
     except BaseException:
         os.unlink(tmp)
         raise
@@ -1065,13 +1225,25 @@ def load_checkpoint(path, device="cpu"):
 
 
 # ===========================================================================
-# 18. The demo and the command line (演示与命令行): python transformer.py
+# 25. The demo and the command line (演示与命令行): python transformer.py
 # ===========================================================================
-# Shapes and parameter counts first (the articles' own configuration among
+# Shapes and parameter counts first (the tutorials' own configuration among
 # them) and the cache measured; then both toy models learn pinyin to hanzi,
 # answer sentences they never saw, and the encoder-decoder shows where it looked.
 
-SEED_000_CONFIG = dict(vocab_size=50257, d_model=512, n_layers=6, n_heads=8, d_ff=2048, max_len=1024)
+def pick_device(name="auto"):
+    """'auto' takes CUDA, then Apple MPS, then the CPU; a named device must exist."""
+    if name not in ("auto", "cpu", "cuda", "mps"):
+        raise ValueError(f"device must be auto, cpu, cuda or mps, got {name!r}")
+    cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
+    if name == "auto":
+        return torch.device("cuda" if cuda else "mps" if mps else "cpu")
+    if (name == "cuda" and not cuda) or (name == "mps" and not mps):
+        raise ValueError(f"device {name!r} was asked for but is not available here")
+    return torch.device(name)
+
+
+TUTORIAL_GPT_CONFIG = dict(vocab_size=50257, d_model=512, n_layers=6, n_heads=8, d_ff=2048, max_len=1024)
 # (name, model class, configuration, what the source reports)
 CLASSIC_CONFIGS = [
     ("Transformer base (Vaswani 2017)", Transformer, dict(
@@ -1082,7 +1254,7 @@ CLASSIC_CONFIGS = [
     ("GPT-2 small (Radford 2019)", DecoderOnlyTransformer, dict(
         vocab_size=50257, d_model=768, n_layers=12, n_heads=12, d_ff=3072, max_len=1024,
         tie_weights=True), "124M"),
-    ("seed 000 article's config", DecoderOnlyTransformer, SEED_000_CONFIG, "3000多万 (30-odd M)"),
+    ("GPT of the decoder-only tutorial", DecoderOnlyTransformer, TUTORIAL_GPT_CONFIG, "3000多万 (30-odd M)"),
 ]
 FORMULAS = {Transformer: transformer_param_formula, DecoderOnlyTransformer: decoder_only_param_formula}
 # the toy models, small enough to train in seconds on two CPU cores
@@ -1097,14 +1269,14 @@ TOY_MODELS = {
 def show_models(device):
     """Output shapes, parameter counts (counted and by formula) and the cache's speedup."""
     torch.manual_seed(0)
-    gpt = DecoderOnlyTransformer(**SEED_000_CONFIG).to(device).eval()
-    ids = torch.randint(0, SEED_000_CONFIG["vocab_size"], (2, 10), device=device)  # [B, T]
+    gpt = DecoderOnlyTransformer(**TUTORIAL_GPT_CONFIG).to(device).eval()
+    ids = torch.randint(0, TUTORIAL_GPT_CONFIG["vocab_size"], (2, 10), device=device)  # [B, T]
     with torch.no_grad():
         logits = gpt(ids)                                                  # [B, T, V]
-    print(f"decoder-only, seed 000's config {SEED_000_CONFIG}")
+    print(f"decoder-only, the config of the decoder-only tutorial: {TUTORIAL_GPT_CONFIG}")
     print(f"  input [2, 10] -> output shape: {list(logits.shape)}")
     print(f"  parameters: {count_parameters(gpt):,} counted, "
-          f"{decoder_only_param_formula(**SEED_000_CONFIG):,} by formula")
+          f"{decoder_only_param_formula(**TUTORIAL_GPT_CONFIG):,} by formula")
     del gpt
     model = Transformer(1000, 1200, d_model=128, n_heads=4, d_ff=512, n_layers=2).to(device).eval()
     src = torch.randint(1, 1000, (2, 7), device=device)                    # [B, S]
@@ -1125,8 +1297,8 @@ def show_models(device):
     gpt2 = CLASSIC_CONFIGS[2][2]
     print(f"  GPT-2 small: add its learned position table, 1024 x 768 = {1024 * 768:,}, for "
           f"{decoder_only_param_formula(**gpt2) + 1024 * 768:,}; the sinusoidal encoding here has none.")
-    tied = decoder_only_param_formula(**SEED_000_CONFIG, tie_weights=True)
-    print(f"  seed 000: {decoder_only_param_formula(**SEED_000_CONFIG) / 1e6:.1f}M untied; even tied "
+    tied = decoder_only_param_formula(**TUTORIAL_GPT_CONFIG, tie_weights=True)
+    print(f"  the tutorial's GPT: {decoder_only_param_formula(**TUTORIAL_GPT_CONFIG) / 1e6:.1f}M untied; even tied "
           f"(lm_head = token_embedding) it is {tied / 1e6:.1f}M, not 30-odd M.")
     torch.manual_seed(0)
     gpt = DecoderOnlyTransformer(1000, 512, 2, 8, 2048, max_len=512).to(device).eval()
@@ -1254,7 +1426,7 @@ def run(args, device, pairs, loaded):
         if not answering:
             answer = translator(kind, model, src_vocab, tgt_vocab)
             result.update(report(answer, test_pairs, ambiguous))
-            if not args.data:  # the articles' own example
+            if not args.data:  # the tutorials' own example
                 print(f"  wo ai xue xi -> {answer(['wo ai xue xi'])[0]}")
             if kind == "encdec":
                 show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, args.head)
