@@ -125,6 +125,95 @@ SRC_VOCAB, TGT_VOCAB = 11, 13
 
 
 # ===========================================================================
+# The reader's contract: each model's section copies out alone
+# ===========================================================================
+
+SOURCE = open(tf.__file__, encoding="utf-8").read()
+CORE_IMPORTS = ["import math", "import torch", "import torch.nn as nn", "import torch.nn.functional as F"]
+BANNER = re.compile(r"^# =+\n# (\d+)\. (.+)$", re.M)     # a numbered section's banner
+
+
+def text_through_section(n):
+    """The file from line 1 to the end of section n (the line before the next banner)."""
+    title_end = next(m.end() for m in BANNER.finditer(SOURCE) if int(m.group(1)) == n)
+    body = SOURCE.index("\n", title_end + 1)        # past the banner's closing rule
+    return SOURCE[:body + re.search(r"^# =+$", SOURCE[body:], re.M).start()]
+
+
+# per model section: what a reader builds with it (keywords, as the examples do)
+CONTRACT = {
+    8: """model = Transformer(src_vocab_size=30, tgt_vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2)
+out = model(torch.randint(1, 30, (2, 7)), torch.randint(1, 40, (2, 5)))
+assert out.shape == (2, 5, 40), out.shape""",
+    9: """gpt = DecoderOnlyTransformer(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_len=64)
+assert gpt(torch.randint(0, 50, (2, 6))).shape == (2, 6, 50)
+assert gpt.generate(torch.randint(0, 50, (2, 6)), max_new_tokens=5, temperature=1.0, top_p=0.9).shape == (2, 11)""",
+}
+
+
+def test_each_model_section_runs_cut_out_of_the_file_with_only_the_core_imports():
+    """For each model section: the file up to its end, in a fresh interpreter, with
+    the four core imports and nothing else imported, builds that model, runs a
+    forward pass and generates."""
+    programs = {}
+    for n, use in CONTRACT.items():
+        text = text_through_section(n)
+        imports = [line for line in text.splitlines() if line.startswith(("import ", "from "))]
+        assert imports == CORE_IMPORTS, (n, imports)
+        programs[n] = text + "\n\n" + use + "\n"
+    # one interpreter, one fresh namespace per cut: nothing leaks between them
+    runner = ("import sys, json\nfor n, prog in json.load(sys.stdin).items():\n"
+              "    exec(compile(prog, 'section' + n, 'exec'), {'__name__': 'cut'})\n    print('ok', n)\n")
+    import json
+    done = subprocess.run([sys.executable, "-c", runner], input=json.dumps(programs), text=True,
+                          capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [w for n in CONTRACT for w in ("ok", str(n))]
+
+
+def try_it_examples():
+    """Each '# Try it:' comment block as a doctest: its '#   ' lines, prefix removed."""
+    blocks = re.findall(r"^# Try it.*\n((?:#   .*\n)+)", SOURCE, re.M)
+    return ["".join(line[4:] + "\n" for line in block.splitlines()) for block in blocks]
+
+
+def test_try_it_examples_after_each_core_section_run_as_doctests():
+    import doctest
+    examples = try_it_examples()
+    assert len(examples) >= 9  # one after each core section of Part I at least
+    parser, runner = doctest.DocTestParser(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for i, text in enumerate(examples):
+        test = parser.get_doctest(text, dict(vars(tf)), f"try_it_{i}", tf.__file__, 0)
+        assert test.examples, text
+        runner.run(test, out=lambda s: None)
+    assert runner.failures == 0 and runner.tries >= 20, runner.summarize(verbose=False)
+    # and a wrong expectation would be caught: the runner is not a rubber stamp
+    wrong = parser.get_doctest(">>> 1 + 1\n3\n", {}, "wrong", None, 0)
+    assert doctest.DocTestRunner().run(wrong, out=lambda s: None).failed == 1
+
+
+def test_readme_section_map_names_every_section_at_its_line():
+    readme = open(os.path.join(os.path.dirname(tf.__file__), "README.md"), encoding="utf-8").read()
+    rows = re.findall(r"^\| (\d+) \| (.+?) \| (\d+) \| (.+?) \|$", readme, re.M)
+    lines = SOURCE.splitlines()
+    banners = [(m.group(1), m.group(2)) for m in BANNER.finditer(SOURCE)]
+    assert [(n, title) for n, title, _, _ in rows] == banners
+    for n, title, line, names in rows:
+        assert lines[int(line) - 1] == f"# {n}. {title}", (n, line)
+        for name in re.findall(r"`(\w+)`", names):  # each name listed is defined in that section
+            assert re.search(rf"^(class|def) {name}\b|^{name} = ", text_through_section(int(n)), re.M), name
+
+
+def test_top_level_holds_exactly_the_four_files():
+    root = os.path.dirname(tf.__file__)
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True).stdout.split()
+    if tracked:  # a git checkout: only these at the top, plus .ci/
+        assert {p for p in tracked if "/" not in p} == {
+            "transformer.py", "test_transformer.py", "README.md", "requirements.txt"}
+        assert {p.split("/")[0] for p in tracked if "/" in p} == {".ci"}
+
+
+# ===========================================================================
 # 1. Positional encoding
 # ===========================================================================
 
@@ -363,12 +452,14 @@ def test_pitfall7_view_before_transpose():
     assert heads.shape == (B, H, T, dk)
     for h in range(H):  # head h is the h-th slice of width dk of every position
         assert torch.equal(heads[:, h], x[..., h * dk:(h + 1) * dk])
-    # transposing first, then viewing, cuts across heads
-    wrong1 = x.transpose(1, 2).contiguous().view(B, H, T, dk)
-    wrong2 = x.reshape(B, H, T, dk)
-    assert wrong1.shape == wrong2.shape == heads.shape
-    assert max_diff(heads, wrong1) > 1e-2
-    assert max_diff(heads, wrong2) > 1e-2
+    # the silent mistakes: straight to [B, H, T, dk] by reshape or view (no transpose),
+    # or transposing first and making it contiguous: right shape, positions mixed into heads
+    wrong = [x.reshape(B, H, T, dk), x.view(B, H, T, dk), x.transpose(1, 2).contiguous().view(B, H, T, dk)]
+    for w in wrong:
+        assert w.shape == heads.shape and max_diff(heads, w) > 1e-2
+    # transposing first and then a bare view is not silent: it raises (the docstring's claim)
+    with pytest.raises(RuntimeError):
+        x.transpose(1, 2).view(B, H, T, dk)
 
 
 def test_pitfall1_seed000_mha_stores_heads():

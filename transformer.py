@@ -1278,7 +1278,8 @@ def show_models(device):
     print(f"  parameters: {count_parameters(gpt):,} counted, "
           f"{decoder_only_param_formula(**TUTORIAL_GPT_CONFIG):,} by formula")
     del gpt
-    model = Transformer(1000, 1200, d_model=128, n_heads=4, d_ff=512, n_layers=2).to(device).eval()
+    model = Transformer(src_vocab_size=1000, tgt_vocab_size=1200, d_model=128, n_heads=4, d_ff=512,
+                        n_layers=2).to(device).eval()
     src = torch.randint(1, 1000, (2, 7), device=device)                    # [B, S]
     tgt = torch.randint(1, 1200, (2, 5), device=device)                    # [B, T]
     with torch.no_grad():
@@ -1301,7 +1302,8 @@ def show_models(device):
     print(f"  the tutorial's GPT: {decoder_only_param_formula(**TUTORIAL_GPT_CONFIG) / 1e6:.1f}M untied; even tied "
           f"(lm_head = token_embedding) it is {tied / 1e6:.1f}M, not 30-odd M.")
     torch.manual_seed(0)
-    gpt = DecoderOnlyTransformer(1000, 512, 2, 8, 2048, max_len=512).to(device).eval()
+    gpt = DecoderOnlyTransformer(vocab_size=1000, d_model=512, n_layers=2, n_heads=8, d_ff=2048,
+                                 max_len=512).to(device).eval()
     prompt = torch.randint(0, 1000, (1, 8), device=device)                 # [B, T]
     with_cache, without, same = time_generation(gpt, prompt, 256)
     print(f"\nKV cache: decoder-only (d_model 512, 8 heads, d_ff 2048, 2 layers, vocab 1000), "
@@ -1317,11 +1319,12 @@ def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed):
     torch.manual_seed(seed)
     if kind == "encdec":
         src_vocab, tgt_vocab = build_vocabs(train_pairs)
-        model = Transformer(len(src_vocab), len(tgt_vocab), max_len=max_len, **spec["config"])
+        model = Transformer(src_vocab_size=len(src_vocab), tgt_vocab_size=len(tgt_vocab), max_len=max_len,
+                            **spec["config"])
         dataset = PinyinDataset(train_pairs, src_vocab, tgt_vocab)
     else:
         src_vocab = tgt_vocab = build_gpt_vocab(train_pairs)
-        model = DecoderOnlyTransformer(len(tgt_vocab), max_len=max_len, **spec["config"])
+        model = DecoderOnlyTransformer(vocab_size=len(tgt_vocab), max_len=max_len, **spec["config"])
         dataset = PromptDataset(train_pairs, tgt_vocab)
     model.to(device)
     answer = translator(kind, model, src_vocab, tgt_vocab)
