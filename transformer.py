@@ -837,19 +837,135 @@ def collate(batch):
                  for field in zip(*batch))                                 # [B, longest] each
 
 
+def syllable_readings(pairs):
+    """syllable -> the set of characters written for it somewhere in the pairs."""
+    readings = {}
+    for pinyin, hanzi in pairs:
+        for syllable, char in zip(pinyin.split(), hanzi):
+            readings.setdefault(syllable, set()).add(char)
+    return readings
+
+
+def ambiguous_syllables(pairs):
+    """Syllables written with two or more characters somewhere in the data."""
+    return {s for s, chars in syllable_readings(pairs).items() if len(chars) > 1}
+
+
 # ===========================================================================
-# 18. Decoding (解码)
+# 18. A baseline to beat: bigram HMM and Viterbi (基线：二元语法与维特比)
+# ===========================================================================
+# Before trusting a Transformer, ask what counting does. A hidden Markov model
+# reads the pinyin as emitted by a hidden chain of characters: each character
+# depends only on the one before it (a bigram), each syllable only on its own
+# character. Viterbi finds the most likely chain by dynamic programming,
+#   best[i, c] = max over c' of best[i-1, c'] + log P(c | c') + log P(syllable i | c),
+# in a fraction of a second of counting. A Transformer that cannot beat it on
+# the same sentences has not earned its place.
+
+class BigramHMM:
+    """Counts from training pairs; decode(pinyin sentences) -> hanzi by Viterbi.
+    P(c | c') is the bigram count smoothed toward the character's overall
+    frequency (a sentence start counts as c'); P(syllable | c) is counted. A
+    syllable never seen may be any character."""
+
+    def __init__(self, pairs, smoothing=1.0):
+        self.chars = sorted({c for _, hanzi in pairs for c in hanzi})
+        index = {c: i for i, c in enumerate(self.chars)}
+        C = len(self.chars)
+        bigrams = torch.zeros(C + 1, C)                                    # [C+1, C]: row C = sentence start
+        emitted = {}                                                       # syllable -> {char id: count}
+        for pinyin, hanzi in pairs:
+            previous = C
+            for syllable, char in zip(pinyin.split(), hanzi):
+                bigrams[previous, index[char]] += 1
+                counts = emitted.setdefault(syllable, {})
+                counts[index[char]] = counts.get(index[char], 0) + 1
+                previous = index[char]
+        unigram = bigrams.sum(dim=0) / bigrams.sum()                       # [C]
+        self.log_next = ((bigrams + smoothing * unigram)                   # [C+1, C]
+                         / (bigrams.sum(dim=1, keepdim=True) + smoothing)).log()
+        char_count = bigrams.sum(dim=0)                                    # [C]
+        self.emissions = {s: (torch.tensor(list(c)), (torch.tensor(list(c.values()), dtype=torch.float)
+                                                       / char_count[list(c)]).log())
+                          for s, c in emitted.items()}                     # syllable -> ([n], [n])
+        self.anything = (torch.arange(C), torch.zeros(C))                  # an unseen syllable: [C], [C]
+
+    def decode_one(self, syllables):
+        if not syllables:
+            return ""
+        ids, log_emit = self.emissions.get(syllables[0], self.anything)    # [n0], [n0]
+        score = self.log_next[-1, ids] + log_emit                          # [n0]
+        back = []
+        for syllable in syllables[1:]:
+            new_ids, log_emit = self.emissions.get(syllable, self.anything)  # [n], [n]
+            total = score[:, None] + self.log_next[ids][:, new_ids]        # [n_prev, n]
+            score, best_previous = total.max(dim=0)                        # [n], [n]
+            score = score + log_emit                                       # [n]
+            back.append(best_previous)
+            ids = new_ids
+        path = [score.argmax().item()]                                     # position in the last candidates
+        for best_previous in reversed(back):
+            path.append(best_previous[path[-1]].item())
+        chosen, candidates = [], [self.emissions.get(s, self.anything)[0] for s in syllables]
+        for position, ids in zip(reversed(path), candidates):
+            chosen.append(self.chars[ids[position]])
+        return "".join(chosen)
+
+    def decode(self, sentences):
+        return [self.decode_one(sentence.split()) for sentence in sentences]
+
+# Try it:
+#   >>> hmm = BigramHMM([("shi lao shi", "是老师"), ("shi dian", "十点"), ("lao shi", "老师")])
+#   >>> hmm.decode(["lao shi", "shi dian"])
+#   ['老师', '十点']
+
+
+# ===========================================================================
+# 19. Decoding: greedy, constrained, beam (解码：贪心、约束与束搜索)
 # ===========================================================================
 # At inference there is no target to feed: start every sentence with bos, run
-# the decoder, append the most likely next character, repeat until eos. The
-# source is encoded once. Finished sentences keep receiving pad, which the
-# target's padding mask hides. With the KV cache of section 3 each step runs the
-# newest token only. (Comes before training, which reports held-out accuracy
-# every epoch by decoding.)
+# the decoder, choose a next character, repeat until eos. The source is encoded
+# once; with the KV cache of section 3 each step runs the newest token only.
+# Greedy takes the most likely token at every step. Two improvements:
+# - Constrained: the task has structure the model may ignore, one character
+#   per syllable and only the characters seen with that syllable (its
+#   readings). Masking every other token's logit before choosing makes each
+#   answer well-formed by construction. Structured generation (JSON grammars,
+#   tool calls) works the same way. And an answer never holds a special token
+#   or a syllable, constrained or not.
+# - Beam search keeps the beam_size best partial answers by summed
+#   log-probability instead of one. It fixes a first choice that looked best
+#   alone but leads to a worse sentence; it cannot fix a model that scores the
+#   wrong sentence higher, and it costs beam_size times the work.
+
+def answer_masks(syllable_lists, vocab, readings=None):
+    """[B, S+1, V] bool, S the longest sentence: which tokens step i may choose.
+    For sentence b: a character at steps 0 .. len-1 (with readings, one of that
+    syllable's; without, any character or an early eos), eos at step len, pad
+    after. Characters are the vocabulary's non-ASCII tokens: never a special
+    token (<pad>, <eos>, ...) and never a pinyin syllable."""
+    S = max((len(syllables) for syllables in syllable_lists), default=0)
+    characters = torch.tensor([not token.isascii() for token in vocab.itos])  # [V]
+    free = characters.clone()                                               # [V]
+    free[Vocab.EOS] = True
+    allowed = torch.zeros(len(syllable_lists), S + 1, len(vocab), dtype=torch.bool)  # [B, S+1, V]
+    for b, syllables in enumerate(syllable_lists):
+        for i, syllable in enumerate(syllables):
+            if readings is None:
+                allowed[b, i] = free
+            elif syllable in readings:
+                allowed[b, i, vocab.encode(sorted(readings[syllable]))] = True
+            else:  # a syllable never seen in training: any character, but still one
+                allowed[b, i] = characters
+        allowed[b, len(syllables), Vocab.EOS] = True
+        allowed[b, len(syllables) + 1:, Vocab.PAD] = True
+    return allowed
+
 
 @torch.no_grad()
-def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True):
+def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True, allowed=None):
     """src [B, S] -> generated ids [B, <= max_len], eos included, pad after it.
+    allowed [B, max_len, V]: step i chooses only among allowed[:, i] (None: any token).
     use_cache changes the work per step, not the tokens."""
     if bos_id == model.pad_id:
         raise ValueError(f"bos_id ({bos_id}) must differ from the pad id: decoding would start from padding")
@@ -860,8 +976,10 @@ def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True):
     cache = model.new_cache() if use_cache else None
     with eval_mode(model):
         memory = model.encode(src)                                         # [B, S, D]
-        for _ in range(max_len):
+        for i in range(max_len):
             logits = model.decode(ys, memory, src, cache)[:, -1]           # [B, V]
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed[:, i], torch.finfo(logits.dtype).min)  # [B, V]
             next_id = logits.argmax(dim=-1).masked_fill(done, model.pad_id)  # [B]
             ys = torch.cat([ys, next_id[:, None]], dim=1)                  # [B, t+1]
             done |= next_id == eos_id                                      # [B]
@@ -870,49 +988,91 @@ def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True):
     return ys[:, 1:]                                                       # [B, <= max_len]
 
 
-def translate(model, sentences, src_vocab, tgt_vocab, batch_size=256):
-    """Pinyin strings -> hanzi strings, decoded greedily in batches."""
+def reorder_cache(cache, index):
+    """Every KVCache in a model's cache keeps the batch rows `index` [N], in order."""
+    for entry in cache:
+        for c in (entry if isinstance(entry, tuple) else (entry,)):
+            c.k, c.v = c.k[index], c.v[index]                              # [N, H, t, dk] each
+
+
+@torch.no_grad()
+def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_id=2, pad_id=0):
+    """The beam_size most likely continuations of start [B, T0], kept by summed
+    log-probability; -> (best continuation [B, n_steps], its log-probability [B]).
+    step(ids [B*k, t], cache) gives next-token logits [B*k, V], row b*k + j being
+    beam j of sentence b (the caller repeats its own inputs k times); allowed
+    [B, n_steps, V] masks as in greedy_decode. A beam that has emitted eos
+    continues with pad at no cost, so finished and open beams compare fairly."""
+    B, k = start.size(0), beam_size
+    ids = start.repeat_interleave(k, dim=0)                                # [B*k, T0]
+    scores = torch.full((B, k), float("-inf"), device=start.device)        # [B, k]
+    scores[:, 0] = 0.0  # k copies of one start: only the first is live, or all k beams would be equal
+    done = torch.zeros(B * k, dtype=torch.bool, device=start.device)       # [B*k]
+    for i in range(n_steps):
+        logp = step(ids, cache).float().log_softmax(dim=-1)                # [B*k, V]
+        if allowed is not None:
+            logp = logp.masked_fill(~allowed[:, i].repeat_interleave(k, dim=0), float("-inf"))  # [B*k, V]
+        logp[done] = float("-inf")
+        logp[done, pad_id] = 0.0
+        V = logp.size(-1)
+        total = (scores.view(-1, 1) + logp).view(B, k * V)                 # [B, k*V]: every beam, every token
+        scores, flat = total.topk(k, dim=-1)                               # [B, k], best first
+        beam, token = flat // V, flat % V                                  # [B, k] each
+        index = (torch.arange(B, device=start.device)[:, None] * k + beam).view(-1)  # [B*k]
+        ids = torch.cat([ids[index], token.view(-1, 1)], dim=1)            # [B*k, t+1]
+        done = done[index] | (token.view(-1) == eos_id)                    # [B*k]
+        if cache is not None:
+            reorder_cache(cache, index)  # the cache follows its beam
+    best = ids.view(B, k, -1)[:, 0, start.size(1):]                        # [B, n_steps]
+    return best, scores[:, 0]                                              # [B, n_steps], [B]
+
+
+def translate(model, sentences, src_vocab, tgt_vocab, readings=None, beam_size=1, batch_size=256):
+    """Pinyin strings -> hanzi strings with the encoder-decoder: constrained by the
+    syllables' readings when given, greedy when beam_size is 1."""
     device = next(model.parameters()).device
     out = []
     for i in range(0, len(sentences), batch_size):
-        chunk = [src_vocab.encode(s.split()) for s in sentences[i:i + batch_size]]  # B lists of [S_i] ids
+        syllables = [s.split() for s in sentences[i:i + batch_size]]      # B lists of syllables
         # collate pads every row to the longest (an empty sentence becomes all padding)
-        src, = collate([(torch.tensor(ids, dtype=torch.long),) for ids in chunk])  # [B, S]
+        src, = collate([(torch.tensor(src_vocab.encode(s), dtype=torch.long),) for s in syllables])  # [B, S]
         src = src.to(device)                                               # [B, S]
-        # one character per syllable, so S + 1 steps leave room for eos; each row is cut
-        # at its own length + 1, so an answer never depends on the batch it was in
-        generated = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1)  # [B, <= S+1]
-        out += ["".join(tgt_vocab.decode(row[:len(ids) + 1])) for row, ids in zip(generated.tolist(), chunk)]
+        allowed = answer_masks(syllables, tgt_vocab, readings).to(device)  # [B, S+1, V]
+        if beam_size == 1:
+            generated = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1, allowed=allowed)  # [B, <= S+1]
+        else:
+            with eval_mode(model):
+                memory = model.encode(src).repeat_interleave(beam_size, dim=0)  # [B*k, S, D]
+                src_k = src.repeat_interleave(beam_size, dim=0)             # [B*k, S]
+                start = torch.full((len(syllables), 1), Vocab.BOS, device=device)  # [B, 1]
+                generated, _ = beam_search(lambda ids, cache: model.decode(ids, memory, src_k, cache)[:, -1],
+                                           start, src.size(1) + 1, beam_size, allowed, model.new_cache())  # [B, S+1]
+        out += ["".join(tgt_vocab.decode(row)) for row in generated.tolist()]
     return out
 
 
-def ambiguous_syllables(pairs):
-    """Syllables written with two or more characters somewhere in the data."""
-    seen = {}
-    for pinyin, hanzi in pairs:
-        for syllable, char in zip(pinyin.split(), hanzi):
-            seen.setdefault(syllable, set()).add(char)
-    return {s for s, chars in seen.items() if len(chars) > 1}
-
-
 def evaluate(translate_fn, pairs, ambiguous=()):
-    """Exact-match accuracy of translate_fn (pinyin list -> hanzi list) over the
-    sentences, and accuracy on the characters whose syllable is in `ambiguous`
-    (a prediction of the wrong length counts its missing characters wrong)."""
+    """How translate_fn (pinyin list -> hanzi list) does on the pairs: exact-match
+    accuracy; character accuracy, where a missing or extra character counts as
+    wrong (right / max(len(expected), len(predicted)) summed over sentences); and
+    accuracy on the characters whose syllable is in `ambiguous`."""
     predictions = translate_fn([pinyin for pinyin, _ in pairs])
     exact = sum(pred == hanzi for pred, (_, hanzi) in zip(predictions, pairs))
+    char_right = sum(sum(p == h for p, h in zip(pred, hanzi)) for pred, (_, hanzi) in zip(predictions, pairs))
+    char_total = sum(max(len(pred), len(hanzi)) for pred, (_, hanzi) in zip(predictions, pairs))
     amb_right = amb_total = 0
     for pred, (pinyin, hanzi) in zip(predictions, pairs):
         for i, (syllable, char) in enumerate(zip(pinyin.split(), hanzi)):
             if syllable in ambiguous:
                 amb_total += 1
                 amb_right += i < len(pred) and pred[i] == char
-    return {"accuracy": exact / len(pairs), "exact": exact, "total": len(pairs),
-            "predictions": predictions, "ambiguous_right": amb_right, "ambiguous_total": amb_total}
+    return {"accuracy": exact / len(pairs), "exact": exact, "total": len(pairs), "predictions": predictions,
+            "char_accuracy": char_right / max(char_total, 1), "char_right": char_right, "char_total": char_total,
+            "ambiguous_right": amb_right, "ambiguous_total": amb_total}
 
 
 # ===========================================================================
-# 19. Training (训练)
+# 20. Training (训练)
 # ===========================================================================
 # Teacher forcing: the model reads whole target sequences at once and predicts
 # every next token, the causal mask keeping each position from its own answer.
@@ -992,7 +1152,7 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
 
 
 # ===========================================================================
-# 20. The KV cache, measured (键值缓存实测)
+# 21. The KV cache, measured (键值缓存实测)
 # ===========================================================================
 # Without a cache, generating token t reruns the whole prefix: t tokens through
 # every layer, so n tokens cost about n^2 / 2 token-passes. With the KVCache of
@@ -1010,7 +1170,7 @@ def time_generation(model, prompt, max_new_tokens):
 
 
 # ===========================================================================
-# 21. Decoder-only models on the task (仅解码器模型做同一任务)
+# 22. Decoder-only models on the task (仅解码器模型做同一任务)
 # ===========================================================================
 # The decoder-only model has no encoder to read the pinyin, so the pinyin goes
 # in front as a prompt: "wo ai xue xi <sep> 我 爱 学 习 <eos>", one sequence.
@@ -1045,30 +1205,36 @@ class PromptDataset(torch.utils.data.Dataset):
         return ids[:-1], target                                            # [S+T+1] each
 
 
-def gpt_translate(model, sentences, vocab):
-    """Pinyin strings -> hanzi, by greedy generation after the prompt. Sentences of
-    one length share a batch, so no prompt needs padding."""
+def gpt_translate(model, sentences, vocab, readings=None, beam_size=1):
+    """Pinyin strings -> hanzi with a decoder-only model: its continuation of the
+    prompt "pinyin <sep>", constrained and searched as translate() does. Sentences
+    of one length share a batch, so no prompt needs padding."""
     device = next(model.parameters()).device
     by_length, out = {}, [""] * len(sentences)
     for i, sentence in enumerate(sentences):
         by_length.setdefault(len(sentence.split()), []).append(i)
     for S, rows in by_length.items():
-        prompt = torch.tensor([vocab.encode(sentences[i].split() + [SEP]) for i in rows], device=device)  # [B, S+1]
-        ids = model.generate(prompt, max_new_tokens=S + 1)                 # [B, 2S+2]: T = S, + eos
-        for i, answer in zip(rows, ids[:, S + 1:].tolist()):
-            out[i] = "".join(vocab.decode(answer))
+        syllables = [sentences[i].split() for i in rows]                   # B lists of S syllables
+        prompt = torch.tensor([vocab.encode(s + [SEP]) for s in syllables], device=device)  # [B, S+1]
+        allowed = answer_masks(syllables, vocab, readings).to(device)      # [B, S+1, V]
+        with eval_mode(model):
+            answer, _ = beam_search(lambda ids, cache: model(ids, cache)[:, -1], prompt, S + 1, beam_size,
+                                    allowed, model.new_cache())            # [B, S+1]: S characters, eos
+        for i, row in zip(rows, answer.tolist()):
+            out[i] = "".join(vocab.decode(row))
     return out
 
 
-def translator(kind, model, src_vocab, tgt_vocab):
-    """pinyin list -> hanzi list with either kind of model ("encdec" or "gpt")."""
-    if kind == "gpt":
-        return lambda sentences: gpt_translate(model, sentences, tgt_vocab)
-    return lambda sentences: translate(model, sentences, src_vocab, tgt_vocab)
+def translator(kind, model, src_vocab, tgt_vocab, readings=None, beam_size=1):
+    """pinyin list -> hanzi list with the encoder-decoder ("encdec") or a
+    decoder-only model (any other kind)."""
+    if kind == "encdec":
+        return lambda sentences: translate(model, sentences, src_vocab, tgt_vocab, readings, beam_size)
+    return lambda sentences: gpt_translate(model, sentences, tgt_vocab, readings, beam_size)
 
 
 # ===========================================================================
-# 22. The attention heatmap (注意力热力图)
+# 23. The attention heatmap (注意力热力图)
 # ===========================================================================
 # Which syllables did each character read? The last decoder layer's
 # cross-attention weights [H, T, S], averaged over heads or for one head, drawn
@@ -1117,23 +1283,34 @@ import tempfile
 
 
 # ===========================================================================
-# 23. Your own data (自己的数据)
+# 24. Your own data (自己的数据)
 # ===========================================================================
 # --data FILE.tsv trains on your pairs instead of the generated ones: UTF-8,
 # one "pinyin<TAB>hanzi" a line, one syllable per character, blank lines and
 # # comments skipped. A line that does not fit is reported as FILE:LINE.
 
 SYLLABLE = re.compile("[a-z]+")  # toneless lowercase pinyin, ü written v: the one rule for input
+MAX_DATA_BYTES = 64 * 2 ** 20    # a --data file past this is refused, not read into memory
+MAX_SYLLABLES = 100              # per sentence: attention's memory grows with its square
+
+
+def quote(text, limit=40):
+    """repr(text), cut to about `limit` characters: an error line never echoes a megabyte."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text):,} characters)"
 
 
 def read_pairs(path):
     """(pinyin, hanzi) pairs from a TSV file; the first answer wins for a repeated
     pinyin. Raises ValueError naming the file and line."""
     try:
-        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not text
-            lines = f.read().splitlines()
+        with open(path, "rb") as f:
+            data = f.read(MAX_DATA_BYTES + 1)  # a bounded read: /dev/zero or a huge file stops here
     except OSError as e:
         raise ValueError(f"{path}: {e.strerror}") from None
+    if len(data) > MAX_DATA_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_DATA_BYTES // 2 ** 20} MB; expected a pinyin<TAB>hanzi file")
+    try:
+        lines = data.decode("utf-8-sig").splitlines()  # -sig: a byte-order mark is not text
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     pairs = {}
@@ -1149,10 +1326,14 @@ def read_pairs(path):
             raise ValueError(f"{where} empty {'pinyin' if not syllables else 'hanzi'}")
         bad = next((s for s in syllables if not SYLLABLE.fullmatch(s)), None)
         if bad:
-            raise ValueError(f"{where} syllable {bad!r} is not toneless lowercase pinyin (a-z, ü written v)")
+            raise ValueError(f"{where} syllable {quote(bad)} is not toneless lowercase pinyin (a-z, ü written v)")
         if len(syllables) != len(hanzi):
-            raise ValueError(f"{where} {len(syllables)} syllables but {len(hanzi)} characters {hanzi!r};"
+            raise ValueError(f"{where} {len(syllables)} syllables but {len(hanzi)} characters {quote(hanzi)};"
                              f" expected one syllable per character")
+        if len(syllables) > MAX_SYLLABLES:
+            raise ValueError(f"{where} {len(syllables)} syllables; a sentence may have at most {MAX_SYLLABLES}")
+        if any(c.isspace() or not c.isprintable() for c in hanzi):
+            raise ValueError(f"{where} hanzi {quote(hanzi)} holds a space or control character")
         pairs.setdefault(" ".join(syllables), hanzi)
     if len(pairs) < 2:
         raise ValueError(f"{path}: found {len(pairs)} pinyin<TAB>hanzi lines, need at least 2")
@@ -1160,7 +1341,7 @@ def read_pairs(path):
 
 
 # ===========================================================================
-# 24. Saving and loading (保存与加载)
+# 25. Saving and loading (保存与加载)
 # ===========================================================================
 # A checkpoint is data: the configuration, the weights and both vocabularies,
 # plain dicts, lists and tensors that torch.load(weights_only=True) reads
@@ -1172,27 +1353,64 @@ CHECKPOINT_FORMAT = "transformer.py checkpoint v1"
 MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer}
 
 
-def save_checkpoint(path, kind, model, src_vocab, tgt_vocab):
+def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
+    """Write the model, its vocabularies and (if given) the syllables' readings to
+    path. A symbolic link is followed on purpose (its target gets the new file), an
+    existing file keeps its permissions, and anything but a regular file is refused.
+    ValueError naming the path if it cannot be written; the old file stays intact."""
     checkpoint = {"format": CHECKPOINT_FORMAT, "kind": kind, "config": model.config,
                   "state_dict": model.state_dict(), "src_vocab": src_vocab.itos, "tgt_vocab": tgt_vocab.itos}
-    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", dir=os.path.dirname(os.path.abspath(path)))
+    if readings is not None:
+        checkpoint["readings"] = {syllable: "".join(sorted(chars)) for syllable, chars in readings.items()}
+    target = os.path.realpath(path)
+    if os.path.exists(target) and not os.path.isfile(target):
+        raise ValueError(f"{path}: not a regular file (a folder, pipe or device); refusing to replace it")
     umask = os.umask(0)
     os.umask(umask)
+    mode = os.stat(target).st_mode & 0o7777 if os.path.exists(target) else 0o666 & ~umask
     try:
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's file is private; a saved model is not
+        fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", dir=os.path.dirname(target))
+    except OSError as e:
+        raise ValueError(f"{path}: cannot write there ({e.strerror})") from None
+    try:
+        os.chmod(tmp, mode)  # mkstemp's file is private; the saved model gets the usual (or the old) mode
         with os.fdopen(fd, "wb") as f:
             torch.save(checkpoint, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)  # one rename: readers see the old file or the new, never half
-    except BaseException:
+        os.replace(tmp, target)  # one rename: readers see the old file or the new, never half
+    except BaseException as e:
         os.unlink(tmp)
+        if isinstance(e, (OSError, RuntimeError)):  # a full disk is OSError, or RuntimeError inside torch.save
+            detail = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())[:80]
+            raise ValueError(f"{path}: could not save ({detail}); the previous file is unchanged") from None
         raise
 
 
+def check_state_dict(state):
+    """Names to real, finite tensors that store every value they claim (a stride-0
+    view of one number can claim gigabytes), or ValueError."""
+    if not isinstance(state, dict):
+        raise ValueError(f"state_dict is a {type(state).__name__}, expected a dict")
+    for name, t in state.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise ValueError(f"state_dict entry {quote(str(name))} is not a name and a tensor")
+        if t.untyped_storage().nbytes() < t.numel() * t.element_size():
+            raise ValueError(f"{name} claims {list(t.shape)} but stores fewer values")
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ValueError(f"{name} holds NaN or infinite values")
+
+
+def check_vocab(itos, name):
+    """A vocabulary as this file writes it: distinct strings, the specials first, sorted."""
+    if not (isinstance(itos, list) and all(isinstance(t, str) for t in itos) and Vocab(itos).itos == itos):
+        raise ValueError(f"{name} is not a vocabulary written by this file")
+    return Vocab(itos)
+
+
 def load_checkpoint(path, device="cpu"):
-    """-> (kind, model in eval mode, src_vocab, tgt_vocab); ValueError for a missing,
-    truncated or foreign file."""
+    """-> (kind, model in eval mode, src_vocab, tgt_vocab, readings or None);
+    ValueError for a missing, truncated, foreign or forged file."""
     try:
         checkpoint = torch.load(path, map_location=device, weights_only=True)
     except FileNotFoundError:
@@ -1203,6 +1421,9 @@ def load_checkpoint(path, device="cpu"):
         raise ValueError(f"{path}: not a transformer.py checkpoint")
     try:
         cls, config, state = MODEL_CLASSES[checkpoint["kind"]], checkpoint["config"], checkpoint["state_dict"]
+        check_state_dict(state)
+        if not isinstance(config, dict) or config.get("pad_id", Vocab.PAD) != Vocab.PAD:
+            raise ValueError(f"config must be a dict with pad_id {Vocab.PAD}, the id of <pad>")
         # layer indices in the weights' names ("layers.3.ffn.fc1.weight"): a forged
         # n_layers of a million would take minutes to build, even on the meta device
         stored_layers = {name.split(".")[1] for name in state if name.split(".")[0].endswith("layers")}
@@ -1214,18 +1435,27 @@ def load_checkpoint(path, device="cpu"):
             raise ValueError("the weights do not fit the configuration")
         model = cls(**config).to(device)
         model.load_state_dict(state)
-        vocabs = Vocab(checkpoint["src_vocab"]), Vocab(checkpoint["tgt_vocab"])
+        vocabs = check_vocab(checkpoint["src_vocab"], "src_vocab"), check_vocab(checkpoint["tgt_vocab"], "tgt_vocab")
         sizes = [model.config.get(key, model.config.get("vocab_size")) for key in ("src_vocab_size", "tgt_vocab_size")]
         if [len(vocab) for vocab in vocabs] != sizes:
             raise ValueError(f"vocabularies of {[len(v) for v in vocabs]} tokens for a model of {sizes}")
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        if checkpoint["kind"] == "gpt" and SEP not in vocabs[1].stoi:
+            raise ValueError(f"a decoder-only model's vocabulary needs {SEP}")
+        readings = checkpoint.get("readings")
+        if readings is not None:
+            if not (isinstance(readings, dict) and all(isinstance(s, str) and isinstance(c, str) and c
+                                                       and all(ch in vocabs[1].stoi for ch in c)
+                                                       for s, c in readings.items())):
+                raise ValueError("readings must map syllables to characters of the vocabulary")
+            readings = {syllable: set(chars) for syllable, chars in readings.items()}
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
         detail = " ".join(str(e).split())[:100]  # one line, however long torch's message
         raise ValueError(f"{path}: damaged checkpoint ({type(e).__name__}: {detail})") from None
-    return checkpoint["kind"], model.eval(), *vocabs
+    return checkpoint["kind"], model.eval(), *vocabs, readings
 
 
 # ===========================================================================
-# 25. The demo and the command line (演示与命令行): python transformer.py
+# 26. The demo and the command line (演示与命令行): python transformer.py
 # ===========================================================================
 # Shapes and parameter counts first (the tutorials' own configuration among
 # them) and the cache measured; then both toy models learn pinyin to hanzi,
@@ -1314,9 +1544,10 @@ def show_models(device):
 def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed):
     """Build one toy model for the data, train it; -> (model, src_vocab, tgt_vocab, result)."""
     spec = TOY_MODELS[kind]
-    # room for the longest sentence twice (a GPT sequence holds pinyin and hanzi) + <sep> + <eos>
+    # room for the longest sentence twice (a decoder-only sequence holds pinyin and hanzi) + <sep> + <eos>
     max_len = 2 * max(len(pinyin.split()) for pinyin, _ in train_pairs + test_pairs) + 2
     torch.manual_seed(seed)
+    readings = syllable_readings(train_pairs)
     if kind == "encdec":
         src_vocab, tgt_vocab = build_vocabs(train_pairs)
         model = Transformer(src_vocab_size=len(src_vocab), tgt_vocab_size=len(tgt_vocab), max_len=max_len,
@@ -1324,26 +1555,34 @@ def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed):
         dataset = PinyinDataset(train_pairs, src_vocab, tgt_vocab)
     else:
         src_vocab = tgt_vocab = build_gpt_vocab(train_pairs)
-        model = DecoderOnlyTransformer(vocab_size=len(tgt_vocab), max_len=max_len, **spec["config"])
+        model = MODEL_CLASSES[kind](vocab_size=len(tgt_vocab), max_len=max_len, **spec["config"])
         dataset = PromptDataset(train_pairs, tgt_vocab)
     model.to(device)
-    answer = translator(kind, model, src_vocab, tgt_vocab)
+    answer = translator(kind, model, src_vocab, tgt_vocab, readings)
     print(f"\n{spec['name']}: {count_parameters(model):,} parameters, {spec['config']}")
     result = train(model, dataset, lambda: evaluate(answer, test_pairs)["accuracy"],
                    epochs=epochs or spec["epochs"], lr_factor=spec["lr_factor"], seed=seed)
     return model, src_vocab, tgt_vocab, result
 
 
+def longest_sentence(kind, model):
+    """The most syllables the model can answer: the encoder-decoder needs S + 1
+    decoder positions after bos, a decoder-only model holds pinyin, <sep>, hanzi, <eos>."""
+    return model.max_len - 2 if kind == "encdec" else (model.max_len - 2) // 2
+
+
+def percent(right, total):
+    return f"{100 * right / max(total, 1):5.1f}% ({right}/{total})"
+
+
 def report(answer, test_pairs, ambiguous, n_examples=6):
-    """Held-out accuracy, on all sentences and on ambiguous syllables, and examples."""
+    """Held-out accuracy (sentences, characters, ambiguous syllables) and examples."""
     result = evaluate(answer, test_pairs, ambiguous)
-    print(f"held-out exact-match accuracy: {100 * result['accuracy']:.1f}% "
-          f"({result['exact']}/{result['total']} sentences)")
+    print(f"held-out exact match: {percent(result['exact'], result['total'])} sentences; "
+          f"characters: {percent(result['char_right'], result['char_total'])}")
     if result["ambiguous_total"]:
         print(f"held-out characters with an ambiguous syllable ({len(ambiguous)} syllables such as "
-              f"{', '.join(sorted(ambiguous)[:4])}): "
-              f"{100 * result['ambiguous_right'] / result['ambiguous_total']:.1f}% "
-              f"({result['ambiguous_right']}/{result['ambiguous_total']})")
+              f"{', '.join(sorted(ambiguous)[:4])}): {percent(result['ambiguous_right'], result['ambiguous_total'])}")
     # the mistakes first (False sorts before True), then correct answers
     rows = sorted(zip(test_pairs, result["predictions"]), key=lambda row: row[0][1] == row[1])[:n_examples]
     width = max(len(pinyin) for (pinyin, _), _ in rows)
@@ -1355,13 +1594,14 @@ def report(answer, test_pairs, ambiguous, n_examples=6):
     return result
 
 
-def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head):
+def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head, readings):
     """Cross-attention of the held-out sentence with the most ambiguous syllables."""
-    pinyin, _ = max((p for p in test_pairs if len(p[0].split()) <= 8),
+    pinyin, _ = max((p for p in test_pairs if len(p[0].split()) <= min(8, longest_sentence("encdec", model))),
                     key=lambda p: sum(s in ambiguous for s in p[0].split()), default=test_pairs[0])
     device = next(model.parameters()).device
     src = torch.tensor([src_vocab.encode(pinyin.split())], device=device)  # [1, S]
-    out = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1)  # [1, <= S+1]
+    allowed = answer_masks([pinyin.split()], tgt_vocab, readings).to(device)  # [1, S+1, V]
+    out = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1, allowed=allowed)  # [1, <= S+1]
     chars = tgt_vocab.decode(out[0].tolist())
     weights = cross_attention_map(model, src, out[:, :max(1, len(chars))], head)  # [T, S]
     which = "averaged over heads" if head is None else f"head {head}"
@@ -1369,17 +1609,17 @@ def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head):
     print(render_heatmap(weights, pinyin.split(), chars))
 
 
-def answer_lines(answer, src_vocab, max_len, lines):
+def answer_lines(answer, src_vocab, longest, lines):
     """Print one hanzi line per pinyin line; a line the model cannot take gets one
     error line on stderr and the rest still answer. -> exit status."""
-    status, longest = 0, (max_len - 2) // 2
+    status = 0
     for line in lines:
         syllables = line.split()                                           # ['wo', 'ai', ...]
         unknown = next((s for s in syllables if not (SYLLABLE.fullmatch(s) and s in src_vocab.stoi)), None)
         if unknown or len(syllables) > longest:
-            problem = (f"unknown syllable {unknown!r}" if unknown else
+            problem = (f"unknown syllable {quote(unknown)}" if unknown else
                        f"{len(syllables)} syllables, this model takes at most {longest}")
-            print(f"transformer.py: error: {problem} in {line.strip()!r}", file=sys.stderr)
+            print(f"transformer.py: error: {problem} in {quote(line.strip())}", file=sys.stderr)
             status = 2
             continue
         print(answer([" ".join(syllables)])[0] if syllables else "", flush=True)
@@ -1398,14 +1638,15 @@ def int_at_least(low):
     def parse(text):
         value = int(text) if re.fullmatch(r"-?\d+", text) else None
         if value is None or not low <= value < 2 ** 63:
-            raise argparse.ArgumentTypeError(f"expected an integer from {low} to 2^63 - 1, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to 2^63 - 1, got {quote(text)}")
         return value
     return parse
 
 
 def run(args, device, pairs, loaded):
     """Train each model asked for (or take the loaded one), report on the held-out
-    sentences, draw the heatmap, save; -> the first (kind, model, src_vocab, tgt_vocab)."""
+    sentences beside the bigram baseline, draw the heatmap, save;
+    -> the first (kind, model, src_vocab, tgt_vocab, readings)."""
     answering = args.translate is not None
     train_pairs, test_pairs = split_data(pairs, seed=args.seed)
     ambiguous = ambiguous_syllables(pairs)
@@ -1414,65 +1655,103 @@ def run(args, device, pairs, loaded):
         if not answering:
             print(f"loaded {args.load}; 'held out' below is the split of --seed {args.seed}: unseen "
                   f"only if the model was trained with that seed and data")
+        if loaded[4] is None and not args.free:
+            print(f"transformer.py: note: {args.load} holds no syllable readings (saved by an older version):"
+                  f" answering unconstrained", file=sys.stderr)
     else:
-        kinds = ["encdec", "gpt"] if args.model in (None, "both") else [args.model]
+        kinds = list(TOY_MODELS) if args.model in (None, "all") else [args.model]
         kinds = kinds[:1] if answering else kinds  # one model answers: train only that one
         print(f"\ndata: {len(pairs):,} pinyin sentences, {len(test_pairs):,} held out, "
               f"{len(ambiguous)} syllables with two or more characters")
     results = {}
     for kind in kinds:
         if loaded:
-            model, src_vocab, tgt_vocab, result = *loaded[1:], {}
+            model, src_vocab, tgt_vocab, readings, result = *loaded[1:], {}
         else:
             model, src_vocab, tgt_vocab, result = train_toy_model(
                 kind, train_pairs, test_pairs, device, args.epochs, args.seed)
+            readings = syllable_readings(train_pairs)
         if not answering:
-            answer = translator(kind, model, src_vocab, tgt_vocab)
-            result.update(report(answer, test_pairs, ambiguous))
-            if not args.data:  # the tutorials' own example
-                print(f"  wo ai xue xi -> {answer(['wo ai xue xi'])[0]}")
-            if kind == "encdec":
-                show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, args.head)
-        results[kind] = (model, src_vocab, tgt_vocab, result)
+            longest = longest_sentence(kind, model)
+            fits = [p for p in test_pairs if len(p[0].split()) <= longest]
+            if len(fits) < len(test_pairs):
+                print(f"skipped {len(test_pairs) - len(fits)} held-out sentences longer than the "
+                      f"{longest} syllables this model takes")
+            if fits:
+                answer = translator(kind, model, src_vocab, tgt_vocab, None if args.free else readings, args.beam)
+                result.update(report(answer, fits, ambiguous))
+                if not args.data:  # the tutorials' own example
+                    print(f"  wo ai xue xi -> {answer(['wo ai xue xi'])[0]}")
+                if kind == "encdec":
+                    show_heatmap(model, src_vocab, tgt_vocab, fits, ambiguous, args.head,
+                                 None if args.free else readings)
+        results[kind] = (model, src_vocab, tgt_vocab, readings, result)
         if result.get("interrupted"):
             break
-    if len(results) > 1:
-        print(f"\n  {'model':20s} {'parameters':>10s} {'train s':>8s}  held-out exact match")
-        for kind, (model, _, _, r) in results.items():
-            print(f"  {TOY_MODELS[kind]['name']:20s} {count_parameters(model):10,d} {r['seconds']:8.1f}"
-                  f"  {100 * r['accuracy']:.1f}% ({r['exact']}/{r['total']})")
+    if not answering and any("exact" in r for *_, r in results.values()):
+        start = time.perf_counter()
+        baseline = evaluate(BigramHMM(train_pairs).decode, test_pairs)
+        seconds = time.perf_counter() - start
+        how = ("unconstrained" if args.free else "constrained") + (f", beam {args.beam}" if args.beam > 1 else "")
+        print(f"\nheld-out sentences, same split ({how} decoding):")
+        print(f"  {'model':20s} {'parameters':>10s} {'train s':>8s}  {'exact match':17s}  characters")
+        for kind, (model, *_, r) in results.items():
+            if "exact" in r:
+                print(f"  {TOY_MODELS[kind]['name']:20s} {count_parameters(model):10,d} "
+                      f"{r.get('seconds', float('nan')):8.1f}  {percent(r['exact'], r['total']):17s}  "
+                      f"{percent(r['char_right'], r['char_total'])}")
+        print(f"  {'bigram HMM baseline':20s} {'-':>10s} {seconds:8.2f}  {percent(baseline['exact'], baseline['total']):17s}"
+              f"  {percent(baseline['char_right'], baseline['char_total'])}  (train and decode)")
+        for kind, (*_, r) in results.items():
+            if "exact" in r and (r["accuracy"], r["char_accuracy"]) <= (baseline["accuracy"], baseline["char_accuracy"]):
+                print(f"  the {TOY_MODELS[kind]['name']} does NOT beat the bigram baseline on these sentences")
     kind = kinds[0]
-    model, src_vocab, tgt_vocab, _ = results[kind]
+    model, src_vocab, tgt_vocab, readings, _ = results[kind]
     if args.save:
         try:
-            save_checkpoint(args.save, kind, model, src_vocab, tgt_vocab)
-        except OSError as e:  # the disk filled up, the folder went away: the old file is intact
-            print(f"transformer.py: error: --save {args.save}: {e.strerror}", file=sys.stderr)
+            save_checkpoint(args.save, kind, model, src_vocab, tgt_vocab, readings)
+        except ValueError as e:  # the disk filled up, the folder went away: the old file is intact
+            print(f"transformer.py: error: --save {e}", file=sys.stderr)
             raise SystemExit(2) from None
         print(f"saved the {TOY_MODELS[kind]['name']} model to {args.save}")
-    return kind, model, src_vocab, tgt_vocab
+    return kind, model, src_vocab, tgt_vocab, readings
+
+
+def check_save_target(path, data):
+    """--save's PATH, checked before any training: -> an error message or None."""
+    target = os.path.realpath(path)
+    if not os.path.basename(path) or not os.path.isdir(os.path.dirname(target)):
+        return f"--save {quote(path)}: expected a file name in an existing folder"
+    if os.path.exists(target) and not os.path.isfile(target):
+        return f"--save {quote(path)}: not a regular file (a folder, pipe or device); refusing to replace it"
+    if data and os.path.exists(target) and os.path.exists(data) and os.path.samefile(target, data):
+        return f"--save {quote(path)}: that is the --data file; the checkpoint would overwrite your data"
+    return None
 
 
 def main(argv=None):
     parser = OneLineParser(prog="transformer.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or mps")
-    parser.add_argument("--epochs", type=int_at_least(1),
-                        help=f"training epochs (default: {TOY_MODELS['encdec']['epochs']} for each model)")
+    parser.add_argument("--epochs", type=int_at_least(1), help="training epochs (default: each model's own)")
     parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed for the data, split, weights, batches")
-    parser.add_argument("--model", choices=["encdec", "gpt", "both"],
-                        help="which toy model to train (default both; --save and --translate use the first)")
+    parser.add_argument("--model", choices=list(TOY_MODELS) + ["all"],
+                        help="which toy model to train (default all; --save and --translate use the first)")
     parser.add_argument("--data", metavar="FILE.tsv", help="train on your own pinyin<TAB>hanzi lines")
     parser.add_argument("--save", metavar="PATH", help="after training, save the model and its vocabularies")
     parser.add_argument("--load", metavar="PATH", help="load a saved model instead of training")
     parser.add_argument("--translate", metavar="PINYIN", help="answer this pinyin sentence ('-': one per stdin line)")
+    parser.add_argument("--beam", type=int_at_least(1), default=1, help="beam size for answers (1: greedy)")
+    parser.add_argument("--free", action="store_true",
+                        help="decode unconstrained: any character at any step, not only the syllable's readings")
     parser.add_argument("--head", type=int_at_least(0), help="draw this head's attention in the heatmap, not the mean")
     args = parser.parse_args(argv)
     # every problem that can be seen before the work starts is reported before it starts
     if args.load and (args.save or args.epochs or args.model):
         parser.error("--load skips training, so --save, --epochs and --model do not apply")
-    if args.save is not None and (not os.path.basename(args.save) or os.path.isdir(args.save)
-                                  or not os.path.isdir(os.path.dirname(os.path.abspath(args.save)))):
-        parser.error(f"--save {args.save!r}: expected a file name in an existing folder")
+    if args.save is not None and check_save_target(args.save, args.data):
+        parser.error(check_save_target(args.save, args.data))
+    if args.translate == "-" and sys.stdin is None:
+        parser.error("--translate -: standard input is closed")
     try:
         device = pick_device(args.device)
     except ValueError as e:
@@ -1493,14 +1772,30 @@ def main(argv=None):
         return 0
     # answering: the answers alone go to stdout, the training progress to stderr
     with contextlib.redirect_stdout(sys.stderr):
-        kind, model, src_vocab, tgt_vocab = run(args, device, pairs, loaded)
+        kind, model, src_vocab, tgt_vocab, readings = run(args, device, pairs, loaded)
     lines = sys.stdin if args.translate == "-" else [args.translate]
-    return answer_lines(translator(kind, model, src_vocab, tgt_vocab), src_vocab, model.max_len, lines)
+    answer = translator(kind, model, src_vocab, tgt_vocab, None if args.free else readings, args.beam)
+    return answer_lines(answer, src_vocab, longest_sentence(kind, model), lines)
+
+
+def command_line():
+    """main() as a program: every failure one line on stderr, never a traceback."""
+    try:
+        status = main()
+        sys.stdout.flush()  # a full disk shows here, not at exit
+    except KeyboardInterrupt:  # Ctrl-C outside training (training stops cleanly by itself)
+        status = 130
+        print("transformer.py: interrupted", file=sys.stderr)
+    except BrokenPipeError:  # the reader left early (| head): not an error of ours
+        status = 1
+    except OSError as e:  # stdout on a full disk, a closed terminal
+        status = 2
+        print(f"transformer.py: error: writing the output: {e.strerror or e}", file=sys.stderr)
+    if status:
+        # what could not be written is dropped, so that exiting does not try again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return status
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except BrokenPipeError:  # the reader left early (| head): not an error of ours
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
+    sys.exit(command_line())
