@@ -11,6 +11,7 @@ checkpoints and the command line.
 """
 
 import contextlib
+import doctest
 import inspect
 import io
 import math
@@ -148,6 +149,9 @@ assert out.shape == (2, 5, 40), out.shape""",
     9: """gpt = DecoderOnlyTransformer(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_len=64)
 assert gpt(torch.randint(0, 50, (2, 6))).shape == (2, 6, 50)
 assert gpt.generate(torch.randint(0, 50, (2, 6)), max_new_tokens=5, temperature=1.0, top_p=0.9).shape == (2, 11)""",
+    15: """llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_len=64)
+assert llama(torch.randint(0, 50, (2, 6))).shape == (2, 6, 50)
+assert llama.generate(torch.randint(0, 50, (2, 6)), max_new_tokens=5, top_k=5, temperature=0.8).shape == (2, 11)""",
 }
 
 
@@ -169,27 +173,6 @@ def test_each_model_section_runs_cut_out_of_the_file_with_only_the_core_imports(
                           capture_output=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == [w for n in CONTRACT for w in ("ok", str(n))]
-
-
-def try_it_examples():
-    """Each '# Try it:' comment block as a doctest: its '#   ' lines, prefix removed."""
-    blocks = re.findall(r"^# Try it.*\n((?:#   .*\n)+)", SOURCE, re.M)
-    return ["".join(line[4:] + "\n" for line in block.splitlines()) for block in blocks]
-
-
-def test_try_it_examples_after_each_core_section_run_as_doctests():
-    import doctest
-    examples = try_it_examples()
-    assert len(examples) >= 9  # one after each core section of Part I at least
-    parser, runner = doctest.DocTestParser(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    for i, text in enumerate(examples):
-        test = parser.get_doctest(text, dict(vars(tf)), f"try_it_{i}", tf.__file__, 0)
-        assert test.examples, text
-        runner.run(test, out=lambda s: None)
-    assert runner.failures == 0 and runner.tries >= 20, runner.summarize(verbose=False)
-    # and a wrong expectation would be caught: the runner is not a rubber stamp
-    wrong = parser.get_doctest(">>> 1 + 1\n3\n", {}, "wrong", None, 0)
-    assert doctest.DocTestRunner().run(wrong, out=lambda s: None).failed == 1
 
 
 def test_readme_section_map_names_every_section_at_its_line():
@@ -871,6 +854,479 @@ def test_pitfall2_seed000_param_count(tie):
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ===========================================================================
+# Part II: the modern decoder (Llama-style)
+# ===========================================================================
+
+# --- "Try it" blocks: the file's own examples, run as doctests --------------
+
+def try_it_blocks(text):
+    """(line number, source) of every '# Try it:' block (a caption may follow the colon):
+    the lines after it that start with '#   ', that prefix removed."""
+    blocks, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("# Try it:"):
+            body = []
+            for follow in lines[i + 1:]:
+                if not follow.startswith("#   "):
+                    break
+                body.append(follow[4:])
+            blocks.append((i + 1, "\n".join(body) + "\n"))
+    return blocks
+
+
+def run_try_it(source, globs, filename, line):
+    """Run the block found at filename:line as a doctest -> (failed examples, the report)."""
+    test = doctest.DocTestParser().get_doctest(source, globs, f"Try it at line {line}", filename, line)
+    assert test.examples, f"the Try it block at {filename}:{line} has no '>>>' example"
+    out, runner = [], doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    runner.run(test, out=out.append)
+    return runner.failures, "".join(out)
+
+
+def test_try_it_blocks_run_as_written():
+    """Every example in the file's comments gives the output the comment shows."""
+    with open(tf.__file__, encoding="utf-8") as f:
+        blocks = try_it_blocks(f.read())
+    assert len(blocks) >= 6, f"expected a Try it block per Part II section, found {len(blocks)}"
+    reports = [run_try_it(source, dict(vars(tf)), tf.__file__, line) for line, source in blocks]
+    failed = [report for failures, report in reports if failures]
+    assert not failed, "\n".join(failed)
+
+
+def test_try_it_parser_finds_blocks_and_failures():
+    """The runner above would notice a wrong example (it is not vacuous)."""
+    text = "x = 1\n# Try it:\n#   >>> 1 + 1\n#   3\n\n# Try it: a caption.\n#   >>> 2 * 2\n#   4\ny = 2\n"
+    blocks = try_it_blocks(text)
+    assert [line for line, _ in blocks] == [2, 6]
+    assert [run_try_it(source, {}, "t", line)[0] for line, source in blocks] == [1, 0]
+
+
+# --- RMSNorm -----------------------------------------------------------------
+
+@pytest.mark.parametrize("scale", [1.0, 1e-4])
+@pytest.mark.parametrize("eps", [1e-6, 1e-5])
+def test_rmsnorm_matches_nn_rmsnorm(scale, eps):
+    """At scale 1e-4, mean(x^2) = 1e-8 is below eps: where eps sits decides the output."""
+    ours, ref = tf.RMSNorm(16, eps), nn.RMSNorm(16, eps=eps)
+    with torch.no_grad():
+        ours.weight.copy_(1 + 0.5 * torch.randn(16))
+        ref.weight.copy_(ours.weight)
+    x = scale * torch.randn(3, 5, 16)                                          # [B, T, D]
+    assert_close(ours(x), ref(x), tol=1e-6)
+    assert [name for name, _ in ours.named_parameters()] == ["weight"]  # no bias
+
+
+def test_pitfall_rmsnorm_eps_outside_the_root():
+    """x / (rms + eps) agrees with x / sqrt(ms + eps) on unit-sized inputs, not on tiny ones."""
+    norm, eps = tf.RMSNorm(16), 1e-6
+    for scale, agree in [(1.0, True), (1e-4, False)]:
+        x = scale * torch.randn(4, 16)                                         # [T, D]
+        outside = x / (x.pow(2).mean(-1, keepdim=True).sqrt() + eps)           # [T, D]
+        assert (max_diff(norm(x), outside) <= 1e-5) == agree, scale
+
+
+def test_rmsnorm_no_mean_subtraction():
+    """Unlike LayerNorm, a shared offset is not removed."""
+    norm, x = tf.RMSNorm(8), torch.randn(2, 8)
+    assert max_diff(norm(x + 3.0), norm(x)) > 0.1
+    assert_close(norm(5 * x), norm(x))  # but it is scale invariant
+
+
+def test_rmsnorm_bf16_casts_before_the_weight():
+    """bf16 in, bf16 out, computed in float32 and rounded to bf16 before the
+    weight: Llama's order. Scaling in float32 then rounding gives other bits."""
+    norm = tf.RMSNorm(64).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(64))
+    x = (3 * torch.randn(4, 7, 64)).to(torch.bfloat16)                         # [B, T, D]
+    x32 = x.float()                                                            # [B, T, D]
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)       # [B, T, D]
+    out = norm(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, normed.to(torch.bfloat16) * norm.weight)
+    other_order = (normed * norm.weight.float()).to(torch.bfloat16)            # [B, T, D]
+    assert not torch.equal(out, other_order)
+
+
+# --- RoPE --------------------------------------------------------------------
+
+def test_rope_cos_sin_formula():
+    cos, sin = tf.rope_cos_sin(16, 4097, theta=500000.0)
+    assert cos.shape == sin.shape == (4097, 16) and cos.dtype == sin.dtype == torch.float32
+    inv_freq = 500000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)  # [dk/2]
+    angles = torch.outer(torch.arange(4097, dtype=torch.float64), inv_freq)    # [T, dk/2]
+    emb = torch.cat([angles, angles], dim=-1)                                  # [T, dk]
+    assert_close(cos[:64], emb.cos()[:64])
+    assert_close(sin[:64], emb.sin()[:64])
+    # float32 angles at position 4096 are off by about 4096 * 6e-8 radians
+    assert_close(cos, emb.cos(), 1e-3)
+    assert_close(sin, emb.sin(), 1e-3)
+
+
+@pytest.mark.parametrize("head_dim", [9, 1, 0])
+def test_rope_odd_head_dim_raises(head_dim):
+    with pytest.raises(ValueError, match=f"got {head_dim}"):
+        tf.rope_cos_sin(head_dim, 8)
+
+
+def meta_rope(x, theta=10000.0, start=0):
+    """Meta's convention, re-derived: neighbours (x[2i], x[2i+1]) are one complex
+    number, multiplied by e^(i * pos * theta_i) (precompute_freqs_cis)."""
+    T, dk = x.shape[-2], x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, dk, 2).float() / dk)           # [dk/2]
+    angles = torch.outer(torch.arange(start, start + T).float(), inv_freq)    # [T, dk/2]
+    freqs_cis = torch.polar(torch.ones_like(angles), angles)                  # [T, dk/2] complex
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], dk // 2, 2))  # [B, H, T, dk/2]
+    return torch.view_as_real(xc * freqs_cis).flatten(-2)                      # [B, H, T, dk]
+
+
+def test_apply_rope_matches_meta_complex_after_permutation():
+    """Half-split (HF) = interleaved (Meta) once the dims are reordered
+    [0, 2, 4, ..., 1, 3, 5, ...]: the permutation HF's conversion applies to w_q, w_k."""
+    B, H, T, dk = 2, 3, 11, 16
+    cos, sin = tf.rope_cos_sin(dk, 32)
+    x_meta = torch.randn(B, H, T, dk)                                          # interleaved layout
+    perm = torch.cat([torch.arange(0, dk, 2), torch.arange(1, dk, 2)])        # [dk]
+    ours = tf.apply_rope(x_meta[..., perm], cos[5:5 + T], sin[5:5 + T])       # positions 5..15
+    assert_close(ours, meta_rope(x_meta, start=5)[..., perm])
+    # without the permutation the two conventions disagree
+    assert max_diff(tf.apply_rope(x_meta, cos[5:5 + T], sin[5:5 + T]), meta_rope(x_meta, start=5)) > 0.1
+
+
+def test_apply_rope_matches_onnx_rotary_embedding():
+    rotary = getattr(getattr(torch.onnx, "ops", None), "rotary_embedding", None)
+    if rotary is None:
+        pytest.skip("torch.onnx.ops.rotary_embedding is not in this torch")
+    B, H, T, dk = 2, 3, 7, 8
+    cos, sin = tf.rope_cos_sin(dk, 32)
+    x = torch.randn(B, H, T, dk)                                               # [B, H, T, dk]
+    positions = torch.arange(10, 10 + T).expand(B, T)                          # [B, T]
+    # ONNX takes each angle once ([max_pos, dk/2]); the half-split layout is interleaved=False
+    ref = rotary(x, cos[:, :dk // 2], sin[:, :dk // 2], positions, interleaved=False)
+    assert_close(tf.apply_rope(x, cos[10:10 + T], sin[10:10 + T]), ref)
+
+
+def test_rope_score_depends_only_on_relative_position():
+    """q at m, k at n: the score is a function of m - n alone, up to position 4096."""
+    dk = 64
+    cos, sin = [t.double() for t in tf.rope_cos_sin(dk, 4097)]
+    q, k = F.normalize(torch.randn(2, dk, dtype=torch.float64), dim=-1)       # [dk] each
+    for offset in [0, 1, 7, 100]:
+        n = torch.tensor([0, 50, 1000, 2049, 4096 - offset])                   # key positions
+        m = n + offset                                                         # query positions
+        rq = tf.apply_rope(q.expand(len(m), dk), cos[m], sin[m])               # [5, dk]
+        rk = tf.apply_rope(k.expand(len(m), dk), cos[n], sin[n])               # [5, dk]
+        scores = (rq * rk).sum(-1)                                             # [5]
+        # float32 angles (see rope_cos_sin): a few 1e-4 radians off at 4096
+        assert (scores.max() - scores.min()).item() < 2e-3, offset
+    # and the score does change with the distance: the position is there
+    at = lambda m, n: (tf.apply_rope(q, cos[m], sin[m]) * tf.apply_rope(k, cos[n], sin[n])).sum().item()
+    assert len({round(at(10 + d, 10), 3) for d in range(6)}) == 6
+
+
+def test_rope_preserves_norms():
+    cos, sin = tf.rope_cos_sin(32, 64)
+    x = torch.randn(2, 4, 64, 32)                                              # [B, H, T, dk]
+    assert_close(tf.apply_rope(x, cos, sin).norm(dim=-1), x.norm(dim=-1))
+    assert_close(tf.apply_rope(x[:, :, :1], cos[:1], sin[:1]), x[:, :, :1])   # position 0 is not turned
+
+
+# --- SwiGLU ------------------------------------------------------------------
+
+def test_swiglu_matches_formula_and_counts():
+    ffn = tf.SwiGLU(16, 40)
+    assert tf.count_parameters(ffn) == 3 * 16 * 40
+    assert ffn.w2.weight.shape == (16, 40)  # w2 is DOWN: Dff -> D
+    assert ffn.w3.weight.shape == ffn.w1.weight.shape == (40, 16)
+    x = torch.randn(2, 5, 16)                                                  # [B, T, D]
+    expected = (F.silu(x @ ffn.w1.weight.T) * (x @ ffn.w3.weight.T)) @ ffn.w2.weight.T  # [B, T, D]
+    assert_close(ffn(x), expected)
+    # gating the other way round (silu on the up projection) is a different function
+    swapped = (F.silu(x @ ffn.w3.weight.T) * (x @ ffn.w1.weight.T)) @ ffn.w2.weight.T
+    assert max_diff(ffn(x), swapped) > 1e-3
+
+
+@pytest.mark.parametrize("args, expected", [
+    ((4096,), 11008),                 # Llama-2-7B
+    ((5120,), 13824),                 # Llama-2-13B
+    ((4096, 1024, 1.3), 14336),       # Llama-3-8B
+    ((8192, 4096, 1.3), 28672),       # Llama-2-70B
+])
+def test_llama_ffn_dim(args, expected):
+    assert tf.llama_ffn_dim(*args) == expected
+
+
+# --- grouped-query attention -------------------------------------------------
+
+def test_repeat_kv_head_h_reads_kv_head_h_div_n_rep():
+    x = torch.randn(2, 3, 5, 4)                                                # [B, Hkv, T, dk]
+    out = tf.repeat_kv(x, 4)                                                   # [B, 12, T, dk]
+    assert out.shape == (2, 12, 5, 4)
+    for h in range(12):
+        assert torch.equal(out[:, h], x[:, h // 4])
+    assert torch.equal(out, x.repeat_interleave(4, dim=1))
+    assert not torch.equal(out, x.repeat(1, 4, 1, 1))  # tiling: head h would read h % Hkv
+    assert tf.repeat_kv(x, 1) is x
+
+
+def project_rotate(attn, x, cos, sin):
+    """q, k, v of GroupedQueryAttention, computed from its weights by hand."""
+    B, T, _ = x.shape
+    def heads(linear, n):
+        return F.linear(x, linear.weight, linear.bias).view(B, T, n, attn.head_dim).transpose(1, 2)
+    q = tf.apply_rope(heads(attn.w_q, attn.n_heads), cos, sin)                # [B, H, T, dk]
+    k = tf.apply_rope(heads(attn.w_k, attn.n_kv_heads), cos, sin)             # [B, Hkv, T, dk]
+    return q, k, heads(attn.w_v, attn.n_kv_heads)                             # v is not rotated
+
+
+def sdpa_reference(attn, q, k, v, **kw):
+    """F.scaled_dot_product_attention with enable_gqa, then merge heads and w_o."""
+    out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)      # [B, H, Tq, dk]
+    return attn.w_o(out.transpose(1, 2).flatten(2))                            # [B, Tq, D]
+
+
+@pytest.mark.parametrize("n_heads, n_kv_heads, bias", [(4, 4, False), (4, 2, False), (4, 1, False),
+                                                       (8, 2, True)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_matches_sdpa_enable_gqa(n_heads, n_kv_heads, bias, causal):
+    """MHA (Hkv = H), GQA and MQA (Hkv = 1), with and without the causal mask."""
+    attn = tf.GroupedQueryAttention(32, n_heads, n_kv_heads, bias=bias)
+    if bias:
+        with torch.no_grad():
+            for linear in (attn.w_q, attn.w_k, attn.w_v):
+                linear.bias.normal_()
+    assert attn.w_o.bias is None
+    cos, sin = tf.rope_cos_sin(attn.head_dim, 16)
+    x = torch.randn(2, 9, 32)                                                  # [B, T, D]
+    mask = tf.make_causal_mask(9) if causal else None
+    expected = sdpa_reference(attn, *project_rotate(attn, x, cos[:9], sin[:9]), is_causal=causal)
+    assert_close(attn(x, cos[:9], sin[:9], mask), expected)
+
+
+def _cached_step(n_heads=4, n_kv_heads=2, t=5, Tn=3):
+    """A prefix of t tokens into the cache, then Tn new ones: (attn, x, cos, sin, cached output)."""
+    attn = tf.GroupedQueryAttention(32, n_heads, n_kv_heads)
+    cos, sin = tf.rope_cos_sin(attn.head_dim, 16)
+    x = torch.randn(2, t + Tn, 32)                                             # [B, t+Tn, D]
+    cache = tf.KVCache()
+    attn(x[:, :t], cos[:t], sin[:t], tf.make_causal_mask(t), cache)
+    out = attn(x[:, t:], cos[t:t + Tn], sin[t:t + Tn], tf.make_causal_mask(Tn, past=t), cache)  # [B, Tn, D]
+    assert cache.k.shape == cache.v.shape == (2, n_kv_heads, t + Tn, attn.head_dim)  # Hkv heads, not H
+    return attn, x, cos[:t + Tn], sin[:t + Tn], out
+
+
+def test_gqa_cached_step_matches_sdpa():
+    """Tn new tokens after t cached ones = the last Tn rows of the full causal attention."""
+    attn, x, cos, sin, out = _cached_step()
+    full = sdpa_reference(attn, *project_rotate(attn, x, cos, sin), is_causal=True)  # [B, t+Tn, D]
+    assert_close(out, full[:, -3:])
+
+
+def test_pitfall_is_causal_wrong_for_cached_multi_token_step():
+    """is_causal aligns the mask top-left: new query 0 would see only key 0 of the
+    t + Tn, not the t cached ones. The cached step needs the bottom-right mask."""
+    attn, x, cos, sin, out = _cached_step()
+    q, k, v = project_rotate(attn, x, cos, sin)
+    top_left = sdpa_reference(attn, q[:, :, -3:], k, v, is_causal=True)       # [B, Tn, D]
+    bottom_right = sdpa_reference(attn, q[:, :, -3:], k, v, attn_mask=tf.make_causal_mask(3, past=5))
+    assert_close(out, bottom_right)
+    assert max_diff(out, top_left) > 1e-3
+
+
+@pytest.mark.parametrize("kwargs, numbers", [
+    (dict(d_model=32, n_heads=4, n_kv_heads=3), ["4", "3"]),
+    (dict(d_model=30, n_heads=4, n_kv_heads=2), ["30", "4"]),
+    (dict(d_model=32, n_heads=0, n_kv_heads=0), ["0"]),
+    (dict(d_model=32, n_heads=4, n_kv_heads=0), ["n_kv_heads (0)"]),
+])
+def test_gqa_bad_heads_raise(kwargs, numbers):
+    with pytest.raises(ValueError) as info:
+        tf.GroupedQueryAttention(**kwargs)
+    assert all(n in str(info.value) for n in numbers), str(info.value)
+
+
+# --- the Llama model ---------------------------------------------------------
+
+def _llama(**kw):
+    config = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_len=24)
+    return tf.Llama(**{**config, **kw}).eval()
+
+
+def test_llama_cache_prefill_then_decode_matches_full_forward():
+    """A prompt of 5, a chunk of 3 (bottom-right mask), then one token a step."""
+    model = _llama(qkv_bias=True)
+    ids = torch.randint(0, 50, (2, 14))                                        # [B, T]
+    with torch.no_grad():
+        full = model(ids)                                                      # [B, T, V]
+        cache = model.new_cache()
+        steps = [model(ids[:, :5], cache), model(ids[:, :8], cache)]
+        steps += [model(ids[:, :t], cache) for t in range(9, 15)]              # [B, 1, V] each
+    assert [s.size(1) for s in steps] == [5, 3] + [1] * 6
+    assert_close(torch.cat(steps, dim=1), full)
+    assert len(cache[0]) == 14 and cache[0].k.shape[1] == 2
+
+
+def test_llama_causality():
+    model = _llama()
+    ids = torch.randint(0, 50, (2, 12))                                        # [B, T]
+    changed = ids.clone()
+    changed[:, 7] = (ids[:, 7] + 1) % 50
+    with torch.no_grad():
+        a, b = model(ids), model(changed)                                      # [B, T, V] each
+    assert_close(a[:, :7], b[:, :7], 0.0)
+    assert max_diff(a[:, 7:], b[:, 7:]) > 1e-4
+
+
+def test_llama_positions_only_through_rope():
+    """The first block reads the bare embedding: no position table, no sqrt(D)."""
+    model, seen = _llama(), []
+    model.layers[0].register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    ids = torch.randint(0, 50, (2, 6))                                         # [B, T]
+    model(ids)
+    assert torch.equal(seen[0], model.token_embedding.weight[ids])
+    # and yet order matters: a shuffled prompt changes the last logits
+    with torch.no_grad():
+        assert max_diff(model(ids)[:, -1], model(ids[:, [3, 1, 0, 2, 4, 5]])[:, -1]) > 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_llama_half_precision_no_nan(dtype):
+    model = _llama().to(dtype)
+    ids = torch.randint(0, 50, (2, 10))                                        # [B, T]
+    with torch.no_grad():
+        logits = model(ids)                                                    # [B, T, V]
+        cache = model.new_cache()
+        model(ids[:, :6], cache)
+        step = model(ids[:, :7], cache)                                        # [B, 1, V]
+    assert logits.dtype == dtype and torch.isfinite(logits).all() and torch.isfinite(step).all()
+    assert cache[0].k.dtype == dtype
+
+
+def test_llama_state_dict_weights_only_and_tying():
+    model = _llama(tie_weights=True)
+    state = model.state_dict()
+    assert not {"cos", "sin"} & set(state), "RoPE tables are recomputed, not saved"
+    assert model.lm_head.weight is model.token_embedding.weight
+    assert "cos" in dict(model.named_buffers())
+    clone = tf.Llama(**model.config).eval()
+    clone.load_state_dict(state)
+    ids = torch.randint(0, 50, (1, 8))                                         # [B, T]
+    assert_close(clone(ids), model(ids), 0.0)
+
+
+def test_llama_init():
+    """Linear and embedding weights N(0, 0.02), biases 0, norm weights 1."""
+    model = _llama(d_model=64, vocab_size=500, qkv_bias=True)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p)), name
+        elif name.endswith("bias"):
+            assert torch.equal(p, torch.zeros_like(p)), name
+        else:
+            assert abs(p.std().item() - 0.02) < 0.002, name
+
+
+def test_llama_generate_uses_the_shared_loop():
+    model = _llama()
+    prompt = torch.randint(0, 50, (2, 4))                                      # [B, T]
+    out = model.generate(prompt, max_new_tokens=6)                             # [B, 10]
+    assert out.shape == (2, 10) and torch.equal(out[:, :4], prompt)
+    assert torch.equal(out, model.generate(prompt, max_new_tokens=6, use_cache=False))
+    with torch.no_grad():
+        assert torch.equal(out[:, 4], model(prompt)[:, -1].argmax(-1))
+
+
+def test_llama_learns_a_toy_sequence():
+    """The N(0, 0.02) start trains: a tiny Llama memorizes a few sequences."""
+    torch.manual_seed(0)
+    model = _llama(n_layers=1).train()
+    ids = torch.randint(0, 50, (8, 16))                                        # [B, T]
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(60):
+        loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())  # []
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.5, loss.item()  # from ln(50) = 3.9
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(n_kv_heads=None),                              # MHA
+    dict(n_kv_heads=1),                                 # MQA
+    dict(n_heads=8, n_kv_heads=2, qkv_bias=True),
+    dict(tie_weights=True),
+    dict(d_ff=None),                                    # llama_ffn_dim
+    dict(d_model=48, n_heads=6, n_kv_heads=3, d_ff=100, n_layers=3, tie_weights=True, qkv_bias=True),
+])
+def test_llama_param_formula(kw):
+    config = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_len=24)
+    config.update(kw)
+    with torch.device("meta"):
+        model = tf.Llama(**config)
+    assert tf.count_parameters(model) == tf.llama_param_formula(**config)
+
+
+def test_published_parameter_totals():
+    """Llama-2-7B, Llama-3-8B, TinyLlama-1.1B, Qwen2.5-0.5B: counted (meta device),
+    by formula and as published, all equal."""
+    assert [name for name, _, _ in tf.LLAMA_CONFIGS] == [
+        "Llama-2-7B", "Llama-3-8B", "TinyLlama-1.1B", "Qwen2.5-0.5B"]
+    for name, config, published in tf.LLAMA_CONFIGS:
+        with torch.device("meta"):
+            counted = tf.count_parameters(tf.Llama(**config))
+        assert counted == tf.llama_param_formula(**config) == published, name
+
+
+def test_kv_cache_bytes_per_token_published_models():
+    """bf16, one token: 512 KiB for Llama-2-7B (MHA), 128 KiB for Llama-3-8B (GQA, 8 kv heads)."""
+    kib = {name: tf.kv_cache_bytes_per_token(c["n_layers"], c["n_kv_heads"], c["d_model"] // c["n_heads"])
+           / 1024 for name, c, _ in tf.LLAMA_CONFIGS}
+    assert kib["Llama-2-7B"] == 512
+    assert kib["Llama-3-8B"] == 128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_holds_kv_heads_and_measured_bytes(dtype):
+    model = _llama(n_heads=8, n_kv_heads=2).to(dtype)
+    T = 6
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.randint(0, 50, (3, T)), cache)
+    assert all(c.k.shape == c.v.shape == (3, 2, T, 4) for c in cache)
+    measured = sum(t.numel() * t.element_size() for c in cache for t in (c.k, c.v)) / (3 * T)
+    assert measured == tf.kv_cache_bytes_per_token(2, 2, 4, bytes_per_value=dtype.itemsize)
+
+
+@pytest.mark.parametrize("kw, numbers", [
+    (dict(n_heads=3), ["32", "3"]),                   # d_model % n_heads
+    (dict(n_heads=4, n_kv_heads=3), ["4", "3"]),      # n_heads % n_kv_heads
+    (dict(d_model=36, n_heads=4), ["9"]),             # odd head_dim
+    (dict(vocab_size=0), ["vocab_size", "0"]),
+    (dict(d_model=0), ["d_model", "0"]),
+    (dict(n_layers=0), ["n_layers", "0"]),
+    (dict(max_len=0), ["max_len", "0"]),
+    (dict(d_ff=0), ["d_ff", "0"]),
+])
+def test_llama_bad_config_raises(kw, numbers):
+    with pytest.raises(ValueError) as info:
+        _llama(**kw)
+    assert all(n in str(info.value) for n in numbers), str(info.value)
+
+
+@pytest.mark.parametrize("ids", [
+    torch.tensor([[1, 2, 50]]),          # outside the vocabulary
+    torch.tensor([[1, -1]]),
+    torch.zeros(1, 25, dtype=torch.long),  # longer than max_len
+    torch.tensor([1, 2, 3]),             # 1-D
+    torch.tensor([[1.0, 2.0]]),          # float
+])
+def test_llama_bad_ids_raise(ids):
+    with pytest.raises(ValueError, match="input_ids"):
+        _llama()(ids)
 
 
 # ===========================================================================

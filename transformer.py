@@ -44,7 +44,8 @@ encoder-decoder), fixes their mistakes, and proves each piece in test_transforme
 # ===========================================================================
 # The models need nothing but torch. One legend for every shape comment:
 #   B batch, S source length, T target length, D d_model, H heads,
-#   dk = D // H (one head's width), Dff the feed-forward width, V vocabulary size.
+#   dk = D // H (one head's width), Dff the feed-forward width, V vocabulary size;
+#   Part II adds Hkv, the key/value heads of grouped-query attention.
 # Attention scores are [B, H, Tq, Tk]: one row per query, one column per key.
 
 import math
@@ -694,6 +695,353 @@ def decoder_only_param_formula(vocab_size, d_model, n_layers, d_ff, tie_weights=
 #   ...     n = count_parameters(DecoderOnlyTransformer(50257, d_model=512, n_layers=6, n_heads=8, d_ff=2048))
 #   >>> n, decoder_only_param_formula(50257, d_model=512, n_layers=6, d_ff=2048)
 #   (70378496, 70378496)
+
+
+# ===========================================================================
+# Part II: the modern decoder, Llama-style (第二部分：现代解码器)
+# ===========================================================================
+# Since 2017 the decoder-only block has changed in four places, and Llama (Touvron
+# et al., 2023) put them together: RMSNorm instead of LayerNorm, rotary position
+# embedding (RoPE) turning q and k instead of a position table added to the input,
+# SwiGLU instead of ReLU or GELU in the feed-forward, and grouped-query attention
+# (fewer key/value heads) to shrink the KV cache. Still pre-norm; no biases, no
+# dropout. Each piece is checked against PyTorch's own where one exists.
+
+# ===========================================================================
+# 11. RMSNorm (均方根归一化)
+# ===========================================================================
+# LayerNorm without the mean and without the bias: divide each position by the
+# root mean square of its D features, then rescale. Re-centering adds little; the
+# scale invariance is what stabilizes training, and skipping the mean is cheaper
+# (Zhang & Sennrich, 2019, "Root Mean Square Layer Normalization").
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, over the last dimension."""
+
+    def __init__(self, d_model, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))                    # [D]
+
+    def forward(self, x):
+        # in float32 (a mean of D bf16 squares loses digits), cast back to x's dtype, THEN
+        # scale: Llama's order, self._norm(x.float()).type_as(x) * self.weight
+        x32 = x.float()                                                    # [B, T, D]
+        # eps inside the square root, as in LayerNorm: it matters where x is tiny
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # [B, T, D]
+        return normed.type_as(x) * self.weight                             # [B, T, D]
+
+# Try it:
+#   >>> norm = RMSNorm(8)
+#   >>> y = norm(3 * torch.randn(2, 3, 8))                                 # [2, 3, 8]
+#   >>> y.shape, round(y.pow(2).mean(dim=-1).max().item(), 3)              # every position now has rms 1
+#   (torch.Size([2, 3, 8]), 1.0)
+
+
+# ===========================================================================
+# 12. Rotary position embedding, RoPE (旋转位置编码)
+# ===========================================================================
+# RoPE (Su et al., 2021, "RoFormer") marks a position by turning q and k, not by
+# adding a vector to the input. Each pair of a head's dims is a point in a plane,
+# turned by the angle pos * theta_i. With q at position m turned by m * theta and
+# k at n by n * theta, q . k depends only on m - n: relative position, no table.
+
+def rope_cos_sin(head_dim, max_len, theta=10000.0):
+    """cos and sin of every position's angles, each [max_len, head_dim], float32."""
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"RoPE turns pairs of dims: head_dim must be a positive even number, got {head_dim}")
+    # pair i turns at theta^(-2i/dk) radians per position: the first pairs fast, the last
+    # slowly. float32 even for a bf16 model: bf16's 8 significant bits round 1001 to 1000
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # [dk/2]
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [max_len, dk/2]
+    emb = torch.cat([angles, angles], dim=-1)                              # [max_len, dk]
+    return emb.cos(), emb.sin()                                            # [max_len, dk] each
+
+
+def rotate_half(x):
+    """[x1, x2] -> [-x2, x1], x1 and x2 the two halves of the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)                                            # [..., dk/2] each
+    return torch.cat([-x2, x1], dim=-1)                                    # [..., dk]
+
+
+def apply_rope(x, cos, sin):
+    """Turn each pair (x[i], x[i + dk/2]) of x [B, H, T, dk] by its angle; cos, sin [T, dk]."""
+    # per pair (a, b): (a cos - b sin, b cos + a sin), a 2-D rotation. R(m)q . R(n)k =
+    # q . R(n - m)k, since a rotation's transpose is its inverse: only m - n is left
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)          # [B, H, T, dk]
+
+# Only q and k are turned, never v: the position must shape WHERE a query looks
+# (the scores), while v carries the content that is read; a turned v would turn the
+# output by the key's position. Meta's original code pairs neighbours (x[2i],
+# x[2i+1]) as complex numbers (precompute_freqs_cis, view_as_complex); Hugging
+# Face's, used here, pairs x[i] with x[i + dk/2]. They are the same model after a
+# fixed permutation of the rows of w_q and w_k within each head, which is what HF's
+# conversion script does; so a checkpoint must be used with the convention it was
+# converted for. The other one raises no error: it just attends to the wrong places.
+#
+# Try it:
+#   >>> cos, sin = rope_cos_sin(head_dim=8, max_len=16)                    # [16, 8] each
+#   >>> q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)            # one query, one key
+#   >>> rq, rk = apply_rope(q, cos, sin)[0, 0], apply_rope(k, cos, sin)[0, 0]  # [16, 8]: at every position
+#   >>> scores = rq @ rk.T                                                 # [16, 16]: q at m, k at n
+#   >>> torch.allclose(scores[3, 1], scores[12, 10], atol=1e-5)            # same m - n, same score
+#   True
+
+
+# ===========================================================================
+# 13. SwiGLU feed-forward (SwiGLU 前馈网络)
+# ===========================================================================
+# A gated feed-forward (Shazeer, 2020, "GLU Variants Improve Transformer"): one
+# projection, through SiLU, opens or closes each channel of another. Three
+# matrices instead of two, so the width is 2/3 of 4 D: 3 * D * 8D/3 = 2 * D * 4D,
+# the parameters and FLOPs of the classic feed-forward.
+
+def llama_ffn_dim(d_model, multiple_of=256, ffn_dim_multiplier=None):
+    """Llama's Dff: 2/3 of 4 D, optionally scaled, rounded UP to a multiple of multiple_of."""
+    hidden = int(2 * 4 * d_model / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1(x)) * w3(x)), no biases. Meta's names: w2 is the DOWN projection (HF's
+    down_proj), w3 the up one (up_proj); taking w2 for the second input matrix is a common slip."""
+
+    def __init__(self, d_model, d_ff):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff, bias=False)  # gate, D -> Dff
+        self.w3 = nn.Linear(d_model, d_ff, bias=False)  # up, D -> Dff
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)  # down, Dff -> D
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))                    # [B, T, D]
+
+# Try it:
+#   >>> llama_ffn_dim(4096), llama_ffn_dim(4096, 1024, 1.3)                # Llama-2-7B, Llama-3-8B
+#   (11008, 14336)
+#   >>> ffn = SwiGLU(64, 172)
+#   >>> ffn(torch.randn(2, 5, 64)).shape, count_parameters(ffn) == 3 * 64 * 172
+#   (torch.Size([2, 5, 64]), True)
+
+
+# ===========================================================================
+# 14. Grouped-query attention (分组查询注意力)
+# ===========================================================================
+# Generating, the KV cache, not the weights, fills the memory: every layer keeps
+# keys and values for every token. GQA (Ainslie et al., 2023) lets groups of
+# query heads share one key/value head: n_kv_heads = n_heads is plain multi-head
+# attention, 1 is multi-query attention (MQA), anything between trades the two.
+
+def repeat_kv(x, n_rep):
+    """[B, Hkv, T, dk] -> [B, Hkv * n_rep, T, dk]: query head h reads kv head h // n_rep."""
+    if n_rep == 1:
+        return x
+    B, Hkv, T, dk = x.shape
+    # expand is a view: n_rep copies next to each kv head, so heads 0..n_rep-1 read kv
+    # head 0 (x.repeat would tile them, head h reading h % Hkv); reshape copies once
+    return x[:, :, None].expand(B, Hkv, n_rep, T, dk).reshape(B, Hkv * n_rep, T, dk)  # [B, H, T, dk]
+
+
+class GroupedQueryAttention(nn.Module):
+    """n_heads query heads in groups of n_heads // n_kv_heads, each group sharing a
+    key/value head; bias on q, k, v only (as Qwen2), never on w_o."""
+
+    def __init__(self, d_model, n_heads, n_kv_heads, bias=False):
+        super().__init__()
+        if min(d_model, n_heads, n_kv_heads) < 1:
+            raise ValueError(f"d_model ({d_model}), n_heads ({n_heads}) and n_kv_heads ({n_kv_heads})"
+                             f" must be >= 1")
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
+        self.w_q = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
+        self.w_k = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.w_v = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.w_o = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
+
+    def forward(self, x, cos, sin, mask=None, cache=None):
+        """x [B, Tn, D]; cos, sin [Tn, dk] at the new tokens' absolute positions; mask
+        [1, 1, Tn, t + Tn]; cache: a KVCache of the earlier tokens' keys and values."""
+        B, Tn, _ = x.shape
+        # view, then transpose (as split_heads of section 3), each with its own head count
+        q = self.w_q(x).view(B, Tn, self.n_heads, self.head_dim).transpose(1, 2)     # [B, H, Tn, dk]
+        k = self.w_k(x).view(B, Tn, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, Tn, dk]
+        v = self.w_v(x).view(B, Tn, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, Tn, dk]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)            # [B, H, Tn, dk], [B, Hkv, Tn, dk]
+        if cache is not None:
+            # the cache stores keys already turned (a key's angle is fixed by its own
+            # position) and only Hkv heads: that is the memory GQA saves
+            k, v = cache.append(k, v)                                      # [B, Hkv, t+Tn, dk] each
+        n_rep = self.n_heads // self.n_kv_heads
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)                    # [B, H, t+Tn, dk] each
+        out, _ = scaled_dot_product_attention(q, k, v, mask)               # [B, H, Tn, dk]
+        out = out.transpose(1, 2).contiguous().view(B, Tn, self.n_heads * self.head_dim)  # [B, Tn, H*dk]
+        return self.w_o(out)                                               # [B, Tn, D]
+
+# Try it:
+#   >>> attn = GroupedQueryAttention(d_model=64, n_heads=8, n_kv_heads=2)  # 4 query heads per kv head
+#   >>> cos, sin = rope_cos_sin(head_dim=8, max_len=16)                    # [16, 8] each
+#   >>> cache = KVCache()
+#   >>> attn(torch.randn(1, 5, 64), cos[:5], sin[:5], make_causal_mask(5), cache).shape
+#   torch.Size([1, 5, 64])
+#   >>> cache.k.shape                                                      # [B, Hkv, t, dk]: 2 heads, not 8
+#   torch.Size([1, 2, 5, 8])
+
+
+# ===========================================================================
+# 15. The Llama block and model (Llama 模型)
+# ===========================================================================
+# The GPT of section 9 with the pieces above: pre-norm blocks of RMSNorm, GQA with
+# RoPE and SwiGLU, a final RMSNorm and lm_head. Positions enter only through RoPE
+# inside attention: no position table, and no sqrt(D) on the embeddings (it sized
+# them against the sinusoidal table; there is none). No dropout, as in Llama.
+
+class LlamaBlock(nn.Module):
+    """x + attn(attn_norm(x)), then x + ffn(ffn_norm(x))."""
+
+    def __init__(self, d_model, n_heads, n_kv_heads, d_ff, norm_eps=1e-6, qkv_bias=False):
+        super().__init__()
+        self.attn_norm = RMSNorm(d_model, norm_eps)
+        self.attn = GroupedQueryAttention(d_model, n_heads, n_kv_heads, qkv_bias)
+        self.ffn_norm = RMSNorm(d_model, norm_eps)
+        self.ffn = SwiGLU(d_model, d_ff)
+
+    def forward(self, x, cos, sin, mask=None, cache=None):
+        """x [B, Tn, D]; cos, sin [Tn, dk]; mask [1, 1, Tn, t + Tn]; cache a KVCache."""
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)        # [B, Tn, D]
+        return x + self.ffn(self.ffn_norm(x))                              # [B, Tn, D]
+
+
+class Llama(nn.Module):
+    """Token embedding, N Llama blocks, a final RMSNorm, lm_head. n_kv_heads None means
+    n_heads (plain MHA), d_ff None means llama_ffn_dim(d_model)."""
+
+    def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
+                 rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False):
+        super().__init__()
+        self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                           n_kv_heads=n_kv_heads, d_ff=d_ff, max_len=max_len, rope_theta=rope_theta,
+                           norm_eps=norm_eps, tie_weights=tie_weights, qkv_bias=qkv_bias)  # for checkpoints
+        check_sizes(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, max_len=max_len,
+                    **{name: value for name, value in (("n_kv_heads", n_kv_heads), ("d_ff", d_ff)) if value is not None})
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
+        self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
+        self.token_embedding = nn.Embedding(vocab_size, d_model)
+        self.layers = nn.ModuleList([LlamaBlock(d_model, n_heads, n_kv_heads, d_ff, norm_eps, qkv_bias)
+                                     for _ in range(n_layers)])
+        self.final_norm = RMSNorm(d_model, norm_eps)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        cos, sin = rope_cos_sin(d_model // n_heads, max_len, rope_theta)   # [max_len, dk] each
+        # buffers follow .to(device); not persistent: recomputed from the config, so the
+        # state_dict holds only weights
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        # N(0, 0.02), Hugging Face's initializer_range: near-uniform first predictions, and
+        # the RMSNorms set the scale. trunc_normal_: its cut at +-2 is 100 std out, so a
+        # plain normal, and unlike normal_ it is instant on the meta device
+        for module in self.modules():
+            if isinstance(module, (nn.Embedding, nn.Linear)):
+                nn.init.trunc_normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        if tie_weights:  # input and output embeddings share one [V, D] matrix (Qwen2.5-0.5B does)
+            self.lm_head.weight = self.token_embedding.weight
+
+    def new_cache(self):
+        """An empty KV cache for forward: one per layer, each [B, Hkv, t, dk] once filled."""
+        return [KVCache() for _ in self.layers]
+
+    def forward(self, input_ids, cache=None):
+        """input_ids [B, T] -> logits [B, T, V]. With a cache (new_cache()), only the
+        tokens not yet cached are run: logits [B, T - past, V]."""
+        check_ids("input_ids", input_ids, self.vocab_size, self.max_len)
+        past = len(cache[0]) if cache else 0                               # tokens already cached
+        new = input_ids[:, past:]                                          # [B, Tn]
+        mask = make_causal_mask(new.size(1), input_ids.device, past)       # [1, 1, Tn, T]
+        # the new tokens' absolute positions are past..T-1: their angles, not 0..Tn-1
+        cos, sin = self.cos[past:input_ids.size(1)], self.sin[past:input_ids.size(1)]  # [Tn, dk] each
+        x = self.token_embedding(new)                                      # [B, Tn, D]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache[i] if cache else None)      # [B, Tn, D]
+        return self.lm_head(self.final_norm(x))                            # [B, Tn, V]
+
+    def generate(self, input_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None, generator=None,
+                 use_cache=True):
+        """Append max_new_tokens tokens: the GPT's loop, generate_tokens, with this model."""
+        return generate_tokens(self, input_ids, max_new_tokens, temperature, top_k, top_p, generator,
+                               use_cache)                                  # [B, T + max_new_tokens]
+
+# Try it:
+#   >>> model = Llama(vocab_size=100, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_len=32)
+#   >>> ids = torch.randint(0, 100, (1, 10))                               # [1, 10]
+#   >>> full = model(ids)                                                  # [1, 10, 100]
+#   >>> cache = model.new_cache()
+#   >>> steps = [model(ids[:, :6], cache)] + [model(ids[:, :t], cache) for t in range(7, 11)]
+#   >>> torch.allclose(full, torch.cat(steps, dim=1), atol=1e-5)           # prompt of 6, then 1 a step
+#   True
+#   >>> model.generate(ids[:, :3], max_new_tokens=5).shape
+#   torch.Size([1, 8])
+
+
+# ===========================================================================
+# 16. Counting a modern model: parameters and KV-cache memory (参数量与 KV 缓存显存)
+# ===========================================================================
+# The same check as section 10, on published models: the formula, the count of a
+# model built on the meta device (shapes only, no memory) and the published total
+# must agree to the last parameter. Then the memory that decides how many tokens
+# fit on a GPU: the KV cache.
+
+def llama_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
+                        rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False):
+    """Closed form of count_parameters(Llama(...)), same keywords (max_len, rope_theta
+    and norm_eps hold no parameters)."""
+    kv_width = (n_heads if n_kv_heads is None else n_kv_heads) * (d_model // n_heads)  # Hkv * dk
+    d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
+    attention = 2 * d_model * d_model + 2 * d_model * kv_width         # w_q and w_o, w_k and w_v
+    attention += (d_model + 2 * kv_width) if qkv_bias else 0           # q, k, v biases
+    layer = attention + 3 * d_model * d_ff + 2 * d_model               # + w1, w3, w2 + two RMSNorms
+    embeddings = vocab_size * d_model * (1 if tie_weights else 2)      # token_embedding, lm_head
+    return embeddings + n_layers * layer + d_model                     # + final_norm
+
+
+def kv_cache_bytes_per_token(n_layers, n_kv_heads, head_dim, bytes_per_value=2):
+    """Cache memory one token takes: K and V (the 2), in every layer, for every kv head.
+    bytes_per_value 2 for bf16 or fp16."""
+    return 2 * n_layers * n_kv_heads * head_dim * bytes_per_value
+
+# Where a 7B model's parameters go (Llama-2-7B: V 32000, D 4096, Dff 11008, 32 layers):
+# embeddings and lm_head 2 V D = 262M (4%); per layer, attention 4 D^2 = 67M (full MHA)
+# and the feed-forward 3 D Dff = 135M (two thirds of the model), norms 2 D = 8192.
+# The cache per token in bf16: 2 * 32 layers * 32 heads * 128 * 2 bytes = 512 KiB for
+# Llama-2-7B, 4K tokens 2 GiB; Llama-3-8B's GQA, 8 kv heads for 32 query heads, cuts
+# it 4x to 128 KiB.
+
+# (name, Llama configuration, published total); max_len, theta and eps as released
+LLAMA_CONFIGS = [
+    ("Llama-2-7B", dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                        d_ff=11008, max_len=4096, norm_eps=1e-5), 6_738_415_616),
+    ("Llama-3-8B", dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                        d_ff=14336, max_len=8192, rope_theta=500000.0, norm_eps=1e-5), 8_030_261_248),
+    ("TinyLlama-1.1B", dict(vocab_size=32000, d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4,
+                            d_ff=5632, max_len=2048, norm_eps=1e-5), 1_100_048_384),
+    ("Qwen2.5-0.5B", dict(vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2,
+                          d_ff=4864, max_len=32768, rope_theta=1000000.0, tie_weights=True,
+                          qkv_bias=True), 494_032_768),
+]
+
+# Try it:
+#   >>> name, config, published = LLAMA_CONFIGS[1]
+#   >>> name, llama_param_formula(**config) == published
+#   ('Llama-3-8B', True)
+#   >>> with torch.device("meta"):                                         # shapes only: no memory, no time
+#   ...     count_parameters(Llama(**config))
+#   8030261248
+#   >>> kv_cache_bytes_per_token(n_layers=32, n_kv_heads=8, head_dim=128) // 1024  # KiB a token, bf16
+#   128
 
 
 # ===========================================================================
@@ -1350,7 +1698,7 @@ def read_pairs(path):
 # leaves the previous file as it was.
 
 CHECKPOINT_FORMAT = "transformer.py checkpoint v1"
-MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer}
+MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer, "llama": Llama}
 
 
 def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
