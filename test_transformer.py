@@ -1586,6 +1586,183 @@ def test_evaluate_counts_exact_and_ambiguous():
 
 
 # ===========================================================================
+# Decoding: constrained, beam search, the bigram baseline
+# ===========================================================================
+
+def _random_toy_models(n=60, seed=0):
+    """Untrained encoder-decoder and GPT on toy pairs: their free answers are garbage,
+    which is what the constraint must tame."""
+    pairs = tf.make_toy_data(n_sentences=n, seed=seed)
+    sv, tv = tf.build_vocabs(pairs)
+    vocab = tf.build_gpt_vocab(pairs)
+    torch.manual_seed(seed)
+    encdec = tf.Transformer(len(sv), len(tv), d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=40).eval()
+    gpt = tf.DecoderOnlyTransformer(len(vocab), d_model=32, n_layers=2, n_heads=4, d_ff=64, max_len=40).eval()
+    llama = tf.Llama(len(vocab), d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_len=40).eval()
+    return pairs, sv, tv, vocab, encdec, gpt, llama
+
+
+def test_answer_masks_rows_follow_the_syllables():
+    pairs = [("shi lao shi", "是老师"), ("shi dian", "十点")]
+    sv, tv = tf.build_vocabs(pairs)
+    readings = tf.syllable_readings(pairs)
+    assert readings == {"shi": {"是", "师", "十"}, "lao": {"老"}, "dian": {"点"}}
+    allowed = tf.answer_masks([["shi", "dian"], ["xyz"]], tv, readings)  # [B=2, S+1=3, V]
+    chars = {i for i, t in enumerate(tv.itos) if not t.startswith("<")}
+    ids = lambda row: {i for i, ok in enumerate(row.tolist()) if ok}    # noqa: E731
+    assert ids(allowed[0, 0]) == set(tv.encode("是师十")) and ids(allowed[0, 1]) == set(tv.encode("点"))
+    assert ids(allowed[0, 2]) == {tf.Vocab.EOS}                          # exactly S characters, then eos
+    assert ids(allowed[1, 0]) == chars                                   # an unseen syllable: any character
+    assert ids(allowed[1, 1]) == {tf.Vocab.EOS} and ids(allowed[1, 2]) == {tf.Vocab.PAD}
+    free = tf.answer_masks([["shi", "dian"]], tv)                        # unconstrained
+    assert ids(free[0, 0]) == ids(free[0, 1]) == chars | {tf.Vocab.EOS} and ids(free[0, 2]) == {tf.Vocab.EOS}
+    # a decoder-only vocabulary holds syllables and <sep> too: never allowed in an answer
+    vocab = tf.build_gpt_vocab(pairs)
+    allowed = tf.answer_masks([["shi"]], vocab)[0, 0]
+    assert {vocab.itos[i] for i in ids(allowed)} == set("是老师十点") | {"<eos>"}
+
+
+@pytest.mark.parametrize("kind", ["encdec", "gpt", "llama"])
+@pytest.mark.parametrize("beam", [1, 3])
+def test_constrained_answers_are_readings_one_per_syllable_even_untrained(kind, beam):
+    pairs, sv, tv, vocab, encdec, gpt, llama = _random_toy_models()
+    model, (src_vocab, tgt_vocab) = {"encdec": (encdec, (sv, tv)), "gpt": (gpt, (vocab, vocab)),
+                                     "llama": (llama, (vocab, vocab))}[kind]
+    readings = tf.syllable_readings(pairs)
+    sentences = [p for p, _ in pairs[:20]] + ["xyz " + pairs[0][0]]      # one unseen syllable
+    answers = tf.translator(kind, model, src_vocab, tgt_vocab, readings, beam)(sentences)
+    for sentence, answer in zip(sentences, answers):
+        syllables = sentence.split()
+        assert len(answer) == len(syllables), (sentence, answer)
+        for s, c in zip(syllables, answer):
+            assert c in readings.get(s, set(tv.itos[4:])), (s, c)
+    free = tf.translator(kind, model, src_vocab, tgt_vocab, None, beam)(sentences)
+    assert free != answers                                               # the constraint changed something
+    for sentence, answer in zip(sentences, free):                        # free: characters only, never longer
+        assert len(answer) <= len(sentence.split()) and all(c in tv.stoi and not c.isascii() for c in answer)
+
+
+def _logprob(model, src, tokens):
+    """Sum of log P(tokens) under the encoder-decoder, teacher-forced: [B]."""
+    bos = torch.full((src.size(0), 1), tf.Vocab.BOS)
+    with torch.no_grad():
+        logp = model.eval()(src, torch.cat([bos, tokens[:, :-1]], 1)).log_softmax(-1)  # [B, T, V]
+    per_token = logp.gather(-1, tokens[..., None])[..., 0]               # [B, T]
+    after_eos = (tokens == tf.Vocab.EOS).long().cumsum(-1) - (tokens == tf.Vocab.EOS).long() > 0  # [B, T]
+    return per_token.masked_fill(after_eos, 0.0).sum(-1)                 # [B]: up to eos, the pad after is free
+
+
+def test_beam_1_is_greedy_and_a_wider_beam_never_scores_lower():
+    pairs, sv, tv, vocab, encdec, gpt, _ = _random_toy_models()
+    sentences = [p for p, _ in pairs[:16]]
+    readings = tf.syllable_readings(pairs)
+    for chosen in (readings, None):
+        for b in range(0, 16, 8):
+            rows = [s.split() for s in sentences[b:b + 8]]
+            src, = tf.collate([(torch.tensor(sv.encode(r)),) for r in rows])  # [B, S]
+            allowed = tf.answer_masks(rows, tv, chosen)                   # [B, S+1, V]
+            n = src.size(1) + 1
+            greedy = tf.greedy_decode(encdec, src, tf.Vocab.BOS, tf.Vocab.EOS, n, allowed=allowed)
+            greedy = F.pad(greedy, (0, n - greedy.size(1)))               # [B, S+1]
+            scores = {}
+            for k in (1, 2, 5):
+                memory = encdec.encode(src).repeat_interleave(k, 0)
+                src_k = src.repeat_interleave(k, 0)
+                step = lambda ids, cache: encdec.decode(ids, memory, src_k, cache)[:, -1]  # noqa: E731
+                start = torch.full((len(rows), 1), tf.Vocab.BOS)
+                tokens, score = tf.beam_search(step, start, n, k, allowed, encdec.new_cache())
+                assert torch.allclose(score, _logprob(encdec, src, tokens), atol=1e-4)  # the score is the log-prob
+                if k == 1:
+                    assert torch.equal(tokens, greedy)
+                scores[k] = score
+            assert (scores[2] >= scores[1] - 1e-5).all() and (scores[5] >= scores[2] - 1e-5).all()
+    # decoder-only, no mask: beam 1 is generate's greedy continuation
+    prompt = torch.tensor([vocab.encode(pairs[0][0].split() + [tf.SEP])])
+    tokens, _ = tf.beam_search(lambda ids, cache: gpt(ids, cache)[:, -1], prompt, 6, 1, None, gpt.new_cache())
+    assert torch.equal(tokens, gpt.generate(prompt, 6)[:, prompt.size(1):])
+
+
+def test_beam_search_finds_the_better_sentence_greedy_misses():
+    # a hand-built model over tokens pad 0, bos 1, eos 2, A 3, B 4, X 5, Y 6, Z 7:
+    # first step A 0.5, B 0.4; after A, X Y Z split 0.34/0.33/0.33; after B, X 0.9.
+    # Greedy takes A (best alone) and ends at 0.5 * 0.34 = 0.17; B X is 0.36.
+    table = {1: {3: 0.5, 4: 0.4, 2: 0.1}, 3: {5: 0.34, 6: 0.33, 7: 0.33}, 4: {5: 0.9, 6: 0.1},
+             5: {2: 1.0}, 6: {2: 1.0}, 7: {2: 1.0}, 2: {0: 1.0}, 0: {0: 1.0}}
+
+    def step(ids, cache):
+        probs = torch.full((ids.size(0), 8), 1e-9)
+        for row, last in enumerate(ids[:, -1].tolist()):
+            for token, p in table[last].items():
+                probs[row, token] = p
+        return probs.log()
+
+    start = torch.tensor([[1]])
+    greedy, g_score = tf.beam_search(step, start, 3, 1)
+    beam, b_score = tf.beam_search(step, start, 3, 2)
+    assert greedy.tolist() == [[3, 5, 2]] and beam.tolist() == [[4, 5, 2]]
+    assert math.isclose(b_score.exp().item(), 0.36, rel_tol=1e-4) and b_score > g_score
+
+
+def test_beam_search_cache_follows_the_beams():
+    """With the cache reordered after each step, beams decode as if recomputed from scratch."""
+    pairs, sv, tv, vocab, _, gpt, llama = _random_toy_models()
+    rows = [pairs[i][0].split() for i in range(3)]
+    rows = [r for r in rows if len(r) == len(rows[0])] or rows[:1]
+    prompt = torch.tensor([vocab.encode(r + [tf.SEP]) for r in rows])
+    allowed = tf.answer_masks(rows, vocab, tf.syllable_readings(pairs))
+    for model in (gpt, llama):
+        step = lambda ids, cache: model(ids, cache)[:, -1]               # noqa: E731
+        cached = tf.beam_search(step, prompt, allowed.size(1), 4, allowed, model.new_cache())
+        fresh = tf.beam_search(step, prompt, allowed.size(1), 4, allowed, None)  # no cache: full recompute
+        assert torch.equal(cached[0], fresh[0]) and torch.allclose(cached[1], fresh[1], atol=1e-4)
+
+
+def test_bigram_hmm_viterbi_equals_brute_force():
+    pairs = tf.make_toy_data(n_sentences=300, seed=1)
+    hmm = tf.BigramHMM(pairs[:250])
+    index = {c: i for i, c in enumerate(hmm.chars)}
+
+    def score(syllables, chars):
+        total, previous = 0.0, -1
+        for s, c in zip(syllables, chars):
+            ids, log_emit = hmm.emissions[s]
+            total += hmm.log_next[previous, index[c]].item() + log_emit[ids.tolist().index(index[c])].item()
+            previous = index[c]
+        return total
+
+    import itertools
+    checked = 0
+    for pinyin, _ in pairs[250:]:
+        syllables = pinyin.split()
+        options = [[hmm.chars[i] for i in hmm.emissions[s][0].tolist()] for s in syllables if s in hmm.emissions]
+        if len(options) != len(syllables) or math.prod(map(len, options)) > 5000:
+            continue
+        best = max(itertools.product(*options), key=lambda chars: score(syllables, chars))
+        assert hmm.decode_one(syllables) == "".join(best)
+        checked += 1
+    assert checked >= 20
+
+
+def test_bigram_hmm_on_the_toy_task_is_fast_and_a_real_baseline():
+    pairs = tf.make_toy_data(seed=0)
+    train, test = tf.split_data(pairs, seed=0)
+    start = time.perf_counter()
+    result = tf.evaluate(tf.BigramHMM(train).decode, test)
+    assert time.perf_counter() - start < 5  # about 0.3 s here; a loose bound for a loaded machine
+    most_frequent = tf.BigramHMM(train, smoothing=1e9)  # bigrams smoothed away: each syllable's commonest char
+    plain = tf.evaluate(most_frequent.decode, test)
+    assert result["accuracy"] > plain["accuracy"] and result["accuracy"] > 0.9  # context helps
+
+
+def test_evaluate_counts_missing_and_extra_characters_wrong():
+    pairs = [("ni hao", "你好"), ("wo ai xue xi", "我爱学习"), ("shi", "是")]
+    result = tf.evaluate(lambda s: ["你好", "我爱学", "是是"], pairs)
+    assert result["exact"] == 1
+    # 2 of 2, 3 of max(4, 3) = 4, 1 of max(1, 2) = 2
+    assert (result["char_right"], result["char_total"]) == (6, 8) and result["char_accuracy"] == 0.75
+
+
+# ===========================================================================
 # 12. Training
 # ===========================================================================
 

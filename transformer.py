@@ -1350,11 +1350,15 @@ def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_i
     step(ids [B*k, t], cache) gives next-token logits [B*k, V], row b*k + j being
     beam j of sentence b (the caller repeats its own inputs k times); allowed
     [B, n_steps, V] masks as in greedy_decode. A beam that has emitted eos
-    continues with pad at no cost, so finished and open beams compare fairly."""
+    continues with pad at no cost, so finished and open beams compare fairly.
+    Plain beam search can push the greedy path out and end below it; here that
+    one path always keeps a place, so the answer never scores lower than greedy's."""
     B, k = start.size(0), beam_size
+    rows = torch.arange(B, device=start.device)                            # [B]
     ids = start.repeat_interleave(k, dim=0)                                # [B*k, T0]
     scores = torch.full((B, k), float("-inf"), device=start.device)        # [B, k]
     scores[:, 0] = 0.0  # k copies of one start: only the first is live, or all k beams would be equal
+    greedy = torch.zeros(B, dtype=torch.long, device=start.device)         # [B]: the beam on greedy's path
     done = torch.zeros(B * k, dtype=torch.bool, device=start.device)       # [B*k]
     for i in range(n_steps):
         logp = step(ids, cache).float().log_softmax(dim=-1)                # [B*k, V]
@@ -1365,8 +1369,12 @@ def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_i
         V = logp.size(-1)
         total = (scores.view(-1, 1) + logp).view(B, k * V)                 # [B, k*V]: every beam, every token
         scores, flat = total.topk(k, dim=-1)                               # [B, k], best first
+        greedy_flat = greedy * V + logp.view(B, k, V)[rows, greedy].argmax(dim=-1)  # [B]: greedy's next
+        lost = (flat != greedy_flat[:, None]).all(dim=-1)                  # [B]: pushed out of the beam
+        flat[lost, -1], scores[lost, -1] = greedy_flat[lost], total[rows, greedy_flat][lost]  # it takes the last place
+        greedy = (flat == greedy_flat[:, None]).int().argmax(dim=-1)       # [B]
         beam, token = flat // V, flat % V                                  # [B, k] each
-        index = (torch.arange(B, device=start.device)[:, None] * k + beam).view(-1)  # [B*k]
+        index = (rows[:, None] * k + beam).view(-1)                        # [B*k]
         ids = torch.cat([ids[index], token.view(-1, 1)], dim=1)            # [B*k, t+1]
         done = done[index] | (token.view(-1) == eos_id)                    # [B*k]
         if cache is not None:
@@ -1841,6 +1849,8 @@ TOY_MODELS = {
                    config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=2, dropout=0.1)),
     "gpt": dict(name="decoder-only (GPT)", epochs=10, lr_factor=0.35,
                 config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=3, dropout=0.0)),
+    "llama": dict(name="Llama-style", epochs=10, lr_factor=0.35,
+                  config=dict(d_model=64, n_heads=4, n_kv_heads=2, d_ff=172, n_layers=3)),
 }
 
 
