@@ -2203,8 +2203,9 @@ def test_translate_answer_does_not_depend_on_its_batch():
     with torch.no_grad():                                # a model that has not learned to stop yet
         model.output_proj.bias[[tf.Vocab.PAD, tf.Vocab.BOS, tf.Vocab.EOS]] = -1e4
     alone = tf.translate(model, ["wo ai"], sv, tv)[0]
-    assert len(alone) == 3                               # its own budget: S + 1 steps
-    assert tf.translate(model, ["wo ai", "wo ai xue xi"], sv, tv)[0] == alone
+    assert len(alone) == 2                               # its own budget: one character per syllable, then eos
+    both = tf.translate(model, ["wo ai", "wo ai xue xi"], sv, tv)
+    assert both[0] == alone and len(both[1]) == 4        # a longer neighbour lends it no steps
 
 
 def test_cross_attention_keys_computed_once_per_layer_with_cache():
@@ -2375,7 +2376,7 @@ def test_gpt_overfits_ten_sentences(gpt_overfit10):
     assert tf.gpt_translate(model, [p for p, _ in pairs], vocab) == [h for _, h in pairs]
 
 
-def test_gpt_translate_groups_by_length_keeps_input_order(gpt_overfit10):
+def test_gpt_translate_groups_by_length_keeps_input_order(gpt_overfit10, monkeypatch):
     model, pairs, vocab, _, _ = gpt_overfit10
     by_len = {}
     for pinyin, hanzi in pairs:
@@ -2387,20 +2388,18 @@ def test_gpt_translate_groups_by_length_keeps_input_order(gpt_overfit10):
     assert alone == [ha, hb]
     assert tf.gpt_translate(model, [a, b], vocab) == alone
     assert tf.gpt_translate(model, [b, a], vocab) == alone[::-1]
-    # every sentence, shuffled: answers in input order, one generate call per length
+    # every sentence, shuffled: answers in input order, one beam_search call per length
     mixed = [p for p, _ in pairs]
     random.Random(0).shuffle(mixed)
-    prompts, real = [], model.generate
+    prompts, real = [], tf.beam_search
 
-    def spy(prompt, *args, **kwargs):
-        prompts.append(prompt.clone())
-        return real(prompt, *args, **kwargs)
+    def spy(step, start, *args, **kwargs):
+        prompts.append(start.clone())
+        return real(step, start, *args, **kwargs)
 
-    model.generate = spy
-    try:
-        assert tf.gpt_translate(model, mixed, vocab) == [dict(pairs)[p] for p in mixed]
-    finally:
-        del model.generate
+    monkeypatch.setattr(tf, "beam_search", spy)
+    assert tf.gpt_translate(model, mixed, vocab) == [dict(pairs)[p] for p in mixed]
+    monkeypatch.undo()
     assert sorted(p.size(1) - 1 for p in prompts) == sorted(by_len)  # one batch per length
     assert sum(p.size(0) for p in prompts) == len(pairs)
     assert all((p[:, -1] == vocab.stoi[tf.SEP]).all() and tf.Vocab.PAD not in p.tolist() for p in prompts)
@@ -2595,10 +2594,13 @@ def test_checkpoint_round_trip(tmp_path, kind, tied):
     model, sv, tv, pairs, run = _checkpoint_model(kind, tied)
     randomize_norms(model).train()                       # saved while training, norms not 1/0
     path = tmp_path / "model.pt"
-    tf.save_checkpoint(str(path), kind, model, sv, tv)
+    readings = tf.syllable_readings(pairs)
+    assert any(len(chars) > 1 for chars in readings.values())  # a set of several survives the trip
+    tf.save_checkpoint(str(path), kind, model, sv, tv, readings)
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]  # no temporary file left
-    loaded_kind, loaded, sv2, tv2 = tf.load_checkpoint(str(path))
+    loaded_kind, loaded, sv2, tv2, readings2 = tf.load_checkpoint(str(path))
     assert loaded_kind == kind and type(loaded) is type(model)
+    assert readings2 == readings
     assert not loaded.training and loaded.config == model.config
     assert sv2.itos == sv.itos and tv2.itos == tv.itos and sv2.stoi == sv.stoi and tv2.stoi == tv.stoi
     model.eval()
@@ -2615,11 +2617,14 @@ def test_checkpoint_round_trip(tmp_path, kind, tied):
     assert all((a.data_ptr() == b.data_ptr()) == tied for a, b in tied_pairs)
     sentences = [pinyin for pinyin, _ in pairs[:4]]
     assert (tf.translator(kind, loaded, sv2, tv2)(sentences) == tf.translator(kind, model, sv, tv)(sentences))
+    assert (tf.translator(kind, loaded, sv2, tv2, readings2)(sentences)
+            == tf.translator(kind, model, sv, tv, readings)(sentences))
 
 
-@pytest.mark.parametrize("error", [OSError, KeyboardInterrupt])
-def test_save_checkpoint_is_atomic(tmp_path, monkeypatch, error):
-    sv = tv = tf.Vocab(["wo", "ai", "我", "爱"])
+@pytest.mark.parametrize("error, raised", [(OSError, ValueError), (RuntimeError, ValueError),
+                                           (KeyboardInterrupt, KeyboardInterrupt)])
+def test_save_checkpoint_is_atomic(tmp_path, monkeypatch, error, raised):
+    sv = tv = tf.Vocab(["wo", "ai", "我", "爱", tf.SEP])
     model = tf.DecoderOnlyTransformer(len(tv), 16, 1, 2, 32, max_len=8)
     path = tmp_path / "model.pt"
     tf.save_checkpoint(str(path), "gpt", model, sv, tv)
@@ -2637,17 +2642,19 @@ def test_save_checkpoint_is_atomic(tmp_path, monkeypatch, error):
     monkeypatch.setattr(tf.torch, "save", save_half_then_fail)
     with torch.no_grad():
         model.lm_head.weight.add_(1.0)                   # a different model this time
-    with pytest.raises(error):
+    with pytest.raises(raised) as info:              # a write error becomes one ValueError; Ctrl-C stays Ctrl-C
         tf.save_checkpoint(str(path), "gpt", model, sv, tv)
+    if raised is ValueError:
+        assert str(info.value) == f"{path}: could not save (disk full); the previous file is unchanged"
     # the half-written data went to a temporary file beside the target, never to PATH
     assert len(during) == 1 and len(during[0]) == 2 and during[0][0].startswith(".checkpoint-")
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
-    with pytest.raises(error):                           # a first save that fails leaves nothing
+    with pytest.raises(raised):                          # a first save that fails leaves nothing
         tf.save_checkpoint(str(tmp_path / "new.pt"), "gpt", model, sv, tv)
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
     monkeypatch.undo()
-    _, loaded, _, _ = tf.load_checkpoint(str(path))      # still the first model
+    _, loaded, _, _, _ = tf.load_checkpoint(str(path))   # still the first model
     assert not torch.equal(loaded.lm_head.weight, model.lm_head.weight)
     assert torch.equal(loaded.lm_head.weight + 1.0, model.lm_head.weight)
 
@@ -2867,7 +2874,8 @@ def test_cli_save_to_missing_folder_is_one_line(capsys, tmp_path):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("transformer.py: error: --save") and str(target) in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("transformer.py: error: --save") and tf.quote(str(target)) in lines[0]
+    assert str(target)[:40] in lines[0] and "expected a file name in an existing folder" in lines[0]
     assert "Traceback" not in err and not target.parent.exists()
 
 
@@ -2928,9 +2936,11 @@ def test_cli_ctrl_c_stops_training_reports_and_saves(tmp_path):
     epochs = [int(n) for n in re.findall(r"^epoch +(\d+) ", out, re.M)]
     assert epochs and epochs == list(range(1, len(epochs) + 1)) and epochs[-1] < 200
     assert "interrupted (Ctrl-C)" in out
-    assert re.search(r"^held-out exact-match accuracy: \d+\.\d% \(\d+/3 sentences\)$", out, re.M)
+    assert re.search(r"^held-out exact match: +\d+\.\d% \(\d+/3\) sentences; characters: +\d+\.\d% \(\d+/\d+\)$",
+                     out, re.M)
     assert f"saved the encoder-decoder model to {model_path}" in out
-    kind, model, _, _ = tf.load_checkpoint(str(model_path))
+    kind, model, _, _, readings = tf.load_checkpoint(str(model_path))
+    assert readings == tf.syllable_readings(tf.split_data(tf.read_pairs(tsv), seed=0)[0])  # saved with its readings
     assert kind == "encdec" and isinstance(model, tf.Transformer)
 
 

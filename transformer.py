@@ -1471,7 +1471,8 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
           label_smoothing=0.1, clip=1.0, seed=0, log=print):
     """Train on dataset items (model inputs..., target) with Adam and warmup; log one
     line per epoch with evaluate_fn()'s held-out accuracy. Returns the last epoch's
-    mean loss, the accuracy, the seconds taken and whether Ctrl-C stopped it."""
+    mean loss, the accuracy, the seconds taken (training, evaluation and all), whether
+    Ctrl-C stopped it, and the history: (epoch, training seconds so far, accuracy)."""
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collate,
@@ -1479,10 +1480,11 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
     criterion = nn.CrossEntropyLoss(ignore_index=Vocab.PAD, label_smoothing=label_smoothing)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr_factor, betas=(0.9, 0.98), eps=1e-9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, noam_lambda(model.d_model, warmup))
-    start, accuracy = time.perf_counter(), 0.0
+    start, accuracy, training_seconds, history = time.perf_counter(), 0.0, 0.0, []
     with stop_on_ctrl_c() as stop:
         for epoch in range(1, epochs + 1):
             model.train()
+            epoch_start = time.perf_counter()
             loss_sum, count = 0.0, 0
             for batch in loader:
                 *inputs, target = [t.to(device) for t in batch]            # [B, S], [B, T], [B, T]
@@ -1497,14 +1499,16 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
                 loss_sum, count = loss_sum + loss.item(), count + 1
                 if stop:
                     break
+            training_seconds += time.perf_counter() - epoch_start
             accuracy = evaluate_fn()
+            history.append((epoch, training_seconds, accuracy))
             log(f"epoch {epoch:2d}  loss {loss_sum / max(count, 1):.3f}  held-out accuracy "
                 f"{100 * accuracy:5.1f}%  {time.perf_counter() - start:5.1f}s")
             if stop:
                 log(f"interrupted (Ctrl-C): stopped after step {scheduler.last_epoch}")
                 break
     return {"loss": loss_sum / max(count, 1), "accuracy": accuracy,
-            "seconds": time.perf_counter() - start, "interrupted": bool(stop)}
+            "seconds": time.perf_counter() - start, "interrupted": bool(stop), "history": history}
 
 
 # ===========================================================================
@@ -1587,6 +1591,31 @@ def translator(kind, model, src_vocab, tgt_vocab, readings=None, beam_size=1):
     if kind == "encdec":
         return lambda sentences: translate(model, sentences, src_vocab, tgt_vocab, readings, beam_size)
     return lambda sentences: gpt_translate(model, sentences, tgt_vocab, readings, beam_size)
+
+
+@torch.no_grad()
+def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None):
+    """Exact match of greedy decoding (constrained by readings, if given) in one
+    forward pass. Greedy writes the right sentence exactly when, fed the right
+    prefix, the model's top allowed choice is right at every step: that is what
+    one teacher-forced pass checks, at every step at once. Used after each
+    training epoch, where decoding step by step would cost more than the epoch."""
+    if kind == "encdec":
+        items = PinyinDataset(pairs, src_vocab, tgt_vocab)                 # (src, tgt in, tgt out)
+    else:
+        items = PromptDataset(pairs, tgt_vocab)                            # (ids, target)
+    *inputs, target = (t.to(next(model.parameters()).device) for t in collate([items[i] for i in range(len(pairs))]))
+    with eval_mode(model):
+        logits = model(*inputs)                                            # [B, T, V]
+    syllables = [pinyin.split() for pinyin, _ in pairs]
+    masks = answer_masks(syllables, tgt_vocab, readings).to(logits.device)  # [B, S+1, V]
+    allowed = torch.zeros_like(logits, dtype=torch.bool)                   # [B, T, V]
+    for b, row in enumerate(syllables):  # a decoder-only target starts after the prompt
+        start = 0 if kind == "encdec" else len(row)
+        allowed[b, start:start + len(row) + 1] = masks[b, :len(row) + 1]
+    predicted = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min).argmax(dim=-1)  # [B, T]
+    right = (predicted == target) | (target == Vocab.PAD)                  # [B, T]
+    return right.all(dim=1).sum().item() / len(pairs)
 
 
 # ===========================================================================
@@ -1811,7 +1840,7 @@ def load_checkpoint(path, device="cpu"):
 
 
 # ===========================================================================
-# 26. The demo and the command line (演示与命令行): python transformer.py
+# 26. The demo (演示): python transformer.py
 # ===========================================================================
 # Shapes and parameter counts first (the tutorials' own configuration among
 # them) and the cache measured; then both toy models learn pinyin to hanzi,
@@ -1855,27 +1884,27 @@ TOY_MODELS = {
 
 
 def show_models(device):
-    """Output shapes, parameter counts (counted and by formula) and the cache's speedup."""
+    """Output shapes of small models, parameter counts (counted and by formula) of
+    the classic and the modern configurations, the KV cache's memory and speed."""
     torch.manual_seed(0)
-    gpt = DecoderOnlyTransformer(**TUTORIAL_GPT_CONFIG).to(device).eval()
-    ids = torch.randint(0, TUTORIAL_GPT_CONFIG["vocab_size"], (2, 10), device=device)  # [B, T]
-    with torch.no_grad():
-        logits = gpt(ids)                                                  # [B, T, V]
-    print(f"decoder-only, the config of the decoder-only tutorial: {TUTORIAL_GPT_CONFIG}")
-    print(f"  input [2, 10] -> output shape: {list(logits.shape)}")
-    print(f"  parameters: {count_parameters(gpt):,} counted, "
-          f"{decoder_only_param_formula(**TUTORIAL_GPT_CONFIG):,} by formula")
-    del gpt
-    model = Transformer(src_vocab_size=1000, tgt_vocab_size=1200, d_model=128, n_heads=4, d_ff=512,
-                        n_layers=2).to(device).eval()
+    small = [("encoder-decoder", Transformer(src_vocab_size=1000, tgt_vocab_size=1200, d_model=128, n_heads=4,
+                                             d_ff=512, n_layers=2), transformer_param_formula(
+                  1000, 1200, d_model=128, d_ff=512, n_layers=2)),
+             ("decoder-only (GPT)", DecoderOnlyTransformer(vocab_size=1000, d_model=128, n_layers=2, n_heads=4,
+                                                           d_ff=512), decoder_only_param_formula(
+                  1000, d_model=128, n_layers=2, d_ff=512)),
+             ("Llama-style", Llama(vocab_size=1000, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2),
+              llama_param_formula(1000, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2))]
     src = torch.randint(1, 1000, (2, 7), device=device)                    # [B, S]
-    tgt = torch.randint(1, 1200, (2, 5), device=device)                    # [B, T]
-    with torch.no_grad():
-        logits = model(src, tgt)                                           # [B, T, V]
-    print("encoder-decoder, vocab 1000 -> 1200, d_model 128, 4 heads, d_ff 512, 2+2 layers")
-    print(f"  src [2, 7], tgt [2, 5] -> output shape: {list(logits.shape)}")
-    print(f"  parameters: {count_parameters(model):,} counted, "
-          f"{transformer_param_formula(1000, 1200, d_model=128, d_ff=512, n_layers=2):,} by formula")
+    tgt = torch.randint(1, 1000, (2, 5), device=device)                    # [B, T]
+    print("small models, d_model 128, 4 heads, 2 layers (each), vocabulary 1000 (1200 for the target)")
+    for name, model, formula in small:
+        model.to(device).eval()
+        with torch.no_grad():
+            logits = model(src, tgt) if name == "encoder-decoder" else model(tgt)  # [B, T, V]
+        inputs = "src [2, 7], tgt [2, 5]" if name == "encoder-decoder" else "input [2, 5]"
+        print(f"  {name:19s} {inputs:22s} -> output {list(logits.shape)}; parameters "
+              f"{count_parameters(model):,} counted, {formula:,} by formula")
     print("\nclassic configurations (counted on the meta device: no memory, no time)")
     print(f"  {'model':34s} {'counted':>13s} {'formula':>13s}  reported")
     for name, cls, cfg, reported in CLASSIC_CONFIGS:
@@ -1889,17 +1918,35 @@ def show_models(device):
     tied = decoder_only_param_formula(**TUTORIAL_GPT_CONFIG, tie_weights=True)
     print(f"  the tutorial's GPT: {decoder_only_param_formula(**TUTORIAL_GPT_CONFIG) / 1e6:.1f}M untied; even tied "
           f"(lm_head = token_embedding) it is {tied / 1e6:.1f}M, not 30-odd M.")
+    print("\nmodern decoders (meta device) and their KV cache per token in bfloat16")
+    print(f"  {'model':15s} {'counted':>13s} {'formula':>13s} {'published':>13s}  {'KV cache':>9s}"
+          f"  {'with full MHA':>13s}")
+    for name, cfg, published in LLAMA_CONFIGS:
+        with torch.device("meta"):
+            counted = count_parameters(Llama(**cfg))
+        head_dim = cfg["d_model"] // cfg["n_heads"]
+        kv, mha = (kv_cache_bytes_per_token(cfg["n_layers"], heads, head_dim) // 1024
+                   for heads in (cfg["n_kv_heads"], cfg["n_heads"]))
+        print(f"  {name:15s} {counted:13,d} {llama_param_formula(**cfg):13,d} {published:13,d}"
+              f"  {kv:5,d} KiB  {mha:9,d} KiB")
+    llama = small[2][1]
+    cache = llama.new_cache()
+    with torch.no_grad():
+        llama(tgt, cache)                                                  # fills [B, Hkv, T, dk] per layer
+    stored = sum(c.k.nelement() * c.k.element_size() + c.v.nelement() * c.v.element_size() for c in cache)
+    print(f"  measured: the small Llama-style model's cache holds {stored // (2 * 5):,} bytes a token in float32"
+          f" = {kv_cache_bytes_per_token(2, 2, 32, bytes_per_value=4):,} by the formula (2 kv heads of 4)")
     torch.manual_seed(0)
     gpt = DecoderOnlyTransformer(vocab_size=1000, d_model=512, n_layers=2, n_heads=8, d_ff=2048,
                                  max_len=512).to(device).eval()
     prompt = torch.randint(0, 1000, (1, 8), device=device)                 # [B, T]
-    with_cache, without, same = time_generation(gpt, prompt, 256)
-    print(f"\nKV cache: decoder-only (d_model 512, 8 heads, d_ff 2048, 2 layers, vocab 1000), "
-          f"prompt 8, 256 new tokens:\n  with cache {with_cache:.2f} s, without {without:.2f} s "
-          f"({without / with_cache:.1f}x), same tokens: {'yes' if same else 'NO'}")
+    with_cache, without, same = time_generation(gpt, prompt, 64)
+    print(f"\nKV cache: decoder-only (d_model 512, 8 heads, d_ff 2048, 2 layers, vocab 1000), prompt 8,"
+          f" 64 new tokens: with cache {with_cache:.2f} s, without {without:.2f} s ({without / with_cache:.1f}x),"
+          f" same tokens: {'yes' if same else 'NO'} (--bench: 256 and 1024 tokens)")
 
 
-def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed):
+def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed, log=print):
     """Build one toy model for the data, train it; -> (model, src_vocab, tgt_vocab, result)."""
     spec = TOY_MODELS[kind]
     # room for the longest sentence twice (a decoder-only sequence holds pinyin and hanzi) + <sep> + <eos>
@@ -1916,10 +1963,10 @@ def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed):
         model = MODEL_CLASSES[kind](vocab_size=len(tgt_vocab), max_len=max_len, **spec["config"])
         dataset = PromptDataset(train_pairs, tgt_vocab)
     model.to(device)
-    answer = translator(kind, model, src_vocab, tgt_vocab, readings)
     print(f"\n{spec['name']}: {count_parameters(model):,} parameters, {spec['config']}")
-    result = train(model, dataset, lambda: evaluate(answer, test_pairs)["accuracy"],
-                   epochs=epochs or spec["epochs"], lr_factor=spec["lr_factor"], seed=seed)
+    held_out = lambda: teacher_forced_accuracy(kind, model, test_pairs, src_vocab, tgt_vocab, readings)  # noqa: E731
+    result = train(model, dataset, held_out,
+                   epochs=epochs or spec["epochs"], lr_factor=spec["lr_factor"], seed=seed, log=log)
     return model, src_vocab, tgt_vocab, result
 
 
@@ -1965,40 +2012,6 @@ def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head, readi
     which = "averaged over heads" if head is None else f"head {head}"
     print(f"\ncross-attention of the last decoder layer, {which}: {pinyin} -> {''.join(chars)}")
     print(render_heatmap(weights, pinyin.split(), chars))
-
-
-def answer_lines(answer, src_vocab, longest, lines):
-    """Print one hanzi line per pinyin line; a line the model cannot take gets one
-    error line on stderr and the rest still answer. -> exit status."""
-    status = 0
-    for line in lines:
-        syllables = line.split()                                           # ['wo', 'ai', ...]
-        unknown = next((s for s in syllables if not (SYLLABLE.fullmatch(s) and s in src_vocab.stoi)), None)
-        if unknown or len(syllables) > longest:
-            problem = (f"unknown syllable {quote(unknown)}" if unknown else
-                       f"{len(syllables)} syllables, this model takes at most {longest}")
-            print(f"transformer.py: error: {problem} in {quote(line.strip())}", file=sys.stderr)
-            status = 2
-            continue
-        print(answer([" ".join(syllables)])[0] if syllables else "", flush=True)
-    return status
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """A usage error is one line on stderr and exit status 2, no usage dump."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def int_at_least(low):
-    """An argparse type: an integer >= low (seeds stay below 2^63, torch's limit)."""
-    def parse(text):
-        value = int(text) if re.fullmatch(r"-?\d+", text) else None
-        if value is None or not low <= value < 2 ** 63:
-            raise argparse.ArgumentTypeError(f"expected an integer from {low} to 2^63 - 1, got {quote(text)}")
-        return value
-    return parse
 
 
 def run(args, device, pairs, loaded):
@@ -2075,6 +2088,179 @@ def run(args, device, pairs, loaded):
     return kind, model, src_vocab, tgt_vocab, readings
 
 
+# ===========================================================================
+# 27. The benchmark (基准测试): python transformer.py --bench
+# ===========================================================================
+# Where the time goes, measured in one run: training throughput of the
+# hand-written model against nn.Transformer with the same weights, the KV
+# cache's speedup and the memory-bandwidth bound it runs into, and how long each
+# toy model takes to reach 99% held-out.
+
+class TorchTransformer(nn.Module):
+    """Our encoder-decoder's weights in nn.Transformer (its in_proj_weight packs
+    w_q, w_k, w_v), with our embeddings and output projection around it."""
+
+    def __init__(self, ours):
+        super().__init__()
+        c = ours.config
+        self.ours = ours  # embeddings, positions, output projection: shared, they are not what is timed
+        self.core = nn.Transformer(c["d_model"], c["n_heads"], c["n_layers"], c["n_layers"], c["d_ff"],
+                                   c["dropout"], batch_first=True, norm_first=c["norm_first"])
+        if not c["norm_first"]:  # post-LN: no second, final LayerNorm (pytorch issue 24930)
+            self.core.encoder.norm = self.core.decoder.norm = None
+        else:
+            self.core.encoder.norm.load_state_dict(ours.encoder_norm.state_dict())
+            self.core.decoder.norm.load_state_dict(ours.decoder_norm.state_dict())
+        with torch.no_grad():
+            for mine, theirs in zip(list(ours.encoder_layers) + list(ours.decoder_layers),
+                                    list(self.core.encoder.layers) + list(self.core.decoder.layers)):
+                pairs = [(mine.self_attn, theirs.self_attn)]
+                if hasattr(mine, "cross_attn"):
+                    pairs.append((mine.cross_attn, theirs.multihead_attn))
+                for m, t in pairs:
+                    t.in_proj_weight.copy_(torch.cat([m.w_q.weight, m.w_k.weight, m.w_v.weight]))
+                    t.in_proj_bias.copy_(torch.cat([m.w_q.bias, m.w_k.bias, m.w_v.bias]))
+                    t.out_proj.load_state_dict(m.w_o.state_dict())
+                theirs.linear1.load_state_dict(mine.ffn.fc1.state_dict())
+                theirs.linear2.load_state_dict(mine.ffn.fc2.state_dict())
+                for i in range(1, 4 if hasattr(mine, "norm3") else 3):
+                    getattr(theirs, f"norm{i}").load_state_dict(getattr(mine, f"norm{i}").state_dict())
+
+    def forward(self, src, tgt):
+        ours, T = self.ours, tgt.size(1)
+        src_pad, tgt_pad = src == ours.pad_id, tgt == ours.pad_id      # True = ignore, nn's convention
+        causal = nn.Transformer.generate_square_subsequent_mask(T, device=tgt.device)  # [T, T], -inf above
+        memory = self.core.encoder(ours.embed(ours.src_embed, src), src_key_padding_mask=src_pad)  # [B, S, D]
+        x = self.core.decoder(ours.embed(ours.tgt_embed, tgt), memory, tgt_mask=causal,
+                              tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad)  # [B, T, D]
+        return ours.output_proj(x)                                         # [B, T, V]
+
+
+def training_tokens_per_second(model, src, tgt, steps):
+    """Forward, backward and an Adam step on one batch, steps times: target tokens / s."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model.train()
+    start = time.perf_counter()
+    for _ in range(steps):
+        logits = model(src, tgt)                                           # [B, T, V]
+        loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten())        # []
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return steps * tgt.numel() / (time.perf_counter() - start)
+
+
+def bench_training(device, rounds=3):
+    """Ours against nn.Transformer, same configuration and weights, alternating."""
+    print("training throughput, forward + backward + Adam, target tokens/s (median of "
+          f"{rounds} alternating rounds)")
+    print(f"  {'configuration':44s} {'hand-written':>12s} {'nn.Transformer':>14s}  ratio")
+    for name, config, batch, length, steps in [
+            ("toy: d64, 4 heads, d_ff 256, 2+2 layers, batch 64", dict(d_model=64, n_heads=4, d_ff=256,
+                                                                        n_layers=2), 64, 14, 30),
+            ("d512, 8 heads, d_ff 2048, 2+2 layers, batch 32", dict(d_model=512, n_heads=8, d_ff=2048,
+                                                                     n_layers=2), 32, 32, 6)]:
+        torch.manual_seed(0)
+        ours = Transformer(src_vocab_size=1000, tgt_vocab_size=1000, dropout=0.1, max_len=64, **config).to(device)
+        theirs = TorchTransformer(ours).to(device)
+        src = torch.randint(1, 1000, (batch, length), device=device)        # [B, S]
+        tgt = torch.randint(1, 1000, (batch, length), device=device)        # [B, T]
+        rates = {"ours": [], "torch": []}
+        for _ in range(rounds):
+            rates["ours"].append(training_tokens_per_second(ours, src, tgt, steps))
+            rates["torch"].append(training_tokens_per_second(theirs, src, tgt, steps))
+        mine, reference = (sorted(r)[len(r) // 2] for r in rates.values())
+        print(f"  {name:44s} {mine:12,.0f} {reference:14,.0f}  {mine / reference:.2f}x")
+
+
+def memory_bandwidth(megabytes=256):
+    """Bytes read and written per second by a large copy: the ceiling for anything that
+    must stream all its weights from memory once per step."""
+    x = torch.ones(megabytes * 2 ** 20 // 4)                               # [N] float32
+    y = torch.empty_like(x)                                                # [N]
+    y.copy_(x)
+    start = time.perf_counter()
+    for _ in range(5):
+        y.copy_(x)
+    return 5 * 2 * x.nelement() * 4 / (time.perf_counter() - start)
+
+
+def bench_kv_cache(device, lengths=(64, 256, 1024)):
+    """The cache's speedup with the number of new tokens, and its floor: a cached step
+    is one token through every weight, so it cannot beat bytes of weights / bandwidth."""
+    torch.manual_seed(0)
+    gpt = DecoderOnlyTransformer(vocab_size=1000, d_model=512, n_layers=2, n_heads=8, d_ff=2048,
+                                 max_len=1100).to(device).eval()
+    prompt = torch.randint(0, 1000, (1, 8), device=device)                 # [B, T]
+    weights = 4 * (count_parameters(gpt) - gpt.token_embedding.weight.numel())  # bytes a step reads (fp32)
+    bandwidth = memory_bandwidth()
+    print(f"\nKV cache: decoder-only, d_model 512, 8 heads, d_ff 2048, 2 layers, vocab 1000, batch 1, prompt 8")
+    print(f"  {'new tokens':>10s} {'with cache':>11s} {'without':>9s} {'speedup':>8s} {'ms/step cached':>15s}")
+    for n in lengths:
+        with_cache, without, same = time_generation(gpt, prompt, n)
+        print(f"  {n:10d} {with_cache:10.2f}s {without:8.2f}s {without / with_cache:7.1f}x "
+              f"{1000 * with_cache / n:15.2f}" + ("" if same else "  (tokens DIFFER)"))
+    print(f"  the bound: a cached step reads every weight but the embedding table once, "
+          f"{weights / 1e6:.1f} MB in float32;\n  at the {bandwidth / 1e9:.1f} GB/s this machine copies memory, "
+          f"that is {1000 * weights / bandwidth:.2f} ms a token at best. Without the cache, step t\n"
+          f"  reruns all 8 + t tokens, about n^2 / 2 token-passes for n tokens: the speedup grows with n,\n"
+          f"  and a batch of prompts shares each weight read (the cached step is bound by memory, not math)")
+
+
+def bench_time_to_99(device, seed=0, epochs=12):
+    """Training seconds (evaluation excluded) until held-out exact match first reaches 99%."""
+    print("\ntime to 99% held-out exact match on the toy task (training seconds; the held-out check after")
+    print("each epoch is not counted)")
+    pairs = make_toy_data(seed=seed)
+    train_pairs, test_pairs = split_data(pairs, seed=seed)
+    for kind, spec in TOY_MODELS.items():
+        with contextlib.redirect_stdout(None):
+            *_, result = train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed, log=lambda line: None)
+        reached = next(((epoch, seconds) for epoch, seconds, accuracy in result["history"] if accuracy >= 0.99), None)
+        print(f"  {spec['name']:20s} " + (f"{reached[1]:5.1f} s (epoch {reached[0]})" if reached else
+                                           f"not within {epochs} epochs"))
+
+
+# ===========================================================================
+# 28. The command line (命令行)
+# ===========================================================================
+# Every mistake is one line on stderr and exit status 2, found before any work
+# starts where it can be; answers alone go to stdout.
+
+def answer_lines(answer, src_vocab, longest, lines):
+    """Print one hanzi line per pinyin line; a line the model cannot take gets one
+    error line on stderr and the rest still answer. -> exit status."""
+    status = 0
+    for line in lines:
+        syllables = line.split()                                           # ['wo', 'ai', ...]
+        unknown = next((s for s in syllables if not (SYLLABLE.fullmatch(s) and s in src_vocab.stoi)), None)
+        if unknown or len(syllables) > longest:
+            problem = (f"unknown syllable {quote(unknown)}" if unknown else
+                       f"{len(syllables)} syllables, this model takes at most {longest}")
+            print(f"transformer.py: error: {problem} in {quote(line.strip())}", file=sys.stderr)
+            status = 2
+            continue
+        print(answer([" ".join(syllables)])[0] if syllables else "", flush=True)
+    return status
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line on stderr and exit status 2, no usage dump."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def int_at_least(low):
+    """An argparse type: an integer >= low (seeds stay below 2^63, torch's limit)."""
+    def parse(text):
+        value = int(text) if re.fullmatch(r"-?\d+", text) else None
+        if value is None or not low <= value < 2 ** 63:
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to 2^63 - 1, got {quote(text)}")
+        return value
+    return parse
+
+
 def check_save_target(path, data):
     """--save's PATH, checked before any training: -> an error message or None."""
     target = os.path.realpath(path)
@@ -2102,6 +2288,7 @@ def main(argv=None):
     parser.add_argument("--free", action="store_true",
                         help="decode unconstrained: any character at any step, not only the syllable's readings")
     parser.add_argument("--head", type=int_at_least(0), help="draw this head's attention in the heatmap, not the mean")
+    parser.add_argument("--bench", action="store_true", help="measure where the time goes (a few minutes), then exit")
     args = parser.parse_args(argv)
     # every problem that can be seen before the work starts is reported before it starts
     if args.load and (args.save or args.epochs or args.model):
@@ -2122,6 +2309,12 @@ def main(argv=None):
     n_heads = loaded[1].config["n_heads"] if loaded else TOY_MODELS["encdec"]["config"]["n_heads"]
     if args.head is not None and args.head >= n_heads:
         parser.error(f"--head {args.head}: the model has heads 0 to {n_heads - 1}")
+    if args.bench:
+        print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+        bench_training(device)
+        bench_kv_cache(device)
+        bench_time_to_99(device, args.seed)
+        return 0
     if args.translate is None:
         print(f"device: {device}, torch {torch.__version__}\n")
         if not (loaded or args.data):
