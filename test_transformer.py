@@ -34,6 +34,8 @@ import torch.nn.functional as F
 
 import transformer as tf
 
+TOY_DATA = tf.make_toy_data  # the real one, before any test patches it
+
 TOL = 1e-5
 
 
@@ -2004,20 +2006,35 @@ def test_cli_bad_device_is_one_line_in_process(capsys):
     assert "'tpu'" in _usage_error(capsys, ["--device", "tpu"])
 
 
-def test_main_short_run(capsys):
+def test_main_short_run(capsys, monkeypatch):
+    """The demo end to end, on 60 toy sentences (one epoch each) so that it is quick:
+    every number it prints that can be checked is checked."""
+    monkeypatch.setattr(tf, "make_toy_data", lambda seed=0: TOY_DATA(n_sentences=60, seed=seed))
     assert tf.main(["--epochs", "1", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert "output shape: [2, 10, 50257]" in out        # seed 000's configuration runs
-    param_lines = [line for line in lines if line.strip().startswith("parameters:")]
-    assert param_lines and param_lines[0].count("70,378,496") == 2, param_lines  # counted, formula
-    assert "counted" in param_lines[0] and "formula" in param_lines[0]
-    exact = [line for line in lines if line.startswith("held-out exact-match accuracy:")]
-    assert exact and all(re.fullmatch(r"held-out exact-match accuracy: \d+\.\d% \(\d+/\d+ sentences\)", line)
-                         for line in exact), exact
-    assert all(line.endswith("/240 sentences)") for line in exact)
+    # shapes and counts of the three small models: counted == formula
+    shapes = [re.search(r"output (\[.*?\]); parameters ([\d,]+) counted, ([\d,]+) by formula", line)
+              for line in lines if "-> output" in line]
+    assert [m[1] for m in shapes] == ["[2, 5, 1200]", "[2, 5, 1000]", "[2, 5, 1000]"]
+    assert all(m[2] == m[3] for m in shapes)
+    # the classic and modern tables: counted == formula (== published for the modern ones)
+    assert "GPT of the decoder-only tutorial      70,378,496    70,378,496" in out
+    for name, cfg, published in tf.LLAMA_CONFIGS:
+        row = next(line for line in lines if line.strip().startswith(name + " "))
+        assert row.split()[1:4] == [f"{published:,}"] * 3, row
+    assert re.search(r"Llama-3-8B .* 128 KiB +512 KiB", out)        # GQA: a quarter of full MHA
+    cache = re.search(r"holds ([\d,]+) bytes a token in float32 = ([\d,]+) by the formula", out)
+    assert cache and cache[1] == cache[2]
+    assert re.search(r"64 new tokens: with cache [\d.]+ s, without [\d.]+ s \([\d.]+x\), same tokens: yes", out)
+    # one report per toy model, on the 6 held-out sentences
+    reports = [line for line in lines if line.startswith("held-out exact match:")]
+    assert len(reports) == len(tf.TOY_MODELS) == 3
+    assert all(re.fullmatch(r"held-out exact match: \d+\.\d% \(\d/6\) sentences; characters: "
+                            r"\d+\.\d% \(\d+/\d+\)", line) for line in reports), reports
+    assert sum(line.strip().startswith("wo ai xue xi ->") for line in lines) == 3
     # the example rows: held-out sentences, each with its expected hanzi
-    _, test_pairs = tf.split_data(tf.make_toy_data(seed=0), seed=0)
+    _, test_pairs = tf.split_data(TOY_DATA(n_sentences=60, seed=0), seed=0)
     answers = dict(test_pairs)
     header = next(i for i, line in enumerate(lines) if "pinyin (held out)" in line)
     rows = []
@@ -2025,13 +2042,18 @@ def test_main_short_run(capsys):
         if not line.strip() or "->" in line:  # a blank line or the "wo ai xue xi -> ..." answer ends them
             break
         rows.append(line)
-    # each model answers the articles' example (after one epoch, not necessarily 我爱学习)
-    assert sum(line.strip().startswith("wo ai xue xi ->") for line in lines) == 2
-    assert len(rows) >= 6, rows
+    assert len(rows) == 6, rows
     for row in rows:
-        fields = re.match(r"\s+([a-z]+(?: [a-z]+)*)\s+(\S+)", row)
-        assert fields, row
-        assert answers[fields[1]] == fields[2], row     # a held-out sentence, its true answer
+        fields = re.match(r"\s+([a-z]+(?: [a-z]+)*)\s+(\S+)\s+(\S*)", row)
+        assert fields and answers[fields[1]] == fields[2], row     # a held-out sentence, its true answer
+        assert len(fields[3]) == len(fields[1].split())             # constrained: one character a syllable
+    # the closing table: three models and the baseline, on the same sentences
+    table = lines[next(i for i, line in enumerate(lines) if line.startswith("held-out sentences, same split")):]
+    assert "(constrained decoding)" in table[0]
+    names = [row[2:22].strip() for row in table[2:6]]
+    assert names == ["encoder-decoder", "decoder-only (GPT)", "Llama-style", "bigram HMM baseline"]
+    hmm = tf.evaluate(tf.BigramHMM(tf.split_data(TOY_DATA(n_sentences=60, seed=0), seed=0)[0]).decode, test_pairs)
+    assert f"{tf.percent(hmm['exact'], hmm['total'])}" in table[5]
 
 
 # --- command-line edge cases that once escaped as tracebacks
@@ -2673,11 +2695,16 @@ class _Mkdir:
         return os.mkdir, (self.folder,)
 
 
+_GOOD_READINGS = {"wo": {"我"}, "ai": {"爱"}}
+
+
 def _bad_checkpoint(tmp_path, what):
-    """Write the bad file `what` under tmp_path; -> its path."""
-    sv = tv = tf.Vocab(["wo", "ai", "我", "爱"])
+    """Write the bad file `what` under tmp_path; -> its path. Each is one forgery of
+    good.pt (a gpt) or, for the pad_id cases, of good-encdec.pt: both load as saved."""
+    sv = tv = tf.Vocab(["wo", "ai", "我", "爱", tf.SEP])
     good = tmp_path / "good.pt"
-    tf.save_checkpoint(str(good), "gpt", tf.DecoderOnlyTransformer(len(tv), 16, 1, 2, 32, max_len=8), sv, tv)
+    tf.save_checkpoint(str(good), "gpt", tf.DecoderOnlyTransformer(len(tv), 16, 1, 2, 32, max_len=8), sv, tv,
+                       _GOOD_READINGS)
     path = tmp_path / f"{what}.pt"
     data = good.read_bytes()
     checkpoint = torch.load(good, weights_only=True)
@@ -2714,6 +2741,59 @@ def _bad_checkpoint(tmp_path, what):
         torch.save(dict(checkpoint, tgt_vocab=5), path)
     elif what == "odd-d-model":                          # a config the model class refuses
         torch.save(dict(checkpoint, config=dict(checkpoint["config"], d_model=15)), path)
+    # the weights: names, values, storage
+    elif what == "state-dict-not-a-dict":
+        torch.save(dict(checkpoint, state_dict=list(checkpoint["state_dict"].values())), path)
+    elif what == "key-without-a-dot":                    # "layers" with no layer index after it
+        torch.save(dict(checkpoint, state_dict=dict(checkpoint["state_dict"], layers=torch.zeros(1))), path)
+    elif what == "non-string-key":
+        torch.save(dict(checkpoint, state_dict={**checkpoint["state_dict"], 7: torch.zeros(1)}), path)
+    elif what == "non-tensor-value":                     # the right numbers, as a list
+        state = dict(checkpoint["state_dict"])
+        state["lm_head.weight"] = state["lm_head.weight"].tolist()
+        torch.save(dict(checkpoint, state_dict=state), path)
+    elif what == "stride-0":                             # one stored float claims 2 x 2 GB of weights
+        n, state = 2 ** 25, dict(checkpoint["state_dict"])
+        state["token_embedding.weight"] = state["lm_head.weight"] = torch.zeros(1).expand(n, 16)
+        torch.save(dict(checkpoint, config=dict(checkpoint["config"], vocab_size=n), state_dict=state), path)
+    elif what in ("nan-weight", "inf-weight", "minus-inf-weight"):
+        state = {name: t.clone() for name, t in checkpoint["state_dict"].items()}
+        bad = {"nan-weight": math.nan, "inf-weight": math.inf, "minus-inf-weight": -math.inf}[what]
+        state["lm_head.weight" if what == "nan-weight" else "final_norm.bias"].view(-1)[3] = bad
+        torch.save(dict(checkpoint, state_dict=state), path)
+    # the configuration: pad_id must be 0, the id of <pad> (bos is 1)
+    elif what.startswith("pad-id-"):
+        esv, etv = tf.Vocab(["wo", "ai"]), tf.Vocab(["我", "爱"])
+        good = tmp_path / "good-encdec.pt"
+        tf.save_checkpoint(str(good), "encdec", tf.Transformer(len(esv), len(etv), d_model=16, n_heads=2, d_ff=32,
+                                                               n_layers=1, max_len=8), esv, etv, _GOOD_READINGS)
+        checkpoint = torch.load(good, weights_only=True)
+        value = {"1": 1, "999": 999, "str": "0", "float": 0.0, "false": False}[what[len("pad-id-"):]]
+        torch.save(dict(checkpoint, config=dict(checkpoint["config"], pad_id=value)), path)
+    # the vocabularies, as this file writes them
+    elif what == "vocab-out-of-order":
+        itos = checkpoint["tgt_vocab"]
+        torch.save(dict(checkpoint, tgt_vocab=itos[:4] + itos[4:][::-1]), path)
+    elif what == "vocab-duplicate":                      # the same length, one token twice
+        itos = checkpoint["tgt_vocab"]
+        torch.save(dict(checkpoint, tgt_vocab=itos[:-1] + itos[-2:-1]), path)
+    elif what == "vocab-non-str-token":
+        torch.save(dict(checkpoint, tgt_vocab=checkpoint["tgt_vocab"][:-1] + [5]), path)
+    elif what in ("gpt-without-sep", "llama-without-sep"):  # a decoder-only prompt ends with <sep>
+        v = tf.Vocab(["wo", "ai", "我", "爱"])
+        model = (tf.DecoderOnlyTransformer(len(v), 16, 1, 2, 32, max_len=8) if what.startswith("gpt")
+                 else tf.Llama(len(v), 16, 1, 2, max_len=8))
+        tf.save_checkpoint(str(path), what.split("-")[0], model, v, v, _GOOD_READINGS)
+    # the readings: syllable -> one or more characters of the vocabulary
+    elif what.startswith("readings-"):
+        readings = {"not-a-dict": [["wo", "我"]], "empty": {"wo": ""}, "unknown-char": {"wo": "龘"},
+                    "non-str-key": {1: "我"}, "list-value": {"wo": ["我"]}, "special": {"wo": "<eos>"},
+                    "syllable": {"wo": "a"}}[what[len("readings-"):]]
+        if what == "readings-syllable":                  # "a" is a token here, but a syllable, not a character
+            v = tf.Vocab(["a", "wo", "ai", "我", "爱", tf.SEP])
+            tf.save_checkpoint(str(path), "gpt", tf.DecoderOnlyTransformer(len(v), 16, 1, 2, 32, max_len=8), v, v)
+            checkpoint = torch.load(path, weights_only=True)
+        torch.save(dict(checkpoint, readings=readings), path)
     else:
         raise AssertionError(what)
     return str(path)
@@ -2746,8 +2826,8 @@ def test_load_checkpoint_damaged_fields_raise_value_error_naming_the_path(tmp_pa
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
     """Two short runs of main() on 30 toy pairs, one epoch, shared by the tests below:
-    the default (both models) with --head 1 and --save (which saves the first, the
-    encoder-decoder), and --model gpt with --save. One thread, as overfit10.
+    the default (all three models) with --head 1 and --save (which saves the first,
+    the encoder-decoder), and --model gpt with --save. One thread, as overfit10.
     -> dict: folder, tsv, train/test pairs, checkpoint paths, and (status, stdout,
     stderr) of each run."""
     threads = torch.get_num_threads()
@@ -2759,7 +2839,7 @@ def cli_runs(tmp_path_factory):
         tsv.write_text("".join(f"{p}\t{h}\n" for p, h in pairs), encoding="utf-8")
         runs = dict(folder=folder, tsv=str(tsv), encdec=str(folder / "encdec.pt"), gpt=str(folder / "gpt.pt"))
         runs["train"], runs["test"] = tf.split_data(pairs, seed=0)
-        for name, extra in (("both", ["--head", "1", "--save", runs["encdec"]]),
+        for name, extra in (("all", ["--head", "1", "--save", runs["encdec"]]),
                             ("gpt-only", ["--model", "gpt", "--save", runs["gpt"]])):
             out, err = io.StringIO(), io.StringIO()
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -2770,25 +2850,27 @@ def cli_runs(tmp_path_factory):
     return runs
 
 
-def test_cli_default_trains_both_and_compares(cli_runs):
-    status, out, err = cli_runs["both"]
+def test_cli_default_trains_all_and_compares(cli_runs):
+    status, out, err = cli_runs["all"]
     assert status == 0 and err == ""
     assert "data: 30 pinyin sentences, 3 held out" in out
-    assert out.count("held-out exact-match accuracy:") == 2       # one report per model
+    assert out.count("held-out exact match:") == 3                # one report per model
     lines = out.splitlines()
-    header = next(i for i, line in enumerate(lines) if "held-out exact match" in line)
-    assert lines[header].split() == ["model", "parameters", "train", "s", "held-out", "exact", "match"]
-    row = re.compile(r"  (encoder-decoder|decoder-only \(GPT\)) +([\d,]+) +\d+\.\d  \d+\.\d% \(\d/3\)")
-    rows = [row.fullmatch(line) for line in lines[header + 1:header + 3]]
-    assert all(rows), lines[header:header + 3]
-    assert [m[1] for m in rows] == ["encoder-decoder", "decoder-only (GPT)"]
-    _, encdec, _, _ = tf.load_checkpoint(cli_runs["encdec"])      # the saved one is the first
+    header = next(i for i, line in enumerate(lines) if line.strip().startswith("model ") and "exact match" in line)
+    assert lines[header].split() == ["model", "parameters", "train", "s", "exact", "match", "characters"]
+    row = re.compile(r"  (encoder-decoder|decoder-only \(GPT\)|Llama-style) +([\d,]+) +\d+\.\d  "
+                     r"\d+\.\d% \(\d/3\) +\d+\.\d% \(\d+/\d+\)")
+    rows = [row.fullmatch(line) for line in lines[header + 1:header + 4]]
+    assert all(rows), lines[header:header + 4]
+    assert [m[1] for m in rows] == ["encoder-decoder", "decoder-only (GPT)", "Llama-style"]
+    assert lines[header + 4].strip().startswith("bigram HMM baseline")
+    _, encdec, *_ = tf.load_checkpoint(cli_runs["encdec"])        # the saved one is the first
     assert int(rows[0][2].replace(",", "")) == tf.count_parameters(encdec)
     assert f"saved the encoder-decoder model to {cli_runs['encdec']}" in out
 
 
 def test_cli_head_1_draws_that_head(cli_runs):
-    _, out, _ = cli_runs["both"]
+    _, out, _ = cli_runs["all"]
     titles = [line for line in out.splitlines() if line.startswith("cross-attention of the last decoder layer")]
     assert len(titles) == 1 and "head 1:" in titles[0] and "averaged" not in titles[0]
     heatmap = out[out.index(titles[0]):].splitlines()
@@ -2802,9 +2884,9 @@ def test_cli_model_gpt_trains_only_the_gpt(cli_runs):
     status, out, err = cli_runs["gpt-only"]
     assert status == 0 and err == ""
     assert "decoder-only (GPT)" in out and "encoder-decoder" not in out
-    assert out.count("held-out exact-match accuracy:") == 1
+    assert out.count("held-out exact match:") == 1
     assert len(re.findall(r"^epoch +1 ", out, re.M)) == 1
-    assert "cross-attention" not in out and "held-out exact match" not in out  # no heatmap, no table
+    assert "cross-attention" not in out and "encoder-decoder" not in out  # no heatmap, no other model
     assert f"saved the decoder-only (GPT) model to {cli_runs['gpt']}" in out
     assert tf.load_checkpoint(cli_runs["gpt"])[0] == "gpt"
 
@@ -2814,8 +2896,9 @@ def test_cli_save_stores_the_trained_model(cli_runs):
     with contextlib.redirect_stdout(io.StringIO()):
         model, sv, tv, _ = tf.train_toy_model("encdec", cli_runs["train"], cli_runs["test"],
                                               torch.device("cpu"), 1, 0)
-    kind, loaded, sv2, tv2 = tf.load_checkpoint(cli_runs["encdec"])
+    kind, loaded, sv2, tv2, readings = tf.load_checkpoint(cli_runs["encdec"])
     assert kind == "encdec" and sv2.itos == sv.itos and tv2.itos == tv.itos
+    assert readings == tf.syllable_readings(cli_runs["train"])     # the readings of the training pairs
     ours, theirs = model.state_dict(), loaded.state_dict()
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
@@ -2826,9 +2909,9 @@ def test_cli_load_translate_prints_what_the_model_answers(cli_runs, capsys, kind
     assert tf.main(["--load", cli_runs[kind], "--translate", pinyin, "--device", "cpu"]) == 0
     out, err = capsys.readouterr()
     assert err == "" and out.count("\n") == 1                     # one line, nothing else
-    loaded_kind, model, sv, tv = tf.load_checkpoint(cli_runs[kind])
+    loaded_kind, model, sv, tv, readings = tf.load_checkpoint(cli_runs[kind])
     assert loaded_kind == kind
-    assert out == tf.translator(kind, model, sv, tv)([pinyin])[0] + "\n"
+    assert out == tf.translator(kind, model, sv, tv, readings)([pinyin])[0] + "\n"
 
 
 @pytest.mark.parametrize("kind", ["encdec", "gpt"])
@@ -2837,11 +2920,11 @@ def test_cli_load_without_translate_reports_held_out(cli_runs, capsys, kind):
     out, err = capsys.readouterr()
     assert err == "" and f"loaded {cli_runs[kind]}" in out
     assert "epoch" not in out and "toy task" not in out           # nothing trained
-    exact = [line for line in out.splitlines() if line.startswith("held-out exact-match accuracy:")]
-    assert len(exact) == 1 and exact[0].endswith("/3 sentences)")
+    exact = [line for line in out.splitlines() if line.startswith("held-out exact match:")]
+    assert len(exact) == 1 and "/3) sentences" in exact[0]
     # the same model on the same split: the report of the run that trained it
-    trained = cli_runs["both" if kind == "encdec" else "gpt-only"][1]
-    assert exact[0] == next(line for line in trained.splitlines() if line.startswith("held-out exact-match"))
+    trained = cli_runs["all" if kind == "encdec" else "gpt-only"][1]
+    assert exact[0] == next(line for line in trained.splitlines() if line.startswith("held-out exact match:"))
     assert ("cross-attention" in out) == (kind == "encdec")       # the heatmap is the encoder-decoder's
 
 
@@ -2854,8 +2937,8 @@ def test_cli_translate_stdin_unknown_syllable_is_one_error_line(cli_runs, capsys
     out, err = capsys.readouterr()
     errors = err.splitlines()
     assert len(errors) == 1 and "'xyz'" in errors[0] and errors[0].startswith("transformer.py: error:")
-    _, model, sv, tv = tf.load_checkpoint(cli_runs[kind])
-    answer = tf.translator(kind, model, sv, tv)
+    _, model, sv, tv, readings = tf.load_checkpoint(cli_runs[kind])
+    answer = tf.translator(kind, model, sv, tv, readings)
     # one line at a time, as answer_lines reads them: 4 answers (one empty), in order
     assert out.split("\n")[:-1] == [answer([g])[0] for g in good[:2]] + [""] + answer(good[2:])
 
@@ -2874,7 +2957,7 @@ def test_cli_save_to_missing_folder_is_one_line(capsys, tmp_path):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("transformer.py: error: --save") and tf.quote(str(target)) in lines[0]
+    assert len(lines) == 1 and lines[0].startswith(f"transformer.py: error: --save {tf.quote(str(target))}")
     assert str(target)[:40] in lines[0] and "expected a file name in an existing folder" in lines[0]
     assert "Traceback" not in err and not target.parent.exists()
 
@@ -3050,3 +3133,584 @@ def test_cli_save_failing_midway_is_one_line_and_keeps_the_old_file(tmp_path, mo
     assert len(err.splitlines()) == 1 and "No space left on device" in err
     assert target.read_bytes() == b"the previous checkpoint"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "pairs.tsv"]  # no temp file left
+
+
+# ===========================================================================
+# Hardening: bad input, bad files
+# ===========================================================================
+# Issue 8: no traceback, no lost file, no memory blow-up, whatever the input.
+# One test per class of problem and its neighbours, each checking the value a
+# broken version would get wrong. Untrained tiny checkpoints stand in for
+# trained ones: the guards do not care what the weights learned.
+
+import resource  # noqa: E402  (Unix only, as the SIGINT tests above)
+import select  # noqa: E402
+import stat  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory):
+    """Untrained checkpoints as --save writes them, on the toy task's seed-0 training
+    split: vocabularies and readings from the training pairs. -> dict of paths (full
+    size, "-short" for a max_len below the longest held-out sentence, "-tiny" for one
+    that fits none, "-noreadings", "-adversarial", and a "llama"), the split and the
+    readings."""
+    folder = tmp_path_factory.mktemp("tiny-checkpoints")
+    train_pairs, test_pairs = tf.split_data(tf.make_toy_data(seed=0), seed=0)
+    readings = tf.syllable_readings(train_pairs)
+    sv, tv = tf.build_vocabs(train_pairs)
+    vocab = tf.build_gpt_vocab(train_pairs)
+    torch.manual_seed(0)
+    paths = {}
+
+    def save(name, kind, model, src_vocab, tgt_vocab, saved_readings=readings):
+        paths[name] = str(folder / f"{name}.pt")
+        tf.save_checkpoint(paths[name], kind, model, src_vocab, tgt_vocab, saved_readings)
+
+    encdec = lambda max_len: tf.Transformer(len(sv), len(tv), d_model=16, n_heads=2, d_ff=32,  # noqa: E731
+                                            n_layers=1, max_len=max_len)
+    gpt = lambda max_len: tf.DecoderOnlyTransformer(len(vocab), 16, 1, 2, 32, max_len=max_len)  # noqa: E731
+    save("encdec", "encdec", encdec(32), sv, tv)
+    save("encdec-short", "encdec", encdec(9), sv, tv)             # takes 7 syllables
+    save("encdec-tiny", "encdec", encdec(4), sv, tv)              # takes 2: no toy sentence fits
+    save("gpt", "gpt", gpt(40), vocab, vocab)
+    save("gpt-short", "gpt", gpt(18), vocab, vocab)               # takes (18 - 2) // 2 = 8
+    save("gpt-noreadings", "gpt", gpt(40), vocab, vocab, None)    # as an older version saved it
+    save("llama", "llama", tf.Llama(len(vocab), 16, 1, 2, n_kv_heads=1, max_len=40), vocab, vocab)
+    # a decoder-only model whose every choice is a wrong one: each position's state is the
+    # same vector (final_norm weight 0, bias 1), which scores <sep> highest, then <unk>,
+    # the other specials and the syllables; eos lowest, characters in between
+    model = gpt(40)
+    with torch.no_grad():
+        model.final_norm.weight.zero_()
+        model.final_norm.bias.fill_(1.0)
+        model.lm_head.weight.normal_(0.0, 0.01)
+        for i, token in enumerate(vocab.itos):
+            if token.isascii():
+                model.lm_head.weight[i] = 1.0
+        model.lm_head.weight[vocab.stoi[tf.SEP]] = 3.0
+        model.lm_head.weight[tf.Vocab.UNK] = 2.0
+        model.lm_head.weight[tf.Vocab.EOS] = -1.0
+    save("gpt-adversarial", "gpt", model, vocab, vocab)
+    return dict(paths, train=train_pairs, test=test_pairs, readings=readings)
+
+
+def _main(argv, stdin=None):
+    """tf.main(argv) in-process with its own stdout and stderr (and stdin, if given):
+    -> (exit status, stdout, stderr); a SystemExit is caught and its code returned."""
+    out, err = io.StringIO(), io.StringIO()
+    saved = sys.stdin
+    if stdin is not None:
+        sys.stdin = io.StringIO(stdin)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = tf.main(argv)
+            except SystemExit as e:
+                status = e.code
+    finally:
+        sys.stdin = saved
+    return status, out.getvalue(), err.getvalue()
+
+
+# --- files: --save never hangs, never replaces what is not a checkpoint, keeps links and modes
+
+@pytest.mark.parametrize("what", ["fifo", "device", "folder", "link-to-fifo"])
+def test_save_onto_a_fifo_device_or_folder_is_refused_and_left_alone(tmp_path, capsys, what):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    target = {"fifo": str(fifo), "device": os.devnull, "folder": str(tmp_path),
+              "link-to-fifo": str(tmp_path / "link")}[what]
+    if what == "link-to-fifo":
+        os.symlink(fifo, target)
+    kind_before = stat.S_IFMT(os.stat(target).st_mode)
+    # the command line refuses before training (a short one, should that check ever go)
+    line = _usage_error(capsys, ["--save", target, "--data", _tiny_tsv(tmp_path), "--epochs", "1",
+                                 "--model", "gpt", "--device", "cpu"])
+    assert line.startswith(f"transformer.py: error: --save {tf.quote(target)}: not a regular file"), line
+    assert stat.S_IFMT(os.stat(target).st_mode) == kind_before
+    # the library refuses too, and never opens a fifo (opening one for writing would hang);
+    # for the device, a null device of our own: were the check gone, it would be replaced
+    if what == "device":
+        target = str(tmp_path / "null")
+        try:
+            os.mknod(target, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("making a device node needs root")
+    vocab = tf.Vocab(["wo", "我", tf.SEP])
+    with pytest.raises(ValueError, match="not a regular file") as info:
+        tf.save_checkpoint(target, "gpt", tf.DecoderOnlyTransformer(len(vocab), 16, 1, 2, 32, max_len=8),
+                           vocab, vocab)
+    assert str(info.value).startswith(f"{target}:")
+    assert stat.S_IFMT(os.stat(target).st_mode) == kind_before       # still a fifo, device, folder
+    assert os.path.islink(target) == (what == "link-to-fifo")
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".checkpoint-")]
+
+
+def _small_gpt_and_vocab():
+    vocab = tf.Vocab(["wo", "ai", "我", "爱", tf.SEP])
+    return tf.DecoderOnlyTransformer(len(vocab), 16, 1, 2, 32, max_len=8), vocab
+
+
+def test_save_through_a_symlink_updates_its_target_and_keeps_the_link(tmp_path):
+    real, links = tmp_path / "real", tmp_path / "links"
+    real.mkdir()
+    links.mkdir()
+    (real / "model.pt").write_bytes(b"the previous checkpoint")
+    os.symlink(os.path.join("..", "real", "model.pt"), links / "model.pt")   # relative, as users make them
+    os.symlink(os.path.join("..", "real", "new.pt"), links / "new.pt")       # dangling: its target is made
+    model, vocab = _small_gpt_and_vocab()
+    for name in ("model.pt", "new.pt"):
+        tf.save_checkpoint(str(links / name), "gpt", model, vocab, vocab, _GOOD_READINGS)
+        assert os.path.islink(links / name)                               # the link is still a link ...
+        assert os.readlink(links / name) == os.path.join("..", "real", name)  # ... to the same place
+        assert stat.S_ISREG(os.lstat(real / name).st_mode)                # the target got the new file
+        _, loaded, _, _, readings = tf.load_checkpoint(str(real / name))
+        assert torch.equal(loaded.lm_head.weight, model.lm_head.weight) and readings == _GOOD_READINGS
+    # no temporary file is left in either folder
+    assert sorted(os.listdir(real)) == sorted(os.listdir(links)) == ["model.pt", "new.pt"]
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o604, 0o755])
+@pytest.mark.parametrize("through_link", [False, True])
+def test_save_keeps_an_existing_files_permissions(tmp_path, mode, through_link):
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"the previous checkpoint")
+    os.chmod(path, mode)
+    target = path
+    if through_link:                                     # the link's own mode is 0o777: the target's counts
+        target = tmp_path / "link.pt"
+        os.symlink(path, target)
+    model, vocab = _small_gpt_and_vocab()
+    tf.save_checkpoint(str(target), "gpt", model, vocab, vocab)
+    assert stat.S_IMODE(os.stat(path).st_mode) == mode
+    assert tf.load_checkpoint(str(path))[0] == "gpt"     # and it is the new file
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_save_gives_a_new_file_the_usual_permissions_not_mkstemps(tmp_path, umask, mode):
+    model, vocab = _small_gpt_and_vocab()
+    old = os.umask(umask)
+    try:
+        tf.save_checkpoint(str(tmp_path / "model.pt"), "gpt", model, vocab, vocab)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "model.pt").st_mode) == mode
+
+
+@pytest.mark.parametrize("how", ["same-path", "dotted-path", "save-is-a-link", "data-is-a-link", "hard-link"])
+def test_cli_save_onto_the_data_file_is_refused_and_the_data_kept(tmp_path, capsys, how):
+    data = _tiny_tsv(tmp_path)
+    before = open(data, "rb").read()
+    other = str(tmp_path / "other.tsv")
+    if how == "save-is-a-link":
+        os.symlink(data, other)
+    elif how == "data-is-a-link":                        # --data through a link, --save the real file
+        os.symlink(data, other)
+        data, other = other, data
+    elif how == "hard-link":
+        os.link(data, other)
+    save = {"same-path": data, "dotted-path": os.path.join(str(tmp_path), ".", "pairs.tsv")}.get(how, other)
+    line = _usage_error(capsys, ["--data", data, "--save", save, "--epochs", "1", "--model", "gpt",
+                                 "--device", "cpu"])
+    assert "that is the --data file" in line and tf.quote(save) in line
+    assert open(data, "rb").read() == before and open(save, "rb").read() == before
+
+
+def test_cli_save_when_torch_save_fails_is_one_line_and_the_old_file_is_kept(tmp_path, monkeypatch, capsys):
+    target = tmp_path / "model.pt"
+    target.write_bytes(b"the previous checkpoint")
+    data = _tiny_tsv(tmp_path)
+    writes = []
+
+    def broken_save(obj, f, *args, **kwargs):            # what torch raises when the disk fills mid-write
+        f.write(b"PK\x03\x04 half a checkpoint")
+        writes.append(sorted(os.listdir(tmp_path)))
+        raise RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing\n"
+                           "file data/0: file write failed")
+
+    monkeypatch.setattr(tf.torch, "save", broken_save)
+    with pytest.raises(SystemExit) as info:
+        tf.main(["--data", data, "--epochs", "1", "--model", "gpt", "--device", "cpu", "--save", str(target)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"transformer.py: error: --save {target}: could not save (")
+    assert "PytorchStreamWriter failed writing" in err and err.endswith("the previous file is unchanged\n")
+    assert len(writes) == 1 and len(writes[0]) == 3                  # it wrote to a temporary file ...
+    assert target.read_bytes() == b"the previous checkpoint"          # ... never to the checkpoint
+    assert sorted(os.listdir(tmp_path)) == ["model.pt", "pairs.tsv"]  # and the temporary file is gone
+
+
+# --- forged checkpoints: refused as one line naming the file, before any work they ask for
+
+_FORGERIES = ["state-dict-not-a-dict", "key-without-a-dot", "non-string-key", "non-tensor-value", "stride-0",
+              "nan-weight", "inf-weight", "minus-inf-weight", "pad-id-1", "pad-id-999", "pad-id-str",
+              "pad-id-float", "pad-id-false", "vocab-out-of-order", "vocab-duplicate", "vocab-non-str-token",
+              "gpt-without-sep", "llama-without-sep", "readings-not-a-dict", "readings-empty",
+              "readings-unknown-char", "readings-non-str-key", "readings-list-value", "readings-special",
+              "readings-syllable"]
+
+
+@pytest.mark.parametrize("what", _FORGERIES)
+def test_load_checkpoint_refuses_forged_contents_naming_the_path(tmp_path, what):
+    path = _bad_checkpoint(tmp_path, what)
+    for good in ("good.pt", "good-encdec.pt"):            # what was forged loads as saved
+        if (tmp_path / good).exists():
+            assert tf.load_checkpoint(str(tmp_path / good))[4] == _GOOD_READINGS
+    with pytest.raises(ValueError) as info:
+        tf.load_checkpoint(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message and len(message) < len(path) + 200, message
+
+
+def test_load_checkpoint_refuses_a_stride_0_forgery_before_allocating(tmp_path):
+    path = _bad_checkpoint(tmp_path, "stride-0")
+    assert os.path.getsize(path) < 100_000                # a small file that claims 2 x 2 GB of weights
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as info:
+        tf.load_checkpoint(path)
+    assert time.perf_counter() - start < 2 and str(info.value).startswith(f"{path}: ")
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024  # MiB
+    assert grown < 200, f"peak memory grew by {grown:.0f} MiB"
+
+
+def test_load_checkpoint_forged_llama_max_len_does_not_allocate(tmp_path):
+    """Llama's RoPE tables are not in the file: they are computed from the config's
+    max_len. A forged max_len of 5 million (a 60 KB file) must not make the loader
+    build 5 million rows of cos and sin (about 550 MB; a billion would need 100 GB).
+    Refusing it or loading without building the tables both pass."""
+    v = tf.Vocab(["wo", "ai", "我", "爱", tf.SEP])
+    good = str(tmp_path / "good.pt")
+    tf.save_checkpoint(good, "llama", tf.Llama(len(v), 16, 1, 2, max_len=8), v, v, _GOOD_READINGS)
+    checkpoint = torch.load(good, weights_only=True)
+    path = str(tmp_path / "long.pt")
+    torch.save(dict(checkpoint, config=dict(checkpoint["config"], max_len=5 * 10 ** 6)), path)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        tf.load_checkpoint(path)
+    except ValueError as e:
+        assert str(e).startswith(f"{path}: ") and "\n" not in str(e)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024
+    assert grown < 200, f"peak memory grew by {grown:.0f} MiB"
+
+
+def test_checkpoint_without_readings_loads_and_the_cli_answers_unconstrained(tiny_checkpoints):
+    path = tiny_checkpoints["gpt-noreadings"]
+    kind, model, sv, tv, readings = tf.load_checkpoint(path)
+    assert kind == "gpt" and readings is None
+    assert "readings" not in torch.load(path, weights_only=True)  # saved without the key, as before
+    sentences = [pinyin for pinyin, _ in tiny_checkpoints["train"][:3]]  # every syllable known
+    status, out, err = _main(["--load", path, "--translate", "-", "--device", "cpu"],
+                             stdin="".join(s + "\n" for s in sentences))
+    assert status == 0
+    assert err.count("\n") == 1 and err.startswith("transformer.py: note:") and "readings" in err
+    assert out.splitlines() == tf.translator(kind, model, sv, tv)(sentences)   # unconstrained answers
+    status, out, err = _main(["--load", path, "--translate", sentences[0], "--free", "--device", "cpu"])
+    assert (status, err) == (0, "")                      # --free asked for it: no note
+
+
+# --- --data: bounded reads, bounded lines, short messages
+
+def test_cli_data_dev_zero_is_refused_fast(capsys):
+    start = time.perf_counter()
+    line = _usage_error(capsys, ["--data", "/dev/zero", "--device", "cpu"])
+    assert time.perf_counter() - start < 5               # 64 MB read, not an endless one
+    assert line == "transformer.py: error: /dev/zero: larger than 64 MB; expected a pinyin<TAB>hanzi file"
+
+
+def test_read_pairs_size_limit_is_exact(tmp_path, monkeypatch):
+    path = _write_tsv(tmp_path, "wo\t我\nni\t你\n")       # 14 bytes
+    assert os.path.getsize(path) == 14
+    monkeypatch.setattr(tf, "MAX_DATA_BYTES", 14)
+    assert tf.read_pairs(path) == [("ni", "你"), ("wo", "我")]     # exactly the limit: read
+    monkeypatch.setattr(tf, "MAX_DATA_BYTES", 13)
+    with pytest.raises(ValueError, match="larger than"):            # one byte over: refused
+        tf.read_pairs(path)
+
+
+@pytest.mark.parametrize("n, refused", [(tf.MAX_SYLLABLES, False), (tf.MAX_SYLLABLES + 1, True), (30_000, True)])
+def test_read_pairs_sentence_length_limit_names_file_and_line(tmp_path, n, refused):
+    path = _write_tsv(tmp_path, "wo\t我\n" + " ".join(["wo"] * n) + "\t" + "我" * n + "\nni\t你\n")
+    if not refused:
+        assert len(tf.read_pairs(path)) == 3
+        return
+    with pytest.raises(ValueError) as info:
+        tf.read_pairs(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:2: {n} syllables") and f"at most {tf.MAX_SYLLABLES}" in message
+    assert len(message) < len(path) + 300
+
+
+@pytest.mark.parametrize("line, words", [
+    ("Q" * 10 ** 6 + "\t我", "is not toneless lowercase pinyin"),         # a megabyte syllable
+    ("wo\t" + "我" * 10 ** 6, "1 syllables but 1000000 characters"),     # a megabyte of hanzi
+    ("wo ai ta\t我\x07爱", "space or control character"),                # a bell between two hanzi
+    ("wo ai ta\t我 爱", "space or control character"),                    # a space between them
+], ids=["megabyte-syllable", "megabyte-hanzi", "bell-in-hanzi", "space-in-hanzi"])
+def test_cli_data_bad_line_is_one_short_line(tmp_path, capsys, line, words):
+    path = _write_tsv(tmp_path, "ni hao\t你好\n" + line + "\nta\t他\n")
+    error = _usage_error(capsys, ["--data", path, "--device", "cpu"])
+    assert error.startswith(f"transformer.py: error: {path}:2: ") and words in error, error[:300]
+    assert len(error) < len(path) + 300
+
+
+def test_read_pairs_counts_lines_as_an_editor_does(tmp_path):
+    """Only a newline (or CRLF) ends a line: a U+2028 LINE SEPARATOR or a form feed
+    inside a comment is part of the comment, and FILE:LINE is the line an editor
+    (or grep -n) shows."""
+    path = tmp_path / "pairs.tsv"
+    path.write_bytes("# notes\u2028more notes\r\n# page two\x0c\r\nwo\t我\r\nta men\t他\r\nni\t你\r\n".encode())
+    with pytest.raises(ValueError) as info:
+        tf.read_pairs(str(path))
+    assert str(info.value).startswith(f"{path}:4: 2 syllables but 1 characters"), str(info.value)
+
+
+# --- standard input and output: closed, full, interrupted
+
+def test_cli_translate_stdin_closed_is_one_line(tiny_checkpoints, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", None)              # pythonw, or started with 0<&-
+    line = _usage_error(capsys, ["--load", tiny_checkpoints["encdec"], "--translate", "-", "--device", "cpu"])
+    assert line == "transformer.py: error: --translate -: standard input is closed"
+    # stdin is not needed for a sentence on the command line
+    assert tf.main(["--load", tiny_checkpoints["encdec"], "--translate", "wo ai", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and len(out) == 3 and out.endswith("\n")        # two characters, one line
+    # and an empty stdin is no error: no line, no answer
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert tf.main(["--load", tiny_checkpoints["encdec"], "--translate", "-", "--device", "cpu"]) == 0
+    assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize("line, words", [
+    ("wo " + "q" * 10 ** 6, "unknown syllable 'qqq"),                    # one megabyte syllable
+    ("wo " * 300_000, "300000 syllables, this model takes at most 30"),  # a megabyte of good ones
+], ids=["megabyte-syllable", "megabyte-of-syllables"])
+def test_cli_translate_a_megabyte_line_is_one_short_error_line(tiny_checkpoints, line, words):
+    status, out, err = _main(["--load", tiny_checkpoints["encdec"], "--translate", "-", "--device", "cpu"],
+                             stdin=line + "\nwo ai\n")
+    assert status == 2
+    assert err.count("\n") == 1 and err.startswith("transformer.py: error: ") and words in err, err[:300]
+    assert len(err) < 300
+    assert out.count("\n") == 1 and len(out) == 3        # the next line still answers
+
+
+@pytest.mark.parametrize("name, longest", [("encdec-short", 7), ("gpt-short", 8)])
+def test_cli_translate_the_longest_sentence_the_model_takes(tiny_checkpoints, name, longest):
+    syllables = [pinyin.split() for pinyin, _ in tiny_checkpoints["train"]]
+    fits = " ".join(next(s for s in syllables if len(s) == longest))
+    over = " ".join(next(s for s in syllables if len(s) == longest + 1))
+    status, out, err = _main(["--load", tiny_checkpoints[name], "--translate", "-", "--device", "cpu"],
+                             stdin=f"{fits}\n{over}\n")
+    assert status == 2 and len(out.splitlines()) == 1 and len(out.splitlines()[0]) == longest
+    assert err == (f"transformer.py: error: {longest + 1} syllables, this model takes at most {longest} "
+                   f"in {tf.quote(over)}\n")
+
+
+@pytest.fixture(scope="module")
+def cli_processes(tiny_checkpoints):
+    """The two checks that need a real process, started together (each pays for
+    importing torch): an answer written onto a full disk (stdout on /dev/full), and
+    a Ctrl-C while --translate - waits for its next line."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "transformer.py", "--load", tiny_checkpoints["encdec"], "--device", "cpu"]
+    with open("/dev/full" if os.path.exists("/dev/full") else os.devnull, "w") as full:
+        procs = {"full": subprocess.Popen(command + ["--translate", "wo ai"], cwd=HERE, env=env, stdout=full,
+                                          stderr=subprocess.PIPE, text=True, encoding="utf-8"),
+                 # SIGINT as the default: a shell without job control starts background jobs ignoring it
+                 "ctrl-c": subprocess.Popen(command + ["--translate", "-"], cwd=HERE, env=env,
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True, encoding="utf-8",
+                                            preexec_fn=None if sys.platform == "win32" else
+                                            lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))}
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_cli_stdout_on_a_full_disk_is_one_line_subprocess(cli_processes):
+    proc = cli_processes["full"]
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert err == "transformer.py: error: writing the output: No space left on device\n", err
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="sends SIGINT to a child process")
+def test_cli_ctrl_c_while_waiting_on_stdin_exits_130_subprocess(cli_processes, tiny_checkpoints):
+    proc = cli_processes["ctrl-c"]
+    proc.stdin.write("wo ai\n")
+    proc.stdin.flush()
+    ready, _, _ = select.select([proc.stdout], [], [], 120)
+    assert ready, "no answer within 120 s"
+    answer = proc.stdout.readline()                      # answered: it now waits for the next line
+    kind, model, sv, tv, readings = tf.load_checkpoint(tiny_checkpoints["encdec"])
+    assert answer == tf.translator(kind, model, sv, tv, readings)(["wo ai"])[0] + "\n"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and out == ""
+    assert err == "transformer.py: interrupted\n", err
+
+
+# --- a loaded model that cannot take every held-out sentence
+
+@pytest.mark.parametrize("name, longest", [("encdec-short", 7), ("gpt-short", 8), ("encdec", 30)])
+def test_cli_load_skips_held_out_sentences_the_model_cannot_take(tiny_checkpoints, name, longest):
+    kind, model, *_ = tf.load_checkpoint(tiny_checkpoints[name])
+    assert tf.longest_sentence(kind, model) == longest
+    _, test_pairs = tf.split_data(tf.make_toy_data(seed=0), seed=0)
+    skipped = sum(len(pinyin.split()) > longest for pinyin, _ in test_pairs)
+    status, out, err = _main(["--load", tiny_checkpoints[name], "--device", "cpu"])
+    assert status == 0 and err == "" and "Traceback" not in out
+    notes = [line for line in out.splitlines() if line.startswith("skipped")]
+    if skipped:
+        assert 0 < skipped < len(test_pairs)
+        assert notes == [f"skipped {skipped} held-out sentences longer than the {longest} syllables "
+                         f"this model takes"]
+    else:
+        assert notes == []
+    reports = [line for line in out.splitlines() if line.startswith("held-out exact match:")]
+    assert len(reports) == 1 and f"/{len(test_pairs) - skipped}) sentences;" in reports[0], reports
+
+
+def test_cli_load_a_model_that_takes_no_held_out_sentence(tiny_checkpoints):
+    kind, model, *_ = tf.load_checkpoint(tiny_checkpoints["encdec-tiny"])
+    longest = tf.longest_sentence(kind, model)
+    _, test_pairs = tf.split_data(tf.make_toy_data(seed=0), seed=0)
+    assert longest == 2 and min(len(pinyin.split()) for pinyin, _ in test_pairs) > longest
+    status, out, err = _main(["--load", tiny_checkpoints["encdec-tiny"], "--device", "cpu"])
+    assert status == 0 and err == ""
+    assert f"skipped {len(test_pairs)} held-out sentences longer than the 2 syllables this model takes" in out
+    assert "held-out exact match" not in out and "cross-attention" not in out   # nothing left to report
+
+
+# --- answers: characters only, one per syllable at most, whatever the weights
+
+@pytest.mark.parametrize("free", [False, True])
+@pytest.mark.parametrize("name", ["gpt-adversarial", "llama"])
+def test_cli_garbage_model_still_answers_only_characters(tiny_checkpoints, free, name):
+    path = tiny_checkpoints[name]
+    kind, model, sv, vocab, readings = tf.load_checkpoint(path)
+    sentences = [pinyin for pinyin, _ in tiny_checkpoints["train"][:12]]  # every syllable known
+    if name == "gpt-adversarial":  # unmasked, it writes <sep> at every step: the masks stand in its way
+        prompt = torch.tensor([vocab.encode(sentences[0].split() + [tf.SEP])])
+        unmasked, _ = tf.beam_search(lambda ids, cache: model(ids, cache)[:, -1], prompt, 3, 1)
+        assert unmasked[0].tolist() == [vocab.stoi[tf.SEP]] * 3
+    argv = ["--load", path, "--translate", "-", "--device", "cpu"] + (["--free"] if free else [])
+    status, out, err = _main(argv, stdin="".join(s + "\n" for s in sentences))
+    assert (status, err) == (0, "")
+    answers = out.split("\n")
+    assert answers[-1] == "" and len(answers) == len(sentences) + 1
+    for sentence, answer in zip(sentences, answers):
+        syllables = sentence.split()
+        assert answer and all(not c.isascii() and c in vocab.stoi for c in answer), (sentence, answer)
+        assert "<" not in answer and tf.SEP not in answer and "<unk>" not in answer
+        if free:
+            assert len(answer) <= len(syllables)
+        else:                                            # one reading of each syllable, one per syllable
+            assert len(answer) == len(syllables)
+            assert all(c in readings[s] for s, c in zip(syllables, answer)), (sentence, answer)
+
+
+# --- the library: nonsense sizes, mismatched batches, ids and temperatures
+
+_T = dict(d_model=16, n_heads=2, d_ff=32, n_layers=1)
+
+
+@pytest.mark.parametrize("build, name, value", [
+    (lambda: tf.Transformer(0, 10, **_T), "src_vocab_size", 0),
+    (lambda: tf.Transformer(10, -3, **_T), "tgt_vocab_size", -3),
+    (lambda: tf.Transformer(10, 10, **dict(_T, d_ff=-32)), "d_ff", -32),
+    (lambda: tf.Transformer(10, 10, **dict(_T, n_layers=0)), "n_layers", 0),
+    (lambda: tf.Transformer(10, 10, max_len=0, **_T), "max_len", 0),
+    (lambda: tf.Transformer(10, 10, **dict(_T, d_model=16.0)), "d_model", 16.0),
+    (lambda: tf.Transformer(10, 10, **dict(_T, n_heads=True)), "n_heads", True),
+    (lambda: tf.Transformer(10, 10, pad_id=10, **_T), "pad_id", 10),
+    (lambda: tf.Transformer(10, 6, pad_id=7, **_T), "pad_id", 7),        # inside one vocabulary only
+    (lambda: tf.Transformer(10, 10, pad_id=-1, **_T), "pad_id", -1),
+    (lambda: tf.Transformer(10, 10, pad_id=0.0, **_T), "pad_id", 0.0),
+    (lambda: tf.Transformer(10, 10, pad_id=False, **_T), "pad_id", False),
+    (lambda: tf.DecoderOnlyTransformer(0, 16, 1, 2, 32), "vocab_size", 0),
+    (lambda: tf.DecoderOnlyTransformer(20, 16, 1, 2, -5), "d_ff", -5),
+    (lambda: tf.DecoderOnlyTransformer(20, 16, 0, 2, 32), "n_layers", 0),
+    (lambda: tf.DecoderOnlyTransformer(20, 16, 1, 2, 32, max_len=0), "max_len", 0),
+    (lambda: tf.DecoderOnlyTransformer(20, 16, 1.0, 2, 32), "n_layers", 1.0),
+    (lambda: tf.DecoderOnlyTransformer(True, 16, 1, 2, 32), "vocab_size", True),
+    (lambda: tf.Llama(0, 16, 1, 2), "vocab_size", 0),
+    (lambda: tf.Llama(20, 16, 1, 2, d_ff=-1), "d_ff", -1),
+    (lambda: tf.Llama(20, 16, 0, 2), "n_layers", 0),
+    (lambda: tf.Llama(20, 16, 1, 2, max_len=0), "max_len", 0),
+    (lambda: tf.Llama(20, 16, 1, 2, n_kv_heads=0), "n_kv_heads", 0),
+    (lambda: tf.Llama(20, 16, 1, 2, d_ff=32.5), "d_ff", 32.5),
+    (lambda: tf.Llama(20, 16, 1, 2, max_len=False), "max_len", False),
+])
+def test_models_refuse_nonsense_sizes_naming_argument_and_value(build, name, value):
+    with pytest.raises(ValueError) as info:
+        build()
+    message = str(info.value)
+    assert message.startswith(name) and message.endswith(f"got {value!r}"), message
+
+
+def test_models_accept_the_edge_sizes():
+    """The neighbours of the refused sizes: the smallest legal values build and run."""
+    assert tf.Transformer(10, 6, pad_id=5, **_T).pad_id == 5                  # in both vocabularies
+    tf.Transformer(1, 1, d_model=2, n_heads=1, d_ff=1, n_layers=1, max_len=1)
+    tf.DecoderOnlyTransformer(1, 2, 1, 1, 1, max_len=1)
+    model = tf.Llama(1, 2, 1, 1, d_ff=1, max_len=1)
+    assert model(torch.zeros(1, 1, dtype=torch.long)).shape == (1, 1, 1)
+
+
+def test_transformer_refuses_batch_sizes_that_differ():
+    model = tf.Transformer(12, 12, max_len=16, **_T).eval()
+    src, tgt = torch.randint(4, 12, (3, 5)), torch.randint(4, 12, (3, 4))
+    with pytest.raises(ValueError, match="batch sizes differ: tgt 2, memory 3, src 3"):
+        model(src, tgt[:2])
+    memory = model.encode(src)
+    with pytest.raises(ValueError, match="batch sizes differ: tgt 3, memory 3, src 2"):
+        model.decode(tgt, memory, src[:2])
+    with pytest.raises(ValueError, match="batch sizes differ: tgt 3, memory 2, src 3"):
+        model.decode(tgt, memory[:2], src)
+    assert model.decode(tgt, memory, src).shape == (3, 4, 12)                  # equal sizes: fine
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.bool, torch.float32])
+def test_models_refuse_ids_that_are_not_int64_or_int32(dtype):
+    ids = torch.tensor([[1, 0, 1]]).to(dtype)
+    encdec = tf.Transformer(12, 12, max_len=16, **_T).eval()
+    gpt = tf.DecoderOnlyTransformer(12, 16, 1, 2, 32, max_len=16).eval()
+    llama = tf.Llama(12, 16, 1, 2, max_len=16).eval()
+    good = torch.tensor([[1, 0, 1]])
+    for run in (lambda x: encdec(x, good), lambda x: encdec(good, x), gpt, llama):
+        with pytest.raises(ValueError, match=r"integer tensor \[B, T\] \(int64 or int32\)") as info:
+            run(ids)
+        assert str(dtype) in str(info.value)
+        with torch.no_grad():                            # the neighbour: int32 is taken, and the same
+            assert torch.equal(run(good.int()), run(good))
+
+
+@pytest.mark.parametrize("cls", ["gpt", "llama"])
+def test_generate_refuses_a_temperature_too_small_to_divide_by(cls):
+    model = (tf.DecoderOnlyTransformer(12, 16, 1, 2, 32, max_len=16) if cls == "gpt"
+             else tf.Llama(12, 16, 1, 2, max_len=16)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1000.0)                # large logits: logits / 1e-45 overflows float32
+    prompt = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"temperature 1e-45 is too small.*temperature=0"):
+        model.generate(prompt, 2, temperature=1e-45)
+    # the neighbours: a small temperature that does not overflow samples, and 0 is greedy
+    assert model.generate(prompt, 2, temperature=1e-3, generator=torch.Generator().manual_seed(0)).shape == (1, 5)
+    assert model.generate(prompt, 2, temperature=0).shape == (1, 5)
+    assert tf.next_token(torch.zeros(1, 4), temperature=1e-45).shape == (1, 1)  # 0 / 1e-45 is still 0
+
+
+def test_grouped_query_attention_refuses_a_mask_that_is_not_4d():
+    attn = tf.GroupedQueryAttention(16, 4, 2)
+    cos, sin = tf.rope_cos_sin(4, 5)                     # [5, 4] each
+    x, mask4 = torch.randn(2, 5, 16), tf.make_causal_mask(5)  # [2, 5, 16], [1, 1, 5, 5]
+    assert attn(x, cos, sin, mask4).shape == (2, 5, 16)
+    for mask in (mask4[0], mask4[0, 0], mask4[None]):    # 3-D, 2-D, 5-D
+        with pytest.raises(ValueError, match="mask must be 4-D"):
+            attn(x, cos, sin, mask)

@@ -1695,11 +1695,12 @@ def read_pairs(path):
     if len(data) > MAX_DATA_BYTES:
         raise ValueError(f"{path}: larger than {MAX_DATA_BYTES // 2 ** 20} MB; expected a pinyin<TAB>hanzi file")
     try:
-        lines = data.decode("utf-8-sig").splitlines()  # -sig: a byte-order mark is not text
+        lines = data.decode("utf-8-sig").split("\n")  # -sig: a byte-order mark is not text
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     pairs = {}
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(lines, 1):  # numbered as an editor does: only \n ends a line
+        line = line.removesuffix("\r")
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         where = f"{path}:{number}:"
@@ -1736,6 +1737,8 @@ def read_pairs(path):
 
 CHECKPOINT_FORMAT = "transformer.py checkpoint v1"
 MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer, "llama": Llama}
+PARAMETER_FORMULAS = {"encdec": transformer_param_formula, "gpt": decoder_only_param_formula,
+                      "llama": llama_param_formula}
 
 
 def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
@@ -1809,27 +1812,29 @@ def load_checkpoint(path, device="cpu"):
         check_state_dict(state)
         if not isinstance(config, dict) or config.get("pad_id", Vocab.PAD) != Vocab.PAD:
             raise ValueError(f"config must be a dict with pad_id {Vocab.PAD}, the id of <pad>")
-        # layer indices in the weights' names ("layers.3.ffn.fc1.weight"): a forged
-        # n_layers of a million would take minutes to build, even on the meta device
-        stored_layers = {name.split(".")[1] for name in state if name.split(".")[0].endswith("layers")}
-        if config["n_layers"] != len(stored_layers):
-            raise ValueError(f"config has {config['n_layers']} layers, the weights {len(stored_layers)}")
-        with torch.device("meta"):  # check the shapes first: a forged config cannot allocate
-            expected = {name: tuple(t.shape) for name, t in cls(**config).state_dict().items()}
-        if expected != {name: tuple(t.shape) for name, t in state.items()}:
-            raise ValueError("the weights do not fit the configuration")
+        # the configuration must account for exactly the weights the file holds before
+        # anything is built: then a forged one (a million layers, a huge vocabulary)
+        # cannot make this allocate more than the file stores
+        weights = {t.data_ptr(): t.numel() for name, t in state.items() if not name.endswith(".pe")}  # tied once
+        needed = PARAMETER_FORMULAS[checkpoint["kind"]](**config)
+        if needed != sum(weights.values()):
+            raise ValueError(f"the configuration ({config['n_layers']} layers) needs {needed:,} parameters,"
+                             f" the weights hold {sum(weights.values()):,}")
+        per_position = config["d_model"] if checkpoint["kind"] != "llama" else 2 * config["d_model"] // config["n_heads"]
+        if config["max_len"] * per_position > max(sum(weights.values()), 2 ** 24):  # position tables
+            raise ValueError(f"max_len {config['max_len']} asks for position tables far larger than the model")
         model = cls(**config).to(device)
         model.load_state_dict(state)
         vocabs = check_vocab(checkpoint["src_vocab"], "src_vocab"), check_vocab(checkpoint["tgt_vocab"], "tgt_vocab")
         sizes = [model.config.get(key, model.config.get("vocab_size")) for key in ("src_vocab_size", "tgt_vocab_size")]
         if [len(vocab) for vocab in vocabs] != sizes:
             raise ValueError(f"vocabularies of {[len(v) for v in vocabs]} tokens for a model of {sizes}")
-        if checkpoint["kind"] == "gpt" and SEP not in vocabs[1].stoi:
+        if checkpoint["kind"] != "encdec" and SEP not in vocabs[1].stoi:
             raise ValueError(f"a decoder-only model's vocabulary needs {SEP}")
         readings = checkpoint.get("readings")
         if readings is not None:
             if not (isinstance(readings, dict) and all(isinstance(s, str) and isinstance(c, str) and c
-                                                       and all(ch in vocabs[1].stoi for ch in c)
+                                                       and all(ch in vocabs[1].stoi and not ch.isascii() for ch in c)
                                                        for s, c in readings.items())):
                 raise ValueError("readings must map syllables to characters of the vocabulary")
             readings = {syllable: set(chars) for syllable, chars in readings.items()}
@@ -1861,17 +1866,16 @@ def pick_device(name="auto"):
 TUTORIAL_GPT_CONFIG = dict(vocab_size=50257, d_model=512, n_layers=6, n_heads=8, d_ff=2048, max_len=1024)
 # (name, model class, configuration, what the source reports)
 CLASSIC_CONFIGS = [
-    ("Transformer base (Vaswani 2017)", Transformer, dict(
+    ("Transformer base (Vaswani 2017)", "encdec", dict(
         src_vocab_size=37000, tgt_vocab_size=37000, share_embeddings=True), "65M"),
-    ("Transformer big (Vaswani 2017)", Transformer, dict(
+    ("Transformer big (Vaswani 2017)", "encdec", dict(
         src_vocab_size=37000, tgt_vocab_size=37000, d_model=1024, n_heads=16, d_ff=4096,
         share_embeddings=True), "213M"),
-    ("GPT-2 small (Radford 2019)", DecoderOnlyTransformer, dict(
+    ("GPT-2 small (Radford 2019)", "gpt", dict(
         vocab_size=50257, d_model=768, n_layers=12, n_heads=12, d_ff=3072, max_len=1024,
         tie_weights=True), "124M"),
-    ("GPT of the decoder-only tutorial", DecoderOnlyTransformer, TUTORIAL_GPT_CONFIG, "3000多万 (30-odd M)"),
+    ("GPT of the decoder-only tutorial", "gpt", TUTORIAL_GPT_CONFIG, "3000多万 (30-odd M)"),
 ]
-FORMULAS = {Transformer: transformer_param_formula, DecoderOnlyTransformer: decoder_only_param_formula}
 # the toy models, small enough to train in seconds on two CPU cores
 TOY_MODELS = {
     "encdec": dict(name="encoder-decoder", epochs=10, lr_factor=0.25,
@@ -1907,10 +1911,10 @@ def show_models(device):
               f"{count_parameters(model):,} counted, {formula:,} by formula")
     print("\nclassic configurations (counted on the meta device: no memory, no time)")
     print(f"  {'model':34s} {'counted':>13s} {'formula':>13s}  reported")
-    for name, cls, cfg, reported in CLASSIC_CONFIGS:
+    for name, kind, cfg, reported in CLASSIC_CONFIGS:
         with torch.device("meta"):
-            counted = count_parameters(cls(**cfg))
-        print(f"  {name:34s} {counted:13,d} {FORMULAS[cls](**cfg):13,d}  {reported}")
+            counted = count_parameters(MODEL_CLASSES[kind](**cfg))
+        print(f"  {name:34s} {counted:13,d} {PARAMETER_FORMULAS[kind](**cfg):13,d}  {reported}")
     print("  base/big: the shared 37,000-token vocabulary ties source, target and output embeddings.")
     gpt2 = CLASSIC_CONFIGS[2][2]
     print(f"  GPT-2 small: add its learned position table, 1024 x 768 = {1024 * 768:,}, for "
@@ -1977,7 +1981,7 @@ def longest_sentence(kind, model):
 
 
 def percent(right, total):
-    return f"{100 * right / max(total, 1):5.1f}% ({right}/{total})"
+    return f"{100 * right / max(total, 1):.1f}% ({right}/{total})"
 
 
 def report(answer, test_pairs, ambiguous, n_examples=6):
@@ -2034,7 +2038,7 @@ def run(args, device, pairs, loaded):
         kinds = kinds[:1] if answering else kinds  # one model answers: train only that one
         print(f"\ndata: {len(pairs):,} pinyin sentences, {len(test_pairs):,} held out, "
               f"{len(ambiguous)} syllables with two or more characters")
-    results = {}
+    results, answered = {}, None  # answered: the held-out sentences the models could take
     for kind in kinds:
         if loaded:
             model, src_vocab, tgt_vocab, readings, result = *loaded[1:], {}
@@ -2048,6 +2052,7 @@ def run(args, device, pairs, loaded):
             if len(fits) < len(test_pairs):
                 print(f"skipped {len(test_pairs) - len(fits)} held-out sentences longer than the "
                       f"{longest} syllables this model takes")
+            answered = answered or fits
             if fits:
                 answer = translator(kind, model, src_vocab, tgt_vocab, None if args.free else readings, args.beam)
                 result.update(report(answer, fits, ambiguous))
@@ -2061,17 +2066,18 @@ def run(args, device, pairs, loaded):
             break
     if not answering and any("exact" in r for *_, r in results.values()):
         start = time.perf_counter()
-        baseline = evaluate(BigramHMM(train_pairs).decode, test_pairs)
-        seconds = time.perf_counter() - start
+        baseline = evaluate(BigramHMM(train_pairs).decode, answered)
+        baseline_seconds = time.perf_counter() - start
         how = ("unconstrained" if args.free else "constrained") + (f", beam {args.beam}" if args.beam > 1 else "")
         print(f"\nheld-out sentences, same split ({how} decoding):")
         print(f"  {'model':20s} {'parameters':>10s} {'train s':>8s}  {'exact match':17s}  characters")
         for kind, (model, *_, r) in results.items():
             if "exact" in r:
+                seconds = f"{r['seconds']:8.1f}" if "seconds" in r else f"{'-':>8s}"  # a loaded model: not trained
                 print(f"  {TOY_MODELS[kind]['name']:20s} {count_parameters(model):10,d} "
-                      f"{r.get('seconds', float('nan')):8.1f}  {percent(r['exact'], r['total']):17s}  "
+                      f"{seconds}  {percent(r['exact'], r['total']):17s}  "
                       f"{percent(r['char_right'], r['char_total'])}")
-        print(f"  {'bigram HMM baseline':20s} {'-':>10s} {seconds:8.2f}  {percent(baseline['exact'], baseline['total']):17s}"
+        print(f"  {'bigram HMM baseline':20s} {'-':>10s} {baseline_seconds:8.2f}  {percent(baseline['exact'], baseline['total']):17s}"
               f"  {percent(baseline['char_right'], baseline['char_total'])}  (train and decode)")
         for kind, (*_, r) in results.items():
             if "exact" in r and (r["accuracy"], r["char_accuracy"]) <= (baseline["accuracy"], baseline["char_accuracy"]):
@@ -2248,6 +2254,7 @@ class OneLineParser(argparse.ArgumentParser):
     """A usage error is one line on stderr and exit status 2, no usage dump."""
 
     def error(self, message):
+        message = message if len(message) <= 300 else message[:300] + "..."  # a path can be a megabyte too
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
