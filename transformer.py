@@ -285,9 +285,9 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(d_model))                     # [D]
 
     def forward(self, x):
-        mean = x.mean(dim=-1, keepdim=True)                                # [B, T, 1]
-        var = x.var(dim=-1, keepdim=True, unbiased=False)                  # [B, T, 1]
-        return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias  # [B, T, D]
+        centered = x - x.mean(dim=-1, keepdim=True)                        # [B, T, D]
+        var = centered.pow(2).mean(dim=-1, keepdim=True)                   # [B, T, 1]: divided by D, not D - 1
+        return centered * torch.rsqrt(var + self.eps) * self.weight + self.bias  # [B, T, D]
 
 # Try it: every position comes out with mean 0 and variance 1.
 #   >>> y = LayerNorm(8)(torch.randn(2, 5, 8) * 3 + 7)
@@ -1876,13 +1876,16 @@ CLASSIC_CONFIGS = [
         tie_weights=True), "124M"),
     ("GPT of the decoder-only tutorial", "gpt", TUTORIAL_GPT_CONFIG, "3000多万 (30-odd M)"),
 ]
-# the toy models, small enough to train in seconds on two CPU cores
+# the toy models, small enough to train in seconds on two CPU cores. Recipes chosen by
+# measurement (README, "Performance"): the fewest epochs that reach 99% held-out on
+# seed 0 and 97% on seeds 1 and 2, batches of 32 (more updates for the same work),
+# a short warmup, no dropout (the data has no noise to overfit to in 2-3 epochs)
 TOY_MODELS = {
-    "encdec": dict(name="encoder-decoder", epochs=10, lr_factor=0.25,
-                   config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=2, dropout=0.1)),
-    "gpt": dict(name="decoder-only (GPT)", epochs=10, lr_factor=0.35,
+    "encdec": dict(name="encoder-decoder", epochs=2, lr_factor=0.25, warmup=50, batch_size=32,
+                   config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=2, dropout=0.0)),
+    "gpt": dict(name="decoder-only (GPT)", epochs=2, lr_factor=0.35, warmup=30, batch_size=32,
                 config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=3, dropout=0.0)),
-    "llama": dict(name="Llama-style", epochs=10, lr_factor=0.35,
+    "llama": dict(name="Llama-style", epochs=3, lr_factor=0.35, warmup=50, batch_size=32,
                   config=dict(d_model=64, n_heads=4, n_kv_heads=2, d_ff=172, n_layers=3)),
 }
 
@@ -1970,7 +1973,8 @@ def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed, log=pri
     print(f"\n{spec['name']}: {count_parameters(model):,} parameters, {spec['config']}")
     held_out = lambda: teacher_forced_accuracy(kind, model, test_pairs, src_vocab, tgt_vocab, readings)  # noqa: E731
     result = train(model, dataset, held_out,
-                   epochs=epochs or spec["epochs"], lr_factor=spec["lr_factor"], seed=seed, log=log)
+                   epochs=epochs or spec["epochs"], batch_size=spec["batch_size"], lr_factor=spec["lr_factor"],
+                   warmup=spec["warmup"], seed=seed, log=log)
     return model, src_vocab, tgt_vocab, result
 
 
