@@ -3448,7 +3448,9 @@ def test_read_pairs_sentence_length_limit_names_file_and_line(tmp_path, n, refus
     ("wo\t" + "我" * 10 ** 6, "1 syllables but 1000000 characters"),     # a megabyte of hanzi
     ("wo ai ta\t我\x07爱", "space or control character"),                # a bell between two hanzi
     ("wo ai ta\t我 爱", "space or control character"),                    # a space between them
-], ids=["megabyte-syllable", "megabyte-hanzi", "bell-in-hanzi", "space-in-hanzi"])
+    ("wo ai ta\t我a爱", "ASCII"),                                         # a Latin letter: answers are never ASCII
+    ("wo ai ta\t我\x85爱", "control character"),                          # a non-ASCII control character
+], ids=["megabyte-syllable", "megabyte-hanzi", "bell-in-hanzi", "space-in-hanzi", "letter-in-hanzi", "nel-in-hanzi"])
 def test_cli_data_bad_line_is_one_short_line(tmp_path, capsys, line, words):
     path = _write_tsv(tmp_path, "ni hao\t你好\n" + line + "\nta\t他\n")
     error = _usage_error(capsys, ["--data", path, "--device", "cpu"])

@@ -12,11 +12,11 @@ sections above it, so the file cut after any model's section still runs.
              11 RMSNorm                   12 rotary positions       13 SwiGLU
              14 grouped-query attention   15 the Llama model        16 parameters, KV-cache memory
   Part III  Learning and using it: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
-             17 the toy task              18 decoding               19 training
-             20 the KV cache measured     21 decoder-only models on the task
-             22 the attention heatmap
-  Tools     After a banner that says the article ends: your own data, checkpoints,
-            the demo and the command line.
+             17 the toy task              18 a baseline to beat     19 decoding: greedy,
+             20 training                  21 the KV cache measured     constrained, beam
+             22 decoder-only models on the task                     23 the attention heatmap
+  Tools     After a banner that says the article ends: 24 your own data,
+            25 checkpoints, 26 the demo, 27 the benchmark, 28 the command line.
 
 The encoder-decoder (Part I) and its shapes, for a batch of B sentences:
 
@@ -1532,10 +1532,12 @@ def time_generation(model, prompt, max_new_tokens):
 # ===========================================================================
 # 22. Decoder-only models on the task (仅解码器模型做同一任务)
 # ===========================================================================
-# The decoder-only model has no encoder to read the pinyin, so the pinyin goes
-# in front as a prompt: "wo ai xue xi <sep> 我 爱 学 习 <eos>", one sequence.
-# It learns to continue after <sep>; the prompt itself is given, not predicted,
-# so its positions are left out of the loss (target = pad, ignore_index).
+# The decoder-only models, the GPT of section 9 and the Llama of section 15, have
+# no encoder to read the pinyin, so the pinyin goes in front as a prompt:
+# "wo ai xue xi <sep> 我 爱 学 习 <eos>", one sequence. They learn to continue
+# after <sep>; the prompt itself is given, not predicted, so its positions are
+# left out of the loss (target = pad, ignore_index). They answer through the
+# same beam_search and masks as the encoder-decoder (section 19).
 
 SEP = "<sep>"
 
@@ -1718,8 +1720,9 @@ def read_pairs(path):
                              f" expected one syllable per character")
         if len(syllables) > MAX_SYLLABLES:
             raise ValueError(f"{where} {len(syllables)} syllables; a sentence may have at most {MAX_SYLLABLES}")
-        if any(c.isspace() or not c.isprintable() for c in hanzi):
-            raise ValueError(f"{where} hanzi {quote(hanzi)} holds a space or control character")
+        if any(c.isascii() or c.isspace() or not c.isprintable() for c in hanzi):
+            raise ValueError(f"{where} hanzi {quote(hanzi)} holds an ASCII, space or control character;"
+                             f" expected Chinese characters only")
         pairs.setdefault(" ".join(syllables), hanzi)
     if len(pairs) < 2:
         raise ValueError(f"{path}: found {len(pairs)} pinyin<TAB>hanzi lines, need at least 2")
