@@ -2857,8 +2857,8 @@ def test_cli_default_trains_all_and_compares(cli_runs):
     assert out.count("held-out exact match:") == 3                # one report per model
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.strip().startswith("model ") and "exact match" in line)
-    assert lines[header].split() == ["model", "parameters", "train", "s", "exact", "match", "characters"]
-    row = re.compile(r"  (encoder-decoder|decoder-only \(GPT\)|Llama-style) +([\d,]+) +\d+\.\d  "
+    assert lines[header].split() == ["model", "parameters", "train", "s", "answer", "s", "exact", "match", "characters"]
+    row = re.compile(r"  (encoder-decoder|decoder-only \(GPT\)|Llama-style) +([\d,]+) +\d+\.\d +\d+\.\d\d  "
                      r"\d+\.\d% \(\d/3\) +\d+\.\d% \(\d+/\d+\)")
     rows = [row.fullmatch(line) for line in lines[header + 1:header + 4]]
     assert all(rows), lines[header:header + 4]
