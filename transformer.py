@@ -2154,6 +2154,7 @@ class TorchTransformer(nn.Module):
         self.ours = ours  # embeddings, positions, output projection: shared, they are not what is timed
         self.core = nn.Transformer(c["d_model"], c["n_heads"], c["n_layers"], c["n_layers"], c["d_ff"],
                                    c["dropout"], batch_first=True, norm_first=c["norm_first"])
+        self.core.encoder.enable_nested_tensor = self.core.encoder.use_nested_tensor = False  # plain tensors
         if not c["norm_first"]:  # post-LN: no second, final LayerNorm (pytorch issue 24930)
             self.core.encoder.norm = self.core.decoder.norm = None
         else:
@@ -2177,7 +2178,7 @@ class TorchTransformer(nn.Module):
     def forward(self, src, tgt):
         ours, T = self.ours, tgt.size(1)
         src_pad, tgt_pad = src == ours.pad_id, tgt == ours.pad_id      # True = ignore, nn's convention
-        causal = nn.Transformer.generate_square_subsequent_mask(T, device=tgt.device)  # [T, T], -inf above
+        causal = torch.ones(T, T, dtype=torch.bool, device=tgt.device).triu(1)  # [T, T]: True = may NOT attend
         memory = self.core.encoder(ours.embed(ours.src_embed, src), src_key_padding_mask=src_pad)  # [B, S, D]
         x = self.core.decoder(ours.embed(ours.tgt_embed, tgt), memory, tgt_mask=causal,
                               tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad)  # [B, T, D]
