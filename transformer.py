@@ -1909,13 +1909,13 @@ TOY_MODELS = {
 # --size base, the default for --data: real sentences need more than the toy's 90
 # words. Measured on 2,500 everyday sentences (README, "Decoding"): twice the width,
 # a third layer, dropout against overfitting, each sentence plus one random piece of
-# it per epoch, a beam of 4; 12 epochs to stay within 5 minutes on 2 cores
+# it per epoch; 12 epochs to stay within 5 minutes on 2 cores
 BASE_MODELS = {
-    "encdec": dict(name="encoder-decoder", epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1, beam=4,
+    "encdec": dict(name="encoder-decoder", epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1,
                    config=dict(d_model=128, n_heads=4, d_ff=512, n_layers=3, dropout=0.1)),
-    "gpt": dict(name="decoder-only (GPT)", epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1, beam=4,
+    "gpt": dict(name="decoder-only (GPT)", epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1,
                 config=dict(d_model=128, n_heads=4, d_ff=512, n_layers=4, dropout=0.1)),
-    "llama": dict(name="Llama-style", epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1, beam=4,
+    "llama": dict(name="Llama-style", epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1,
                   config=dict(d_model=128, n_heads=4, n_kv_heads=2, d_ff=344, n_layers=4)),
 }
 SIZES = {"small": TOY_MODELS, "base": BASE_MODELS}
@@ -2337,8 +2337,7 @@ def main(argv=None):
     parser.add_argument("--save", metavar="PATH", help="after training, save the model and its vocabularies")
     parser.add_argument("--load", metavar="PATH", help="load a saved model instead of training")
     parser.add_argument("--translate", metavar="PINYIN", help="answer this pinyin sentence ('-': one per stdin line)")
-    parser.add_argument("--beam", type=int_at_least(1),
-                        help="beam size for answers, 1 is greedy (default: 1 for small models, 4 for base)")
+    parser.add_argument("--beam", type=int_at_least(1), default=4, help="beam size for answers (1: greedy)")
     parser.add_argument("--free", action="store_true",
                         help="decode unconstrained: any character at any step, not only the syllable's readings")
     parser.add_argument("--head", type=int_at_least(0), help="draw this head's attention in the heatmap, not the mean")
@@ -2349,7 +2348,6 @@ def main(argv=None):
         parser.error("--load skips training, so --save, --epochs, --model and --size do not apply")
     args.size = args.size or ("base" if args.data else "small")
     args.model = args.model or ("encdec" if args.data else "all")
-    args.beam = args.beam or (1 if args.load else SIZES[args.size]["encdec"].get("beam", 1))
     if args.save is not None and check_save_target(args.save, args.data):
         parser.error(check_save_target(args.save, args.data))
     if args.translate == "-" and sys.stdin is None:
