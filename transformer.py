@@ -2256,7 +2256,7 @@ def bench_kv_cache(device, lengths=(64, 256, 1024)):
           f"  and a batch of prompts shares each weight read (the cached step is bound by memory, not math)")
 
 
-def bench_time_to_99(device, seed=0, epochs=12):
+def bench_time_to_99(device, seed=0, epochs=6):
     """Training seconds (evaluation excluded) until held-out exact match first reaches 99%."""
     print("\ntime to 99% held-out exact match on the toy task (training seconds; the held-out check after")
     print("each epoch is not counted)")
