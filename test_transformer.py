@@ -139,7 +139,8 @@ def text_through_section(n):
     """The file from line 1 to the end of section n (the line before the next banner)."""
     title_end = next(m.end() for m in BANNER.finditer(SOURCE) if int(m.group(1)) == n)
     body = SOURCE.index("\n", title_end + 1)        # past the banner's closing rule
-    return SOURCE[:body + re.search(r"^# =+$", SOURCE[body:], re.M).start()]
+    following = re.search(r"^# =+$", SOURCE[body:], re.M)              # None after the last section
+    return SOURCE[:body + following.start()] if following else SOURCE
 
 
 # per model section: what a reader builds with it (keywords, as the examples do)
