@@ -1251,7 +1251,7 @@ class BigramHMM:
             score = score + log_emit                                       # [n]
             back.append(best_previous)
             ids = new_ids
-        path = [score.argmax().item()]                                     # position in the last candidates
+        path = [score.argmax().item()]                                     # an int: position in the last [n]
         for best_previous in reversed(back):
             path.append(best_previous[path[-1]].item())
         chosen, candidates = [], [self.emissions.get(s, self.anything)[0] for s in syllables]
@@ -1260,7 +1260,7 @@ class BigramHMM:
         return "".join(chosen)
 
     def decode(self, sentences):
-        return [self.decode_one(sentence.split()) for sentence in sentences]
+        return [self.decode_one(sentence.split()) for sentence in sentences]  # B strings
 
 # Try it:
 #   >>> hmm = BigramHMM([("shi lao shi", "是老师"), ("shi dian", "十点"), ("lao shi", "老师")])
@@ -1606,7 +1606,8 @@ def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=N
         items = PinyinDataset(pairs, src_vocab, tgt_vocab)                 # (src, tgt in, tgt out)
     else:
         items = PromptDataset(pairs, tgt_vocab)                            # (ids, target)
-    *inputs, target = (t.to(next(model.parameters()).device) for t in collate([items[i] for i in range(len(pairs))]))
+    device = next(model.parameters()).device
+    *inputs, target = (t.to(device) for t in collate([items[i] for i in range(len(pairs))]))  # [B, S], ..., [B, T]
     with eval_mode(model):
         logits = model(*inputs)                                            # [B, T, V]
     syllables = [pinyin.split() for pinyin, _ in pairs]
@@ -1617,7 +1618,7 @@ def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=N
         allowed[b, start:start + len(row) + 1] = masks[b, :len(row) + 1]
     predicted = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min).argmax(dim=-1)  # [B, T]
     right = (predicted == target) | (target == Vocab.PAD)                  # [B, T]
-    return right.all(dim=1).sum().item() / len(pairs)
+    return right.all(dim=1).sum().item() / len(pairs)                     # [B] -> sentences all right / B
 
 
 # ===========================================================================
