@@ -2338,7 +2338,7 @@ def main(argv=None):
     parser.add_argument("--save", metavar="PATH", help="after training, save the model and its vocabularies")
     parser.add_argument("--load", metavar="PATH", help="load a saved model instead of training")
     parser.add_argument("--translate", metavar="PINYIN", help="answer this pinyin sentence ('-': one per stdin line)")
-    parser.add_argument("--beam", type=int_at_least(1), default=4, help="beam size for answers (1: greedy)")
+    parser.add_argument("--beam", type=int_at_least(1), default=4, help="beam size for answers (default 4; 1 is greedy)")
     parser.add_argument("--free", action="store_true",
                         help="decode unconstrained: any character at any step, not only the syllable's readings")
     parser.add_argument("--head", type=int_at_least(0), help="draw this head's attention in the heatmap, not the mean")
