@@ -1344,7 +1344,7 @@ def reorder_cache(cache, index):
 
 
 @torch.no_grad()
-def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_id=2, pad_id=0):
+def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_id=Vocab.EOS, pad_id=Vocab.PAD):
     """The beam_size most likely continuations of start [B, T0], kept by summed
     log-probability; -> (best continuation [B, n_steps], its log-probability [B]).
     step(ids [B*k, t], cache) gives next-token logits [B*k, V], row b*k + j being
