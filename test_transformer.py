@@ -38,17 +38,22 @@ TOY_DATA = tf.make_toy_data  # the real one, before any test patches it
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def seed():
-    """Every test starts from the same random state, in float32, on one thread
-    (these tensors are tiny: handing them between threads costs more than the math,
-    and a second busy process on 2 cores makes it 10x slower). Restored after."""
-    torch.manual_seed(0)
-    assert torch.get_default_dtype() == torch.float32
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """The whole run on one thread: these tensors are tiny, handing them between
+    threads costs more than the math, and a second busy process on 2 cores makes
+    two threads 10x slower. Set once (setting it costs milliseconds), restored after."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def seed(one_thread):
+    """Every test starts from the same random state, in float32."""
+    torch.manual_seed(0)
+    assert torch.get_default_dtype() == torch.float32
 
 
 def max_diff(a, b):
@@ -1949,24 +1954,19 @@ OVERFIT_EPOCHS = 30  # 10/10 from epoch 12 on (at lr_factor 0.3 it took 60 epoch
 @pytest.fixture(scope="module")
 def overfit10():
     """Seed 002's check, done right: a tiny model trained to memorize 10 sentences.
-    Module scope (it runs before the autouse fixture): one thread set here."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        pairs = tf.make_toy_data(n_sentences=10, seed=2)
-        sv, tv = tf.build_vocabs(pairs)
-        torch.manual_seed(0)
-        model = tf.Transformer(len(sv), len(tv), d_model=32, n_heads=2, d_ff=64, n_layers=2,
-                               dropout=0.0, max_len=32)
-        logs = []
-        # accuracy per epoch in one teacher-forced pass (greedy's exact match, see
-        # teacher_forced_accuracy); the test decodes for real at the end
-        result = tf.train(model, tf.PinyinDataset(pairs, sv, tv),
-                          lambda: tf.teacher_forced_accuracy("encdec", model, pairs, sv, tv),
-                          epochs=OVERFIT_EPOCHS, batch_size=10, label_smoothing=0.0, lr_factor=0.6, warmup=8,
-                          log=logs.append)
-    finally:
-        torch.set_num_threads(threads)
+    Module scope: trained once for the tests below."""
+    pairs = tf.make_toy_data(n_sentences=10, seed=2)
+    sv, tv = tf.build_vocabs(pairs)
+    torch.manual_seed(0)
+    model = tf.Transformer(len(sv), len(tv), d_model=32, n_heads=2, d_ff=64, n_layers=2,
+                           dropout=0.0, max_len=32)
+    logs = []
+    # accuracy per epoch in one teacher-forced pass (greedy's exact match, see
+    # teacher_forced_accuracy); the test decodes for real at the end
+    result = tf.train(model, tf.PinyinDataset(pairs, sv, tv),
+                      lambda: tf.teacher_forced_accuracy("encdec", model, pairs, sv, tv),
+                      epochs=OVERFIT_EPOCHS, batch_size=10, label_smoothing=0.0, lr_factor=0.6, warmup=8,
+                      log=logs.append)
     return model, pairs, sv, tv, result, logs
 
 
@@ -2530,30 +2530,25 @@ GPT_OVERFIT_EPOCHS = 25
 @pytest.fixture(scope="module")
 def gpt_overfit10():
     """A tiny GPT trained with transformer.train on PromptDataset to memorize 10
-    sentences (observed: loss 0.0015, 10/10, about 0.3 s). One thread, as overfit10.
+    sentences (observed: loss 0.0015, 10/10, about 0.3 s).
     Accuracy is measured after the first and the last epoch only (nan between):
     generating every epoch would cost more than the training."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        pairs = tf.make_toy_data(n_sentences=10, seed=2)
-        vocab = tf.build_gpt_vocab(pairs)
-        longest = max(len(pinyin.split()) for pinyin, _ in pairs)
-        torch.manual_seed(0)
-        model = tf.DecoderOnlyTransformer(len(vocab), d_model=32, n_layers=2, n_heads=2, d_ff=64,
-                                          max_len=2 * longest + 2, dropout=0.0)
-        answer = lambda sentences: tf.gpt_translate(model, sentences, vocab)  # noqa: E731
-        logs, epochs = [], []
+    pairs = tf.make_toy_data(n_sentences=10, seed=2)
+    vocab = tf.build_gpt_vocab(pairs)
+    longest = max(len(pinyin.split()) for pinyin, _ in pairs)
+    torch.manual_seed(0)
+    model = tf.DecoderOnlyTransformer(len(vocab), d_model=32, n_layers=2, n_heads=2, d_ff=64,
+                                      max_len=2 * longest + 2, dropout=0.0)
+    answer = lambda sentences: tf.gpt_translate(model, sentences, vocab)  # noqa: E731
+    logs, epochs = [], []
 
-        def accuracy():
-            epochs.append(len(epochs) + 1)
-            return tf.evaluate(answer, pairs)["accuracy"] if epochs[-1] in (1, GPT_OVERFIT_EPOCHS) else float("nan")
+    def accuracy():
+        epochs.append(len(epochs) + 1)
+        return tf.evaluate(answer, pairs)["accuracy"] if epochs[-1] in (1, GPT_OVERFIT_EPOCHS) else float("nan")
 
-        # 10/10 from epoch 16 on (at lr_factor 0.5 it took 40 epochs to loss 0.001)
-        result = tf.train(model, tf.PromptDataset(pairs, vocab), accuracy, epochs=GPT_OVERFIT_EPOCHS, batch_size=10,
-                          label_smoothing=0.0, lr_factor=0.8, warmup=8, log=logs.append)
-    finally:
-        torch.set_num_threads(threads)
+    # 10/10 from epoch 16 on (at lr_factor 0.5 it took 40 epochs to loss 0.001)
+    result = tf.train(model, tf.PromptDataset(pairs, vocab), accuracy, epochs=GPT_OVERFIT_EPOCHS, batch_size=10,
+                      label_smoothing=0.0, lr_factor=0.8, warmup=8, log=logs.append)
     return model, pairs, vocab, result, logs
 
 
@@ -2995,27 +2990,22 @@ def test_load_checkpoint_damaged_fields_raise_value_error_naming_the_path(tmp_pa
 def cli_runs(tmp_path_factory):
     """Two short runs of main() on 30 toy pairs, one epoch, shared by the tests below:
     the default (all three models) with --head 1 and --save (which saves the first,
-    the encoder-decoder), and --model gpt with --save. One thread, as overfit10.
+    the encoder-decoder), and --model gpt with --save.
     -> dict: folder, tsv, train/test pairs, checkpoint paths, and (status, stdout,
     stderr) of each run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        folder = tmp_path_factory.mktemp("cli")
-        tsv = folder / "pairs.tsv"
-        pairs = tf.make_toy_data(n_sentences=30, seed=0)
-        tsv.write_text("".join(f"{p}\t{h}\n" for p, h in pairs), encoding="utf-8")
-        runs = dict(folder=folder, tsv=str(tsv), encdec=str(folder / "encdec.pt"), gpt=str(folder / "gpt.pt"))
-        runs["train"], runs["test"] = tf.split_data(pairs, seed=0)
-        for name, extra in (("all", ["--model", "all", "--head", "1", "--save", runs["encdec"]]),
-                            ("gpt-only", ["--model", "gpt", "--save", runs["gpt"]])):
-            out, err = io.StringIO(), io.StringIO()
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                status = tf.main(["--data", runs["tsv"], "--size", "small", "--epochs", "1", "--device", "cpu",
-                                  *extra])
-            runs[name] = (status, out.getvalue(), err.getvalue())
-    finally:
-        torch.set_num_threads(threads)
+    folder = tmp_path_factory.mktemp("cli")
+    tsv = folder / "pairs.tsv"
+    pairs = tf.make_toy_data(n_sentences=30, seed=0)
+    tsv.write_text("".join(f"{p}\t{h}\n" for p, h in pairs), encoding="utf-8")
+    runs = dict(folder=folder, tsv=str(tsv), encdec=str(folder / "encdec.pt"), gpt=str(folder / "gpt.pt"))
+    runs["train"], runs["test"] = tf.split_data(pairs, seed=0)
+    for name, extra in (("all", ["--model", "all", "--head", "1", "--save", runs["encdec"]]),
+                        ("gpt-only", ["--model", "gpt", "--save", runs["gpt"]])):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = tf.main(["--data", runs["tsv"], "--size", "small", "--epochs", "1", "--device", "cpu",
+                              *extra])
+        runs[name] = (status, out.getvalue(), err.getvalue())
     return runs
 
 
