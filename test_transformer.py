@@ -184,12 +184,65 @@ CUT_RUNNER = ("import sys, json\nfor n, prog in json.load(open(sys.argv[1], enco
 
 
 # ===========================================================================
-# Checks that need a fresh interpreter, started together in the background
+# Checks that need a real process, started together in the background
 # ===========================================================================
-# Each real process pays seconds for importing torch. The session fixture below
-# starts every one the selected tests need, all at once, before the first test;
-# they run on the second core while the in-process tests run on the first, and
-# each test collects its own process's result where it stands in the file.
+# The session fixture below starts every process the selected tests need, all at
+# once, before the first test; they run on the second core while the in-process
+# tests run on the first, and each test collects its own process's result where
+# it stands in the file.
+#
+# A fresh interpreter pays seconds for importing torch, and a training run
+# seconds more on its first step (torch._dynamo). On Linux a fork server pays
+# them once: one interpreter imports torch, and each `python transformer.py ARGS`
+# is a fork of it that runs the file as __main__ with its own arguments,
+# environment, stdin, stdout, stderr, signals and exit status, and exits the way
+# a fresh interpreter does. The test calls a tiny client (no torch) as it would
+# call python: the client hands its stdin, stdout and stderr to the server,
+# passes Ctrl-C on, and exits with the command's status. The cut-out sections and
+# one command (--device tpu) still start from a truly fresh interpreter.
+
+FORK_SERVER = r"""
+import gc, json, os, runpy, select, signal, socket, sys
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(sys.argv[1])
+listener.listen(16)                             # clients queue while torch is imported
+import torch, torch._dynamo                      # what every command would import again
+gc.freeze()                                      # a fork's collections skip (and so do not copy) all that
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)    # finished watchers need no reaping
+while True:
+    conn, _ = listener.accept()
+    request, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    if os.fork() == 0:                           # a watcher: one command, its pid, its status
+        listener.close()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        pid = os.fork()
+        if pid == 0:                             # the command
+            conn.close()
+            argv, env, cwd = json.loads(request)
+            for target, fd in enumerate(fds):    # the client's stdin, stdout, stderr
+                os.dup2(fd, target)
+                os.close(fd)
+            os.environ.clear()
+            os.environ.update(env)
+            os.chdir(cwd)
+            sys.argv, sys.path[0] = argv, cwd
+            runpy.run_path(argv[0], run_name="__main__")
+            sys.exit(0)
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(b"%d\n" % pid)
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                conn.sendall(b"%d\n" % os.waitstatus_to_exitcode(status))
+                os._exit(0)
+            if select.select([conn], [], [], 0.02)[0]:  # the client was killed: so is its command
+                os.kill(pid, signal.SIGKILL)
+                os._exit(0)
+    for fd in fds:
+        os.close(fd)
+    conn.close()
+"""
 
 class Background:
     """Jobs run in threads: name -> a function that talks to its process and
@@ -197,6 +250,7 @@ class Background:
 
     def __init__(self):
         self.threads, self.results, self.procs = {}, {}, []
+        self.fork_server = None  # its socket's path, once started
 
     def start(self, name, finish, *procs):
         self.procs += procs
@@ -228,11 +282,40 @@ class Background:
                     stream.close()
 
 
-def _cli(argv, **kw):
-    """The real command line, as a user runs it: python transformer.py argv."""
+FORK_CLIENT = r"""
+import json, os, signal, socket, sys
+server = socket.socket(socket.AF_UNIX)
+server.connect(sys.argv[1])
+socket.send_fds(server, [json.dumps([sys.argv[2:], dict(os.environ), os.getcwd()]).encode()], [0, 1, 2])
+replies = server.makefile()
+pid = int(replies.readline())
+signal.signal(signal.SIGINT, lambda signum, frame: os.kill(pid, signum))  # Ctrl-C is for the command
+sys.exit(int(replies.readline()))
+"""
+
+
+def start_fork_server(folder):
+    """-> (the server's process, its socket's path), listening: torch still loads."""
+    path = str(folder / "fork-server")
+    # SIGINT as the default, so that Python turns it into KeyboardInterrupt (a shell
+    # without job control starts background jobs ignoring it)
+    server = subprocess.Popen([sys.executable, "-c", FORK_SERVER, path], stdin=subprocess.DEVNULL,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"),
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path):
+        assert server.poll() is None and time.monotonic() < deadline, "the fork server did not start"
+        time.sleep(0.01)
+    return server, path
+
+
+def _cli(argv, fork_server=None, **kw):
+    """The real command line, as a user runs it: python transformer.py argv, a
+    process of its own; forked from the fork server at that path if given."""
     kw.setdefault("stdout", subprocess.PIPE)
     kw.setdefault("env", dict(os.environ, OMP_NUM_THREADS="1"))
-    return subprocess.Popen([sys.executable, "transformer.py", *argv], cwd=HERE, stderr=subprocess.PIPE,
+    python = [sys.executable] if fork_server is None else [sys.executable, "-c", FORK_CLIENT, fork_server]
+    return subprocess.Popen([*python, "transformer.py", *argv], cwd=HERE, stderr=subprocess.PIPE,
                             text=True, encoding="utf-8", **kw)
 
 
@@ -259,18 +342,18 @@ def _start_bad_device(jobs, folder):
 def _start_load_missing_or_garbage(jobs, folder):
     garbage = folder / "garbage.pt"
     garbage.write_bytes(b"\x00\x01 this is not a checkpoint \xff" * 40)
-    proc = _cli(["--load", str(garbage)])
+    proc = _cli(["--load", str(garbage)], jobs.fork_server)
     jobs.start("load-garbage", lambda: (garbage, *_finished(proc)), proc)
 
 
 def _start_ctrl_c_training(jobs, folder):
     tsv, model_path = _tiny_tsv(folder), folder / "model.pt"
     proc = _cli(["--data", tsv, "--size", "small", "--model", "encdec", "--epochs", "200", "--device", "cpu",
-                 "--save", str(model_path)], env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+                 "--save", str(model_path)], jobs.fork_server)
 
     def finish():
         seen = []
-        for line in proc.stdout:               # until the first epoch's report
+        for line in proc.stdout:               # until the first epoch's report (flushed as it ends)
             seen.append(line)
             if line.startswith("epoch"):
                 proc.send_signal(signal.SIGINT)
@@ -287,11 +370,11 @@ def _start_loaded_cli(jobs, folder, checkpoint):
     command = ["--load", checkpoint, "--device", "cpu"]
     if os.path.exists("/dev/full"):
         with open("/dev/full", "w") as full:
-            proc = _cli(command + ["--translate", "wo ai"], stdout=full)
+            proc = _cli(command + ["--translate", "wo ai"], jobs.fork_server, stdout=full)
         jobs.start("full-disk", lambda: _finished(proc), proc)
     if sys.platform != "win32":
         # SIGINT as the default: a shell without job control starts background jobs ignoring it
-        proc = _cli(command + ["--translate", "-"], stdin=subprocess.PIPE,
+        proc = _cli(command + ["--translate", "-"], jobs.fork_server, stdin=subprocess.PIPE,
                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
         def finish():
@@ -319,10 +402,14 @@ BACKGROUND = {
 def background(request, tmp_path_factory):
     """Starts the processes of the selected tests above, before the first test runs."""
     selected = {item.originalname for item in request.session.items}
+    wanted = [start for name, start in BACKGROUND.items() if name in selected]
     jobs, started = Background(), set()
     try:
-        for name, start in BACKGROUND.items():
-            if name in selected and start not in started:
+        if sys.platform == "linux" and set(wanted) - {_start_cut, _start_bad_device}:
+            server, jobs.fork_server = start_fork_server(tmp_path_factory.mktemp("fork-server"))
+            jobs.procs.append(server)
+        for start in wanted:
+            if start not in started:
                 started.add(start)
                 folder = tmp_path_factory.mktemp(start.__name__.strip("_"))
                 if start is _start_loaded_cli:

@@ -1220,15 +1220,17 @@ class BigramHMM:
         self.chars = sorted({c for _, hanzi in pairs for c in hanzi})
         index = {c: i for i, c in enumerate(self.chars)}
         C = len(self.chars)
-        bigrams = torch.zeros(C + 1, C)                                    # [C+1, C]: row C = sentence start
+        previous, following = [], []                                       # every bigram's two char ids
         emitted = {}                                                       # syllable -> {char id: count}
         for pinyin, hanzi in pairs:
-            previous = C
-            for syllable, char in zip(pinyin.split(), hanzi):
-                bigrams[previous, index[char]] += 1
-                counts = emitted.setdefault(syllable, {})
-                counts[index[char]] = counts.get(index[char], 0) + 1
-                previous = index[char]
+            ids = [index[char] for char in hanzi]
+            previous += [C] + ids[:-1]                                     # C: the sentence start
+            following += ids
+            for syllable, i in zip(pinyin.split(), ids):
+                emitted.setdefault(syllable, {})
+                emitted[syllable][i] = emitted[syllable].get(i, 0) + 1
+        bigrams = torch.zeros(C + 1, C).index_put_(                        # [C+1, C]: row C = sentence start
+            (torch.tensor(previous), torch.tensor(following)), torch.ones(len(following)), accumulate=True)
         unigram = bigrams.sum(dim=0) / bigrams.sum()                       # [C]
         self.log_next = ((bigrams + smoothing * unigram)                   # [C+1, C]
                          / (bigrams.sum(dim=1, keepdim=True) + smoothing)).log()
@@ -2107,8 +2109,9 @@ def run(args, device, pairs, loaded):
         if loaded:
             model, src_vocab, tgt_vocab, readings, result = *loaded[1:], {}
         else:
-            model, src_vocab, tgt_vocab, result = train_toy_model(
-                kind, train_pairs, test_pairs, device, args.epochs, args.seed, size=args.size)
+            model, src_vocab, tgt_vocab, result = train_toy_model(  # each epoch shown as it ends, even | tee
+                kind, train_pairs, test_pairs, device, args.epochs, args.seed, size=args.size,
+                log=lambda line: print(line, flush=True))
             readings = syllable_readings(train_pairs)
         if not answering:
             longest = longest_sentence(kind, model)
