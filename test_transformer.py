@@ -3348,6 +3348,62 @@ def test_benchmark_reference_is_the_same_model_in_nn_transformer(norm_first):
     assert tf.training_tokens_per_second(reference, SRC, TGT, steps=2) > 0
 
 
+@pytest.mark.parametrize("kind", ["encdec", "gpt"])
+def test_fused_kernels_compute_the_same_model(kind):
+    """use_fused_kernels, timed by --bench: the same outputs (padding, a source that is
+    all padding, the cached decoding) and the same gradients; off again, as written."""
+    if kind == "encdec":
+        model = tf.Transformer(SRC_VOCAB, TGT_VOCAB, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0)
+        src = torch.cat([SRC, torch.zeros(1, 6, dtype=torch.long)])     # [3, 6]: the last row all padding
+        tgt = torch.cat([TGT, TGT[:1]])                                  # [3, 4]
+        run = lambda: model(src, tgt)                                     # noqa: E731
+        decode = lambda: tf.greedy_decode(model, src, 1, 2, 5)            # noqa: E731
+    else:
+        model = tf.DecoderOnlyTransformer(TGT_VOCAB, d_model=32, n_layers=2, n_heads=4, d_ff=64, dropout=0.0)
+        run = lambda: model(TGT)                                          # noqa: E731
+        decode = lambda: model.generate(TGT[:1], 6)                       # noqa: E731
+    randomize_norms(model).train()
+    results = {}
+    for fused in (False, True, False):
+        tf.use_fused_kernels(model, fused)
+        model.zero_grad()
+        out = run()
+        out.pow(2).mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        weights = [m.attn_weights for m in model.modules() if isinstance(m, tf.MultiHeadAttention)]
+        assert all((w is None) == fused for w in weights)                # fused keeps no weights
+        results.setdefault(fused, (out.detach(), grads, decode()))
+    (out, grads, tokens), (out2, grads2, tokens2) = results[False], results[True]
+    assert_close(out2, out)
+    assert all(max_diff(g2, g) <= TOL for g, g2 in zip(grads, grads2))
+    assert torch.equal(tokens2, tokens)
+    fused_modules = [m.fused for m in model.modules() if isinstance(m, (tf.MultiHeadAttention, tf.LayerNorm))]
+    assert fused_modules and not any(fused_modules)
+
+
+def test_fused_attention_reads_nothing_where_nothing_may_be_read(monkeypatch):
+    # a kernel may return NaN for a query whose keys are all masked (PyTorch's CUDA
+    # kernels did): the fused path still gives section 2's zeros
+    kernel = F.scaled_dot_product_attention
+
+    def nan_where_all_masked(q, k, v, mask, *args):
+        return kernel(q, k, v, mask, *args).masked_fill(~mask.any(-1, keepdim=True), float("nan"))
+
+    mha = tf.MultiHeadAttention(16, 4).eval()
+    x, mask = torch.randn(2, 5, 16), tf.make_pad_mask(torch.tensor([[1, 2, 0, 0, 0], [0, 0, 0, 0, 0]]), 0)
+    written = mha(x, x, x, mask)
+    monkeypatch.setattr(tf.F, "scaled_dot_product_attention", nan_where_all_masked)
+    assert_close(tf.use_fused_kernels(mha)(x, x, x, mask), written)
+
+
+def test_fused_attention_refuses_a_mask_that_is_not_4d():
+    mha = tf.use_fused_kernels(tf.MultiHeadAttention(16, 4))
+    x, mask = torch.randn(2, 5, 16), tf.make_causal_mask(5)              # [2, 5, 16], [1, 1, 5, 5]
+    assert mha(x, x, x, mask).shape == (2, 5, 16)
+    with pytest.raises(ValueError, match="mask must be 4-D"):
+        mha(x, x, x, mask[0])
+
+
 def test_memory_bandwidth_is_a_plausible_number():
     assert 1e8 < tf.memory_bandwidth(megabytes=16) < 1e13   # between 0.1 GB/s and 10 TB/s
 

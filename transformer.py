@@ -123,10 +123,14 @@ def make_causal_mask(T, device=None, past=0):
     return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(past)[None, None]  # [1, 1, T, past+T]
 
 
-def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
-    """softmax(q k^T / sqrt(dk)) v. q [B, H, Tq, dk], k and v [B, H, Tk, dk]."""
+def check_mask(mask):
     if mask is not None and mask.dim() != 4:
         raise ValueError(f"mask must be 4-D, broadcastable to [B, H, Tq, Tk], got shape {list(mask.shape)}")
+
+
+def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
+    """softmax(q k^T / sqrt(dk)) v. q [B, H, Tq, dk], k and v [B, H, Tk, dk]."""
+    check_mask(mask)
     dk = q.size(-1)
     # divide by sqrt(dk) so the dot products keep unit variance and softmax does not saturate
     scores = q @ k.transpose(-2, -1) / math.sqrt(dk)                       # [B, H, Tq, Tk]
@@ -168,6 +172,10 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
 # the new token: n generated tokens cost n token-passes instead of
 # 1 + 2 + ... + n ≈ n²/2. Earlier queries are never needed again, so there is
 # no Q cache.
+# fused (off unless use_fused_kernels of section 7 turns it on) hands step 2 to
+# F.scaled_dot_product_attention: PyTorch's kernel for the same formula, which
+# never builds the [B, H, Tq, Tk] weights (faster and smaller for long sequences
+# on a GPU), so it keeps none for the heatmap. --bench measures what it changes.
 
 class KVCache:
     """One attention module's keys and values from earlier steps, [B, H, t, dk] each.
@@ -203,6 +211,7 @@ class MultiHeadAttention(nn.Module):
         self.w_o = nn.Linear(d_model, d_model)
         self.dropout = nn.Dropout(dropout)
         self.attn_weights = None  # the last forward's weights [B, H, Tq, Tk], for heatmaps
+        self.fused = False
 
     def split_heads(self, x):
         """[B, T, D] -> [B, H, T, dk]: head h is features h*dk .. (h+1)*dk - 1 of every
@@ -226,8 +235,16 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 k, v = cache.append(k, v)                                  # [B, H, t+Tk, dk] each
         # 2. attend in every head at once
-        out, weights = scaled_dot_product_attention(q, k, v, mask, self.dropout)  # [B, H, Tq, dk]
-        self.attn_weights = weights.detach()                               # [B, H, Tq, Tk]
+        if self.fused:
+            check_mask(mask)
+            p = self.dropout.p if self.training else 0.0
+            out = F.scaled_dot_product_attention(q, k, v, mask, p)         # [B, H, Tq, dk]
+            if mask is not None:  # a query with nothing to attend to reads nothing, as in section 2
+                out = out.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # [B, H, Tq, dk]
+            self.attn_weights = None
+        else:
+            out, weights = scaled_dot_product_attention(q, k, v, mask, self.dropout)  # [B, H, Tq, dk]
+            self.attn_weights = weights.detach()                           # [B, H, Tq, Tk]
         # 3. merge the heads back (transpose makes it non-contiguous, so contiguous before view)
         out = out.transpose(1, 2).contiguous().view(B, Tq, self.d_model)   # [B, Tq, D]
         return self.w_o(out)                                               # [B, Tq, D]
@@ -274,6 +291,9 @@ class FeedForward(nn.Module):
 # model rescale them (weight) and shift them (bias). Two classic slips, both
 # differ from nn.LayerNorm: the unbiased variance (divide by D - 1), and adding
 # eps to the standard deviation instead of to the variance.
+# Written out, it is nine small tensor operations; fused (see section 3) runs
+# F.layer_norm, one kernel for the same formula. At the toy size those nine are
+# what makes the hand-written model slower to train than nn.Transformer.
 
 class LayerNorm(nn.Module):
     """(x - mean) / sqrt(var + eps) * weight + bias, over the last dimension."""
@@ -283,8 +303,11 @@ class LayerNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d_model))                    # [D]
         self.bias = nn.Parameter(torch.zeros(d_model))                     # [D]
+        self.fused = False
 
     def forward(self, x):
+        if self.fused:
+            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)  # [B, T, D]
         centered = x - x.mean(dim=-1, keepdim=True)                        # [B, T, D]
         var = centered.pow(2).mean(dim=-1, keepdim=True)                   # [B, T, 1]: divided by D, not D - 1
         return centered * torch.rsqrt(var + self.eps) * self.weight + self.bias  # [B, T, D]
@@ -393,7 +416,8 @@ class DecoderLayer(nn.Module):
 # tensor. An embedding table turns each id into a learned D-vector. What every
 # model below shares lives here: the checks on its sizes and on the ids it is
 # given (a clear error now instead of an index error deep inside), the
-# embedding's initial scale, and an "eval mode" block for inference.
+# embedding's initial scale, an "eval mode" block for inference, and the switch
+# to PyTorch's fused kernels (sections 3 and 5).
 
 def check_sizes(**sizes):
     """Each keyword must be an integer >= 1 (a vocabulary, a width, a count)."""
@@ -420,6 +444,16 @@ def init_embedding(embedding):
     """N(0, 1/D): scaled by sqrt(D) in forward, a token vector then has unit-size
     entries, the same size as the sinusoidal position it is added to."""
     nn.init.normal_(embedding.weight, std=embedding.embedding_dim ** -0.5)
+
+
+def use_fused_kernels(model, fused=True):
+    """Every MultiHeadAttention and LayerNorm in model computes with PyTorch's fused
+    kernels (fused=True) or as written (False); the weights stay as they are.
+    -> model. (The Llama of Part II has neither module.)"""
+    for module in model.modules():
+        if isinstance(module, (MultiHeadAttention, LayerNorm)):
+            module.fused = fused
+    return model
 
 
 class eval_mode:
@@ -2209,10 +2243,11 @@ def training_tokens_per_second(model, src, tgt, steps):
 
 
 def bench_training(device, rounds=3):
-    """Ours against nn.Transformer, same configuration and weights, alternating."""
+    """Ours as written and with fused kernels (section 7) against nn.Transformer, same
+    configuration and weights, alternating."""
     print("training throughput, forward + backward + Adam, target tokens/s (median of "
           f"{rounds} alternating rounds)")
-    print(f"  {'configuration':44s} {'hand-written':>12s} {'nn.Transformer':>14s}  ratio")
+    print(f"  {'configuration':50s} {'hand-written':>12s} {'fused':>7s} {'nn.Transformer':>14s}  ratios")
     for name, config, batch, length, steps in [
             ("toy: d64, 4 heads, d_ff 256, 2+2 layers, batch 64", dict(d_model=64, n_heads=4, d_ff=256,
                                                                         n_layers=2), 64, 14, 30),
@@ -2223,12 +2258,17 @@ def bench_training(device, rounds=3):
         theirs = TorchTransformer(ours).to(device)
         src = torch.randint(1, 1000, (batch, length), device=device)        # [B, S]
         tgt = torch.randint(1, 1000, (batch, length), device=device)        # [B, T]
-        rates = {"ours": [], "torch": []}
+        rates = {"written": [], "fused": [], "torch": []}
         for _ in range(rounds):
-            rates["ours"].append(training_tokens_per_second(ours, src, tgt, steps))
-            rates["torch"].append(training_tokens_per_second(theirs, src, tgt, steps))
-        mine, reference = (sorted(r)[len(r) // 2] for r in rates.values())
-        print(f"  {name:44s} {mine:12,.0f} {reference:14,.0f}  {mine / reference:.2f}x")
+            for key, model, fused in (("written", ours, False), ("fused", ours, True), ("torch", theirs, False)):
+                use_fused_kernels(ours, fused)
+                rates[key].append(training_tokens_per_second(model, src, tgt, steps))
+        use_fused_kernels(ours, False)
+        written, fused, reference = (sorted(r)[len(r) // 2] for r in rates.values())
+        print(f"  {name:50s} {written:12,.0f} {fused:7,.0f} {reference:14,.0f}  "
+              f"{written / reference:.2f}x, {fused / reference:.2f}x")
+    print("  fused: the same model with use_fused_kernels, the same math in F.layer_norm and\n"
+          "  F.scaled_dot_product_attention; ratios are to nn.Transformer")
 
 
 def memory_bandwidth(megabytes=256):
