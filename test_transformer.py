@@ -5,7 +5,9 @@ mode, float32, max abs difference <= 1e-5 (unless a test says otherwise). Each
 mistake of GUIDE.md section 5 has a test named after it (test_pitfallN_...),
 written so that the mistaken version would fail. Then the toy data, decoding,
 training, the KV cache, the GPT on the toy task, the heatmap, --data,
-checkpoints and the command line.
+checkpoints and the command line. The few checks that need a process of their
+own run beside the others (see "Checks that need a process of their own"); the
+two slowest and the cut-out sections are collected at the end.
 
     python -m pytest -q
 """
