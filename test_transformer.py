@@ -427,7 +427,8 @@ def _start_loaded_cli(jobs, folder, checkpoint):
             proc.stdin.flush()
             answer = proc.stdout.readline()        # answered: it now waits for the next line
             proc.send_signal(signal.SIGINT)
-            return (answer, *_finished(proc, timeout=60))
+            proc.wait(timeout=60)                  # stdin still open: Ctrl-C, not the end of input, stops it
+            return answer, proc.returncode, proc.stdout.read(), proc.stderr.read()
 
         jobs.start("ctrl-c-stdin", finish, proc)
 
