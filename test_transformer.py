@@ -2045,6 +2045,12 @@ def test_beam_search_cache_follows_the_beams():
         assert torch.equal(cached[0], fresh[0]) and torch.allclose(cached[1], fresh[1], atol=1e-4)
 
 
+def test_bigram_hmm_counts_are_not_shifted_by_an_empty_pair():
+    pairs = tf.make_toy_data(n_sentences=50, seed=0)
+    plain, with_empty = tf.BigramHMM(pairs), tf.BigramHMM(pairs[:10] + [("", "")] + pairs[10:])
+    assert torch.equal(plain.log_next, with_empty.log_next)
+
+
 def test_bigram_hmm_viterbi_equals_brute_force():
     pairs = tf.make_toy_data(n_sentences=300, seed=1)
     hmm = tf.BigramHMM(pairs[:250])
@@ -2719,6 +2725,12 @@ def test_render_heatmap_long_row_label_still_lines_up():
     assert len({_display_width(line) for line in lines[:3]}) == 1
 
 
+def test_cross_attention_map_of_a_fused_model_says_why_it_cannot():
+    model = tf.use_fused_kernels(_tiny_seq2seq())
+    with pytest.raises(ValueError, match=r"use_fused_kernels\(model, False\)"):
+        tf.cross_attention_map(model, SRC[1:], torch.tensor([[4, 6, 3, EOS]]))
+
+
 def test_cross_attention_map_rows_heads_and_padding():
     model = randomize_norms(_tiny_seq2seq()).train()     # dropout 0.1: the map must run in eval
     src = SRC[1:]                                        # [1, 6]: 3 real tokens, 3 pad
@@ -3378,7 +3390,7 @@ def test_fused_kernels_compute_the_same_model(kind):
         run = lambda: model(TGT)                                          # noqa: E731
         decode = lambda: model.generate(TGT[:1], 6)                       # noqa: E731
     randomize_norms(model).train()
-    results = {}
+    results = []
     for fused in (False, True, False):
         tf.use_fused_kernels(model, fused)
         model.zero_grad()
@@ -3387,28 +3399,47 @@ def test_fused_kernels_compute_the_same_model(kind):
         grads = [p.grad.clone() for p in model.parameters()]
         weights = [m.attn_weights for m in model.modules() if isinstance(m, tf.MultiHeadAttention)]
         assert all((w is None) == fused for w in weights)                # fused keeps no weights
-        results.setdefault(fused, (out.detach(), grads, decode()))
-    (out, grads, tokens), (out2, grads2, tokens2) = results[False], results[True]
+        results.append((out.detach(), grads, decode()))
+    (out, grads, tokens), (out2, grads2, tokens2), (out3, _, _) = results
     assert_close(out2, out)
     assert all(max_diff(g2, g) <= TOL for g, g2 in zip(grads, grads2))
     assert torch.equal(tokens2, tokens)
+    assert torch.equal(out3, out)                                         # off again: as written
     fused_modules = [m.fused for m in model.modules() if isinstance(m, (tf.MultiHeadAttention, tf.LayerNorm))]
     assert fused_modules and not any(fused_modules)
 
 
 def test_fused_attention_reads_nothing_where_nothing_may_be_read(monkeypatch):
     # a kernel may return NaN for a query whose keys are all masked (PyTorch's CUDA
-    # kernels did): the fused path still gives section 2's zeros
-    kernel = F.scaled_dot_product_attention
-
+    # kernels did), as the -inf formula does: the fused path still gives section 2's
+    # zeros, and no NaN reaches the gradients (here: w_v's, through weights @ v)
     def nan_where_all_masked(q, k, v, mask, *args):
-        return kernel(q, k, v, mask, *args).masked_fill(~mask.any(-1, keepdim=True), float("nan"))
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))).masked_fill(~mask, float("-inf"))
+        return scores.softmax(dim=-1) @ v                                 # 0 / 0 where a row is all -inf
 
     mha = tf.MultiHeadAttention(16, 4).eval()
     x, mask = torch.randn(2, 5, 16), tf.make_pad_mask(torch.tensor([[1, 2, 0, 0, 0], [0, 0, 0, 0, 0]]), 0)
-    written = mha(x, x, x, mask)
-    monkeypatch.setattr(tf.F, "scaled_dot_product_attention", nan_where_all_masked)
-    assert_close(tf.use_fused_kernels(mha)(x, x, x, mask), written)
+    results = []
+    for fused in (False, True):
+        tf.use_fused_kernels(mha, fused)
+        mha.zero_grad()
+        out = mha(x, x, x, mask)
+        out.sum().backward()
+        results.append((out.detach(), [p.grad.clone() for p in mha.parameters()]))
+        monkeypatch.setattr(tf.F, "scaled_dot_product_attention", nan_where_all_masked)
+    (written, grads), (fused_out, fused_grads) = results
+    assert_close(fused_out, written)                                      # zeros in the empty row, no NaN
+    assert all(max_diff(g2, g) <= TOL for g, g2 in zip(grads, fused_grads))  # and none in the gradients
+
+
+def test_fused_attention_applies_the_attention_dropout():
+    # dropout 1 drops every weight: the output is w_o's bias alone, fused or not
+    mha = tf.MultiHeadAttention(16, 4, dropout=1.0).train()
+    x = torch.randn(2, 5, 16)
+    for fused in (False, True):
+        out = tf.use_fused_kernels(mha, fused)(x, x, x)
+        assert_close(out, mha.w_o.bias.expand(2, 5, 16))
+    assert max_diff(mha.eval()(x, x, x), out) > 1e-2                      # without dropout it reads the values
 
 
 def test_fused_attention_refuses_a_mask_that_is_not_4d():

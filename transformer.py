@@ -124,6 +124,7 @@ def make_causal_mask(T, device=None, past=0):
 
 
 def check_mask(mask):
+    """A mask must be 4-D (or None)."""
     if mask is not None and mask.dim() != 4:
         raise ValueError(f"mask must be 4-D, broadcastable to [B, H, Tq, Tk], got shape {list(mask.shape)}")
 
@@ -173,9 +174,10 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
 # 1 + 2 + ... + n ≈ n²/2. Earlier queries are never needed again, so there is
 # no Q cache.
 # fused (off unless use_fused_kernels of section 7 turns it on) hands step 2 to
-# F.scaled_dot_product_attention: PyTorch's kernel for the same formula, which
-# never builds the [B, H, Tq, Tk] weights (faster and smaller for long sequences
-# on a GPU), so it keeps none for the heatmap. --bench measures what it changes.
+# F.scaled_dot_product_attention: PyTorch's kernels for the same formula, which
+# where they can (on a CPU: without attention dropout) never build the
+# [B, H, Tq, Tk] weights, faster and smaller for long sequences; it keeps none
+# for the heatmap. --bench measures what it changes.
 
 class KVCache:
     """One attention module's keys and values from earlier steps, [B, H, t, dk] each.
@@ -238,9 +240,14 @@ class MultiHeadAttention(nn.Module):
         if self.fused:
             check_mask(mask)
             p = self.dropout.p if self.training else 0.0
+            if mask is not None:
+                # a query with nothing to attend to reads nothing, as in section 2; the
+                # kernel is not shown such a row at all (some kernels return NaN for it)
+                empty = ~mask.any(dim=-1, keepdim=True)                    # [B, 1|H, Tq, 1]
+                mask = mask | empty                                        # [B, 1|H, Tq, Tk]
             out = F.scaled_dot_product_attention(q, k, v, mask, p)         # [B, H, Tq, dk]
-            if mask is not None:  # a query with nothing to attend to reads nothing, as in section 2
-                out = out.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # [B, H, Tq, dk]
+            if mask is not None:
+                out = out.masked_fill(empty, 0.0)                          # [B, H, Tq, dk]
             self.attn_weights = None
         else:
             out, weights = scaled_dot_product_attention(q, k, v, mask, self.dropout)  # [B, H, Tq, dk]
@@ -292,8 +299,8 @@ class FeedForward(nn.Module):
 # differ from nn.LayerNorm: the unbiased variance (divide by D - 1), and adding
 # eps to the standard deviation instead of to the variance.
 # Written out, it is nine small tensor operations; fused (see section 3) runs
-# F.layer_norm, one kernel for the same formula. At the toy size those nine are
-# what makes the hand-written model slower to train than nn.Transformer.
+# F.layer_norm, one kernel for the same formula. A small model's step is a few
+# hundred such operations, so nine instead of one shows: --bench measures it.
 
 class LayerNorm(nn.Module):
     """(x - mean) / sqrt(var + eps) * weight + bias, over the last dimension."""
@@ -1257,10 +1264,11 @@ class BigramHMM:
         previous, following = [], []                                       # every bigram's two char ids
         emitted = {}                                                       # syllable -> {char id: count}
         for pinyin, hanzi in pairs:
-            ids = [index[char] for char in hanzi]
-            previous += [C] + ids[:-1]                                     # C: the sentence start
+            syllables = pinyin.split()
+            ids = [index[char] for _, char in zip(syllables, hanzi)]
+            previous += ([C] + ids)[:-1]                                   # C: the sentence start
             following += ids
-            for syllable, i in zip(pinyin.split(), ids):
+            for syllable, i in zip(syllables, ids):
                 emitted.setdefault(syllable, {})
                 emitted[syllable][i] = emitted[syllable].get(i, 0) + 1
         bigrams = torch.zeros(C + 1, C).index_put_(                        # [C+1, C]: row C = sentence start
@@ -1686,6 +1694,9 @@ def render_heatmap(weights, col_labels, row_labels):
 def cross_attention_map(model, src, out, head=None):
     """src [1, S] and the decoded out [1, T] -> the last decoder layer's
     cross-attention [T, S]: row t is what the query predicting out[t] read."""
+    if model.decoder_layers[-1].cross_attn.fused:
+        raise ValueError("cross_attention_map reads attention weights, which fused kernels do not keep: "
+                         "use_fused_kernels(model, False) first")
     tgt = torch.cat([torch.full_like(out[:, :1], Vocab.BOS), out[:, :-1]], dim=1)  # [1, T]
     with eval_mode(model):
         model.decode(tgt, model.encode(src), src)                          # [1, T, V]
@@ -2244,8 +2255,9 @@ def training_tokens_per_second(model, src, tgt, steps):
 
 def bench_training(device, rounds=3):
     """Ours as written and with fused kernels (section 7) against nn.Transformer, same
-    configuration and weights, alternating."""
-    print("training throughput, forward + backward + Adam, target tokens/s (median of "
+    configuration and weights, alternating. No dropout, as the demo trains (with it,
+    PyTorch's attention on a CPU falls back to the unfused formula)."""
+    print("training throughput, forward + backward + Adam, no dropout, target tokens/s (median of "
           f"{rounds} alternating rounds)")
     print(f"  {'configuration':50s} {'hand-written':>12s} {'fused':>7s} {'nn.Transformer':>14s}  ratios")
     for name, config, batch, length, steps in [
@@ -2254,14 +2266,14 @@ def bench_training(device, rounds=3):
             ("d512, 8 heads, d_ff 2048, 2+2 layers, batch 32", dict(d_model=512, n_heads=8, d_ff=2048,
                                                                      n_layers=2), 32, 32, 6)]:
         torch.manual_seed(0)
-        ours = Transformer(src_vocab_size=1000, tgt_vocab_size=1000, dropout=0.1, max_len=64, **config).to(device)
+        ours = Transformer(src_vocab_size=1000, tgt_vocab_size=1000, dropout=0.0, max_len=64, **config).to(device)
         theirs = TorchTransformer(ours).to(device)
         src = torch.randint(1, 1000, (batch, length), device=device)        # [B, S]
         tgt = torch.randint(1, 1000, (batch, length), device=device)        # [B, T]
         rates = {"written": [], "fused": [], "torch": []}
         for _ in range(rounds):
-            for key, model, fused in (("written", ours, False), ("fused", ours, True), ("torch", theirs, False)):
-                use_fused_kernels(ours, fused)
+            for key, model in (("written", ours), ("fused", ours), ("torch", theirs)):
+                use_fused_kernels(ours, key == "fused")
                 rates[key].append(training_tokens_per_second(model, src, tgt, steps))
         use_fused_kernels(ours, False)
         written, fused, reference = (sorted(r)[len(r) // 2] for r in rates.values())
