@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import unicodedata
+import warnings
 
 import pytest
 import torch
@@ -192,65 +193,88 @@ CUT_RUNNER = ("import sys, json\nfor n, prog in json.load(open(sys.argv[1], enco
 # ===========================================================================
 # Checks that need a process of their own, started together in the background
 # ===========================================================================
-# The session fixture below starts every process the selected tests need, all at
-# once, before the first test; they run on the second core while the in-process
-# tests run on the first, and each test collects its own process's result where
-# it stands in the file. The heaviest in-process checks, short training and the
-# demo, run there too (`_job`).
+# The session fixture below starts the processes the selected tests need before
+# the first test, in lanes (LANES) that run beside the in-process tests; each
+# test collects its own process's result where it stands in the file. The
+# heaviest in-process checks run there too (`_job`).
 #
 # A fresh interpreter spends seconds importing torch, and a training run seconds
 # more on its first step (torch._dynamo). On Linux a fork server spends them
 # once: it imports torch and nothing of ours, and each `python transformer.py
 # ARGS` is a fork of it that runs the file as __main__ with its own arguments,
 # environment, stdin, stdout, stderr, signals and exit status, and exits the way
-# a fresh interpreter does: a fresh interpreter in all but the seconds. Runs
-# that train are forked from a second, warm server that has also imported
-# torch._dynamo. A test starts a tiny client (no torch) as it would start
-# python: the client hands its stdin, stdout and stderr to the server, passes
-# Ctrl-C on, and exits with the command's status.
+# a fresh interpreter does. What differs is what Python settles at startup: its
+# sys.stdout was made for a file (as for the tests' pipes), and PYTHON*
+# variables such as PYTHONUNBUFFERED are the server's. Runs that train are
+# forked from a second, warm server that has also imported torch._dynamo. A test
+# starts a tiny client (no torch) as it would start python: the client hands its
+# stdin, stdout and stderr to the server, passes Ctrl-C on, and exits with the
+# command's status.
 
 FORK_SERVER = r"""
-import gc, json, os, runpy, select, signal, socket, sys
+import ctypes, gc, json, os, runpy, select, signal, socket, sys
+
+def die_with_parent():
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG: no server outlives pytest
 
 def serve(listener):
     while True:
         conn, _ = listener.accept()
-        request, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-        size, request = int(request[:10]), request[10:]
-        while len(request) < size:               # a stream may deliver it in pieces
-            request += conn.recv(size - len(request))
         if os.fork() == 0:                       # a watcher: one command, its pid, its status
             listener.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            try:
+                argv, env, cwd, fds = receive(conn)
+            except Exception:                    # the client left halfway: nothing to run
+                os._exit(1)
             pid = os.fork()
-            if pid == 0:                         # the command
-                conn.close()
-                argv, env, cwd = json.loads(request)
-                for target, fd in enumerate(fds):  # the client's stdin, stdout, stderr
-                    os.dup2(fd, target)
-                    os.close(fd)
-                os.environ.clear()
-                os.environ.update(env)
-                os.chdir(cwd)
-                path = os.path.abspath(argv[0])      # as python sets __file__ and sys.path[0]
-                sys.argv, sys.path[0] = argv, os.path.dirname(path)
-                runpy.run_path(path, run_name="__main__")
-                sys.exit(0)
-            for fd in fds:
-                os.close(fd)
-            conn.sendall(b"%d\n" % pid)
-            while True:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    conn.sendall(b"%d\n" % os.waitstatus_to_exitcode(status))
-                    os._exit(0)
-                if select.select([conn], [], [], 0.02)[0]:  # the client was killed: so is its command
-                    os.kill(pid, signal.SIGKILL)
-                    os._exit(0)
-        for fd in fds:
-            os.close(fd)
+            if pid == 0:
+                run(conn, argv, env, cwd, fds)
+            try:
+                watch(conn, pid, fds)
+            finally:
+                os._exit(0)
         conn.close()
 
+def receive(conn):
+    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    size, message = int(message[:10]), message[10:]
+    while len(message) < size:                   # a stream may deliver it in pieces
+        piece = conn.recv(size - len(message))
+        if not piece:
+            raise EOFError
+        message += piece
+    return (*json.loads(message), fds)
+
+def run(conn, argv, env, cwd, fds):
+    # the command: the client's stdin, stdout and stderr, environment, folder and
+    # arguments, then the script as __main__; it exits as python does
+    conn.close()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    path = os.path.abspath(argv[0])              # as python sets __file__ and sys.path[0]
+    sys.argv, sys.path[0] = argv, os.path.dirname(path)
+    runpy.run_path(path, run_name="__main__")
+    sys.exit(0)
+
+def watch(conn, pid, fds):
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(b"%d\n" % pid)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            conn.sendall(b"%d\n" % os.waitstatus_to_exitcode(status))
+            return
+        if select.select([conn], [], [], 0.02)[0]:  # the client was killed: so is its command
+            os.kill(pid, signal.SIGKILL)
+            return
+
+die_with_parent()
 fresh, warm = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
 for listener, path in ((fresh, sys.argv[1]), (warm, sys.argv[2])):
     listener.bind(path)
@@ -259,6 +283,7 @@ import torch
 gc.freeze()                                      # a fork's collections skip (and so do not copy) all that
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)    # finished watchers need no reaping
 if os.fork() == 0:
+    die_with_parent()
     fresh.close()
     import torch._dynamo
     gc.freeze()
@@ -268,18 +293,30 @@ serve(fresh)
 """
 
 FORK_CLIENT = r"""
-import json, os, signal, socket, sys
+import contextlib, json, os, signal, socket, sys
 pid, early = None, []
-signal.signal(signal.SIGINT, lambda signum, frame: os.kill(pid, signum) if pid else early.append(signum))
+
+def forward(signum, frame):                      # Ctrl-C is for the command, even before it starts
+    if pid is None:
+        early.append(signum)
+    else:
+        with contextlib.suppress(ProcessLookupError):  # it may have just ended
+            os.kill(pid, signum)
+
+signal.signal(signal.SIGINT, forward)
 server = socket.socket(socket.AF_UNIX)
 server.connect(sys.argv[1])
 request = json.dumps([sys.argv[2:], dict(os.environ), os.getcwd()]).encode()
 socket.send_fds(server, [b"%010d" % len(request) + request], [0, 1, 2])
 replies = server.makefile()
 pid = int(replies.readline())
-for signum in early:                             # Ctrl-C is for the command, even before it started
-    os.kill(pid, signum)
-sys.exit(int(replies.readline()))
+for signum in early:
+    forward(signum, None)
+code = int(replies.readline())
+if code < 0:                                     # the command died of a signal: so does the client
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
 """
 
 
@@ -294,18 +331,32 @@ class Background:
         self.server = self.fresh = self.warm = None
 
     def start_fork_server(self, folder):
-        """Both servers, listening (torch still loads: clients wait in line)."""
-        self.fresh, self.warm = str(folder / "fresh"), str(folder / "warm")
-        # its own process group, to be stopped whole; SIGINT as the default, so that Python
-        # turns it into KeyboardInterrupt (a shell without job control starts jobs ignoring it)
-        self.server = subprocess.Popen([sys.executable, "-c", FORK_SERVER, self.fresh, self.warm],
-                                       stdin=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                                       start_new_session=True,
-                                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        """Both servers, listening (torch still loads: clients wait in line). If they
+        do not start, each process starts python itself, as off Linux."""
+        fresh, warm, log = folder / "fresh", folder / "warm", folder / "server.log"
+        # its own process group, to be stopped whole; stdout a file, not a terminal, as
+        # the tests' pipes are; SIGINT as the default, so that Python turns it into
+        # KeyboardInterrupt (a shell without job control starts jobs ignoring it)
+        with open(log, "w") as errors:
+            self.server = subprocess.Popen([sys.executable, "-c", FORK_SERVER, str(fresh), str(warm)],
+                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
+                                           env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True,
+                                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 30
-        while not os.path.exists(self.warm):
-            assert self.server.poll() is None and time.monotonic() < deadline, "the fork server did not start"
+        while not warm.exists() and self.server.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
+        if warm.exists() and self.server.poll() is None:
+            self.fresh, self.warm = str(fresh), str(warm)
+        else:
+            self.stop_server()
+            warnings.warn(f"no fork server ({log.read_text()[-300:]!r}): each check starts python itself")
+
+    def stop_server(self):
+        if self.server is not None:
+            with contextlib.suppress(ProcessLookupError):  # already gone
+                os.killpg(self.server.pid, signal.SIGKILL)  # both servers, their watchers and commands
+            self.server.wait()
+            self.server = None
 
     def start(self, name, finish, *procs):
         """Called by a start function (see LANES) in its lane: finish() talks
@@ -335,6 +386,7 @@ class Background:
     def result(self, name, timeout=300):
         deadline = time.monotonic() + timeout
         while name not in self.results:
+            assert not self.errors, f"{name}: a background start failed: {self.errors}"
             running = any(thread.is_alive() for thread in self.lanes)
             assert running or name in self.results, f"{name}: never ran {self.errors}"
             assert time.monotonic() < deadline, f"{name}: no result within {timeout} s"
@@ -345,17 +397,18 @@ class Background:
         return value
 
     def close(self):
-        self.closed = True
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
-        if self.server is not None:
-            os.killpg(self.server.pid, signal.SIGKILL)  # both servers, their watchers and commands
-            self.server.wait()
+        self.closed = True                              # the lanes start nothing more
+        for _ in range(2):                              # again for what a lane started meanwhile
+            for proc in list(self.procs):
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+                for stream in (proc.stdin, proc.stdout, proc.stderr):
+                    if stream is not None:
+                        stream.close()
+            for thread in self.lanes:
+                thread.join(timeout=10)
+        self.stop_server()
 
 
 def _python(argv, fork_server=None, **kw):
@@ -373,8 +426,12 @@ def _cli(argv, fork_server=None, **kw):
 
 
 def _finished(proc, timeout=120):
-    """-> (exit status, stdout, stderr) once proc ends."""
-    out, err = proc.communicate(timeout=timeout)
+    """-> (exit status, stdout, stderr) once proc ends; killed if it runs too long."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
     return proc.returncode, out, err
 
 
@@ -4089,8 +4146,6 @@ def demo_short_run(folder):
     """The heavy part of the test below, run in the background: the demo on 60 toy
     sentences, one epoch each. -> (exit status, what it printed)."""
     tf.make_toy_data = lambda seed=0: TOY_DATA(n_sentences=60, seed=seed)  # in a process of its own
-    timed = tf.time_generation  # the cache's 64 tokens, cut to 8: the line is checked here, the cache elsewhere
-    tf.time_generation = lambda model, prompt, max_new_tokens: timed(model, prompt, 8)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         status = tf.main(["--epochs", "1", "--device", "cpu"])
@@ -4162,9 +4217,10 @@ def test_each_model_section_runs_cut_out_of_the_file_with_only_the_core_imports(
 
 
 if __name__ == "__main__":  # python test_transformer.py JOB FOLDER: a background job (see _job)
+    if len(sys.argv) != 3 or sys.argv[1] not in JOBS:
+        raise SystemExit(f"usage: python test_transformer.py JOB FOLDER, JOB one of {sorted(JOBS)} "
+                         f"(the tests themselves: python -m pytest -q)")
     job, folder = sys.argv[1], pathlib.Path(sys.argv[2])
-    if job not in JOBS:
-        raise SystemExit(f"unknown job {job!r}")
     result = globals()[job](folder)
     with open(folder / "result.pickle", "wb") as f:
         pickle.dump(result, f)
