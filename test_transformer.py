@@ -527,8 +527,7 @@ def _job(name):
 # process at a time, in the order the file wants them: two of training (forks of
 # the warm server) and one of the command line (forks of the fresh one)
 LANES = [
-    {"overfit10": _job("train_overfit10"),
-     "cli_runs": _job("run_cli_twice"),
+    {"cli_runs": _job("run_cli_twice"),
      "test_short_training_generalizes_to_held_out_sentences": _job("short_training")},
     {"gpt_overfit10": _job("train_gpt_overfit10"),
      "test_cli_ctrl_c_stops_training_reports_and_saves": _start_ctrl_c_training,
@@ -2183,9 +2182,10 @@ def _train_args(model, pairs, sv, tv, **kw):
 OVERFIT_EPOCHS = 30  # 10/10 from epoch 12 on (at lr_factor 0.3 it took 60 epochs)
 
 
-def train_overfit10(folder):
-    """Seed 002's check, done right: a tiny model trained to memorize 10 sentences,
-    in the background (see `_job`) for the tests below."""
+@pytest.fixture(scope="module")
+def overfit10():
+    """Seed 002's check, done right: a tiny model trained to memorize 10 sentences
+    (about 1 s: trained here, as the background's warm server is not ready yet)."""
     pairs = tf.make_toy_data(n_sentences=10, seed=2)
     sv, tv = tf.build_vocabs(pairs)
     torch.manual_seed(0)
@@ -2199,11 +2199,6 @@ def train_overfit10(folder):
                       epochs=OVERFIT_EPOCHS, batch_size=10, label_smoothing=0.0, lr_factor=0.6, warmup=8,
                       log=logs.append)
     return model, pairs, sv, tv, result, logs
-
-
-@pytest.fixture(scope="module")
-def overfit10(background):
-    return background.result("train_overfit10")
 
 
 def test_pitfall3_seed002_overfit_ten_sentences(overfit10):
