@@ -17,6 +17,7 @@ import doctest
 import gc
 import inspect
 import io
+import json
 import math
 import os
 import pathlib
@@ -436,7 +437,6 @@ def _finished(proc, timeout=120):
 
 
 def _start_cut(jobs, folder):
-    import json
     programs, runner = folder / "cut-programs.json", folder / "cut_runner.py"
     programs.write_text(json.dumps(cut_programs()), encoding="utf-8")
     runner.write_text(CUT_RUNNER, encoding="utf-8")
@@ -509,6 +509,7 @@ def _job(name):
     """A start function for the heavy part of a test: the function `name` of this
     file, in a process of its own (see the end of the file) -> what it returns."""
     JOBS.add(name)
+
     def start(jobs, folder):
         proc = _python(["test_transformer.py", name, str(folder)], jobs.warm)
 
