@@ -492,7 +492,12 @@ def _start_loaded_cli(jobs, folder, checkpoint):
         def finish():
             proc.stdin.write("wo ai\n")
             proc.stdin.flush()
-            answer = proc.stdout.readline()        # answered: it now waits for the next line
+            answer = proc.stdout.readline()        # answered: on its way to wait for the next line
+            # Ctrl-C once it waits (asleep; it is single-threaded). Handled a moment before
+            # the read starts, a signal is only seen when the read returns: CPython checks
+            # for signals when a read is interrupted, not as it enters one
+            while _state(proc.pid) not in ("S", None):
+                time.sleep(0.005)
             proc.send_signal(signal.SIGINT)
             try:
                 proc.wait(timeout=60)              # stdin still open: Ctrl-C, not the end of input, stops it
@@ -502,6 +507,15 @@ def _start_loaded_cli(jobs, folder, checkpoint):
             return answer, proc.returncode, proc.stdout.read(), proc.stderr.read()
 
         jobs.start("ctrl-c-stdin", finish, proc)
+
+
+def _state(pid):
+    """A Linux process's state letter from /proc: R running, S asleep, ...; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
 
 
 JOBS = set()  # the names _job was given
