@@ -1944,9 +1944,10 @@ CLASSIC_CONFIGS = [
     ("GPT of the decoder-only tutorial", "gpt", TUTORIAL_GPT_CONFIG, "3000多万 (30-odd M)"),
 ]
 # the toy models, small enough to train in seconds on two CPU cores. Recipes chosen by
-# measurement (README, "Performance"): the fewest epochs that reach 99% held-out on
-# seed 0 and 97% on seeds 1 and 2, batches of 32 (more updates for the same work),
-# a short warmup, no dropout (the data has no noise to overfit to in 2 epochs)
+# measurement (README, "Performance"): two epochs, after which greedy decoding alone
+# (the epoch lines' held-out accuracy) is at 97.9-100% and the demo's beam of 4 at
+# 99.2-100% on seeds 0, 1 and 2; batches of 32 (more updates for the same work), a
+# short warmup, no dropout (the data has no noise to overfit to in 2 epochs)
 TOY_MODELS = {
     "encdec": dict(name="encoder-decoder", epochs=2, lr_factor=0.25, warmup=50, batch_size=32,
                    config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=2, dropout=0.0)),
