@@ -1522,7 +1522,7 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collate,
                                          generator=torch.Generator().manual_seed(seed))  # [B, longest] fields
     criterion = nn.CrossEntropyLoss(ignore_index=Vocab.PAD, label_smoothing=label_smoothing)
-    # fused: one kernel updates every weight, instead of a dozen small operations per weight
+    # fused=True: one C++ call updates every weight, not several small operations per weight
     optimizer = torch.optim.Adam(model.parameters(), lr=lr_factor, betas=(0.9, 0.98), eps=1e-9, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, noam_lambda(model.d_model, warmup))
     start, accuracy, training_seconds, history = time.perf_counter(), 0.0, 0.0, []
