@@ -483,9 +483,9 @@ def _start_loaded_cli(jobs, folder, checkpoint):
             proc = _cli(command + ["--translate", "wo ai"], jobs.fresh, stdout=full)
         jobs.start("full-disk", lambda: _finished(proc), proc)
     if sys.platform != "win32":
-        # a fresh interpreter, signalled directly: through the fork client, about one run in
-        # ten lost this Ctrl-C (not understood yet). SIGINT as the default: a shell without
-        # job control starts background jobs ignoring it
+        # a fresh interpreter, whose pid is the command's: the wait below needs it (through
+        # the fork client, without the wait, about one run in ten lost this Ctrl-C). SIGINT
+        # as the default: a shell without job control starts background jobs ignoring it
         proc = _cli(command + ["--translate", "-"], None, stdin=subprocess.PIPE,
                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
