@@ -483,20 +483,19 @@ def _start_loaded_cli(jobs, folder, checkpoint):
             proc = _cli(command + ["--translate", "wo ai"], jobs.fresh, stdout=full)
         jobs.start("full-disk", lambda: _finished(proc), proc)
     if sys.platform != "win32":
-        # a fresh interpreter, whose pid is the command's: the wait below needs it (through
-        # the fork client, without the wait, about one run in ten lost this Ctrl-C). SIGINT
-        # as the default: a shell without job control starts background jobs ignoring it
-        proc = _cli(command + ["--translate", "-"], None, stdin=subprocess.PIPE,
+        # SIGINT as the default: a shell without job control starts background jobs ignoring it
+        proc = _cli(command + ["--translate", "-"], jobs.fresh, stdin=subprocess.PIPE,
                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
         def finish():
             proc.stdin.write("wo ai\n")
             proc.stdin.flush()
             answer = proc.stdout.readline()        # answered: on its way to wait for the next line
-            # Ctrl-C once it waits (asleep; it is single-threaded). Handled a moment before
-            # the read starts, a signal is only seen when the read returns: CPython checks
-            # for signals when a read is interrupted, not as it enters one
-            while _state(proc.pid) not in ("S", None):
+            # Ctrl-C once it waits: every process reading this stdin asleep (the command,
+            # single-threaded, and the fork client, if any). A signal handled a moment before
+            # a read starts is only seen when the read returns: CPython checks for signals
+            # when a read is interrupted, not as it enters one
+            while any(_state(pid) not in ("S", None) for pid in _reading(proc.stdin)):
                 time.sleep(0.005)
             proc.send_signal(signal.SIGINT)
             try:
@@ -516,6 +515,17 @@ def _state(pid):
             return f.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return None
+
+
+def _reading(pipe):
+    """The pids whose stdin is this pipe (both ends share one inode), from Linux's /proc;
+    none elsewhere."""
+    name, pids = f"pipe:[{os.fstat(pipe.fileno()).st_ino}]", []
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        with contextlib.suppress(OSError):              # not a process, or gone meanwhile
+            if os.readlink(f"/proc/{pid}/fd/0") == name:
+                pids.append(pid)
+    return pids
 
 
 JOBS = set()  # the names _job was given
