@@ -495,7 +495,8 @@ def _start_loaded_cli(jobs, folder, checkpoint):
             # single-threaded, and the fork client, if any). A signal handled a moment before
             # a read starts is only seen when the read returns: CPython checks for signals
             # when a read is interrupted, not as it enters one
-            while any(_state(pid) not in ("S", None) for pid in _reading(proc.stdin)):
+            deadline = time.monotonic() + 60
+            while any(_state(pid) not in ("S", None) for pid in _reading(proc.stdin)) and time.monotonic() < deadline:
                 time.sleep(0.005)
             proc.send_signal(signal.SIGINT)
             try:
