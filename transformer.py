@@ -11,12 +11,18 @@ sections above it, so the file cut after any model's section still runs.
   Part II   The modern decoder, Llama-style
              11 RMSNorm                   12 rotary positions       13 SwiGLU
              14 grouped-query attention   15 the Llama model        16 parameters, KV-cache memory
-  Part III  Learning and using it: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
-             17 the toy task              18 a baseline to beat     19 decoding: greedy,
-             20 training                  21 the KV cache measured     constrained, beam
-             22 decoder-only models on the task                     23 the attention heatmap
-  Tools     After a banner that says the article ends: 24 your own data,
-            25 checkpoints, 26 the demo, 27 the benchmark, 28 the command line.
+  Part III  The frontier: mixture of experts and latent attention (Mixtral, Qwen3, DeepSeek-V3)
+             17 QK-norm, free head widths 18 mixture of experts     19 latent attention (MLA)
+             20 the DeepSeek-V3 model     21 total and active parameters, the latent cache
+  Part IV   Long sequences
+             22 FlashAttention's tiles    23 sliding windows        24 the paged KV cache
+             25 RoPE for long context
+  Part V    Learning and using it: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
+             26 the toy task              27 a baseline to beat     28 decoding: greedy,
+             29 training                  30 the KV cache measured     constrained, beam
+             31 decoder-only models on the task                     32 the attention heatmap
+  Tools     After a banner that says the article ends: 33 your own data,
+            34 checkpoints, 35 the demo, 36 the benchmark, 37 the command line.
 
 The encoder-decoder (Part I) and its shapes, for a batch of B sentences:
 
@@ -1086,7 +1092,7 @@ LLAMA_CONFIGS = [
 
 
 # ===========================================================================
-# Part III: learning and using it (第三部分：训练与使用)
+# Part V: learning and using it (第五部分：训练与使用)
 # ===========================================================================
 # A task small enough to learn in seconds on a CPU, the ways to decode an answer,
 # the training loop, and what the models learned. Python's standard library
@@ -1100,7 +1106,7 @@ import time
 
 
 # ===========================================================================
-# 17. The toy task: pinyin to hanzi (玩具任务：拼音转汉字)
+# 26. The toy task: pinyin to hanzi (玩具任务：拼音转汉字)
 # ===========================================================================
 # A task small enough to train in seconds and hard enough to need attention:
 # many syllables are written with different characters depending on the word
@@ -1241,7 +1247,7 @@ def ambiguous_syllables(pairs):
 
 
 # ===========================================================================
-# 18. A baseline to beat: bigram HMM and Viterbi (基线：二元语法与维特比)
+# 27. A baseline to beat: bigram HMM and Viterbi (基线：二元语法与维特比)
 # ===========================================================================
 # Before trusting a Transformer, ask what counting does. A hidden Markov model
 # reads the pinyin as emitted by a hidden chain of characters: each character
@@ -1313,7 +1319,7 @@ class BigramHMM:
 
 
 # ===========================================================================
-# 19. Decoding: greedy, constrained, beam (解码：贪心、约束与束搜索)
+# 28. Decoding: greedy, constrained, beam (解码：贪心、约束与束搜索)
 # ===========================================================================
 # At inference there is no target to feed: start every sentence with bos, run
 # the decoder, choose a next character, repeat until eos. The source is encoded
@@ -1472,7 +1478,7 @@ def evaluate(translate_fn, pairs, ambiguous=()):
 
 
 # ===========================================================================
-# 20. Training (训练)
+# 29. Training (训练)
 # ===========================================================================
 # Teacher forcing: the model reads whole target sequences at once and predicts
 # every next token, the causal mask keeping each position from its own answer.
@@ -1557,7 +1563,7 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
 
 
 # ===========================================================================
-# 21. The KV cache, measured (键值缓存实测)
+# 30. The KV cache, measured (键值缓存实测)
 # ===========================================================================
 # Without a cache, generating token t reruns the whole prefix: t tokens through
 # every layer, so n tokens cost about n^2 / 2 token-passes. With the KVCache of
@@ -1575,14 +1581,14 @@ def time_generation(model, prompt, max_new_tokens):
 
 
 # ===========================================================================
-# 22. Decoder-only models on the task (仅解码器模型做同一任务)
+# 31. Decoder-only models on the task (仅解码器模型做同一任务)
 # ===========================================================================
 # The decoder-only models, the GPT of section 9 and the Llama of section 15, have
 # no encoder to read the pinyin, so the pinyin goes in front as a prompt:
 # "wo ai xue xi <sep> 我 爱 学 习 <eos>", one sequence. They learn to continue
 # after <sep>; the prompt itself is given, not predicted, so its positions are
 # left out of the loss (target = pad, ignore_index). They answer through the
-# same beam_search and masks as the encoder-decoder (section 19).
+# same beam_search and masks as the encoder-decoder (section 28).
 
 SEP = "<sep>"
 
@@ -1667,7 +1673,7 @@ def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=N
 
 
 # ===========================================================================
-# 23. The attention heatmap (注意力热力图)
+# 32. The attention heatmap (注意力热力图)
 # ===========================================================================
 # Which syllables did each character read? The last decoder layer's
 # cross-attention weights [H, T, S], averaged over heads or for one head, drawn
@@ -1719,7 +1725,7 @@ import tempfile
 
 
 # ===========================================================================
-# 24. Your own data (自己的数据)
+# 33. Your own data (自己的数据)
 # ===========================================================================
 # --data FILE.tsv trains on your pairs instead of the generated ones: UTF-8,
 # one "pinyin<TAB>hanzi" a line, one syllable per character, blank lines and
@@ -1794,7 +1800,7 @@ def read_pairs(path):
 
 
 # ===========================================================================
-# 25. Saving and loading (保存与加载)
+# 34. Saving and loading (保存与加载)
 # ===========================================================================
 # A checkpoint is data: the configuration, the weights and both vocabularies,
 # plain dicts, lists and tensors that torch.load(weights_only=True) reads
@@ -1912,7 +1918,7 @@ def load_checkpoint(path, device="cpu"):
 
 
 # ===========================================================================
-# 26. The demo (演示): python transformer.py
+# 35. The demo (演示): python transformer.py
 # ===========================================================================
 # Shapes and parameter counts first (the tutorials' own configuration among
 # them) and the cache measured; then both toy models learn pinyin to hanzi,
@@ -2193,7 +2199,7 @@ def run(args, device, pairs, loaded):
 
 
 # ===========================================================================
-# 27. The benchmark (基准测试): python transformer.py --bench
+# 36. The benchmark (基准测试): python transformer.py --bench
 # ===========================================================================
 # Where the time goes, measured in one run: training throughput of the
 # hand-written model against nn.Transformer with the same weights, the KV
@@ -2334,7 +2340,7 @@ def bench_time_to_99(device, seed=0, epochs=6):
 
 
 # ===========================================================================
-# 28. The command line (命令行)
+# 37. The command line (命令行)
 # ===========================================================================
 # Every mistake is one line on stderr and exit status 2, found before any work
 # starts where it can be; answers alone go to stdout.
