@@ -439,6 +439,47 @@ def check_sizes(**sizes):
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
+# Every configuration field a model takes, with its type and range, in one table:
+# the constructors check their numbers here, and load_checkpoint (section 34) checks
+# a file's whole configuration here before computing anything from it. A new field
+# is one line: (type, smallest, largest), and "or None" where None is allowed.
+# Sizes stop at 2^31 - 1, past any real model and what torch's kernels index;
+# no published model has 1,024 layers (Llama 3 405B: 126).
+MAX_SIZE = 2 ** 31 - 1
+CONFIG_FIELDS = {
+    "vocab_size": (int, 1, MAX_SIZE), "src_vocab_size": (int, 1, MAX_SIZE), "tgt_vocab_size": (int, 1, MAX_SIZE),
+    "d_model": (int, 1, MAX_SIZE), "n_heads": (int, 1, MAX_SIZE), "max_len": (int, 1, MAX_SIZE),
+    "n_layers": (int, 1, 1024), "pad_id": (int, 0, MAX_SIZE - 1),
+    "d_ff": (int, 1, MAX_SIZE, "or None"),          # None: Llama derives it (llama_ffn_dim)
+    "n_kv_heads": (int, 1, MAX_SIZE, "or None"),    # None: as many as n_heads
+    "dropout": (float, 0.0, 1.0),                   # a probability
+    "rope_theta": (float, 1.0, 1e30),  # the wavelengths' base: 0, negative or NaN make cos/sin NaN
+    "norm_eps": (float, torch.finfo(torch.float32).tiny, 1.0),  # > 0 in float32: 0 / sqrt(0) is NaN
+    "norm_first": (bool,), "share_embeddings": (bool,), "tie_weights": (bool,), "qkv_bias": (bool,),
+}
+
+
+def check_config(**fields):
+    """Each keyword is a field of CONFIG_FIELDS and must have its type (an int counts
+    as a float, a bool as neither) and lie in its range, which NaN never does.
+    ValueError naming the field, the value and what was expected."""
+    for name, value in fields.items():
+        kind, *rule = CONFIG_FIELDS[name]
+        if value is None and "or None" in rule:
+            continue
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+            continue
+        low, high = rule[:2]
+        numeric = (int,) if kind is int else (int, float)
+        if isinstance(value, bool) or not isinstance(value, numeric) or not low <= value <= high:
+            what = "an integer" if kind is int else "a number"
+            also = " or None" if "or None" in rule else ""
+            show = lambda x: f"{x:,}" if isinstance(x, int) else f"{x:g}"  # noqa: E731
+            raise ValueError(f"{name} must be {what} from {show(low)} to {show(high)}{also}, got {value!r}")
+
+
 def check_ids(name, ids, vocab_size, max_len):
     """Token ids must be a [B, T] int64 or int32 tensor inside the vocabulary and max_len."""
     integer = isinstance(ids, torch.Tensor) and ids.dtype in (torch.long, torch.int)  # what nn.Embedding takes
@@ -510,6 +551,7 @@ class Transformer(nn.Module):
         super().__init__()
         check_sizes(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model,
                     n_heads=n_heads, d_ff=d_ff, n_layers=n_layers, max_len=max_len)
+        check_config(dropout=dropout, norm_first=norm_first, share_embeddings=share_embeddings)
         if share_embeddings and src_vocab_size != tgt_vocab_size:
             raise ValueError(f"share_embeddings needs one vocabulary, got src_vocab_size="
                              f"{src_vocab_size} and tgt_vocab_size={tgt_vocab_size}")
@@ -659,6 +701,7 @@ class DecoderOnlyTransformer(nn.Module):
         super().__init__()
         check_sizes(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                     d_ff=d_ff, max_len=max_len)
+        check_config(dropout=dropout, tie_weights=tie_weights)
         self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                            d_ff=d_ff, max_len=max_len, dropout=dropout, tie_weights=tie_weights)  # for checkpoints
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
@@ -974,6 +1017,7 @@ class Llama(nn.Module):
                            norm_eps=norm_eps, tie_weights=tie_weights, qkv_bias=qkv_bias)  # for checkpoints
         check_sizes(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, max_len=max_len,
                     **{name: value for name, value in (("n_kv_heads", n_kv_heads), ("d_ff", d_ff)) if value is not None})
+        check_config(rope_theta=rope_theta, norm_eps=norm_eps, tie_weights=tie_weights, qkv_bias=qkv_bias)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
@@ -1718,10 +1762,13 @@ def cross_attention_map(model, src, out, head=None):
 # loading a model, the demo and the command line. Nothing above depends on them.
 
 import argparse
+import inspect
 import os
 import re
 import sys
 import tempfile
+import unicodedata
+import warnings
 
 
 # ===========================================================================
@@ -1739,6 +1786,14 @@ MAX_SYLLABLES = 100              # per sentence: attention's memory grows with i
 def quote(text, limit=40):
     """repr(text), cut to about `limit` characters: an error line never echoes a megabyte."""
     return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text):,} characters)"
+
+
+def shown(path, limit=120):
+    """A file name for a message: as typed, unless it is long or not printable text
+    (bytes that are not UTF-8, a control character), then quote()d: one short line
+    that any terminal can print."""
+    text = os.fsdecode(path) if isinstance(path, bytes) else str(path)
+    return text if len(text) <= limit and text.isprintable() else quote(text, limit // 2)
 
 
 def with_pieces(pairs, copies=1, seed=0):
@@ -1814,26 +1869,55 @@ PARAMETER_FORMULAS = {"encdec": transformer_param_formula, "gpt": decoder_only_p
                       "llama": llama_param_formula}
 
 
+def save_target_problem(path):
+    """Why path may not take a checkpoint, or None. A link the user made is followed
+    on purpose; but a standard stream (/dev/stderr runs through /proc/self/fd/2 to
+    whatever 2>> opened: a log) is not a file the user named, and /proc and /sys
+    are the kernel's, not files."""
+    target = os.path.realpath(path)
+    if os.path.exists(target) and not os.path.isfile(target):
+        return "not a regular file (a folder, pipe or device); refusing to replace it"
+    if re.match(r"/(proc|sys|dev/fd)(/|$)", target):
+        return "inside /proc or /sys, the kernel's files; expected a file on a disk"
+    for fd, stream in enumerate(("standard input", "standard output", "standard error")):
+        try:
+            same = os.path.exists(target) and os.path.samestat(os.fstat(fd), os.stat(target))
+        except OSError:  # that stream is closed
+            same = False
+        if same:
+            return f"that is {stream} (file descriptor {fd}), not a file to save to; name the file itself"
+    return None
+
+
 def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
     """Write the model, its vocabularies and (if given) the syllables' readings to
     path. A symbolic link is followed on purpose (its target gets the new file), an
-    existing file keeps its permissions, and anything but a regular file is refused.
+    existing file keeps its permissions and owner, and anything but a regular file
+    (or a standard stream, see save_target_problem) is refused.
     ValueError naming the path if it cannot be written; the old file stays intact."""
+    if kind not in MODEL_CLASSES or not isinstance(model, MODEL_CLASSES[kind]):
+        raise ValueError(f"kind {kind!r} with a {type(model).__name__}: expected one of "
+                         + ", ".join(f"{k!r} with a {c.__name__}" for k, c in MODEL_CLASSES.items()))
     checkpoint = {"format": CHECKPOINT_FORMAT, "kind": kind, "config": model.config,
                   "state_dict": model.state_dict(), "src_vocab": src_vocab.itos, "tgt_vocab": tgt_vocab.itos}
     if readings is not None:
         checkpoint["readings"] = {syllable: "".join(sorted(chars)) for syllable, chars in readings.items()}
     target = os.path.realpath(path)
-    if os.path.exists(target) and not os.path.isfile(target):
-        raise ValueError(f"{path}: not a regular file (a folder, pipe or device); refusing to replace it")
+    problem = save_target_problem(path)
+    if problem:
+        raise ValueError(f"{shown(path)}: {problem}")
     umask = os.umask(0)
     os.umask(umask)
-    mode = os.stat(target).st_mode & 0o7777 if os.path.exists(target) else 0o666 & ~umask
+    old = os.stat(target) if os.path.exists(target) else None
+    mode = old.st_mode & 0o7777 if old else 0o666 & ~umask
     try:
         fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", dir=os.path.dirname(target))
     except OSError as e:
-        raise ValueError(f"{path}: cannot write there ({e.strerror})") from None
+        raise ValueError(f"{shown(path)}: cannot write there ({e.strerror})") from None
     try:
+        if old and (old.st_uid, old.st_gid) != (os.getuid(), os.getgid()):
+            with contextlib.suppress(OSError):  # root saving over a user's file: it stays theirs
+                os.chown(tmp, old.st_uid, old.st_gid)
         os.chmod(tmp, mode)  # mkstemp's file is private; the saved model gets the usual (or the old) mode
         with os.fdopen(fd, "wb") as f:
             torch.save(checkpoint, f)
@@ -1844,77 +1928,157 @@ def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
         os.unlink(tmp)
         if isinstance(e, (OSError, RuntimeError)):  # a full disk is OSError, or RuntimeError inside torch.save
             detail = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())[:80]
-            raise ValueError(f"{path}: could not save ({detail}); the previous file is unchanged") from None
+            raise ValueError(f"{shown(path)}: could not save ({detail}); the previous file is unchanged") from None
         raise
 
 
+WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what a model's weights may be
+
+
 def check_state_dict(state):
-    """Names to real, finite tensors that store every value they claim (a stride-0
-    view of one number can claim gigabytes), or ValueError."""
+    """Names to dense, real, finite floating-point tensors that store every value they
+    claim (a stride-0 view of one number can claim gigabytes) and share storage only
+    as the same tensor (a tied weight): so the weights a file claims are weights it
+    holds. Sparse, quantized, complex or integer tensors are refused. Or ValueError."""
     if not isinstance(state, dict):
         raise ValueError(f"state_dict is a {type(state).__name__}, expected a dict")
+    storages = {}  # storage address -> the first tensor seen on it
     for name, t in state.items():
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
             raise ValueError(f"state_dict entry {quote(str(name))} is not a name and a tensor")
+        if t.layout != torch.strided or t.is_quantized or t.dtype not in WEIGHT_DTYPES:
+            kind = t.layout if t.layout != torch.strided else "quantized" if t.is_quantized else t.dtype
+            raise ValueError(f"{quote(name)} is a {kind} tensor; expected dense float32, float16, bfloat16"
+                             f" or float64")
         if t.untyped_storage().nbytes() < t.numel() * t.element_size():
-            raise ValueError(f"{name} claims {list(t.shape)} but stores fewer values")
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            raise ValueError(f"{name} holds NaN or infinite values")
+            raise ValueError(f"{quote(name)} claims {list(t.shape)} but stores fewer values")
+        if t.numel():
+            first = storages.setdefault(t.untyped_storage().data_ptr(), t)
+            if (first.data_ptr(), first.shape, first.stride()) != (t.data_ptr(), t.shape, t.stride()):
+                raise ValueError(f"{quote(name)} is a view into the storage of another tensor; weights may"
+                                 f" share storage only as one tied tensor")
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{quote(name)} holds NaN or infinite values")
+
+
+def check_model_config(kind, config):
+    """A checkpoint's kind and configuration, before anything is computed from them:
+    exactly the keywords the kind's class takes (the required ones present), each of
+    the type and range CONFIG_FIELDS (section 7) gives it. Or ValueError."""
+    if not isinstance(kind, str) or kind not in MODEL_CLASSES:
+        raise ValueError(f"kind {quote(str(kind))}: expected one of {', '.join(MODEL_CLASSES)}")
+    if not isinstance(config, dict):
+        raise ValueError(f"config is a {type(config).__name__}, expected a dict")
+    parameters = inspect.signature(MODEL_CLASSES[kind]).parameters  # the constructor's keywords
+    unknown = next((key for key in config if key not in parameters), None)
+    if unknown is not None:
+        raise ValueError(f"config field {quote(str(unknown))} is not one a {kind} model takes")
+    missing = next((n for n, p in parameters.items() if p.default is p.empty and n not in config), None)
+    if missing:
+        raise ValueError(f"config lacks {missing}, which a {kind} model needs")
+    check_config(**config)
 
 
 def check_vocab(itos, name):
     """A vocabulary as this file writes it: distinct strings, the specials first, sorted."""
     if not (isinstance(itos, list) and all(isinstance(t, str) for t in itos) and Vocab(itos).itos == itos):
         raise ValueError(f"{name} is not a vocabulary written by this file")
+    try:
+        "".join(itos).encode("utf-8")  # a lone surrogate is no character: it could not even be printed
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} holds {e.object[e.start:e.end]!r}, which is not text") from None
     return Vocab(itos)
+
+
+def open_for_reading(path):
+    """A binary file object for a file the user named, or ValueError naming it. Opened
+    without waiting: a named pipe with no writer reads as empty instead of hanging."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise ValueError(f"path must be a file name (str or os.PathLike), got {type(path).__name__}")
+    if not os.fspath(path):
+        raise ValueError("path is empty; expected a file name")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        os.set_blocking(fd, True)  # a pipe with a writer is read as usual
+        if os.path.isdir(path):
+            os.close(fd)
+            raise IsADirectoryError(21, "Is a directory")
+        return os.fdopen(fd, "rb")
+    except OSError as e:
+        raise ValueError(f"{shown(path)}: {e.strerror or e}") from None
 
 
 def load_checkpoint(path, device="cpu"):
     """-> (kind, model in eval mode, src_vocab, tgt_vocab, readings or None);
-    ValueError for a missing, truncated, foreign or forged file."""
+    ValueError for a bad device, or for a missing, truncated, foreign or forged file.
+    Nothing is built before the names and shapes of the weights are those the
+    configuration implies, so no file can make this allocate more than it stores."""
     try:
-        checkpoint = torch.load(path, map_location=device, weights_only=True)
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such file") from None
-    except Exception as e:  # truncated, not a torch file, or objects weights_only refuses
-        raise ValueError(f"{path}: not a readable checkpoint ({type(e).__name__})") from None
-    if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path}: not a transformer.py checkpoint")
-    try:
-        cls, config, state = MODEL_CLASSES[checkpoint["kind"]], checkpoint["config"], checkpoint["state_dict"]
-        check_state_dict(state)
-        if not isinstance(config, dict) or config.get("pad_id", Vocab.PAD) != Vocab.PAD:
-            raise ValueError(f"config must be a dict with pad_id {Vocab.PAD}, the id of <pad>")
-        # the configuration must account for exactly the weights the file holds before
-        # anything is built: then a forged one (a million layers, a huge vocabulary)
-        # cannot make this allocate more than the file stores
-        weights = {t.data_ptr(): t.numel() for name, t in state.items() if not name.endswith(".pe")}  # tied once
-        needed = PARAMETER_FORMULAS[checkpoint["kind"]](**config)
-        if needed != sum(weights.values()):
-            raise ValueError(f"the configuration ({config['n_layers']} layers) needs {needed:,} parameters,"
-                             f" the weights hold {sum(weights.values()):,}")
-        per_position = config["d_model"] if checkpoint["kind"] != "llama" else 2 * config["d_model"] // config["n_heads"]
-        if config["max_len"] * per_position > max(sum(weights.values()), 2 ** 24):  # position tables
-            raise ValueError(f"max_len {config['max_len']} asks for position tables far larger than the model")
-        model = cls(**config).to(device)
-        model.load_state_dict(state)
-        vocabs = check_vocab(checkpoint["src_vocab"], "src_vocab"), check_vocab(checkpoint["tgt_vocab"], "tgt_vocab")
-        sizes = [model.config.get(key, model.config.get("vocab_size")) for key in ("src_vocab_size", "tgt_vocab_size")]
-        if [len(vocab) for vocab in vocabs] != sizes:
-            raise ValueError(f"vocabularies of {[len(v) for v in vocabs]} tokens for a model of {sizes}")
-        if checkpoint["kind"] != "encdec" and SEP not in vocabs[1].stoi:
-            raise ValueError(f"a decoder-only model's vocabulary needs {SEP}")
-        readings = checkpoint.get("readings")
-        if readings is not None:
-            if not (isinstance(readings, dict) and all(isinstance(s, str) and isinstance(c, str) and c
-                                                       and all(ch in vocabs[1].stoi and not ch.isascii() for ch in c)
-                                                       for s, c in readings.items())):
-                raise ValueError("readings must map syllables to characters of the vocabulary")
-            readings = {syllable: set(chars) for syllable, chars in readings.items()}
-    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
-        detail = " ".join(str(e).split())[:100]  # one line, however long torch's message
-        raise ValueError(f"{path}: damaged checkpoint ({type(e).__name__}: {detail})") from None
-    return checkpoint["kind"], model.eval(), *vocabs, readings
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device name (cpu, cuda, mps, ...)") from None
+    if device.type in ("cuda", "mps") and not (torch.cuda.is_available() if device.type == "cuda"
+                                               else torch.backends.mps.is_available()):
+        raise ValueError(f"device {str(device)!r} is not available here")
+    with open_for_reading(path) as f, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notes on sparse or complex32 tensors: the refusal is the line
+        try:
+            checkpoint = torch.load(f, map_location=device, weights_only=True)
+        except Exception as e:  # truncated, not a torch file, or objects weights_only refuses
+            raise ValueError(f"{shown(path)}: not a readable checkpoint ({type(e).__name__})") from None
+        if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{shown(path)}: not a transformer.py checkpoint")
+        try:
+            return checked_checkpoint(checkpoint, device)
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
+            detail = " ".join(str(e).split())[:100]  # one line, however long torch's message
+            raise ValueError(f"{shown(path)}: damaged checkpoint ({type(e).__name__}: {detail})") from None
+
+
+def checked_checkpoint(checkpoint, device):
+    """load_checkpoint's checks on the loaded dict, cheapest and most basic first."""
+    kind, config, state = checkpoint["kind"], checkpoint["config"], checkpoint["state_dict"]
+    check_model_config(kind, config)
+    check_state_dict(state)
+    if config.get("pad_id", Vocab.PAD) != Vocab.PAD:
+        raise ValueError(f"config must have pad_id {Vocab.PAD}, the id of <pad>")
+    # the configuration must account for exactly the weights the file holds before
+    # anything is built: then a forged one (a million layers, a huge vocabulary)
+    # cannot make this allocate more than the file stores
+    weights = {t.data_ptr(): t.numel() for name, t in state.items() if not name.endswith(".pe")}  # tied once
+    needed = PARAMETER_FORMULAS[kind](**config)
+    if needed != sum(weights.values()):
+        raise ValueError(f"the configuration ({config['n_layers']} layers) needs {needed:,} parameters,"
+                         f" the weights hold {sum(weights.values()):,}")
+    per_position = config["d_model"] if kind != "llama" else 2 * config["d_model"] // config["n_heads"]
+    if config["max_len"] * per_position > max(sum(weights.values()), 2 ** 24):  # position tables
+        raise ValueError(f"max_len {config['max_len']} asks for position tables far larger than the model")
+    # the model's shapes on the meta device (no memory): the file must hold exactly these names and shapes
+    with torch.device("meta"):
+        expected = {name: t.shape for name, t in MODEL_CLASSES[kind](**config).state_dict().items()}
+    wrong = next((name for name in {**expected, **state} if expected.get(name) != getattr(
+        state.get(name), "shape", None)), None)
+    if wrong is not None:
+        raise ValueError(f"weight {quote(wrong)}: the configuration implies "
+                         f"{list(expected[wrong]) if wrong in expected else 'no such weight'}, the file holds "
+                         f"{list(state[wrong].shape) if wrong in state else 'none'}")
+    model = MODEL_CLASSES[kind](**config).to(device)
+    model.load_state_dict(state)
+    vocabs = check_vocab(checkpoint["src_vocab"], "src_vocab"), check_vocab(checkpoint["tgt_vocab"], "tgt_vocab")
+    sizes = [model.config.get(key, model.config.get("vocab_size")) for key in ("src_vocab_size", "tgt_vocab_size")]
+    if [len(vocab) for vocab in vocabs] != sizes:
+        raise ValueError(f"vocabularies of {[len(v) for v in vocabs]} tokens for a model of {sizes}")
+    if kind != "encdec" and SEP not in vocabs[1].stoi:
+        raise ValueError(f"a decoder-only model's vocabulary needs {SEP}")
+    readings = checkpoint.get("readings")
+    if readings is not None:
+        characters = {token for token in vocabs[1].itos if len(token) == 1 and not token.isascii()}
+        # set(c) <= characters runs in C: a megabyte of readings is checked in milliseconds
+        if not (isinstance(readings, dict) and all(isinstance(s, str) and isinstance(c, str) and c
+                                                   and set(c) <= characters for s, c in readings.items())):
+            raise ValueError("readings must map syllables to characters of the vocabulary")
+        readings = {syllable: set(chars) for syllable, chars in readings.items()}
+    return kind, model.eval(), *vocabs, readings
 
 
 # ===========================================================================
