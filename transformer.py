@@ -684,6 +684,8 @@ def generate_tokens(model, input_ids, max_new_tokens, temperature=0.0, top_k=Non
         raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     with eval_mode(model):
         cache = model.new_cache() if use_cache else None                   # per layer [B, H, t, dk]
         for _ in range(max_new_tokens):
@@ -1308,6 +1310,10 @@ class BigramHMM:
     syllable never seen may be any character."""
 
     def __init__(self, pairs, smoothing=1.0):
+        pairs = list(pairs)
+        if not pairs or not all(isinstance(p, tuple) and len(p) == 2 and all(isinstance(s, str) for s in p)
+                                for p in pairs):
+            raise ValueError(f"pairs must be a non-empty list of (pinyin, hanzi) string pairs, got {pairs[:2]!r}")
         self.chars = sorted({c for _, hanzi in pairs for c in hanzi})
         index = {c: i for i, c in enumerate(self.chars)}
         C = len(self.chars)
@@ -1324,9 +1330,10 @@ class BigramHMM:
         bigrams = torch.zeros(C + 1, C).index_put_(                        # [C+1, C]: row C = sentence start
             (torch.tensor(previous), torch.tensor(following)), torch.ones(len(following)), accumulate=True)
         unigram = bigrams.sum(dim=0) / bigrams.sum()                       # [C]
-        self.log_next = ((bigrams + smoothing * unigram)                   # [C+1, C]
-                         / (bigrams.sum(dim=1, keepdim=True) + smoothing)).log()
         char_count = bigrams.sum(dim=0)                                    # [C]
+        row_total = bigrams.sum(dim=1, keepdim=True) + smoothing           # [C+1, 1]
+        # in place: the table is (C + 1) x C, so a temporary copy would double the memory
+        self.log_next = bigrams.add_(smoothing * unigram).div_(row_total).log_()  # [C+1, C]
         self.emissions = {s: (torch.tensor(list(c)), (torch.tensor(list(c.values()), dtype=torch.float)
                                                        / char_count[list(c)]).log())
                           for s, c in emitted.items()}                     # syllable -> ([n], [n])
@@ -1411,8 +1418,9 @@ def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True, allowed=N
     use_cache changes the work per step, not the tokens."""
     if bos_id == model.pad_id:
         raise ValueError(f"bos_id ({bos_id}) must differ from the pad id: decoding would start from padding")
-    if not 1 <= max_len < model.max_len:
-        raise ValueError(f"max_len must be 1 to {model.max_len - 1} (the model's max_len less bos), got {max_len}")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len < model.max_len:
+        raise ValueError(f"max_len must be 1 to {model.max_len - 1} (the model's max_len less bos),"
+                         f" an integer, got {max_len!r}")
     ys = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)  # [B, 1]
     done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)   # [B]
     cache = model.new_cache() if use_cache else None
@@ -1447,6 +1455,7 @@ def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_i
     continues with pad at no cost, so finished and open beams compare fairly.
     Plain beam search can push the greedy path out and end below it; here that
     one path always keeps a place, so the answer never scores lower than greedy's."""
+    check_sizes(beam_size=beam_size, n_steps=n_steps)
     B, k = start.size(0), beam_size
     rows = torch.arange(B, device=start.device)                            # [B]
     ids = start.repeat_interleave(k, dim=0)                                # [B*k, T0]
@@ -1479,9 +1488,11 @@ def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_i
 
 def translate(model, sentences, src_vocab, tgt_vocab, readings=None, beam_size=1, batch_size=256):
     """Pinyin strings -> hanzi strings with the encoder-decoder: constrained by the
-    syllables' readings when given, greedy when beam_size is 1."""
+    syllables' readings when given, greedy when beam_size is 1. A batch holds
+    batch_size sentences, or batch_size // beam_size with a beam: the same rows."""
+    check_sizes(beam_size=beam_size, batch_size=batch_size)
     device = next(model.parameters()).device
-    out = []
+    out, batch_size = [], max(1, batch_size // beam_size)
     for i in range(0, len(sentences), batch_size):
         syllables = [s.split() for s in sentences[i:i + batch_size]]      # B lists of syllables
         # collate pads every row to the longest (an empty sentence becomes all padding)
@@ -1506,6 +1517,8 @@ def evaluate(translate_fn, pairs, ambiguous=()):
     accuracy; character accuracy, where a missing or extra character counts as
     wrong (right / max(len(expected), len(predicted)) summed over sentences); and
     accuracy on the characters whose syllable is in `ambiguous`."""
+    if not pairs:
+        raise ValueError("pairs is empty: there is nothing to evaluate on")
     predictions = translate_fn([pinyin for pinyin, _ in pairs])
     exact = sum(pred == hanzi for pred, (_, hanzi) in zip(predictions, pairs))
     char_right = sum(sum(p == h for p, h in zip(pred, hanzi)) for pred, (_, hanzi) in zip(predictions, pairs))
@@ -1662,15 +1675,18 @@ class PromptDataset(torch.utils.data.Dataset):
         return ids[:-1], target                                            # [S+T+1] each
 
 
-def gpt_translate(model, sentences, vocab, readings=None, beam_size=1):
+def gpt_translate(model, sentences, vocab, readings=None, beam_size=1, batch_size=256):
     """Pinyin strings -> hanzi with a decoder-only model: its continuation of the
     prompt "pinyin <sep>", constrained and searched as translate() does. Sentences
-    of one length share a batch, so no prompt needs padding."""
+    of one length share a batch (of batch_size // beam_size at most), so no prompt
+    needs padding."""
+    check_sizes(beam_size=beam_size, batch_size=batch_size)
     device = next(model.parameters()).device
-    by_length, out = {}, [""] * len(sentences)
+    by_length, out, batch_size = {}, [""] * len(sentences), max(1, batch_size // beam_size)
     for i, sentence in enumerate(sentences):
         by_length.setdefault(len(sentence.split()), []).append(i)
-    for S, rows in by_length.items():
+    batches = [(S, rows[j:j + batch_size]) for S, rows in by_length.items() for j in range(0, len(rows), batch_size)]
+    for S, rows in batches:
         syllables = [sentences[i].split() for i in rows]                   # B lists of S syllables
         prompt = torch.tensor([vocab.encode(s + [SEP]) for s in syllables], device=device)  # [B, S+1]
         allowed = answer_masks(syllables, vocab, readings).to(device)      # [B, S+1, V]
@@ -1691,12 +1707,17 @@ def translator(kind, model, src_vocab, tgt_vocab, readings=None, beam_size=1):
 
 
 @torch.no_grad()
-def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None):
+def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, batch_size=256):
     """Exact match of greedy decoding (constrained by readings, if given) in one
     forward pass. Greedy writes the right sentence exactly when, fed the right
     prefix, the model's top allowed choice is right at every step: that is what
     one teacher-forced pass checks, at every step at once. Used after each
-    training epoch: it is the same number as decoding, at a fraction of the cost."""
+    training epoch: it is the same number as decoding, at a fraction of the cost.
+    batch_size sentences a pass: all held-out logits [B, T, V] at once could be gigabytes."""
+    if len(pairs) > batch_size:
+        right = sum(round(len(chunk) * teacher_forced_accuracy(kind, model, chunk, src_vocab, tgt_vocab, readings))
+                    for chunk in (pairs[i:i + batch_size] for i in range(0, len(pairs), batch_size)))
+        return right / len(pairs)
     if kind == "encdec":
         items = PinyinDataset(pairs, src_vocab, tgt_vocab)                 # (src, tgt in, tgt out)
     else:
@@ -1811,44 +1832,74 @@ def with_pieces(pairs, copies=1, seed=0):
     return list(pairs) + pieces
 
 
+def open_for_reading(path):
+    """A binary file object for a file the user named, or ValueError naming it. Opened
+    without waiting: a named pipe with no writer reads as empty instead of hanging."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise ValueError(f"path must be a file name (str or os.PathLike), got {type(path).__name__}")
+    if not os.fspath(path):
+        raise ValueError("path is empty; expected a file name")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        os.set_blocking(fd, True)  # a pipe with a writer is read as usual
+        if os.path.isdir(path):
+            os.close(fd)
+            raise IsADirectoryError(21, "Is a directory")
+        return os.fdopen(fd, "rb")
+    except OSError as e:
+        raise ValueError(f"{shown(path)}: {e.strerror or e}") from None
+
+
+MAX_PAIRS = 200_000  # sentences: far more than trains in hours on a CPU, and a bounded dict
+
+
 def read_pairs(path):
     """(pinyin, hanzi) pairs from a TSV file; the first answer wins for a repeated
-    pinyin. Raises ValueError naming the file and line."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_DATA_BYTES + 1)  # a bounded read: /dev/zero or a huge file stops here
-    except OSError as e:
-        raise ValueError(f"{path}: {e.strerror}") from None
+    pinyin. Raises ValueError naming the file and line. Memory stays a small
+    multiple of the file: the lines are visited one by one, never listed."""
+    with open_for_reading(path) as f:
+        data = f.read(MAX_DATA_BYTES + 1)  # a bounded read: /dev/zero or a huge file stops here
+    path = shown(path)
     if len(data) > MAX_DATA_BYTES:
         raise ValueError(f"{path}: larger than {MAX_DATA_BYTES // 2 ** 20} MB; expected a pinyin<TAB>hanzi file")
     try:
-        lines = data.decode("utf-8-sig").split("\n")  # -sig: a byte-order mark is not text
+        text = data.decode("utf-8-sig")  # -sig: a byte-order mark is not text
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-    pairs = {}
-    for number, line in enumerate(lines, 1):  # numbered as an editor does: only \n ends a line
-        line = line.removesuffix("\r")
-        if not line.strip() or line.lstrip().startswith("#"):
+    del data
+    pairs, number, at = {}, 1, 0
+    # only the lines with something on them; numbered as an editor does: only \n ends a line
+    for match in re.finditer(r"[^\n]*\S[^\n]*", text):
+        number, at = number + text.count("\n", at, match.start()), match.start()
+        line = match.group().removesuffix("\r")
+        if line.lstrip().startswith("#"):
             continue
         where = f"{path}:{number}:"
+        tabs = line.count("\t")
+        if tabs != 1:
+            raise ValueError(f"{where} expected 'pinyin<TAB>hanzi', found {tabs + 1} tab-separated fields")
         fields = line.split("\t")                                           # ['wo ai', '我爱']
-        if len(fields) != 2:
-            raise ValueError(f"{where} expected 'pinyin<TAB>hanzi', found {len(fields)} tab-separated fields")
-        syllables, hanzi = fields[0].split(), fields[1].strip()             # ['wo', 'ai'], '我爱'
+        # at most MAX_SYLLABLES + 1 pieces: a megabyte of syllables is never a list of them
+        syllables, hanzi = fields[0].split(None, MAX_SYLLABLES), fields[1].strip()  # ['wo', 'ai'], '我爱'
         if not syllables or not hanzi:
             raise ValueError(f"{where} empty {'pinyin' if not syllables else 'hanzi'}")
+        if len(syllables) > MAX_SYLLABLES:
+            n = sum(1 for _ in re.finditer(r"\S+", fields[0]))  # counted, not listed
+            raise ValueError(f"{where} {n} syllables; a sentence may have at most {MAX_SYLLABLES}")
         bad = next((s for s in syllables if not SYLLABLE.fullmatch(s)), None)
         if bad:
             raise ValueError(f"{where} syllable {quote(bad)} is not toneless lowercase pinyin (a-z, ü written v)")
         if len(syllables) != len(hanzi):
             raise ValueError(f"{where} {len(syllables)} syllables but {len(hanzi)} characters {quote(hanzi)};"
                              f" expected one syllable per character")
-        if len(syllables) > MAX_SYLLABLES:
-            raise ValueError(f"{where} {len(syllables)} syllables; a sentence may have at most {MAX_SYLLABLES}")
-        if any(c.isascii() or c.isspace() or not c.isprintable() for c in hanzi):
-            raise ValueError(f"{where} hanzi {quote(hanzi)} holds an ASCII, space or control character;"
-                             f" expected Chinese characters only")
+        # a combining mark or variation selector (category M) is no character of its own
+        if any(c.isascii() or c.isspace() or not c.isprintable() or unicodedata.category(c)[0] == "M"
+               for c in hanzi):
+            raise ValueError(f"{where} hanzi {quote(hanzi)} holds an ASCII, space or control character"
+                             f" or a combining mark; expected Chinese characters only")
         pairs.setdefault(" ".join(syllables), hanzi)
+        if len(pairs) > MAX_PAIRS:
+            raise ValueError(f"{where} more than {MAX_PAIRS:,} sentences; split the file")
     if len(pairs) < 2:
         raise ValueError(f"{path}: found {len(pairs)} pinyin<TAB>hanzi lines, need at least 2")
     return sorted(pairs.items())
@@ -1988,24 +2039,6 @@ def check_vocab(itos, name):
     except UnicodeEncodeError as e:
         raise ValueError(f"{name} holds {e.object[e.start:e.end]!r}, which is not text") from None
     return Vocab(itos)
-
-
-def open_for_reading(path):
-    """A binary file object for a file the user named, or ValueError naming it. Opened
-    without waiting: a named pipe with no writer reads as empty instead of hanging."""
-    if not isinstance(path, (str, bytes, os.PathLike)):
-        raise ValueError(f"path must be a file name (str or os.PathLike), got {type(path).__name__}")
-    if not os.fspath(path):
-        raise ValueError("path is empty; expected a file name")
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        os.set_blocking(fd, True)  # a pipe with a writer is read as usual
-        if os.path.isdir(path):
-            os.close(fd)
-            raise IsADirectoryError(21, "Is a directory")
-        return os.fdopen(fd, "rb")
-    except OSError as e:
-        raise ValueError(f"{shown(path)}: {e.strerror or e}") from None
 
 
 def load_checkpoint(path, device="cpu"):
