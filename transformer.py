@@ -1486,13 +1486,21 @@ def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_i
     return best, scores[:, 0]                                              # [B, n_steps], [B]
 
 
+def rows_per_batch(batch_size, length, vocab_size, budget=2 ** 24):
+    """How many sentences go in one batch: at most batch_size, and few enough that a
+    [B, length, V] tensor of logits or masks stays within budget values (64 MB of
+    float32), however long the sentences and large the vocabulary."""
+    return max(1, min(batch_size, budget // max(1, length * vocab_size)))
+
+
 def translate(model, sentences, src_vocab, tgt_vocab, readings=None, beam_size=1, batch_size=256):
     """Pinyin strings -> hanzi strings with the encoder-decoder: constrained by the
     syllables' readings when given, greedy when beam_size is 1. A batch holds
     batch_size sentences, or batch_size // beam_size with a beam: the same rows."""
     check_sizes(beam_size=beam_size, batch_size=batch_size)
     device = next(model.parameters()).device
-    out, batch_size = [], max(1, batch_size // beam_size)
+    longest = max((len(s.split()) for s in sentences), default=0)
+    out, batch_size = [], rows_per_batch(batch_size // beam_size, longest + 1, len(tgt_vocab))
     for i in range(0, len(sentences), batch_size):
         syllables = [s.split() for s in sentences[i:i + batch_size]]      # B lists of syllables
         # collate pads every row to the longest (an empty sentence becomes all padding)
@@ -1682,10 +1690,11 @@ def gpt_translate(model, sentences, vocab, readings=None, beam_size=1, batch_siz
     needs padding."""
     check_sizes(beam_size=beam_size, batch_size=batch_size)
     device = next(model.parameters()).device
-    by_length, out, batch_size = {}, [""] * len(sentences), max(1, batch_size // beam_size)
+    by_length, out = {}, [""] * len(sentences)
     for i, sentence in enumerate(sentences):
         by_length.setdefault(len(sentence.split()), []).append(i)
-    batches = [(S, rows[j:j + batch_size]) for S, rows in by_length.items() for j in range(0, len(rows), batch_size)]
+    size = {S: rows_per_batch(batch_size // beam_size, 2 * S + 2, len(vocab)) for S in by_length}
+    batches = [(S, rows[j:j + size[S]]) for S, rows in by_length.items() for j in range(0, len(rows), size[S])]
     for S, rows in batches:
         syllables = [sentences[i].split() for i in rows]                   # B lists of S syllables
         prompt = torch.tensor([vocab.encode(s + [SEP]) for s in syllables], device=device)  # [B, S+1]
@@ -1714,8 +1723,11 @@ def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=N
     one teacher-forced pass checks, at every step at once. Used after each
     training epoch: it is the same number as decoding, at a fraction of the cost.
     batch_size sentences a pass: all held-out logits [B, T, V] at once could be gigabytes."""
+    longest = max((len(pinyin.split()) for pinyin, _ in pairs), default=0)
+    batch_size = rows_per_batch(batch_size, 2 * longest + 2, len(tgt_vocab))
     if len(pairs) > batch_size:
-        right = sum(round(len(chunk) * teacher_forced_accuracy(kind, model, chunk, src_vocab, tgt_vocab, readings))
+        right = sum(round(len(chunk) * teacher_forced_accuracy(kind, model, chunk, src_vocab, tgt_vocab, readings,
+                                                               len(chunk)))
                     for chunk in (pairs[i:i + batch_size] for i in range(0, len(pairs), batch_size)))
         return right / len(pairs)
     if kind == "encdec":
@@ -2310,13 +2322,19 @@ def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head, readi
     print(render_heatmap(weights, pinyin.split(), chars))
 
 
+MAX_BASELINE_CHARACTERS = 4096  # the bigram tables are (C + 1) x C floats: 64 MB at 4,096 characters
+
+
 def compare_with_baseline(results, train_pairs, answered, args):
     """The closing table: each model beside the bigram baseline on the same sentences,
-    and a plain line for every model that does not beat it."""
+    and a plain line for every model that does not beat it. Past
+    MAX_BASELINE_CHARACTERS distinct characters the baseline is left out (its
+    memory grows with their square), and the table says so."""
+    n_chars = len({c for _, hanzi in train_pairs for c in hanzi})
     start = time.perf_counter()
-    hmm = BigramHMM(train_pairs)
+    hmm = BigramHMM(train_pairs) if n_chars <= MAX_BASELINE_CHARACTERS else None
     trained = time.perf_counter()
-    baseline = evaluate(hmm.decode, answered)
+    baseline = evaluate(hmm.decode, answered) if hmm else None
     answered_at = time.perf_counter()
     how = ("unconstrained" if args.free else "constrained") + (f", beam {args.beam}" if args.beam > 1 else "")
     print(f"\nheld-out sentences, same split ({how} decoding):")
@@ -2327,6 +2345,10 @@ def compare_with_baseline(results, train_pairs, answered, args):
             print(f"  {SIZES[args.size][kind]['name']:20s} {count_parameters(model):10,d} {seconds}"
                   f" {r['answer_seconds']:8.2f}  {percent(r['exact'], r['total']):17s}"
                   f"  {percent(r['char_right'], r['char_total'])}")
+    if not hmm:
+        print(f"  {'bigram HMM baseline':20s} left out: {n_chars:,} distinct characters, its tables grow with"
+              f" their square (at most {MAX_BASELINE_CHARACTERS:,})")
+        return
     print(f"  {'bigram HMM baseline':20s} {'-':>10s} {trained - start:8.2f} {answered_at - trained:8.2f}  "
           f"{percent(baseline['exact'], baseline['total']):17s}  {percent(baseline['char_right'], baseline['char_total'])}")
     for kind, (*_, r) in results.items():  # beating it: more exact matches, or as many and more characters
@@ -2344,10 +2366,10 @@ def run(args, device, pairs, loaded):
     if loaded:
         kinds = [loaded[0]]
         if not answering:
-            print(f"loaded {args.load}; 'held out' below is the split of --seed {args.seed}: unseen "
+            print(f"loaded {shown(args.load)}; 'held out' below is the split of --seed {args.seed}: unseen "
                   f"only if the model was trained with that seed and data")
         if loaded[4] is None and not args.free:
-            print(f"transformer.py: note: {args.load} holds no syllable readings (saved by an older version):"
+            print(f"transformer.py: note: {shown(args.load)} holds no syllable readings (saved by an older version):"
                   f" answering unconstrained", file=sys.stderr)
     else:
         kinds = list(SIZES[args.size]) if args.model == "all" else [args.model]
@@ -2391,7 +2413,7 @@ def run(args, device, pairs, loaded):
         except ValueError as e:  # the disk filled up, the folder went away: the old file is intact
             print(f"transformer.py: error: --save {e}", file=sys.stderr)
             raise SystemExit(2) from None
-        print(f"saved the {SIZES[args.size][kind]['name']} model to {args.save}")
+        print(f"saved the {SIZES[args.size][kind]['name']} model to {shown(args.save)}")
     return kind, model, src_vocab, tgt_vocab, readings
 
 
@@ -2542,20 +2564,51 @@ def bench_time_to_99(device, seed=0, epochs=6):
 # Every mistake is one line on stderr and exit status 2, found before any work
 # starts where it can be; answers alone go to stdout.
 
+MAX_LINE = 2 ** 20  # characters in one --translate - line; a sentence takes at most MAX_SYLLABLES syllables
+MAX_BEAM = 64       # --beam: wider beams cost memory and time and, on this task, gain nothing
+
+
+def read_lines(stream, limit=MAX_LINE):
+    """The lines of a text stream (standard input), each read at most limit + 1
+    characters at a time: a longer line, /dev/zero (one endless line), bytes that
+    are not UTF-8 or a stream that cannot be read raise ValueError, and reading stops."""
+    number = 0
+    while True:
+        try:
+            line = stream.readline(limit + 1)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"standard input, line {number + 1}: not UTF-8 text ({e.reason});"
+                             f" stopped reading") from None
+        except OSError as e:
+            raise ValueError(f"cannot read standard input ({e.strerror or e})") from None
+        if not line:
+            return
+        number += 1
+        if len(line) > limit and not line.endswith("\n"):
+            raise ValueError(f"standard input, line {number}: longer than {limit:,} characters;"
+                             f" stopped reading")
+        yield line
+
+
 def answer_lines(answer, src_vocab, longest, lines):
     """Print one hanzi line per pinyin line; a line the model cannot take gets one
-    error line on stderr and the rest still answer. -> exit status."""
+    error line on stderr and the rest still answer; input that cannot be read
+    (read_lines) ends the answers with one error line. -> exit status."""
     status = 0
-    for line in lines:
-        syllables = line.split()                                           # ['wo', 'ai', ...]
-        unknown = next((s for s in syllables if not (SYLLABLE.fullmatch(s) and s in src_vocab.stoi)), None)
-        if unknown or len(syllables) > longest:
-            problem = (f"unknown syllable {quote(unknown)}" if unknown else
-                       f"{len(syllables)} syllables, this model takes at most {longest}")
-            print(f"transformer.py: error: {problem} in {quote(line.strip())}", file=sys.stderr)
-            status = 2
-            continue
-        print(answer([" ".join(syllables)])[0] if syllables else "", flush=True)
+    try:
+        for line in lines:
+            syllables = line.split()                                       # ['wo', 'ai', ...]
+            unknown = next((s for s in syllables if not (SYLLABLE.fullmatch(s) and s in src_vocab.stoi)), None)
+            if unknown or len(syllables) > longest:
+                problem = (f"unknown syllable {quote(unknown)}" if unknown else
+                           f"{len(syllables)} syllables, this model takes at most {longest}")
+                print(f"transformer.py: error: {problem} in {quote(line.strip())}", file=sys.stderr)
+                status = 2
+                continue
+            print(answer([" ".join(syllables)])[0] if syllables else "", flush=True)
+    except ValueError as e:  # from read_lines
+        print(f"transformer.py: error: --translate -: {e}", file=sys.stderr)
+        status = 2
     return status
 
 
@@ -2578,15 +2631,57 @@ def int_at_least(low):
 
 
 def check_save_target(path, data):
-    """--save's PATH, checked before any training: -> an error message or None."""
+    """--save's PATH, checked before any training: -> an error message or None.
+    What save_checkpoint would refuse, the --data file, a name too long for its
+    folder, and a folder where no file can be made are all found now, not after."""
     target = os.path.realpath(path)
     if not os.path.basename(path) or not os.path.isdir(os.path.dirname(target)):
         return f"--save {quote(path)}: expected a file name in an existing folder"
-    if os.path.exists(target) and not os.path.isfile(target):
-        return f"--save {quote(path)}: not a regular file (a folder, pipe or device); refusing to replace it"
+    problem = save_target_problem(path)
+    if problem:
+        return f"--save {quote(path)}: {problem}"
     if data and os.path.exists(target) and os.path.exists(data) and os.path.samefile(target, data):
         return f"--save {quote(path)}: that is the --data file; the checkpoint would overwrite your data"
+    folder, name = os.path.split(target)
+    try:
+        name_max = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):  # no pathconf (Windows): the usual limit
+        name_max = 255
+    if len(os.fsencode(name)) > name_max:
+        return f"--save {quote(path)}: a name of {len(os.fsencode(name))} bytes; this folder takes {name_max}"
+    try:  # the one sure test of a folder (read-only, full, not a real file system): make a file there
+        fd, probe = tempfile.mkstemp(prefix=".checkpoint-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"--save {quote(path)}: cannot write in its folder ({e.strerror or e})"
     return None
+
+
+def check_standard_streams(parser, args):
+    """What the standard streams must do for this run, checked before it starts:
+    stdout can write hanzi (not an ascii or latin-1 one) and, for answers, is open;
+    stdin, for --translate -, is open and readable (not opened write-only)."""
+    if sys.stdout is not None:
+        encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+        try:
+            "我爱学习".encode(encoding)
+        except (UnicodeEncodeError, LookupError):
+            parser.error(f"standard output's encoding ({encoding}) cannot write hanzi;"
+                         f" set PYTHONIOENCODING=utf-8 or use a UTF-8 locale")
+    elif args.translate is not None:
+        parser.error("--translate: standard output is closed; the answers would be lost")
+    if args.translate == "-":
+        if sys.stdin is None:
+            parser.error("--translate -: standard input is closed")
+        try:
+            fd = sys.stdin.fileno()
+        except (AttributeError, ValueError, OSError):  # a stream without a file (in tests): nothing to check
+            return
+        try:
+            os.read(fd, 0)  # reads nothing, but fails on a stream opened write-only (0>file) or a folder
+        except OSError as e:
+            parser.error(f"--translate -: cannot read standard input ({e.strerror or e})")
 
 
 def main(argv=None):
@@ -2610,6 +2705,15 @@ def main(argv=None):
     parser.add_argument("--bench", action="store_true", help="measure where the time goes (a few minutes), then exit")
     args = parser.parse_args(argv)
     # every problem that can be seen before the work starts is reported before it starts
+    empty = next((option for option in ("data", "load", "save") if getattr(args, option) == ""), None)
+    if empty:
+        parser.error(f"--{empty}: expected a file name, got an empty one")
+    if args.beam > MAX_BEAM:
+        parser.error(f"--beam {args.beam}: expected 1 to {MAX_BEAM}")
+    check_standard_streams(parser, args)
+    for stream in (sys.stdout, sys.stderr):  # the reader of the output may leave: a checkpoint is still saved
+        if isinstance(stream, GuardedStream):
+            stream.keep_going = args.save is not None
     if args.load and (args.save or args.epochs or args.model or args.size):
         parser.error("--load skips training, so --save, --epochs, --model and --size do not apply")
     args.size = args.size or ("base" if args.data else "small")
@@ -2645,27 +2749,78 @@ def main(argv=None):
     # answering: the answers alone go to stdout, the training progress to stderr
     with contextlib.redirect_stdout(sys.stderr):
         kind, model, src_vocab, tgt_vocab, readings = run(args, device, pairs, loaded)
-    lines = sys.stdin if args.translate == "-" else [args.translate]
+    for stream in (sys.stdout, sys.stderr):  # the model is saved: from here on, a reader leaving ends it
+        if isinstance(stream, GuardedStream):
+            stream.keep_going = False
+    lines = read_lines(sys.stdin) if args.translate == "-" else [args.translate]
     answer = translator(kind, model, src_vocab, tgt_vocab, None if args.free else readings, args.beam)
     return answer_lines(answer, src_vocab, longest_sentence(kind, model), lines)
 
 
+class GuardedStream:
+    """A standard output or error whose reader may leave (| head -1). Once the pipe is
+    broken, what is written is dropped while keep_going is set (main sets it while a
+    --save is still to come, so training finishes and saves), and raises
+    BrokenPipeError otherwise, as the stream itself would."""
+
+    def __init__(self, stream):
+        self.stream, self.broken, self.keep_going = stream, False, False
+
+    def _guard(self, method, *args):
+        if not self.broken:
+            try:
+                return method(*args)
+            except BrokenPipeError:
+                self.broken = True
+        if not self.keep_going:
+            raise BrokenPipeError(32, "Broken pipe")
+        return None
+
+    def write(self, text):
+        self._guard(self.stream.write, text)
+        return len(text)
+
+    def flush(self):
+        self._guard(self.stream.flush)
+
+    def __getattr__(self, name):  # encoding, fileno, isatty...: the stream's own
+        return getattr(self.stream, name)
+
+
 def command_line():
-    """main() as a program: every failure one line on stderr, never a traceback."""
+    """main() as a program: every failure one line on stderr, never a traceback,
+    whichever standard stream is closed, broken or unable to encode."""
+    if sys.stderr is not None:
+        with contextlib.suppress(AttributeError, ValueError, OSError):  # a message never fails on a character
+            sys.stderr.reconfigure(errors="backslashreplace")
+    sys.stdout, sys.stderr = (None if s is None else GuardedStream(s) for s in (sys.stdout, sys.stderr))
+
+    def say(line):  # on stderr, if anyone still reads it
+        with contextlib.suppress(OSError):
+            print(f"transformer.py: {line}", file=sys.stderr)
     try:
         status = main()
-        sys.stdout.flush()  # a full disk shows here, not at exit
+        if sys.stdout is not None:
+            sys.stdout.flush()  # a full disk shows here, not at exit
     except KeyboardInterrupt:  # Ctrl-C outside training (training stops cleanly by itself)
         status = 130
-        print("transformer.py: interrupted", file=sys.stderr)
+        say("interrupted")
     except BrokenPipeError:  # the reader left early (| head): not an error of ours
         status = 1
     except OSError as e:  # stdout on a full disk, a closed terminal
         status = 2
-        print(f"transformer.py: error: writing the output: {e.strerror or e}", file=sys.stderr)
-    if status:
-        # what could not be written is dropped, so that exiting does not try again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        say(f"error: writing the output: {e.strerror or e}")
+    except UnicodeEncodeError as e:  # a character the output's encoding lacks (checked before; a last guard)
+        status = 2
+        say(f"error: writing the output: {e.encoding} cannot write {e.object[e.start:e.end]!r}")
+    if status == 0 and sys.stdout is not None and sys.stdout.broken:
+        say("note: the reader of standard output left early (broken pipe); the rest of the output"
+            " was dropped, the work was done")
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None and (stream.broken or (status and stream is sys.stdout)):
+            # what could not be written is dropped, so that exiting does not try again
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
     return status
 
 
