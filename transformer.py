@@ -1826,6 +1826,8 @@ def shown(path, limit=120):
     (bytes that are not UTF-8, a control character), then quote()d: one short line
     that any terminal can print."""
     text = os.fsdecode(path) if isinstance(path, bytes) else str(path)
+    with contextlib.suppress(UnicodeError):  # a byte that is not UTF-8 (\udcff in Python) shown as \xff
+        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     return text if len(text) <= limit and text.isprintable() else quote(text, limit // 2)
 
 
@@ -1880,11 +1882,11 @@ def read_pairs(path):
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     del data
     pairs, number, at = {}, 1, 0
-    # only the lines with something on them; numbered as an editor does: only \n ends a line
-    for match in re.finditer(r"[^\n]*\S[^\n]*", text):
+    # the lines that are not empty (a linear scan), numbered as an editor does: only \n ends a line
+    for match in re.finditer(r"[^\n]+", text):
         number, at = number + text.count("\n", at, match.start()), match.start()
         line = match.group().removesuffix("\r")
-        if line.lstrip().startswith("#"):
+        if line.isspace() or line.lstrip().startswith("#"):
             continue
         where = f"{path}:{number}:"
         tabs = line.count("\t")
@@ -2577,8 +2579,7 @@ def read_lines(stream, limit=MAX_LINE):
         try:
             line = stream.readline(limit + 1)
         except UnicodeDecodeError as e:
-            raise ValueError(f"standard input, line {number + 1}: not UTF-8 text ({e.reason});"
-                             f" stopped reading") from None
+            raise ValueError(f"standard input is not UTF-8 text ({e.reason}); stopped reading") from None
         except OSError as e:
             raise ValueError(f"cannot read standard input ({e.strerror or e})") from None
         if not line:
@@ -2780,8 +2781,9 @@ class GuardedStream:
         self._guard(self.stream.write, text)
         return len(text)
 
-    def flush(self):
-        self._guard(self.stream.flush)
+    def flush(self):  # never raises once broken: Python flushes at exit, when there is nothing left to say
+        if not self.broken:
+            self._guard(self.stream.flush)
 
     def __getattr__(self, name):  # encoding, fileno, isatty...: the stream's own
         return getattr(self.stream, name)
