@@ -442,7 +442,8 @@ def check_sizes(**sizes):
 # Every configuration field a model takes, with its type and range, in one table:
 # the constructors check their numbers here, and load_checkpoint (section 34) checks
 # a file's whole configuration here before computing anything from it. A new field
-# is one line: (type, smallest, largest), and "or None" where None is allowed.
+# is one line: (type, smallest, largest) for a number, (type,) for anything else,
+# and "or None" where None is allowed.
 # Sizes stop at 2^31 - 1, past any real model and what torch's kernels index;
 # no published model has 1,024 layers (Llama 3 405B: 126).
 MAX_SIZE = 2 ** 31 - 1
@@ -456,6 +457,8 @@ CONFIG_FIELDS = {
     "rope_theta": (float, 1.0, 1e30),  # the wavelengths' base: 0, negative or NaN make cos/sin NaN
     "norm_eps": (float, torch.finfo(torch.float32).tiny, 1.0),  # > 0 in float32: 0 / sqrt(0) is NaN
     "norm_first": (bool,), "share_embeddings": (bool,), "tie_weights": (bool,), "qkv_bias": (bool,),
+    "window": (int, 1, MAX_SIZE, "or None"),        # Part IV's sliding window: keys a query sees
+    "rope_scaling": (dict, "or None"),              # Part IV: rope_cos_sin checks what the dict says
 }
 
 
@@ -467,9 +470,10 @@ def check_config(**fields):
         kind, *rule = CONFIG_FIELDS[name]
         if value is None and "or None" in rule:
             continue
-        if kind is bool:
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
+        if kind not in (int, float):  # True or False, a dict: the type is the rule
+            if not isinstance(value, kind):
+                what = "True or False" if kind is bool else f"a {kind.__name__}"
+                raise ValueError(f"{name} must be {what}{' or None' if 'or None' in rule else ''}, got {value!r}")
             continue
         low, high = rule[:2]
         numeric = (int,) if kind is int else (int, float)
@@ -2109,7 +2113,8 @@ def checked_checkpoint(checkpoint, device):
         raise ValueError(f"weight {quote(wrong)}: the configuration implies "
                          f"{list(expected[wrong]) if wrong in expected else 'no such weight'}, the file holds "
                          f"{list(state[wrong].shape) if wrong in state else 'none'}")
-    model = MODEL_CLASSES[kind](**config).to(device)
+    cls = MODEL_CLASSES[kind]
+    model = cls(**config).to(device)
     model.load_state_dict(state)
     vocabs = check_vocab(checkpoint["src_vocab"], "src_vocab"), check_vocab(checkpoint["tgt_vocab"], "tgt_vocab")
     sizes = [model.config.get(key, model.config.get("vocab_size")) for key in ("src_vocab_size", "tgt_vocab_size")]
@@ -2643,7 +2648,7 @@ def check_save_target(path, data):
         return f"--save {quote(path)}: {problem}"
     if data and os.path.exists(target) and os.path.exists(data) and os.path.samefile(target, data):
         return f"--save {quote(path)}: that is the --data file; the checkpoint would overwrite your data"
-    folder, name = os.path.split(target)
+    folder, name = os.path.dirname(target), os.path.basename(target)
     try:
         name_max = os.pathconf(folder, "PC_NAME_MAX")
     except (OSError, ValueError, AttributeError):  # no pathconf (Windows): the usual limit
