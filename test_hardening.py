@@ -766,16 +766,22 @@ def test_root_saving_over_a_users_file_keeps_its_owner_and_mode(tmp_path, hard):
     assert tf.load_checkpoint(str(target))[0] == "gpt"
 
 
-def test_megabytes_of_readings_load_in_well_under_a_second(hard, tmp_path):
-    # 100 syllables each "read" as one 40,000-character string of the vocabulary's characters
+def test_one_long_readings_string_under_many_keys_is_refused_at_once(hard, tmp_path):
+    # a 4 MB string, pickled once, under 100 keys: read character by character, 400 million checks
     checkpoint = torch.load(hard["gpt"], weights_only=True)
     characters = "".join(t for t in checkpoint["tgt_vocab"] if len(t) == 1 and not t.isascii())
-    long = (characters * (40_000 // len(characters) + 1))[:40_000]
+    long = (characters * (4 * 2 ** 20 // len(characters) + 1))[:4 * 2 ** 20]
     path = tmp_path / "readings.pt"
     torch.save(dict(checkpoint, readings={f"s{i}": long for i in range(100)}), path)
+    assert os.path.getsize(path) < 16 * 2 ** 20
     start = time.perf_counter()
-    assert tf.load_checkpoint(str(path))[4]["s0"] == set(characters)
+    with pytest.raises(ValueError, match="readings must map syllables to characters of the vocabulary"):
+        tf.load_checkpoint(str(path))
     assert time.perf_counter() - start < 1.5
+    # what save_checkpoint writes, every character once, still loads
+    everything = {f"s{i}": characters for i in range(100)}
+    torch.save(dict(checkpoint, readings=everything), path)
+    assert tf.load_checkpoint(str(path))[4]["s7"] == set(characters)
 
 
 @pytest.mark.parametrize("option", ["--data", "--load"])

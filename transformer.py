@@ -2062,8 +2062,8 @@ def check_vocab(itos, name):
 def load_checkpoint(path, device="cpu"):
     """-> (kind, model in eval mode, src_vocab, tgt_vocab, readings or None);
     ValueError for a bad device, or for a missing, truncated, foreign or forged file.
-    Nothing is built before the names and shapes of the weights are those the
-    configuration implies, so no file can make this allocate more than it stores."""
+    Nothing is built before the configuration is checked and accounts for exactly the
+    weights the file really stores, so no file can make this allocate more than it holds."""
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError):
@@ -2104,17 +2104,18 @@ def checked_checkpoint(checkpoint, device):
     per_position = config["d_model"] if kind != "llama" else 2 * config["d_model"] // config["n_heads"]
     if config["max_len"] * per_position > max(sum(weights.values()), 2 ** 24):  # position tables
         raise ValueError(f"max_len {config['max_len']} asks for position tables far larger than the model")
-    # the model's shapes on the meta device (no memory): the file must hold exactly these names and shapes
-    with torch.device("meta"):
-        expected = {name: t.shape for name, t in MODEL_CLASSES[kind](**config).state_dict().items()}
+    # the weights are real (check_state_dict: no view counted twice) and as many as the
+    # configuration needs, so building the model allocates what the file holds, no more;
+    # then its names and shapes must be the file's, exactly
+    cls = MODEL_CLASSES[kind]
+    model = cls(**config).to(device)
+    expected = {name: t.shape for name, t in model.state_dict().items()}
     wrong = next((name for name in {**expected, **state} if expected.get(name) != getattr(
         state.get(name), "shape", None)), None)
     if wrong is not None:
         raise ValueError(f"weight {quote(wrong)}: the configuration implies "
                          f"{list(expected[wrong]) if wrong in expected else 'no such weight'}, the file holds "
                          f"{list(state[wrong].shape) if wrong in state else 'none'}")
-    cls = MODEL_CLASSES[kind]
-    model = cls(**config).to(device)
     model.load_state_dict(state)
     vocabs = check_vocab(checkpoint["src_vocab"], "src_vocab"), check_vocab(checkpoint["tgt_vocab"], "tgt_vocab")
     sizes = [model.config.get(key, model.config.get("vocab_size")) for key in ("src_vocab_size", "tgt_vocab_size")]
@@ -2125,9 +2126,12 @@ def checked_checkpoint(checkpoint, device):
     readings = checkpoint.get("readings")
     if readings is not None:
         characters = {token for token in vocabs[1].itos if len(token) == 1 and not token.isascii()}
-        # set(c) <= characters runs in C: a megabyte of readings is checked in milliseconds
-        if not (isinstance(readings, dict) and all(isinstance(s, str) and isinstance(c, str) and c
-                                                   and set(c) <= characters for s, c in readings.items())):
+        # saved as distinct characters, so never longer than the vocabulary's: a forged
+        # megabyte string (pickled once, under 100 keys) is refused by its length, not read
+        # 100 times; set(c) <= characters then runs in C
+        if not (isinstance(readings, dict) and all(isinstance(s, str) and isinstance(c, str)
+                                                   and 0 < len(c) <= len(characters) and set(c) <= characters
+                                                   for s, c in readings.items())):
             raise ValueError("readings must map syllables to characters of the vocabulary")
         readings = {syllable: set(chars) for syllable, chars in readings.items()}
     return kind, model.eval(), *vocabs, readings
