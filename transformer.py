@@ -2674,10 +2674,12 @@ def check_standard_streams(parser, args):
     stdin, for --translate -, is open and readable (not opened write-only)."""
     if sys.stdout is not None:
         encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
-        try:
-            "我爱学习".encode(encoding)
-        except (UnicodeEncodeError, LookupError):
-            parser.error(f"standard output's encoding ({encoding}) cannot write hanzi;"
+        try:  # hanzi, and the marks the report and the heatmap draw with
+            ("我爱学习多万ü✗" + SHADES).encode(encoding)
+        except (UnicodeEncodeError, LookupError) as e:
+            char = e.object[e.start] if isinstance(e, UnicodeEncodeError) else "我"
+            what = "hanzi" if "\u4e00" <= char <= "\u9fff" else repr(char)
+            parser.error(f"standard output's encoding ({encoding}) cannot write {what};"
                          f" set PYTHONIOENCODING=utf-8 or use a UTF-8 locale")
     elif args.translate is not None:
         parser.error("--translate: standard output is closed; the answers would be lost")
