@@ -1858,8 +1858,9 @@ def open_for_reading(path):
     if not os.fspath(path):
         raise ValueError("path is empty; expected a file name")
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        os.set_blocking(fd, True)  # a pipe with a writer is read as usual
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # O_NONBLOCK: Unix only
+        if hasattr(os, "O_NONBLOCK"):
+            os.set_blocking(fd, True)  # a pipe with a writer is read as usual
         if os.path.isdir(path):
             os.close(fd)
             raise IsADirectoryError(21, "Is a directory")
@@ -1946,7 +1947,7 @@ def save_target_problem(path):
     target = os.path.realpath(path)
     if os.path.exists(target) and not os.path.isfile(target):
         return "not a regular file (a folder, pipe or device); refusing to replace it"
-    if re.match(r"/(proc|sys|dev/fd)(/|$)", target):
+    if re.match(r"/(proc|sys)(/|$)", target):
         return "inside /proc or /sys, the kernel's files; expected a file on a disk"
     for fd, stream in enumerate(("standard input", "standard output", "standard error")):
         try:
@@ -1984,7 +1985,7 @@ def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
     except OSError as e:
         raise ValueError(f"{shown(path)}: cannot write there ({e.strerror})") from None
     try:
-        if old and (old.st_uid, old.st_gid) != (os.getuid(), os.getgid()):
+        if old and hasattr(os, "chown") and (old.st_uid, old.st_gid) != (os.getuid(), os.getgid()):
             with contextlib.suppress(OSError):  # root saving over a user's file: it stays theirs
                 os.chown(tmp, old.st_uid, old.st_gid)
         os.chmod(tmp, mode)  # mkstemp's file is private; the saved model gets the usual (or the old) mode
@@ -2670,7 +2671,8 @@ def check_save_target(path, data):
 
 def check_standard_streams(parser, args):
     """What the standard streams must do for this run, checked before it starts:
-    stdout can write hanzi (not an ascii or latin-1 one) and, for answers, is open;
+    stdout can write hanzi and the report's marks (an ascii, latin-1 or gbk one
+    cannot) and, for answers, is open;
     stdin, for --translate -, is open and readable (not opened write-only)."""
     if sys.stdout is not None:
         encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
@@ -2694,6 +2696,37 @@ def check_standard_streams(parser, args):
             os.read(fd, 0)  # reads nothing, but fails on a stream opened write-only (0>file) or a folder
         except OSError as e:
             parser.error(f"--translate -: cannot read standard input ({e.strerror or e})")
+
+
+class GuardedStream:
+    """A standard output or error whose reader may leave (| head -1). Once the pipe is
+    broken, what is written is dropped while keep_going is set (main sets it while a
+    --save is still to come, so training finishes and saves), and raises
+    BrokenPipeError otherwise, as the stream itself would."""
+
+    def __init__(self, stream):
+        self.stream, self.broken, self.keep_going = stream, False, False
+
+    def _guard(self, method, *args):
+        if not self.broken:
+            try:
+                return method(*args)
+            except BrokenPipeError:
+                self.broken = True
+        if not self.keep_going:
+            raise BrokenPipeError(32, "Broken pipe")
+        return None
+
+    def write(self, text):
+        self._guard(self.stream.write, text)
+        return len(text)
+
+    def flush(self):  # never raises once broken: Python flushes at exit, when there is nothing left to say
+        if not self.broken:
+            self._guard(self.stream.flush)
+
+    def __getattr__(self, name):  # encoding, fileno, isatty...: the stream's own
+        return getattr(self.stream, name)
 
 
 def main(argv=None):
@@ -2767,37 +2800,6 @@ def main(argv=None):
     lines = read_lines(sys.stdin) if args.translate == "-" else [args.translate]
     answer = translator(kind, model, src_vocab, tgt_vocab, None if args.free else readings, args.beam)
     return answer_lines(answer, src_vocab, longest_sentence(kind, model), lines)
-
-
-class GuardedStream:
-    """A standard output or error whose reader may leave (| head -1). Once the pipe is
-    broken, what is written is dropped while keep_going is set (main sets it while a
-    --save is still to come, so training finishes and saves), and raises
-    BrokenPipeError otherwise, as the stream itself would."""
-
-    def __init__(self, stream):
-        self.stream, self.broken, self.keep_going = stream, False, False
-
-    def _guard(self, method, *args):
-        if not self.broken:
-            try:
-                return method(*args)
-            except BrokenPipeError:
-                self.broken = True
-        if not self.keep_going:
-            raise BrokenPipeError(32, "Broken pipe")
-        return None
-
-    def write(self, text):
-        self._guard(self.stream.write, text)
-        return len(text)
-
-    def flush(self):  # never raises once broken: Python flushes at exit, when there is nothing left to say
-        if not self.broken:
-            self._guard(self.stream.flush)
-
-    def __getattr__(self, name):  # encoding, fileno, isatty...: the stream's own
-        return getattr(self.stream, name)
 
 
 def command_line():
