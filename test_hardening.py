@@ -16,8 +16,8 @@ children see what a real start does.
 """
 
 import contextlib
+import inspect
 import io
-import math
 import os
 import resource
 import signal
@@ -319,7 +319,6 @@ def test_cli_beam_beyond_its_cap_is_one_line_before_the_work(hard, beam):
 def test_every_configuration_field_of_every_kind_has_a_rule():
     # a new keyword of a model class needs a line in CONFIG_FIELDS, or its checkpoints cannot load
     for kind, cls in tf.MODEL_CLASSES.items():
-        import inspect
         fields = set(inspect.signature(cls).parameters)
         assert fields <= set(tf.CONFIG_FIELDS), (kind, fields - set(tf.CONFIG_FIELDS))
 
@@ -498,7 +497,7 @@ def test_translate_stdin_that_is_not_utf8_is_one_line(hard):
         f.seek(0)
         status, out, err, _ = _forked(["--load", hard["encdec"], "--translate", "-"], stdin=f.fileno())
     assert status == 2 and out.decode().count("\n") <= 1   # the decoder reads ahead: line 1 may not answer
-    assert _one_error_line(err) == ("transformer.py: error: --translate -: standard input is not UTF-8 text"
+    assert _one_error_line(err) == ("transformer.py: error: --translate -: standard input is not utf-8 text"
                                     " (invalid start byte); stopped reading")
 
 
@@ -513,8 +512,10 @@ def test_data_file_of_blank_lines_reads_in_memory_proportional_to_the_file(tmp_p
 
 
 def test_data_line_of_a_million_tabs_or_syllables_is_refused_without_listing_them(tmp_path):
-    for line, words in (("wo" + "\t" * 10 ** 7 + "我", "expected 'pinyin<TAB>hanzi', found 10000001 tab-separated fields"),
-                        ("a " * 10 ** 7 + "\t我", f"10000000 syllables; a sentence may have at most {tf.MAX_SYLLABLES}")):
+    # split, either would be a list of ten million strings: half a gigabyte
+    cases = [("wo" + "\t" * 10 ** 7 + "我", "expected 'pinyin<TAB>hanzi', found 10000001 tab-separated fields"),
+             ("a " * 10 ** 7 + "\t我", f"10000000 syllables; a sentence may have at most {tf.MAX_SYLLABLES}")]
+    for line, words in cases:
         path = tmp_path / "long.tsv"
         path.write_text("wo\t我\n" + line + "\n", encoding="utf-8")
         outcome, grown = _forked_call(lambda: tf.read_pairs(str(path)))

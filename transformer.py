@@ -2589,7 +2589,8 @@ def read_lines(stream, limit=MAX_LINE):
         try:
             line = stream.readline(limit + 1)
         except UnicodeDecodeError as e:
-            raise ValueError(f"standard input is not UTF-8 text ({e.reason}); stopped reading") from None
+            encoding = getattr(stream, "encoding", None) or "UTF-8"
+            raise ValueError(f"standard input is not {encoding} text ({e.reason}); stopped reading") from None
         except OSError as e:
             raise ValueError(f"cannot read standard input ({e.strerror or e})") from None
         if not line:
