@@ -593,8 +593,10 @@ class Transformer(nn.Module):
 # so it reuses EncoderLayer rather than writing the block twice.
 # How it differs from GPT-2 itself: fixed sinusoidal positions instead of a
 # learned table, embeddings scaled by sqrt(D) as in the 2017 paper, the exact
-# erf GELU instead of GPT-2's tanh approximation, and PyTorch's default
-# initialization instead of GPT-2's N(0, 0.02) with scaled residual layers.
+# erf GELU instead of GPT-2's tanh approximation, and a token embedding drawn from
+# N(0, 1/D) (init_embedding) with PyTorch's default initialization for the layers,
+# where GPT-2's code draws its token embedding and layers from N(0, 0.02) and its
+# position table from N(0, 0.01) (its paper also scales residual weights by 1/sqrt(N)).
 # generate() writes one token per step: the most likely one (greedy), or one
 # drawn at random from the model's distribution (sampling, for varied text).
 # Section 3's KV cache makes each step run only the newest token.
@@ -747,20 +749,23 @@ def decoder_only_param_formula(vocab_size, d_model, n_layers, d_ff, tie_weights=
 # ===========================================================================
 # Part II: the modern decoder, Llama-style (第二部分：现代解码器)
 # ===========================================================================
-# Since 2017 the decoder-only block has changed in four places, and Llama (Touvron
-# et al., 2023) put them together: RMSNorm instead of LayerNorm, rotary position
+# Since 2017 the decoder-only block has changed in four places. Llama (Touvron et
+# al., 2023) put three together: RMSNorm instead of LayerNorm, rotary position
 # embedding (RoPE) turning q and k instead of a position table added to the input,
-# SwiGLU instead of ReLU or GELU in the feed-forward, and grouped-query attention
-# (fewer key/value heads) to shrink the KV cache. Still pre-norm; no biases, no
-# dropout. Each piece is checked against PyTorch's own where one exists.
+# and SwiGLU instead of ReLU or GELU in the feed-forward. The fourth, grouped-query
+# attention (fewer key/value heads, a smaller KV cache), came with Llama 2 in its
+# 34B and 70B models only (Llama-2-7B keeps 32 kv heads for 32 query heads) and is
+# in every Llama 3. Still pre-norm; no biases, no dropout. Each piece is checked
+# against PyTorch's own where one exists, against its closed form where none does.
 
 # ===========================================================================
 # 11. RMSNorm (均方根归一化)
 # ===========================================================================
 # LayerNorm without the mean and without the bias: divide each position by the
-# root mean square of its D features, then rescale. Re-centering adds little; the
-# scale invariance is what stabilizes training, and skipping the mean is cheaper
-# (Zhang & Sennrich, 2019, "Root Mean Square Layer Normalization").
+# root mean square of its D features, then rescale. Skipping the mean is cheaper;
+# that re-centering adds little and the rescaling invariance is what helps is the
+# paper's hypothesis, borne out in its experiments, not a proof (Zhang & Sennrich,
+# 2019, "Root Mean Square Layer Normalization": "we hypothesize ...").
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, over the last dimension."""
@@ -875,8 +880,10 @@ class SwiGLU(nn.Module):
 # ===========================================================================
 # 14. Grouped-query attention (分组查询注意力)
 # ===========================================================================
-# Generating, the KV cache, not the weights, fills the memory: every layer keeps
-# keys and values for every token. GQA (Ainslie et al., 2023) lets groups of
+# Generating, every layer keeps keys and values for every token, and for long or
+# many sequences that cache outgrows the weights: Llama-2-7B in bf16 has 13.5 GB of
+# weights and caches 512 KiB a token (section 16), so past about 25,700 cached
+# tokens (batch x length) the cache is the larger. GQA (Ainslie et al., 2023) lets groups of
 # query heads share one key/value head: n_kv_heads = n_heads is plain multi-head
 # attention, 1 is multi-query attention (MQA), anything between trades the two.
 
@@ -1062,7 +1069,7 @@ def kv_cache_bytes_per_token(n_layers, n_kv_heads, head_dim, bytes_per_value=2):
 
 # Where a 7B model's parameters go (Llama-2-7B: V 32000, D 4096, Dff 11008, 32 layers):
 # embeddings and lm_head 2 V D = 262M (4%); per layer, attention 4 D^2 = 67M (full MHA)
-# and the feed-forward 3 D Dff = 135M (two thirds of the model), norms 2 D = 8192.
+# and the feed-forward 3 D Dff = 135M (64% of the model over 32 layers), norms 2 D = 8192.
 # The cache per token in bf16: 2 * 32 layers * 32 heads * 128 * 2 bytes = 512 KiB for
 # Llama-2-7B, 4K tokens 2 GiB; Llama-3-8B's GQA, 8 kv heads for 32 query heads, cuts
 # it 4x to 128 KiB.
@@ -1547,6 +1554,8 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
                 nn.utils.clip_grad_norm_(model.parameters(), clip)
                 optimizer.step()
                 scheduler.step()
+                # .item() copies the loss to the host, which waits for the device: on a GPU
+                # too, the epoch's clock below reads finished work
                 loss_sum, count = loss_sum + loss.item(), count + 1
                 if stop:
                     break
@@ -1569,13 +1578,26 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
 # every layer, so n tokens cost about n^2 / 2 token-passes. With the KVCache of
 # section 3 each step runs one token and reads the earlier keys and values:
 # n token-passes, plus attention over a growing cache. Same tokens, less work.
+# A GPU runs asynchronously: a call returns once its work is queued, so a clock
+# read right after it times the queueing. Every timing waits for the device first.
+
+def synchronize(device):
+    """Wait until the device has finished all the work queued on it (CUDA, MPS;
+    a CPU computes before returning, so there is nothing to wait for)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
 
 def time_generation(model, prompt, max_new_tokens):
     """Seconds to generate with and without the cache, and whether the tokens agree."""
     seconds, tokens = {}, {}
     for use_cache in (True, False):
+        synchronize(prompt.device)
         start = time.perf_counter()
         tokens[use_cache] = model.generate(prompt, max_new_tokens, use_cache=use_cache)  # [B, T+n]
+        synchronize(prompt.device)
         seconds[use_cache] = time.perf_counter() - start
     return seconds[True], seconds[False], torch.equal(tokens[True], tokens[False])  # same [B, T+n]?
 
@@ -1946,7 +1968,7 @@ CLASSIC_CONFIGS = [
         share_embeddings=True), "213M"),
     ("GPT-2 small (Radford 2019)", "gpt", dict(
         vocab_size=50257, d_model=768, n_layers=12, n_heads=12, d_ff=3072, max_len=1024,
-        tie_weights=True), "124M"),
+        tie_weights=True), "117M in the paper, 124M corrected"),
     ("GPT of the decoder-only tutorial", "gpt", TUTORIAL_GPT_CONFIG, "3000多万 (30-odd M)"),
 ]
 # the toy models, small enough to train in seconds on two CPU cores. Recipes chosen by
@@ -2008,7 +2030,8 @@ def show_models(device):
     print("  base/big: the shared 37,000-token vocabulary ties source, target and output embeddings.")
     gpt2 = CLASSIC_CONFIGS[2][2]
     print(f"  GPT-2 small: add its learned position table, 1024 x 768 = {1024 * 768:,}, for "
-          f"{decoder_only_param_formula(**gpt2) + 1024 * 768:,}; the sinusoidal encoding here has none.")
+          f"{decoder_only_param_formula(**gpt2) + 1024 * 768:,}: the 124M\n  of OpenAI's gpt-2 README, which "
+          f"corrected the paper's 117M (Table 2). The sinusoidal encoding here has no table.")
     tied = decoder_only_param_formula(**TUTORIAL_GPT_CONFIG, tie_weights=True)
     print(f"  the tutorial's GPT: {decoder_only_param_formula(**TUTORIAL_GPT_CONFIG) / 1e6:.1f}M untied; even tied "
           f"(lm_head = token_embedding) it is {tied / 1e6:.1f}M, not 30-odd M.")
@@ -2080,7 +2103,7 @@ def report(answer, test_pairs, ambiguous, n_examples=6):
     """Held-out accuracy (sentences, characters, ambiguous syllables), examples, and
     the seconds the answers took."""
     start = time.perf_counter()
-    result = evaluate(answer, test_pairs, ambiguous)
+    result = evaluate(answer, test_pairs, ambiguous)  # ends in characters on the host: the device is done
     result["answer_seconds"] = time.perf_counter() - start
     print(f"held-out exact match: {percent(result['exact'], result['total'])} sentences; "
           f"characters: {percent(result['char_right'], result['char_total'])}")
@@ -2248,9 +2271,11 @@ class TorchTransformer(nn.Module):
 
 
 def training_tokens_per_second(model, src, tgt, steps):
-    """Forward, backward and an Adam step on one batch, steps times: target tokens / s."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    """Forward, backward and an Adam step on one batch, steps times: target tokens / s.
+    The same fused Adam as train(), so the table measures what the demo runs."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
     model.train()
+    synchronize(src.device)
     start = time.perf_counter()
     for _ in range(steps):
         logits = model(src, tgt)                                           # [B, T, V]
@@ -2258,6 +2283,7 @@ def training_tokens_per_second(model, src, tgt, steps):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    synchronize(src.device)
     return steps * tgt.numel() / (time.perf_counter() - start)
 
 
@@ -2291,15 +2317,17 @@ def bench_training(device, rounds=3):
           "  F.scaled_dot_product_attention; ratios are to nn.Transformer")
 
 
-def memory_bandwidth(megabytes=256):
-    """Bytes read and written per second by a large copy: the ceiling for anything that
-    must stream all its weights from memory once per step."""
-    x = torch.ones(megabytes * 2 ** 20 // 4)                               # [N] float32
+def memory_bandwidth(device=torch.device("cpu"), megabytes=256):
+    """Bytes read and written per second by a large copy on device: the ceiling for
+    anything that must stream all its weights from that memory once per step."""
+    x = torch.ones(megabytes * 2 ** 20 // 4, device=device)                # [N] float32
     y = torch.empty_like(x)                                                # [N]
     y.copy_(x)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(5):
         y.copy_(x)
+    synchronize(device)
     return 5 * 2 * x.nelement() * 4 / (time.perf_counter() - start)
 
 
@@ -2311,7 +2339,7 @@ def bench_kv_cache(device, lengths=(64, 256, 1024)):
                                  max_len=1100).to(device).eval()
     prompt = torch.randint(0, 1000, (1, 8), device=device)                 # [B, T]
     weights = 4 * (count_parameters(gpt) - gpt.token_embedding.weight.numel())  # bytes a step reads (fp32)
-    bandwidth = memory_bandwidth()
+    bandwidth = memory_bandwidth(device)
     print("\nKV cache: decoder-only, d_model 512, 8 heads, d_ff 2048, 2 layers, vocab 1000, batch 1, prompt 8")
     print(f"  {'new tokens':>10s} {'with cache':>11s} {'without':>9s} {'speedup':>8s} {'ms/step cached':>15s}")
     for n in lengths:
@@ -2319,7 +2347,7 @@ def bench_kv_cache(device, lengths=(64, 256, 1024)):
         print(f"  {n:10d} {with_cache:10.2f}s {without:8.2f}s {without / with_cache:7.1f}x "
               f"{1000 * with_cache / n:15.2f}" + ("" if same else "  (tokens DIFFER)"))
     print(f"  the bound: a cached step reads every weight but the embedding table once, "
-          f"{weights / 1e6:.1f} MB in float32;\n  at the {bandwidth / 1e9:.1f} GB/s this machine copies memory, "
+          f"{weights / 1e6:.1f} MB in float32;\n  at the {bandwidth / 1e9:.1f} GB/s the device copies memory, "
           f"that is {1000 * weights / bandwidth:.2f} ms a token at best. Without the cache, step t\n"
           f"  reruns all 8 + t tokens, about n^2 / 2 token-passes for n tokens: the speedup grows with n,\n"
           f"  and a batch of prompts shares each weight read (the cached step is bound by memory, not math)")
