@@ -1987,7 +1987,7 @@ TOY_MODELS = {
 # --size base, the default for --data: real sentences need more than the toy's 90
 # words. Measured on 2,500 everyday sentences (README, "Decoding"): twice the width,
 # a third layer, dropout against overfitting, each sentence plus one random piece of
-# it per epoch; 12 epochs to stay within 5 minutes on 2 cores
+# it (drawn once, before training); 12 epochs to stay within 5 minutes on 2 cores
 BASE_MODELS = {
     "encdec": dict(name="encoder-decoder", epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1,
                    config=dict(d_model=128, n_heads=4, d_ff=512, n_layers=3, dropout=0.1)),
