@@ -1171,8 +1171,12 @@ LLAMA_CONFIGS = [
 # TB/s), the numbers of the FlashAttention paper. Section 2 writes S and P to HBM and
 # reads them back, Theta(T^2) traffic; the tiles never leave SRAM, and the fused
 # kernel is faster although it does more arithmetic. Here, in Python on a CPU, each
-# tile is a dozen separate torch calls: it is slower than section 2 (--bench
-# measures by how much) and exists to prove the math and the memory, O(T * block).
+# tile is a dozen separate torch calls, and the code exists to prove the math and
+# the memory, O(T * block). Its speed depends on the machine (--bench measures it):
+# on a busy 2-core one, 4096 tokens and 4 heads took 0.50 s against section 2's 1.51 s
+# on one thread (a 64 x 64 tile stays in the CPU's cache while section 2 streams
+# 256 MiB tensors through memory: the GPU's reason, on a small scale), and 3.3 s
+# against 2.7 s on two, where waking the second thread for every small call costs more.
 # The backward saves only q, k, v, out and the lse [Tq] (not the [Tq, Tk] weights
 # of section 2) and recomputes each tile's probabilities P = e^(S - lse) from them.
 # With D = rowsum(dO * O): dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dQ += dS K
@@ -1460,10 +1464,11 @@ def padded_and_paged_slots(lengths, block_size):
 # - yarn: the blend's ends are where a pair turns beta_fast (32) and beta_slow (1)
 #   times within L, rounded outwards to whole pairs (floor, ceil) as the reference
 #   implementations do, and the attention gets a temperature: cos and sin times
-#   0.1 ln s + 1, so every score q . k is multiplied by its square, sharpening the
-#   softmax that more keys would flatten. Forgetting it still runs, at a worse
-#   perplexity (YaRN's paper). DeepSeek-V3 leaves cos and sin alone and multiplies its
-#   softmax scale by mscale^2 instead (mscale = 0.1 mscale ln s + 1): the same scores.
+#   0.1 ln s + 1 (fitted on Llama models in the YaRN paper), so every score q . k is
+#   multiplied by its square, sharpening a softmax that more keys would flatten.
+#   Forgetting it raises no error: the model just runs at a worse perplexity.
+#   DeepSeek-V3 leaves cos and sin alone and multiplies its softmax scale by mscale^2
+#   instead (mscale = 0.1 * mscale * ln s + 1, its config's mscale 1): the same scores.
 # The pitfall: the cache holds keys already turned at their positions (section 14).
 # Scaling is chosen once, for the model; turning the cached keys again (say, to switch
 # scaling mid-generation) turns them twice.
@@ -2766,6 +2771,112 @@ def bench_kv_cache(device, lengths=(64, 256, 1024)):
           f"  and a batch of prompts shares each weight read (the cached step is bound by memory, not math)")
 
 
+PEAK_MEMORY_PROGRAM = """
+import importlib.util, re, sys, torch
+spec = importlib.util.spec_from_file_location("transformer_under_test", sys.argv[1])
+tf = importlib.util.module_from_spec(spec); spec.loader.exec_module(tf)
+kind, T, H, dk = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+def attend(q, k, v):
+    if kind == "flash":
+        return tf.flash_attention(q, k, v, causal=True)[0]
+    return tf.scaled_dot_product_attention(q, k, v, tf.make_causal_mask(q.size(2)))[0]
+def kib(field):  # this process's resident memory now (VmRSS) or at its peak (VmHWM)
+    return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
+with torch.no_grad():
+    attend(*torch.randn(3, 1, H, 128, dk))                              # warm up the kernels
+    q, k, v = torch.randn(3, 1, H, T, dk)
+    before = kib("VmRSS")
+    attend(q, k, v)
+print(1024 * (kib("VmHWM") - before))
+"""
+
+
+def attention_peak_bytes(kind, T, H, dk):
+    """Peak resident memory one attention call adds, in bytes, measured in a fresh process:
+    its high-water mark after the call (VmHWM, Linux's /proc) minus its resident memory
+    just before. None where there is no /proc. (tracemalloc does not see torch's
+    allocator, and getrusage's ru_maxrss keeps the parent's peak across exec.)"""
+    import subprocess
+    if not os.path.exists("/proc/self/status"):
+        return None
+    result = subprocess.run([sys.executable, "-c", PEAK_MEMORY_PROGRAM, os.path.abspath(__file__), kind,
+                             str(T), str(H), str(dk)], capture_output=True, text=True, timeout=600)
+    return int(result.stdout.split()[-1]) if result.returncode == 0 else None
+
+
+def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
+    """Part IV measured: FlashAttention's tiles against section 2, the rolling cache
+    against the full one, the paged cache against a padded one."""
+    print(f"\nattention, causal, batch 1, {heads} heads of {dk}: section 2 against flash_attention "
+          f"(block 64, section 22)")
+    print(f"  {'tokens':>6s} {'threads':>7s} {'section 2':>10s} {'flash':>8s} {'peak memory: section 2':>23s}"
+          f" {'flash':>9s}  {'[T, T] scores alone':>20s}  max |diff|")
+    threads = torch.get_num_threads()                                      # []: the caller's, restored after
+    for T in lengths:
+        q, k, v = torch.randn(3, 1, heads, T, dk, device=device)          # [1, H, T, dk] each
+        peaks = [attention_peak_bytes(kind, T, heads, dk) if device.type == "cpu" else None
+                 for kind in ("plain", "flash")]
+        shown = [f"{peak / 2 ** 20:.1f} MiB" if peak is not None else "n/a" for peak in peaks]
+        for n_threads in sorted({1, threads}):  # small tiles and a second thread: see the comment printed
+            torch.set_num_threads(n_threads)
+            seconds = {}
+            with torch.no_grad():
+                for kind in ("plain", "flash"):
+                    start = time.perf_counter()
+                    if kind == "flash":
+                        out, _ = flash_attention(q, k, v, causal=True)     # [1, H, T, dk]
+                    else:
+                        plain, _ = scaled_dot_product_attention(q, k, v, make_causal_mask(T, device))  # [1, H, T, dk]
+                    seconds[kind] = time.perf_counter() - start
+            print(f"  {T:6d} {n_threads:7d} {seconds['plain']:9.3f}s {seconds['flash']:7.3f}s {shown[0]:>23s}"
+                  f" {shown[1]:>9s}  {heads * T * T * 4 / 2 ** 20:16.0f} MiB  {(out - plain).abs().max().item():.1e}")
+        torch.set_num_threads(threads)
+    print("  peak memory: a fresh process's resident high-water mark after one call minus its resident\n"
+          "  memory just before (inputs made, float32). Section 2 holds [T, T] scores, masked scores and\n"
+          "  weights at once; flash holds 64 x 64 tiles, which also stay in the CPU's cache (the GPU's\n"
+          "  reason on a small scale), at the price of a dozen torch calls from Python per tile: each\n"
+          "  call a few microseconds, more where a second thread must be woken for it")
+
+    torch.manual_seed(0)
+    window, n_new = 256, 8192
+    model = Llama(vocab_size=1000, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_len=n_new + 8,
+                  window=window).to(device).eval()
+    held, tokens = {}, {}
+    torch.set_num_threads(1)  # a token of a tiny model is ~50 tiny ops: more threads only wait on each other
+    for kind in ("rolling", "full"):
+        cache = model.new_cache() if kind == "rolling" else [KVCache() for _ in model.layers]
+        ids = torch.zeros(1, 8, dtype=torch.long, device=device)           # [1, 8]: a prompt
+        start = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(n_new):
+                token = model(ids, cache)[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+                ids = torch.cat([ids, token], dim=1)                       # [1, T+1]
+        held[kind] = (sum(c.k.nbytes + c.v.nbytes for c in cache), time.perf_counter() - start)
+        tokens[kind] = ids
+    torch.set_num_threads(threads)
+    print(f"\nsliding window {window} (section 23): Llama d64, 2 layers, 2 kv heads of 16, float32, "
+          f"{n_new} tokens generated, 1 thread")
+    for kind, (nbytes, seconds) in held.items():
+        print(f"  {kind:8s} cache: {nbytes / 1024:8.0f} KiB held after {n_new + 8} tokens ({seconds:.1f} s)")
+    print(f"  the same tokens: {torch.equal(tokens['rolling'], tokens['full'])}; the rolling cache stays at "
+          f"{window} tokens however long the generation")
+
+    lengths, block_size = (12, 40, 90, 300, 700, 1500), 16
+    pool = KVPool(n_blocks=sum(-(-n // block_size) for n in lengths) * len(model.layers), block_size=block_size)
+    with torch.no_grad():
+        for n in lengths:
+            model(torch.randint(0, 1000, (1, n), device=device), model.new_cache(pool=pool))  # its prompt
+    block_bytes = pool.k[0].nbytes + pool.v[0].nbytes                      # one block's keys and values
+    paged = (pool.n_blocks - pool.n_free) * block_bytes
+    padded = 2 * len(model.layers) * len(lengths) * max(lengths) * pool.k[0, :, 0].nbytes  # [B, Hkv, max, dk] x2
+    print(f"\npaged KV cache (section 24): a batch of {len(lengths)} requests of {', '.join(map(str, lengths))} "
+          f"tokens, same model")
+    print(f"  padded [B, {max(lengths)}] cache: {padded / 1024:6.0f} KiB reserved; paged, blocks of {block_size}: "
+          f"{paged / 1024:4.0f} KiB in {pool.n_blocks - pool.n_free} blocks "
+          f"({len(model.layers) * sum(lengths) * block_bytes // block_size / 1024:.0f} KiB of tokens): "
+          f"{padded / paged:.1f}x less")
+
+
 def bench_time_to_99(device, seed=0, epochs=6):
     """Training seconds (evaluation excluded) until held-out exact match first reaches 99%."""
     print("\ntime to 99% held-out exact match on the toy task (training seconds; the held-out check after")
@@ -2878,6 +2989,7 @@ def main(argv=None):
         print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
         bench_training(device)
         bench_kv_cache(device)
+        bench_long_sequences(device)
         bench_time_to_99(device, args.seed)
         return 0
     if args.translate is None:
