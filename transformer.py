@@ -1271,7 +1271,9 @@ class FlashAttention(torch.autograd.Function):
 def flash_attention(q, k, v, causal=False, block_size=64):
     """softmax(q k^T / sqrt(dk)) v in tiles -> (out [B, H, Tq, dv], lse [B, H, Tq]), the
     logsumexp of each query's scaled scores. q [B, H, Tq, dk], k [B, H, Tk, dk], v
-    [B, H, Tk, dv]. causal: bottom-right, as make_causal_mask(Tq, past=Tk - Tq)."""
+    [B, H, Tk, dv]. causal: bottom-right, as make_causal_mask(Tq, past=Tk - Tq): the Tq
+    queries are the last Tq positions (is_causal=True of F.scaled_dot_product_attention
+    is top-left, and for Tq < Tk hides from query i the keys after key i)."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or q.size(-1) != k.size(-1):
@@ -1301,8 +1303,11 @@ def flash_attention(q, k, v, causal=False, block_size=64):
 # 23. Sliding-window attention and the rolling cache (滑动窗口注意力与滚动缓存)
 # ===========================================================================
 # Mistral-7B (Jiang et al., 2023) lets each query see only the last `window` keys,
-# itself included (4096 in v0.1): attention costs T * window instead of T^2 / 2, and
-# the KV cache never needs more than `window` tokens, however long the generation.
+# itself included (4096 in v0.1): a kernel that skips the hidden keys does T * window
+# work instead of T^2 / 2 (the masks here only hide them), and the KV cache never
+# needs more than `window` tokens, however long the generation: Mistral-7B's 32 layers
+# of 8 kv heads of 128 take 128 KiB a token in bf16 (section 16), so 512 MiB for
+# 4096 tokens, where a full cache at 32k tokens takes 4 GiB.
 # The pieces are in place: make_causal_mask(T, past=..., window=...) of section 2
 # (a band under the diagonal), KVCache(window=...) of section 3 and Llama(window=...)
 # of section 15, whose new_cache() gives rolling caches and whose attention (section
@@ -1347,7 +1352,8 @@ def window_reach(n_layers, window):
 # with its own storage). To attend, append gathers the sequence's blocks into one
 # [1, Hkv, t, dk] tensor; a real paged kernel (vLLM's PagedAttention) reads the
 # block table inside the attention kernel and loads each block where it lies,
-# so the keys are never copied together.
+# so the keys are never copied together. --bench measures a batch of six requests of
+# 12 to 1500 tokens: a padded cache reserves 3.4 times the blocks a paged one takes.
 
 class KVPool:
     """n_blocks blocks of block_size token slots each, shared by many PagedKVCaches.
