@@ -118,15 +118,28 @@ def make_pad_mask(ids, pad_id):
     return (ids != pad_id)[:, None, None, :]                               # [B, 1, 1, S]
 
 
-def make_causal_mask(T, device=None, past=0):
+def check_window(window):
+    """A sliding window is None (no window) or an integer >= 1: how many keys a query sees."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be an integer >= 1 (keys a query sees, itself included) or None,"
+                         f" got {window!r}")
+
+
+def make_causal_mask(T, device=None, past=0, window=None):
     """[1, 1, T, past + T]: query i may attend to keys 0 .. past + i, never later.
     past = 0 is the whole sequence at once: the lower triangle. past > 0 is for a
     model that generates in pieces and keeps the keys of the `past` tokens it has
     already processed: its T new queries sit at positions past .. past + T - 1, so
     new query i sees every earlier key and the new ones up to itself. That is the
     bottom-right corner of the full (past + T)-square mask; the top-left alignment
-    of is_causal in F.scaled_dot_product_attention would hide keys it may see."""
-    return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(past)[None, None]  # [1, 1, T, past+T]
+    of is_causal in F.scaled_dot_product_attention would hide keys it may see.
+    window: Mistral's sliding window (section 23); the query at position p then sees
+    only the keys p - window + 1 .. p (window keys, itself included)."""
+    check_window(window)
+    mask = torch.ones(T, past + T, dtype=torch.bool, device=device).tril(past)  # [T, past+T]
+    if window is not None:
+        mask = mask.triu(past - window + 1)                                # [T, past+T]: a band
+    return mask[None, None]                                                # [1, 1, T, past+T]
 
 
 def check_mask(mask):
@@ -190,18 +203,27 @@ class KVCache:
     Self-attention appends every step. Cross-attention reads the fixed source, so
     its keys and values are computed at the first step and reused (static=True)."""
 
-    def __init__(self, static=False):
+    def __init__(self, static=False, window=None):
+        # window: a rolling cache for sliding-window attention (section 23): it keeps only
+        # the last `window` keys and values, while len() still counts every token appended
+        check_window(window)
         self.static, self.k, self.v = static, None, None                   # [B, H, t, dk] once filled
+        self.window, self.dropped = window, 0                              # dropped: tokens let go
 
     def __len__(self):
-        return 0 if self.k is None else self.k.size(2)
+        return self.dropped + (0 if self.k is None else self.k.size(2))
 
     def append(self, k, v):
-        """Add this step's keys and values [B, H, Tn, dk]; return all of them."""
+        """Add this step's keys and values [B, H, Tn, dk]; return all of them (with a
+        window: the ones kept so far and the new ones, which this step's queries need)."""
         if self.k is not None:
             k = torch.cat([self.k, k], dim=2)                              # [B, H, t+Tn, dk]
             v = torch.cat([self.v, v], dim=2)                              # [B, H, t+Tn, dk]
         self.k, self.v = k, v
+        if self.window is not None and k.size(2) > self.window:
+            self.dropped += k.size(2) - self.window
+            self.k = k[:, :, -self.window:].clone()                        # [B, H, window, dk]: its own memory
+            self.v = v[:, :, -self.window:].clone()                        # [B, H, window, dk]
         return k, v
 
 
@@ -675,8 +697,12 @@ class DecoderOnlyTransformer(nn.Module):
         if tie_weights:  # input and output embeddings share one [V, D] matrix (GPT-2 does)
             self.lm_head.weight = self.token_embedding.weight
 
-    def new_cache(self):
-        """An empty KV cache for forward: one self-attention cache per layer."""
+    def new_cache(self, pool=None):
+        """An empty KV cache for forward: one self-attention cache per layer. pool: a
+        KVPool of section 24 (a paged cache: keys in fixed-size blocks taken from one
+        pool shared by many sequences, as vLLM keeps them); None: plain KVCaches."""
+        if pool is not None:
+            return [PagedKVCache(pool) for _ in self.layers]
         return [KVCache() for _ in self.layers]
 
     def forward(self, input_ids, cache=None):
@@ -798,16 +824,22 @@ class RMSNorm(nn.Module):
 # turned by the angle pos * theta_i. With q at position m turned by m * theta and
 # k at n by n * theta, q . k depends only on m - n: relative position, no table.
 
-def rope_cos_sin(head_dim, max_len, theta=10000.0):
-    """cos and sin of every position's angles, each [max_len, head_dim], float32."""
+def rope_cos_sin(head_dim, max_len, theta=10000.0, scaling=None):
+    """cos and sin of every position's angles, each [max_len, head_dim], float32.
+    scaling (section 25, for contexts longer than the model was trained on): a dict;
+    {"type": "linear", "factor": f} turns every pair f times slower, "llama3" and
+    "yarn" only the slow pairs, and "yarn" also multiplies cos and sin by 0.1 ln f + 1."""
     if head_dim < 2 or head_dim % 2:
         raise ValueError(f"RoPE turns pairs of dims: head_dim must be a positive even number, got {head_dim}")
     # pair i turns at theta^(-2i/dk) radians per position: the first pairs fast, the last
     # slowly. float32 even for a bf16 model: bf16's 8 significant bits round 1001 to 1000
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # [dk/2]
+    attention_factor = 1.0
+    if scaling is not None:
+        inv_freq, attention_factor = scaled_inv_freq(inv_freq, head_dim, theta, scaling)  # [dk/2], a float
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [max_len, dk/2]
     emb = torch.cat([angles, angles], dim=-1)                              # [max_len, dk]
-    return emb.cos(), emb.sin()                                            # [max_len, dk] each
+    return emb.cos() * attention_factor, emb.sin() * attention_factor      # [max_len, dk] each
 
 
 def rotate_half(x):
@@ -929,6 +961,10 @@ class GroupedQueryAttention(nn.Module):
             # the cache stores keys already turned (a key's angle is fixed by its own
             # position) and only Hkv heads: that is the memory GQA saves
             k, v = cache.append(k, v)                                      # [B, Hkv, t+Tn, dk] each
+            if mask is not None:
+                # a rolling cache (a KVCache with a window) hands back only the keys it kept,
+                # the latest ones: the mask's last columns are theirs
+                mask = mask[..., -k.size(2):]                              # [1, 1, Tn, kept+Tn]
         n_rep = self.n_heads // self.n_kv_heads
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)                    # [B, H, t+Tn, dk] each
         out, _ = scaled_dot_product_attention(q, k, v, mask)               # [B, H, Tn, dk]
@@ -971,14 +1007,20 @@ class LlamaBlock(nn.Module):
 
 class Llama(nn.Module):
     """Token embedding, N Llama blocks, a final RMSNorm, lm_head. n_kv_heads None means
-    n_heads (plain MHA), d_ff None means llama_ffn_dim(d_model)."""
+    n_heads (plain MHA), d_ff None means llama_ffn_dim(d_model). window: Mistral's
+    sliding window (section 23), in every layer the query at p sees keys p - window + 1
+    .. p, and new_cache() keeps only that many; rope_scaling: rope_cos_sin's scaling."""
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
-                 rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False):
+                 rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, window=None,
+                 rope_scaling=None):
         super().__init__()
         self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                            n_kv_heads=n_kv_heads, d_ff=d_ff, max_len=max_len, rope_theta=rope_theta,
-                           norm_eps=norm_eps, tie_weights=tie_weights, qkv_bias=qkv_bias)  # for checkpoints
+                           norm_eps=norm_eps, tie_weights=tie_weights, qkv_bias=qkv_bias, window=window,
+                           rope_scaling=rope_scaling)  # for checkpoints
+        check_window(window)
+        self.window = window
         check_sizes(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, max_len=max_len,
                     **{name: value for name, value in (("n_kv_heads", n_kv_heads), ("d_ff", d_ff)) if value is not None})
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -989,7 +1031,7 @@ class Llama(nn.Module):
                                      for _ in range(n_layers)])
         self.final_norm = RMSNorm(d_model, norm_eps)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
-        cos, sin = rope_cos_sin(d_model // n_heads, max_len, rope_theta)   # [max_len, dk] each
+        cos, sin = rope_cos_sin(d_model // n_heads, max_len, rope_theta, rope_scaling)  # [max_len, dk] each
         # buffers follow .to(device); not persistent: recomputed from the config, so the
         # state_dict holds only weights
         self.register_buffer("cos", cos, persistent=False)
@@ -1005,9 +1047,12 @@ class Llama(nn.Module):
         if tie_weights:  # input and output embeddings share one [V, D] matrix (Qwen2.5-0.5B does)
             self.lm_head.weight = self.token_embedding.weight
 
-    def new_cache(self):
-        """An empty KV cache for forward: one per layer, each [B, Hkv, t, dk] once filled."""
-        return [KVCache() for _ in self.layers]
+    def new_cache(self, pool=None):
+        """An empty KV cache for forward: one per layer, each [B, Hkv, t, dk] once filled
+        (a rolling one with the model's window); pool: paged caches, as for the GPT."""
+        if pool is not None:
+            return [PagedKVCache(pool) for _ in self.layers]
+        return [KVCache(window=self.window) for _ in self.layers]
 
     def forward(self, input_ids, cache=None):
         """input_ids [B, T] -> logits [B, T, V]. With a cache (new_cache()), only the
@@ -1015,7 +1060,7 @@ class Llama(nn.Module):
         check_ids("input_ids", input_ids, self.vocab_size, self.max_len)
         past = len(cache[0]) if cache else 0                               # tokens already cached
         new = input_ids[:, past:]                                          # [B, Tn]
-        mask = make_causal_mask(new.size(1), input_ids.device, past)       # [1, 1, Tn, T]
+        mask = make_causal_mask(new.size(1), input_ids.device, past, self.window)  # [1, 1, Tn, T]
         # the new tokens' absolute positions are past..T-1: their angles, not 0..Tn-1
         cos, sin = self.cos[past:input_ids.size(1)], self.sin[past:input_ids.size(1)]  # [Tn, dk] each
         x = self.token_embedding(new)                                      # [B, Tn, D]
@@ -1050,9 +1095,10 @@ class Llama(nn.Module):
 # fit on a GPU: the KV cache.
 
 def llama_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
-                        rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False):
-    """Closed form of count_parameters(Llama(...)), same keywords (max_len, rope_theta
-    and norm_eps hold no parameters)."""
+                        rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, window=None,
+                        rope_scaling=None):
+    """Closed form of count_parameters(Llama(...)), same keywords (max_len, rope_theta,
+    norm_eps, window and rope_scaling hold no parameters)."""
     kv_width = (n_heads if n_kv_heads is None else n_kv_heads) * (d_model // n_heads)  # Hkv * dk
     d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
     attention = 2 * d_model * d_model + 2 * d_model * kv_width         # w_q and w_o, w_k and w_v
@@ -1096,6 +1142,412 @@ LLAMA_CONFIGS = [
 #   8030261248
 #   >>> kv_cache_bytes_per_token(n_layers=32, n_kv_heads=8, head_dim=128) // 1024  # KiB a token, bf16
 #   128
+
+
+# ===========================================================================
+# Part IV: long sequences (第四部分：长序列)
+# ===========================================================================
+# Everything above is exact for a few thousand tokens. Past that, four things
+# break: the [Tq, Tk] score matrix (16 M entries a head at 4k tokens), the KV
+# cache that grows with every token, the memory a batch reserves for its longest
+# request, and RoPE angles the model never saw in training. Each fix below is
+# plain torch on a CPU, and each is proven equal to the computation it replaces.
+
+# ===========================================================================
+# 22. FlashAttention's tiles: the online softmax (FlashAttention 的分块：在线 softmax)
+# ===========================================================================
+# Section 2 builds the [Tq, Tk] scores, softmaxes them and multiplies by v: memory
+# grows with Tq * Tk. FlashAttention (Dao et al., 2022; FlashAttention-2, Dao, 2023)
+# computes the same output one [block, block] tile at a time, keeping per query a
+# running max and a running sum, so nothing of size Tq * Tk ever exists.
+#
+# The recurrence, for one block of queries and key block j (S_j its scaled scores):
+#   m_new = max(m, rowmax(S_j))                 the largest score so far (m starts at -inf)
+#   acc   = e^(m - m_new) acc + e^(S_j - m_new) V_j   rescale what was summed under the old max
+#   l     = e^(m - m_new) l   + rowsum(e^(S_j - m_new))
+#   and at the end: out = acc / l (one division, FlashAttention-2's order), lse = m + ln l.
+# In numbers: one query with scores (1, 2 | 3, 0) in two blocks, values (10, 20 | 30, 40).
+#   block 1: m = 2, l = e^-1 + e^0 = 1.3679, acc = 0.3679 * 10 + 1 * 20 = 23.679
+#   block 2: the max grows to 3, so the old sums shrink by e^(2 - 3) = 0.3679:
+#            l = 0.3679 * 1.3679 + e^0 + e^-3 = 1.5530, acc = 0.3679 * 23.679 + 30 + 0.0498 * 40 = 40.70
+#   out = 40.70 / 1.5530 = 26.21, lse = 3 + ln 1.5530 = 3.4402: softmax over all four gives
+#   the same (e^1 + e^2 + e^3 + e^0 = 31.19 = e^3.4402). Subtracting the max keeps every
+#   e^x <= 1, so nothing overflows, and the rescale makes the order of the blocks irrelevant.
+# Why a GPU gains: the scores live in on-chip SRAM (an A100 has 192 KB per each of its
+# 108 streaming multiprocessors, about 19 TB/s) instead of HBM (40-80 GB at 1.5-2.0
+# TB/s), the numbers of the FlashAttention paper. Section 2 writes S and P to HBM and
+# reads them back, Theta(T^2) traffic; the tiles never leave SRAM, and the fused
+# kernel is faster although it does more arithmetic. Here, in Python on a CPU, each
+# tile is a dozen separate torch calls, and the code exists to prove the math and
+# the memory, O(T * block). Its speed depends on the machine (--bench measures it):
+# on a busy 2-core one, 4096 tokens and 4 heads took 0.50 s against section 2's 1.51 s
+# on one thread (a 64 x 64 tile stays in the CPU's cache while section 2 streams
+# 256 MiB tensors through memory: the GPU's reason, on a small scale), and 3.3 s
+# against 2.7 s on two, where waking the second thread for every small call costs more.
+# The backward saves only q, k, v, out and the lse [Tq] (not the [Tq, Tk] weights
+# of section 2) and recomputes each tile's probabilities P = e^(S - lse) from them.
+# With D = rowsum(dO * O): dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dQ += dS K
+# / sqrt(dk), dK += dS^T Q / sqrt(dk). (D comes from softmax's Jacobian: the sum over
+# keys of P * dP is dO . O.) Recomputing costs FLOPs and saves the memory; on a GPU
+# it is still faster than reading a saved [T, T] P from HBM.
+
+def flash_tile_scores(q_block, k_block, q_start, k_start, offset, causal):
+    """Scaled scores of one tile, [B, H, bq, bk], with keys after a query hidden (-inf)
+    when causal: query i sits at key position i + offset (bottom-right alignment). The
+    causal structure is worked out for this tile alone: a [bq, bk] comparison."""
+    scores = q_block @ k_block.transpose(-2, -1)                           # [B, H, bq, bk]
+    if causal and k_start + k_block.size(2) - 1 > q_start + offset:        # the tile crosses the diagonal
+        rows = torch.arange(q_start, q_start + q_block.size(2), device=q_block.device) + offset  # [bq]
+        cols = torch.arange(k_start, k_start + k_block.size(2), device=q_block.device)  # [bk]
+        # -inf is safe here, unlike in section 2's masks: every query sees key 0 (Tq <= Tk),
+        # so its running max is finite after the first tile and e^-inf is an exact 0
+        scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))  # [B, H, bq, bk]
+    return scores
+
+
+def last_key_block(q_end, Tk, offset, causal):
+    """One past the last key the queries before q_end may read: the loops over key blocks
+    stop there, so a block wholly above the diagonal (every key after every query) never runs."""
+    return min(Tk, q_end + offset) if causal else Tk
+
+
+class FlashAttention(torch.autograd.Function):
+    """FlashAttention-2's forward and backward over tiles of block_size queries and keys."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, block_size):
+        B, H, Tq, dk = q.shape
+        Tk, dv = k.size(2), v.size(-1)
+        scale, offset = dk ** -0.5, Tk - Tq                                # 1 / sqrt(dk); query i is key i + offset
+        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp16, bf16 sum in fp32
+        out = torch.empty(B, H, Tq, dv, dtype=q.dtype, device=q.device)  # [B, H, Tq, dv]
+        lse = torch.empty(B, H, Tq, dtype=acc_dtype, device=q.device)   # [B, H, Tq]
+        for qs in range(0, Tq, block_size):
+            qe = min(qs + block_size, Tq)
+            q_block = q[:, :, qs:qe].to(acc_dtype) * scale                # [B, H, bq, dk]
+            m = torch.full((B, H, qe - qs), float("-inf"), dtype=acc_dtype, device=q.device)  # [B, H, bq]
+            l = torch.zeros(B, H, qe - qs, dtype=acc_dtype, device=q.device)  # [B, H, bq]
+            acc = torch.zeros(B, H, qe - qs, dv, dtype=acc_dtype, device=q.device)  # [B, H, bq, dv]
+            for ks in range(0, last_key_block(qe, Tk, offset, causal), block_size):
+                ke = min(ks + block_size, Tk)
+                s = flash_tile_scores(q_block, k[:, :, ks:ke].to(acc_dtype), qs, ks, offset, causal)  # [B, H, bq, bk]
+                m_new = torch.maximum(m, s.amax(dim=-1))                   # [B, H, bq]
+                rescale = torch.exp(m - m_new)                             # [B, H, bq]: 0 at the first tile
+                p = torch.exp(s - m_new[..., None])                        # [B, H, bq, bk], each <= 1
+                l = rescale * l + p.sum(dim=-1)                            # [B, H, bq]
+                acc = rescale[..., None] * acc + p @ v[:, :, ks:ke].to(acc_dtype)  # [B, H, bq, dv]
+                m = m_new
+            out[:, :, qs:qe] = (acc / l[..., None]).to(q.dtype)            # [B, H, bq, dv]: divided once
+            lse[:, :, qs:qe] = m + torch.log(l)                            # [B, H, bq]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.block_size = causal, block_size
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, block_size = ctx.causal, ctx.block_size
+        Tq, dk, Tk = q.size(2), q.size(-1), k.size(2)
+        scale, offset = dk ** -0.5, Tk - Tq
+        acc_dtype = lse.dtype
+        # D = rowsum(dO * O); a gradient on lse adds P * d_lse to dS, so it joins D
+        D = (d_out.to(acc_dtype) * out.to(acc_dtype)).sum(dim=-1) - d_lse   # [B, H, Tq]
+        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)       # [B, H, Tq, dk]
+        dk_ = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)      # [B, H, Tk, dk]
+        dv_ = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)      # [B, H, Tk, dv]
+        # FlashAttention-2's order: key blocks outside (their dK, dV stay in SRAM), queries inside
+        for ks in range(0, Tk, block_size):
+            ke = min(ks + block_size, Tk)
+            k_block, v_block = k[:, :, ks:ke].to(acc_dtype), v[:, :, ks:ke].to(acc_dtype)  # [B, H, bk, dk|dv]
+            for qs in range(0, Tq, block_size):
+                qe = min(qs + block_size, Tq)
+                if ks >= last_key_block(qe, Tk, offset, causal):
+                    continue                                               # the tile is wholly above the diagonal
+                q_block = q[:, :, qs:qe].to(acc_dtype) * scale             # [B, H, bq, dk]
+                s = flash_tile_scores(q_block, k_block, qs, ks, offset, causal)  # [B, H, bq, bk]
+                p = torch.exp(s - lse[:, :, qs:qe, None])                  # [B, H, bq, bk]: recomputed
+                do_block = d_out[:, :, qs:qe].to(acc_dtype)                # [B, H, bq, dv]
+                dv_[:, :, ks:ke] += p.transpose(-2, -1) @ do_block         # [B, H, bk, dv]
+                dp = do_block @ v_block.transpose(-2, -1)                  # [B, H, bq, bk]
+                ds = p * (dp - D[:, :, qs:qe, None])                       # [B, H, bq, bk]
+                dq[:, :, qs:qe] += ds @ k_block * scale                    # [B, H, bq, dk]
+                dk_[:, :, ks:ke] += ds.transpose(-2, -1) @ q_block         # [B, H, bk, dk]: q_block is scaled
+        return dq.to(q.dtype), dk_.to(k.dtype), dv_.to(v.dtype), None, None  # [B, H, Tq|Tk, dk|dv]
+
+
+def flash_attention(q, k, v, causal=False, block_size=64):
+    """softmax(q k^T / sqrt(dk)) v in tiles -> (out [B, H, Tq, dv], lse [B, H, Tq]), the
+    logsumexp of each query's scaled scores. q [B, H, Tq, dk], k [B, H, Tk, dk], v
+    [B, H, Tk, dv]. causal: bottom-right, as make_causal_mask(Tq, past=Tk - Tq): the Tq
+    queries are the last Tq positions (is_causal=True of F.scaled_dot_product_attention
+    is top-left, and for Tq < Tk hides from query i the keys after key i)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or q.size(-1) != k.size(-1):
+        raise ValueError(f"expected q [B, H, Tq, dk], k [B, H, Tk, dk], v [B, H, Tk, dv], got q {list(q.shape)},"
+                         f" k {list(k.shape)}, v {list(v.shape)}")
+    if k.size(2) < 1:
+        raise ValueError("k and v must hold at least one key (Tk >= 1)")
+    if causal and q.size(2) > k.size(2):
+        raise ValueError(f"causal needs Tq <= Tk (the queries are the last Tq of the Tk positions),"
+                         f" got Tq {q.size(2)} > Tk {k.size(2)}")
+    return FlashAttention.apply(q, k, v, causal, block_size)
+
+# Try it: the two blocks worked out above, and a long causal case against section 2.
+#   >>> q, k = torch.ones(1, 1, 1, 1), torch.tensor([1.0, 2.0, 3.0, 0.0]).view(1, 1, 4, 1)  # scores 1, 2, 3, 0
+#   >>> v = torch.tensor([10.0, 20.0, 30.0, 40.0]).view(1, 1, 4, 1)      # [1, 1, 4, 1]
+#   >>> out, lse = flash_attention(q, k, v, block_size=2)                  # [1, 1, 1, 1], [1, 1, 1]
+#   >>> round(out.item(), 2), round(lse.item(), 4)
+#   (26.21, 3.4402)
+#   >>> q, k, v = torch.randn(3, 1, 2, 100, 16).unbind(0)                  # [1, 2, 100, 16] each
+#   >>> out, lse = flash_attention(q[:, :, 60:], k, v, causal=True, block_size=32)  # the last 40 queries
+#   >>> plain, _ = scaled_dot_product_attention(q[:, :, 60:], k, v, make_causal_mask(40, past=60))
+#   >>> torch.allclose(out, plain, atol=1e-5)
+#   True
+
+
+# ===========================================================================
+# 23. Sliding-window attention and the rolling cache (滑动窗口注意力与滚动缓存)
+# ===========================================================================
+# Mistral-7B (Jiang et al., 2023) lets each query see only the last `window` keys,
+# itself included (4096 in v0.1): a kernel that skips the hidden keys does T * window
+# work instead of T^2 / 2 (the masks here only hide them), and the KV cache never
+# needs more than `window` tokens, however long the generation: Mistral-7B's 32 layers
+# of 8 kv heads of 128 take 128 KiB a token in bf16 (section 16), so 512 MiB for
+# 4096 tokens, where a full cache at 32k tokens takes 4 GiB.
+# The pieces are in place: make_causal_mask(T, past=..., window=...) of section 2
+# (a band under the diagonal), KVCache(window=...) of section 3 and Llama(window=...)
+# of section 15, whose new_cache() gives rolling caches and whose attention (section
+# 14) lines the mask's last columns up with the keys a rolling cache kept.
+# Older tokens still count, through the layers: layer 1 at position p read p - (W - 1)
+# .. p, and layer 2 reads layer 1's outputs there, so L layers reach back L * (W - 1)
+# positions (Mistral-7B: 32 * 4095 = 131,040, the paper's "approximately 131K"). A
+# token further back changes nothing at all; one within the window changes the logits.
+# The pitfall: len(cache) must count every token seen, not the `window` it holds. RoPE
+# turns the next token by its absolute position and the mask counts from it; a cache
+# whose length stops at `window` restarts the positions, and the keys kept (turned at
+# their true positions when they were stored) no longer line up with the new queries.
+# Mistral's reference writes token p into slot p mod W of a fixed buffer (its rolling
+# buffer cache: no copies); this one keeps the last W in order, simpler to read.
+
+def window_reach(n_layers, window):
+    """How many positions back a stack of n_layers sliding-window layers can see."""
+    check_window(window)
+    return n_layers * (window - 1)
+
+# Try it:
+#   >>> make_causal_mask(5, window=3)[0, 0].int().tolist()                # each query sees 3 keys at most
+#   [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]
+#   >>> cache = KVCache(window=4)
+#   >>> for _ in range(10):
+#   ...     _ = cache.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))  # one token a step
+#   >>> len(cache), cache.k.shape[2], window_reach(n_layers=32, window=4096)    # seen, held, Mistral-7B's reach
+#   (10, 4, 131040)
+
+
+# ===========================================================================
+# 24. The paged KV cache (分页 KV 缓存)
+# ===========================================================================
+# A server batching requests of very different lengths wastes most of a padded
+# [B, max_len] cache: a 30-token answer reserves as much as a 4000-token one. vLLM
+# (Kwon et al., 2023, "PagedAttention") cuts the cache into fixed-size blocks, as an
+# operating system pages memory: a sequence takes a block when its last one fills,
+# finds its blocks through a block table, and gives them back when it ends; the waste
+# is under one block per sequence. Here KVPool holds the blocks and PagedKVCache is a
+# drop-in for KVCache (append, len) for one sequence. Every layer's cache takes its
+# own blocks from the one pool (vLLM shares one block table across the layers, each
+# with its own storage). To attend, append gathers the sequence's blocks into one
+# [1, Hkv, t, dk] tensor; a real paged kernel (vLLM's PagedAttention) reads the
+# block table inside the attention kernel and loads each block where it lies,
+# so the keys are never copied together. --bench measures a batch of six requests of
+# 12 to 1500 tokens: a padded cache reserves 3.4 times the blocks a paged one takes.
+
+class KVPool:
+    """n_blocks blocks of block_size token slots each, shared by many PagedKVCaches.
+    The storage [n_blocks, Hkv, block_size, dk] takes the shape, dtype and device of
+    the first keys written."""
+
+    def __init__(self, n_blocks, block_size):
+        check_sizes(n_blocks=n_blocks, block_size=block_size)
+        self.n_blocks, self.block_size = n_blocks, block_size
+        self.k = self.v = None                                             # [n_blocks, Hkv, block_size, dk]
+        self.free_blocks = list(range(n_blocks - 1, -1, -1))               # popped from the end: 0 first
+
+    @property
+    def n_free(self):
+        return len(self.free_blocks)
+
+    def take(self, n):
+        """n free block ids (all or none)."""
+        if n > self.n_free:
+            raise ValueError(f"the KVPool is full: a sequence needs {n} more blocks of {self.block_size} tokens,"
+                             f" {self.n_free} of {self.n_blocks} are free (free() finished sequences)")
+        return [self.free_blocks.pop() for _ in range(n)]
+
+    def give_back(self, blocks):
+        self.free_blocks.extend(reversed(blocks))
+
+    def storage_for(self, k, v):
+        """The pool's key and value storage, made for keys like k [1, Hkv, Tn, dk] the first time."""
+        if self.k is None:
+            self.k = k.new_zeros(self.n_blocks, k.size(1), self.block_size, k.size(3))  # [n_blocks, Hkv, bs, dk]
+            self.v = v.new_zeros(self.n_blocks, v.size(1), self.block_size, v.size(3))  # [n_blocks, Hkv, bs, dv]
+        if k.shape[1::2] != self.k.shape[1::2] or v.shape[1::2] != self.v.shape[1::2]:
+            raise ValueError(f"this KVPool holds keys [.., {self.k.size(1)} heads, .., {self.k.size(3)}] and values"
+                             f" [.., {self.v.size(1)}, .., {self.v.size(3)}], got {list(k.shape)} and {list(v.shape)}")
+        return self.k, self.v
+
+
+class PagedKVCache:
+    """One sequence's keys and values in a KVPool's blocks: same append and len as KVCache."""
+
+    static = False  # a self-attention cache, appended every step (as KVCache(static=False))
+
+    def __init__(self, pool):
+        self.pool, self.blocks, self.n = pool, [], 0                       # block table, tokens held
+
+    def __len__(self):
+        return self.n
+
+    def append(self, k, v):
+        """Write this step's keys and values [1, Hkv, Tn, dk] into the blocks; return all
+        the sequence's keys and values so far, [1, Hkv, t + Tn, dk] each."""
+        if k.size(0) != 1:
+            raise ValueError(f"a PagedKVCache holds one sequence (batch 1), got keys {list(k.shape)}")
+        store_k, store_v = self.pool.storage_for(k, v)                     # [n_blocks, Hkv, bs, dk] each
+        bs, Tn = self.pool.block_size, k.size(2)
+        self.blocks += self.pool.take(-(-(self.n + Tn) // bs) - len(self.blocks))  # ceil: blocks needed
+        position = torch.arange(self.n, self.n + Tn, device=k.device)     # [Tn]
+        block = torch.tensor(self.blocks, device=k.device)[position // bs]  # [Tn]: the block table, read
+        store_k[block, :, position % bs] = k[0].transpose(0, 1)            # [Tn, Hkv, dk] into their slots
+        store_v[block, :, position % bs] = v[0].transpose(0, 1)            # [Tn, Hkv, dv]
+        self.n += Tn
+        Hkv, nb = k.size(1), len(self.blocks)
+        keys = store_k[self.blocks].transpose(0, 1).reshape(Hkv, nb * bs, -1)[None, :, :self.n]  # [1, Hkv, t, dk]
+        values = store_v[self.blocks].transpose(0, 1).reshape(Hkv, nb * bs, -1)[None, :, :self.n]  # [1, Hkv, t, dv]
+        return keys, values
+
+    def free(self):
+        """The sequence is done: its blocks go back to the pool."""
+        self.pool.give_back(self.blocks)
+        self.blocks, self.n = [], 0
+
+
+def padded_and_paged_slots(lengths, block_size):
+    """Token slots a padded [B, max(lengths)] cache reserves, and the slots of the
+    blocks a paged cache takes for the same sequences."""
+    padded = len(lengths) * max(lengths)
+    paged = sum(-(-n // block_size) * block_size for n in lengths)
+    return padded, paged
+
+# Try it:
+#   >>> pool = KVPool(n_blocks=8, block_size=4)
+#   >>> cache = PagedKVCache(pool)
+#   >>> k, v = cache.append(torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8))  # 6 tokens: 2 blocks
+#   >>> k.shape, cache.blocks, pool.n_free
+#   (torch.Size([1, 2, 6, 8]), [0, 1], 6)
+#   >>> cache.free(); pool.n_free
+#   8
+#   >>> padded_and_paged_slots([30, 4000, 7, 500], block_size=16)         # 4 requests, one long
+#   (16000, 4560)
+
+
+# ===========================================================================
+# 25. RoPE for long context: interpolation, Llama 3.1, YaRN (长上下文的 RoPE)
+# ===========================================================================
+# A model trained on L positions has never seen RoPE angles past L * theta_i, and
+# falls apart beyond it. Three ways to stretch it, each a new set of inverse
+# frequencies that rope_cos_sin (section 12) takes as scaling=...:
+# - linear (position interpolation, Chen et al., 2023): every frequency divided by
+#   the factor s, position p looks like p / s. Simple, but it squeezes the fast pairs
+#   too: neighbouring tokens now differ by 1/s of the angle they did, and the model
+#   loses the fine, local order it learned.
+# - NTK-aware, then "by parts" (bloc97, 2023; YaRN, Peng et al., 2023): a pair whose
+#   wavelength 2 pi / theta_i is much shorter than L has turned many times in training,
+#   so every angle it meets later was already seen: leave it alone. A pair whose
+#   wavelength exceeds L never finished one turn: past L its angles are new, so slow
+#   it by s (interpolate). Pairs in between blend. (The name: neural tangent kernel
+#   theory says a network learns high frequencies of a low-dimensional input poorly;
+#   squeezing them throws away what it cannot relearn.)
+# - llama3 (Llama 3.1): wavelength < L / high_freq_factor kept, > L / low_freq_factor
+#   divided by the factor, a blend linear in L / wavelength between. Llama-3.1-8B
+#   (dk 128, theta 500000, factor 8, 1 and 4, L 8192) keeps pairs 0-28 (wavelength
+#   < 2048), blends 29-34 and slows 35-63 (> 8192): 8x the context, 131,072 positions,
+#   the same 8,030,261,248 parameters as Llama-3-8B (RoPE has none).
+# - yarn: the blend's ends are where a pair turns beta_fast (32) and beta_slow (1)
+#   times within L, rounded outwards to whole pairs (floor, ceil) as the reference
+#   implementations do, and the attention gets a temperature: cos and sin times
+#   0.1 ln s + 1 (fitted on Llama models in the YaRN paper), so every score q . k is
+#   multiplied by its square, sharpening a softmax that more keys would flatten.
+#   Forgetting it raises no error: the model just runs at a worse perplexity.
+#   DeepSeek-V3 leaves cos and sin alone and multiplies its softmax scale by mscale^2
+#   instead (mscale = 0.1 * mscale * ln s + 1, its config's mscale 1): the same scores.
+# The pitfall: the cache holds keys already turned at their positions (section 14).
+# Scaling is chosen once, for the model; turning the cached keys again (say, to switch
+# scaling mid-generation) turns them twice.
+
+def scaled_inv_freq(inv_freq, head_dim, theta, scaling):
+    """RoPE's inverse frequencies [dk/2] stretched for a longer context, as the published
+    formulas (Hugging Face's _compute_linear_scaling_, _compute_llama3_ and
+    _compute_yarn_parameters) -> (inv_freq [dk/2], attention factor for cos and sin)."""
+    required = {"linear": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_len"),
+                "yarn": ("factor", "original_max_len")}
+    optional = {"linear": (), "llama3": (), "yarn": ("beta_fast", "beta_slow")}
+    kind = scaling.get("type") if isinstance(scaling, dict) else None
+    if kind not in required:
+        raise ValueError(f"scaling type must be 'linear', 'llama3' or 'yarn' (a dict with a 'type' key), got"
+                         f" {kind!r} in {scaling!r}")
+    missing = [key for key in required[kind] if key not in scaling]
+    unknown = sorted(set(scaling) - {"type", *required[kind], *optional[kind]})
+    if missing or unknown:
+        raise ValueError(f"scaling {kind!r} needs the keys {list(required[kind])} (optional:"
+                         f" {list(optional[kind])}); missing {missing}, unknown {unknown}")
+    factor = scaling["factor"]
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+        raise ValueError(f"scaling factor must be a number >= 1 (how many times longer), got {factor!r}")
+    if kind == "linear":
+        return inv_freq / factor, 1.0                                      # [dk/2]
+    original = scaling["original_max_len"]
+    check_sizes(original_max_len=original)
+    if kind == "llama3":
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        if not low < high:
+            raise ValueError(f"scaling llama3 needs low_freq_factor < high_freq_factor, got {low} and {high}")
+        wavelength = 2 * math.pi / inv_freq                                # [dk/2]: positions per turn
+        blend = (original / wavelength - low) / (high - low)               # [dk/2]: 1 at the fast end
+        mixed = (1 - blend) * inv_freq / factor + blend * inv_freq         # [dk/2]
+        slowed = torch.where(wavelength > original / low, inv_freq / factor, mixed)  # [dk/2]
+        return torch.where(wavelength < original / high, inv_freq, slowed), 1.0  # [dk/2]
+    beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
+
+    def pair_turning(turns):  # the (fractional) pair index that turns `turns` times in L positions
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    start = max(math.floor(pair_turning(beta_fast)), 0)
+    end = min(math.ceil(pair_turning(beta_slow)), head_dim - 1)
+    end = end + 0.001 if end == start else end                            # the references' guard against 0/0
+    ramp = ((torch.arange(head_dim // 2, device=inv_freq.device) - start) / (end - start)).clamp(0, 1)  # [dk/2]
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp), 0.1 * math.log(factor) + 1.0  # [dk/2], a float
+
+
+LLAMA_3_1_8B = dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
+                    max_len=131072, rope_theta=500000.0, norm_eps=1e-5,
+                    rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_len": 8192})
+
+# Try it:
+#   >>> cos, sin = rope_cos_sin(8, 64, scaling={"type": "linear", "factor": 4.0})  # [64, 8] each
+#   >>> plain_cos, plain_sin = rope_cos_sin(8, 64)                         # [64, 8] each
+#   >>> torch.allclose(cos[40], plain_cos[10], atol=1e-6)                  # position 40 turned as 10 was
+#   True
+#   >>> cos, sin = rope_cos_sin(8, 64, scaling={"type": "yarn", "factor": 4.0, "original_max_len": 16})
+#   >>> round((cos[5] ** 2 + sin[5] ** 2)[0].sqrt().item(), 4), round(0.1 * math.log(4) + 1, 4)  # the temperature
+#   (1.1386, 1.1386)
+#   >>> with torch.device("meta"):                                         # shapes only
+#   ...     llama31 = Llama(**LLAMA_3_1_8B)
+#   >>> count_parameters(llama31), llama31.cos.shape[0]
+#   (8030261248, 131072)
 
 
 # ===========================================================================
@@ -2353,6 +2805,112 @@ def bench_kv_cache(device, lengths=(64, 256, 1024)):
           f"  and a batch of prompts shares each weight read (the cached step is bound by memory, not math)")
 
 
+PEAK_MEMORY_PROGRAM = """
+import importlib.util, re, sys, torch
+spec = importlib.util.spec_from_file_location("transformer_under_test", sys.argv[1])
+tf = importlib.util.module_from_spec(spec); spec.loader.exec_module(tf)
+kind, T, H, dk = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+def attend(q, k, v):
+    if kind == "flash":
+        return tf.flash_attention(q, k, v, causal=True)[0]
+    return tf.scaled_dot_product_attention(q, k, v, tf.make_causal_mask(q.size(2)))[0]
+def kib(field):  # this process's resident memory now (VmRSS) or at its peak (VmHWM)
+    return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
+with torch.no_grad():
+    attend(*torch.randn(3, 1, H, 128, dk))                              # warm up the kernels
+    q, k, v = torch.randn(3, 1, H, T, dk)
+    before = kib("VmRSS")
+    attend(q, k, v)
+print(1024 * (kib("VmHWM") - before))
+"""
+
+
+def attention_peak_bytes(kind, T, H, dk):
+    """Peak resident memory one attention call adds, in bytes, measured in a fresh process:
+    its high-water mark after the call (VmHWM, Linux's /proc) minus its resident memory
+    just before. None where there is no /proc. (tracemalloc does not see torch's
+    allocator, and getrusage's ru_maxrss keeps the parent's peak across exec.)"""
+    import subprocess
+    if not os.path.exists("/proc/self/status"):
+        return None
+    result = subprocess.run([sys.executable, "-c", PEAK_MEMORY_PROGRAM, os.path.abspath(__file__), kind,
+                             str(T), str(H), str(dk)], capture_output=True, text=True, timeout=600)
+    return int(result.stdout.split()[-1]) if result.returncode == 0 else None
+
+
+def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
+    """Part IV measured: FlashAttention's tiles against section 2, the rolling cache
+    against the full one, the paged cache against a padded one."""
+    print(f"\nattention, causal, batch 1, {heads} heads of {dk}: section 2 against flash_attention "
+          f"(block 64, section 22)")
+    print(f"  {'tokens':>6s} {'threads':>7s} {'section 2':>10s} {'flash':>8s} {'peak memory: section 2':>23s}"
+          f" {'flash':>9s}  {'[T, T] scores alone':>20s}  max |diff|")
+    threads = torch.get_num_threads()                                      # []: the caller's, restored after
+    for T in lengths:
+        q, k, v = torch.randn(3, 1, heads, T, dk, device=device)          # [1, H, T, dk] each
+        peaks = [attention_peak_bytes(kind, T, heads, dk) if device.type == "cpu" else None
+                 for kind in ("plain", "flash")]
+        shown = [f"{peak / 2 ** 20:.1f} MiB" if peak is not None else "n/a" for peak in peaks]
+        for n_threads in sorted({1, threads}):  # small tiles and a second thread: see the comment printed
+            torch.set_num_threads(n_threads)
+            seconds = {}
+            with torch.no_grad():
+                for kind in ("plain", "flash"):
+                    start = time.perf_counter()
+                    if kind == "flash":
+                        out, _ = flash_attention(q, k, v, causal=True)     # [1, H, T, dk]
+                    else:
+                        plain, _ = scaled_dot_product_attention(q, k, v, make_causal_mask(T, device))  # [1, H, T, dk]
+                    seconds[kind] = time.perf_counter() - start
+            print(f"  {T:6d} {n_threads:7d} {seconds['plain']:9.3f}s {seconds['flash']:7.3f}s {shown[0]:>23s}"
+                  f" {shown[1]:>9s}  {heads * T * T * 4 / 2 ** 20:16.0f} MiB  {(out - plain).abs().max().item():.1e}")
+        torch.set_num_threads(threads)
+    print("  peak memory: a fresh process's resident high-water mark after one call minus its resident\n"
+          "  memory just before (inputs made, float32). Section 2 holds [T, T] scores, masked scores and\n"
+          "  weights at once; flash holds 64 x 64 tiles, which also stay in the CPU's cache (the GPU's\n"
+          "  reason on a small scale), at the price of a dozen torch calls from Python per tile: each\n"
+          "  call a few microseconds, more where a second thread must be woken for it")
+
+    torch.manual_seed(0)
+    window, n_new = 256, 8192
+    model = Llama(vocab_size=1000, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_len=n_new + 8,
+                  window=window).to(device).eval()
+    held, tokens = {}, {}
+    torch.set_num_threads(1)  # a token of a tiny model is ~50 tiny ops: more threads only wait on each other
+    for kind in ("rolling", "full"):
+        cache = model.new_cache() if kind == "rolling" else [KVCache() for _ in model.layers]
+        ids = torch.zeros(1, 8, dtype=torch.long, device=device)           # [1, 8]: a prompt
+        start = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(n_new):
+                token = model(ids, cache)[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+                ids = torch.cat([ids, token], dim=1)                       # [1, T+1]
+        held[kind] = (sum(c.k.nbytes + c.v.nbytes for c in cache), time.perf_counter() - start)
+        tokens[kind] = ids
+    torch.set_num_threads(threads)
+    print(f"\nsliding window {window} (section 23): Llama d64, 2 layers, 2 kv heads of 16, float32, "
+          f"{n_new} tokens generated, 1 thread")
+    for kind, (nbytes, seconds) in held.items():
+        print(f"  {kind:8s} cache: {nbytes / 1024:8.0f} KiB held after {n_new + 8} tokens ({seconds:.1f} s)")
+    print(f"  the same tokens: {torch.equal(tokens['rolling'], tokens['full'])}; the rolling cache stays at "
+          f"{window} tokens however long the generation")
+
+    lengths, block_size = (12, 40, 90, 300, 700, 1500), 16
+    pool = KVPool(n_blocks=sum(-(-n // block_size) for n in lengths) * len(model.layers), block_size=block_size)
+    with torch.no_grad():
+        for n in lengths:
+            model(torch.randint(0, 1000, (1, n), device=device), model.new_cache(pool=pool))  # its prompt
+    block_bytes = pool.k[0].nbytes + pool.v[0].nbytes                      # one block's keys and values
+    paged = (pool.n_blocks - pool.n_free) * block_bytes
+    padded = 2 * len(model.layers) * len(lengths) * max(lengths) * pool.k[0, :, 0].nbytes  # [B, Hkv, max, dk] x2
+    print(f"\npaged KV cache (section 24): a batch of {len(lengths)} requests of {', '.join(map(str, lengths))} "
+          f"tokens, same model")
+    print(f"  padded [B, {max(lengths)}] cache: {padded / 1024:6.0f} KiB reserved; paged, blocks of {block_size}: "
+          f"{paged / 1024:4.0f} KiB in {pool.n_blocks - pool.n_free} blocks "
+          f"({len(model.layers) * sum(lengths) * block_bytes // block_size / 1024:.0f} KiB of tokens): "
+          f"{padded / paged:.1f}x less")
+
+
 def bench_time_to_99(device, seed=0, epochs=6):
     """Training seconds (evaluation excluded) until held-out exact match first reaches 99%."""
     print("\ntime to 99% held-out exact match on the toy task (training seconds; the held-out check after")
@@ -2465,6 +3023,7 @@ def main(argv=None):
         print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
         bench_training(device)
         bench_kv_cache(device)
+        bench_long_sequences(device)
         bench_time_to_99(device, args.seed)
         return 0
     if args.translate is None:
