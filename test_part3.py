@@ -744,3 +744,41 @@ def test_section_20_runs_cut_out_of_the_file_with_only_the_core_imports(tmp_path
                           cwd=str(tmp_path), env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["ok", "20"]
+
+
+# ===========================================================================
+# On the toy task: the balancing in training, the experts' load shown
+# ===========================================================================
+
+def test_training_updates_the_router_bias_only_when_asked():
+    pairs = tf.make_toy_data(n_sentences=40, seed=0)
+    vocab = tf.build_gpt_vocab(pairs)
+    dataset = tf.PromptDataset(pairs, vocab)
+    biases = []
+    for rate in (0.0, 0.01):
+        torch.manual_seed(0)
+        model = tiny_deepseek(vocab_size=len(vocab), max_len=40).train()
+        result = tf.train(model, dataset, lambda: 0.0, epochs=1, batch_size=8, seed=0, log=lambda line: None,
+                          router_bias_rate=rate)
+        assert math.isfinite(result["loss"])
+        biases.append(torch.stack([layer.ffn.router_bias for layer in model.layers[1:]]))   # [2, 8]
+    assert biases[0].abs().sum() == 0
+    steps = math.ceil(40 / 8)                                          # one update a step, each +-rate or 0
+    assert 0 < biases[1].abs().max() <= steps * 0.01 + 1e-6
+    assert torch.allclose(biases[1] / 0.01, (biases[1] / 0.01).round(), atol=1e-4)
+
+
+def test_expert_load_counts_every_routed_slot_without_padding():
+    pairs = tf.make_toy_data(n_sentences=30, seed=0)
+    vocab = tf.build_gpt_vocab(pairs)
+    model = tiny_deepseek(vocab_size=len(vocab), max_len=40)
+    loads = tf.expert_load(model, pairs, vocab)
+    assert list(loads) == [1, 2] and all(load.shape == (8,) for load in loads.values())
+    slots = torch.zeros(8)
+    for pinyin, hanzi in pairs:                                        # one sentence at a time, counted here
+        ids = vocab.encode(pinyin.split() + [tf.SEP]) + vocab.encode(hanzi) + [tf.Vocab.EOS]
+        model(torch.tensor([ids]))
+        slots += model.layers[1].ffn.tokens_per_expert
+    assert_close(loads[1], slots / slots.sum(), 1e-6)
+    text = tf.render_expert_load(loads)
+    assert text.count("expert ") == 16 and "uniform: 12.5% each" in text

@@ -2043,11 +2043,13 @@ def stop_on_ctrl_c():
 
 
 def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25, warmup=150,
-          label_smoothing=0.1, clip=1.0, seed=0, log=print):
+          label_smoothing=0.1, clip=1.0, seed=0, log=print, router_bias_rate=0.0):
     """Train on dataset items (model inputs..., target) with Adam and warmup; log one
     line per epoch with evaluate_fn()'s held-out accuracy. Returns the last epoch's
     mean loss, the accuracy, the seconds taken (training, evaluation and all), whether
-    Ctrl-C stopped it, and the history: (epoch, training seconds so far, accuracy)."""
+    Ctrl-C stopped it, and the history: (epoch, training seconds so far, accuracy).
+    router_bias_rate > 0: DeepSeek-V3's balancing after every step (update_router_bias,
+    section 18), for a model with sigmoid-routed experts."""
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collate,
@@ -2072,6 +2074,8 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
                 nn.utils.clip_grad_norm_(model.parameters(), clip)
                 optimizer.step()
                 scheduler.step()
+                if router_bias_rate:  # from this batch's load: busy experts down, idle ones up
+                    update_router_bias(model, router_bias_rate)
                 loss_sum, count = loss_sum + loss.item(), count + 1
                 if stop:
                     break
@@ -2234,6 +2238,49 @@ def cross_attention_map(model, src, out, head=None):
         model.decode(tgt, model.encode(src), src)                          # [1, T, V]
     weights = model.decoder_layers[-1].cross_attn.attn_weights[0]          # [H, T, S]
     return weights.mean(dim=0) if head is None else weights[head]          # [T, S]
+
+
+# A model with experts (section 18) shows where its tokens went instead: each MoE
+# layer's share of the routed slots per expert, one bar each. Uniform is 1 / E; a
+# router left unbalanced sends most tokens to a few experts and leaves others idle.
+
+@torch.no_grad()
+def expert_load(model, pairs, vocab):
+    """Share of the routed slots each expert took, per MoE layer, over the sequences
+    "pinyin <sep> hanzi <eos>" of pairs: {layer index: [E] summing to 1}. Sequences of
+    one length share a batch, so no padding is routed."""
+    device = next(model.parameters()).device
+    by_length = {}
+    for pinyin, hanzi in pairs:
+        ids = vocab.encode(pinyin.split() + [SEP]) + vocab.encode(hanzi) + [Vocab.EOS]
+        by_length.setdefault(len(ids), []).append(ids)
+    moes = {i: layer.ffn for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoE)}
+    totals = {i: torch.zeros(moe.n_experts) for i, moe in moes.items()}  # [E] each
+    with eval_mode(model):
+        for rows in by_length.values():
+            model(torch.tensor(rows, device=device))                       # [B, L, V]; fills tokens_per_expert
+            for i, moe in moes.items():
+                totals[i] += moe.tokens_per_expert.cpu()                   # [E]
+    return {i: total / total.sum() for i, total in totals.items()}         # [E] each
+
+
+def render_expert_load(loads, uniform=10):
+    """{layer: shares [E]} -> text bars, `uniform` blocks for a share of exactly 1 / E."""
+    lines = []
+    for i, load in loads.items():
+        E = len(load)
+        lines.append(f"layer {i}, {E} experts (uniform: {1 / E:.1%} each, {uniform} blocks)")
+        for e, share in enumerate(load.tolist()):
+            lines.append(f"  expert {e:2d} {'█' * round(share * E * uniform):{3 * uniform}s} {share:6.1%}")
+    return "\n".join(lines)
+
+# Try it: a layer of 4 experts, one of them idle.
+#   >>> print(render_expert_load({1: torch.tensor([0.5, 0.25, 0.25, 0.0])}, uniform=4))
+#   layer 1, 4 experts (uniform: 25.0% each, 4 blocks)
+#     expert  0 ████████      50.0%
+#     expert  1 ████          25.0%
+#     expert  2 ████          25.0%
+#     expert  3                0.0%
 
 
 # ===========================================================================
@@ -2488,6 +2535,14 @@ TOY_MODELS = {
                 config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=3, dropout=0.0)),
     "llama": dict(name="Llama-style", epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
                   config=dict(d_model=64, n_heads=4, n_kv_heads=2, d_ff=256, n_layers=2)),
+    # MLA, a dense first block, then a block of 8 sigmoid-routed experts (2 a token) and a
+    # shared one, balanced by the router bias after every step (DeepSeek-V3's 0.001 moves
+    # too little in 150 steps)
+    "deepseek": dict(name="DeepSeek-style", epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
+                     router_bias_rate=0.01,
+                     config=dict(d_model=64, n_heads=4, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8,
+                                 v_head_dim=16, d_ff=256, expert_d_ff=32, n_experts=8, top_k=2, n_shared=1,
+                                 n_layers=2, n_dense_layers=1)),
 }
 # --size base, the default for --data: real sentences need more than the toy's 90
 # words. Measured on 2,500 everyday sentences (README, "Decoding"): twice the width,
@@ -2500,8 +2555,18 @@ BASE_MODELS = {
                 config=dict(d_model=128, n_heads=4, d_ff=512, n_layers=4, dropout=0.1)),
     "llama": dict(name="Llama-style", epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1,
                   config=dict(d_model=128, n_heads=4, n_kv_heads=2, d_ff=344, n_layers=4)),
+    # not yet measured on real sentences: the Llama-style recipe's width and depth, MLA and experts
+    "deepseek": dict(name="DeepSeek-style", epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1,
+                     router_bias_rate=0.001,
+                     config=dict(d_model=128, n_heads=4, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16,
+                                 v_head_dim=32, d_ff=344, expert_d_ff=64, n_experts=8, top_k=2, n_shared=1,
+                                 n_layers=4, n_dense_layers=1)),
 }
 SIZES = {"small": TOY_MODELS, "base": BASE_MODELS}
+# the DeepSeek-style model of show_models: d_model 128, 4 heads, 2 layers, like the others
+SMALL_DEEPSEEK = dict(vocab_size=1000, d_model=128, n_layers=2, n_heads=4, kv_lora_rank=64, qk_nope_dim=32,
+                      qk_rope_dim=16, v_head_dim=32, d_ff=512, expert_d_ff=128, n_experts=8, top_k=2,
+                      q_lora_rank=96, n_groups=4, topk_groups=2)
 
 
 def show_models(device):
@@ -2515,7 +2580,8 @@ def show_models(device):
                                                            d_ff=512), decoder_only_param_formula(
                   1000, d_model=128, n_layers=2, d_ff=512)),
              ("Llama-style", Llama(vocab_size=1000, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2),
-              llama_param_formula(1000, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2))]
+              llama_param_formula(1000, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2)),
+             ("DeepSeek-style", DeepSeekV3(**SMALL_DEEPSEEK), deepseek_param_formula(**SMALL_DEEPSEEK))]
     src = torch.randint(1, 1000, (2, 7), device=device)                    # [B, S]
     tgt = torch.randint(1, 1000, (2, 5), device=device)                    # [B, T]
     print("small models, d_model 128, 4 heads, 2 layers (each), vocabulary 1000 (1200 for the target)")
@@ -2557,6 +2623,29 @@ def show_models(device):
     stored = sum(c.k.nelement() * c.k.element_size() + c.v.nelement() * c.v.element_size() for c in cache)
     print(f"  measured: the small Llama-style model's cache holds {stored // (2 * 5):,} bytes a token in float32"
           f" = {kv_cache_bytes_per_token(2, 2, 32, bytes_per_value=4):,} by the formula (2 kv heads of 4)")
+    print("\nfrontier models (meta device): total and active parameters, cache per token in bfloat16")
+    print(f"  {'model':14s} {'counted':>15s} {'formula':>15s} {'active':>14s}  {'cache':>9s}  reported")
+    for name, kind, cfg, total, active, reported in FRONTIER_CONFIGS:
+        with torch.device("meta"):
+            counted = count_parameters(MODEL_CLASSES[kind](**cfg))
+        if kind == "deepseek":
+            cache_bytes = mla_cache_bytes_per_token(cfg["n_layers"], cfg["kv_lora_rank"], cfg["qk_rope_dim"])
+        else:
+            cache_bytes = kv_cache_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], cfg.get("head_dim", 128))
+        print(f"  {name:14s} {counted:15,d} {PARAMETER_FORMULAS[kind](**cfg):15,d}"
+              f" {PARAMETER_FORMULAS[kind](**cfg, active=True):14,d}  {cache_bytes / 1024:5.1f} KiB  {reported}")
+    v3 = FRONTIER_CONFIGS[2][2]
+    per_head = v3["n_layers"] * v3["n_heads"] * (v3["qk_nope_dim"] + v3["qk_rope_dim"] + v3["v_head_dim"]) * 2
+    print(f"  DeepSeek-V3's latent cache: {v3['kv_lora_rank']} + {v3['qk_rope_dim']} values a token a layer;"
+          f" per-head keys and values would take {per_head / 2 ** 20:.2f} MiB a token")
+    deepseek = small[3][1]
+    cache = deepseek.new_cache()
+    with torch.no_grad():
+        deepseek(tgt, cache)                                               # fills [B, t, r] and [B, t, rope] per layer
+    stored = sum(c.latent.nelement() * c.latent.element_size() + c.k_rope.nelement() * c.k_rope.element_size()
+                 for c in cache)
+    print(f"  measured: the small DeepSeek-style model's cache holds {stored // (2 * 5):,} bytes a token in float32"
+          f" = {mla_cache_bytes_per_token(2, 64, 16, bytes_per_value=4):,} by the formula (latent 64, rope 16)")
     torch.manual_seed(0)
     gpt = DecoderOnlyTransformer(vocab_size=1000, d_model=512, n_layers=2, n_heads=8, d_ff=2048,
                                  max_len=512).to(device).eval()
@@ -2589,7 +2678,7 @@ def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed, log=pri
     held_out = lambda: teacher_forced_accuracy(kind, model, test_pairs, src_vocab, tgt_vocab, readings)  # noqa: E731
     result = train(model, dataset, held_out,
                    epochs=epochs or spec["epochs"], batch_size=spec["batch_size"], lr_factor=spec["lr_factor"],
-                   warmup=spec["warmup"], seed=seed, log=log)
+                   warmup=spec["warmup"], seed=seed, log=log, router_bias_rate=spec.get("router_bias_rate", 0.0))
     return model, src_vocab, tgt_vocab, result
 
 
@@ -2708,6 +2797,9 @@ def run(args, device, pairs, loaded):
                 if kind == "encdec":
                     show_heatmap(model, src_vocab, tgt_vocab, fits, ambiguous, args.head,
                                  None if args.free else readings)
+                elif any(isinstance(m, MoE) for m in model.modules()):
+                    print("\nexpert load on the held-out sentences (share of each MoE layer's routed slots):")
+                    print(render_expert_load(expert_load(model, fits, tgt_vocab)))
         results[kind] = (model, src_vocab, tgt_vocab, readings, result)
         if result.get("interrupted"):
             break
