@@ -52,6 +52,8 @@ encoder-decoder), fixes their mistakes, and proves each piece in test_transforme
 #   B batch, S source length, T target length, D d_model, H heads,
 #   dk = D // H (one head's width), Dff the feed-forward width, V vocabulary size;
 #   Part II adds Hkv, the key/value heads of grouped-query attention.
+#   Part III adds N = B * T tokens, E experts, k = top_k, G expert groups, r the
+#   latent's width, nope / rope / v the widths of an MLA head's parts.
 # Attention scores are [B, H, Tq, Tk]: one row per query, one column per key.
 
 import math
