@@ -2802,6 +2802,18 @@ def run(args, device, pairs, loaded):
                 elif any(isinstance(m, MoE) for m in model.modules()):
                     print("\nexpert load on the held-out sentences (share of each MoE layer's routed slots):")
                     print(render_expert_load(expert_load(model, fits, tgt_vocab)))
+                if kind == "deepseek":  # the trained model's latent cache, measured against section 21's formula
+                    cache, cfg = model.new_cache(), model.config
+                    pinyin, hanzi = fits[0]
+                    ids = tgt_vocab.encode(pinyin.split() + [SEP]) + tgt_vocab.encode(hanzi)
+                    with torch.no_grad():
+                        model(torch.tensor([ids], device=next(model.parameters()).device), cache)  # [1, L, V]
+                    stored = sum(c.latent.nelement() * c.latent.element_size()
+                                 + c.k_rope.nelement() * c.k_rope.element_size() for c in cache)
+                    formula = mla_cache_bytes_per_token(cfg["n_layers"], cfg["kv_lora_rank"], cfg["qk_rope_dim"],
+                                                        bytes_per_value=cache[0].latent.element_size())
+                    print(f"its cache holds {stored // len(ids):,} bytes a token = {formula:,} by the formula"
+                          f" ({cfg['n_layers']} layers x ({cfg['kv_lora_rank']} + {cfg['qk_rope_dim']}) values)")
         results[kind] = (model, src_vocab, tgt_vocab, readings, result)
         if result.get("interrupted"):
             break
