@@ -1126,7 +1126,7 @@ LLAMA_CONFIGS = [
 
 
 # ===========================================================================
-# Part III: the frontier, mixture of experts and latent attention (第三部分：前沿：混合专家与潜在注意力)
+# Part III: the frontier, mixture of experts and latent attention (第三部分：前沿)
 # ===========================================================================
 # What the large models of 2024-2026 (Mixtral, Qwen3, DeepSeek-V3) add to Part II's
 # decoder: heads whose width is free of D / H and whose q and k are normalized
@@ -1269,8 +1269,8 @@ class MoE(nn.Module):
 
 
 def load_balancing_loss(router_logits, top_k):
-    """The Switch Transformer's auxiliary loss as Mixtral uses it, E * sum_e f_e * P_e,
-    from router logits [N, E]: f_e = top-k slots given to expert e / N, P_e = the mean
+    """The Switch Transformer's auxiliary loss as Hugging Face's Mixtral computes it,
+    E * sum_e f_e * P_e from router logits [N, E]: f_e = top-k slots given to expert e / N, P_e = the mean
     of softmax(logits)[:, e]. Exactly top_k when routing is uniform, larger when the
     probability piles up where the tokens go. f_e is a count, without a gradient:
     the loss pushes P_e down where f_e is high. Add it to the loss times a small
@@ -1418,7 +1418,8 @@ class MultiHeadLatentAttention(nn.Module):
         if cache is not None:  # the cache: r + rope values a token, nothing per head
             latent, k_rope = cache.append(latent, k_rope)                  # [B, t, r], [B, t, rope], t = past + Tn
         # w_ukv's rows are, per head, the nope key's then the value's: W_uk, W_uv
-        w_uk, w_uv = self.w_ukv.weight.view(H, self.nope + self.v_dim, -1).split([self.nope, self.v_dim], dim=1)  # [H, nope, r], [H, v, r]
+        w_ukv = self.w_ukv.weight.view(H, self.nope + self.v_dim, self.kv_lora_rank)  # [H, nope+v, r]
+        w_uk, w_uv = w_ukv.split([self.nope, self.v_dim], dim=1)          # [H, nope, r], [H, v, r]
         if past > 0 if absorb is None else absorb:
             # 3a. absorbed: q_nope . (W_uk c) = (W_uk^T q_nope) . c, one query of width r per head
             q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)        # [B, H, Tn, r]
@@ -1493,7 +1494,8 @@ class DeepSeekV3(nn.Module):
                            tie_weights=tie_weights, rope_interleave=rope_interleave)  # for checkpoints
         check_sizes(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, max_len=max_len, d_ff=d_ff,
                     expert_d_ff=expert_d_ff, n_experts=n_experts)
-        if isinstance(n_dense_layers, bool) or not isinstance(n_dense_layers, int) or not 0 <= n_dense_layers <= n_layers:
+        dense = n_dense_layers
+        if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense <= n_layers:
             raise ValueError(f"n_dense_layers must be an integer from 0 to n_layers={n_layers}, got {n_dense_layers!r}")
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         self.token_embedding = nn.Embedding(vocab_size, d_model)
