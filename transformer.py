@@ -2116,8 +2116,9 @@ def time_generation(model, prompt, max_new_tokens):
 # ===========================================================================
 # 31. Decoder-only models on the task (仅解码器模型做同一任务)
 # ===========================================================================
-# The decoder-only models, the GPT of section 9 and the Llama of section 15, have
-# no encoder to read the pinyin, so the pinyin goes in front as a prompt:
+# The decoder-only models, the GPT of section 9, the Llama of section 15 and the
+# DeepSeek-V3-style model of section 20, have no encoder to read the pinyin, so
+# the pinyin goes in front as a prompt:
 # "wo ai xue xi <sep> 我 爱 学 习 <eos>", one sequence. They learn to continue
 # after <sep>; the prompt itself is given, not predicted, so its positions are
 # left out of the loss (target = pad, ignore_index). They answer through the
