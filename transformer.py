@@ -52,6 +52,8 @@ encoder-decoder), fixes their mistakes, and proves each piece in test_transforme
 #   B batch, S source length, T target length, D d_model, H heads,
 #   dk = D // H (one head's width), Dff the feed-forward width, V vocabulary size;
 #   Part II adds Hkv, the key/value heads of grouped-query attention.
+#   Part III adds N = B * T tokens, E experts, k = top_k, G expert groups, r the
+#   latent's width, nope / rope / v the widths of an MLA head's parts.
 # Attention scores are [B, H, Tq, Tk]: one row per query, one column per key.
 
 import math
@@ -931,22 +933,30 @@ def repeat_kv(x, n_rep):
 
 class GroupedQueryAttention(nn.Module):
     """n_heads query heads in groups of n_heads // n_kv_heads, each group sharing a
-    key/value head; bias on q, k, v only (as Qwen2), never on w_o."""
+    key/value head; bias on q, k, v only (as Qwen2), never on w_o. Qwen3's two
+    options (section 17 says why): head_dim, a head's width when it is not D / H, and
+    qk_norm, an RMSNorm (section 11) on every head's q and k before RoPE."""
 
-    def __init__(self, d_model, n_heads, n_kv_heads, bias=False):
+    def __init__(self, d_model, n_heads, n_kv_heads, bias=False, head_dim=None, qk_norm=False, norm_eps=1e-6):
         super().__init__()
         if min(d_model, n_heads, n_kv_heads) < 1:
             raise ValueError(f"d_model ({d_model}), n_heads ({n_heads}) and n_kv_heads ({n_kv_heads})"
                              f" must be >= 1")
-        if d_model % n_heads:
+        if head_dim is None and d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        if head_dim is not None:
+            check_sizes(head_dim=head_dim)
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = d_model // n_heads if head_dim is None else head_dim
         self.w_q = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
         self.w_k = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.w_v = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.w_o = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
+        self.qk_norm = qk_norm
+        if qk_norm:  # one weight of head_dim, shared by every head (Qwen3's q_norm, k_norm)
+            self.q_norm, self.k_norm = RMSNorm(self.head_dim, norm_eps), RMSNorm(self.head_dim, norm_eps)
 
     def forward(self, x, cos, sin, mask=None, cache=None):
         """x [B, Tn, D]; cos, sin [Tn, dk] at the new tokens' absolute positions; mask
@@ -956,6 +966,8 @@ class GroupedQueryAttention(nn.Module):
         q = self.w_q(x).view(B, Tn, self.n_heads, self.head_dim).transpose(1, 2)     # [B, H, Tn, dk]
         k = self.w_k(x).view(B, Tn, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, Tn, dk]
         v = self.w_v(x).view(B, Tn, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, Tn, dk]
+        if self.qk_norm:  # over each head's dk dims, before RoPE: Qwen3's order
+            q, k = self.q_norm(q), self.k_norm(k)                          # [B, H, Tn, dk], [B, Hkv, Tn, dk]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)            # [B, H, Tn, dk], [B, Hkv, Tn, dk]
         if cache is not None:
             # the cache stores keys already turned (a key's angle is fixed by its own
@@ -992,12 +1004,15 @@ class GroupedQueryAttention(nn.Module):
 class LlamaBlock(nn.Module):
     """x + attn(attn_norm(x)), then x + ffn(ffn_norm(x))."""
 
-    def __init__(self, d_model, n_heads, n_kv_heads, d_ff, norm_eps=1e-6, qkv_bias=False):
+    def __init__(self, d_model, n_heads, n_kv_heads, d_ff, norm_eps=1e-6, qkv_bias=False, head_dim=None,
+                 qk_norm=False, n_experts=0, top_k=2, norm_topk=True):
         super().__init__()
         self.attn_norm = RMSNorm(d_model, norm_eps)
-        self.attn = GroupedQueryAttention(d_model, n_heads, n_kv_heads, qkv_bias)
+        self.attn = GroupedQueryAttention(d_model, n_heads, n_kv_heads, qkv_bias, head_dim, qk_norm, norm_eps)
         self.ffn_norm = RMSNorm(d_model, norm_eps)
-        self.ffn = SwiGLU(d_model, d_ff)
+        # n_experts >= 1: a mixture of n_experts SwiGLUs of width d_ff, top_k per token
+        # (Mixtral, Qwen3-MoE; MoE is section 18's, so a file cut here builds dense models only)
+        self.ffn = MoE(d_model, d_ff, n_experts, top_k, norm_topk=norm_topk) if n_experts else SwiGLU(d_model, d_ff)
 
     def forward(self, x, cos, sin, mask=None, cache=None):
         """x [B, Tn, D]; cos, sin [Tn, dk]; mask [1, 1, Tn, t + Tn]; cache a KVCache."""
@@ -1007,31 +1022,41 @@ class LlamaBlock(nn.Module):
 
 class Llama(nn.Module):
     """Token embedding, N Llama blocks, a final RMSNorm, lm_head. n_kv_heads None means
-    n_heads (plain MHA), d_ff None means llama_ffn_dim(d_model). window: Mistral's
-    sliding window (section 23), in every layer the query at p sees keys p - window + 1
-    .. p, and new_cache() keeps only that many; rope_scaling: rope_cos_sin's scaling."""
+    n_heads (plain MHA), d_ff None means llama_ffn_dim(d_model). Part III's keywords:
+    head_dim and qk_norm (section 17); n_experts >= 1 makes every ffn a MoE (section 18)
+    of experts expert_d_ff wide (None: d_ff), top_k of them per token. Part IV's: window,
+    Mistral's sliding window (section 23): in every layer the query at p sees keys
+    p - window + 1 .. p, and new_cache() keeps only that many; rope_scaling, rope_cos_sin's
+    scaling (section 25)."""
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
-                 rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, window=None,
+                 rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None,
+                 qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True, window=None,
                  rope_scaling=None):
         super().__init__()
         self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                            n_kv_heads=n_kv_heads, d_ff=d_ff, max_len=max_len, rope_theta=rope_theta,
-                           norm_eps=norm_eps, tie_weights=tie_weights, qkv_bias=qkv_bias, window=window,
-                           rope_scaling=rope_scaling)  # for checkpoints
+                           norm_eps=norm_eps, tie_weights=tie_weights, qkv_bias=qkv_bias, head_dim=head_dim,
+                           qk_norm=qk_norm, n_experts=n_experts, top_k=top_k, expert_d_ff=expert_d_ff,
+                           norm_topk=norm_topk, window=window, rope_scaling=rope_scaling)  # for checkpoints
         check_window(window)
         self.window = window
         check_sizes(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, max_len=max_len,
-                    **{name: value for name, value in (("n_kv_heads", n_kv_heads), ("d_ff", d_ff)) if value is not None})
+                    **{name: value for name, value in (("n_kv_heads", n_kv_heads), ("d_ff", d_ff),
+                                                       ("head_dim", head_dim), ("expert_d_ff", expert_d_ff))
+                       if value is not None})
+        if isinstance(n_experts, bool) or not isinstance(n_experts, int) or n_experts < 0:
+            raise ValueError(f"n_experts must be an integer >= 0 (0: a dense SwiGLU), got {n_experts!r}")
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
+        width = d_ff if expert_d_ff is None or not n_experts else expert_d_ff  # each ffn's (each expert's)
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         self.token_embedding = nn.Embedding(vocab_size, d_model)
-        self.layers = nn.ModuleList([LlamaBlock(d_model, n_heads, n_kv_heads, d_ff, norm_eps, qkv_bias)
-                                     for _ in range(n_layers)])
+        self.layers = nn.ModuleList([LlamaBlock(d_model, n_heads, n_kv_heads, width, norm_eps, qkv_bias, head_dim,
+                                                qk_norm, n_experts, top_k, norm_topk) for _ in range(n_layers)])
         self.final_norm = RMSNorm(d_model, norm_eps)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
-        cos, sin = rope_cos_sin(d_model // n_heads, max_len, rope_theta, rope_scaling)  # [max_len, dk] each
+        cos, sin = rope_cos_sin(self.layers[0].attn.head_dim, max_len, rope_theta, rope_scaling)  # [max_len, dk] each
         # buffers follow .to(device); not persistent: recomputed from the config, so the
         # state_dict holds only weights
         self.register_buffer("cos", cos, persistent=False)
@@ -1095,15 +1120,25 @@ class Llama(nn.Module):
 # fit on a GPU: the KV cache.
 
 def llama_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
-                        rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, window=None,
-                        rope_scaling=None):
+                        rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None,
+                        qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True, window=None,
+                        rope_scaling=None, active=False):
     """Closed form of count_parameters(Llama(...)), same keywords (max_len, rope_theta,
-    norm_eps, window and rope_scaling hold no parameters)."""
-    kv_width = (n_heads if n_kv_heads is None else n_kv_heads) * (d_model // n_heads)  # Hkv * dk
+    norm_eps, window and rope_scaling hold no parameters). active=True: the parameters
+    one token's forward uses, every weight but the experts it is not routed to (Part
+    III, section 21)."""
+    head_dim = d_model // n_heads if head_dim is None else head_dim
+    kv_width = (n_heads if n_kv_heads is None else n_kv_heads) * head_dim  # Hkv * dk
     d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
-    attention = 2 * d_model * d_model + 2 * d_model * kv_width         # w_q and w_o, w_k and w_v
-    attention += (d_model + 2 * kv_width) if qkv_bias else 0           # q, k, v biases
-    layer = attention + 3 * d_model * d_ff + 2 * d_model               # + w1, w3, w2 + two RMSNorms
+    attention = 2 * d_model * n_heads * head_dim + 2 * d_model * kv_width  # w_q and w_o, w_k and w_v
+    attention += (n_heads * head_dim + 2 * kv_width) if qkv_bias else 0  # q, k, v biases
+    attention += 2 * head_dim if qk_norm else 0                        # q_norm, k_norm
+    if n_experts:  # the router's [E, D], and n_experts SwiGLUs, top_k of them used by a token
+        expert = 3 * d_model * (d_ff if expert_d_ff is None else expert_d_ff)
+        ffn = n_experts * d_model + (top_k if active else n_experts) * expert
+    else:
+        ffn = 3 * d_model * d_ff                                       # w1, w3, w2
+    layer = attention + ffn + 2 * d_model                              # + two RMSNorms
     embeddings = vocab_size * d_model * (1 if tie_weights else 2)      # token_embedding, lm_head
     return embeddings + n_layers * layer + d_model                     # + final_norm
 
@@ -1142,6 +1177,499 @@ LLAMA_CONFIGS = [
 #   8030261248
 #   >>> kv_cache_bytes_per_token(n_layers=32, n_kv_heads=8, head_dim=128) // 1024  # KiB a token, bf16
 #   128
+
+
+# ===========================================================================
+# Part III: the frontier, mixture of experts and latent attention (第三部分：前沿)
+# ===========================================================================
+# What the large models of 2024-2026 (Mixtral, Qwen3, DeepSeek-V3) add to Part II's
+# decoder: heads whose width is free of D / H and whose q and k are normalized
+# (Qwen3); a feed-forward split into many experts, of which each token runs only a
+# few (mixture of experts); and DeepSeek's multi-head latent attention, whose cache
+# is one small latent a token instead of every head's keys and values. Then the
+# DeepSeek-V3-style model, and what "671B parameters, 37B active" counts.
+
+# ===========================================================================
+# 17. QK-norm and free head widths (QK 归一化与自由头宽)
+# ===========================================================================
+# Two options of GroupedQueryAttention (section 14), both Qwen3's. head_dim frees a
+# head's width from D / H: Qwen3-30B-A3B has D 2048 and 32 heads of 128, so w_q is
+# 4096 wide, wider than the model, and w_o brings H * dk back to D. qk_norm keeps the
+# scores from growing: q . k grows with the lengths of q and k, and once the logits
+# are large the softmax is one-hot and its gradient vanishes (Dehghani et al., 2023,
+# "Scaling Vision Transformers to 22 Billion Parameters", saw such logits diverge
+# training and normalized q and k). Qwen3 and Gemma 3 apply an RMSNorm over each
+# head's dk dims, one weight [dk] shared by all heads, to q and k BEFORE RoPE; OLMo 2
+# instead normalizes the whole projection, over all H * dk dims, before splitting
+# into heads. The order matters once the norm's weight is learned: RoPE keeps the
+# length of every pair it turns, but a weight that scales dim i and not its partner
+# gives a different vector before the turn than after it (the tests check both).
+#
+# Try it: a Qwen3-style attention, 4 heads of 16 in a model 32 wide.
+#   >>> attn = GroupedQueryAttention(d_model=32, n_heads=4, n_kv_heads=2, head_dim=16, qk_norm=True)
+#   >>> attn.w_q.weight.shape, attn.w_o.weight.shape, attn.q_norm.weight.shape
+#   (torch.Size([64, 32]), torch.Size([32, 64]), torch.Size([16]))
+#   >>> cos, sin = rope_cos_sin(head_dim=16, max_len=8)                    # [8, 16] each
+#   >>> attn(torch.randn(2, 5, 32), cos[:5], sin[:5], make_causal_mask(5)).shape
+#   torch.Size([2, 5, 32])
+#   >>> qwen = Llama(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, qk_norm=True)
+#   >>> qwen(torch.randint(0, 100, (1, 6))).shape, count_parameters(qwen) == llama_param_formula(**qwen.config)
+#   (torch.Size([1, 6, 100]), True)
+
+
+# ===========================================================================
+# 18. Mixture of experts (混合专家)
+# ===========================================================================
+# A dense feed-forward runs all its weights on every token. A mixture of experts
+# (Shazeer et al., 2017; in Transformers GShard and Switch) holds E feed-forwards,
+# the experts, and a router that sends each token to top_k of them: E times the
+# parameters for about top_k times the compute. Mixtral-8x7B runs 2 of its 8
+# SwiGLU experts per token; DeepSeek-V3 8 of 256, plus one shared expert that every
+# token runs. Left alone, a router sends most tokens to a few experts, which then
+# learn more and are chosen more; balancing (a loss, or DeepSeek's bias) works against it.
+# How the reference implementations weigh the chosen experts:
+#   softmax (Mixtral, Qwen3-MoE): p = softmax(logits) over all E experts, keep the top_k,
+#     divide by their sum (norm_topk). That equals a softmax over the top_k logits alone;
+#     WITHOUT the renormalization (Qwen1.5-MoE's norm_topk_prob=False) it does not:
+#     top-k before or after the softmax is then a different model.
+#   sigmoid (DeepSeek-V3): s = sigmoid(logits), each expert scored on its own. The choice
+#     ranks s + router_bias, the weights use s alone: the bias, which balancing moves,
+#     must steer which experts run, never how much they count. With n_groups > 1 the
+#     experts form groups (V3: 8 groups of 32, the experts of one node each in its
+#     training), a group is scored by the sum of its two best, and only the
+#     topk_groups best (V3: 4) may be chosen from, so a token's experts sit on few
+#     nodes. Weights: the chosen s over their sum, times routed_scale (2.5 in V3).
+
+class MoE(nn.Module):
+    """Each token's top_k experts, weighted, plus the shared expert on every token:
+    out = sum_{e chosen} w_e * experts[e](x) + shared(x). router "softmax" (Mixtral,
+    Qwen3-MoE) or "sigmoid" (DeepSeek-V3, with router_bias and groups)."""
+
+    def __init__(self, d_model, d_ff, n_experts, top_k, n_shared=0, router="softmax", norm_topk=True,
+                 n_groups=1, topk_groups=1, routed_scale=1.0):
+        super().__init__()
+        check_sizes(d_model=d_model, d_ff=d_ff, n_experts=n_experts, n_groups=n_groups, topk_groups=topk_groups)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k must be an integer from 1 to n_experts={n_experts}, got {top_k!r}")
+        if router not in ("softmax", "sigmoid"):
+            raise ValueError(f"router must be 'softmax' or 'sigmoid', got {router!r}")
+        if n_experts % n_groups:
+            raise ValueError(f"n_experts ({n_experts}) must be divisible by n_groups ({n_groups})")
+        if topk_groups > n_groups:
+            raise ValueError(f"topk_groups ({topk_groups}) must be at most n_groups ({n_groups})")
+        eligible = topk_groups * (n_experts // n_groups)
+        if eligible < top_k:
+            raise ValueError(f"topk_groups={topk_groups} groups of {n_experts // n_groups} experts leave"
+                             f" {eligible} to choose from, fewer than top_k={top_k}")
+        if isinstance(n_shared, bool) or not isinstance(n_shared, int) or n_shared < 0:
+            raise ValueError(f"n_shared must be an integer >= 0, got {n_shared!r}")
+        if isinstance(routed_scale, bool) or not isinstance(routed_scale, (int, float)) or not routed_scale > 0:
+            raise ValueError(f"routed_scale must be a number > 0, got {routed_scale!r}")
+        self.n_experts, self.top_k, self.score_func, self.norm_topk = n_experts, top_k, router, norm_topk
+        self.n_groups, self.topk_groups, self.routed_scale = n_groups, topk_groups, routed_scale
+        self.router = nn.Linear(d_model, n_experts, bias=False)          # a score per expert
+        self.experts = nn.ModuleList([SwiGLU(d_model, d_ff) for _ in range(n_experts)])
+        # the shared experts are one SwiGLU n_shared times as wide, run on every token, no gate
+        self.shared = SwiGLU(d_model, n_shared * d_ff) if n_shared else None
+        # persistent: the balance it learned is part of the model (V3's e_score_correction_bias)
+        self.register_buffer("router_bias", torch.zeros(n_experts))       # [E]
+        self.router_logits = self.tokens_per_expert = None                # [N, E], [E] after a forward
+
+    def route(self, logits):
+        """Router logits [N, E] (float32) -> chosen experts [N, k] and their weights [N, k]."""
+        if self.score_func == "softmax":
+            scores = logits.softmax(dim=-1)                                # [N, E]: p, each row sums to 1
+        else:
+            scores = logits.sigmoid()                                      # [N, E]: s, each in (0, 1)
+        choice = scores + self.router_bias                                 # [N, E]: ranks; never weighs
+        if self.n_groups > 1:
+            grouped = choice.view(len(choice), self.n_groups, -1)          # [N, G, E/G]
+            best_two = grouped.topk(min(2, grouped.size(-1)), dim=-1).values  # [N, G, 2]
+            groups = best_two.sum(dim=-1).topk(self.topk_groups, dim=-1).indices  # [N, topk_groups]
+            allowed = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=logits.device).scatter(
+                1, groups, True)                                           # [N, G]
+            # -inf is safe here: at least top_k experts stay finite (checked in __init__)
+            choice = grouped.masked_fill(~allowed[:, :, None], float("-inf")).flatten(1)  # [N, E]
+        chosen = choice.topk(self.top_k, dim=-1).indices                   # [N, k]
+        weights = scores.gather(1, chosen)                                 # [N, k]: p or s, no bias
+        if self.norm_topk:
+            # + 1e-20 as Hugging Face's DeepSeek-V3: k sigmoids can all underflow to 0
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # [N, k]
+        return chosen, weights * self.routed_scale                         # [N, k], [N, k]
+
+    def forward(self, x):
+        """x [B, T, D] -> [B, T, D]; keeps router_logits [N, E] and tokens_per_expert [E]."""
+        flat = x.reshape(-1, x.size(-1))                                   # [N, D], N = B * T tokens
+        if self.score_func == "softmax":  # Mixtral: the router in the model's dtype, the softmax in float32
+            logits = self.router(flat).float()                             # [N, E]
+        else:  # DeepSeek-V3: the router's matmul itself in float32
+            logits = F.linear(flat.float(), self.router.weight.float())    # [N, E]
+        chosen, weights = self.route(logits)                               # [N, k] each
+        self.router_logits = logits                                        # [N, E], still in the graph
+        self.tokens_per_expert = torch.bincount(chosen.flatten(), minlength=self.n_experts)  # [E]
+        out = torch.zeros_like(flat)                                       # [N, D]
+        # each expert runs on the tokens routed to it, never on all N: gather them, compute,
+        # index_add the weighted rows back. Running every expert on every token and
+        # multiplying the unchosen by 0 gives the same numbers at E / top_k times the
+        # compute: exactly what a MoE exists to save
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)                         # [n_e] each: which tokens, which of their k
+            if len(token):
+                y = expert(flat[token]) * weights[token, slot, None].to(x.dtype)  # [n_e, D]
+                out.index_add_(0, token, y)                                # [N, D]
+        if self.shared is not None:
+            out = out + self.shared(flat)                                  # [N, D]
+        return out.view(x.shape)                                           # [B, T, D]
+
+
+def load_balancing_loss(router_logits, top_k):
+    """The Switch Transformer's auxiliary loss as Hugging Face's Mixtral computes it,
+    E * sum_e f_e * P_e from router logits [N, E]: f_e = top-k slots given to expert e / N, P_e = the mean
+    of softmax(logits)[:, e]. Exactly top_k when routing is uniform, larger when the
+    probability piles up where the tokens go. f_e is a count, without a gradient:
+    the loss pushes P_e down where f_e is high. Add it to the loss times a small
+    factor (Switch: 0.01)."""
+    E = router_logits.size(-1)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise ValueError(f"top_k must be an integer from 1 to {E} (the experts), got {top_k!r}")
+    probs = router_logits.float().softmax(dim=-1)                          # [N, E]
+    chosen = probs.topk(top_k, dim=-1).indices                             # [N, k]
+    f = torch.bincount(chosen.flatten(), minlength=E).float() / len(probs)  # [E]: sums to top_k
+    P = probs.mean(dim=0)                                                  # [E]: sums to 1
+    return E * (f * P).sum()                                               # []
+
+
+@torch.no_grad()
+def update_router_bias(model, rate=1e-3):
+    """DeepSeek-V3's auxiliary-loss-free balancing, called after each optimizer step:
+    every sigmoid MoE in model moves router_bias by rate toward the mean load,
+    router_bias += rate * sign(mean load - its load), from its last forward's
+    tokens_per_expert. V3 trained with rate 0.001. -> the MoEs updated."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate >= 0:
+        raise ValueError(f"rate must be a number >= 0, got {rate!r}")
+    updated = 0
+    for module in model.modules():
+        if isinstance(module, MoE) and module.score_func == "sigmoid" and module.tokens_per_expert is not None:
+            load = module.tokens_per_expert.float()                        # [E]
+            module.router_bias += rate * torch.sign(load.mean() - load)    # [E]: overloaded down, idle up
+            updated += 1
+    return updated
+
+# Try it: 4 experts, 2 per token; 12 tokens make 24 expert-rows, not 4 x 12 = 48.
+#   >>> moe = MoE(d_model=16, d_ff=32, n_experts=4, top_k=2)
+#   >>> moe(torch.randn(3, 4, 16)).shape, moe.router_logits.shape, moe.tokens_per_expert.sum().item()
+#   (torch.Size([3, 4, 16]), torch.Size([12, 4]), 24)
+#   >>> round(load_balancing_loss(torch.zeros(12, 4), top_k=2).item(), 6)    # uniform routing: top_k
+#   2.0
+#   >>> ds = MoE(16, 32, n_experts=8, top_k=2, n_shared=1, router="sigmoid", n_groups=4, topk_groups=2)
+#   >>> _ = ds(torch.randn(2, 5, 16))                                       # 10 tokens, 20 slots, mean load 2.5
+#   >>> update_router_bias(ds), torch.equal(ds.router_bias > 0, ds.tokens_per_expert < 2.5)  # idle up, busy down
+#   (1, True)
+#   >>> MoE(16, 32, n_experts=8, top_k=4, n_groups=4, topk_groups=1)
+#   Traceback (most recent call last):
+#   ValueError: topk_groups=1 groups of 2 experts leave 2 to choose from, fewer than top_k=4
+
+
+# ===========================================================================
+# 19. Multi-head latent attention, MLA (多头潜在注意力)
+# ===========================================================================
+# GQA shrinks the cache by sharing heads; MLA (DeepSeek-V2, 2024; kept in V3) by
+# compressing. w_dkv maps each token to a latent c of kv_lora_rank dims (512 in V3)
+# plus one small rope key (64) shared by all heads; kv_norm normalizes c, and w_ukv
+# expands it again to every head's key (its nope part, 128) and value (128). The
+# cache keeps only c and the rope key: 576 values a token a layer in V3, against
+# 128 heads x (192 + 128) = 40,960 for per-head keys and values. Queries go through
+# a low-rank bottleneck of their own (w_dq, q_norm, w_uq) to save weights, not cache.
+# A head's q and k are [nope | rope]: RoPE turns only the rope part; scores are
+# scaled by (nope + rope)^-0.5, the width of the whole q.k product.
+# Two ways to compute it, proven equal by the tests:
+#   expanded: up-project c to per-head keys and values and attend as usual (training,
+#     prefill: every key is new anyway);
+#   absorbed: q_nope . (W_uk c) = (W_uk^T q_nope) . c, so fold the key half of w_ukv
+#     into the query and score the cached c directly; the value half is applied after
+#     the attention sums, out_h = W_uv (sum_t a_t c_t). Cached decoding then reads the
+#     latent and never builds a key or value of an earlier token.
+# Why the rope key must be decoupled: if RoPE turned the up-projected key, R(n) W_uk c_n
+# at key position n and R(m) q at query position m, the score would be
+# q^T R(m)^T R(n) W_uk c_n = q^T R(n - m) W_uk c_n: a rotation that depends on the pair
+# of positions sits between the query and W_uk, so W_uk cannot be folded into the
+# query once for all cached tokens. Hence the nope part carries no position and
+# absorbs; position travels in the separate rope part, whose key is cached as it is.
+# The rope part's pairing convention: DeepSeek's checkpoints pair neighbours (x[2i],
+# x[2i+1]), Meta's complex-number way (rope_interleave=True); section 12's halves
+# are the same model after a fixed permutation of the rope rows of w_uq (or w_q)
+# and w_dkv. A checkpoint used with the wrong one raises no error and attends wrongly.
+
+def deinterleave(x):
+    """[..., d] -> [..., d]: x0, x2, x4, ... then x1, x3, x5, ..., so that neighbour pair
+    (x[2i], x[2i+1]) becomes half-split pair (x[i], x[i + d/2]) for apply_rope (as
+    Hugging Face's DeepSeek-V3 does before its half-split rotation)."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)                 # [..., d]
+
+
+class LatentCache:
+    """One MLA module's cache: the normalized latent [B, t, kv_lora_rank] and the turned
+    rope key [B, t, rope] of every earlier token; append and len as KVCache's."""
+
+    def __init__(self):
+        self.latent, self.k_rope = None, None                             # [B, t, r], [B, t, rope] once filled
+
+    def __len__(self):
+        return 0 if self.latent is None else self.latent.size(1)
+
+    def append(self, latent, k_rope):
+        """Add this step's latent [B, Tn, r] and rope key [B, Tn, rope]; return all of them."""
+        if self.latent is not None:
+            latent = torch.cat([self.latent, latent], dim=1)               # [B, t+Tn, r]
+            k_rope = torch.cat([self.k_rope, k_rope], dim=1)               # [B, t+Tn, rope]
+        self.latent, self.k_rope = latent, k_rope
+        return latent, k_rope
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """DeepSeek-V2/V3's MLA in DeepSeek's weight layout (wq_a, q_norm, wq_b, wkv_a,
+    kv_norm, wkv_b, wo there; w_dq, q_norm, w_uq, w_dkv, kv_norm, w_ukv, w_o here),
+    no biases; q_lora_rank=None: one w_q instead of w_dq, q_norm, w_uq."""
+
+    def __init__(self, d_model, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim, q_lora_rank=None,
+                 norm_eps=1e-6, rope_interleave=True):
+        super().__init__()
+        check_sizes(d_model=d_model, n_heads=n_heads, kv_lora_rank=kv_lora_rank, qk_nope_dim=qk_nope_dim,
+                    qk_rope_dim=qk_rope_dim, v_head_dim=v_head_dim,
+                    **({} if q_lora_rank is None else {"q_lora_rank": q_lora_rank}))
+        if qk_rope_dim % 2:
+            raise ValueError(f"RoPE turns pairs of dims: qk_rope_dim must be even, got {qk_rope_dim}")
+        self.n_heads, self.kv_lora_rank, self.q_lora_rank = n_heads, kv_lora_rank, q_lora_rank
+        self.nope, self.rope, self.v_dim, self.rope_interleave = qk_nope_dim, qk_rope_dim, v_head_dim, rope_interleave
+        q_width = n_heads * (qk_nope_dim + qk_rope_dim)                   # every head's [nope | rope]
+        if q_lora_rank is None:
+            self.w_q = nn.Linear(d_model, q_width, bias=False)
+        else:
+            self.w_dq = nn.Linear(d_model, q_lora_rank, bias=False)       # down: D -> q rank
+            self.q_norm = RMSNorm(q_lora_rank, norm_eps)
+            self.w_uq = nn.Linear(q_lora_rank, q_width, bias=False)       # up: q rank -> H * (nope + rope)
+        self.w_dkv = nn.Linear(d_model, kv_lora_rank + qk_rope_dim, bias=False)  # the latent, then the rope key
+        self.kv_norm = RMSNorm(kv_lora_rank, norm_eps)
+        self.w_ukv = nn.Linear(kv_lora_rank, n_heads * (qk_nope_dim + v_head_dim), bias=False)  # per head: k, then v
+        self.w_o = nn.Linear(n_heads * v_head_dim, d_model, bias=False)
+
+    def forward(self, x, cos, sin, mask=None, cache=None, absorb=None):
+        """x [B, Tn, D]; cos, sin [Tn, rope] at the new tokens' positions; mask
+        [1, 1, Tn, t + Tn]; cache a LatentCache. absorb None: absorbed when the cache
+        already holds tokens (a decoding step), expanded otherwise."""
+        B, Tn, _ = x.shape
+        H, past = self.n_heads, len(cache) if cache is not None else 0
+        # 1. every head's query, split into the part without position and the part RoPE turns
+        q = self.w_q(x) if self.q_lora_rank is None else self.w_uq(self.q_norm(self.w_dq(x)))  # [B, Tn, H*(nope+rope)]
+        q = q.view(B, Tn, H, self.nope + self.rope).transpose(1, 2)        # [B, H, Tn, nope+rope]
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)           # [B, H, Tn, nope], [B, H, Tn, rope]
+        # 2. one projection gives the latent and the rope key shared by every head
+        latent, k_rope = self.w_dkv(x).split([self.kv_lora_rank, self.rope], dim=-1)  # [B, Tn, r], [B, Tn, rope]
+        latent = self.kv_norm(latent)                                      # [B, Tn, r]
+        if self.rope_interleave:  # DeepSeek's neighbour pairs, turned as section 12's halves
+            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)    # [B, H, Tn, rope], [B, Tn, rope]
+        q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)  # [B, H, Tn, rope], [B, Tn, rope]
+        if cache is not None:  # the cache: r + rope values a token, nothing per head
+            latent, k_rope = cache.append(latent, k_rope)                  # [B, t, r], [B, t, rope], t = past + Tn
+        # w_ukv's rows are, per head, the nope key's then the value's: W_uk, W_uv
+        w_ukv = self.w_ukv.weight.view(H, self.nope + self.v_dim, self.kv_lora_rank)  # [H, nope+v, r]
+        w_uk, w_uv = w_ukv.split([self.nope, self.v_dim], dim=1)          # [H, nope, r], [H, v, r]
+        if past > 0 if absorb is None else absorb:
+            # 3a. absorbed: q_nope . (W_uk c) = (W_uk^T q_nope) . c, one query of width r per head
+            q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)        # [B, H, Tn, r]
+            # one key [c | k_rope] and one value c for all H heads (broadcast, as MQA); section 2
+            # divides by sqrt(r + rope), the scores need sqrt(nope + rope): q makes up the difference
+            q = torch.cat([q_latent, q_rope], dim=-1) * math.sqrt(
+                (self.kv_lora_rank + self.rope) / (self.nope + self.rope))  # [B, H, Tn, r+rope]
+            k = torch.cat([latent, k_rope], dim=-1)[:, None]               # [B, 1, t, r+rope]
+            out, _ = scaled_dot_product_attention(q, k, latent[:, None], mask)  # [B, H, Tn, r]
+            out = torch.einsum("bhtr,hvr->bhtv", out, w_uv)                # [B, H, Tn, v]: W_uv after the sum
+        else:
+            # 3b. expanded: every head's key [W_uk c | k_rope] and value W_uv c, for all t tokens
+            kv = self.w_ukv(latent).view(B, -1, H, self.nope + self.v_dim).transpose(1, 2)  # [B, H, t, nope+v]
+            k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)          # [B, H, t, nope], [B, H, t, v]
+            k = torch.cat([k_nope, k_rope[:, None].expand(-1, H, -1, -1)], dim=-1)  # [B, H, t, nope+rope]
+            q = torch.cat([q_nope, q_rope], dim=-1)                        # [B, H, Tn, nope+rope]
+            out, _ = scaled_dot_product_attention(q, k, v, mask)           # [B, H, Tn, v]
+        out = out.transpose(1, 2).reshape(B, Tn, H * self.v_dim)           # [B, Tn, H*v]
+        return self.w_o(out)                                               # [B, Tn, D]
+
+# Try it: DeepSeek-V3's shapes, 16 times narrower; the cache holds 32 + 4 values a token.
+#   >>> mla = MultiHeadLatentAttention(d_model=64, n_heads=8, kv_lora_rank=32, qk_nope_dim=8,
+#   ...                                qk_rope_dim=4, v_head_dim=8, q_lora_rank=48)
+#   >>> cos, sin = rope_cos_sin(head_dim=4, max_len=16)                    # [16, 4] each: the rope part only
+#   >>> x, cache = torch.randn(1, 6, 64), LatentCache()                    # [1, 6, 64]
+#   >>> out = mla(x, cos[:6], sin[:6], make_causal_mask(6), cache)         # [1, 6, 64]
+#   >>> cache.latent.shape, cache.k_rope.shape
+#   (torch.Size([1, 6, 32]), torch.Size([1, 6, 4]))
+#   >>> absorbed = mla(x, cos[:6], sin[:6], make_causal_mask(6), absorb=True)  # [1, 6, 64]
+#   >>> torch.allclose(out, absorbed, atol=1e-5)
+#   True
+
+
+# ===========================================================================
+# 20. The DeepSeek-V3 model (DeepSeek-V3 模型)
+# ===========================================================================
+# Llama's pre-norm stack with MLA for attention and, after the first n_dense_layers
+# blocks with a dense SwiGLU (3 in V3), a sigmoid-routed MoE
+# with shared experts for the feed-forward. Positions enter only through the rope
+# parts; the cache is one LatentCache a layer. What DeepSeek-V3's release has that
+# this does not: the multi-token-prediction (MTP) module, one more block that predicts
+# the token after next (14B parameters, for training and speculative decoding); YaRN,
+# which stretches its RoPE from 4K to 128K tokens (section 25).
+
+class DeepSeekBlock(LlamaBlock):
+    """LlamaBlock's forward as it is, x + attn(attn_norm(x)), then x + ffn(ffn_norm(x)),
+    around MLA and a SwiGLU or a MoE."""
+
+    def __init__(self, d_model, attn, ffn, norm_eps=1e-6):
+        nn.Module.__init__(self)  # not LlamaBlock's __init__: it would build GQA and a SwiGLU
+        self.attn_norm = RMSNorm(d_model, norm_eps)
+        self.attn = attn
+        self.ffn_norm = RMSNorm(d_model, norm_eps)
+        self.ffn = ffn
+
+
+class DeepSeekV3(nn.Module):
+    """Token embedding, N blocks (MLA; SwiGLU for the first n_dense_layers, then a
+    sigmoid MoE with n_shared shared experts), a final RMSNorm, lm_head."""
+
+    def __init__(self, vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim,
+                 d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1, n_dense_layers=1, n_groups=1,
+                 topk_groups=1, routed_scale=1.0, norm_topk=True, max_len=4096, rope_theta=10000.0, norm_eps=1e-6,
+                 tie_weights=False, rope_interleave=True):
+        super().__init__()
+        self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                           kv_lora_rank=kv_lora_rank, qk_nope_dim=qk_nope_dim, qk_rope_dim=qk_rope_dim,
+                           v_head_dim=v_head_dim, d_ff=d_ff, expert_d_ff=expert_d_ff, n_experts=n_experts,
+                           top_k=top_k, q_lora_rank=q_lora_rank, n_shared=n_shared, n_dense_layers=n_dense_layers,
+                           n_groups=n_groups, topk_groups=topk_groups, routed_scale=routed_scale,
+                           norm_topk=norm_topk, max_len=max_len, rope_theta=rope_theta, norm_eps=norm_eps,
+                           tie_weights=tie_weights, rope_interleave=rope_interleave)  # for checkpoints
+        check_sizes(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, max_len=max_len, d_ff=d_ff,
+                    expert_d_ff=expert_d_ff, n_experts=n_experts)
+        dense = n_dense_layers
+        if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense <= n_layers:
+            raise ValueError(f"n_dense_layers must be an integer from 0 to n_layers={n_layers}, got {n_dense_layers!r}")
+        self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
+        self.token_embedding = nn.Embedding(vocab_size, d_model)
+
+        def ffn(i):
+            if i < n_dense_layers:
+                return SwiGLU(d_model, d_ff)
+            return MoE(d_model, expert_d_ff, n_experts, top_k, n_shared, "sigmoid", norm_topk, n_groups,
+                       topk_groups, routed_scale)
+
+        self.layers = nn.ModuleList([DeepSeekBlock(d_model, MultiHeadLatentAttention(
+            d_model, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim, q_lora_rank, norm_eps,
+            rope_interleave), ffn(i), norm_eps) for i in range(n_layers)])
+        self.final_norm = RMSNorm(d_model, norm_eps)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        cos, sin = rope_cos_sin(qk_rope_dim, max_len, rope_theta)          # [max_len, rope] each
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        for module in self.modules():  # N(0, 0.02), as Llama's (V3's paper: std 0.006)
+            if isinstance(module, (nn.Embedding, nn.Linear)):
+                nn.init.trunc_normal_(module.weight, std=0.02)
+        if tie_weights:
+            self.lm_head.weight = self.token_embedding.weight
+
+    def new_cache(self):
+        """An empty cache for forward: one LatentCache per layer, [B, t, r] and [B, t, rope]."""
+        return [LatentCache() for _ in self.layers]
+
+    # Llama's forward and generate as they are: embed, run the blocks with the new tokens'
+    # angles and the bottom-right causal mask, norm, lm_head; generate_tokens for the loop
+    window = None  # full causal attention: no sliding window (Llama's forward reads it)
+    forward = Llama.forward
+    generate = Llama.generate
+
+# Try it: a DeepSeek-V3 in miniature, whose cache changes the speed, not the tokens.
+#   >>> torch.manual_seed(0)
+#   <torch._C.Generator object at ...>
+#   >>> ds = DeepSeekV3(vocab_size=100, d_model=32, n_layers=3, n_heads=4, kv_lora_rank=16, qk_nope_dim=8,
+#   ...                 qk_rope_dim=4, v_head_dim=8, d_ff=64, expert_d_ff=16, n_experts=8, top_k=2,
+#   ...                 q_lora_rank=24, n_groups=4, topk_groups=2, routed_scale=2.5, max_len=32)
+#   >>> [type(layer.ffn).__name__ for layer in ds.layers], ds.layers[1].ffn.shared.w1.weight.shape
+#   (['SwiGLU', 'MoE', 'MoE'], torch.Size([16, 32]))
+#   >>> ids = torch.randint(0, 100, (2, 5))                                # [2, 5]
+#   >>> ds(ids).shape
+#   torch.Size([2, 5, 100])
+#   >>> torch.equal(ds.generate(ids, max_new_tokens=6), ds.generate(ids, max_new_tokens=6, use_cache=False))
+#   True
+
+
+# ===========================================================================
+# 21. Total and active parameters, the latent cache (总参数、激活参数与潜在缓存)
+# ===========================================================================
+# A MoE model has two sizes: the total, which must fit in memory, and the active
+# parameters one token's forward uses (every weight but the experts it is not routed
+# to; embeddings, lm_head, routers and shared experts included), which set the
+# compute. Both come from the formulas below, and the total also from a count of the
+# model built on the meta device: they agree to the last parameter. Then the cache
+# memory a token takes: MLA's latent beside GQA's keys and values.
+
+def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim,
+                           v_head_dim, d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1,
+                           n_dense_layers=1, n_groups=1, topk_groups=1, routed_scale=1.0, norm_topk=True,
+                           max_len=4096, rope_theta=10000.0, norm_eps=1e-6, tie_weights=False,
+                           rope_interleave=True, active=False):
+    """Closed form of count_parameters(DeepSeekV3(...)), same keywords; active=True: the
+    parameters one token's forward uses. router_bias is a buffer, not a parameter."""
+    q_width = n_heads * (qk_nope_dim + qk_rope_dim)
+    if q_lora_rank is None:
+        attention = d_model * q_width                                      # w_q
+    else:
+        attention = d_model * q_lora_rank + q_lora_rank + q_lora_rank * q_width  # w_dq, q_norm, w_uq
+    attention += d_model * (kv_lora_rank + qk_rope_dim) + kv_lora_rank     # w_dkv, kv_norm
+    attention += kv_lora_rank * n_heads * (qk_nope_dim + v_head_dim) + n_heads * v_head_dim * d_model  # w_ukv, w_o
+    expert = 3 * d_model * expert_d_ff                                     # one SwiGLU expert
+    moe = n_experts * d_model + (top_k if active else n_experts) * expert + n_shared * expert  # router, routed, shared
+    dense_layers, moe_layers = n_dense_layers, n_layers - n_dense_layers
+    layers = dense_layers * (attention + 3 * d_model * d_ff) + moe_layers * (attention + moe)
+    embeddings = vocab_size * d_model * (1 if tie_weights else 2)          # token_embedding, lm_head
+    return embeddings + layers + n_layers * 2 * d_model + d_model          # + two RMSNorms a block, final_norm
+
+
+def mla_cache_bytes_per_token(n_layers, kv_lora_rank, qk_rope_dim, bytes_per_value=2):
+    """MLA's cache memory one token takes: its latent and its rope key, in every layer.
+    bytes_per_value 2 for bf16 or fp16."""
+    return n_layers * (kv_lora_rank + qk_rope_dim) * bytes_per_value
+
+# (name, kind, configuration as released, total, active, what the release reports);
+# max_len, theta and eps as released, except DeepSeek-V3's max_len: 4K, before YaRN
+FRONTIER_CONFIGS = [
+    ("Mixtral-8x7B", "llama", dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                                   d_ff=14336, max_len=32768, rope_theta=1000000.0, norm_eps=1e-5,
+                                   n_experts=8, top_k=2), 46_702_792_704, 12_879_925_248, "47B / 13B"),
+    ("Qwen3-30B-A3B", "llama", dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4,
+                                    head_dim=128, qk_norm=True, max_len=40960, rope_theta=1000000.0,
+                                    n_experts=128, top_k=8, expert_d_ff=768), 30_532_122_624, 3_353_032_704,
+     "30.5B / 3.3B"),
+    ("DeepSeek-V3", "deepseek", dict(vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, kv_lora_rank=512,
+                                     qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, d_ff=18432,
+                                     expert_d_ff=2048, n_experts=256, top_k=8, q_lora_rank=1536, n_shared=1,
+                                     n_dense_layers=3, n_groups=8, topk_groups=4, routed_scale=2.5),
+     671_026_404_352, 37_552_282_624, "671B / 37B (685B with the MTP module)"),
+]
+# Where DeepSeek-V3's 671B go: 58 MoE layers x 256 experts x 3 x 7168 x 2048 = 654B in
+# routed experts (97%). A token runs 8 of them, 20.4B, plus 11.4B of attention (61
+# layers), 2.6B of shared experts, 1.2B of dense feed-forward (3 layers), 1.9B of
+# embeddings and lm_head: 37.6B. Its cache per token in bf16: 61 layers x 576 x 2 bytes =
+# 70,272 bytes (68.6 KiB), against 61 x 40,960 x 2 = 4.77 MiB for per-head keys and
+# values, and Mixtral's GQA 128 KiB (8 kv heads of 128, 32 layers).
+
+# Try it: the published totals, to the last parameter.
+#   >>> name, kind, config, total, active, reported = FRONTIER_CONFIGS[2]
+#   >>> deepseek_param_formula(**config), deepseek_param_formula(**config, active=True)
+#   (671026404352, 37552282624)
+#   >>> with torch.device("meta"):                                         # Mixtral: 8 experts a layer, quick
+#   ...     count_parameters(Llama(**FRONTIER_CONFIGS[0][2]))
+#   46702792704
+#   >>> mla_cache_bytes_per_token(n_layers=61, kv_lora_rank=512, qk_rope_dim=64), 61 * 128 * (192 + 128) * 2
+#   (70272, 4997120)
+#   >>> kv_cache_bytes_per_token(n_layers=48, n_kv_heads=4, head_dim=128) // 1024  # Qwen3-30B-A3B, KiB
+#   96
 
 
 # ===========================================================================
@@ -1846,10 +2374,13 @@ def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True, allowed=N
 
 
 def reorder_cache(cache, index):
-    """Every KVCache in a model's cache keeps the batch rows `index` [N], in order."""
+    """Every KVCache (or LatentCache) in a model's cache keeps the batch rows `index` [N], in order."""
     for entry in cache:
         for c in (entry if isinstance(entry, tuple) else (entry,)):
-            c.k, c.v = c.k[index], c.v[index]                              # [N, H, t, dk] each
+            if isinstance(c, LatentCache):
+                c.latent, c.k_rope = c.latent[index], c.k_rope[index]      # [N, t, r], [N, t, rope]
+            else:
+                c.k, c.v = c.k[index], c.v[index]                          # [N, H, t, dk] each
 
 
 @torch.no_grad()
@@ -1977,11 +2508,13 @@ def stop_on_ctrl_c():
 
 
 def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25, warmup=150,
-          label_smoothing=0.1, clip=1.0, seed=0, log=print):
+          label_smoothing=0.1, clip=1.0, seed=0, log=print, router_bias_rate=0.0):
     """Train on dataset items (model inputs..., target) with Adam and warmup; log one
     line per epoch with evaluate_fn()'s held-out accuracy. Returns the last epoch's
     mean loss, the accuracy, the seconds taken (training, evaluation and all), whether
-    Ctrl-C stopped it, and the history: (epoch, training seconds so far, accuracy)."""
+    Ctrl-C stopped it, and the history: (epoch, training seconds so far, accuracy).
+    router_bias_rate > 0: DeepSeek-V3's balancing after every step (update_router_bias,
+    section 18), for a model with sigmoid-routed experts."""
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collate,
@@ -2006,6 +2539,8 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
                 nn.utils.clip_grad_norm_(model.parameters(), clip)
                 optimizer.step()
                 scheduler.step()
+                if router_bias_rate:  # from this batch's load: busy experts down, idle ones up
+                    update_router_bias(model, router_bias_rate)
                 # .item() copies the loss to the host, which waits for the device: on a GPU
                 # too, the epoch's clock below reads finished work
                 loss_sum, count = loss_sum + loss.item(), count + 1
@@ -2057,8 +2592,9 @@ def time_generation(model, prompt, max_new_tokens):
 # ===========================================================================
 # 31. Decoder-only models on the task (仅解码器模型做同一任务)
 # ===========================================================================
-# The decoder-only models, the GPT of section 9 and the Llama of section 15, have
-# no encoder to read the pinyin, so the pinyin goes in front as a prompt:
+# The decoder-only models, the GPT of section 9, the Llama of section 15 and the
+# DeepSeek-V3-style model of section 20, have no encoder to read the pinyin, so
+# the pinyin goes in front as a prompt:
 # "wo ai xue xi <sep> 我 爱 学 习 <eos>", one sequence. They learn to continue
 # after <sep>; the prompt itself is given, not predicted, so its positions are
 # left out of the loss (target = pad, ignore_index). They answer through the
@@ -2185,6 +2721,49 @@ def cross_attention_map(model, src, out, head=None):
     return weights.mean(dim=0) if head is None else weights[head]          # [T, S]
 
 
+# A model with experts (section 18) shows where its tokens went instead: each MoE
+# layer's share of the routed slots per expert, one bar each. Uniform is 1 / E; a
+# router left unbalanced sends most tokens to a few experts and leaves others idle.
+
+@torch.no_grad()
+def expert_load(model, pairs, vocab):
+    """Share of the routed slots each expert took, per MoE layer, over the sequences
+    "pinyin <sep> hanzi <eos>" of pairs: {layer index: [E] summing to 1}. Sequences of
+    one length share a batch, so no padding is routed."""
+    device = next(model.parameters()).device
+    by_length = {}
+    for pinyin, hanzi in pairs:
+        ids = vocab.encode(pinyin.split() + [SEP]) + vocab.encode(hanzi) + [Vocab.EOS]
+        by_length.setdefault(len(ids), []).append(ids)
+    moes = {i: layer.ffn for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoE)}
+    totals = {i: torch.zeros(moe.n_experts) for i, moe in moes.items()}  # [E] each
+    with eval_mode(model):
+        for rows in by_length.values():
+            model(torch.tensor(rows, device=device))                       # [B, L, V]; fills tokens_per_expert
+            for i, moe in moes.items():
+                totals[i] += moe.tokens_per_expert.cpu()                   # [E]
+    return {i: total / total.sum() for i, total in totals.items()}         # [E] each
+
+
+def render_expert_load(loads, uniform=10):
+    """{layer: shares [E]} -> text bars, `uniform` blocks for a share of exactly 1 / E."""
+    lines = []
+    for i, load in loads.items():
+        E = len(load)
+        lines.append(f"layer {i}, {E} experts (uniform: {1 / E:.1%} each, {uniform} blocks)")
+        for e, share in enumerate(load.tolist()):
+            lines.append(f"  expert {e:2d} {'█' * round(share * E * uniform):{3 * uniform}s} {share:6.1%}")
+    return "\n".join(lines)
+
+# Try it: a layer of 4 experts, one of them idle.
+#   >>> print(render_expert_load({1: torch.tensor([0.5, 0.25, 0.25, 0.0])}, uniform=4))
+#   layer 1, 4 experts (uniform: 25.0% each, 4 blocks)
+#     expert  0 ████████      50.0%
+#     expert  1 ████          25.0%
+#     expert  2 ████          25.0%
+#     expert  3                0.0%
+
+
 # ===========================================================================
 # The article ends here (正文到此结束)
 # ===========================================================================
@@ -2283,9 +2862,9 @@ def read_pairs(path):
 # leaves the previous file as it was.
 
 CHECKPOINT_FORMAT = "transformer.py checkpoint v1"
-MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer, "llama": Llama}
+MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer, "llama": Llama, "deepseek": DeepSeekV3}
 PARAMETER_FORMULAS = {"encdec": transformer_param_formula, "gpt": decoder_only_param_formula,
-                      "llama": llama_param_formula}
+                      "llama": llama_param_formula, "deepseek": deepseek_param_formula}
 
 
 def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
@@ -2362,12 +2941,14 @@ def load_checkpoint(path, device="cpu"):
         # the configuration must account for exactly the weights the file holds before
         # anything is built: then a forged one (a million layers, a huge vocabulary)
         # cannot make this allocate more than the file stores
-        weights = {t.data_ptr(): t.numel() for name, t in state.items() if not name.endswith(".pe")}  # tied once
+        weights = {t.data_ptr(): t.numel() for name, t in state.items()
+                   if not name.endswith((".pe", ".router_bias"))}  # tied once; buffers are no parameters
         needed = PARAMETER_FORMULAS[checkpoint["kind"]](**config)
         if needed != sum(weights.values()):
             raise ValueError(f"the configuration ({config['n_layers']} layers) needs {needed:,} parameters,"
                              f" the weights hold {sum(weights.values()):,}")
-        per_position = config["d_model"] if checkpoint["kind"] != "llama" else 2 * config["d_model"] // config["n_heads"]
+        per_position = {"llama": 2 * (config.get("head_dim") or config["d_model"] // config["n_heads"]),
+                        "deepseek": 2 * config.get("qk_rope_dim", 0)}.get(checkpoint["kind"], config["d_model"])
         if config["max_len"] * per_position > max(sum(weights.values()), 2 ** 24):  # position tables
             raise ValueError(f"max_len {config['max_len']} asks for position tables far larger than the model")
         model = cls(**config).to(device)
@@ -2435,6 +3016,14 @@ TOY_MODELS = {
                 config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=3, dropout=0.0)),
     "llama": dict(name="Llama-style", epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
                   config=dict(d_model=64, n_heads=4, n_kv_heads=2, d_ff=256, n_layers=2)),
+    # MLA, a dense first block, then a block of 8 sigmoid-routed experts (2 a token) and a
+    # shared one, balanced by the router bias after every step (DeepSeek-V3's 0.001 moves
+    # too little in 150 steps)
+    "deepseek": dict(name="DeepSeek-style", epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
+                     router_bias_rate=0.01,
+                     config=dict(d_model=64, n_heads=4, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8,
+                                 v_head_dim=16, d_ff=256, expert_d_ff=32, n_experts=8, top_k=2, n_shared=1,
+                                 n_layers=2, n_dense_layers=1)),
 }
 # --size base, the default for --data: real sentences need more than the toy's 90
 # words. Measured on 2,500 everyday sentences (README, "Decoding"): twice the width,
@@ -2447,8 +3036,18 @@ BASE_MODELS = {
                 config=dict(d_model=128, n_heads=4, d_ff=512, n_layers=4, dropout=0.1)),
     "llama": dict(name="Llama-style", epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1,
                   config=dict(d_model=128, n_heads=4, n_kv_heads=2, d_ff=344, n_layers=4)),
+    # not yet measured on real sentences: the Llama-style recipe's width and depth, MLA and experts
+    "deepseek": dict(name="DeepSeek-style", epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1,
+                     router_bias_rate=0.001,
+                     config=dict(d_model=128, n_heads=4, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16,
+                                 v_head_dim=32, d_ff=344, expert_d_ff=64, n_experts=8, top_k=2, n_shared=1,
+                                 n_layers=4, n_dense_layers=1)),
 }
 SIZES = {"small": TOY_MODELS, "base": BASE_MODELS}
+# the DeepSeek-style model of show_models: d_model 128, 4 heads, 2 layers, like the others
+SMALL_DEEPSEEK = dict(vocab_size=1000, d_model=128, n_layers=2, n_heads=4, kv_lora_rank=64, qk_nope_dim=32,
+                      qk_rope_dim=16, v_head_dim=32, d_ff=512, expert_d_ff=128, n_experts=8, top_k=2,
+                      q_lora_rank=96, n_groups=4, topk_groups=2)
 
 
 def show_models(device):
@@ -2462,7 +3061,8 @@ def show_models(device):
                                                            d_ff=512), decoder_only_param_formula(
                   1000, d_model=128, n_layers=2, d_ff=512)),
              ("Llama-style", Llama(vocab_size=1000, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2),
-              llama_param_formula(1000, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2))]
+              llama_param_formula(1000, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2)),
+             ("DeepSeek-style", DeepSeekV3(**SMALL_DEEPSEEK), deepseek_param_formula(**SMALL_DEEPSEEK))]
     src = torch.randint(1, 1000, (2, 7), device=device)                    # [B, S]
     tgt = torch.randint(1, 1000, (2, 5), device=device)                    # [B, T]
     print("small models, d_model 128, 4 heads, 2 layers (each), vocabulary 1000 (1200 for the target)")
@@ -2505,6 +3105,29 @@ def show_models(device):
     stored = sum(c.k.nelement() * c.k.element_size() + c.v.nelement() * c.v.element_size() for c in cache)
     print(f"  measured: the small Llama-style model's cache holds {stored // (2 * 5):,} bytes a token in float32"
           f" = {kv_cache_bytes_per_token(2, 2, 32, bytes_per_value=4):,} by the formula (2 kv heads of 4)")
+    print("\nfrontier models (meta device): total and active parameters, cache per token in bfloat16")
+    print(f"  {'model':14s} {'counted':>15s} {'formula':>15s} {'active':>14s}  {'cache':>9s}  reported")
+    for name, kind, cfg, total, active, reported in FRONTIER_CONFIGS:
+        with torch.device("meta"):
+            counted = count_parameters(MODEL_CLASSES[kind](**cfg))
+        if kind == "deepseek":
+            cache_bytes = mla_cache_bytes_per_token(cfg["n_layers"], cfg["kv_lora_rank"], cfg["qk_rope_dim"])
+        else:
+            cache_bytes = kv_cache_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], cfg.get("head_dim", 128))
+        print(f"  {name:14s} {counted:15,d} {PARAMETER_FORMULAS[kind](**cfg):15,d}"
+              f" {PARAMETER_FORMULAS[kind](**cfg, active=True):14,d}  {cache_bytes / 1024:5.1f} KiB  {reported}")
+    v3 = FRONTIER_CONFIGS[2][2]
+    per_head = v3["n_layers"] * v3["n_heads"] * (v3["qk_nope_dim"] + v3["qk_rope_dim"] + v3["v_head_dim"]) * 2
+    print(f"  DeepSeek-V3's latent cache: {v3['kv_lora_rank']} + {v3['qk_rope_dim']} values a token a layer;"
+          f" per-head keys and values would take {per_head / 2 ** 20:.2f} MiB a token")
+    deepseek = small[3][1]
+    cache = deepseek.new_cache()
+    with torch.no_grad():
+        deepseek(tgt, cache)                                               # fills [B, t, r] and [B, t, rope] per layer
+    stored = sum(c.latent.nelement() * c.latent.element_size() + c.k_rope.nelement() * c.k_rope.element_size()
+                 for c in cache)
+    print(f"  measured: the small DeepSeek-style model's cache holds {stored // (2 * 5):,} bytes a token in float32"
+          f" = {mla_cache_bytes_per_token(2, 64, 16, bytes_per_value=4):,} by the formula (latent 64, rope 16)")
     torch.manual_seed(0)
     gpt = DecoderOnlyTransformer(vocab_size=1000, d_model=512, n_layers=2, n_heads=8, d_ff=2048,
                                  max_len=512).to(device).eval()
@@ -2537,7 +3160,7 @@ def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed, log=pri
     held_out = lambda: teacher_forced_accuracy(kind, model, test_pairs, src_vocab, tgt_vocab, readings)  # noqa: E731
     result = train(model, dataset, held_out,
                    epochs=epochs or spec["epochs"], batch_size=spec["batch_size"], lr_factor=spec["lr_factor"],
-                   warmup=spec["warmup"], seed=seed, log=log)
+                   warmup=spec["warmup"], seed=seed, log=log, router_bias_rate=spec.get("router_bias_rate", 0.0))
     return model, src_vocab, tgt_vocab, result
 
 
@@ -2656,6 +3279,21 @@ def run(args, device, pairs, loaded):
                 if kind == "encdec":
                     show_heatmap(model, src_vocab, tgt_vocab, fits, ambiguous, args.head,
                                  None if args.free else readings)
+                elif any(isinstance(m, MoE) for m in model.modules()):
+                    print("\nexpert load on the held-out sentences (share of each MoE layer's routed slots):")
+                    print(render_expert_load(expert_load(model, fits, tgt_vocab)))
+                if kind == "deepseek":  # the trained model's latent cache, measured against section 21's formula
+                    cache, cfg = model.new_cache(), model.config
+                    pinyin, hanzi = fits[0]
+                    ids = tgt_vocab.encode(pinyin.split() + [SEP]) + tgt_vocab.encode(hanzi)
+                    with torch.no_grad():
+                        model(torch.tensor([ids], device=next(model.parameters()).device), cache)  # [1, L, V]
+                    stored = sum(c.latent.nelement() * c.latent.element_size()
+                                 + c.k_rope.nelement() * c.k_rope.element_size() for c in cache)
+                    formula = mla_cache_bytes_per_token(cfg["n_layers"], cfg["kv_lora_rank"], cfg["qk_rope_dim"],
+                                                        bytes_per_value=cache[0].latent.element_size())
+                    print(f"its cache holds {stored // len(ids):,} bytes a token = {formula:,} by the formula"
+                          f" ({cfg['n_layers']} layers x ({cfg['kv_lora_rank']} + {cfg['qk_rope_dim']}) values)")
         results[kind] = (model, src_vocab, tgt_vocab, readings, result)
         if result.get("interrupted"):
             break
