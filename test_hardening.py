@@ -60,6 +60,10 @@ def hard(tmp_path_factory):
                          sv, tv),
               "gpt": (tf.DecoderOnlyTransformer(len(vocab), 16, 1, 2, 32, max_len=40), vocab, vocab),
               "llama": (tf.Llama(len(vocab), 16, 1, 2, n_kv_heads=1, max_len=40), vocab, vocab)}
+    if "deepseek" in tf.MODEL_CLASSES:  # Part III's model kind
+        models["deepseek"] = (tf.DeepSeekV3(len(vocab), d_model=16, n_layers=2, n_heads=2, kv_lora_rank=8,
+                                            qk_nope_dim=4, qk_rope_dim=4, v_head_dim=4, d_ff=32, expert_d_ff=8,
+                                            n_experts=4, top_k=2, max_len=40), vocab, vocab)
     paths = {"folder": folder, "sv": sv, "tv": tv, "vocab": vocab, "readings": readings}
     for kind, (model, src_vocab, tgt_vocab) in models.items():
         paths[kind] = str(folder / f"{kind}.pt")
@@ -352,7 +356,21 @@ FORGED_FIELDS = [  # (kind, field, value, words of the message)
     ("encdec", "pad_id", -1, "pad_id must be an integer from 0"),
     ("encdec", "surprise", 1, "config field 'surprise' is not one a encdec model takes"),
     ("gpt", "vocab_size", "missing", "config lacks vocab_size, which a gpt model needs"),
+    ("deepseek", "rope_theta", NAN, "rope_theta must be a number"),
+    ("deepseek", "norm_eps", -1.0, "norm_eps must be a number"),
+    ("deepseek", "n_experts", 0.5, "n_experts must be an integer"),
+    ("deepseek", "routed_scale", NAN, "routed_scale must be a number"),
+    ("deepseek", "kv_lora_rank", 0, "kv_lora_rank must be an integer from 1"),
+    ("deepseek", "q_lora_rank", "x", "q_lora_rank must be an integer from 1 to 2,147,483,647 or None"),
+    ("deepseek", "rope_interleave", 0, "rope_interleave must be True or False"),
+    ("llama", "n_experts", -1, "n_experts must be an integer from 0"),
+    ("llama", "head_dim", 0, "head_dim must be an integer from 1"),
+    ("llama", "window", 0, "window must be an integer from 1"),
+    ("llama", "rope_scaling", "yarn", "rope_scaling must be a dict or None, got 'yarn'"),
 ]
+FORGED_FIELDS = [case for case in FORGED_FIELDS if case[0] in tf.MODEL_CLASSES
+                 and (case[2] == "missing" or case[1] in inspect.signature(tf.MODEL_CLASSES[case[0]]).parameters
+                      or case[1] == "surprise")]
 
 
 @pytest.mark.parametrize("kind, field, value, words", FORGED_FIELDS,
@@ -390,8 +408,10 @@ def test_load_checkpoint_refuses_each_forged_field_before_computing_from_it(hard
      "norm_first must be True or False"),
     (lambda: tf.DecoderOnlyTransformer(10, 16, 1, 2, 32, dropout=NAN), "dropout must be a number"),
     (lambda: tf.DecoderOnlyTransformer(10, 16, 1, 2, 32, tie_weights="no"), "tie_weights must be True or False"),
+    (lambda: tf.DeepSeekV3(50, 16, 1, 2, 8, 4, 4, 4, 32, 8, 4, 2, rope_theta=NAN), "rope_theta must be a number"),
+    (lambda: tf.DeepSeekV3(50, 16, 1, 2, 8, 4, 4, 4, 32, 8, 4, 2, norm_eps=0.0), "norm_eps must be a number"),
 ], ids=["theta-0", "theta-negative", "theta-nan", "eps-nan", "eps-negative", "eps-str", "encdec-dropout-str",
-        "encdec-norm-first-str", "gpt-dropout-nan", "gpt-tie-str"])
+        "encdec-norm-first-str", "gpt-dropout-nan", "gpt-tie-str", "deepseek-theta-nan", "deepseek-eps-0"])
 def test_models_refuse_numbers_that_would_compute_nan_naming_the_field(build, words):
     with pytest.raises(ValueError) as info:
         build()
