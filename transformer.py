@@ -3867,11 +3867,13 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def int_at_least(low):
-    """An argparse type: an integer >= low (seeds stay below 2^63, torch's limit)."""
+    """An argparse type: an integer from low to 2^64 - 1. The seed goes to
+    torch.manual_seed and torch.Generator().manual_seed, which take at most 2^64 - 1
+    (random.Random, the data's, takes any integer); epochs stop far below it."""
     def parse(text):
         value = int(text) if re.fullmatch(r"-?\d+", text) else None
-        if value is None or not low <= value < 2 ** 63:
-            raise argparse.ArgumentTypeError(f"expected an integer from {low} to 2^63 - 1, got {quote(text)}")
+        if value is None or not low <= value < 2 ** 64:
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to 2^64 - 1, got {quote(text)}")
         return value
     return parse
 
