@@ -105,6 +105,26 @@ def _main(argv, stdin=None):
     return status, out.getvalue(), err.getvalue()
 
 
+def _usage_error(capsys, argv):
+    """main(argv) must exit 2 with exactly one non-empty line on stderr; -> that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        tf.main(argv)
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and err.count("\n") == 1, err
+    assert "Traceback" not in err and out == ""         # nothing ran before the error
+    assert lines[0].startswith("transformer.py: error:")
+    return lines[0]
+
+
+def _tiny_tsv(tmp_path, n=30):
+    path = tmp_path / "pairs.tsv"
+    path.write_text("".join(f"{p}\t{h}\n" for p, h in tf.make_toy_data(n_sentences=n, seed=0)),
+                    encoding="utf-8")
+    return str(path)
+
+
 # --- the checks that need a real process -------------------------------------
 # A fresh interpreter spends a second or more importing torch. So each check that
 # needs one registers, beside its test, what starts its process
@@ -141,11 +161,11 @@ def finished(proc, timeout=120):
     return proc.returncode, out, err
 
 
-STARTS = {}  # test name -> start(folder, request) -> its Popen
+STARTS = {}  # test name -> start(folder, request) -> its Popen (None where the check cannot run)
 
 
 def started_with_the_session(test_name):
-    """Register the decorated start(folder, request) -> Popen for test_name."""
+    """Register the decorated start(folder, request) -> Popen or None for test_name."""
     def register(start):
         STARTS[test_name] = start
         return start
@@ -161,7 +181,9 @@ def processes(request, tmp_path_factory):
         for name, start in STARTS.items():
             if name in selected:
                 folder = tmp_path_factory.mktemp(name[5:40])
-                started[name] = (start(folder, request), folder)
+                proc = start(folder, request)
+                if proc is not None:
+                    started[name] = (proc, folder)
         yield started
     finally:
         for proc, _ in started.values():
@@ -173,8 +195,6 @@ def processes(request, tmp_path_factory):
 # ===========================================================================
 # Part I: the classic Transformer
 # ===========================================================================
-
-
 
 # ===========================================================================
 # 1. Positional encoding
@@ -688,12 +708,18 @@ def test_layers_read_pre_ln_and_post_ln():
 # ===========================================================================
 # 7. Token ids and embeddings
 # ===========================================================================
-
-
+# check_sizes, check_ids and eval_mode guard every model: their tests build the
+# models of sections 8, 9 and 15, so they follow Part II ("Every model refuses bad sizes and ids").
 
 # ===========================================================================
 # 8. The encoder-decoder Transformer
 # ===========================================================================
+
+
+def _tiny_seq2seq(**kw):
+    args = dict(d_model=D, n_heads=H, d_ff=FF, n_layers=2, dropout=0.1, max_len=16, pad_id=PAD)
+    args.update(kw)
+    return tf.Transformer(SRC_VOCAB, TGT_VOCAB, **args)
 
 
 def _seq2seq(norm_first, **kw):
@@ -1108,8 +1134,6 @@ def test_pitfall2_seed000_param_count(tie):
 # Part II: the modern decoder, Llama-style
 # ===========================================================================
 
-
-
 # ===========================================================================
 # 11. RMSNorm
 # ===========================================================================
@@ -1483,7 +1507,9 @@ def test_llama_learns_a_toy_sequence():
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    assert loss.item() < 0.5, loss.item()  # from ln(50) = 3.9
+    # from ln(50) = 3.9; measured 0.0377-0.0378 after 60 steps, below 0.5 from step 18 on
+    # (default/avx2/avx512, 1-2 threads, torch 2.5.1 and 2.13.0)
+    assert loss.item() < 0.5, loss.item()
 
 
 @pytest.mark.parametrize("kw, numbers", [
@@ -1568,7 +1594,7 @@ def test_kv_cache_holds_kv_heads_and_measured_bytes(dtype):
 
 
 # ===========================================================================
-# Every model: bad sizes and ids (sections 3, 7, 8, 9, 15)
+# Every model refuses bad sizes and ids (section 7's guards, used by sections 1-15)
 # ===========================================================================
 
 
@@ -1698,8 +1724,6 @@ def test_generate_refuses_a_temperature_too_small_to_divide_by(cls):
 # ===========================================================================
 # Part V: learning and using it
 # ===========================================================================
-
-
 
 # ===========================================================================
 # 26. The toy task: pinyin to hanzi
@@ -1900,10 +1924,11 @@ def test_bigram_hmm_on_the_toy_task_is_fast_and_a_real_baseline():
     train, test = tf.split_data(pairs, seed=0)
     start = time.perf_counter()
     result = tf.evaluate(tf.BigramHMM(train).decode, test)
-    assert time.perf_counter() - start < 5  # about 0.3 s here; a loose bound for a loaded machine
+    assert time.perf_counter() - start < 5  # measured 0.05-1.4 s; a loose bound for a loaded machine
     most_frequent = tf.BigramHMM(train, smoothing=1e9)  # bigrams smoothed away: each syllable's commonest char
     plain = tf.evaluate(most_frequent.decode, test)
-    assert result["accuracy"] > plain["accuracy"] and result["accuracy"] > 0.9  # context helps
+    # context helps: measured 98.75% against 10.4% on every kernel path (default/avx2/avx512, 1-2 threads, torch 2.5.1 and 2.13.0)
+    assert result["accuracy"] > plain["accuracy"] and result["accuracy"] > 0.9
 
 
 # ===========================================================================
@@ -1912,12 +1937,6 @@ def test_bigram_hmm_on_the_toy_task_is_fast_and_a_real_baseline():
 
 
 BOS, EOS = tf.Vocab.BOS, tf.Vocab.EOS
-
-
-def _tiny_seq2seq(**kw):
-    args = dict(d_model=D, n_heads=H, d_ff=FF, n_layers=2, dropout=0.1, max_len=16, pad_id=PAD)
-    args.update(kw)
-    return tf.Transformer(SRC_VOCAB, TGT_VOCAB, **args)
 
 
 def _script_decode(model, script):
@@ -2224,7 +2243,9 @@ def _train_args(model, pairs, sv, tv, **kw):
     return (model, tf.PinyinDataset(pairs, sv, tv), lambda: tf.evaluate(answer, pairs)["accuracy"]), kw
 
 
-OVERFIT_EPOCHS = 20  # 10/10 from epoch 12 on, loss 0.014 at 20 (at lr_factor 0.3 it took 60 epochs)
+# measured: 10/10 from epoch 12 on and a loss of 0.014 at epoch 20 in every run
+# (default/avx2/avx512, 1-2 threads, torch 2.5.1 and 2.13.0); at lr_factor 0.3 it took 60 epochs
+OVERFIT_EPOCHS = 20
 
 
 @pytest.fixture(scope="module")
@@ -2249,11 +2270,11 @@ def overfit10():
 def test_pitfall3_seed002_overfit_ten_sentences(overfit10):
     # seed 002 had no causal mask: its loss went to ~0 while greedy decoding failed.
     # Here the loss goes to ~0 AND greedy decoding reproduces every sentence
-    # (observed: loss 0.014, 10/10, about 0.9 s).
+    # (about 0.9 s; the margins: see OVERFIT_EPOCHS).
     model, pairs, sv, tv, result, logs = overfit10
     assert len(pairs) == 10 and len(logs) == OVERFIT_EPOCHS
-    assert result["loss"] < 0.05
-    assert result["accuracy"] == 1.0
+    assert result["loss"] < 0.05                        # measured 0.014 on every kernel path
+    assert result["accuracy"] == 1.0                    # 10/10 from epoch 12: 8 epochs to spare
     assert not result["interrupted"]
     assert tf.translate(model, [p for p, _ in pairs], sv, tv) == [h for _, h in pairs]
 
@@ -2305,6 +2326,7 @@ def test_pitfall9_padding_not_counted_in_loss(monkeypatch):
         return result["loss"], model.output_proj.weight.detach().clone()
 
     (loss_a, w_a), (loss_b, w_b) = run(tf.PinyinDataset), run(Padded)
+    # measured: losses 0-8e-8 apart, weights 2.8e-7-4.8e-7 apart (default/avx2/avx512, 1-2 threads, torch 2.5.1 and 2.13.0)
     assert loss_a == pytest.approx(loss_b, abs=1e-5)
     assert max_diff(w_a, w_b) < 1e-4
     # the mistaken criterion (pad counted) makes the same two runs disagree
@@ -2312,7 +2334,7 @@ def test_pitfall9_padding_not_counted_in_loss(monkeypatch):
     monkeypatch.setattr(nn, "CrossEntropyLoss",
                         lambda ignore_index=None, **kw: real_ce(**kw))
     (loss_a, _), (loss_b, _) = run(tf.PinyinDataset), run(Padded)
-    assert abs(loss_a - loss_b) > 1e-2
+    assert abs(loss_a - loss_b) > 1e-2                 # measured 0.352 on every kernel path
 
 
 def test_train_logs_and_stops_on_ctrl_c():
@@ -2336,10 +2358,13 @@ def test_train_logs_and_stops_on_ctrl_c():
 
 
 # The demo's recipe (tf.TOY_MODELS["encdec"]: batches of 32, warmup 50, no dropout) at
-# lr_factor 0.35, unconstrained greedy answers. Observed on 2 CPU cores, one thread:
-# 0.0%, 57.5%, 87.5% held-out exact match (105/120) after epochs 1-3, about 5 s
-# (lr_factor 0.25: 81.7%; 0.5: 87.5%).
-TRAIN_EPOCHS, LR_FACTOR, MIN_HELD_OUT_ACCURACY = 3, 0.35, 0.80
+# lr_factor 0.35, unconstrained greedy answers, about 4 s. Four epochs, not three: the
+# third ends on the steep part of the curve, where the way a CPU's kernels round
+# moves the answer most (77.5-85.8% there; 80% failed on AVX-512). Held-out exact
+# match after epochs 1-4, measured (default/avx2/avx512, 1-2 threads, torch 2.5.1
+# and 2.13.0): 0.0%, 50.0-63.3%, 77.5-85.8%, 89.2-95.8% (107-115 of 120); the
+# ambiguous syllables after 4 epochs 94.9-97.1%. The threshold is 9 points below the least.
+TRAIN_EPOCHS, LR_FACTOR, MIN_HELD_OUT_ACCURACY = 4, 0.35, 0.80
 
 
 def test_short_training_generalizes_to_held_out_sentences():
@@ -2370,7 +2395,7 @@ def test_short_training_generalizes_to_held_out_sentences():
     assert seconds == sorted(seconds) and result["seconds"] >= seconds[-1] - 0.05  # rounded to 0.1
     assert float(matches[-1][2]) == pytest.approx(result["loss"], abs=5e-4)
     assert float(matches[-1][3]) == pytest.approx(100 * result["accuracy"], abs=0.05)
-    assert float(matches[0][2]) > result["loss"]        # it learned
+    assert float(matches[0][2]) > result["loss"]        # it learned: measured 3.947 -> 0.909-0.920
     # the held-out sentences were never trained on, and the ambiguous syllables are read in context
     assert len(test_pairs) == detail["total"] == 120
     assert not {p for p, _ in train_pairs} & {p for p, _ in test_pairs}
@@ -2443,6 +2468,8 @@ def test_prompt_dataset_item_exact_ids():
     assert [(row != P).sum().item() for row in target] == [3, 4]
 
 
+# measured: 0/10 after epoch 1, 10/10 from epoch 16 on (first at 9), loss 0.001 at epoch 25 in
+# every run (default/avx2/avx512, 1-2 threads, torch 2.5.1 and 2.13.0)
 GPT_OVERFIT_EPOCHS = 25
 
 
@@ -2464,7 +2491,7 @@ def gpt_overfit10():
         epochs.append(len(epochs) + 1)
         return tf.evaluate(answer, pairs)["accuracy"] if epochs[-1] in (1, GPT_OVERFIT_EPOCHS) else float("nan")
 
-    # 10/10 from epoch 16 on (at lr_factor 0.5 it took 40 epochs to loss 0.001)
+    # at lr_factor 0.5 it took 40 epochs to loss 0.001
     result = tf.train(model, tf.PromptDataset(pairs, vocab), accuracy, epochs=GPT_OVERFIT_EPOCHS, batch_size=10,
                       label_smoothing=0.0, lr_factor=0.8, warmup=8, log=logs.append)
     return model, pairs, vocab, result, logs
@@ -2475,7 +2502,7 @@ def test_gpt_overfits_ten_sentences(gpt_overfit10):
     assert len(logs) == GPT_OVERFIT_EPOCHS and not result["interrupted"]
     first = float(re.search(r"held-out accuracy +(\d+\.\d)%", logs[0])[1])
     assert first < 100.0                                 # one epoch in, it did not know them yet
-    assert result["loss"] < 0.05 and result["accuracy"] == 1.0
+    assert result["loss"] < 0.05 and result["accuracy"] == 1.0  # 0.001 and 10/10, 9 epochs to spare
     assert tf.gpt_translate(model, [p for p, _ in pairs], vocab) == [h for _, h in pairs]
 
 
@@ -2595,8 +2622,6 @@ def test_cross_attention_map_rows_heads_and_padding():
 # ===========================================================================
 # Tools: your own data, checkpoints, the demo, the benchmark, the command line
 # ===========================================================================
-
-
 
 # ===========================================================================
 # 33. Your own data
@@ -3186,9 +3211,6 @@ def test_checkpoint_without_readings_loads_and_the_cli_answers_unconstrained(tin
 # ===========================================================================
 
 
-TOY_DATA = tf.make_toy_data  # the real one, before any test patches it
-
-
 def test_pick_device():
     assert isinstance(tf.pick_device("auto"), torch.device)
     assert tf.pick_device() == tf.pick_device("auto")
@@ -3199,6 +3221,9 @@ def test_pick_device():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="'cuda'.*not available"):
             tf.pick_device("cuda")
+
+
+TOY_DATA = tf.make_toy_data  # the real one, before any test patches it
 
 
 def test_main_short_run(monkeypatch, capsys):
@@ -3354,19 +3379,6 @@ def test_memory_bandwidth_is_a_plausible_number():
 # ===========================================================================
 
 
-def _usage_error(capsys, argv):
-    """main(argv) must exit 2 with exactly one non-empty line on stderr; -> that line."""
-    with pytest.raises(SystemExit) as exit_info:
-        tf.main(argv)
-    assert exit_info.value.code == 2
-    out, err = capsys.readouterr()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and err.count("\n") == 1, err
-    assert "Traceback" not in err and out == ""         # nothing ran before the error
-    assert lines[0].startswith("transformer.py: error:")
-    return lines[0]
-
-
 def test_main_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
         tf.main(["--help"])
@@ -3407,13 +3419,6 @@ def test_cli_bad_epochs_is_one_line(capsys, value):
 
 def test_cli_bad_device_is_one_line_in_process(capsys):
     assert "'tpu'" in _usage_error(capsys, ["--device", "tpu"])
-
-
-def _tiny_tsv(tmp_path, n=30):
-    path = tmp_path / "pairs.tsv"
-    path.write_text("".join(f"{p}\t{h}\n" for p, h in tf.make_toy_data(n_sentences=n, seed=0)),
-                    encoding="utf-8")
-    return str(path)
 
 
 def test_cli_head_out_of_range_is_one_line(capsys, tmp_path):
@@ -3754,6 +3759,8 @@ def test_cli_translate_the_longest_sentence_the_model_takes(tiny_checkpoints, na
 
 @started_with_the_session("test_cli_stdout_on_a_full_disk_is_one_line_subprocess")
 def _full_disk(folder, request):
+    if not os.path.exists("/dev/full"):
+        return None
     with open("/dev/full", "w") as full:
         return cli(["--load", request.getfixturevalue("tiny_checkpoints")["encdec"], "--device", "cpu",
                     "--translate", "wo ai"], stdout=full)
@@ -3769,6 +3776,8 @@ def test_cli_stdout_on_a_full_disk_is_one_line_subprocess(processes):
 
 @started_with_the_session("test_cli_ctrl_c_while_waiting_on_stdin_exits_130_subprocess")
 def _waiting_on_stdin(folder, request):
+    if sys.platform == "win32":
+        return None
     return cli(["--load", request.getfixturevalue("tiny_checkpoints")["encdec"], "--device", "cpu",
                 "--translate", "-"], stdin=subprocess.PIPE, preexec_fn=default_sigint)
 
