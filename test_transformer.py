@@ -1,36 +1,52 @@
-"""Tests for transformer.py, in the file's order: every piece against PyTorch's own.
+"""The proof of transformer.py: every piece against PyTorch's own, in the file's order.
 
-Each component is compared with its PyTorch counterpart, weights copied, in eval
-mode, float32, max abs difference <= 1e-5 (unless a test says otherwise). Each
-mistake of GUIDE.md section 5 has a test named after it (test_pitfallN_...),
-written so that the mistaken version would fail. Then the toy data, decoding,
-training, the KV cache, the GPT on the toy task, the heatmap, --data,
-checkpoints and the command line. The few checks that need a process of their
-own run beside the others (see "Checks that need a process of their own"); the
-two slowest and the cut-out sections are collected at the end.
+What it proves:
+- Parity: each component of Parts I and II is compared with its PyTorch
+  counterpart, weights copied, in eval mode, float32, max abs difference <= 1e-5
+  (unless a test says otherwise): attention with F.scaled_dot_product_attention,
+  multi-head attention with nn.MultiheadAttention, the layers and stacks with
+  nn.TransformerEncoderLayer / DecoderLayer / nn.Transformer, RMSNorm with
+  nn.RMSNorm, grouped-query attention with enable_gqa, RoPE with Meta's complex form.
+- Properties: a future token never changes an earlier output, a padded position
+  never changes a real one, a cached step equals the full pass.
+- Pitfalls: each mistake of the design guide's list has a test named after it
+  (test_pitfallN_...), written so that the mistaken version would fail.
+- Numbers: parameter counts against closed-form formulas and published totals.
+- Learning and tools (Part V and after): the toy task, decoding, training, the
+  demo, checkpoints and the command line, bad input included. A threshold on
+  anything learned carries, beside it, the range measured under
+  ATEN_CPU_CAPABILITY=default/avx2/avx512, 1 and 2 threads, torch 2.5.1 and 2.13.0.
+- The file as a whole: its "Try it" examples print what they show, the README's
+  section map is right, and each model's section runs cut out of the file.
+
+How it is laid out: one banner per section of transformer.py, in its order, so
+that a section's tests sit under its number; helpers sit beside the tests that
+use them. Everything runs in-process (main(argv) with capsys and tmp_path),
+except the few checks that need a real `python transformer.py`: signals, a
+closed or full standard stream, the sections cut out and run alone. Those start
+together with the session (`processes` below) and each test waits on its own.
 
     python -m pytest -q
 """
 
 import contextlib
 import doctest
-import gc
 import inspect
 import io
 import json
 import math
 import os
-import pathlib
 import pickle
 import random
 import re
+import resource
+import select
 import signal
+import stat
 import subprocess
 import sys
-import threading
 import time
 import unicodedata
-import warnings
 
 import pytest
 import torch
@@ -39,11 +55,8 @@ import torch.nn.functional as F
 
 import transformer as tf
 
-gc.freeze()  # torch's objects live as long as the run: the collector's full passes skip them (0.1 s each)
-
-TOY_DATA = tf.make_toy_data  # the real one, before any test patches it
-
 TOL = 1e-5
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -74,359 +87,71 @@ def assert_close(a, b, tol=TOL):
     assert diff <= tol, f"max abs diff {diff:.3g} > {tol:g}"
 
 
-def randomize_norms(model):
-    """Random LayerNorm weight and bias: ones/zeros would hide a swapped or doubled norm."""
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, (tf.LayerNorm, nn.LayerNorm)):
-                m.weight.copy_(1 + 0.5 * torch.randn_like(m.weight))
-                m.bias.copy_(0.5 * torch.randn_like(m.bias))
-    return model
-
-
-# --- weight copying: ours -> PyTorch's --------------------------------------
-
-@torch.no_grad()
-def copy_mha(ours, ref):
-    """nn.MultiheadAttention packs q, k, v along dim 0 of in_proj_weight."""
-    ref.in_proj_weight.copy_(torch.cat([ours.w_q.weight, ours.w_k.weight, ours.w_v.weight], 0))
-    ref.in_proj_bias.copy_(torch.cat([ours.w_q.bias, ours.w_k.bias, ours.w_v.bias], 0))
-    ref.out_proj.weight.copy_(ours.w_o.weight)
-    ref.out_proj.bias.copy_(ours.w_o.bias)
-
-
-@torch.no_grad()
-def copy_norm(ours, ref):
-    ref.weight.copy_(ours.weight)
-    ref.bias.copy_(ours.bias)
-
-
-@torch.no_grad()
-def copy_ffn(ours, ref_layer):
-    ref_layer.linear1.weight.copy_(ours.fc1.weight)
-    ref_layer.linear1.bias.copy_(ours.fc1.bias)
-    ref_layer.linear2.weight.copy_(ours.fc2.weight)
-    ref_layer.linear2.bias.copy_(ours.fc2.bias)
-
-
-def copy_encoder_layer(ours, ref):
-    copy_mha(ours.self_attn, ref.self_attn)
-    copy_ffn(ours.ffn, ref)
-    copy_norm(ours.norm1, ref.norm1)
-    copy_norm(ours.norm2, ref.norm2)
-
-
-def copy_decoder_layer(ours, ref):
-    copy_mha(ours.self_attn, ref.self_attn)
-    copy_mha(ours.cross_attn, ref.multihead_attn)
-    copy_ffn(ours.ffn, ref)
-    copy_norm(ours.norm1, ref.norm1)
-    copy_norm(ours.norm2, ref.norm2)
-    copy_norm(ours.norm3, ref.norm3)
-
-
-def key_padding(mask):
-    """Our [B, 1, 1, S] mask (True = attend) -> nn's key_padding_mask [B, S] (True = ignore)."""
-    return ~mask[:, 0, 0, :]
-
-
-# Shared toy batch: src padded with pad_id 0, S = 6 != T = 4, tgt padded at its end.
-PAD = 0
-SRC = torch.tensor([[5, 3, 7, 2, 9, 4],
-                    [6, 8, 2, 0, 0, 0]])          # [B=2, S=6]
-TGT = torch.tensor([[1, 4, 6, 3],
-                    [1, 7, 2, 0]])                # [B=2, T=4]
-SRC_VOCAB, TGT_VOCAB = 11, 13
-
-
-# ===========================================================================
-# The reader's contract: each model's section copies out alone
-# ===========================================================================
-
-SOURCE = open(tf.__file__, encoding="utf-8").read()
-CORE_IMPORTS = ["import math", "import torch", "import torch.nn as nn", "import torch.nn.functional as F"]
-BANNER = re.compile(r"^# =+\n# (\d+)\. (.+)$", re.M)     # a numbered section's banner
-
-
-def text_through_section(n):
-    """The file from line 1 to the end of section n (the line before the next banner)."""
-    title_end = next(m.end() for m in BANNER.finditer(SOURCE) if int(m.group(1)) == n)
-    body = SOURCE.index("\n", title_end + 1)        # past the banner's closing rule
-    following = re.search(r"^# =+$", SOURCE[body:], re.M)              # None after the last section
-    return SOURCE[:body + following.start()] if following else SOURCE
-
-
-# per model section: what a reader builds with it (keywords, as the examples do)
-CONTRACT = {
-    8: """model = Transformer(src_vocab_size=30, tgt_vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2)
-out = model(torch.randint(1, 30, (2, 7)), torch.randint(1, 40, (2, 5)))
-assert out.shape == (2, 5, 40), out.shape""",
-    9: """gpt = DecoderOnlyTransformer(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_len=64)
-assert gpt(torch.randint(0, 50, (2, 6))).shape == (2, 6, 50)
-assert gpt.generate(torch.randint(0, 50, (2, 6)), max_new_tokens=5, temperature=1.0, top_p=0.9).shape == (2, 11)""",
-    15: """llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_len=64)
-assert llama(torch.randint(0, 50, (2, 6))).shape == (2, 6, 50)
-assert llama.generate(torch.randint(0, 50, (2, 6)), max_new_tokens=5, top_k=5, temperature=0.8).shape == (2, 11)""",
-}
-
-
-def cut_programs():
-    """Per model section: the file up to its end, with the four core imports and
-    nothing else imported, then what a reader builds with it."""
-    programs = {}
-    for n, use in CONTRACT.items():
-        text = text_through_section(n)
-        imports = [line for line in text.splitlines() if line.startswith(("import ", "from "))]
-        assert imports == CORE_IMPORTS, (n, imports)
-        programs[n] = text + "\n\n" + use + "\n"
-    return programs
-
-
-# one interpreter, one fresh namespace per cut: nothing leaks between them
-CUT_RUNNER = ("import sys, json\nfor n, prog in json.load(open(sys.argv[1], encoding='utf-8')).items():\n"
-              "    exec(compile(prog, 'section' + n, 'exec'), {'__name__': 'cut'})\n    print('ok', n)\n")
-
-
-# test_each_model_section_runs_cut_out_of_the_file_with_only_the_core_imports is at the
-# end of the file: its process starts before the first test (see `background`)
-
-
-# ===========================================================================
-# Checks that need a process of their own, started together in the background
-# ===========================================================================
-# The session fixture below starts the processes the selected tests need before
-# the first test, in lanes (LANES) that run beside the in-process tests; each
-# test collects its own process's result where it stands in the file. The
-# heaviest in-process checks run there too (`_job`).
-#
-# A fresh interpreter spends seconds importing torch, and a training run seconds
-# more on its first step (torch._dynamo). On Linux a fork server spends them
-# once: it imports torch and nothing of ours, and each `python transformer.py
-# ARGS` is a fork of it that runs the file as __main__ with its own arguments,
-# environment, stdin, stdout, stderr, signals and exit status, and exits the way
-# a fresh interpreter does. What differs is what Python settles at startup: its
-# sys.stdout was made for a file (as for the tests' pipes), and PYTHON*
-# variables such as PYTHONUNBUFFERED are the server's. Runs that train are
-# forked from a second, warm server that has also imported torch._dynamo. A test
-# starts a tiny client (no torch) as it would start python: the client hands its
-# stdin, stdout and stderr to the server, passes Ctrl-C on, and exits with the
-# command's status.
-
-FORK_SERVER = r"""
-import ctypes, gc, json, os, runpy, select, signal, socket, sys
-
-def die_with_parent():
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG: no server outlives pytest
-
-def serve(listener):
-    while True:
-        conn, _ = listener.accept()
-        if os.fork() == 0:                       # a watcher: one command, its pid, its status
-            listener.close()
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+def _main(argv, stdin=None):
+    """tf.main(argv) in-process with its own stdout and stderr (and stdin, if given):
+    -> (exit status, stdout, stderr); a SystemExit is caught and its code returned."""
+    out, err = io.StringIO(), io.StringIO()
+    saved = sys.stdin
+    if stdin is not None:
+        sys.stdin = io.StringIO(stdin)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                argv, env, cwd, fds = receive(conn)
-            except Exception:                    # the client left halfway: nothing to run
-                os._exit(1)
-            pid = os.fork()
-            if pid == 0:
-                run(conn, argv, env, cwd, fds)
-            try:
-                watch(conn, pid, fds)
-            finally:
-                os._exit(0)
-        conn.close()
-
-def receive(conn):
-    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-    size, message = int(message[:10]), message[10:]
-    while len(message) < size:                   # a stream may deliver it in pieces
-        piece = conn.recv(size - len(message))
-        if not piece:
-            raise EOFError
-        message += piece
-    return (*json.loads(message), fds)
-
-def run(conn, argv, env, cwd, fds):
-    # the command: the client's stdin, stdout and stderr, environment, folder and
-    # arguments, then the script as __main__; it exits as python does
-    conn.close()
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-        os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    path = os.path.abspath(argv[0])              # as python sets __file__ and sys.path[0]
-    sys.argv, sys.path[0] = argv, os.path.dirname(path)
-    runpy.run_path(path, run_name="__main__")
-    sys.exit(0)
-
-def watch(conn, pid, fds):
-    for fd in fds:
-        os.close(fd)
-    conn.sendall(b"%d\n" % pid)
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            conn.sendall(b"%d\n" % os.waitstatus_to_exitcode(status))
-            return
-        if select.select([conn], [], [], 0.02)[0]:  # the client was killed: so is its command
-            os.kill(pid, signal.SIGKILL)
-            return
-
-die_with_parent()
-fresh, warm = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
-for listener, path in ((fresh, sys.argv[1]), (warm, sys.argv[2])):
-    listener.bind(path)
-    listener.listen(16)                          # clients queue while torch is imported
-import torch
-gc.freeze()                                      # a fork's collections skip (and so do not copy) all that
-signal.signal(signal.SIGCHLD, signal.SIG_IGN)    # finished watchers need no reaping
-if os.fork() == 0:
-    die_with_parent()
-    fresh.close()
-    import torch._dynamo
-    gc.freeze()
-    serve(warm)
-warm.close()
-serve(fresh)
-"""
-
-FORK_CLIENT = r"""
-import contextlib, json, os, signal, socket, sys
-pid, early = None, []
-
-def forward(signum, frame):                      # Ctrl-C is for the command, even before it starts
-    if pid is None:
-        early.append(signum)
-    else:
-        with contextlib.suppress(ProcessLookupError):  # it may have just ended
-            os.kill(pid, signum)
-
-signal.signal(signal.SIGINT, forward)
-server = socket.socket(socket.AF_UNIX)
-server.connect(sys.argv[1])
-request = json.dumps([sys.argv[2:], dict(os.environ), os.getcwd()]).encode()
-socket.send_fds(server, [b"%010d" % len(request) + request], [0, 1, 2])
-replies = server.makefile()
-pid = int(replies.readline())
-for signum in early:
-    forward(signum, None)
-code = int(replies.readline())
-if code < 0:                                     # the command died of a signal: so does the client
-    signal.signal(-code, signal.SIG_DFL)
-    os.kill(os.getpid(), -code)
-sys.exit(code)
-"""
+                status = tf.main(argv)
+            except SystemExit as e:
+                status = e.code
+    finally:
+        sys.stdin = saved
+    return status, out.getvalue(), err.getvalue()
 
 
-class Background:
-    """Processes started in lanes (threads), each lane one process at a time:
-    what a test checks, by name, once its process is done. result(name) waits for
-    it (and re-raises). fresh and warm: the fork servers' sockets (None: start
-    python itself)."""
-
-    def __init__(self):
-        self.results, self.procs, self.lanes, self.errors, self.closed = {}, [], [], [], False
-        self.server = self.fresh = self.warm = None
-
-    def start_fork_server(self, folder):
-        """Both servers, listening (torch still loads: clients wait in line). If they
-        do not start, each process starts python itself, as off Linux."""
-        fresh, warm, log = folder / "fresh", folder / "warm", folder / "server.log"
-        # its own process group, to be stopped whole; stdout a file, not a terminal, as
-        # the tests' pipes are; SIGINT as the default, so that Python turns it into
-        # KeyboardInterrupt (a shell without job control starts jobs ignoring it)
-        with open(log, "w") as errors:
-            self.server = subprocess.Popen([sys.executable, "-c", FORK_SERVER, str(fresh), str(warm)],
-                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
-                                           env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True,
-                                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        deadline = time.monotonic() + 30
-        while not warm.exists() and self.server.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if warm.exists() and self.server.poll() is None:
-            self.fresh, self.warm = str(fresh), str(warm)
-        else:
-            self.stop_server()
-            warnings.warn(f"no fork server ({log.read_text()[-300:]!r}): each check starts python itself")
-
-    def stop_server(self):
-        if self.server is not None:
-            with contextlib.suppress(ProcessLookupError):  # already gone
-                os.killpg(self.server.pid, signal.SIGKILL)  # both servers, their watchers and commands
-            self.server.wait()
-            self.server = None
-
-    def start(self, name, finish, *procs):
-        """Called by a start function (see LANES) in its lane: finish() talks
-        to the procs it started and returns what test `name` checks."""
-        self.procs += procs
-        try:
-            self.results[name] = ("ok", finish())
-        except BaseException as e:  # noqa: B902 -- handed to the test
-            self.results[name] = ("error", e)
-
-    def run_lanes(self, lanes):
-        """One thread per lane, each calling its start functions (with their
-        arguments) one after another, in the order the tests will want them."""
-        def run(lane):
-            for start, args in lane:
-                if self.closed:
-                    return
-                try:
-                    start(self, *args)
-                except BaseException as e:  # noqa: B902 -- reported by result()
-                    self.errors.append(f"{start.__name__}: {e!r}")
-
-        self.lanes = [threading.Thread(target=run, args=(lane,), daemon=True) for lane in lanes]
-        for thread in self.lanes:
-            thread.start()
-
-    def result(self, name, timeout=300):
-        deadline = time.monotonic() + timeout
-        while name not in self.results:
-            assert not self.errors, f"{name}: a background start failed: {self.errors}"
-            running = any(thread.is_alive() for thread in self.lanes)
-            assert running or name in self.results, f"{name}: never ran {self.errors}"
-            assert time.monotonic() < deadline, f"{name}: no result within {timeout} s"
-            time.sleep(0.02)
-        status, value = self.results[name]
-        if status == "error":
-            raise value
-        return value
-
-    def close(self):
-        self.closed = True                              # the lanes start nothing more
-        for _ in range(2):                              # again for what a lane started meanwhile
-            for proc in list(self.procs):
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
-                for stream in (proc.stdin, proc.stdout, proc.stderr):
-                    if stream is not None:
-                        stream.close()
-            for thread in self.lanes:
-                thread.join(timeout=10)
-        self.stop_server()
+def _usage_error(capsys, argv):
+    """main(argv) must exit 2 with exactly one non-empty line on stderr; -> that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        tf.main(argv)
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and err.count("\n") == 1, err
+    assert "Traceback" not in err and out == ""         # nothing ran before the error
+    assert lines[0].startswith("transformer.py: error:")
+    return lines[0]
 
 
-def _python(argv, fork_server=None, **kw):
-    """python argv (a script and its arguments), a process of its own, forked from
-    the fork server at that socket if given."""
+def _tiny_tsv(tmp_path, n=30):
+    path = tmp_path / "pairs.tsv"
+    path.write_text("".join(f"{p}\t{h}\n" for p, h in tf.make_toy_data(n_sentences=n, seed=0)),
+                    encoding="utf-8")
+    return str(path)
+
+
+# --- the checks that need a real process -------------------------------------
+# A fresh interpreter spends a second or more importing torch. So each check that
+# needs one registers, beside its test, what starts its process
+# (@started_with_the_session); `processes` starts them all before the first test,
+# one Popen per check, and they run while the in-process tests do. Each test then
+# reads its own process's output where it stands in the file.
+
+def python(args, **kw):
+    """python ARGS, a process of its own in this folder, on one thread, text pipes."""
     kw.setdefault("stdout", subprocess.PIPE)
     kw.setdefault("env", dict(os.environ, OMP_NUM_THREADS="1"))
-    python = [sys.executable] if fork_server is None else [sys.executable, "-c", FORK_CLIENT, fork_server]
-    return subprocess.Popen([*python, *argv], cwd=HERE, stderr=subprocess.PIPE, text=True, encoding="utf-8", **kw)
+    return subprocess.Popen([sys.executable, *args], cwd=HERE, stderr=subprocess.PIPE, text=True,
+                            encoding="utf-8", **kw)
 
 
-def _cli(argv, fork_server=None, **kw):
-    """The real command line, as a user runs it: python transformer.py argv."""
-    return _python(["transformer.py", *argv], fork_server, **kw)
+def cli(argv, **kw):
+    """The real command line, as a user runs it: python transformer.py ARGV."""
+    return python(["transformer.py", *argv], **kw)
 
 
-def _finished(proc, timeout=120):
+def default_sigint():
+    """For preexec_fn: Ctrl-C as the default, so that Python turns it into
+    KeyboardInterrupt (a shell without job control starts its jobs ignoring it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def finished(proc, timeout=120):
     """-> (exit status, stdout, stderr) once proc ends; killed if it runs too long."""
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -436,181 +161,45 @@ def _finished(proc, timeout=120):
     return proc.returncode, out, err
 
 
-def _start_cut(jobs, folder):
-    programs, runner = folder / "cut-programs.json", folder / "cut_runner.py"
-    programs.write_text(json.dumps(cut_programs()), encoding="utf-8")
-    runner.write_text(CUT_RUNNER, encoding="utf-8")
-    proc = _python([str(runner), str(programs)], jobs.fresh)
-    jobs.start("cut", lambda: _finished(proc), proc)
+STARTS = {}  # test name -> start(folder, request) -> its Popen (None where the check cannot run)
 
 
-def _start_bad_device(jobs, folder):
-    proc = _cli(["--device", "tpu"], jobs.fresh)
-    jobs.start("bad-device", lambda: _finished(proc), proc)
-
-
-def _start_load_missing_or_garbage(jobs, folder):
-    garbage = folder / "garbage.pt"
-    garbage.write_bytes(b"\x00\x01 this is not a checkpoint \xff" * 40)
-    proc = _cli(["--load", str(garbage)], jobs.fresh)
-    jobs.start("load-garbage", lambda: (garbage, *_finished(proc)), proc)
-
-
-def _start_ctrl_c_training(jobs, folder):
-    tsv, model_path = _tiny_tsv(folder), folder / "model.pt"
-    proc = _cli(["--data", tsv, "--size", "small", "--model", "encdec", "--epochs", "200", "--device", "cpu",
-                 "--save", str(model_path)], jobs.warm)
-
-    def finish():
-        seen = []
-        for line in proc.stdout:               # until the first epoch's report (flushed as it ends)
-            seen.append(line)
-            if line.startswith("epoch"):
-                proc.send_signal(signal.SIGINT)
-                break
-        out, err = proc.communicate(timeout=60)
-        return tsv, model_path, proc.returncode, "".join(seen) + out, err
-
-    jobs.start("ctrl-c-training", finish, proc)
-
-
-def _start_loaded_cli(jobs, folder, checkpoint):
-    """An answer written onto a full disk (stdout on /dev/full), and a Ctrl-C while
-    --translate - waits for its next line."""
-    command = ["--load", checkpoint, "--device", "cpu"]
-    if os.path.exists("/dev/full"):
-        with open("/dev/full", "w") as full:
-            proc = _cli(command + ["--translate", "wo ai"], jobs.fresh, stdout=full)
-        jobs.start("full-disk", lambda: _finished(proc), proc)
-    if sys.platform != "win32":
-        # SIGINT as the default: a shell without job control starts background jobs ignoring it
-        proc = _cli(command + ["--translate", "-"], jobs.fresh, stdin=subprocess.PIPE,
-                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-
-        def finish():
-            proc.stdin.write("wo ai\n")
-            proc.stdin.flush()
-            answer = proc.stdout.readline()        # answered: on its way to wait for the next line
-            # Ctrl-C once it waits: every process reading this stdin asleep (the command,
-            # single-threaded, and the fork client, if any). A signal handled a moment before
-            # a read starts is only seen when the read returns: CPython checks for signals
-            # when a read is interrupted, not as it enters one
-            deadline = time.monotonic() + 60
-            while any(_state(pid) not in ("S", None) for pid in _reading(proc.stdin)) and time.monotonic() < deadline:
-                time.sleep(0.005)
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)              # stdin still open: Ctrl-C, not the end of input, stops it
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                raise AssertionError(f"running 60 s after Ctrl-C; stderr: {proc.stderr.read()!r}") from None
-            return answer, proc.returncode, proc.stdout.read(), proc.stderr.read()
-
-        jobs.start("ctrl-c-stdin", finish, proc)
-
-
-def _state(pid):
-    """A Linux process's state letter from /proc: R running, S asleep, ...; None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return None
-
-
-def _reading(pipe):
-    """The pids whose stdin is this pipe (both ends share one inode), from Linux's /proc;
-    none elsewhere."""
-    name, pids = f"pipe:[{os.fstat(pipe.fileno()).st_ino}]", []
-    for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        with contextlib.suppress(OSError):              # not a process, or gone meanwhile
-            if os.readlink(f"/proc/{pid}/fd/0") == name:
-                pids.append(pid)
-    return pids
-
-
-JOBS = set()  # the names _job was given
-
-
-def _job(name):
-    """A start function for the heavy part of a test: the function `name` of this
-    file, in a process of its own (see the end of the file) -> what it returns."""
-    JOBS.add(name)
-
-    def start(jobs, folder):
-        proc = _python(["test_transformer.py", name, str(folder)], jobs.warm)
-
-        def finish():
-            status, out, err = _finished(proc, timeout=300)
-            assert status == 0, err[-3000:]
-            return pickle.loads((folder / "result.pickle").read_bytes())
-
-        jobs.start(name, finish, proc)
-
-    start.__name__ = name
-    return start
-
-
-# test or fixture name -> what it starts. Three lanes run side by side, each one
-# process at a time, in the order the file wants them: two of training (forks of
-# the warm server) and one of the command line (forks of the fresh one)
-LANES = [
-    {"cli_runs": _job("run_cli_twice"),
-     "test_short_training_generalizes_to_held_out_sentences": _job("short_training")},
-    {"gpt_overfit10": _job("train_gpt_overfit10"),
-     "test_cli_ctrl_c_stops_training_reports_and_saves": _start_ctrl_c_training,
-     "test_main_short_run": _job("demo_short_run")},
-    {"test_cli_bad_device_is_one_line_subprocess": _start_bad_device,
-     "test_cli_load_missing_or_garbage_is_one_line_subprocess": _start_load_missing_or_garbage,
-     "test_cli_stdout_on_a_full_disk_is_one_line_subprocess": _start_loaded_cli,
-     "test_cli_ctrl_c_while_waiting_on_stdin_exits_130_subprocess": _start_loaded_cli,
-     "test_each_model_section_runs_cut_out_of_the_file_with_only_the_core_imports": _start_cut},
-]
+def started_with_the_session(test_name):
+    """Register the decorated start(folder, request) -> Popen or None for test_name."""
+    def register(start):
+        STARTS[test_name] = start
+        return start
+    return register
 
 
 @pytest.fixture(scope="session", autouse=True)
-def background(request, tmp_path_factory):
-    """Starts the processes of the selected tests above, before the first test runs."""
-    selected = {name for item in request.session.items for name in (item.originalname, *item.fixturenames)}
-    wanted = [list(dict.fromkeys(start for name, start in lane.items() if name in selected)) for lane in LANES]
-    jobs = Background()
+def processes(request, tmp_path_factory):
+    """Starts the process of each selected test in STARTS -> {test name: (Popen, its folder)}."""
+    selected = {item.originalname for item in request.session.items}
+    started = {}
     try:
-        if sys.platform == "linux" and any(wanted):
-            jobs.start_fork_server(tmp_path_factory.mktemp("fork-server"))
-        lanes = [[(start, [tmp_path_factory.mktemp(start.__name__.strip("_"))]) for start in lane] for lane in wanted]
-        for start, args in (job for lane in lanes for job in lane):
-            if start is _start_loaded_cli:
-                args.append(request.getfixturevalue("tiny_checkpoints")["encdec"])
-        jobs.run_lanes(lanes)
-        yield jobs
+        for name, start in STARTS.items():
+            if name in selected:
+                folder = tmp_path_factory.mktemp(name[5:40])
+                proc = start(folder, request)
+                if proc is not None:
+                    started[name] = (proc, folder)
+        yield started
     finally:
-        jobs.close()
+        for proc, _ in started.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
 
 
-def test_readme_section_map_names_every_section_at_its_line():
-    readme = open(os.path.join(os.path.dirname(tf.__file__), "README.md"), encoding="utf-8").read()
-    rows = re.findall(r"^\| (\d+) \| (.+?) \| (\d+) \| (.+?) \|$", readme, re.M)
-    lines = SOURCE.splitlines()
-    banners = [(m.group(1), m.group(2)) for m in BANNER.finditer(SOURCE)]
-    assert [(n, title) for n, title, _, _ in rows] == banners
-    for n, title, line, names in rows:
-        assert lines[int(line) - 1] == f"# {n}. {title}", (n, line)
-        for name in re.findall(r"`(\w+)`", names):  # each name listed is defined in that section
-            assert re.search(rf"^(class|def) {name}\b|^{name} = ", text_through_section(int(n)), re.M), name
-
-
-def test_top_level_holds_exactly_the_four_files():
-    root = os.path.dirname(tf.__file__)
-    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True).stdout.split()
-    if tracked:  # a git checkout: only these at the top, plus .ci/
-        assert {p for p in tracked if "/" not in p} == {
-            "transformer.py", "test_transformer.py", "README.md", "requirements.txt"}
-        assert {p.split("/")[0] for p in tracked if "/" in p} == {".ci"}
-
+# ===========================================================================
+# Part I: the classic Transformer
+# ===========================================================================
 
 # ===========================================================================
 # 1. Positional encoding
 # ===========================================================================
+
 
 def test_positional_encoding_closed_form():
     D, max_len = 8, 50
@@ -658,6 +247,7 @@ def test_positional_encoding_odd_d_model_raises():
 # ===========================================================================
 # 2. Scaled dot-product attention and masks
 # ===========================================================================
+
 
 def test_make_masks_shapes_and_convention():
     ids = torch.tensor([[4, 5, 0], [3, 0, 0]])
@@ -777,9 +367,50 @@ def test_pitfall8_mask_3d_broadcasts_wrongly():
         tf.MultiHeadAttention(8, 2)(torch.randn(B, T, 8), torch.randn(B, T, 8), torch.randn(B, T, 8), mask3)
 
 
+def test_make_causal_mask_with_past_is_bottom_right_aligned():
+    T, past = 3, 2
+    mask = tf.make_causal_mask(T, past=past)
+    assert mask.dtype == torch.bool and mask.shape == (1, 1, T, past + T)
+    # query i is the token at position past + i: it sees keys 0 .. past + i
+    by_hand = torch.tensor([[1, 1, 1, 0, 0],
+                            [1, 1, 1, 1, 0],
+                            [1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(mask[0, 0], by_hand)
+    # the last T rows of the full square mask: the same rows, computed in one pass
+    assert torch.equal(mask[0, 0], tf.make_causal_mask(past + T)[0, 0, past:])
+    # top-left alignment (what is_causal does) would hide cached keys from new tokens
+    top_left = torch.ones(T, past + T).tril().bool()
+    assert not torch.equal(mask[0, 0], top_left)
+    assert top_left[-1].tolist() == [True, True, True, False, False]
+    # one new token after any past sees every key; past 0 is the plain square mask
+    for p in (0, 1, 5):
+        assert tf.make_causal_mask(1, past=p)[0, 0].tolist() == [[True] * (p + 1)]
+    assert torch.equal(tf.make_causal_mask(4, past=0), tf.make_causal_mask(4))
+    # and F.scaled_dot_product_attention's is_causal is indeed the top-left one
+    q, k, v = _qkv(Tq=T, Tk=past + T)
+    ours, _ = tf.scaled_dot_product_attention(q, k, v, mask)
+    assert_close(ours, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert max_diff(ours, F.scaled_dot_product_attention(q, k, v, is_causal=True)) > 1e-3
+
+
 # ===========================================================================
-# 3. Multi-head attention
+# 3. Multi-head attention and the KV cache
 # ===========================================================================
+
+
+@torch.no_grad()
+def copy_mha(ours, ref):
+    """nn.MultiheadAttention packs q, k, v along dim 0 of in_proj_weight."""
+    ref.in_proj_weight.copy_(torch.cat([ours.w_q.weight, ours.w_k.weight, ours.w_v.weight], 0))
+    ref.in_proj_bias.copy_(torch.cat([ours.w_q.bias, ours.w_k.bias, ours.w_v.bias], 0))
+    ref.out_proj.weight.copy_(ours.w_o.weight)
+    ref.out_proj.bias.copy_(ours.w_o.bias)
+
+
+def key_padding(mask):
+    """Our [B, 1, 1, S] mask (True = attend) -> nn's key_padding_mask [B, S] (True = ignore)."""
+    return ~mask[:, 0, 0, :]
+
 
 def _mha_pair(D=16, H=4):
     ours = tf.MultiHeadAttention(D, H).eval()
@@ -873,9 +504,37 @@ def test_pitfall1_seed000_mha_stores_heads():
     assert mha.attn_weights.shape == (2, 8, 5, 5)
 
 
+def test_kv_cache_len_and_append():
+    cache = tf.KVCache()
+    assert len(cache) == 0 and cache.k is None and cache.v is None and not cache.static
+    k1, v1 = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5)
+    k, v = cache.append(k1, v1)
+    assert len(cache) == 4 and torch.equal(k, k1) and torch.equal(v, v1)
+    k2, v2 = torch.randn(2, 3, 1, 5), torch.randn(2, 3, 1, 5)
+    k, v = cache.append(k2, v2)                        # keys along the time axis, dim 2
+    assert len(cache) == 5 and k.shape == v.shape == (2, 3, 5, 5)
+    assert torch.equal(k, torch.cat([k1, k2], 2)) and torch.equal(v, torch.cat([v1, v2], 2))
+    assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
+    assert tf.KVCache(static=True).static
+
+
+def test_mha_static_cache_keeps_the_first_keys_and_values():
+    mha = tf.MultiHeadAttention(D, H, dropout=0.0).eval()
+    query, memory = torch.randn(2, 1, D), torch.randn(2, 6, D)
+    cache = tf.KVCache(static=True)
+    first = mha(query, memory, memory, cache=cache)
+    assert len(cache) == 6
+    # a static cache is filled once: later calls reuse it, whatever key and value they pass
+    again = mha(query, torch.zeros_like(memory), torch.zeros_like(memory), cache=cache)
+    assert len(cache) == 6
+    assert_close(again, first)
+    assert_close(first, mha(query, memory, memory))
+
+
 # ===========================================================================
-# 4. Feed-forward
+# 4. Position-wise feed-forward network
 # ===========================================================================
+
 
 @pytest.mark.parametrize("activation, act", [("relu", torch.relu), ("gelu", F.gelu)])
 def test_feedforward_matches_manual(activation, act):
@@ -901,6 +560,13 @@ def test_feedforward_bad_activation_raises():
 # ===========================================================================
 # 5. Layer normalization
 # ===========================================================================
+
+
+@torch.no_grad()
+def copy_norm(ours, ref):
+    ref.weight.copy_(ours.weight)
+    ref.bias.copy_(ours.bias)
+
 
 @pytest.mark.parametrize("D, eps", [(16, 1e-5), (4, 1e-1)])
 def test_layernorm_matches_nn(D, eps):
@@ -930,8 +596,58 @@ def test_pitfall6_layernorm_eps_inside_sqrt_biased_var():
 
 
 # ===========================================================================
-# 6. Encoder and decoder layers
+# 6. Encoder and decoder layers, post-LN and pre-LN
 # ===========================================================================
+
+
+def randomize_norms(model):
+    """Random LayerNorm weight and bias: ones/zeros would hide a swapped or doubled norm."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (tf.LayerNorm, nn.LayerNorm)):
+                m.weight.copy_(1 + 0.5 * torch.randn_like(m.weight))
+                m.bias.copy_(0.5 * torch.randn_like(m.bias))
+    return model
+
+
+@torch.no_grad()
+def copy_ffn(ours, ref_layer):
+    ref_layer.linear1.weight.copy_(ours.fc1.weight)
+    ref_layer.linear1.bias.copy_(ours.fc1.bias)
+    ref_layer.linear2.weight.copy_(ours.fc2.weight)
+    ref_layer.linear2.bias.copy_(ours.fc2.bias)
+
+
+def copy_encoder_layer(ours, ref):
+    copy_mha(ours.self_attn, ref.self_attn)
+    copy_ffn(ours.ffn, ref)
+    copy_norm(ours.norm1, ref.norm1)
+    copy_norm(ours.norm2, ref.norm2)
+
+
+def copy_decoder_layer(ours, ref):
+    copy_mha(ours.self_attn, ref.self_attn)
+    copy_mha(ours.cross_attn, ref.multihead_attn)
+    copy_ffn(ours.ffn, ref)
+    copy_norm(ours.norm1, ref.norm1)
+    copy_norm(ours.norm2, ref.norm2)
+    copy_norm(ours.norm3, ref.norm3)
+
+
+# Shared toy batch: src padded with pad_id 0, S = 6 != T = 4, tgt padded at its end.
+PAD = 0
+
+
+SRC = torch.tensor([[5, 3, 7, 2, 9, 4],
+                    [6, 8, 2, 0, 0, 0]])          # [B=2, S=6]
+
+
+TGT = torch.tensor([[1, 4, 6, 3],
+                    [1, 7, 2, 0]])                # [B=2, T=4]
+
+
+SRC_VOCAB, TGT_VOCAB = 11, 13
+
 
 D, H, FF = 16, 4, 32
 
@@ -990,8 +706,21 @@ def test_layers_read_pre_ln_and_post_ln():
 
 
 # ===========================================================================
-# 7. The encoder-decoder Transformer
+# 7. Token ids and embeddings
 # ===========================================================================
+# check_sizes, check_ids and eval_mode guard every model: their tests build the
+# models of sections 8, 9 and 15, so they follow Part II ("Every model refuses bad sizes and ids").
+
+# ===========================================================================
+# 8. The encoder-decoder Transformer
+# ===========================================================================
+
+
+def _tiny_seq2seq(**kw):
+    args = dict(d_model=D, n_heads=H, d_ff=FF, n_layers=2, dropout=0.1, max_len=16, pad_id=PAD)
+    args.update(kw)
+    return tf.Transformer(SRC_VOCAB, TGT_VOCAB, **args)
+
 
 def _seq2seq(norm_first, **kw):
     args = dict(d_model=D, n_heads=H, d_ff=FF, n_layers=2, dropout=0.1, max_len=16,
@@ -1124,9 +853,58 @@ def test_transformer_bad_inputs_raise():
         model(torch.ones(1, 5), TGT[:1])                                 # float ids
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_decode_with_cache_in_chunks_equals_one_pass(norm_first):
+    model = randomize_norms(_tiny_seq2seq(norm_first=norm_first)).eval()
+    tgt = torch.randint(4, TGT_VOCAB, (2, 7))
+    tgt[:, 0] = BOS
+    tgt[1, 5:] = PAD                                     # a finished row, padded
+    with torch.no_grad():
+        memory = model.encode(SRC)                       # SRC: row 1 has source padding
+        full = model.decode(tgt, memory, SRC)
+        assert_close(full, model(SRC, tgt))
+        cache = model.new_cache()
+        first = model.decode(tgt[:, :3], memory, SRC, cache)  # 3 tokens, then the rest
+        rest = model.decode(tgt, memory, SRC, cache)
+    assert first.shape == (2, 3, TGT_VOCAB) and rest.shape == (2, 4, TGT_VOCAB)
+    assert_close(torch.cat([first, rest], 1), full)
+    # the self-attention caches hold all 7 target positions, the cross caches the 6 source ones
+    assert all(len(self_c) == 7 and len(cross_c) == SRC.size(1) and cross_c.static and not self_c.static
+               for self_c, cross_c in cache)
+
+
+def test_cross_attention_keys_computed_once_per_layer_with_cache():
+    model = _tiny_seq2seq(n_layers=2).eval()
+    with torch.no_grad():
+        model.output_proj.bias[EOS] = -1e4               # never ends: exactly max_len steps
+    seen = {"cross": [[], []], "self": [[], []]}
+    hooks = []
+    for i, layer in enumerate(model.decoder_layers):
+        for name, mha in (("cross", layer.cross_attn), ("self", layer.self_attn)):
+            hooks.append(mha.w_k.register_forward_hook(
+                lambda module, args, output, shapes=seen[name][i]: shapes.append(tuple(args[0].shape))))
+    try:
+        steps, S = 6, SRC.size(1)
+        out = tf.greedy_decode(model, SRC, BOS, EOS, max_len=steps, use_cache=True)
+        assert out.shape == (2, steps)
+        for i in range(2):
+            assert seen["cross"][i] == [(2, S, D)]                  # once, at the first step
+            assert seen["self"][i] == [(2, 1, D)] * steps           # one new token per step
+        for shapes in seen["cross"] + seen["self"]:
+            shapes.clear()
+        assert torch.equal(tf.greedy_decode(model, SRC, BOS, EOS, max_len=steps, use_cache=False), out)
+        for i in range(2):
+            assert seen["cross"][i] == [(2, S, D)] * steps          # every step again
+            assert seen["self"][i] == [(2, t, D) for t in range(1, steps + 1)]  # the whole prefix
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 # ===========================================================================
-# 8. The decoder-only Transformer
+# 9. The decoder-only Transformer, GPT style
 # ===========================================================================
+
 
 V = 23
 
@@ -1204,9 +982,102 @@ def test_generate_bad_inputs_raise():
         model(torch.zeros(1, 17, dtype=torch.long))
 
 
+@pytest.mark.parametrize("chunks", [(3, 9), (1, 2, 3, 4, 5, 6, 7, 8, 9), (5, 6, 9)])
+def test_gpt_forward_with_cache_in_chunks_equals_one_pass(chunks):
+    model = _gpt(max_len=16)
+    ids = torch.randint(0, V, (2, 9))
+    with torch.no_grad():
+        full = model(ids)                                # [2, 9, V]
+        cache, parts, past = model.new_cache(), [], 0
+        assert len(cache) == len(model.layers)
+        for end in chunks:
+            logits = model(ids[:, :end], cache)          # only the tokens past the cache
+            assert logits.shape == (2, end - past, V)
+            assert all(len(c) == end for c in cache)
+            parts.append(logits)
+            past = end
+    assert_close(torch.cat(parts, 1), full)
+
+
+def test_generate_with_cache_same_tokens_as_without():
+    model = _gpt(max_len=32)
+    for T in (2, 3, 6):                                  # prompts longer than one token
+        prompt = torch.randint(0, V, (3, T))
+        cached = model.generate(prompt, 14, use_cache=True)
+        plain = model.generate(prompt, 14, use_cache=False)
+        assert cached.shape == (3, T + 14) and torch.equal(cached[:, :T], prompt)
+        assert torch.equal(cached, plain), T
+
+
+def test_generate_sampling_reproducible_with_a_generator():
+    model = _gpt(max_len=32)
+    prompt = torch.randint(0, V, (2, 3))
+
+    def sample(seed, **kw):
+        return model.generate(prompt, 12, generator=torch.Generator().manual_seed(seed), **kw)
+
+    a = sample(1, temperature=1.0)
+    assert a.shape == (2, 15) and torch.equal(a[:, :3], prompt)
+    torch.manual_seed(123)                               # the global RNG plays no part
+    assert torch.equal(sample(1, temperature=1.0), a)
+    assert torch.equal(sample(1, temperature=1.0, use_cache=False), a)  # nor does the cache
+    assert not torch.equal(sample(2, temperature=1.0), a)
+    greedy = model.generate(prompt, 12)
+    assert not torch.equal(a, greedy)                    # it really sampled
+    # temperature 0 is greedy, whatever top_k and generator say
+    assert torch.equal(sample(1, temperature=0.0, top_k=3), greedy)
+    # top_k=1 keeps only the most likely token: greedy at any temperature
+    assert torch.equal(sample(1, temperature=1.0, top_k=1), greedy)
+    assert torch.equal(sample(7, temperature=5.0, top_k=1), greedy)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_generate_top_k_samples_only_from_the_top_k(k):
+    model = _gpt(max_len=48)
+    prompt = torch.randint(0, V, (3, 3))
+    out = model.generate(prompt, 40, temperature=3.0, top_k=k, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(out[:, :-1])[:, 2:]               # [3, 40, V]: the step before each new token
+    new = out[:, 3:]                                     # [3, 40]
+    top = logits.topk(k, dim=-1).indices                 # [3, 40, k]
+    assert (top == new[..., None]).any(-1).all()
+    assert (new != logits.argmax(-1)).any()              # not only the argmax: the check has teeth
+
+
+def test_generate_bad_sampling_arguments_raise():
+    model = _gpt()
+    prompt = torch.zeros(1, 2, dtype=torch.long)
+    for temperature in (-0.5, -1):
+        with pytest.raises(ValueError, match="temperature"):
+            model.generate(prompt, 3, temperature=temperature)
+    for top_k in (0, -1):
+        with pytest.raises(ValueError, match="top_k"):
+            model.generate(prompt, 3, temperature=1.0, top_k=top_k)
+
+
+def test_gpt_differs_from_gpt2_where_its_comment_says():
+    """Section 9's claims: sinusoidal positions (a buffer, no learned table), embeddings
+    times sqrt(D), the exact erf GELU (not GPT-2's tanh approximation)."""
+    gpt = tf.DecoderOnlyTransformer(vocab_size=20, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0).eval()
+    names = [name for name, _ in gpt.named_parameters()]
+    assert not any("pos" in name for name in names) and "pos_encoding.pe" in dict(gpt.named_buffers())
+    x = torch.linspace(-3, 3, 101)
+    activation = gpt.layers[0].ffn.activation(x)
+    assert_close(activation, 0.5 * x * (1 + torch.erf(x / math.sqrt(2))), tol=1e-6)
+    assert max_diff(activation, F.gelu(x, approximate="tanh")) > 1e-4
+    ids = torch.tensor([[3, 5]])
+    with torch.no_grad():
+        captured = []
+        hook = gpt.pos_encoding.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+        gpt(ids)
+        hook.remove()
+    assert_close(captured[0], gpt.token_embedding(ids) * math.sqrt(16))
+
+
 # ===========================================================================
-# 9. Parameter counts
+# 10. Parameter counts
 # ===========================================================================
+
 
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("share", [False, True])
@@ -1260,63 +1131,13 @@ def test_pitfall2_seed000_param_count(tie):
 
 
 # ===========================================================================
-# Sections 10-13 (toy data, greedy decoding, training, the demo). Their imports
-# sit here so the tests of sections 1-9 above stay as they were.
+# Part II: the modern decoder, Llama-style
 # ===========================================================================
 
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
 # ===========================================================================
-# Part II: the modern decoder (Llama-style)
+# 11. RMSNorm
 # ===========================================================================
 
-# --- "Try it" blocks: the file's own examples, run as doctests --------------
-
-def try_it_blocks(text):
-    """(line number, source) of every '# Try it:' block (a caption may follow the colon):
-    the lines after it that start with '#   ', that prefix removed."""
-    blocks, lines = [], text.splitlines()
-    for i, line in enumerate(lines):
-        if line.startswith("# Try it:"):
-            body = []
-            for follow in lines[i + 1:]:
-                if not follow.startswith("#   "):
-                    break
-                body.append(follow[4:])
-            blocks.append((i + 1, "\n".join(body) + "\n"))
-    return blocks
-
-
-def run_try_it(source, globs, filename, line):
-    """Run the block found at filename:line as a doctest -> (failed examples, the report)."""
-    test = doctest.DocTestParser().get_doctest(source, globs, f"Try it at line {line}", filename, line)
-    assert test.examples, f"the Try it block at {filename}:{line} has no '>>>' example"
-    out, runner = [], doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    runner.run(test, out=out.append)
-    return runner.failures, "".join(out)
-
-
-def test_try_it_blocks_run_as_written():
-    """Every example in the file's comments gives the output the comment shows."""
-    with open(tf.__file__, encoding="utf-8") as f:
-        blocks = try_it_blocks(f.read())
-    assert len(blocks) >= 6, f"expected a Try it block per Part II section, found {len(blocks)}"
-    reports = [run_try_it(source, dict(vars(tf)), tf.__file__, line) for line, source in blocks]
-    failed = [report for failures, report in reports if failures]
-    assert not failed, "\n".join(failed)
-
-
-def test_try_it_parser_finds_blocks_and_failures():
-    """The runner above would notice a wrong example (it is not vacuous)."""
-    text = "x = 1\n# Try it:\n#   >>> 1 + 1\n#   3\n\n# Try it: a caption.\n#   >>> 2 * 2\n#   4\ny = 2\n"
-    blocks = try_it_blocks(text)
-    assert [line for line, _ in blocks] == [2, 6]
-    assert [run_try_it(source, {}, "t", line)[0] for line, source in blocks] == [1, 0]
-
-
-# --- RMSNorm -----------------------------------------------------------------
 
 @pytest.mark.parametrize("scale", [1.0, 1e-4])
 @pytest.mark.parametrize("eps", [1e-6, 1e-5])
@@ -1363,7 +1184,10 @@ def test_rmsnorm_bf16_casts_before_the_weight():
     assert not torch.equal(out, other_order)
 
 
-# --- RoPE --------------------------------------------------------------------
+# ===========================================================================
+# 12. Rotary position embedding, RoPE
+# ===========================================================================
+
 
 def test_rope_cos_sin_formula():
     cos, sin = tf.rope_cos_sin(16, 4097, theta=500000.0)
@@ -1411,7 +1235,9 @@ def test_apply_rope_matches_meta_complex_after_permutation():
 def test_apply_rope_matches_onnx_rotary_embedding():
     rotary = getattr(getattr(torch.onnx, "ops", None), "rotary_embedding", None)
     if rotary is None:
-        pytest.skip("torch.onnx.ops.rotary_embedding is not in this torch")
+        # an ONNX operator of a later torch than the oldest this suite allows; the comparison
+        # with Meta's complex form above checks the same rotation on every torch
+        pytest.skip(f"torch {torch.__version__} has no torch.onnx.ops.rotary_embedding (a later torch has it)")
     B, H, T, dk = 2, 3, 7, 8
     cos, sin = tf.rope_cos_sin(dk, 32)
     x = torch.randn(B, H, T, dk)                                               # [B, H, T, dk]
@@ -1446,7 +1272,10 @@ def test_rope_preserves_norms():
     assert_close(tf.apply_rope(x[:, :, :1], cos[:1], sin[:1]), x[:, :, :1])   # position 0 is not turned
 
 
-# --- SwiGLU ------------------------------------------------------------------
+# ===========================================================================
+# 13. SwiGLU feed-forward
+# ===========================================================================
+
 
 def test_swiglu_matches_formula_and_counts():
     ffn = tf.SwiGLU(16, 40)
@@ -1471,7 +1300,10 @@ def test_llama_ffn_dim(args, expected):
     assert tf.llama_ffn_dim(*args) == expected
 
 
-# --- grouped-query attention -------------------------------------------------
+# ===========================================================================
+# 14. Grouped-query attention
+# ===========================================================================
+
 
 def test_repeat_kv_head_h_reads_kv_head_h_div_n_rep():
     x = torch.randn(2, 3, 5, 4)                                                # [B, Hkv, T, dk]
@@ -1560,7 +1392,20 @@ def test_gqa_bad_heads_raise(kwargs, numbers):
     assert all(n in str(info.value) for n in numbers), str(info.value)
 
 
-# --- the Llama model ---------------------------------------------------------
+def test_grouped_query_attention_refuses_a_mask_that_is_not_4d():
+    attn = tf.GroupedQueryAttention(16, 4, 2)
+    cos, sin = tf.rope_cos_sin(4, 5)                     # [5, 4] each
+    x, mask4 = torch.randn(2, 5, 16), tf.make_causal_mask(5)  # [2, 5, 16], [1, 1, 5, 5]
+    assert attn(x, cos, sin, mask4).shape == (2, 5, 16)
+    for mask in (mask4[0], mask4[0, 0], mask4[None]):    # 3-D, 2-D, 5-D
+        with pytest.raises(ValueError, match="mask must be 4-D"):
+            attn(x, cos, sin, mask)
+
+
+# ===========================================================================
+# 15. The Llama block and model
+# ===========================================================================
+
 
 def _llama(**kw):
     config = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_len=24)
@@ -1662,7 +1507,42 @@ def test_llama_learns_a_toy_sequence():
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    assert loss.item() < 0.5, loss.item()  # from ln(50) = 3.9
+    # from ln(50) = 3.9; measured 0.0377-0.0378 after 60 steps, below 0.5 from step 18 on
+    # (default/avx2/avx512, 1-2 threads, torch 2.5.1 and 2.13.0)
+    assert loss.item() < 0.5, loss.item()
+
+
+@pytest.mark.parametrize("kw, numbers", [
+    (dict(n_heads=3), ["32", "3"]),                   # d_model % n_heads
+    (dict(n_heads=4, n_kv_heads=3), ["4", "3"]),      # n_heads % n_kv_heads
+    (dict(d_model=36, n_heads=4), ["9"]),             # odd head_dim
+    (dict(vocab_size=0), ["vocab_size", "0"]),
+    (dict(d_model=0), ["d_model", "0"]),
+    (dict(n_layers=0), ["n_layers", "0"]),
+    (dict(max_len=0), ["max_len", "0"]),
+    (dict(d_ff=0), ["d_ff", "0"]),
+])
+def test_llama_bad_config_raises(kw, numbers):
+    with pytest.raises(ValueError) as info:
+        _llama(**kw)
+    assert all(n in str(info.value) for n in numbers), str(info.value)
+
+
+@pytest.mark.parametrize("ids", [
+    torch.tensor([[1, 2, 50]]),          # outside the vocabulary
+    torch.tensor([[1, -1]]),
+    torch.zeros(1, 25, dtype=torch.long),  # longer than max_len
+    torch.tensor([1, 2, 3]),             # 1-D
+    torch.tensor([[1.0, 2.0]]),          # float
+])
+def test_llama_bad_ids_raise(ids):
+    with pytest.raises(ValueError, match="input_ids"):
+        _llama()(ids)
+
+
+# ===========================================================================
+# 16. Counting a modern model: parameters and KV-cache memory
+# ===========================================================================
 
 
 @pytest.mark.parametrize("kw", [
@@ -1713,37 +1593,142 @@ def test_kv_cache_holds_kv_heads_and_measured_bytes(dtype):
     assert measured == tf.kv_cache_bytes_per_token(2, 2, 4, bytes_per_value=dtype.itemsize)
 
 
-@pytest.mark.parametrize("kw, numbers", [
-    (dict(n_heads=3), ["32", "3"]),                   # d_model % n_heads
-    (dict(n_heads=4, n_kv_heads=3), ["4", "3"]),      # n_heads % n_kv_heads
-    (dict(d_model=36, n_heads=4), ["9"]),             # odd head_dim
-    (dict(vocab_size=0), ["vocab_size", "0"]),
-    (dict(d_model=0), ["d_model", "0"]),
-    (dict(n_layers=0), ["n_layers", "0"]),
-    (dict(max_len=0), ["max_len", "0"]),
-    (dict(d_ff=0), ["d_ff", "0"]),
+# ===========================================================================
+# Every model refuses bad sizes and ids (section 7's guards, used by sections 1-15)
+# ===========================================================================
+
+
+@pytest.mark.parametrize("build", [
+    lambda: tf.MultiHeadAttention(16, 0), lambda: tf.MultiHeadAttention(16, -2),
+    lambda: tf.PositionalEncoding(0), lambda: tf.PositionalEncoding(7)])
+def test_bad_sizes_raise_value_error(build):
+    with pytest.raises(ValueError):
+        build()
+
+
+def test_bool_ids_and_bad_generate_arguments_raise_value_error():
+    model = tf.DecoderOnlyTransformer(20, 16, 1, 2, 32, max_len=32).eval()
+    with pytest.raises(ValueError, match="integer"):
+        model(torch.ones(1, 3, dtype=torch.bool))
+    prompt = torch.tensor([[1, 2, 3]])
+    for kwargs, word in [(dict(max_new_tokens=-1), "max_new_tokens"),
+                         (dict(max_new_tokens=2, temperature=float("nan")), "temperature"),
+                         (dict(max_new_tokens=2, temperature=1.0, top_k=2.5), "top_k")]:
+        with pytest.raises(ValueError, match=word):
+            model.generate(prompt, **kwargs)
+
+
+def test_eval_mode_restores_training_even_on_error():
+    model = tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=8).train()
+    with pytest.raises(ValueError):
+        tf.greedy_decode(model, torch.tensor([[4, 99]]), tf.Vocab.BOS, tf.Vocab.EOS, 4)  # id 99 >= vocab
+    assert model.training
+
+
+_T = dict(d_model=16, n_heads=2, d_ff=32, n_layers=1)
+
+
+@pytest.mark.parametrize("build, name, value", [
+    (lambda: tf.Transformer(0, 10, **_T), "src_vocab_size", 0),
+    (lambda: tf.Transformer(10, -3, **_T), "tgt_vocab_size", -3),
+    (lambda: tf.Transformer(10, 10, **dict(_T, d_ff=-32)), "d_ff", -32),
+    (lambda: tf.Transformer(10, 10, **dict(_T, n_layers=0)), "n_layers", 0),
+    (lambda: tf.Transformer(10, 10, max_len=0, **_T), "max_len", 0),
+    (lambda: tf.Transformer(10, 10, **dict(_T, d_model=16.0)), "d_model", 16.0),
+    (lambda: tf.Transformer(10, 10, **dict(_T, n_heads=True)), "n_heads", True),
+    (lambda: tf.Transformer(10, 10, pad_id=10, **_T), "pad_id", 10),
+    (lambda: tf.Transformer(10, 6, pad_id=7, **_T), "pad_id", 7),        # inside one vocabulary only
+    (lambda: tf.Transformer(10, 10, pad_id=-1, **_T), "pad_id", -1),
+    (lambda: tf.Transformer(10, 10, pad_id=0.0, **_T), "pad_id", 0.0),
+    (lambda: tf.Transformer(10, 10, pad_id=False, **_T), "pad_id", False),
+    (lambda: tf.DecoderOnlyTransformer(0, 16, 1, 2, 32), "vocab_size", 0),
+    (lambda: tf.DecoderOnlyTransformer(20, 16, 1, 2, -5), "d_ff", -5),
+    (lambda: tf.DecoderOnlyTransformer(20, 16, 0, 2, 32), "n_layers", 0),
+    (lambda: tf.DecoderOnlyTransformer(20, 16, 1, 2, 32, max_len=0), "max_len", 0),
+    (lambda: tf.DecoderOnlyTransformer(20, 16, 1.0, 2, 32), "n_layers", 1.0),
+    (lambda: tf.DecoderOnlyTransformer(True, 16, 1, 2, 32), "vocab_size", True),
+    (lambda: tf.Llama(0, 16, 1, 2), "vocab_size", 0),
+    (lambda: tf.Llama(20, 16, 1, 2, d_ff=-1), "d_ff", -1),
+    (lambda: tf.Llama(20, 16, 0, 2), "n_layers", 0),
+    (lambda: tf.Llama(20, 16, 1, 2, max_len=0), "max_len", 0),
+    (lambda: tf.Llama(20, 16, 1, 2, n_kv_heads=0), "n_kv_heads", 0),
+    (lambda: tf.Llama(20, 16, 1, 2, d_ff=32.5), "d_ff", 32.5),
+    (lambda: tf.Llama(20, 16, 1, 2, max_len=False), "max_len", False),
 ])
-def test_llama_bad_config_raises(kw, numbers):
+def test_models_refuse_nonsense_sizes_naming_argument_and_value(build, name, value):
     with pytest.raises(ValueError) as info:
-        _llama(**kw)
-    assert all(n in str(info.value) for n in numbers), str(info.value)
+        build()
+    message = str(info.value)
+    assert message.startswith(name) and message.endswith(f"got {value!r}"), message
 
 
-@pytest.mark.parametrize("ids", [
-    torch.tensor([[1, 2, 50]]),          # outside the vocabulary
-    torch.tensor([[1, -1]]),
-    torch.zeros(1, 25, dtype=torch.long),  # longer than max_len
-    torch.tensor([1, 2, 3]),             # 1-D
-    torch.tensor([[1.0, 2.0]]),          # float
-])
-def test_llama_bad_ids_raise(ids):
-    with pytest.raises(ValueError, match="input_ids"):
-        _llama()(ids)
+def test_models_accept_the_edge_sizes():
+    """The neighbours of the refused sizes: the smallest legal values build and run."""
+    assert tf.Transformer(10, 6, pad_id=5, **_T).pad_id == 5                  # in both vocabularies
+    tf.Transformer(1, 1, d_model=2, n_heads=1, d_ff=1, n_layers=1, max_len=1)
+    tf.DecoderOnlyTransformer(1, 2, 1, 1, 1, max_len=1)
+    model = tf.Llama(1, 2, 1, 1, d_ff=1, max_len=1)
+    assert model(torch.zeros(1, 1, dtype=torch.long)).shape == (1, 1, 1)
+
+
+def test_transformer_refuses_batch_sizes_that_differ():
+    model = tf.Transformer(12, 12, max_len=16, **_T).eval()
+    src, tgt = torch.randint(4, 12, (3, 5)), torch.randint(4, 12, (3, 4))
+    with pytest.raises(ValueError, match="batch sizes differ: tgt 2, memory 3, src 3"):
+        model(src, tgt[:2])
+    memory = model.encode(src)
+    with pytest.raises(ValueError, match="batch sizes differ: tgt 3, memory 3, src 2"):
+        model.decode(tgt, memory, src[:2])
+    with pytest.raises(ValueError, match="batch sizes differ: tgt 3, memory 2, src 3"):
+        model.decode(tgt, memory[:2], src)
+    assert model.decode(tgt, memory, src).shape == (3, 4, 12)                  # equal sizes: fine
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.bool, torch.float32])
+def test_models_refuse_ids_that_are_not_int64_or_int32(dtype):
+    ids = torch.tensor([[1, 0, 1]]).to(dtype)
+    encdec = tf.Transformer(12, 12, max_len=16, **_T).eval()
+    gpt = tf.DecoderOnlyTransformer(12, 16, 1, 2, 32, max_len=16).eval()
+    llama = tf.Llama(12, 16, 1, 2, max_len=16).eval()
+    good = torch.tensor([[1, 0, 1]])
+    for run in (lambda x: encdec(x, good), lambda x: encdec(good, x), gpt, llama):
+        with pytest.raises(ValueError, match=r"integer tensor \[B, T\] \(int64 or int32\)") as info:
+            run(ids)
+        assert str(dtype) in str(info.value)
+        with torch.no_grad():                            # the neighbour: int32 is taken, and the same
+            assert torch.equal(run(good.int()), run(good))
+
+
+@pytest.mark.parametrize("cls", ["gpt", "llama"])
+def test_generate_refuses_a_temperature_too_small_to_divide_by(cls):
+    model = (tf.DecoderOnlyTransformer(12, 16, 1, 2, 32, max_len=16) if cls == "gpt"
+             else tf.Llama(12, 16, 1, 2, max_len=16)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1000.0)                # large logits: logits / 1e-45 overflows float32
+    prompt = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"temperature 1e-45 is too small.*temperature=0"):
+        model.generate(prompt, 2, temperature=1e-45)
+    # the neighbours: a small temperature that does not overflow samples, and 0 is greedy
+    assert model.generate(prompt, 2, temperature=1e-3, generator=torch.Generator().manual_seed(0)).shape == (1, 5)
+    assert model.generate(prompt, 2, temperature=0).shape == (1, 5)
+    assert tf.next_token(torch.zeros(1, 4), temperature=1e-45).shape == (1, 1)  # 0 / 1e-45 is still 0
 
 
 # ===========================================================================
-# 10. Toy data
+# Parts III and IV: the frontier (17-21) and long sequences (22-25)
 # ===========================================================================
+
+# (no tests yet: one banner per section, as above, when the sections land)
+
+
+# ===========================================================================
+# Part V: learning and using it
+# ===========================================================================
+
+# ===========================================================================
+# 26. The toy task: pinyin to hanzi
+# ===========================================================================
+
 
 @pytest.fixture(scope="module")
 def toy_pairs():
@@ -1896,16 +1881,63 @@ def test_collate_pads_to_longest():
 
 
 # ===========================================================================
-# 11. Greedy decoding
+# 27. A baseline to beat: bigram HMM and Viterbi
 # ===========================================================================
 
+
+def test_bigram_hmm_counts_are_not_shifted_by_an_empty_pair():
+    pairs = tf.make_toy_data(n_sentences=50, seed=0)
+    plain, with_empty = tf.BigramHMM(pairs), tf.BigramHMM(pairs[:10] + [("", "")] + pairs[10:])
+    assert torch.equal(plain.log_next, with_empty.log_next)
+
+
+def test_bigram_hmm_viterbi_equals_brute_force():
+    pairs = tf.make_toy_data(n_sentences=300, seed=1)
+    hmm = tf.BigramHMM(pairs[:250])
+    index = {c: i for i, c in enumerate(hmm.chars)}
+    # the same float32 numbers as Python floats, read once (not per candidate)
+    log_next = hmm.log_next.tolist()
+    log_emit = {s: dict(zip(ids.tolist(), emit.tolist())) for s, (ids, emit) in hmm.emissions.items()}
+
+    def score(syllables, chars):
+        total, previous = 0.0, -1
+        for s, c in zip(syllables, chars):
+            total += log_next[previous][index[c]] + log_emit[s][index[c]]
+            previous = index[c]
+        return total
+
+    import itertools
+    checked = 0
+    for pinyin, _ in pairs[250:]:
+        syllables = pinyin.split()
+        options = [[hmm.chars[i] for i in hmm.emissions[s][0].tolist()] for s in syllables if s in hmm.emissions]
+        if len(options) != len(syllables) or math.prod(map(len, options)) > 5000:
+            continue
+        best = max(itertools.product(*options), key=lambda chars: score(syllables, chars))
+        assert hmm.decode_one(syllables) == "".join(best)
+        checked += 1
+    assert checked >= 20
+
+
+def test_bigram_hmm_on_the_toy_task_is_fast_and_a_real_baseline():
+    pairs = tf.make_toy_data(seed=0)
+    train, test = tf.split_data(pairs, seed=0)
+    start = time.perf_counter()
+    result = tf.evaluate(tf.BigramHMM(train).decode, test)
+    assert time.perf_counter() - start < 5  # measured 0.05-2.7 s; a loose bound for a loaded machine
+    most_frequent = tf.BigramHMM(train, smoothing=1e9)  # bigrams smoothed away: each syllable's commonest char
+    plain = tf.evaluate(most_frequent.decode, test)
+    # context helps: measured 98.75% against 10.4% on every kernel path
+    # (default/avx2/avx512, 1-2 threads, torch 2.5.1 and 2.13.0)
+    assert result["accuracy"] > plain["accuracy"] and result["accuracy"] > 0.9
+
+
+# ===========================================================================
+# 28. Decoding: greedy, constrained, beam
+# ===========================================================================
+
+
 BOS, EOS = tf.Vocab.BOS, tf.Vocab.EOS
-
-
-def _tiny_seq2seq(**kw):
-    args = dict(d_model=D, n_heads=H, d_ff=FF, n_layers=2, dropout=0.1, max_len=16, pad_id=PAD)
-    args.update(kw)
-    return tf.Transformer(SRC_VOCAB, TGT_VOCAB, **args)
 
 
 def _script_decode(model, script):
@@ -1996,10 +2028,6 @@ def test_evaluate_counts_exact_and_ambiguous():
     assert (result["exact"], result["ambiguous_right"], result["ambiguous_total"]) == (1, 3, 4)
     assert tf.evaluate(answer, pairs)["ambiguous_total"] == 0   # nothing ambiguous by default
 
-
-# ===========================================================================
-# Decoding: constrained, beam search, the bigram baseline
-# ===========================================================================
 
 def _random_toy_models(n=60, seed=0):
     """Untrained encoder-decoder and GPT on toy pairs: their free answers are garbage,
@@ -2128,51 +2156,6 @@ def test_beam_search_cache_follows_the_beams():
         assert torch.equal(cached[0], fresh[0]) and torch.allclose(cached[1], fresh[1], atol=1e-4)
 
 
-def test_bigram_hmm_counts_are_not_shifted_by_an_empty_pair():
-    pairs = tf.make_toy_data(n_sentences=50, seed=0)
-    plain, with_empty = tf.BigramHMM(pairs), tf.BigramHMM(pairs[:10] + [("", "")] + pairs[10:])
-    assert torch.equal(plain.log_next, with_empty.log_next)
-
-
-def test_bigram_hmm_viterbi_equals_brute_force():
-    pairs = tf.make_toy_data(n_sentences=300, seed=1)
-    hmm = tf.BigramHMM(pairs[:250])
-    index = {c: i for i, c in enumerate(hmm.chars)}
-    # the same float32 numbers as Python floats, read once (not per candidate)
-    log_next = hmm.log_next.tolist()
-    log_emit = {s: dict(zip(ids.tolist(), emit.tolist())) for s, (ids, emit) in hmm.emissions.items()}
-
-    def score(syllables, chars):
-        total, previous = 0.0, -1
-        for s, c in zip(syllables, chars):
-            total += log_next[previous][index[c]] + log_emit[s][index[c]]
-            previous = index[c]
-        return total
-
-    import itertools
-    checked = 0
-    for pinyin, _ in pairs[250:]:
-        syllables = pinyin.split()
-        options = [[hmm.chars[i] for i in hmm.emissions[s][0].tolist()] for s in syllables if s in hmm.emissions]
-        if len(options) != len(syllables) or math.prod(map(len, options)) > 5000:
-            continue
-        best = max(itertools.product(*options), key=lambda chars: score(syllables, chars))
-        assert hmm.decode_one(syllables) == "".join(best)
-        checked += 1
-    assert checked >= 20
-
-
-def test_bigram_hmm_on_the_toy_task_is_fast_and_a_real_baseline():
-    pairs = tf.make_toy_data(seed=0)
-    train, test = tf.split_data(pairs, seed=0)
-    start = time.perf_counter()
-    result = tf.evaluate(tf.BigramHMM(train).decode, test)
-    assert time.perf_counter() - start < 5  # about 0.3 s here; a loose bound for a loaded machine
-    most_frequent = tf.BigramHMM(train, smoothing=1e9)  # bigrams smoothed away: each syllable's commonest char
-    plain = tf.evaluate(most_frequent.decode, test)
-    assert result["accuracy"] > plain["accuracy"] and result["accuracy"] > 0.9  # context helps
-
-
 def test_evaluate_counts_missing_and_extra_characters_wrong():
     pairs = [("ni hao", "你好"), ("wo ai xue xi", "我爱学习"), ("shi", "是")]
     result = tf.evaluate(lambda s: ["你好", "我爱学", "是是"], pairs)
@@ -2181,9 +2164,64 @@ def test_evaluate_counts_missing_and_extra_characters_wrong():
     assert (result["char_right"], result["char_total"]) == (6, 8) and result["char_accuracy"] == 0.75
 
 
+def test_translate_empty_sentence_order_independent():
+    sv, tv = tf.Vocab(["wo", "ai"]), tf.Vocab(list("我爱"))
+    model = tf.Transformer(len(sv), len(tv), d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=16)
+    assert len(tf.translate(model, ["wo ai", ""], sv, tv)) == 2
+    first_empty = tf.translate(model, ["", "wo ai"], sv, tv)  # an empty first row once gave a float batch
+    assert first_empty[1] == tf.translate(model, ["wo ai"], sv, tv)[0]
+
+
+def test_greedy_decode_with_cache_same_tokens_batch_of_different_lengths():
+    model = randomize_norms(_tiny_seq2seq(max_len=24)).eval()
+    lengths = [8, 3, 5, 1]
+    src = torch.zeros(4, 8, dtype=torch.long)            # padded with PAD = 0
+    for b, n in enumerate(lengths):
+        src[b, :n] = torch.randint(4, SRC_VOCAB, (n,))
+    for never_eos in (False, True):
+        if never_eos:                                     # every row runs all max_len steps
+            with torch.no_grad():
+                model.output_proj.bias[EOS] = -1e4
+        cached = tf.greedy_decode(model, src, BOS, EOS, max_len=12, use_cache=True)
+        plain = tf.greedy_decode(model, src, BOS, EOS, max_len=12, use_cache=False)
+        assert torch.equal(cached, plain), never_eos
+        # and each row decoded alone, without padding, gives the same tokens
+        for b, n in enumerate(lengths):
+            alone = tf.greedy_decode(model, src[b:b + 1, :n], BOS, EOS, max_len=12)[0]
+            assert torch.equal(cached[b, :alone.numel()], alone), (never_eos, b)
+            assert (cached[b, alone.numel():] == PAD).all()
+    assert cached.shape == (4, 12) and EOS not in cached.tolist()
+
+
+def test_translate_answer_does_not_depend_on_its_batch():
+    sv, tv = tf.Vocab(["wo", "ai", "xue", "xi"]), tf.Vocab(list("我爱学习"))
+    model = tf.Transformer(len(sv), len(tv), d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=16)
+    with torch.no_grad():                                # a model that has not learned to stop yet
+        model.output_proj.bias[[tf.Vocab.PAD, tf.Vocab.BOS, tf.Vocab.EOS]] = -1e4
+    alone = tf.translate(model, ["wo ai"], sv, tv)[0]
+    assert len(alone) == 2                               # its own budget: one character per syllable, then eos
+    both = tf.translate(model, ["wo ai", "wo ai xue xi"], sv, tv)
+    assert both[0] == alone and len(both[1]) == 4        # a longer neighbour lends it no steps
+
+
+def test_greedy_decode_max_len_beyond_the_model_names_max_len():
+    model = tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=8)
+    with pytest.raises(ValueError, match="max_len must be 1 to 7"):
+        tf.greedy_decode(model, torch.tensor([[4, 5]]), tf.Vocab.BOS, tf.Vocab.EOS, 8)
+
+
+def test_pitfall3_greedy_decode_refuses_a_3d_source():
+    """Seed 002 decodes torch.tensor([src_seq]).unsqueeze(0), a [1, 1, S] source."""
+    model = tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=8)
+    src = torch.tensor([[4, 5, 6]]).unsqueeze(0)                          # [1, 1, 3]
+    with pytest.raises(ValueError, match=r"2-D integer tensor \[B, T\].*\[1, 1, 3\]"):
+        tf.greedy_decode(model, src, tf.Vocab.BOS, tf.Vocab.EOS, 4)
+
+
 # ===========================================================================
-# 12. Training
+# 29. Training
 # ===========================================================================
+
 
 @pytest.mark.parametrize("d_model, warmup", [(64, 10), (512, 4000)])
 def test_noam_lambda_warmup_then_inverse_sqrt(d_model, warmup):
@@ -2206,13 +2244,15 @@ def _train_args(model, pairs, sv, tv, **kw):
     return (model, tf.PinyinDataset(pairs, sv, tv), lambda: tf.evaluate(answer, pairs)["accuracy"]), kw
 
 
-OVERFIT_EPOCHS = 20  # 10/10 from epoch 12 on, loss 0.014 at 20 (at lr_factor 0.3 it took 60 epochs)
+# measured: 10/10 from epoch 12 on and a loss of 0.014 at epoch 20 in every run
+# (default/avx2/avx512, 1-2 threads, torch 2.5.1 and 2.13.0); at lr_factor 0.3 it took 60 epochs
+OVERFIT_EPOCHS = 20
 
 
 @pytest.fixture(scope="module")
 def overfit10():
     """Seed 002's check, done right: a tiny model trained to memorize 10 sentences
-    (about 1 s: trained here, as the background's warm server is not ready yet)."""
+    (about 1 s), shared by the tests below."""
     pairs = tf.make_toy_data(n_sentences=10, seed=2)
     sv, tv = tf.build_vocabs(pairs)
     torch.manual_seed(0)
@@ -2231,11 +2271,11 @@ def overfit10():
 def test_pitfall3_seed002_overfit_ten_sentences(overfit10):
     # seed 002 had no causal mask: its loss went to ~0 while greedy decoding failed.
     # Here the loss goes to ~0 AND greedy decoding reproduces every sentence
-    # (observed: loss 0.014, 10/10, about 0.9 s).
+    # (about 0.9 s; the margins: see OVERFIT_EPOCHS).
     model, pairs, sv, tv, result, logs = overfit10
     assert len(pairs) == 10 and len(logs) == OVERFIT_EPOCHS
-    assert result["loss"] < 0.05
-    assert result["accuracy"] == 1.0
+    assert result["loss"] < 0.05                        # measured 0.014 on every kernel path
+    assert result["accuracy"] == 1.0                    # 10/10 from epoch 12: 8 epochs to spare
     assert not result["interrupted"]
     assert tf.translate(model, [p for p, _ in pairs], sv, tv) == [h for _, h in pairs]
 
@@ -2287,6 +2327,8 @@ def test_pitfall9_padding_not_counted_in_loss(monkeypatch):
         return result["loss"], model.output_proj.weight.detach().clone()
 
     (loss_a, w_a), (loss_b, w_b) = run(tf.PinyinDataset), run(Padded)
+    # measured: losses 0-8e-8 apart, weights 2.8e-7-4.8e-7 apart
+    # (default/avx2/avx512, 1-2 threads, torch 2.5.1 and 2.13.0)
     assert loss_a == pytest.approx(loss_b, abs=1e-5)
     assert max_diff(w_a, w_b) < 1e-4
     # the mistaken criterion (pad counted) makes the same two runs disagree
@@ -2294,7 +2336,7 @@ def test_pitfall9_padding_not_counted_in_loss(monkeypatch):
     monkeypatch.setattr(nn, "CrossEntropyLoss",
                         lambda ignore_index=None, **kw: real_ce(**kw))
     (loss_a, _), (loss_b, _) = run(tf.PinyinDataset), run(Padded)
-    assert abs(loss_a - loss_b) > 1e-2
+    assert abs(loss_a - loss_b) > 1e-2                 # measured 0.352 on every kernel path
 
 
 def test_train_logs_and_stops_on_ctrl_c():
@@ -2317,318 +2359,58 @@ def test_train_logs_and_stops_on_ctrl_c():
     assert signal.getsignal(signal.SIGINT) is handler   # the handler is put back
 
 
-# ===========================================================================
-# 13. The demo / command line
-# ===========================================================================
-
-def test_pick_device():
-    assert isinstance(tf.pick_device("auto"), torch.device)
-    assert tf.pick_device() == tf.pick_device("auto")
-    assert tf.pick_device("cpu") == torch.device("cpu")
-    for bad in ("tpu", "CPU", "gpu", ""):
-        with pytest.raises(ValueError, match=re.escape(repr(bad))):
-            tf.pick_device(bad)
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="'cuda'.*not available"):
-            tf.pick_device("cuda")
+# The demo's recipe (tf.TOY_MODELS["encdec"]: batches of 32, warmup 50, no dropout) at
+# lr_factor 0.35, unconstrained greedy answers, about 4 s. Four epochs, not three: the
+# third ends on the steep part of the curve, where the way a CPU's kernels round
+# moves the answer most (77.5-85.8% there; 80% failed on AVX-512). Held-out exact
+# match after epochs 1-4, measured (default/avx2/avx512, 1-2 threads, torch 2.5.1
+# and 2.13.0): 0.0%, 50.0-63.3%, 77.5-85.8%, 89.2-95.8% (107-115 of 120); the
+# ambiguous syllables after 4 epochs 94.9-97.1%. The threshold is 9 points below the least.
+TRAIN_EPOCHS, LR_FACTOR, MIN_HELD_OUT_ACCURACY = 4, 0.35, 0.80
 
 
-def _usage_error(capsys, argv):
-    """main(argv) must exit 2 with exactly one non-empty line on stderr; -> that line."""
-    with pytest.raises(SystemExit) as exit_info:
-        tf.main(argv)
-    assert exit_info.value.code == 2
-    out, err = capsys.readouterr()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and err.count("\n") == 1, err
-    assert "Traceback" not in err and out == ""         # nothing ran before the error
-    assert lines[0].startswith("transformer.py: error:")
-    return lines[0]
-
-
-def test_main_help(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        tf.main(["--help"])
-    assert exit_info.value.code == 0
-    out = capsys.readouterr().out
-    assert out.startswith("usage: transformer.py")
-    for flag in ("--device", "--epochs", "--seed"):
-        assert flag in out
-
-
-def test_cli_bad_device_is_one_line_subprocess(background):
-    # the real command line, as a user runs it: python transformer.py --device tpu
-    status, out, err = background.result("bad-device")
-    assert status == 2
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    assert "tpu" in lines[0] and lines[0].startswith("transformer.py: error:")
-    assert out == ""
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
-def test_cli_cuda_unavailable_is_one_line(capsys):
-    line = _usage_error(capsys, ["--device", "cuda"])
-    assert "cuda" in line and "not available" in line
-
-
-@pytest.mark.parametrize("value", ["0", "x", "-3", "1.5"])
-def test_cli_bad_epochs_is_one_line(capsys, value):
-    line = _usage_error(capsys, ["--epochs", value, "--device", "cpu"])
-    assert "--epochs" in line and repr(value) in line
-
-
-def test_cli_bad_device_is_one_line_in_process(capsys):
-    assert "'tpu'" in _usage_error(capsys, ["--device", "tpu"])
-
-
-# --- command-line edge cases that once escaped as tracebacks
-
-def _tiny_tsv(tmp_path, n=30):
-    path = tmp_path / "pairs.tsv"
-    path.write_text("".join(f"{p}\t{h}\n" for p, h in tf.make_toy_data(n_sentences=n, seed=0)),
-                    encoding="utf-8")
-    return str(path)
-
-
-def test_cli_head_out_of_range_is_one_line(capsys, tmp_path):
-    with pytest.raises(SystemExit) as exit_info:
-        tf.main(["--data", _tiny_tsv(tmp_path), "--epochs", "1", "--model", "encdec",
-                 "--device", "cpu", "--head", "4"])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "--head" in err
-
-
-def test_cli_seed_out_of_range_is_one_line(capsys, tmp_path):
-    with pytest.raises(SystemExit) as exit_info:
-        tf.main(["--data", _tiny_tsv(tmp_path), "--epochs", "1", "--model", "encdec",
-                 "--device", "cpu", "--seed", str(2 ** 64)])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "--seed" in err
-
-
-def test_translate_empty_sentence_order_independent():
-    sv, tv = tf.Vocab(["wo", "ai"]), tf.Vocab(list("我爱"))
-    model = tf.Transformer(len(sv), len(tv), d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=16)
-    assert len(tf.translate(model, ["wo ai", ""], sv, tv)) == 2
-    first_empty = tf.translate(model, ["", "wo ai"], sv, tv)  # an empty first row once gave a float batch
-    assert first_empty[1] == tf.translate(model, ["wo ai"], sv, tv)[0]
+def test_short_training_generalizes_to_held_out_sentences():
+    """The demo's encoder-decoder trained on 1,080 sentences, then real greedy
+    decoding of the 120 held out."""
+    pairs = tf.make_toy_data(n_sentences=1200, seed=0)
+    train_pairs, test_pairs = tf.split_data(pairs, seed=0)
+    sv, tv = tf.build_vocabs(train_pairs)
+    recipe = tf.TOY_MODELS["encdec"]
+    torch.manual_seed(0)
+    model = tf.Transformer(len(sv), len(tv), **recipe["config"], max_len=32)
+    logs = []
+    # per epoch: greedy exact match in one teacher-forced pass (unconstrained, as the
+    # decoding below); the test checks the last epoch's number against that decoding
+    result = tf.train(model, tf.PinyinDataset(train_pairs, sv, tv),
+                      lambda: tf.teacher_forced_accuracy("encdec", model, test_pairs, sv, tv),
+                      epochs=TRAIN_EPOCHS, batch_size=recipe["batch_size"], lr_factor=LR_FACTOR,
+                      warmup=recipe["warmup"], seed=0, log=logs.append)
+    detail = tf.evaluate(lambda sentences: tf.translate(model, sentences, sv, tv), test_pairs,
+                         tf.ambiguous_syllables(pairs))
+    # one line per epoch: its number, the loss, the held-out accuracy and the seconds so far
+    assert len(logs) == TRAIN_EPOCHS >= 2
+    line = re.compile(r"epoch +(\d+) +loss (\d+\.\d{3}) +held-out accuracy +(\d+\.\d)% +(\d+\.\d)s")
+    matches = [line.fullmatch(entry) for entry in logs]
+    assert all(matches), logs
+    assert [int(m[1]) for m in matches] == list(range(1, TRAIN_EPOCHS + 1))
+    seconds = [float(m[4]) for m in matches]
+    assert seconds == sorted(seconds) and result["seconds"] >= seconds[-1] - 0.05  # rounded to 0.1
+    assert float(matches[-1][2]) == pytest.approx(result["loss"], abs=5e-4)
+    assert float(matches[-1][3]) == pytest.approx(100 * result["accuracy"], abs=0.05)
+    assert float(matches[0][2]) > result["loss"]        # it learned: measured 3.947 -> 0.909-0.920
+    # the held-out sentences were never trained on, and the ambiguous syllables are read in context
+    assert len(test_pairs) == detail["total"] == 120
+    assert not {p for p, _ in train_pairs} & {p for p, _ in test_pairs}
+    print(f"held-out accuracy after {TRAIN_EPOCHS} epochs: {100 * detail['accuracy']:.1f}%"
+          f" in {result['seconds']:.1f} s")
+    assert detail["exact"] == round(result["accuracy"] * 120)  # the one-pass number was greedy's
+    assert detail["accuracy"] >= MIN_HELD_OUT_ACCURACY
+    assert detail["ambiguous_right"] / detail["ambiguous_total"] >= MIN_HELD_OUT_ACCURACY
 
 
 # ===========================================================================
-# Part II: 3/8/11. KV cache
+# 30. The KV cache, measured
 # ===========================================================================
-# Imports for Part II sit here so the tests above stay as they were.
-
-
-
-def test_make_causal_mask_with_past_is_bottom_right_aligned():
-    T, past = 3, 2
-    mask = tf.make_causal_mask(T, past=past)
-    assert mask.dtype == torch.bool and mask.shape == (1, 1, T, past + T)
-    # query i is the token at position past + i: it sees keys 0 .. past + i
-    by_hand = torch.tensor([[1, 1, 1, 0, 0],
-                            [1, 1, 1, 1, 0],
-                            [1, 1, 1, 1, 1]], dtype=torch.bool)
-    assert torch.equal(mask[0, 0], by_hand)
-    # the last T rows of the full square mask: the same rows, computed in one pass
-    assert torch.equal(mask[0, 0], tf.make_causal_mask(past + T)[0, 0, past:])
-    # top-left alignment (what is_causal does) would hide cached keys from new tokens
-    top_left = torch.ones(T, past + T).tril().bool()
-    assert not torch.equal(mask[0, 0], top_left)
-    assert top_left[-1].tolist() == [True, True, True, False, False]
-    # one new token after any past sees every key; past 0 is the plain square mask
-    for p in (0, 1, 5):
-        assert tf.make_causal_mask(1, past=p)[0, 0].tolist() == [[True] * (p + 1)]
-    assert torch.equal(tf.make_causal_mask(4, past=0), tf.make_causal_mask(4))
-    # and F.scaled_dot_product_attention's is_causal is indeed the top-left one
-    q, k, v = _qkv(Tq=T, Tk=past + T)
-    ours, _ = tf.scaled_dot_product_attention(q, k, v, mask)
-    assert_close(ours, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-    assert max_diff(ours, F.scaled_dot_product_attention(q, k, v, is_causal=True)) > 1e-3
-
-
-def test_kv_cache_len_and_append():
-    cache = tf.KVCache()
-    assert len(cache) == 0 and cache.k is None and cache.v is None and not cache.static
-    k1, v1 = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5)
-    k, v = cache.append(k1, v1)
-    assert len(cache) == 4 and torch.equal(k, k1) and torch.equal(v, v1)
-    k2, v2 = torch.randn(2, 3, 1, 5), torch.randn(2, 3, 1, 5)
-    k, v = cache.append(k2, v2)                        # keys along the time axis, dim 2
-    assert len(cache) == 5 and k.shape == v.shape == (2, 3, 5, 5)
-    assert torch.equal(k, torch.cat([k1, k2], 2)) and torch.equal(v, torch.cat([v1, v2], 2))
-    assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
-    assert tf.KVCache(static=True).static
-
-
-def test_mha_static_cache_keeps_the_first_keys_and_values():
-    mha = tf.MultiHeadAttention(D, H, dropout=0.0).eval()
-    query, memory = torch.randn(2, 1, D), torch.randn(2, 6, D)
-    cache = tf.KVCache(static=True)
-    first = mha(query, memory, memory, cache=cache)
-    assert len(cache) == 6
-    # a static cache is filled once: later calls reuse it, whatever key and value they pass
-    again = mha(query, torch.zeros_like(memory), torch.zeros_like(memory), cache=cache)
-    assert len(cache) == 6
-    assert_close(again, first)
-    assert_close(first, mha(query, memory, memory))
-
-
-@pytest.mark.parametrize("chunks", [(3, 9), (1, 2, 3, 4, 5, 6, 7, 8, 9), (5, 6, 9)])
-def test_gpt_forward_with_cache_in_chunks_equals_one_pass(chunks):
-    model = _gpt(max_len=16)
-    ids = torch.randint(0, V, (2, 9))
-    with torch.no_grad():
-        full = model(ids)                                # [2, 9, V]
-        cache, parts, past = model.new_cache(), [], 0
-        assert len(cache) == len(model.layers)
-        for end in chunks:
-            logits = model(ids[:, :end], cache)          # only the tokens past the cache
-            assert logits.shape == (2, end - past, V)
-            assert all(len(c) == end for c in cache)
-            parts.append(logits)
-            past = end
-    assert_close(torch.cat(parts, 1), full)
-
-
-@pytest.mark.parametrize("norm_first", [False, True])
-def test_decode_with_cache_in_chunks_equals_one_pass(norm_first):
-    model = randomize_norms(_tiny_seq2seq(norm_first=norm_first)).eval()
-    tgt = torch.randint(4, TGT_VOCAB, (2, 7))
-    tgt[:, 0] = BOS
-    tgt[1, 5:] = PAD                                     # a finished row, padded
-    with torch.no_grad():
-        memory = model.encode(SRC)                       # SRC: row 1 has source padding
-        full = model.decode(tgt, memory, SRC)
-        assert_close(full, model(SRC, tgt))
-        cache = model.new_cache()
-        first = model.decode(tgt[:, :3], memory, SRC, cache)  # 3 tokens, then the rest
-        rest = model.decode(tgt, memory, SRC, cache)
-    assert first.shape == (2, 3, TGT_VOCAB) and rest.shape == (2, 4, TGT_VOCAB)
-    assert_close(torch.cat([first, rest], 1), full)
-    # the self-attention caches hold all 7 target positions, the cross caches the 6 source ones
-    assert all(len(self_c) == 7 and len(cross_c) == SRC.size(1) and cross_c.static and not self_c.static
-               for self_c, cross_c in cache)
-
-
-def test_generate_with_cache_same_tokens_as_without():
-    model = _gpt(max_len=32)
-    for T in (2, 3, 6):                                  # prompts longer than one token
-        prompt = torch.randint(0, V, (3, T))
-        cached = model.generate(prompt, 14, use_cache=True)
-        plain = model.generate(prompt, 14, use_cache=False)
-        assert cached.shape == (3, T + 14) and torch.equal(cached[:, :T], prompt)
-        assert torch.equal(cached, plain), T
-
-
-def test_greedy_decode_with_cache_same_tokens_batch_of_different_lengths():
-    model = randomize_norms(_tiny_seq2seq(max_len=24)).eval()
-    lengths = [8, 3, 5, 1]
-    src = torch.zeros(4, 8, dtype=torch.long)            # padded with PAD = 0
-    for b, n in enumerate(lengths):
-        src[b, :n] = torch.randint(4, SRC_VOCAB, (n,))
-    for never_eos in (False, True):
-        if never_eos:                                     # every row runs all max_len steps
-            with torch.no_grad():
-                model.output_proj.bias[EOS] = -1e4
-        cached = tf.greedy_decode(model, src, BOS, EOS, max_len=12, use_cache=True)
-        plain = tf.greedy_decode(model, src, BOS, EOS, max_len=12, use_cache=False)
-        assert torch.equal(cached, plain), never_eos
-        # and each row decoded alone, without padding, gives the same tokens
-        for b, n in enumerate(lengths):
-            alone = tf.greedy_decode(model, src[b:b + 1, :n], BOS, EOS, max_len=12)[0]
-            assert torch.equal(cached[b, :alone.numel()], alone), (never_eos, b)
-            assert (cached[b, alone.numel():] == PAD).all()
-    assert cached.shape == (4, 12) and EOS not in cached.tolist()
-
-
-def test_translate_answer_does_not_depend_on_its_batch():
-    sv, tv = tf.Vocab(["wo", "ai", "xue", "xi"]), tf.Vocab(list("我爱学习"))
-    model = tf.Transformer(len(sv), len(tv), d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=16)
-    with torch.no_grad():                                # a model that has not learned to stop yet
-        model.output_proj.bias[[tf.Vocab.PAD, tf.Vocab.BOS, tf.Vocab.EOS]] = -1e4
-    alone = tf.translate(model, ["wo ai"], sv, tv)[0]
-    assert len(alone) == 2                               # its own budget: one character per syllable, then eos
-    both = tf.translate(model, ["wo ai", "wo ai xue xi"], sv, tv)
-    assert both[0] == alone and len(both[1]) == 4        # a longer neighbour lends it no steps
-
-
-def test_cross_attention_keys_computed_once_per_layer_with_cache():
-    model = _tiny_seq2seq(n_layers=2).eval()
-    with torch.no_grad():
-        model.output_proj.bias[EOS] = -1e4               # never ends: exactly max_len steps
-    seen = {"cross": [[], []], "self": [[], []]}
-    hooks = []
-    for i, layer in enumerate(model.decoder_layers):
-        for name, mha in (("cross", layer.cross_attn), ("self", layer.self_attn)):
-            hooks.append(mha.w_k.register_forward_hook(
-                lambda module, args, output, shapes=seen[name][i]: shapes.append(tuple(args[0].shape))))
-    try:
-        steps, S = 6, SRC.size(1)
-        out = tf.greedy_decode(model, SRC, BOS, EOS, max_len=steps, use_cache=True)
-        assert out.shape == (2, steps)
-        for i in range(2):
-            assert seen["cross"][i] == [(2, S, D)]                  # once, at the first step
-            assert seen["self"][i] == [(2, 1, D)] * steps           # one new token per step
-        for shapes in seen["cross"] + seen["self"]:
-            shapes.clear()
-        assert torch.equal(tf.greedy_decode(model, SRC, BOS, EOS, max_len=steps, use_cache=False), out)
-        for i in range(2):
-            assert seen["cross"][i] == [(2, S, D)] * steps          # every step again
-            assert seen["self"][i] == [(2, t, D) for t in range(1, steps + 1)]  # the whole prefix
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
-def test_generate_sampling_reproducible_with_a_generator():
-    model = _gpt(max_len=32)
-    prompt = torch.randint(0, V, (2, 3))
-
-    def sample(seed, **kw):
-        return model.generate(prompt, 12, generator=torch.Generator().manual_seed(seed), **kw)
-
-    a = sample(1, temperature=1.0)
-    assert a.shape == (2, 15) and torch.equal(a[:, :3], prompt)
-    torch.manual_seed(123)                               # the global RNG plays no part
-    assert torch.equal(sample(1, temperature=1.0), a)
-    assert torch.equal(sample(1, temperature=1.0, use_cache=False), a)  # nor does the cache
-    assert not torch.equal(sample(2, temperature=1.0), a)
-    greedy = model.generate(prompt, 12)
-    assert not torch.equal(a, greedy)                    # it really sampled
-    # temperature 0 is greedy, whatever top_k and generator say
-    assert torch.equal(sample(1, temperature=0.0, top_k=3), greedy)
-    # top_k=1 keeps only the most likely token: greedy at any temperature
-    assert torch.equal(sample(1, temperature=1.0, top_k=1), greedy)
-    assert torch.equal(sample(7, temperature=5.0, top_k=1), greedy)
-
-
-@pytest.mark.parametrize("k", [2, 4])
-def test_generate_top_k_samples_only_from_the_top_k(k):
-    model = _gpt(max_len=48)
-    prompt = torch.randint(0, V, (3, 3))
-    out = model.generate(prompt, 40, temperature=3.0, top_k=k, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        logits = model(out[:, :-1])[:, 2:]               # [3, 40, V]: the step before each new token
-    new = out[:, 3:]                                     # [3, 40]
-    top = logits.topk(k, dim=-1).indices                 # [3, 40, k]
-    assert (top == new[..., None]).any(-1).all()
-    assert (new != logits.argmax(-1)).any()              # not only the argmax: the check has teeth
-
-
-def test_generate_bad_sampling_arguments_raise():
-    model = _gpt()
-    prompt = torch.zeros(1, 2, dtype=torch.long)
-    for temperature in (-0.5, -1):
-        with pytest.raises(ValueError, match="temperature"):
-            model.generate(prompt, 3, temperature=temperature)
-    for top_k in (0, -1):
-        with pytest.raises(ValueError, match="top_k"):
-            model.generate(prompt, 3, temperature=1.0, top_k=top_k)
 
 
 def test_time_generation_returns_seconds_and_agreement():
@@ -2653,8 +2435,9 @@ def test_time_generation_returns_seconds_and_agreement():
 
 
 # ===========================================================================
-# 14. GPT on the toy task
+# 31. Decoder-only models on the task
 # ===========================================================================
+
 
 def test_build_gpt_vocab_holds_syllables_characters_and_sep():
     pairs = [("wo ai xue xi", "我爱学习"), ("ni hao", "你好")]
@@ -2687,14 +2470,17 @@ def test_prompt_dataset_item_exact_ids():
     assert [(row != P).sum().item() for row in target] == [3, 4]
 
 
+# measured: 0/10 after epoch 1, 10/10 from epoch 16 on (first at 9), loss 0.001 at epoch 25 in
+# every run (default/avx2/avx512, 1-2 threads, torch 2.5.1 and 2.13.0)
 GPT_OVERFIT_EPOCHS = 25
 
 
-def train_gpt_overfit10(folder):
+@pytest.fixture(scope="module")
+def gpt_overfit10():
     """A tiny GPT trained with transformer.train on PromptDataset to memorize 10
-    sentences (observed: loss 0.0015, 10/10, about 0.3 s), in the background.
-    Accuracy is measured after the first and the last epoch only (nan between):
-    generating every epoch would cost more than the training."""
+    sentences (about 0.3 s), shared by the tests below. Accuracy is measured after
+    the first and the last epoch only (nan between): generating every epoch would
+    cost more than the training."""
     pairs = tf.make_toy_data(n_sentences=10, seed=2)
     vocab = tf.build_gpt_vocab(pairs)
     longest = max(len(pinyin.split()) for pinyin, _ in pairs)
@@ -2708,15 +2494,10 @@ def train_gpt_overfit10(folder):
         epochs.append(len(epochs) + 1)
         return tf.evaluate(answer, pairs)["accuracy"] if epochs[-1] in (1, GPT_OVERFIT_EPOCHS) else float("nan")
 
-    # 10/10 from epoch 16 on (at lr_factor 0.5 it took 40 epochs to loss 0.001)
+    # at lr_factor 0.5 it took 40 epochs to loss 0.001
     result = tf.train(model, tf.PromptDataset(pairs, vocab), accuracy, epochs=GPT_OVERFIT_EPOCHS, batch_size=10,
                       label_smoothing=0.0, lr_factor=0.8, warmup=8, log=logs.append)
     return model, pairs, vocab, result, logs
-
-
-@pytest.fixture(scope="module")
-def gpt_overfit10(background):
-    return background.result("train_gpt_overfit10")
 
 
 def test_gpt_overfits_ten_sentences(gpt_overfit10):
@@ -2724,7 +2505,7 @@ def test_gpt_overfits_ten_sentences(gpt_overfit10):
     assert len(logs) == GPT_OVERFIT_EPOCHS and not result["interrupted"]
     first = float(re.search(r"held-out accuracy +(\d+\.\d)%", logs[0])[1])
     assert first < 100.0                                 # one epoch in, it did not know them yet
-    assert result["loss"] < 0.05 and result["accuracy"] == 1.0
+    assert result["loss"] < 0.05 and result["accuracy"] == 1.0  # 0.001 and 10/10, 9 epochs to spare
     assert tf.gpt_translate(model, [p for p, _ in pairs], vocab) == [h for _, h in pairs]
 
 
@@ -2758,8 +2539,9 @@ def test_gpt_translate_groups_by_length_keeps_input_order(gpt_overfit10, monkeyp
 
 
 # ===========================================================================
-# 15. Attention heatmap
+# 32. The attention heatmap
 # ===========================================================================
+
 
 def _display_width(text):
     """Terminal columns: a hanzi takes two."""
@@ -2841,8 +2623,13 @@ def test_cross_attention_map_rows_heads_and_padding():
 
 
 # ===========================================================================
-# 16. Your own data
+# Tools: your own data, checkpoints, the demo, the benchmark, the command line
 # ===========================================================================
+
+# ===========================================================================
+# 33. Your own data
+# ===========================================================================
+
 
 def _write_tsv(tmp_path, text, name="pairs.tsv"):
     path = tmp_path / name
@@ -2924,9 +2711,66 @@ def test_unseen_character_maps_to_unk_and_counts_wrong(overfit10):
     assert (result["exact"], result["total"]) == (1, 2)  # which is wrong for the unseen character
 
 
+def test_cli_data_dev_zero_is_refused_fast(capsys):
+    start = time.perf_counter()
+    line = _usage_error(capsys, ["--data", "/dev/zero", "--device", "cpu"])
+    assert time.perf_counter() - start < 5               # 64 MB read, not an endless one: measured 0.03-0.10 s
+    assert line == "transformer.py: error: /dev/zero: larger than 64 MB; expected a pinyin<TAB>hanzi file"
+
+
+def test_read_pairs_size_limit_is_exact(tmp_path, monkeypatch):
+    path = _write_tsv(tmp_path, "wo\t我\nni\t你\n")       # 14 bytes
+    assert os.path.getsize(path) == 14
+    monkeypatch.setattr(tf, "MAX_DATA_BYTES", 14)
+    assert tf.read_pairs(path) == [("ni", "你"), ("wo", "我")]     # exactly the limit: read
+    monkeypatch.setattr(tf, "MAX_DATA_BYTES", 13)
+    with pytest.raises(ValueError, match="larger than"):            # one byte over: refused
+        tf.read_pairs(path)
+
+
+@pytest.mark.parametrize("n, refused", [(tf.MAX_SYLLABLES, False), (tf.MAX_SYLLABLES + 1, True), (30_000, True)])
+def test_read_pairs_sentence_length_limit_names_file_and_line(tmp_path, n, refused):
+    path = _write_tsv(tmp_path, "wo\t我\n" + " ".join(["wo"] * n) + "\t" + "我" * n + "\nni\t你\n")
+    if not refused:
+        assert len(tf.read_pairs(path)) == 3
+        return
+    with pytest.raises(ValueError) as info:
+        tf.read_pairs(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:2: {n} syllables") and f"at most {tf.MAX_SYLLABLES}" in message
+    assert len(message) < len(path) + 300
+
+
+@pytest.mark.parametrize("line, words", [
+    ("Q" * 10 ** 6 + "\t我", "is not toneless lowercase pinyin"),         # a megabyte syllable
+    ("wo\t" + "我" * 10 ** 6, "1 syllables but 1000000 characters"),     # a megabyte of hanzi
+    ("wo ai ta\t我\x07爱", "space or control character"),                # a bell between two hanzi
+    ("wo ai ta\t我 爱", "space or control character"),                    # a space between them
+    ("wo ai ta\t我a爱", "ASCII"),                                         # a Latin letter: answers are never ASCII
+    ("wo ai ta\t我\x85爱", "control character"),                          # a non-ASCII control character
+], ids=["megabyte-syllable", "megabyte-hanzi", "bell-in-hanzi", "space-in-hanzi", "letter-in-hanzi", "nel-in-hanzi"])
+def test_cli_data_bad_line_is_one_short_line(tmp_path, capsys, line, words):
+    path = _write_tsv(tmp_path, "ni hao\t你好\n" + line + "\nta\t他\n")
+    error = _usage_error(capsys, ["--data", path, "--device", "cpu"])
+    assert error.startswith(f"transformer.py: error: {path}:2: ") and words in error, error[:300]
+    assert len(error) < len(path) + 300
+
+
+def test_read_pairs_counts_lines_as_an_editor_does(tmp_path):
+    """Only a newline (or CRLF) ends a line: a U+2028 LINE SEPARATOR or a form feed
+    inside a comment is part of the comment, and FILE:LINE is the line an editor
+    (or grep -n) shows."""
+    path = tmp_path / "pairs.tsv"
+    path.write_bytes("# notes\u2028more notes\r\n# page two\x0c\r\nwo\t我\r\nta men\t他\r\nni\t你\r\n".encode())
+    with pytest.raises(ValueError) as info:
+        tf.read_pairs(str(path))
+    assert str(info.value).startswith(f"{path}:4: 2 syllables but 1 characters"), str(info.value)
+
+
 # ===========================================================================
-# 17. Saving and loading
+# 34. Saving and loading
 # ===========================================================================
+
 
 def _checkpoint_model(kind, tied):
     """A tiny model of each kind with its vocabularies and a function that runs it."""
@@ -3155,16 +2999,457 @@ def test_load_checkpoint_damaged_fields_raise_value_error_naming_the_path(tmp_pa
     assert str(info.value).startswith(f"{path}:"), str(info.value)
 
 
+def test_load_checkpoint_refuses_a_forged_layer_count_without_building_it(tmp_path):
+    model = tf.DecoderOnlyTransformer(20, 16, 1, 2, 32, max_len=16)
+    path = str(tmp_path / "m.pt")
+    tf.save_checkpoint(path, "gpt", model, tf.Vocab([]), tf.Vocab(list("abcdefghijklmnop")))
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["config"]["n_layers"] = 10 ** 6
+    torch.save(checkpoint, path)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="layers"):
+        tf.load_checkpoint(path)
+    assert time.perf_counter() - start < 2                         # measured 0.01-0.03 s
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """Untrained checkpoints as --save writes them, on the toy task's seed-0 training
+    split: vocabularies and readings from the training pairs. -> dict of paths (full
+    size, "-short" for a max_len below the longest held-out sentence, "-tiny" for one
+    that fits none, "-noreadings", "-adversarial", and a "llama"), the split and the
+    readings."""
+    folder = tmp_path_factory.mktemp("tiny-checkpoints")
+    train_pairs, test_pairs = tf.split_data(tf.make_toy_data(seed=0), seed=0)
+    readings = tf.syllable_readings(train_pairs)
+    sv, tv = tf.build_vocabs(train_pairs)
+    vocab = tf.build_gpt_vocab(train_pairs)
+    torch.manual_seed(0)
+    paths = {}
+
+    def save(name, kind, model, src_vocab, tgt_vocab, saved_readings=readings):
+        paths[name] = str(folder / f"{name}.pt")
+        tf.save_checkpoint(paths[name], kind, model, src_vocab, tgt_vocab, saved_readings)
+
+    encdec = lambda max_len: tf.Transformer(len(sv), len(tv), d_model=16, n_heads=2, d_ff=32,  # noqa: E731
+                                            n_layers=1, max_len=max_len)
+    gpt = lambda max_len: tf.DecoderOnlyTransformer(len(vocab), 16, 1, 2, 32, max_len=max_len)  # noqa: E731
+    save("encdec", "encdec", encdec(32), sv, tv)
+    save("encdec-short", "encdec", encdec(9), sv, tv)             # takes 7 syllables
+    save("encdec-tiny", "encdec", encdec(4), sv, tv)              # takes 2: no toy sentence fits
+    save("gpt", "gpt", gpt(40), vocab, vocab)
+    save("gpt-short", "gpt", gpt(18), vocab, vocab)               # takes (18 - 2) // 2 = 8
+    save("gpt-noreadings", "gpt", gpt(40), vocab, vocab, None)    # as an older version saved it
+    save("llama", "llama", tf.Llama(len(vocab), 16, 1, 2, n_kv_heads=1, max_len=40), vocab, vocab)
+    # a decoder-only model whose every choice is a wrong one: each position's state is the
+    # same vector (final_norm weight 0, bias 1), which scores <sep> highest, then <unk>,
+    # the other specials and the syllables; eos lowest, characters in between
+    model = gpt(40)
+    with torch.no_grad():
+        model.final_norm.weight.zero_()
+        model.final_norm.bias.fill_(1.0)
+        model.lm_head.weight.normal_(0.0, 0.01)
+        for i, token in enumerate(vocab.itos):
+            if token.isascii():
+                model.lm_head.weight[i] = 1.0
+        model.lm_head.weight[vocab.stoi[tf.SEP]] = 3.0
+        model.lm_head.weight[tf.Vocab.UNK] = 2.0
+        model.lm_head.weight[tf.Vocab.EOS] = -1.0
+    save("gpt-adversarial", "gpt", model, vocab, vocab)
+    return dict(paths, train=train_pairs, test=test_pairs, readings=readings)
+
+
+@pytest.mark.parametrize("what", ["fifo", "device", "folder", "link-to-fifo"])
+def test_save_onto_a_fifo_device_or_folder_is_refused_and_left_alone(tmp_path, capsys, what):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    target = {"fifo": str(fifo), "device": os.devnull, "folder": str(tmp_path),
+              "link-to-fifo": str(tmp_path / "link")}[what]
+    if what == "link-to-fifo":
+        os.symlink(fifo, target)
+    kind_before = stat.S_IFMT(os.stat(target).st_mode)
+    # the command line refuses before training (a short one, should that check ever go)
+    line = _usage_error(capsys, ["--save", target, "--data", _tiny_tsv(tmp_path), "--epochs", "1",
+                                 "--model", "gpt", "--device", "cpu"])
+    assert line.startswith(f"transformer.py: error: --save {tf.quote(target)}: not a regular file"), line
+    assert stat.S_IFMT(os.stat(target).st_mode) == kind_before
+    # the library refuses too, and never opens a fifo (opening one for writing would hang);
+    # for the device, a null device of our own: were the check gone, it would be replaced
+    if what == "device":
+        target = str(tmp_path / "null")
+        try:
+            os.mknod(target, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("making a device node needs root")
+    vocab = tf.Vocab(["wo", "我", tf.SEP])
+    with pytest.raises(ValueError, match="not a regular file") as info:
+        tf.save_checkpoint(target, "gpt", tf.DecoderOnlyTransformer(len(vocab), 16, 1, 2, 32, max_len=8),
+                           vocab, vocab)
+    assert str(info.value).startswith(f"{target}:")
+    assert stat.S_IFMT(os.stat(target).st_mode) == kind_before       # still a fifo, device, folder
+    assert os.path.islink(target) == (what == "link-to-fifo")
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".checkpoint-")]
+
+
+def _small_gpt_and_vocab():
+    vocab = tf.Vocab(["wo", "ai", "我", "爱", tf.SEP])
+    return tf.DecoderOnlyTransformer(len(vocab), 16, 1, 2, 32, max_len=8), vocab
+
+
+def test_save_through_a_symlink_updates_its_target_and_keeps_the_link(tmp_path):
+    real, links = tmp_path / "real", tmp_path / "links"
+    real.mkdir()
+    links.mkdir()
+    (real / "model.pt").write_bytes(b"the previous checkpoint")
+    os.symlink(os.path.join("..", "real", "model.pt"), links / "model.pt")   # relative, as users make them
+    os.symlink(os.path.join("..", "real", "new.pt"), links / "new.pt")       # dangling: its target is made
+    model, vocab = _small_gpt_and_vocab()
+    for name in ("model.pt", "new.pt"):
+        tf.save_checkpoint(str(links / name), "gpt", model, vocab, vocab, _GOOD_READINGS)
+        assert os.path.islink(links / name)                               # the link is still a link ...
+        assert os.readlink(links / name) == os.path.join("..", "real", name)  # ... to the same place
+        assert stat.S_ISREG(os.lstat(real / name).st_mode)                # the target got the new file
+        _, loaded, _, _, readings = tf.load_checkpoint(str(real / name))
+        assert torch.equal(loaded.lm_head.weight, model.lm_head.weight) and readings == _GOOD_READINGS
+    # no temporary file is left in either folder
+    assert sorted(os.listdir(real)) == sorted(os.listdir(links)) == ["model.pt", "new.pt"]
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o604, 0o755])
+@pytest.mark.parametrize("through_link", [False, True])
+def test_save_keeps_an_existing_files_permissions(tmp_path, mode, through_link):
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"the previous checkpoint")
+    os.chmod(path, mode)
+    target = path
+    if through_link:                                     # the link's own mode is 0o777: the target's counts
+        target = tmp_path / "link.pt"
+        os.symlink(path, target)
+    model, vocab = _small_gpt_and_vocab()
+    tf.save_checkpoint(str(target), "gpt", model, vocab, vocab)
+    assert stat.S_IMODE(os.stat(path).st_mode) == mode
+    assert tf.load_checkpoint(str(path))[0] == "gpt"     # and it is the new file
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_save_gives_a_new_file_the_usual_permissions_not_mkstemps(tmp_path, umask, mode):
+    model, vocab = _small_gpt_and_vocab()
+    old = os.umask(umask)
+    try:
+        tf.save_checkpoint(str(tmp_path / "model.pt"), "gpt", model, vocab, vocab)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "model.pt").st_mode) == mode
+
+
+_FORGERIES = ["state-dict-not-a-dict", "key-without-a-dot", "non-string-key", "non-tensor-value", "stride-0",
+              "nan-weight", "inf-weight", "minus-inf-weight", "pad-id-1", "pad-id-999", "pad-id-str",
+              "pad-id-float", "pad-id-false", "vocab-out-of-order", "vocab-duplicate", "vocab-non-str-token",
+              "gpt-without-sep", "llama-without-sep", "readings-not-a-dict", "readings-empty",
+              "readings-unknown-char", "readings-non-str-key", "readings-list-value", "readings-special",
+              "readings-syllable"]
+
+
+@pytest.mark.parametrize("what", _FORGERIES)
+def test_load_checkpoint_refuses_forged_contents_naming_the_path(tmp_path, what):
+    path = _bad_checkpoint(tmp_path, what)
+    for good in ("good.pt", "good-encdec.pt"):            # what was forged loads as saved
+        if (tmp_path / good).exists():
+            assert tf.load_checkpoint(str(tmp_path / good))[4] == _GOOD_READINGS
+    with pytest.raises(ValueError) as info:
+        tf.load_checkpoint(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message and len(message) < len(path) + 200, message
+
+
+def test_load_checkpoint_refuses_a_stride_0_forgery_before_allocating(tmp_path):
+    path = _bad_checkpoint(tmp_path, "stride-0")
+    assert os.path.getsize(path) < 100_000                # a small file that claims 2 x 2 GB of weights
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as info:
+        tf.load_checkpoint(path)
+    assert time.perf_counter() - start < 2 and str(info.value).startswith(f"{path}: ")  # measured 0.01-0.02 s
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024  # MiB
+    assert grown < 200, f"peak memory grew by {grown:.0f} MiB"
+
+
+def test_load_checkpoint_forged_llama_max_len_does_not_allocate(tmp_path):
+    """Llama's RoPE tables are not in the file: they are computed from the config's
+    max_len. A forged max_len of 5 million (a 60 KB file) must not make the loader
+    build 5 million rows of cos and sin (about 550 MB; a billion would need 100 GB).
+    Refusing it or loading without building the tables both pass."""
+    v = tf.Vocab(["wo", "ai", "我", "爱", tf.SEP])
+    good = str(tmp_path / "good.pt")
+    tf.save_checkpoint(good, "llama", tf.Llama(len(v), 16, 1, 2, max_len=8), v, v, _GOOD_READINGS)
+    checkpoint = torch.load(good, weights_only=True)
+    path = str(tmp_path / "long.pt")
+    torch.save(dict(checkpoint, config=dict(checkpoint["config"], max_len=5 * 10 ** 6)), path)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        tf.load_checkpoint(path)
+    except ValueError as e:
+        assert str(e).startswith(f"{path}: ") and "\n" not in str(e)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024
+    assert grown < 200, f"peak memory grew by {grown:.0f} MiB"
+
+
+def test_checkpoint_without_readings_loads_and_the_cli_answers_unconstrained(tiny_checkpoints):
+    path = tiny_checkpoints["gpt-noreadings"]
+    kind, model, sv, tv, readings = tf.load_checkpoint(path)
+    assert kind == "gpt" and readings is None
+    assert "readings" not in torch.load(path, weights_only=True)  # saved without the key, as before
+    sentences = [pinyin for pinyin, _ in tiny_checkpoints["train"][:3]]  # every syllable known
+    status, out, err = _main(["--load", path, "--translate", "-", "--device", "cpu"],
+                             stdin="".join(s + "\n" for s in sentences))
+    assert status == 0
+    assert err.count("\n") == 1 and err.startswith("transformer.py: note:") and "readings" in err
+    assert out.splitlines() == tf.translator(kind, model, sv, tv, None, 4)(sentences)  # unconstrained, beam 4
+    status, out, err = _main(["--load", path, "--translate", sentences[0], "--free", "--device", "cpu"])
+    assert (status, err) == (0, "")                      # --free asked for it: no note
+
+
 # ===========================================================================
-# 18. Command line, Part II
+# 35. The demo
 # ===========================================================================
 
-def run_cli_twice(folder):
-    """Two short runs of main() on 30 toy pairs, one epoch, in the background for the
-    tests below: the default (all three models) with --head 1 and --save (which
+
+def test_pick_device():
+    assert isinstance(tf.pick_device("auto"), torch.device)
+    assert tf.pick_device() == tf.pick_device("auto")
+    assert tf.pick_device("cpu") == torch.device("cpu")
+    for bad in ("tpu", "CPU", "gpu", ""):
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
+            tf.pick_device(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="'cuda'.*not available"):
+            tf.pick_device("cuda")
+
+
+TOY_DATA = tf.make_toy_data  # the real one, before any test patches it
+
+
+def test_main_short_run(monkeypatch, capsys):
+    """The demo end to end, on 60 toy sentences (one epoch each) so that it is quick:
+    every number it prints that can be checked is checked."""
+    monkeypatch.setattr(tf, "make_toy_data", lambda seed=0: TOY_DATA(n_sentences=60, seed=seed))
+    assert tf.main(["--epochs", "1", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    # shapes and counts of the three small models: counted == formula
+    shapes = [re.search(r"output (\[.*?\]); parameters ([\d,]+) counted, ([\d,]+) by formula", line)
+              for line in lines if "-> output" in line]
+    assert [m[1] for m in shapes] == ["[2, 5, 1200]", "[2, 5, 1000]", "[2, 5, 1000]"]
+    assert all(m[2] == m[3] for m in shapes)
+    # the classic and modern tables: counted == formula (== published for the modern ones)
+    assert "GPT of the decoder-only tutorial      70,378,496    70,378,496" in out
+    for name, cfg, published in tf.LLAMA_CONFIGS:
+        row = next(line for line in lines if line.strip().startswith(name + " "))
+        assert row.split()[1:4] == [f"{published:,}"] * 3, row
+    assert re.search(r"Llama-3-8B .* 128 KiB +512 KiB", out)        # GQA: a quarter of full MHA
+    cache = re.search(r"holds ([\d,]+) bytes a token in float32 = ([\d,]+) by the formula", out)
+    assert cache and cache[1] == cache[2]
+    assert re.search(r"64 new tokens: with cache [\d.]+ s, without [\d.]+ s \([\d.]+x\), same tokens: yes", out)
+    # one report per toy model, on the 6 held-out sentences
+    reports = [line for line in lines if line.startswith("held-out exact match:")]
+    assert len(reports) == len(tf.TOY_MODELS) == 3
+    assert all(re.fullmatch(r"held-out exact match: \d+\.\d% \(\d/6\) sentences; characters: "
+                            r"\d+\.\d% \(\d+/\d+\)", line) for line in reports), reports
+    assert sum(line.strip().startswith("wo ai xue xi ->") for line in lines) == 3
+    # the example rows: held-out sentences, each with its expected hanzi
+    _, test_pairs = tf.split_data(TOY_DATA(n_sentences=60, seed=0), seed=0)
+    answers = dict(test_pairs)
+    header = next(i for i, line in enumerate(lines) if "pinyin (held out)" in line)
+    rows = []
+    for line in lines[header + 1:]:
+        if not line.strip() or "->" in line:  # a blank line or the "wo ai xue xi -> ..." answer ends them
+            break
+        rows.append(line)
+    assert len(rows) == 6, rows
+    for row in rows:
+        fields = re.match(r"\s+([a-z]+(?: [a-z]+)*)\s+(\S+)\s+(\S*)", row)
+        assert fields and answers[fields[1]] == fields[2], row     # a held-out sentence, its true answer
+        assert len(fields[3]) == len(fields[1].split())             # constrained: one character a syllable
+    # the closing table: three models and the baseline, on the same sentences
+    table = lines[next(i for i, line in enumerate(lines) if line.startswith("held-out sentences, same split")):]
+    assert "(constrained, beam 4 decoding)" in table[0]                # the defaults
+    names = [row[2:22].strip() for row in table[2:6]]
+    assert names == ["encoder-decoder", "decoder-only (GPT)", "Llama-style", "bigram HMM baseline"]
+    hmm = tf.evaluate(tf.BigramHMM(tf.split_data(TOY_DATA(n_sentences=60, seed=0), seed=0)[0]).decode, test_pairs)
+    assert f"{tf.percent(hmm['exact'], hmm['total'])}" in table[5]
+
+
+# ===========================================================================
+# 36. The benchmark
+# ===========================================================================
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")  # nn.Transformer's own note on pre-LN
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_benchmark_reference_is_the_same_model_in_nn_transformer(norm_first):
+    """--bench times ours against TorchTransformer: the comparison is fair only if it
+    computes the same function with the same weights."""
+    ours = tf.Transformer(50, 60, d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=20, norm_first=norm_first)
+    randomize_norms(ours).eval()
+    reference = tf.TorchTransformer(ours).eval()
+    assert isinstance(reference.core, nn.Transformer)
+    with torch.no_grad():
+        assert_close(reference(SRC, TGT), ours(SRC, TGT))
+    assert tf.training_tokens_per_second(reference, SRC, TGT, steps=2) > 0
+
+
+@pytest.mark.parametrize("kind", ["encdec", "gpt"])
+def test_fused_kernels_compute_the_same_model(kind):
+    """use_fused_kernels, timed by --bench: the same outputs (padding, a source that is
+    all padding, the cached decoding) and the same gradients; off again, as written."""
+    if kind == "encdec":
+        model = tf.Transformer(SRC_VOCAB, TGT_VOCAB, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0)
+        src = torch.cat([SRC, torch.zeros(1, 6, dtype=torch.long)])     # [3, 6]: the last row all padding
+        tgt = torch.cat([TGT, TGT[:1]])                                  # [3, 4]
+        run = lambda: model(src, tgt)                                     # noqa: E731
+        decode = lambda: tf.greedy_decode(model, src, 1, 2, 5)            # noqa: E731
+    else:
+        model = tf.DecoderOnlyTransformer(TGT_VOCAB, d_model=32, n_layers=2, n_heads=4, d_ff=64, dropout=0.0)
+        run = lambda: model(TGT)                                          # noqa: E731
+        decode = lambda: model.generate(TGT[:1], 6)                       # noqa: E731
+    randomize_norms(model).train()
+    results = []
+    for fused in (False, True, False):
+        tf.use_fused_kernels(model, fused)
+        model.zero_grad()
+        out = run()
+        out.pow(2).mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        weights = [m.attn_weights for m in model.modules() if isinstance(m, tf.MultiHeadAttention)]
+        assert all((w is None) == fused for w in weights)                # fused keeps no weights
+        results.append((out.detach(), grads, decode()))
+    (out, grads, tokens), (out2, grads2, tokens2), (out3, _, _) = results
+    assert_close(out2, out)
+    assert all(max_diff(g2, g) <= TOL for g, g2 in zip(grads, grads2))
+    assert torch.equal(tokens2, tokens)
+    assert torch.equal(out3, out)                                         # off again: as written
+    fused_modules = [m.fused for m in model.modules() if isinstance(m, (tf.MultiHeadAttention, tf.LayerNorm))]
+    assert fused_modules and not any(fused_modules)
+
+
+def test_fused_attention_reads_nothing_where_nothing_may_be_read(monkeypatch):
+    # a kernel may return NaN for a query whose keys are all masked (PyTorch's CUDA
+    # kernels did), as the -inf formula does: the fused path still gives section 2's
+    # zeros, and no NaN reaches the gradients (here: w_v's, through weights @ v)
+    def nan_where_all_masked(q, k, v, mask, *args):
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))).masked_fill(~mask, float("-inf"))
+        return scores.softmax(dim=-1) @ v                                 # 0 / 0 where a row is all -inf
+
+    mha = tf.MultiHeadAttention(16, 4).eval()
+    x, mask = torch.randn(2, 5, 16), tf.make_pad_mask(torch.tensor([[1, 2, 0, 0, 0], [0, 0, 0, 0, 0]]), 0)
+    results = []
+    for fused in (False, True):
+        tf.use_fused_kernels(mha, fused)
+        mha.zero_grad()
+        out = mha(x, x, x, mask)
+        out.sum().backward()
+        results.append((out.detach(), [p.grad.clone() for p in mha.parameters()]))
+        monkeypatch.setattr(tf.F, "scaled_dot_product_attention", nan_where_all_masked)
+    (written, grads), (fused_out, fused_grads) = results
+    assert_close(fused_out, written)                                      # zeros in the empty row, no NaN
+    assert all(max_diff(g2, g) <= TOL for g, g2 in zip(grads, fused_grads))  # and none in the gradients
+
+
+def test_fused_attention_applies_the_attention_dropout():
+    # dropout 1 drops every weight: the output is w_o's bias alone, fused or not
+    mha = tf.MultiHeadAttention(16, 4, dropout=1.0).train()
+    x = torch.randn(2, 5, 16)
+    for fused in (False, True):
+        out = tf.use_fused_kernels(mha, fused)(x, x, x)
+        assert_close(out, mha.w_o.bias.expand(2, 5, 16))
+    assert max_diff(mha.eval()(x, x, x), out) > 1e-2                      # without dropout it reads the values
+
+
+def test_fused_attention_refuses_a_mask_that_is_not_4d():
+    mha = tf.use_fused_kernels(tf.MultiHeadAttention(16, 4))
+    x, mask = torch.randn(2, 5, 16), tf.make_causal_mask(5)              # [2, 5, 16], [1, 1, 5, 5]
+    assert mha(x, x, x, mask).shape == (2, 5, 16)
+    with pytest.raises(ValueError, match="mask must be 4-D"):
+        mha(x, x, x, mask[0])
+
+
+def test_memory_bandwidth_is_a_plausible_number():
+    assert 1e8 < tf.memory_bandwidth(megabytes=16) < 1e13   # between 0.1 GB/s and 10 TB/s; measured 6.6-14 GB/s
+
+
+# ===========================================================================
+# 37. The command line
+# ===========================================================================
+
+
+def test_main_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        tf.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: transformer.py")
+    for flag in ("--device", "--epochs", "--seed"):
+        assert flag in out
+
+
+@started_with_the_session("test_cli_bad_device_is_one_line_subprocess")
+def _bad_device(folder, request):
+    return cli(["--device", "tpu"])
+
+
+def test_cli_bad_device_is_one_line_subprocess(processes):
+    # the real command line, as a user runs it: python transformer.py --device tpu
+    status, out, err = finished(processes["test_cli_bad_device_is_one_line_subprocess"][0])
+    assert status == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert "tpu" in lines[0] and lines[0].startswith("transformer.py: error:")
+    assert out == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cli_cuda_unavailable_is_one_line(capsys):
+    line = _usage_error(capsys, ["--device", "cuda"])
+    assert "cuda" in line and "not available" in line
+
+
+@pytest.mark.parametrize("value", ["0", "x", "-3", "1.5"])
+def test_cli_bad_epochs_is_one_line(capsys, value):
+    line = _usage_error(capsys, ["--epochs", value, "--device", "cpu"])
+    assert "--epochs" in line and repr(value) in line
+
+
+def test_cli_bad_device_is_one_line_in_process(capsys):
+    assert "'tpu'" in _usage_error(capsys, ["--device", "tpu"])
+
+
+def test_cli_head_out_of_range_is_one_line(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        tf.main(["--data", _tiny_tsv(tmp_path), "--epochs", "1", "--model", "encdec",
+                 "--device", "cpu", "--head", "4"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--head" in err
+
+
+def test_cli_seed_out_of_range_is_one_line(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        tf.main(["--data", _tiny_tsv(tmp_path), "--epochs", "1", "--model", "encdec",
+                 "--device", "cpu", "--seed", str(2 ** 64)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--seed" in err
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """Two short runs of main() on 30 toy pairs, one epoch, shared by the tests
+    below: the default (all three models) with --head 1 and --save (which
     saves the first, the encoder-decoder), and --model gpt with --save.
     -> dict: folder, tsv, train/test pairs, checkpoint paths, and (status, stdout,
     stderr) of each run."""
+    folder = tmp_path_factory.mktemp("cli-runs")
     tsv = folder / "pairs.tsv"
     pairs = tf.make_toy_data(n_sentences=30, seed=0)
     tsv.write_text("".join(f"{p}\t{h}\n" for p, h in pairs), encoding="utf-8")
@@ -3178,11 +3463,6 @@ def run_cli_twice(folder):
                               *extra])
         runs[name] = (status, out.getvalue(), err.getvalue())
     return runs
-
-
-@pytest.fixture(scope="module")
-def cli_runs(background):
-    return background.result("run_cli_twice")
 
 
 def test_cli_default_trains_all_and_compares(cli_runs):
@@ -3297,12 +3577,20 @@ def test_cli_save_to_missing_folder_is_one_line(capsys, tmp_path):
     assert "Traceback" not in err and not target.parent.exists()
 
 
-def test_cli_load_missing_or_garbage_is_one_line_subprocess(background, tmp_path):
-    # python transformer.py --load garbage.pt, a real process (started by `background`);
+@started_with_the_session("test_cli_load_missing_or_garbage_is_one_line_subprocess")
+def _load_garbage(folder, request):
+    (folder / "garbage.pt").write_bytes(b"\x00\x01 this is not a checkpoint \xff" * 40)
+    return cli(["--load", str(folder / "garbage.pt")])
+
+
+def test_cli_load_missing_or_garbage_is_one_line_subprocess(processes, tmp_path):
+    # python transformer.py --load garbage.pt, a real process (started with the session);
     # a missing file takes the same way out (load_checkpoint's ValueError -> one line),
     # checked in-process here: one interpreter proves the real exit prints no traceback
+    proc, folder = processes["test_cli_load_missing_or_garbage_is_one_line_subprocess"]
     missing = tmp_path / "missing.pt"
-    for path, status, out, err in (background.result("load-garbage"), (missing, *_main(["--load", str(missing)]))):
+    runs = ((folder / "garbage.pt", *finished(proc)), (missing, *_main(["--load", str(missing)])))
+    for path, status, out, err in runs:
         assert status == 2, err
         lines = [line for line in err.splitlines() if line.strip()]
         assert len(lines) == 1 and "Traceback" not in err, err
@@ -3311,10 +3599,21 @@ def test_cli_load_missing_or_garbage_is_one_line_subprocess(background, tmp_path
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="sends SIGINT to a child process")
-def test_cli_ctrl_c_stops_training_reports_and_saves(background):
+def test_cli_ctrl_c_stops_training_reports_and_saves(tmp_path):
     # python transformer.py --data pairs.tsv --size small --model encdec --epochs 200 --save model.pt,
-    # Ctrl-C as soon as it reports its first epoch
-    tsv, model_path, status, out, err = background.result("ctrl-c-training")
+    # Ctrl-C as soon as it reports its first epoch (started here, not with the session:
+    # by the time this test ran, 200 epochs would be over)
+    tsv, model_path = _tiny_tsv(tmp_path), tmp_path / "model.pt"
+    proc = cli(["--data", tsv, "--size", "small", "--model", "encdec", "--epochs", "200", "--device", "cpu",
+                "--save", str(model_path)], preexec_fn=default_sigint)
+    seen = []
+    for line in proc.stdout:                   # until the first epoch's report (flushed as it ends)
+        seen.append(line)
+        if line.startswith("epoch"):
+            proc.send_signal(signal.SIGINT)
+            break
+    status, out, err = finished(proc, timeout=60)
+    out = "".join(seen) + out
     assert status == 0, err
     assert "Traceback" not in err
     epochs = [int(n) for n in re.findall(r"^epoch +(\d+) ", out, re.M)]
@@ -3326,56 +3625,6 @@ def test_cli_ctrl_c_stops_training_reports_and_saves(background):
     kind, model, _, _, readings = tf.load_checkpoint(str(model_path))
     assert readings == tf.syllable_readings(tf.split_data(tf.read_pairs(tsv), seed=0)[0])  # saved with its readings
     assert kind == "encdec" and isinstance(model, tf.Transformer)
-
-
-# ===========================================================================
-# Bad input found in review: each a ValueError (or one CLI line), never a crash
-# ===========================================================================
-
-@pytest.mark.parametrize("build", [
-    lambda: tf.MultiHeadAttention(16, 0), lambda: tf.MultiHeadAttention(16, -2),
-    lambda: tf.PositionalEncoding(0), lambda: tf.PositionalEncoding(7)])
-def test_bad_sizes_raise_value_error(build):
-    with pytest.raises(ValueError):
-        build()
-
-
-def test_bool_ids_and_bad_generate_arguments_raise_value_error():
-    model = tf.DecoderOnlyTransformer(20, 16, 1, 2, 32, max_len=32).eval()
-    with pytest.raises(ValueError, match="integer"):
-        model(torch.ones(1, 3, dtype=torch.bool))
-    prompt = torch.tensor([[1, 2, 3]])
-    for kwargs, word in [(dict(max_new_tokens=-1), "max_new_tokens"),
-                         (dict(max_new_tokens=2, temperature=float("nan")), "temperature"),
-                         (dict(max_new_tokens=2, temperature=1.0, top_k=2.5), "top_k")]:
-        with pytest.raises(ValueError, match=word):
-            model.generate(prompt, **kwargs)
-
-
-def test_greedy_decode_max_len_beyond_the_model_names_max_len():
-    model = tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=8)
-    with pytest.raises(ValueError, match="max_len must be 1 to 7"):
-        tf.greedy_decode(model, torch.tensor([[4, 5]]), tf.Vocab.BOS, tf.Vocab.EOS, 8)
-
-
-def test_eval_mode_restores_training_even_on_error():
-    model = tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=8).train()
-    with pytest.raises(ValueError):
-        tf.greedy_decode(model, torch.tensor([[4, 99]]), tf.Vocab.BOS, tf.Vocab.EOS, 4)  # id 99 >= vocab
-    assert model.training
-
-
-def test_load_checkpoint_refuses_a_forged_layer_count_without_building_it(tmp_path):
-    model = tf.DecoderOnlyTransformer(20, 16, 1, 2, 32, max_len=16)
-    path = str(tmp_path / "m.pt")
-    tf.save_checkpoint(path, "gpt", model, tf.Vocab([]), tf.Vocab(list("abcdefghijklmnop")))
-    checkpoint = torch.load(path, weights_only=True)
-    checkpoint["config"]["n_layers"] = 10 ** 6
-    torch.save(checkpoint, path)
-    start = time.perf_counter()
-    with pytest.raises(ValueError, match="layers"):
-        tf.load_checkpoint(path)
-    assert time.perf_counter() - start < 2
 
 
 def test_cli_load_refuses_training_options(capsys):
@@ -3404,14 +3653,6 @@ def test_cli_translate_trains_one_model_and_prints_only_the_answer(tmp_path, cap
     assert "encoder-decoder" in err and "decoder-only" not in err  # progress on stderr, one model
 
 
-def test_pitfall3_greedy_decode_refuses_a_3d_source():
-    """Seed 002 decodes torch.tensor([src_seq]).unsqueeze(0), a [1, 1, S] source."""
-    model = tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=8)
-    src = torch.tensor([[4, 5, 6]]).unsqueeze(0)                          # [1, 1, 3]
-    with pytest.raises(ValueError, match=r"2-D integer tensor \[B, T\].*\[1, 1, 3\]"):
-        tf.greedy_decode(model, src, tf.Vocab.BOS, tf.Vocab.EOS, 4)
-
-
 def test_cli_save_onto_a_folder_is_refused_before_training(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         tf.main(["--save", str(tmp_path), "--device", "cpu"])
@@ -3434,284 +3675,6 @@ def test_cli_save_failing_midway_is_one_line_and_keeps_the_old_file(tmp_path, mo
     assert len(err.splitlines()) == 1 and "No space left on device" in err
     assert target.read_bytes() == b"the previous checkpoint"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "pairs.tsv"]  # no temp file left
-
-
-# ===========================================================================
-# 27. The benchmark
-# ===========================================================================
-
-@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")  # nn.Transformer's own note on pre-LN
-@pytest.mark.parametrize("norm_first", [False, True])
-def test_benchmark_reference_is_the_same_model_in_nn_transformer(norm_first):
-    """--bench times ours against TorchTransformer: the comparison is fair only if it
-    computes the same function with the same weights."""
-    ours = tf.Transformer(50, 60, d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=20, norm_first=norm_first)
-    randomize_norms(ours).eval()
-    reference = tf.TorchTransformer(ours).eval()
-    assert isinstance(reference.core, nn.Transformer)
-    with torch.no_grad():
-        assert_close(reference(SRC, TGT), ours(SRC, TGT))
-    assert tf.training_tokens_per_second(reference, SRC, TGT, steps=2) > 0
-
-
-@pytest.mark.parametrize("kind", ["encdec", "gpt"])
-def test_fused_kernels_compute_the_same_model(kind):
-    """use_fused_kernels, timed by --bench: the same outputs (padding, a source that is
-    all padding, the cached decoding) and the same gradients; off again, as written."""
-    if kind == "encdec":
-        model = tf.Transformer(SRC_VOCAB, TGT_VOCAB, d_model=32, n_heads=4, d_ff=64, n_layers=2, dropout=0.0)
-        src = torch.cat([SRC, torch.zeros(1, 6, dtype=torch.long)])     # [3, 6]: the last row all padding
-        tgt = torch.cat([TGT, TGT[:1]])                                  # [3, 4]
-        run = lambda: model(src, tgt)                                     # noqa: E731
-        decode = lambda: tf.greedy_decode(model, src, 1, 2, 5)            # noqa: E731
-    else:
-        model = tf.DecoderOnlyTransformer(TGT_VOCAB, d_model=32, n_layers=2, n_heads=4, d_ff=64, dropout=0.0)
-        run = lambda: model(TGT)                                          # noqa: E731
-        decode = lambda: model.generate(TGT[:1], 6)                       # noqa: E731
-    randomize_norms(model).train()
-    results = []
-    for fused in (False, True, False):
-        tf.use_fused_kernels(model, fused)
-        model.zero_grad()
-        out = run()
-        out.pow(2).mean().backward()
-        grads = [p.grad.clone() for p in model.parameters()]
-        weights = [m.attn_weights for m in model.modules() if isinstance(m, tf.MultiHeadAttention)]
-        assert all((w is None) == fused for w in weights)                # fused keeps no weights
-        results.append((out.detach(), grads, decode()))
-    (out, grads, tokens), (out2, grads2, tokens2), (out3, _, _) = results
-    assert_close(out2, out)
-    assert all(max_diff(g2, g) <= TOL for g, g2 in zip(grads, grads2))
-    assert torch.equal(tokens2, tokens)
-    assert torch.equal(out3, out)                                         # off again: as written
-    fused_modules = [m.fused for m in model.modules() if isinstance(m, (tf.MultiHeadAttention, tf.LayerNorm))]
-    assert fused_modules and not any(fused_modules)
-
-
-def test_fused_attention_reads_nothing_where_nothing_may_be_read(monkeypatch):
-    # a kernel may return NaN for a query whose keys are all masked (PyTorch's CUDA
-    # kernels did), as the -inf formula does: the fused path still gives section 2's
-    # zeros, and no NaN reaches the gradients (here: w_v's, through weights @ v)
-    def nan_where_all_masked(q, k, v, mask, *args):
-        scores = (q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))).masked_fill(~mask, float("-inf"))
-        return scores.softmax(dim=-1) @ v                                 # 0 / 0 where a row is all -inf
-
-    mha = tf.MultiHeadAttention(16, 4).eval()
-    x, mask = torch.randn(2, 5, 16), tf.make_pad_mask(torch.tensor([[1, 2, 0, 0, 0], [0, 0, 0, 0, 0]]), 0)
-    results = []
-    for fused in (False, True):
-        tf.use_fused_kernels(mha, fused)
-        mha.zero_grad()
-        out = mha(x, x, x, mask)
-        out.sum().backward()
-        results.append((out.detach(), [p.grad.clone() for p in mha.parameters()]))
-        monkeypatch.setattr(tf.F, "scaled_dot_product_attention", nan_where_all_masked)
-    (written, grads), (fused_out, fused_grads) = results
-    assert_close(fused_out, written)                                      # zeros in the empty row, no NaN
-    assert all(max_diff(g2, g) <= TOL for g, g2 in zip(grads, fused_grads))  # and none in the gradients
-
-
-def test_fused_attention_applies_the_attention_dropout():
-    # dropout 1 drops every weight: the output is w_o's bias alone, fused or not
-    mha = tf.MultiHeadAttention(16, 4, dropout=1.0).train()
-    x = torch.randn(2, 5, 16)
-    for fused in (False, True):
-        out = tf.use_fused_kernels(mha, fused)(x, x, x)
-        assert_close(out, mha.w_o.bias.expand(2, 5, 16))
-    assert max_diff(mha.eval()(x, x, x), out) > 1e-2                      # without dropout it reads the values
-
-
-def test_fused_attention_refuses_a_mask_that_is_not_4d():
-    mha = tf.use_fused_kernels(tf.MultiHeadAttention(16, 4))
-    x, mask = torch.randn(2, 5, 16), tf.make_causal_mask(5)              # [2, 5, 16], [1, 1, 5, 5]
-    assert mha(x, x, x, mask).shape == (2, 5, 16)
-    with pytest.raises(ValueError, match="mask must be 4-D"):
-        mha(x, x, x, mask[0])
-
-
-def test_memory_bandwidth_is_a_plausible_number():
-    assert 1e8 < tf.memory_bandwidth(megabytes=16) < 1e13   # between 0.1 GB/s and 10 TB/s
-
-
-def test_gpt_differs_from_gpt2_where_its_comment_says():
-    """Section 9's claims: sinusoidal positions (a buffer, no learned table), embeddings
-    times sqrt(D), the exact erf GELU (not GPT-2's tanh approximation)."""
-    gpt = tf.DecoderOnlyTransformer(vocab_size=20, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0).eval()
-    names = [name for name, _ in gpt.named_parameters()]
-    assert not any("pos" in name for name in names) and "pos_encoding.pe" in dict(gpt.named_buffers())
-    x = torch.linspace(-3, 3, 101)
-    activation = gpt.layers[0].ffn.activation(x)
-    assert_close(activation, 0.5 * x * (1 + torch.erf(x / math.sqrt(2))), tol=1e-6)
-    assert max_diff(activation, F.gelu(x, approximate="tanh")) > 1e-4
-    ids = torch.tensor([[3, 5]])
-    with torch.no_grad():
-        captured = []
-        hook = gpt.pos_encoding.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
-        gpt(ids)
-        hook.remove()
-    assert_close(captured[0], gpt.token_embedding(ids) * math.sqrt(16))
-
-
-# ===========================================================================
-# Hardening: bad input, bad files
-# ===========================================================================
-# Issue 8: no traceback, no lost file, no memory blow-up, whatever the input.
-# One test per class of problem and its neighbours, each checking the value a
-# broken version would get wrong. Untrained tiny checkpoints stand in for
-# trained ones: the guards do not care what the weights learned.
-
-import resource  # noqa: E402  (Unix only, as the SIGINT tests above)
-import stat  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory):
-    """Untrained checkpoints as --save writes them, on the toy task's seed-0 training
-    split: vocabularies and readings from the training pairs. -> dict of paths (full
-    size, "-short" for a max_len below the longest held-out sentence, "-tiny" for one
-    that fits none, "-noreadings", "-adversarial", and a "llama"), the split and the
-    readings."""
-    folder = tmp_path_factory.mktemp("tiny-checkpoints")
-    train_pairs, test_pairs = tf.split_data(tf.make_toy_data(seed=0), seed=0)
-    readings = tf.syllable_readings(train_pairs)
-    sv, tv = tf.build_vocabs(train_pairs)
-    vocab = tf.build_gpt_vocab(train_pairs)
-    torch.manual_seed(0)
-    paths = {}
-
-    def save(name, kind, model, src_vocab, tgt_vocab, saved_readings=readings):
-        paths[name] = str(folder / f"{name}.pt")
-        tf.save_checkpoint(paths[name], kind, model, src_vocab, tgt_vocab, saved_readings)
-
-    encdec = lambda max_len: tf.Transformer(len(sv), len(tv), d_model=16, n_heads=2, d_ff=32,  # noqa: E731
-                                            n_layers=1, max_len=max_len)
-    gpt = lambda max_len: tf.DecoderOnlyTransformer(len(vocab), 16, 1, 2, 32, max_len=max_len)  # noqa: E731
-    save("encdec", "encdec", encdec(32), sv, tv)
-    save("encdec-short", "encdec", encdec(9), sv, tv)             # takes 7 syllables
-    save("encdec-tiny", "encdec", encdec(4), sv, tv)              # takes 2: no toy sentence fits
-    save("gpt", "gpt", gpt(40), vocab, vocab)
-    save("gpt-short", "gpt", gpt(18), vocab, vocab)               # takes (18 - 2) // 2 = 8
-    save("gpt-noreadings", "gpt", gpt(40), vocab, vocab, None)    # as an older version saved it
-    save("llama", "llama", tf.Llama(len(vocab), 16, 1, 2, n_kv_heads=1, max_len=40), vocab, vocab)
-    # a decoder-only model whose every choice is a wrong one: each position's state is the
-    # same vector (final_norm weight 0, bias 1), which scores <sep> highest, then <unk>,
-    # the other specials and the syllables; eos lowest, characters in between
-    model = gpt(40)
-    with torch.no_grad():
-        model.final_norm.weight.zero_()
-        model.final_norm.bias.fill_(1.0)
-        model.lm_head.weight.normal_(0.0, 0.01)
-        for i, token in enumerate(vocab.itos):
-            if token.isascii():
-                model.lm_head.weight[i] = 1.0
-        model.lm_head.weight[vocab.stoi[tf.SEP]] = 3.0
-        model.lm_head.weight[tf.Vocab.UNK] = 2.0
-        model.lm_head.weight[tf.Vocab.EOS] = -1.0
-    save("gpt-adversarial", "gpt", model, vocab, vocab)
-    return dict(paths, train=train_pairs, test=test_pairs, readings=readings)
-
-
-def _main(argv, stdin=None):
-    """tf.main(argv) in-process with its own stdout and stderr (and stdin, if given):
-    -> (exit status, stdout, stderr); a SystemExit is caught and its code returned."""
-    out, err = io.StringIO(), io.StringIO()
-    saved = sys.stdin
-    if stdin is not None:
-        sys.stdin = io.StringIO(stdin)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                status = tf.main(argv)
-            except SystemExit as e:
-                status = e.code
-    finally:
-        sys.stdin = saved
-    return status, out.getvalue(), err.getvalue()
-
-
-# --- files: --save never hangs, never replaces what is not a checkpoint, keeps links and modes
-
-@pytest.mark.parametrize("what", ["fifo", "device", "folder", "link-to-fifo"])
-def test_save_onto_a_fifo_device_or_folder_is_refused_and_left_alone(tmp_path, capsys, what):
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    target = {"fifo": str(fifo), "device": os.devnull, "folder": str(tmp_path),
-              "link-to-fifo": str(tmp_path / "link")}[what]
-    if what == "link-to-fifo":
-        os.symlink(fifo, target)
-    kind_before = stat.S_IFMT(os.stat(target).st_mode)
-    # the command line refuses before training (a short one, should that check ever go)
-    line = _usage_error(capsys, ["--save", target, "--data", _tiny_tsv(tmp_path), "--epochs", "1",
-                                 "--model", "gpt", "--device", "cpu"])
-    assert line.startswith(f"transformer.py: error: --save {tf.quote(target)}: not a regular file"), line
-    assert stat.S_IFMT(os.stat(target).st_mode) == kind_before
-    # the library refuses too, and never opens a fifo (opening one for writing would hang);
-    # for the device, a null device of our own: were the check gone, it would be replaced
-    if what == "device":
-        target = str(tmp_path / "null")
-        try:
-            os.mknod(target, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
-        except PermissionError:
-            pytest.skip("making a device node needs root")
-    vocab = tf.Vocab(["wo", "我", tf.SEP])
-    with pytest.raises(ValueError, match="not a regular file") as info:
-        tf.save_checkpoint(target, "gpt", tf.DecoderOnlyTransformer(len(vocab), 16, 1, 2, 32, max_len=8),
-                           vocab, vocab)
-    assert str(info.value).startswith(f"{target}:")
-    assert stat.S_IFMT(os.stat(target).st_mode) == kind_before       # still a fifo, device, folder
-    assert os.path.islink(target) == (what == "link-to-fifo")
-    assert not [name for name in os.listdir(tmp_path) if name.startswith(".checkpoint-")]
-
-
-def _small_gpt_and_vocab():
-    vocab = tf.Vocab(["wo", "ai", "我", "爱", tf.SEP])
-    return tf.DecoderOnlyTransformer(len(vocab), 16, 1, 2, 32, max_len=8), vocab
-
-
-def test_save_through_a_symlink_updates_its_target_and_keeps_the_link(tmp_path):
-    real, links = tmp_path / "real", tmp_path / "links"
-    real.mkdir()
-    links.mkdir()
-    (real / "model.pt").write_bytes(b"the previous checkpoint")
-    os.symlink(os.path.join("..", "real", "model.pt"), links / "model.pt")   # relative, as users make them
-    os.symlink(os.path.join("..", "real", "new.pt"), links / "new.pt")       # dangling: its target is made
-    model, vocab = _small_gpt_and_vocab()
-    for name in ("model.pt", "new.pt"):
-        tf.save_checkpoint(str(links / name), "gpt", model, vocab, vocab, _GOOD_READINGS)
-        assert os.path.islink(links / name)                               # the link is still a link ...
-        assert os.readlink(links / name) == os.path.join("..", "real", name)  # ... to the same place
-        assert stat.S_ISREG(os.lstat(real / name).st_mode)                # the target got the new file
-        _, loaded, _, _, readings = tf.load_checkpoint(str(real / name))
-        assert torch.equal(loaded.lm_head.weight, model.lm_head.weight) and readings == _GOOD_READINGS
-    # no temporary file is left in either folder
-    assert sorted(os.listdir(real)) == sorted(os.listdir(links)) == ["model.pt", "new.pt"]
-
-
-@pytest.mark.parametrize("mode", [0o600, 0o640, 0o604, 0o755])
-@pytest.mark.parametrize("through_link", [False, True])
-def test_save_keeps_an_existing_files_permissions(tmp_path, mode, through_link):
-    path = tmp_path / "model.pt"
-    path.write_bytes(b"the previous checkpoint")
-    os.chmod(path, mode)
-    target = path
-    if through_link:                                     # the link's own mode is 0o777: the target's counts
-        target = tmp_path / "link.pt"
-        os.symlink(path, target)
-    model, vocab = _small_gpt_and_vocab()
-    tf.save_checkpoint(str(target), "gpt", model, vocab, vocab)
-    assert stat.S_IMODE(os.stat(path).st_mode) == mode
-    assert tf.load_checkpoint(str(path))[0] == "gpt"     # and it is the new file
-
-
-@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
-def test_save_gives_a_new_file_the_usual_permissions_not_mkstemps(tmp_path, umask, mode):
-    model, vocab = _small_gpt_and_vocab()
-    old = os.umask(umask)
-    try:
-        tf.save_checkpoint(str(tmp_path / "model.pt"), "gpt", model, vocab, vocab)
-    finally:
-        os.umask(old)
-    assert stat.S_IMODE(os.stat(tmp_path / "model.pt").st_mode) == mode
 
 
 @pytest.mark.parametrize("how", ["same-path", "dotted-path", "save-is-a-link", "data-is-a-link", "hard-link"])
@@ -3759,135 +3722,6 @@ def test_cli_save_when_torch_save_fails_is_one_line_and_the_old_file_is_kept(tmp
     assert sorted(os.listdir(tmp_path)) == ["model.pt", "pairs.tsv"]  # and the temporary file is gone
 
 
-# --- forged checkpoints: refused as one line naming the file, before any work they ask for
-
-_FORGERIES = ["state-dict-not-a-dict", "key-without-a-dot", "non-string-key", "non-tensor-value", "stride-0",
-              "nan-weight", "inf-weight", "minus-inf-weight", "pad-id-1", "pad-id-999", "pad-id-str",
-              "pad-id-float", "pad-id-false", "vocab-out-of-order", "vocab-duplicate", "vocab-non-str-token",
-              "gpt-without-sep", "llama-without-sep", "readings-not-a-dict", "readings-empty",
-              "readings-unknown-char", "readings-non-str-key", "readings-list-value", "readings-special",
-              "readings-syllable"]
-
-
-@pytest.mark.parametrize("what", _FORGERIES)
-def test_load_checkpoint_refuses_forged_contents_naming_the_path(tmp_path, what):
-    path = _bad_checkpoint(tmp_path, what)
-    for good in ("good.pt", "good-encdec.pt"):            # what was forged loads as saved
-        if (tmp_path / good).exists():
-            assert tf.load_checkpoint(str(tmp_path / good))[4] == _GOOD_READINGS
-    with pytest.raises(ValueError) as info:
-        tf.load_checkpoint(path)
-    message = str(info.value)
-    assert message.startswith(f"{path}: ") and "\n" not in message and len(message) < len(path) + 200, message
-
-
-def test_load_checkpoint_refuses_a_stride_0_forgery_before_allocating(tmp_path):
-    path = _bad_checkpoint(tmp_path, "stride-0")
-    assert os.path.getsize(path) < 100_000                # a small file that claims 2 x 2 GB of weights
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    start = time.perf_counter()
-    with pytest.raises(ValueError) as info:
-        tf.load_checkpoint(path)
-    assert time.perf_counter() - start < 2 and str(info.value).startswith(f"{path}: ")
-    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024  # MiB
-    assert grown < 200, f"peak memory grew by {grown:.0f} MiB"
-
-
-def test_load_checkpoint_forged_llama_max_len_does_not_allocate(tmp_path):
-    """Llama's RoPE tables are not in the file: they are computed from the config's
-    max_len. A forged max_len of 5 million (a 60 KB file) must not make the loader
-    build 5 million rows of cos and sin (about 550 MB; a billion would need 100 GB).
-    Refusing it or loading without building the tables both pass."""
-    v = tf.Vocab(["wo", "ai", "我", "爱", tf.SEP])
-    good = str(tmp_path / "good.pt")
-    tf.save_checkpoint(good, "llama", tf.Llama(len(v), 16, 1, 2, max_len=8), v, v, _GOOD_READINGS)
-    checkpoint = torch.load(good, weights_only=True)
-    path = str(tmp_path / "long.pt")
-    torch.save(dict(checkpoint, config=dict(checkpoint["config"], max_len=5 * 10 ** 6)), path)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    try:
-        tf.load_checkpoint(path)
-    except ValueError as e:
-        assert str(e).startswith(f"{path}: ") and "\n" not in str(e)
-    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024
-    assert grown < 200, f"peak memory grew by {grown:.0f} MiB"
-
-
-def test_checkpoint_without_readings_loads_and_the_cli_answers_unconstrained(tiny_checkpoints):
-    path = tiny_checkpoints["gpt-noreadings"]
-    kind, model, sv, tv, readings = tf.load_checkpoint(path)
-    assert kind == "gpt" and readings is None
-    assert "readings" not in torch.load(path, weights_only=True)  # saved without the key, as before
-    sentences = [pinyin for pinyin, _ in tiny_checkpoints["train"][:3]]  # every syllable known
-    status, out, err = _main(["--load", path, "--translate", "-", "--device", "cpu"],
-                             stdin="".join(s + "\n" for s in sentences))
-    assert status == 0
-    assert err.count("\n") == 1 and err.startswith("transformer.py: note:") and "readings" in err
-    assert out.splitlines() == tf.translator(kind, model, sv, tv, None, 4)(sentences)  # unconstrained, beam 4
-    status, out, err = _main(["--load", path, "--translate", sentences[0], "--free", "--device", "cpu"])
-    assert (status, err) == (0, "")                      # --free asked for it: no note
-
-
-# --- --data: bounded reads, bounded lines, short messages
-
-def test_cli_data_dev_zero_is_refused_fast(capsys):
-    start = time.perf_counter()
-    line = _usage_error(capsys, ["--data", "/dev/zero", "--device", "cpu"])
-    assert time.perf_counter() - start < 5               # 64 MB read, not an endless one
-    assert line == "transformer.py: error: /dev/zero: larger than 64 MB; expected a pinyin<TAB>hanzi file"
-
-
-def test_read_pairs_size_limit_is_exact(tmp_path, monkeypatch):
-    path = _write_tsv(tmp_path, "wo\t我\nni\t你\n")       # 14 bytes
-    assert os.path.getsize(path) == 14
-    monkeypatch.setattr(tf, "MAX_DATA_BYTES", 14)
-    assert tf.read_pairs(path) == [("ni", "你"), ("wo", "我")]     # exactly the limit: read
-    monkeypatch.setattr(tf, "MAX_DATA_BYTES", 13)
-    with pytest.raises(ValueError, match="larger than"):            # one byte over: refused
-        tf.read_pairs(path)
-
-
-@pytest.mark.parametrize("n, refused", [(tf.MAX_SYLLABLES, False), (tf.MAX_SYLLABLES + 1, True), (30_000, True)])
-def test_read_pairs_sentence_length_limit_names_file_and_line(tmp_path, n, refused):
-    path = _write_tsv(tmp_path, "wo\t我\n" + " ".join(["wo"] * n) + "\t" + "我" * n + "\nni\t你\n")
-    if not refused:
-        assert len(tf.read_pairs(path)) == 3
-        return
-    with pytest.raises(ValueError) as info:
-        tf.read_pairs(path)
-    message = str(info.value)
-    assert message.startswith(f"{path}:2: {n} syllables") and f"at most {tf.MAX_SYLLABLES}" in message
-    assert len(message) < len(path) + 300
-
-
-@pytest.mark.parametrize("line, words", [
-    ("Q" * 10 ** 6 + "\t我", "is not toneless lowercase pinyin"),         # a megabyte syllable
-    ("wo\t" + "我" * 10 ** 6, "1 syllables but 1000000 characters"),     # a megabyte of hanzi
-    ("wo ai ta\t我\x07爱", "space or control character"),                # a bell between two hanzi
-    ("wo ai ta\t我 爱", "space or control character"),                    # a space between them
-    ("wo ai ta\t我a爱", "ASCII"),                                         # a Latin letter: answers are never ASCII
-    ("wo ai ta\t我\x85爱", "control character"),                          # a non-ASCII control character
-], ids=["megabyte-syllable", "megabyte-hanzi", "bell-in-hanzi", "space-in-hanzi", "letter-in-hanzi", "nel-in-hanzi"])
-def test_cli_data_bad_line_is_one_short_line(tmp_path, capsys, line, words):
-    path = _write_tsv(tmp_path, "ni hao\t你好\n" + line + "\nta\t他\n")
-    error = _usage_error(capsys, ["--data", path, "--device", "cpu"])
-    assert error.startswith(f"transformer.py: error: {path}:2: ") and words in error, error[:300]
-    assert len(error) < len(path) + 300
-
-
-def test_read_pairs_counts_lines_as_an_editor_does(tmp_path):
-    """Only a newline (or CRLF) ends a line: a U+2028 LINE SEPARATOR or a form feed
-    inside a comment is part of the comment, and FILE:LINE is the line an editor
-    (or grep -n) shows."""
-    path = tmp_path / "pairs.tsv"
-    path.write_bytes("# notes\u2028more notes\r\n# page two\x0c\r\nwo\t我\r\nta men\t他\r\nni\t你\r\n".encode())
-    with pytest.raises(ValueError) as info:
-        tf.read_pairs(str(path))
-    assert str(info.value).startswith(f"{path}:4: 2 syllables but 1 characters"), str(info.value)
-
-
-# --- standard input and output: closed, full, interrupted
-
 def test_cli_translate_stdin_closed_is_one_line(tiny_checkpoints, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", None)              # pythonw, or started with 0<&-
     line = _usage_error(capsys, ["--load", tiny_checkpoints["encdec"], "--translate", "-", "--device", "cpu"])
@@ -3927,26 +3761,53 @@ def test_cli_translate_the_longest_sentence_the_model_takes(tiny_checkpoints, na
                    f"in {tf.quote(over)}\n")
 
 
+@started_with_the_session("test_cli_stdout_on_a_full_disk_is_one_line_subprocess")
+def _full_disk(folder, request):
+    if not os.path.exists("/dev/full"):
+        return None
+    with open("/dev/full", "w") as full:
+        return cli(["--load", request.getfixturevalue("tiny_checkpoints")["encdec"], "--device", "cpu",
+                    "--translate", "wo ai"], stdout=full)
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_cli_stdout_on_a_full_disk_is_one_line_subprocess(background):
+def test_cli_stdout_on_a_full_disk_is_one_line_subprocess(processes):
     # python transformer.py --load encdec.pt --translate "wo ai" > /dev/full
-    status, _, err = background.result("full-disk")
+    status, _, err = finished(processes["test_cli_stdout_on_a_full_disk_is_one_line_subprocess"][0])
     assert status == 2, err
     assert err == "transformer.py: error: writing the output: No space left on device\n", err
 
 
+@started_with_the_session("test_cli_ctrl_c_while_waiting_on_stdin_exits_130_subprocess")
+def _waiting_on_stdin(folder, request):
+    if sys.platform == "win32":
+        return None
+    return cli(["--load", request.getfixturevalue("tiny_checkpoints")["encdec"], "--device", "cpu",
+                "--translate", "-"], stdin=subprocess.PIPE, preexec_fn=default_sigint)
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="sends SIGINT to a child process")
-def test_cli_ctrl_c_while_waiting_on_stdin_exits_130_subprocess(background, tiny_checkpoints):
+def test_cli_ctrl_c_while_waiting_on_stdin_exits_130_subprocess(processes, tiny_checkpoints):
     # python transformer.py --load encdec.pt --translate -: given "wo ai", it answers;
     # Ctrl-C while it waits for the next line
-    answer, status, out, err = background.result("ctrl-c-stdin")
+    proc, _ = processes["test_cli_ctrl_c_while_waiting_on_stdin_exits_130_subprocess"]
+    proc.stdin.write("wo ai\n")
+    proc.stdin.flush()
+    answer = proc.stdout.readline()            # answered: on its way to wait for the next line
+    # A Ctrl-C that lands a moment before the read starts is only seen once the read
+    # returns (CPython checks for signals when a read is interrupted, not as it enters
+    # one), so Ctrl-C again every 0.5 s until the program says it was interrupted.
+    # stdin stays open: Ctrl-C, not the end of input, is what stops it
+    for _ in range(60):
+        proc.send_signal(signal.SIGINT)
+        if select.select([proc.stderr], [], [], 0.5)[0]:
+            break
+    status, out, err = finished(proc, timeout=60)
     kind, model, sv, tv, readings = tf.load_checkpoint(tiny_checkpoints["encdec"])
     assert answer == tf.translator(kind, model, sv, tv, readings, 4)(["wo ai"])[0] + "\n"
     assert status == 130 and out == ""
     assert err == "transformer.py: interrupted\n", err
 
-
-# --- a loaded model that cannot take every held-out sentence
 
 @pytest.mark.parametrize("name, longest", [("encdec-short", 7), ("gpt-short", 8), ("encdec", 30)])
 def test_cli_load_skips_held_out_sentences_the_model_cannot_take(tiny_checkpoints, name, longest):
@@ -3978,8 +3839,6 @@ def test_cli_load_a_model_that_takes_no_held_out_sentence(tiny_checkpoints):
     assert "held-out exact match" not in out and "cross-attention" not in out   # nothing left to report
 
 
-# --- answers: characters only, one per syllable at most, whatever the weights
-
 @pytest.mark.parametrize("free", [False, True])
 @pytest.mark.parametrize("name", ["gpt-adversarial", "llama"])
 def test_cli_garbage_model_still_answers_only_characters(tiny_checkpoints, free, name):
@@ -4006,244 +3865,130 @@ def test_cli_garbage_model_still_answers_only_characters(tiny_checkpoints, free,
             assert all(c in readings[s] for s, c in zip(syllables, answer)), (sentence, answer)
 
 
-# --- the library: nonsense sizes, mismatched batches, ids and temperatures
-
-_T = dict(d_model=16, n_heads=2, d_ff=32, n_layers=1)
-
-
-@pytest.mark.parametrize("build, name, value", [
-    (lambda: tf.Transformer(0, 10, **_T), "src_vocab_size", 0),
-    (lambda: tf.Transformer(10, -3, **_T), "tgt_vocab_size", -3),
-    (lambda: tf.Transformer(10, 10, **dict(_T, d_ff=-32)), "d_ff", -32),
-    (lambda: tf.Transformer(10, 10, **dict(_T, n_layers=0)), "n_layers", 0),
-    (lambda: tf.Transformer(10, 10, max_len=0, **_T), "max_len", 0),
-    (lambda: tf.Transformer(10, 10, **dict(_T, d_model=16.0)), "d_model", 16.0),
-    (lambda: tf.Transformer(10, 10, **dict(_T, n_heads=True)), "n_heads", True),
-    (lambda: tf.Transformer(10, 10, pad_id=10, **_T), "pad_id", 10),
-    (lambda: tf.Transformer(10, 6, pad_id=7, **_T), "pad_id", 7),        # inside one vocabulary only
-    (lambda: tf.Transformer(10, 10, pad_id=-1, **_T), "pad_id", -1),
-    (lambda: tf.Transformer(10, 10, pad_id=0.0, **_T), "pad_id", 0.0),
-    (lambda: tf.Transformer(10, 10, pad_id=False, **_T), "pad_id", False),
-    (lambda: tf.DecoderOnlyTransformer(0, 16, 1, 2, 32), "vocab_size", 0),
-    (lambda: tf.DecoderOnlyTransformer(20, 16, 1, 2, -5), "d_ff", -5),
-    (lambda: tf.DecoderOnlyTransformer(20, 16, 0, 2, 32), "n_layers", 0),
-    (lambda: tf.DecoderOnlyTransformer(20, 16, 1, 2, 32, max_len=0), "max_len", 0),
-    (lambda: tf.DecoderOnlyTransformer(20, 16, 1.0, 2, 32), "n_layers", 1.0),
-    (lambda: tf.DecoderOnlyTransformer(True, 16, 1, 2, 32), "vocab_size", True),
-    (lambda: tf.Llama(0, 16, 1, 2), "vocab_size", 0),
-    (lambda: tf.Llama(20, 16, 1, 2, d_ff=-1), "d_ff", -1),
-    (lambda: tf.Llama(20, 16, 0, 2), "n_layers", 0),
-    (lambda: tf.Llama(20, 16, 1, 2, max_len=0), "max_len", 0),
-    (lambda: tf.Llama(20, 16, 1, 2, n_kv_heads=0), "n_kv_heads", 0),
-    (lambda: tf.Llama(20, 16, 1, 2, d_ff=32.5), "d_ff", 32.5),
-    (lambda: tf.Llama(20, 16, 1, 2, max_len=False), "max_len", False),
-])
-def test_models_refuse_nonsense_sizes_naming_argument_and_value(build, name, value):
-    with pytest.raises(ValueError) as info:
-        build()
-    message = str(info.value)
-    assert message.startswith(name) and message.endswith(f"got {value!r}"), message
-
-
-def test_models_accept_the_edge_sizes():
-    """The neighbours of the refused sizes: the smallest legal values build and run."""
-    assert tf.Transformer(10, 6, pad_id=5, **_T).pad_id == 5                  # in both vocabularies
-    tf.Transformer(1, 1, d_model=2, n_heads=1, d_ff=1, n_layers=1, max_len=1)
-    tf.DecoderOnlyTransformer(1, 2, 1, 1, 1, max_len=1)
-    model = tf.Llama(1, 2, 1, 1, d_ff=1, max_len=1)
-    assert model(torch.zeros(1, 1, dtype=torch.long)).shape == (1, 1, 1)
-
-
-def test_transformer_refuses_batch_sizes_that_differ():
-    model = tf.Transformer(12, 12, max_len=16, **_T).eval()
-    src, tgt = torch.randint(4, 12, (3, 5)), torch.randint(4, 12, (3, 4))
-    with pytest.raises(ValueError, match="batch sizes differ: tgt 2, memory 3, src 3"):
-        model(src, tgt[:2])
-    memory = model.encode(src)
-    with pytest.raises(ValueError, match="batch sizes differ: tgt 3, memory 3, src 2"):
-        model.decode(tgt, memory, src[:2])
-    with pytest.raises(ValueError, match="batch sizes differ: tgt 3, memory 2, src 3"):
-        model.decode(tgt, memory[:2], src)
-    assert model.decode(tgt, memory, src).shape == (3, 4, 12)                  # equal sizes: fine
-
-
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.bool, torch.float32])
-def test_models_refuse_ids_that_are_not_int64_or_int32(dtype):
-    ids = torch.tensor([[1, 0, 1]]).to(dtype)
-    encdec = tf.Transformer(12, 12, max_len=16, **_T).eval()
-    gpt = tf.DecoderOnlyTransformer(12, 16, 1, 2, 32, max_len=16).eval()
-    llama = tf.Llama(12, 16, 1, 2, max_len=16).eval()
-    good = torch.tensor([[1, 0, 1]])
-    for run in (lambda x: encdec(x, good), lambda x: encdec(good, x), gpt, llama):
-        with pytest.raises(ValueError, match=r"integer tensor \[B, T\] \(int64 or int32\)") as info:
-            run(ids)
-        assert str(dtype) in str(info.value)
-        with torch.no_grad():                            # the neighbour: int32 is taken, and the same
-            assert torch.equal(run(good.int()), run(good))
-
-
-@pytest.mark.parametrize("cls", ["gpt", "llama"])
-def test_generate_refuses_a_temperature_too_small_to_divide_by(cls):
-    model = (tf.DecoderOnlyTransformer(12, 16, 1, 2, 32, max_len=16) if cls == "gpt"
-             else tf.Llama(12, 16, 1, 2, max_len=16)).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(1000.0)                # large logits: logits / 1e-45 overflows float32
-    prompt = torch.tensor([[1, 2, 3]])
-    with pytest.raises(ValueError, match=r"temperature 1e-45 is too small.*temperature=0"):
-        model.generate(prompt, 2, temperature=1e-45)
-    # the neighbours: a small temperature that does not overflow samples, and 0 is greedy
-    assert model.generate(prompt, 2, temperature=1e-3, generator=torch.Generator().manual_seed(0)).shape == (1, 5)
-    assert model.generate(prompt, 2, temperature=0).shape == (1, 5)
-    assert tf.next_token(torch.zeros(1, 4), temperature=1e-45).shape == (1, 1)  # 0 / 1e-45 is still 0
-
-
-def test_grouped_query_attention_refuses_a_mask_that_is_not_4d():
-    attn = tf.GroupedQueryAttention(16, 4, 2)
-    cos, sin = tf.rope_cos_sin(4, 5)                     # [5, 4] each
-    x, mask4 = torch.randn(2, 5, 16), tf.make_causal_mask(5)  # [2, 5, 16], [1, 1, 5, 5]
-    assert attn(x, cos, sin, mask4).shape == (2, 5, 16)
-    for mask in (mask4[0], mask4[0, 0], mask4[None]):    # 3-D, 2-D, 5-D
-        with pytest.raises(ValueError, match="mask must be 4-D"):
-            attn(x, cos, sin, mask)
-
-
 # ===========================================================================
-# The two slowest checks, collected last: their processes started before the
-# first test and ran beside the others (see LANES)
+# The file as a whole: its examples, its section map, the reader's contract
 # ===========================================================================
 
-# The demo's recipe (tf.TOY_MODELS["encdec"]: batches of 32, warmup 50, no dropout) at
-# lr_factor 0.35, unconstrained greedy answers. Observed on 2 CPU cores, one thread:
-# 0.0%, 57.5%, 87.5% held-out exact match (105/120) after epochs 1-3, about 5 s
-# (lr_factor 0.25: 81.7%; 0.5: 87.5%).
-TRAIN_EPOCHS, LR_FACTOR, MIN_HELD_OUT_ACCURACY = 3, 0.35, 0.80
+SOURCE = open(tf.__file__, encoding="utf-8").read()
+BANNER = re.compile(r"^# =+\n# (\d+)\. (.+)$", re.M)     # a numbered section's banner
 
 
-def short_training(folder):
-    """The heavy part of the test below, run in the background: the demo's encoder-
-    decoder trained on 1,080 sentences, then real greedy decoding of the 120 held
-    out. -> (the log lines, train()'s result, evaluate()'s result)."""
-    pairs = tf.make_toy_data(n_sentences=1200, seed=0)
-    train_pairs, test_pairs = tf.split_data(pairs, seed=0)
-    sv, tv = tf.build_vocabs(train_pairs)
-    recipe = tf.TOY_MODELS["encdec"]
-    torch.manual_seed(0)
-    model = tf.Transformer(len(sv), len(tv), **recipe["config"], max_len=32)
-    logs = []
-    # per epoch: greedy exact match in one teacher-forced pass (unconstrained, as the
-    # decoding below); the test checks the last epoch's number against that decoding
-    result = tf.train(model, tf.PinyinDataset(train_pairs, sv, tv),
-                      lambda: tf.teacher_forced_accuracy("encdec", model, test_pairs, sv, tv),
-                      epochs=TRAIN_EPOCHS, batch_size=recipe["batch_size"], lr_factor=LR_FACTOR,
-                      warmup=recipe["warmup"], seed=0, log=logs.append)
-    detail = tf.evaluate(lambda sentences: tf.translate(model, sentences, sv, tv), test_pairs,
-                         tf.ambiguous_syllables(pairs))
-    return logs, result, detail
+def try_it_blocks(text):
+    """(line number, source) of every '# Try it:' block (a caption may follow the colon):
+    the lines after it that start with '#   ', that prefix removed."""
+    blocks, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("# Try it:"):
+            body = []
+            for follow in lines[i + 1:]:
+                if not follow.startswith("#   "):
+                    break
+                body.append(follow[4:])
+            blocks.append((i + 1, "\n".join(body) + "\n"))
+    return blocks
 
 
-def test_short_training_generalizes_to_held_out_sentences(background):
-    logs, result, detail = background.result("short_training")
-    # one line per epoch: its number, the loss, the held-out accuracy and the seconds so far
-    assert len(logs) == TRAIN_EPOCHS >= 2
-    line = re.compile(r"epoch +(\d+) +loss (\d+\.\d{3}) +held-out accuracy +(\d+\.\d)% +(\d+\.\d)s")
-    matches = [line.fullmatch(entry) for entry in logs]
-    assert all(matches), logs
-    assert [int(m[1]) for m in matches] == list(range(1, TRAIN_EPOCHS + 1))
-    seconds = [float(m[4]) for m in matches]
-    assert seconds == sorted(seconds) and result["seconds"] >= seconds[-1] - 0.05  # rounded to 0.1
-    assert float(matches[-1][2]) == pytest.approx(result["loss"], abs=5e-4)
-    assert float(matches[-1][3]) == pytest.approx(100 * result["accuracy"], abs=0.05)
-    assert float(matches[0][2]) > result["loss"]        # it learned
-    # the held-out sentences were never trained on, and the ambiguous syllables are read in context
-    train_pairs, test_pairs = tf.split_data(tf.make_toy_data(n_sentences=1200, seed=0), seed=0)
-    assert len(test_pairs) == detail["total"] == 120
-    assert not {p for p, _ in train_pairs} & {p for p, _ in test_pairs}
-    print(f"held-out accuracy after {TRAIN_EPOCHS} epochs: {100 * detail['accuracy']:.1f}%"
-          f" in {result['seconds']:.1f} s")
-    assert detail["exact"] == round(result["accuracy"] * 120)  # the one-pass number was greedy's
-    assert detail["accuracy"] >= MIN_HELD_OUT_ACCURACY
-    assert detail["ambiguous_right"] / detail["ambiguous_total"] >= MIN_HELD_OUT_ACCURACY
+def run_try_it(source, globs, filename, line):
+    """Run the block found at filename:line as a doctest -> (failed examples, the report)."""
+    test = doctest.DocTestParser().get_doctest(source, globs, f"Try it at line {line}", filename, line)
+    assert test.examples, f"the Try it block at {filename}:{line} has no '>>>' example"
+    out, runner = [], doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    runner.run(test, out=out.append)
+    return runner.failures, "".join(out)
 
 
-def demo_short_run(folder):
-    """The heavy part of the test below, run in the background: the demo on 60 toy
-    sentences, one epoch each. -> (exit status, what it printed)."""
-    tf.make_toy_data = lambda seed=0: TOY_DATA(n_sentences=60, seed=seed)  # in a process of its own
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        status = tf.main(["--epochs", "1", "--device", "cpu"])
-    return status, out.getvalue()
+def test_try_it_blocks_run_as_written():
+    """Every example in the file's comments gives the output the comment shows."""
+    with open(tf.__file__, encoding="utf-8") as f:
+        blocks = try_it_blocks(f.read())
+    assert len(blocks) >= 6, f"expected a Try it block per Part II section, found {len(blocks)}"
+    reports = [run_try_it(source, dict(vars(tf)), tf.__file__, line) for line, source in blocks]
+    failed = [report for failures, report in reports if failures]
+    assert not failed, "\n".join(failed)
 
 
-def test_main_short_run(background):
-    """The demo end to end, on 60 toy sentences (one epoch each) so that it is quick:
-    every number it prints that can be checked is checked."""
-    status, out = background.result("demo_short_run")
-    assert status == 0
-    lines = out.splitlines()
-    # shapes and counts of the three small models: counted == formula
-    shapes = [re.search(r"output (\[.*?\]); parameters ([\d,]+) counted, ([\d,]+) by formula", line)
-              for line in lines if "-> output" in line]
-    assert [m[1] for m in shapes] == ["[2, 5, 1200]", "[2, 5, 1000]", "[2, 5, 1000]"]
-    assert all(m[2] == m[3] for m in shapes)
-    # the classic and modern tables: counted == formula (== published for the modern ones)
-    assert "GPT of the decoder-only tutorial      70,378,496    70,378,496" in out
-    for name, cfg, published in tf.LLAMA_CONFIGS:
-        row = next(line for line in lines if line.strip().startswith(name + " "))
-        assert row.split()[1:4] == [f"{published:,}"] * 3, row
-    assert re.search(r"Llama-3-8B .* 128 KiB +512 KiB", out)        # GQA: a quarter of full MHA
-    cache = re.search(r"holds ([\d,]+) bytes a token in float32 = ([\d,]+) by the formula", out)
-    assert cache and cache[1] == cache[2]
-    assert re.search(r"64 new tokens: with cache [\d.]+ s, without [\d.]+ s \([\d.]+x\), same tokens: yes", out)
-    # one report per toy model, on the 6 held-out sentences
-    reports = [line for line in lines if line.startswith("held-out exact match:")]
-    assert len(reports) == len(tf.TOY_MODELS) == 3
-    assert all(re.fullmatch(r"held-out exact match: \d+\.\d% \(\d/6\) sentences; characters: "
-                            r"\d+\.\d% \(\d+/\d+\)", line) for line in reports), reports
-    assert sum(line.strip().startswith("wo ai xue xi ->") for line in lines) == 3
-    # the example rows: held-out sentences, each with its expected hanzi
-    _, test_pairs = tf.split_data(TOY_DATA(n_sentences=60, seed=0), seed=0)
-    answers = dict(test_pairs)
-    header = next(i for i, line in enumerate(lines) if "pinyin (held out)" in line)
-    rows = []
-    for line in lines[header + 1:]:
-        if not line.strip() or "->" in line:  # a blank line or the "wo ai xue xi -> ..." answer ends them
-            break
-        rows.append(line)
-    assert len(rows) == 6, rows
-    for row in rows:
-        fields = re.match(r"\s+([a-z]+(?: [a-z]+)*)\s+(\S+)\s+(\S*)", row)
-        assert fields and answers[fields[1]] == fields[2], row     # a held-out sentence, its true answer
-        assert len(fields[3]) == len(fields[1].split())             # constrained: one character a syllable
-    # the closing table: three models and the baseline, on the same sentences
-    table = lines[next(i for i, line in enumerate(lines) if line.startswith("held-out sentences, same split")):]
-    assert "(constrained, beam 4 decoding)" in table[0]                # the defaults
-    names = [row[2:22].strip() for row in table[2:6]]
-    assert names == ["encoder-decoder", "decoder-only (GPT)", "Llama-style", "bigram HMM baseline"]
-    hmm = tf.evaluate(tf.BigramHMM(tf.split_data(TOY_DATA(n_sentences=60, seed=0), seed=0)[0]).decode, test_pairs)
-    assert f"{tf.percent(hmm['exact'], hmm['total'])}" in table[5]
+def test_try_it_parser_finds_blocks_and_failures():
+    """The runner above would notice a wrong example (it is not vacuous)."""
+    text = "x = 1\n# Try it:\n#   >>> 1 + 1\n#   3\n\n# Try it: a caption.\n#   >>> 2 * 2\n#   4\ny = 2\n"
+    blocks = try_it_blocks(text)
+    assert [line for line, _ in blocks] == [2, 6]
+    assert [run_try_it(source, {}, "t", line)[0] for line, source in blocks] == [1, 0]
 
 
-# ===========================================================================
-# The reader's contract, checked last: its process started before the first test
-# ===========================================================================
+def text_through_section(n):
+    """The file from line 1 to the end of section n (the line before the next banner)."""
+    title_end = next(m.end() for m in BANNER.finditer(SOURCE) if int(m.group(1)) == n)
+    body = SOURCE.index("\n", title_end + 1)        # past the banner's closing rule
+    following = re.search(r"^# =+$", SOURCE[body:], re.M)              # None after the last section
+    return SOURCE[:body + following.start()] if following else SOURCE
 
-def test_each_model_section_runs_cut_out_of_the_file_with_only_the_core_imports(background):
-    """For each model section: the file up to its end, in a fresh interpreter (or a
-    fork of the fresh server, which has imported torch and nothing else), with the
-    four core imports and nothing else imported, builds that model, runs a forward
-    pass and generates. (Started by `background` with cut_programs(), which checks
-    the imports, and CUT_RUNNER.)"""
-    status, out, err = background.result("cut")
+
+def test_readme_section_map_names_every_section_at_its_line():
+    readme = open(os.path.join(os.path.dirname(tf.__file__), "README.md"), encoding="utf-8").read()
+    rows = re.findall(r"^\| (\d+) \| (.+?) \| (\d+) \| (.+?) \|$", readme, re.M)
+    lines = SOURCE.splitlines()
+    banners = [(m.group(1), m.group(2)) for m in BANNER.finditer(SOURCE)]
+    assert [(n, title) for n, title, _, _ in rows] == banners
+    for n, title, line, names in rows:
+        assert lines[int(line) - 1] == f"# {n}. {title}", (n, line)
+        for name in re.findall(r"`(\w+)`", names):  # each name listed is defined in that section
+            assert re.search(rf"^(class|def) {name}\b|^{name} = ", text_through_section(int(n)), re.M), name
+
+
+def test_top_level_holds_exactly_the_four_files():
+    root = os.path.dirname(tf.__file__)
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True).stdout.split()
+    if tracked:  # a git checkout: only these at the top, plus .ci/
+        assert {p for p in tracked if "/" not in p} == {
+            "transformer.py", "test_transformer.py", "README.md", "requirements.txt"}
+        assert {p.split("/")[0] for p in tracked if "/" in p} == {".ci"}
+
+
+# The reader's contract: each model's section, cut out of the file, runs alone.
+CORE_IMPORTS = ["import math", "import torch", "import torch.nn as nn", "import torch.nn.functional as F"]
+
+# per model section: what a reader builds with it (keywords, as the examples do)
+CONTRACT = {
+    8: """model = Transformer(src_vocab_size=30, tgt_vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2)
+out = model(torch.randint(1, 30, (2, 7)), torch.randint(1, 40, (2, 5)))
+assert out.shape == (2, 5, 40), out.shape""",
+    9: """gpt = DecoderOnlyTransformer(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_len=64)
+assert gpt(torch.randint(0, 50, (2, 6))).shape == (2, 6, 50)
+assert gpt.generate(torch.randint(0, 50, (2, 6)), max_new_tokens=5, temperature=1.0, top_p=0.9).shape == (2, 11)""",
+    15: """llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_len=64)
+assert llama(torch.randint(0, 50, (2, 6))).shape == (2, 6, 50)
+assert llama.generate(torch.randint(0, 50, (2, 6)), max_new_tokens=5, top_k=5, temperature=0.8).shape == (2, 11)""",
+}
+
+
+def cut_programs():
+    """Per model section: the file up to its end, with the four core imports and
+    nothing else imported, then what a reader builds with it."""
+    programs = {}
+    for n, use in CONTRACT.items():
+        text = text_through_section(n)
+        imports = [line for line in text.splitlines() if line.startswith(("import ", "from "))]
+        assert imports == CORE_IMPORTS, (n, imports)
+        programs[n] = text + "\n\n" + use + "\n"
+    return programs
+
+
+# one interpreter, one fresh namespace per cut: nothing leaks between them
+CUT_RUNNER = ("import sys, json\nfor n, prog in json.load(open(sys.argv[1], encoding='utf-8')).items():\n"
+              "    exec(compile(prog, 'section' + n, 'exec'), {'__name__': 'cut'})\n    print('ok', n)\n")
+
+
+@started_with_the_session("test_each_model_section_runs_cut_out_of_the_file_with_only_the_core_imports")
+def _cut_sections(folder, request):
+    (folder / "cut-programs.json").write_text(json.dumps(cut_programs()), encoding="utf-8")
+    return python(["-c", CUT_RUNNER, str(folder / "cut-programs.json")])
+
+
+def test_each_model_section_runs_cut_out_of_the_file_with_only_the_core_imports(processes):
+    """For each model section: the file up to its end, in a fresh interpreter, with
+    the four core imports and nothing else imported (cut_programs checks them),
+    builds that model, runs a forward pass and generates."""
+    proc, _ = processes["test_each_model_section_runs_cut_out_of_the_file_with_only_the_core_imports"]
+    status, out, err = finished(proc)
     assert status == 0, err[-3000:]
     assert out.split() == [w for n in CONTRACT for w in ("ok", str(n))]
-
-
-if __name__ == "__main__":  # python test_transformer.py JOB FOLDER: a background job (see _job)
-    if len(sys.argv) != 3 or sys.argv[1] not in JOBS:
-        raise SystemExit(f"usage: python test_transformer.py JOB FOLDER, JOB one of {sorted(JOBS)} "
-                         f"(the tests themselves: python -m pytest -q)")
-    job, folder = sys.argv[1], pathlib.Path(sys.argv[2])
-    result = globals()[job](folder)
-    with open(folder / "result.pickle", "wb") as f:
-        pickle.dump(result, f)
