@@ -7,10 +7,14 @@ and what was expected. Each test guards one class of input (every standard
 stream, every configuration field, every tensor kind, every option that names a
 file), not only the case that was found.
 
-Checks that need a process of their own (closed or odd standard streams, memory)
-fork this one: torch is imported already, so a child costs milliseconds, not the
-seconds of a fresh python. One check starts a real python, to prove the forked
-children see what a real start does.
+Most checks run the program in this process: tf.command_line() with sys.argv and
+the standard streams replaced by what Python makes at start (a text stream of the
+given encoding, None for a closed one, a file opened for reading). A few need a
+real process: one real ascii stdout and one real closed stdout (the proof that the
+stand-ins behave as a real start does), --save /dev/stderr with stderr appended to
+a log, a pipe whose reader has left, and the memory bounds (a process's peak
+memory is its own only when it starts small). They all start together, when the
+first is needed, and run while the in-process tests do.
 
     python -m pytest -q test_hardening.py
 """
@@ -18,8 +22,8 @@ children see what a real start does.
 import contextlib
 import inspect
 import io
+import json
 import os
-import resource
 import signal
 import stat
 import subprocess
@@ -34,12 +38,12 @@ import torch
 import transformer as tf
 
 HARDENING_HERE = os.path.dirname(os.path.abspath(__file__))
+KERNEL_FILES = os.path.join(os.sep, "proc")           # the kernel's file system, spelt as the program sees it
 
 
 @pytest.fixture(scope="module", autouse=True)
 def hardening_one_thread():
-    """One thread: tiny tensors, and a forked child of a process that never ran a
-    parallel region cannot wait forever on a thread pool that did not survive the fork."""
+    """One thread: the tensors are tiny, and the real processes below need the cores."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -98,77 +102,200 @@ def _one_error_line(err):
     return err[:-1]
 
 
-def _forked(argv, stdin=b"", stdout="file", stderr="file", encoding="utf-8", timeout=60):
-    """python transformer.py argv as a forked child of this process, its standard
-    streams made as Python makes them at start: stdin bytes (fed from a file), an
-    open fd, or "closed"; stdout and stderr "file" (returned), an open fd, or
-    "closed"; encoding: stdout's (PYTHONIOENCODING). The child runs tf.command_line()
-    and exits as python would. -> (status, stdout bytes, stderr text, peak memory
-    the child added in MB)."""
-    files = {name: tempfile.TemporaryFile() for name in ("stdin", "stdout", "stderr")}
-    if isinstance(stdin, bytes):
-        files["stdin"].write(stdin)
-        files["stdin"].seek(0)
-    report_r, report_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        status = 70
+def _command_line(argv, stdin=None, stdout="memory", stderr="memory", encoding="utf-8"):
+    """python transformer.py argv, in this process: tf.command_line() with sys.argv and
+    the standard streams as Python makes them at start. stdin: an open text stream,
+    or None (closed); stdout and stderr: "memory" (returned), an open text stream, or
+    None (closed); encoding: stdout's (PYTHONIOENCODING), errors "strict" as Python's
+    own; stderr's errors "backslashreplace", as Python's. Then what Python does at
+    exit: flush both, and an error there is status 120 and a line on stderr.
+    -> (status, stdout bytes, stderr text)."""
+    out = err = None
+    if stdout == "memory":
+        out = io.BytesIO()
+        stdout = io.TextIOWrapper(out, encoding=encoding, errors="strict")
+    if stderr == "memory":
+        err = io.BytesIO()
+        stderr = io.TextIOWrapper(err, encoding="utf-8", errors="backslashreplace", line_buffering=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", ["transformer.py", *argv])
+        for name, stream in (("stdin", stdin), ("stdout", stdout), ("stderr", stderr)):
+            patch.setattr(sys, name, stream)
+            patch.setattr(sys, f"__{name}__", stream)
         try:
-            os.close(report_r)
-            start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            for fd, (name, how) in enumerate((("stdin", stdin), ("stdout", stdout), ("stderr", stderr))):
-                if how == "closed":
-                    os.close(fd)
-                else:
-                    os.dup2(files[name].fileno() if how in ("file",) or isinstance(how, bytes) else how, fd)
-            make = lambda fd, mode, **kw: open(fd, mode, closefd=False, **kw)  # noqa: E731
-            valid = lambda fd: stdin != "closed" if fd == 0 else (stdout, stderr)[fd - 1] != "closed"  # noqa: E731
-            sys.stdin = make(0, "r", encoding="utf-8") if valid(0) else None
-            sys.stdout = make(1, "w", encoding=encoding) if valid(1) else None
-            sys.stderr = make(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1) \
-                if valid(2) else None
-            sys.argv = ["transformer.py", *argv]
+            status = tf.command_line()
+        except SystemExit as e:
+            status = e.code
+        for stream in (sys.stdout, sys.stderr, stdout, stderr):  # at exit: the program's streams, then Python's
             try:
-                status = tf.command_line()
-            except SystemExit as e:
-                status = e.code
-            for stream in (sys.stdout, sys.stderr):  # what python does at exit
-                try:
-                    if stream is not None:
-                        stream.flush()
-                except Exception as e:  # noqa: BLE001 -- reported as python would
-                    status = 120
-                    os.write(2, f"Exception ignored flushing: {e!r}\n".encode())
-            grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start
-            os.write(report_w, str(grown // 1024).encode())
-        except BaseException as e:  # noqa: B902 -- a traceback is what the test must see
-            import traceback
-            with contextlib.suppress(OSError):
-                os.write(2, ("Traceback (child)\n" + "".join(traceback.format_exception(e))).encode())
-            status = 71
-        finally:
-            os._exit(status if isinstance(status, int) else 2)
-    os.close(report_w)
-    deadline = time.monotonic() + timeout
-    while True:
-        done, wait_status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise AssertionError(f"{argv}: still running after {timeout} s")
-        time.sleep(0.01)
-    with os.fdopen(report_r, "rb") as report:
-        grown = report.read()
-    outputs = []
-    for name in ("stdout", "stderr"):
-        files[name].seek(0)
-        outputs.append(files[name].read())
-        files[name].close()
-    files["stdin"].close()
-    return (os.waitstatus_to_exitcode(wait_status), outputs[0], outputs[1].decode("utf-8", "replace"),
-            int(grown) if grown else None)
+                if stream is not None:
+                    stream.flush()
+            except Exception as e:  # noqa: BLE001 -- what Python would print, and its status
+                status = 120
+                if err is not None:
+                    err.write(f"Exception ignored flushing: {e!r}\n".encode())
+    return (status, None if out is None else out.getvalue(),
+            None if err is None else err.getvalue().decode("utf-8", "replace"))
+
+
+@contextlib.contextmanager
+def _as_fd(fd, f):
+    """The open file f as this process's file descriptor fd (0, 1 or 2) for a while,
+    as `< file`, `> file` or `2>> file` makes it for a program."""
+    saved = os.dup(fd)
+    os.dup2(f.fileno(), fd)
+    try:
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+# ---------------------------------------------------------------------------
+# The real processes: all started at once, each test waits for its own
+# ---------------------------------------------------------------------------
+
+# python -c MEASURED: imports torch and transformer, notes the peak memory, runs
+# "--command-line ARGS..." (the program, as `python transformer.py ARGS` would) or
+# "--call PREPARE CALL..." (PREPARE, then each CALL's outcome), and writes the MB the
+# peak grew by, and the outcomes, to the file $HARDENING_REPORT.
+MEASURED = r"""
+import json, os, resource, sys
+import torch
+import transformer as tf
+
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+
+def report(outcomes):
+    with open(os.environ["HARDENING_REPORT"], "w", encoding="utf-8") as f:
+        json.dump({"grown": peak() - start, "outcomes": outcomes}, f)
+
+how, *args = sys.argv[1:]
+if how == "--command-line":
+    sys.argv = ["transformer.py", *args]
+    start = peak()
+    status = tf.command_line()
+    report([status])
+    sys.exit(status)
+prepare, *calls = args
+scope = {"tf": tf, "torch": torch}
+exec(prepare, scope)
+start, outcomes = peak(), []
+for call in calls:
+    try:
+        eval(call, scope)
+        outcomes.append("ok")
+    except Exception as e:
+        outcomes.append(f"{type(e).__name__}: {e}")
+report(outcomes)
+"""
+# A child of this big process starts with this process's peak memory as its own
+# (Linux keeps the peak across exec); a child of a small shell starts with its own.
+# "; exit $?" keeps sh from replacing itself with the command.
+OWN_MEMORY = ["/bin/sh", "-c", '"$@"; exit $?', "sh", sys.executable, "-c", MEASURED]
+PROGRAM = [sys.executable, "transformer.py"]
+STDOUT_CLOSED = ["/bin/sh", "-c", '"$@" >&-; exit $?', "sh", *PROGRAM]
+BIGRAM_PAIRS = ("chars = [chr(0x4E00 + i) for i in range(3000)]\n"
+                "pairs = [(f's{i % 50}'.replace('0', 'o').replace('1', 'i')"
+                ".translate(str.maketrans('23456789', 'abcdefgh')), chars[i]) for i in range(3000)]")
+LONG_LINES = [("tabs", "wo" + "\t" * 2 * 10 ** 6 + "我",
+               "expected 'pinyin<TAB>hanzi', found 2000001 tab-separated fields"),
+              ("syllables", "a " * 2 * 10 ** 6 + "\t我",
+               f"2000000 syllables; a sentence may have at most {tf.MAX_SYLLABLES}")]
+
+
+def _views_checkpoint(hard, path):
+    """A checkpoint whose state is views of one 4 MB storage under made-up names,
+    adding up to what d_ff 2,000,000 needs (the model: 2.2 GB)."""
+    checkpoint = torch.load(hard["gpt"], weights_only=True)
+    config = dict(checkpoint["config"], d_ff=2_000_000)
+    needed = tf.decoder_only_param_formula(**config)
+    storage, state, at, i = torch.zeros(2 ** 20), {}, 0, 0
+    while at < needed:
+        n = min(2 ** 20 - 1, needed - at)
+        state[f"made.up.{i}"] = storage[1:1 + n] if i % 2 else storage[:n]     # distinct data_ptr()s
+        at, i = at + n, i + 1
+    state["pos_encoding.pe"] = checkpoint["state_dict"]["pos_encoding.pe"]
+    torch.save(dict(checkpoint, config=config, state_dict=state), path)
+
+
+def _start(folder, name, command, stdin=subprocess.DEVNULL, stdout=None, stderr=None, env=(), **facts):
+    """Popen command in this file's folder, stdout and stderr to files unless given.
+    -> a dict for _finish, with facts the test needs."""
+    paths = {what: folder / f"{name}.{what}" for what in ("stdout", "stderr", "report")}
+    env = dict(os.environ, OMP_NUM_THREADS="1", HARDENING_REPORT=str(paths["report"]), **dict(env))
+    with contextlib.ExitStack() as files:
+        if stdout is None:
+            stdout = files.enter_context(open(paths["stdout"], "wb"))
+        if stderr is None:
+            stderr = files.enter_context(open(paths["stderr"], "wb"))
+        proc = subprocess.Popen(command, cwd=HARDENING_HERE, env=env, stdin=stdin, stdout=stdout, stderr=stderr)
+    return dict(proc=proc, **paths, **facts)
+
+
+def _finish(started, timeout=180):
+    """Wait for a process _start began. -> (status, stdout bytes, stderr text,
+    MB its peak memory grew by or None, outcomes or None)."""
+    status = started["proc"].wait(timeout=timeout)
+    read = lambda path: path.read_bytes() if path.exists() else b""  # noqa: E731
+    report = json.loads(read(started["report"]) or "null") or {}
+    return (status, read(started["stdout"]), read(started["stderr"]).decode("utf-8", "replace"),
+            report.get("grown"), report.get("outcomes"))
+
+
+@pytest.fixture(scope="module")
+def real(hard, tmp_path_factory):
+    """Every check that needs a real process, started at once: -> dict of name to _start's dict."""
+    folder = tmp_path_factory.mktemp("real")
+    started = {}
+    try:
+        # data loss: python transformer.py ... --save /dev/stderr 2>>train.log
+        log = folder / "train.log"
+        log.write_bytes(b"yesterday's training log\n")
+        with open(log, "ab") as appended:
+            started["dev-stderr"] = _start(folder, "dev-stderr", PROGRAM + [
+                "--model", "encdec", "--epochs", "1", "--save", "/dev/stderr"], stderr=appended, log=log)
+        # the stand-ins' proof: PYTHONIOENCODING=ascii python transformer.py ..., and ... >&-
+        started["ascii"] = _start(folder, "ascii", PROGRAM + ["--load", hard["encdec"], "--translate", "wo ai"],
+                                  env={"PYTHONIOENCODING": "ascii"})
+        started["stdout-closed"] = _start(folder, "stdout-closed", STDOUT_CLOSED + [
+            "--load", hard["encdec"], "--translate", "wo ai"])
+        # python transformer.py ... --save m.pt | head -1, the reader gone before the first line
+        r, w = os.pipe()
+        os.close(r)
+        started["broken-pipe"] = _start(folder, "broken-pipe", PROGRAM + [
+            "--data", hard["tsv"], "--size", "small", "--epochs", "1", "--model", "gpt",
+            "--save", str(folder / "piped.pt")], stdout=w, saved=folder / "piped.pt")
+        os.close(w)
+        # memory
+        started["widest-beam"] = _start(folder, "widest-beam", OWN_MEMORY + [
+            "--command-line", "--load", hard["encdec"], "--beam", str(tf.MAX_BEAM)])
+        with open("/dev/zero", "rb") as zero:
+            started["dev-zero"] = _start(folder, "dev-zero", OWN_MEMORY + [
+                "--command-line", "--load", hard["encdec"], "--translate", "-"], stdin=zero, begun=time.monotonic())
+        views = folder / "views.pt"
+        _views_checkpoint(hard, views)
+        started["views"] = _start(folder, "views", OWN_MEMORY + [
+            "--call", f"path = {str(views)!r}", "tf.load_checkpoint(path)"], path=views)
+        started["bigram"] = _start(folder, "bigram", OWN_MEMORY + ["--call", BIGRAM_PAIRS, "tf.BigramHMM(pairs)"])
+        blank = folder / "blank.tsv"
+        blank.write_bytes(b"\n" * (16 * 2 ** 20) + "wo\t我\nni\t你\n".encode())
+        started["blank"] = _start(folder, "blank", OWN_MEMORY + [
+            "--call", f"path = {str(blank)!r}", "tf.read_pairs(path)"], path=blank)
+        long_paths = []
+        for what, line, _ in LONG_LINES:
+            long_paths.append(folder / f"long-{what}.tsv")
+            long_paths[-1].write_text("wo\t我\n" + line + "\n", encoding="utf-8")
+        started["long-lines"] = _start(folder, "long-lines", OWN_MEMORY + [
+            "--call", f"paths = {[str(p) for p in long_paths]!r}",
+            *(f"tf.read_pairs(paths[{i}])" for i in range(len(long_paths)))], paths=long_paths)
+        yield started
+    finally:
+        for one in started.values():
+            if one["proc"].poll() is None:
+                one["proc"].kill()
+            one["proc"].wait()
 
 
 def _no_training(monkeypatch):
@@ -430,36 +557,6 @@ def test_the_smallest_accepted_eps_and_theta_compute_no_nan():
 # ===========================================================================
 # Memory: nothing is built or read beyond what the file holds
 # ===========================================================================
-
-def _forked_call(fn, timeout=60):
-    """fn() in a forked child; -> (what it raised as 'Type: message', or 'ok', MB of memory it added)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            try:
-                fn()
-                outcome = "ok"
-            except BaseException as e:  # noqa: B902 -- reported to the parent
-                outcome = f"{type(e).__name__}: {e}"
-            grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start) // 1024
-            os.write(w, f"{grown}\n{outcome}".encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    deadline = time.monotonic() + timeout
-    while not os.waitpid(pid, os.WNOHANG)[0]:
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise AssertionError(f"still running after {timeout} s")
-        time.sleep(0.01)
-    with os.fdopen(r, "rb") as f:
-        grown, outcome = f.read().decode().split("\n", 1)
-    return outcome, int(grown)
-
 
 def test_views_of_one_storage_under_made_up_names_are_refused_before_building(hard, tmp_path):
     # a 4 MB storage, cut into views that add up to what d_ff 2,000,000 needs (the model: 2.2 GB)

@@ -4464,7 +4464,7 @@ def test_main_short_run(monkeypatch, capsys):
         assert row.split()[1:4] == [f"{published:,}"] * 3, row
     assert re.search(r"Llama-3-8B .* 128 KiB +512 KiB", out)        # GQA: a quarter of full MHA
     caches = re.findall(r"holds ([\d,]+) bytes a token in float32 = ([\d,]+) by the formula", out)
-    assert len(caches) == 2 and all(measured == formula for measured, formula in caches)  # GQA's, MLA's
+    assert len(caches) == 3 and all(measured == formula for measured, formula in caches)  # GQA's, MLA's, trained MLA's
     for name, kind, cfg, total, active, _ in tf.FRONTIER_CONFIGS:   # counted, formula, active
         row = next(line for line in lines if line.strip().startswith(name + " "))
         assert row.split()[1:4] == [f"{total:,}", f"{total:,}", f"{active:,}"], row

@@ -3314,7 +3314,7 @@ def show_models(device):
     gpt2 = CLASSIC_CONFIGS[2][2]
     print(f"  GPT-2 small: add its learned position table, 1024 x 768 = {1024 * 768:,}, for "
           f"{decoder_only_param_formula(**gpt2) + 1024 * 768:,}: the 124M\n  of OpenAI's gpt-2 README, which "
-          f"corrected the paper's 117M (Table 2). The sinusoidal encoding here has no table.")
+          f"corrected the paper's 117M (Table 2). The sinusoidal encoding here\n  has no table.")
     tied = decoder_only_param_formula(**TUTORIAL_GPT_CONFIG, tie_weights=True)
     print(f"  the tutorial's GPT: {decoder_only_param_formula(**TUTORIAL_GPT_CONFIG) / 1e6:.1f}M untied; even tied "
           f"(lm_head = token_embedding) it is {tied / 1e6:.1f}M, not 30-odd M.")
@@ -3533,7 +3533,8 @@ def run(args, device, pairs, loaded):
                                  + c.k_rope.nelement() * c.k_rope.element_size() for c in cache)
                     formula = mla_cache_bytes_per_token(cfg["n_layers"], cfg["kv_lora_rank"], cfg["qk_rope_dim"],
                                                         bytes_per_value=cache[0].latent.element_size())
-                    print(f"its cache holds {stored // len(ids):,} bytes a token = {formula:,} by the formula"
+                    print(f"its cache holds {stored // len(ids):,} bytes a token in {str(cache[0].latent.dtype)[6:]}"
+                          f" = {formula:,} by the formula"
                           f" ({cfg['n_layers']} layers x ({cfg['kv_lora_rank']} + {cfg['qk_rope_dim']}) values)")
         results[kind] = (model, src_vocab, tgt_vocab, readings, result)
         if result.get("interrupted"):
