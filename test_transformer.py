@@ -3650,6 +3650,44 @@ def test_time_generation_returns_seconds_and_agreement():
         del model.generate
 
 
+def test_synchronize_waits_only_where_the_device_runs_asynchronously(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("cuda", device)))
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: calls.append(("mps", None)))
+    tf.synchronize(torch.device("cpu"))
+    assert calls == []                                   # a CPU has finished when the call returns
+    tf.synchronize(torch.device("cuda", 1))
+    tf.synchronize(torch.device("mps"))
+    assert calls == [("cuda", torch.device("cuda", 1)), ("mps", None)]
+
+
+GPU_DEVICES = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+
+
+@pytest.mark.parametrize("device", list(GPU_DEVICES))
+def test_every_model_on_a_gpu_computes_what_it_computes_on_the_cpu(device):
+    """The GPU paths, where a GPU is here: the same weights give the same logits and
+    cached tokens, a fused Adam step runs, and the timings synchronize."""
+    if not GPU_DEVICES[device]:
+        pytest.skip(f"no {device} device on this machine: the {device} path is not run here")
+    ids = torch.randint(0, 50, (2, 6))                                     # [2, 6]
+    models = {"gpt": tf.DecoderOnlyTransformer(50, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_len=32),
+              "llama": tf.Llama(50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_len=32),
+              "deepseek": tf.DeepSeekV3(50, d_model=32, n_layers=2, n_heads=4, kv_lora_rank=16, qk_nope_dim=8,
+                                        qk_rope_dim=4, v_head_dim=8, d_ff=64, expert_d_ff=16, n_experts=4,
+                                        top_k=2, max_len=32)}
+    for kind, model in models.items():
+        expected = model.eval()(ids)                                       # [2, 6, 50] on the CPU
+        on_device = model.to(device)
+        assert_close(on_device(ids.to(device)).cpu(), expected, tol=1e-4)
+        with_cache, without, same = tf.time_generation(on_device, ids.to(device), 8)
+        assert same, kind
+        optimizer = torch.optim.Adam(on_device.parameters(), fused=True)
+        on_device.train()(ids.to(device)).float().logsumexp(-1).mean().backward()
+        optimizer.step()
+    assert 1e9 < tf.memory_bandwidth(torch.device(device), megabytes=64)   # a GPU copies over 1 GB/s
+
+
 # ===========================================================================
 # 31. Decoder-only models on the task
 # ===========================================================================
