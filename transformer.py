@@ -4073,8 +4073,10 @@ def command_line():
     for stream in (sys.stdout, sys.stderr):
         if stream is not None and (stream.broken or (status and stream is sys.stdout)):
             # what could not be written is dropped, so that exiting does not try again
-            with contextlib.suppress(OSError, ValueError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+            with contextlib.suppress(OSError, ValueError):  # an in-memory stream has no fileno
+                fd, devnull = stream.fileno(), os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, fd)
+                os.close(devnull)
     return status
 
 
