@@ -1768,10 +1768,11 @@ FRONTIER_CONFIGS = [
 # kernel is faster although it does more arithmetic. Here, in Python on a CPU, each
 # tile is a dozen separate torch calls, and the code exists to prove the math and
 # the memory, O(T * block). Its speed depends on the machine (--bench measures it):
-# on a busy 2-core one, 4096 tokens and 4 heads took 0.50 s against section 2's 1.51 s
+# on an idle 2-core one, 4096 tokens and 4 heads took 0.30 s against section 2's 1.35 s
 # on one thread (a 64 x 64 tile stays in the CPU's cache while section 2 streams
-# 256 MiB tensors through memory: the GPU's reason, on a small scale), and 3.3 s
-# against 2.7 s on two, where waking the second thread for every small call costs more.
+# 256 MiB tensors through memory: the GPU's reason, on a small scale); at 1024 tokens
+# on two threads section 2 was ahead, 0.014 s against 0.017 s (the Python calls add up),
+# and on a busy machine waking the second thread for each small call can cost more.
 # The backward saves only q, k, v, out and the lse [Tq] (not the [Tq, Tk] weights
 # of section 2) and recomputes each tile's probabilities P = e^(S - lse) from them.
 # With D = rowsum(dO * O): dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dQ += dS K
