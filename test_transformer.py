@@ -2725,7 +2725,12 @@ def tiny_gpt(seed=0):
                                      max_len=64, dropout=0.0).eval()
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt])
+def tiny_deepseek_2_layers(seed=0):
+    torch.manual_seed(seed)
+    return tiny_deepseek(vocab_size=40, n_layers=2, max_len=64)         # MLA: its latents in the blocks
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt, tiny_deepseek_2_layers])
 @torch.no_grad()
 def test_paged_cache_equals_the_contiguous_cache_for_sequences_sharing_one_pool(make):
     model = make()

@@ -1634,8 +1634,12 @@ class DeepSeekV3(nn.Module):
         if tie_weights:
             self.lm_head.weight = self.token_embedding.weight
 
-    def new_cache(self):
-        """An empty cache for forward: one LatentCache per layer, [B, t, r] and [B, t, rope]."""
+    def new_cache(self, pool=None):
+        """An empty cache for forward: one LatentCache per layer, [B, t, r] and [B, t, rope];
+        pool: a KVPool of section 24, whose blocks then hold the latents (a paged cache,
+        keys in fixed-size blocks taken from one pool shared by many sequences)."""
+        if pool is not None:
+            return [PagedLatentCache(pool) for _ in self.layers]
         return [LatentCache() for _ in self.layers]
 
     # Llama's forward and generate as they are: embed, run the blocks with the new tokens'
@@ -2020,6 +2024,15 @@ class PagedKVCache:
         """The sequence is done: its blocks go back to the pool."""
         self.pool.give_back(self.blocks)
         self.blocks, self.n = [], 0
+
+
+class PagedLatentCache(PagedKVCache):
+    """MLA's cache (section 19) in a KVPool's blocks: the latent [1, t, r] stored as the
+    keys and the rope key [1, t, rope] as the values of a single head."""
+
+    def append(self, latent, k_rope):
+        keys, values = super().append(latent[:, None], k_rope[:, None])   # [1, 1, t, r], [1, 1, t, rope]
+        return keys[:, 0], values[:, 0]                                    # [1, t, r], [1, t, rope]
 
 
 def padded_and_paged_slots(lengths, block_size):
