@@ -2029,14 +2029,36 @@ def test_update_router_bias_brings_a_skewed_load_toward_uniform():
     assert tf.update_router_bias(softmax) == 0 and softmax.router_bias.abs().sum() == 0
 
 
+def test_review_edge_cases_are_value_errors_naming_the_value():
+    with pytest.raises(ValueError, match=r"router_logits must be \[N, E\] with N >= 1 tokens, got shape \[0, 4\]"):
+        tf.load_balancing_loss(torch.zeros(0, 4), top_k=2)             # would be NaN
+    model = tf.Llama(vocab_size=20, d_model=16, n_layers=1, n_heads=2, max_len=16, window=4)
+    with pytest.raises(ValueError, match="a paged cache keeps every token, a window of 4"):
+        model.new_cache(pool=tf.KVPool(n_blocks=4, block_size=4))      # it would keep every token
+    cache = model.new_cache()
+    ids = torch.randint(0, 20, (1, 5))                                  # [1, 5]
+    model(ids, cache)
+    with pytest.raises(ValueError, match="input_ids holds 5 tokens and the cache 5 already"):
+        model(ids, cache)                                               # would be logits [1, 0, V]
+    for scaling, message in [
+            (dict(beta_fast=1, beta_slow=32), "scaling yarn needs beta_fast > beta_slow, got 1 and 32"),
+            (dict(beta_fast=0), "scaling 'yarn' beta_fast must be a finite number > 0, got 0")]:
+        with pytest.raises(ValueError, match=message):
+            tf.rope_cos_sin(8, 16, scaling={"type": "yarn", "factor": 4.0, "original_max_len": 16, **scaling})
+    with pytest.raises(ValueError, match="scaling 'llama3' low_freq_factor must be a finite number > 0, got 0"):
+        tf.rope_cos_sin(8, 16, scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 0,
+                                        "high_freq_factor": 4.0, "original_max_len": 8192})
+
+
 def test_moe_bad_arguments_raise_value_errors_naming_them():
     for kwargs, message in [
             (dict(top_k=0), r"top_k must be an integer from 1 to n_experts=8, got 0"),
             (dict(top_k=9), r"top_k must be .* got 9"),
             (dict(router="relu"), r"router must be 'softmax' or 'sigmoid', got 'relu'"),
-            (dict(n_groups=3), r"n_experts \(8\) must be divisible by n_groups \(3\)"),
-            (dict(n_groups=2, topk_groups=3), r"topk_groups \(3\) must be at most n_groups \(2\)"),
-            (dict(top_k=4, n_groups=4, topk_groups=1), r"leave 2 to choose from, fewer than top_k=4"),
+            (dict(n_groups=2), r"n_groups > 1 \(got 2\) is DeepSeek-V3's group-limited routing: router='sigmoid'"),
+            (dict(n_groups=3, router="sigmoid"), r"n_experts \(8\) must be divisible by n_groups \(3\)"),
+            (dict(n_groups=2, topk_groups=3, router="sigmoid"), r"topk_groups \(3\) must be at most n_groups \(2\)"),
+            (dict(top_k=4, n_groups=4, topk_groups=1, router="sigmoid"), r"leave 2 to choose from, fewer than top_k=4"),
             (dict(n_shared=-1), r"n_shared must be an integer >= 0, got -1"),
             (dict(routed_scale=0), r"routed_scale must be a number > 0, got 0"),
             (dict(n_experts=0), r"n_experts must be an integer >= 1, got 0")]:
@@ -6121,8 +6143,9 @@ assert len(ds.new_cache()) == 3""",
 ids = torch.randint(0, 50, (1, 40))
 pool = KVPool(n_blocks=24, block_size=4)
 assert torch.equal(model.generate(ids, max_new_tokens=8), model.generate(ids, max_new_tokens=8, use_cache=False))
-cache = model.new_cache(pool=pool)
-assert torch.allclose(model(ids, cache), model(ids), atol=1e-5) and pool.n_free == 24 - 2 * 10
+full = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=96)  # no window: a paged cache
+cache = full.new_cache(pool=pool)
+assert torch.allclose(full(ids, cache), full(ids), atol=1e-5) and pool.n_free == 24 - 2 * 10
 q, k, v = torch.randn(3, 1, 2, 37, 8).unbind(0)
 out, lse = flash_attention(q, k, v, causal=True, block_size=7)
 assert torch.allclose(out, scaled_dot_product_attention(q, k, v, make_causal_mask(37))[0], atol=1e-5)""",

@@ -1,7 +1,9 @@
 """transformer.py: the Transformer, hand-written, top to bottom, proven against PyTorch.
 
 Read it like an article: each numbered section depends only on torch and on the
-sections above it, so the file cut after any model's section still runs.
+sections above it, so the file cut after any model's section still runs that model
+(the options a later part adds, such as Part III's experts or Part IV's paged cache
+and RoPE scaling, need the file through that part).
 
   Part I    The classic Transformer (Vaswani et al., 2017, "Attention Is All You Need")
               1 positional encoding       2 attention and masks     3 multi-head attention
@@ -769,6 +771,9 @@ class DecoderOnlyTransformer(nn.Module):
         `past` tokens were run before and only the rest are: logits [B, T - past, V]."""
         check_ids("input_ids", input_ids, self.vocab_size, self.max_len)
         past = len(cache[0]) if cache else 0                               # tokens already cached
+        if past >= input_ids.size(1):
+            raise ValueError(f"input_ids holds {input_ids.size(1)} tokens and the cache {past} already:"
+                             f" pass the cached tokens and at least one new one")
         new = input_ids[:, past:]                                          # [B, Tn]
         x = self.token_embedding(new) * math.sqrt(self.d_model)            # [B, Tn, D]
         x = self.pos_encoding(x, start=past)                               # [B, Tn, D]
@@ -1133,6 +1138,9 @@ class Llama(nn.Module):
     def new_cache(self, pool=None):
         """An empty KV cache for forward: one per layer, each [B, Hkv, t, dk] once filled
         (a rolling one with the model's window); pool: paged caches, as for the GPT."""
+        if pool is not None and self.window is not None:
+            raise ValueError(f"a paged cache keeps every token, a window of {self.window} needs only the last:"
+                             f" a windowed model's cache is new_cache() without a pool (rolling)")
         if pool is not None:
             return [PagedKVCache(pool) for _ in self.layers]
         return [KVCache(window=self.window) for _ in self.layers]
@@ -1142,6 +1150,9 @@ class Llama(nn.Module):
         tokens not yet cached are run: logits [B, T - past, V]."""
         check_ids("input_ids", input_ids, self.vocab_size, self.max_len)
         past = len(cache[0]) if cache else 0                               # tokens already cached
+        if past >= input_ids.size(1):
+            raise ValueError(f"input_ids holds {input_ids.size(1)} tokens and the cache {past} already:"
+                             f" pass the cached tokens and at least one new one")
         new = input_ids[:, past:]                                          # [B, Tn]
         mask = make_causal_mask(new.size(1), input_ids.device, past, self.window)  # [1, 1, Tn, T]
         # the new tokens' absolute positions are past..T-1: their angles, not 0..Tn-1
@@ -1261,7 +1272,8 @@ LLAMA_CONFIGS = [
 # instead normalizes the whole projection, over all H * dk dims, before splitting
 # into heads. The order matters once the norm's weight is learned: RoPE keeps the
 # length of every pair it turns, but a weight that scales dim i and not its partner
-# gives a different vector before the turn than after it (the tests check both).
+# gives a different vector before the turn than after it (a test shows the two orders
+# differ with a learned weight and agree with a weight of ones).
 #
 # Try it: a Qwen3-style attention, 4 heads of 16 in a model 32 wide.
 #   >>> attn = GroupedQueryAttention(d_model=32, n_heads=4, n_kv_heads=2, head_dim=16, qk_norm=True)
@@ -1311,6 +1323,8 @@ class MoE(nn.Module):
             raise ValueError(f"top_k must be an integer from 1 to n_experts={n_experts}, got {top_k!r}")
         if router not in ("softmax", "sigmoid"):
             raise ValueError(f"router must be 'softmax' or 'sigmoid', got {router!r}")
+        if n_groups > 1 and router != "sigmoid":  # DeepSeek-V3's group scores are sums of its sigmoids
+            raise ValueError(f"n_groups > 1 (got {n_groups}) is DeepSeek-V3's group-limited routing: router='sigmoid'")
         if n_experts % n_groups:
             raise ValueError(f"n_experts ({n_experts}) must be divisible by n_groups ({n_groups})")
         if topk_groups > n_groups:
@@ -1387,6 +1401,8 @@ def load_balancing_loss(router_logits, top_k):
     probability piles up where the tokens go. f_e is a count, without a gradient:
     the loss pushes P_e down where f_e is high. Add it to the loss times a small
     factor (Switch: 0.01)."""
+    if router_logits.dim() != 2 or len(router_logits) == 0:
+        raise ValueError(f"router_logits must be [N, E] with N >= 1 tokens, got shape {list(router_logits.shape)}")
     E = router_logits.size(-1)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
         raise ValueError(f"top_k must be an integer from 1 to {E} (the experts), got {top_k!r}")
@@ -1402,7 +1418,8 @@ def update_router_bias(model, rate=1e-3):
     """DeepSeek-V3's auxiliary-loss-free balancing, called after each optimizer step:
     every sigmoid MoE in model moves router_bias by rate toward the mean load,
     router_bias += rate * sign(mean load - its load), from its last forward's
-    tokens_per_expert. V3 trained with rate 0.001. -> the MoEs updated."""
+    tokens_per_expert (in training, padded positions count too). V3 trained with rate
+    0.001, and 0 for its last 500B tokens. -> the MoEs updated."""
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate >= 0:
         raise ValueError(f"rate must be a number >= 0, got {rate!r}")
     updated = 0
@@ -1423,7 +1440,7 @@ def update_router_bias(model, rate=1e-3):
 #   >>> _ = ds(torch.randn(2, 5, 16))                                       # 10 tokens, 20 slots, mean load 2.5
 #   >>> update_router_bias(ds), torch.equal(ds.router_bias > 0, ds.tokens_per_expert < 2.5)  # idle up, busy down
 #   (1, True)
-#   >>> MoE(16, 32, n_experts=8, top_k=4, n_groups=4, topk_groups=1)
+#   >>> MoE(16, 32, n_experts=8, top_k=4, router="sigmoid", n_groups=4, topk_groups=1)
 #   Traceback (most recent call last):
 #   ValueError: topk_groups=1 groups of 2 experts leave 2 to choose from, fewer than top_k=4
 
@@ -1437,7 +1454,8 @@ def update_router_bias(model, rate=1e-3):
 # expands it again to every head's key (its nope part, 128) and value (128). The
 # cache keeps only c and the rope key: 576 values a token a layer in V3, against
 # 128 heads x (192 + 128) = 40,960 for per-head keys and values. Queries go through
-# a low-rank bottleneck of their own (w_dq, q_norm, w_uq) to save weights, not cache.
+# a low-rank bottleneck of their own (w_dq, q_norm, w_uq): not for the cache, "to
+# reduce the activation memory during training" (the DeepSeek-V2 paper's reason).
 # A head's q and k are [nope | rope]: RoPE turns only the rope part; scores are
 # scaled by (nope + rope)^-0.5, the width of the whole q.k product.
 # Two ways to compute it, proven equal by the tests:
@@ -1915,7 +1933,7 @@ def flash_attention(q, k, v, causal=False, block_size=64):
 # Older tokens still count, through the layers: layer 1 at position p read p - (W - 1)
 # .. p, and layer 2 reads layer 1's outputs there, so L layers reach back L * (W - 1)
 # positions (Mistral-7B: 32 * 4095 = 131,040, the paper's "approximately 131K"). A
-# token further back changes nothing at all; one within the window changes the logits.
+# token further back changes nothing at all; one within that reach can change them.
 # The pitfall: len(cache) must count every token seen, not the `window` it holds. RoPE
 # turns the next token by its absolute position and the mask counts from it; a cache
 # whose length stops at `window` restarts the positions, and the keys kept (turned at
@@ -2064,7 +2082,8 @@ def padded_and_paged_slots(lengths, block_size):
 #   the factor s, position p looks like p / s. Simple, but it squeezes the fast pairs
 #   too: neighbouring tokens now differ by 1/s of the angle they did, and the model
 #   loses the fine, local order it learned.
-# - NTK-aware, then "by parts" (bloc97, 2023; YaRN, Peng et al., 2023): a pair whose
+# - NTK-aware (bloc97, 2023: a larger base, theta * s^(dk / (dk - 2)), which slows the
+#   slow pairs most), then "by parts" (YaRN, Peng et al., 2023), used here: a pair whose
 #   wavelength 2 pi / theta_i is much shorter than L has turned many times in training,
 #   so every angle it meets later was already seen: leave it alone. A pair whose
 #   wavelength exceeds L never finished one turn: past L its angles are new, so slow
@@ -2083,15 +2102,17 @@ def padded_and_paged_slots(lengths, block_size):
 #   multiplied by its square, sharpening a softmax that more keys would flatten.
 #   Forgetting it raises no error: the model just runs at a worse perplexity.
 #   DeepSeek-V3 leaves cos and sin alone and multiplies its softmax scale by mscale^2
-#   instead (mscale = 0.1 * mscale * ln s + 1, its config's mscale 1): the same scores.
+#   instead (mscale = 0.1 * mscale * ln s + 1, its config's mscale 1): in MLA only the
+#   64 rope dims are turned, so scaling cos and sin would miss the 128 nope dims.
 # The pitfall: the cache holds keys already turned at their positions (section 14).
 # Scaling is chosen once, for the model; turning the cached keys again (say, to switch
 # scaling mid-generation) turns them twice.
 
 def scaled_inv_freq(inv_freq, head_dim, theta, scaling):
     """RoPE's inverse frequencies [dk/2] stretched for a longer context, as the published
-    formulas (Hugging Face's _compute_linear_scaling_, _compute_llama3_ and
-    _compute_yarn_parameters) -> (inv_freq [dk/2], attention factor for cos and sin)."""
+    formulas (Hugging Face's _compute_linear_scaling_rope_parameters, _compute_llama3_parameters
+    and _compute_yarn_parameters, whose rope_type and original_max_position_embeddings
+    are type and original_max_len here) -> (inv_freq [dk/2], attention factor for cos and sin)."""
     required = {"linear": ("factor",),
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_len"),
                 "yarn": ("factor", "original_max_len")}
@@ -2105,8 +2126,12 @@ def scaled_inv_freq(inv_freq, head_dim, theta, scaling):
     if missing or unknown:
         raise ValueError(f"scaling {kind!r} needs the keys {list(required[kind])} (optional:"
                          f" {list(optional[kind])}); missing {missing}, unknown {unknown}")
+    for key in sorted(set(scaling) - {"type", "original_max_len"}):  # factors and betas divide or take logs
+        value = scaling[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"scaling {kind!r} {key} must be a finite number > 0, got {value!r}")
     factor = scaling["factor"]
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
+    if not factor >= 1:
         raise ValueError(f"scaling factor must be a number >= 1 (how many times longer), got {factor!r}")
     if kind == "linear":
         return inv_freq / factor, 1.0                                      # [dk/2]
@@ -2122,6 +2147,8 @@ def scaled_inv_freq(inv_freq, head_dim, theta, scaling):
         slowed = torch.where(wavelength > original / low, inv_freq / factor, mixed)  # [dk/2]
         return torch.where(wavelength < original / high, inv_freq, slowed), 1.0  # [dk/2]
     beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
+    if not beta_fast > beta_slow:  # the ramp runs from the fast pairs (many turns) to the slow
+        raise ValueError(f"scaling yarn needs beta_fast > beta_slow, got {beta_fast} and {beta_slow}")
 
     def pair_turning(turns):  # the (fractional) pair index that turns `turns` times in L positions
         return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
@@ -2842,7 +2869,7 @@ def expert_load(model, pairs, vocab):
         by_length.setdefault(len(ids), []).append(ids)
     moes = {i: layer.ffn for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoE)}
     totals = {i: torch.zeros(moe.n_experts) for i, moe in moes.items()}  # [E] each
-    with eval_mode(model):
+    with eval_mode(model), torch.no_grad():
         for rows in by_length.values():
             model(torch.tensor(rows, device=device))                       # [B, L, V]; fills tokens_per_expert
             for i, moe in moes.items():
@@ -3349,7 +3376,7 @@ def show_models(device):
         llama(tgt, cache)                                                  # fills [B, Hkv, T, dk] per layer
     stored = sum(c.k.nelement() * c.k.element_size() + c.v.nelement() * c.v.element_size() for c in cache)
     print(f"  measured: the small Llama-style model's cache holds {stored // (2 * 5):,} bytes a token in float32"
-          f" = {kv_cache_bytes_per_token(2, 2, 32, bytes_per_value=4):,} by the formula (2 kv heads of 4)")
+          f" = {kv_cache_bytes_per_token(2, 2, 32, bytes_per_value=4):,} by the formula (2 layers, 2 kv heads of 32)")
     print("\nfrontier models (meta device): total and active parameters, cache per token in bfloat16")
     print(f"  {'model':14s} {'counted':>15s} {'formula':>15s} {'active':>14s}  {'cache':>9s}  reported")
     for name, kind, cfg, total, active, reported in FRONTIER_CONFIGS:
@@ -3358,7 +3385,7 @@ def show_models(device):
         if kind == "deepseek":
             cache_bytes = mla_cache_bytes_per_token(cfg["n_layers"], cfg["kv_lora_rank"], cfg["qk_rope_dim"])
         else:
-            cache_bytes = kv_cache_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], cfg.get("head_dim", 128))
+            cache_bytes = kv_cache_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], cfg.get("head_dim") or cfg["d_model"] // cfg["n_heads"])
         print(f"  {name:14s} {counted:15,d} {PARAMETER_FORMULAS[kind](**cfg):15,d}"
               f" {PARAMETER_FORMULAS[kind](**cfg, active=True):14,d}  {cache_bytes / 1024:5.1f} KiB  {reported}")
     v3 = FRONTIER_CONFIGS[2][2]
