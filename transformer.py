@@ -52,10 +52,13 @@ encoder-decoder), fixes their mistakes, and proves each piece in test_transforme
 # ===========================================================================
 # The models need nothing but torch. One legend for every shape comment:
 #   B batch, S source length, T target length, D d_model, H heads,
-#   dk = D // H (one head's width), Dff the feed-forward width, V vocabulary size;
+#   dk = D // H (one head's width; section 17 lets it differ), dv a value's width,
+#   Dff the feed-forward width, V vocabulary size; generating with a cache, t tokens
+#   are cached and Tn are new.
 #   Part II adds Hkv, the key/value heads of grouped-query attention.
 #   Part III adds N = B * T tokens, E experts, k = top_k, G expert groups, r the
 #   latent's width, nope / rope / v the widths of an MLA head's parts.
+#   Part IV adds bq, bk the query and key blocks of a tile, bs a cache block's tokens.
 # Attention scores are [B, H, Tq, Tk]: one row per query, one column per key.
 
 import math
