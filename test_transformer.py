@@ -11,9 +11,14 @@ What it proves:
   never changes a real one, a cached step equals the full pass.
 - Pitfalls: each mistake of the design guide's list has a test named after it
   (test_pitfallN_...), written so that the mistaken version would fail.
+- Parts III and IV, which have no PyTorch counterpart: against brute-force and
+  closed-form references (a dense MoE, MLA expanded against absorbed, attention
+  computed whole against FlashAttention's tiles, the contiguous cache against the
+  rolling and paged ones, hand-computed RoPE frequencies).
 - Numbers: parameter counts against closed-form formulas and published totals.
 - Learning and tools (Part V and after): the toy task, decoding, training, the
-  demo, checkpoints and the command line, bad input included. A threshold on
+  demo, checkpoints and the command line; then "Hardening": bad input of every
+  class, as one stderr line and exit 2, nothing lost, memory bounded. A threshold on
   anything learned carries, beside it, the range measured under
   ATEN_CPU_CAPABILITY=default/avx2/avx512, 1 and 2 threads, torch 2.5.1 and 2.13.0.
 - The file as a whole: its "Try it" examples print what they show, the README's
@@ -23,8 +28,9 @@ How it is laid out: one banner per section of transformer.py, in its order, so
 that a section's tests sit under its number; helpers sit beside the tests that
 use them. Everything runs in-process (main(argv) with capsys and tmp_path),
 except the few checks that need a real `python transformer.py`: signals, a
-closed or full standard stream, the sections cut out and run alone. Those start
-together with the session (`processes` below) and each test waits on its own.
+closed or full standard stream, a process's own peak memory, the sections cut
+out and run alone. Those start together with the session (`processes` below;
+the hardening's with its first test) and each test waits on its own.
 
     python -m pytest -q
 """
