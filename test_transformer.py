@@ -4300,6 +4300,14 @@ def test_load_checkpoint_refuses_a_forged_layer_count_without_building_it(tmp_pa
     assert time.perf_counter() - start < 2                         # measured 0.01-0.03 s
 
 
+def toy_split_and_vocabs():
+    """The toy task's seed-0 split and what --save stores beside a model: ->
+    (train pairs, held-out pairs, readings, source vocab, target vocab, decoder-only vocab)."""
+    train_pairs, test_pairs = tf.split_data(tf.make_toy_data(seed=0), seed=0)
+    return (train_pairs, test_pairs, tf.syllable_readings(train_pairs), *tf.build_vocabs(train_pairs),
+            tf.build_gpt_vocab(train_pairs))
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     """Untrained checkpoints as --save writes them, on the toy task's seed-0 training
@@ -4308,10 +4316,7 @@ def tiny_checkpoints(tmp_path_factory):
     that fits none, "-noreadings", "-adversarial", and a "llama"), the split and the
     readings."""
     folder = tmp_path_factory.mktemp("tiny-checkpoints")
-    train_pairs, test_pairs = tf.split_data(tf.make_toy_data(seed=0), seed=0)
-    readings = tf.syllable_readings(train_pairs)
-    sv, tv = tf.build_vocabs(train_pairs)
-    vocab = tf.build_gpt_vocab(train_pairs)
+    train_pairs, test_pairs, readings, sv, tv, vocab = toy_split_and_vocabs()
     torch.manual_seed(0)
     paths = {}
 
@@ -5193,18 +5198,12 @@ def test_cli_garbage_model_still_answers_only_characters(tiny_checkpoints, free,
 # memory is its own only when it starts small). They all start together, when the
 # first is needed, and run while the in-process tests do.
 
-HARDENING_HERE = os.path.dirname(os.path.abspath(__file__))
-
-
 @pytest.fixture(scope="module")
 def hard(tmp_path_factory):
     """Untrained tiny checkpoints of each kind on the toy task's seed-0 split, as
     --save writes them, and a small pinyin<TAB>hanzi file. -> dict of paths and vocabularies."""
     folder = tmp_path_factory.mktemp("hardening")
-    train_pairs, _ = tf.split_data(tf.make_toy_data(seed=0), seed=0)
-    readings = tf.syllable_readings(train_pairs)
-    sv, tv = tf.build_vocabs(train_pairs)
-    vocab = tf.build_gpt_vocab(train_pairs)
+    _, _, readings, sv, tv, vocab = toy_split_and_vocabs()
     torch.manual_seed(0)
     models = {"encdec": (tf.Transformer(len(sv), len(tv), d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=32),
                          sv, tv),
@@ -5359,7 +5358,7 @@ def _start(folder, name, command, stdin=subprocess.DEVNULL, stdout=None, stderr=
             stdout = files.enter_context(open(paths["stdout"], "wb"))
         if stderr is None:
             stderr = files.enter_context(open(paths["stderr"], "wb"))
-        proc = subprocess.Popen(command, cwd=HARDENING_HERE, env=env, stdin=stdin, stdout=stdout, stderr=stderr)
+        proc = subprocess.Popen(command, cwd=HERE, env=env, stdin=stdin, stdout=stdout, stderr=stderr)
     return dict(proc=proc, **paths, **facts)
 
 
