@@ -36,6 +36,7 @@ the hardening's with its first test) and each test waits on its own.
 """
 
 import argparse
+import ast
 import contextlib
 import doctest
 import inspect
@@ -429,15 +430,34 @@ def _mha_pair(D=16, H=4):
     return ours, ref
 
 
+def keeping_weights(mha, *args):
+    """mha(*args), and the weights [B, H, Tq, Tk] its attention computed: section 2's,
+    caught by an attend() set on the module for the call (as cross_attention_map does)."""
+    seen = []
+
+    def attend(q, k, v, mask):
+        out, weights = tf.scaled_dot_product_attention(q, k, v, mask, mha.dropout)
+        seen.append(weights)
+        return out
+
+    mha.attend = attend
+    try:
+        out = mha(*args)
+    finally:
+        del mha.attend
+    return out, seen[0]
+
+
 def test_mha_self_attention_matches_nn():
     ours, ref = _mha_pair()
     x = torch.randn(2, 5, 16)
-    out = ours(x, x, x)
+    out, weights = keeping_weights(ours, x, x, x)
     ref_out, ref_w = ref(x, x, x, need_weights=True, average_attn_weights=True)
     assert out.shape == (2, 5, 16)
     assert_close(out, ref_out)
-    assert ours.attn_weights.shape == (2, 4, 5, 5)
-    assert_close(ours.attn_weights.mean(1), ref_w)
+    assert_close(ours(x, x, x), ref_out)                 # the module as it is, without the catch
+    assert weights.shape == (2, 4, 5, 5)
+    assert_close(weights.mean(1), ref_w)
 
 
 def test_mha_self_attention_causal_matches_nn():
@@ -445,8 +465,9 @@ def test_mha_self_attention_causal_matches_nn():
     x = torch.randn(2, 5, 16)
     causal = tf.make_causal_mask(5)
     ref_out, ref_w = ref(x, x, x, attn_mask=~causal[0, 0])
-    assert_close(ours(x, x, x, causal), ref_out)
-    assert_close(ours.attn_weights.mean(1), ref_w)
+    out, weights = keeping_weights(ours, x, x, x, causal)
+    assert_close(out, ref_out)
+    assert_close(weights.mean(1), ref_w)
 
 
 def test_mha_cross_attention_with_key_padding_matches_nn():
@@ -454,13 +475,13 @@ def test_mha_cross_attention_with_key_padding_matches_nn():
     query, memory = torch.randn(2, 3, 16), torch.randn(2, 7, 16)         # Tq = 3, Tk = 7
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 0, 0, 0]])
     mask = tf.make_pad_mask(ids, 0)
-    out = ours(query, memory, memory, mask)
+    out, weights = keeping_weights(ours, query, memory, memory, mask)
     ref_out, ref_w = ref(query, memory, memory, key_padding_mask=key_padding(mask),
                          need_weights=True, average_attn_weights=True)
     assert out.shape == (2, 3, 16)
     assert_close(out, ref_out)
-    assert ours.attn_weights.shape == (2, 4, 3, 7)
-    assert_close(ours.attn_weights.mean(1), ref_w)
+    assert weights.shape == (2, 4, 3, 7)
+    assert_close(weights.mean(1), ref_w)
 
 
 def test_pitfall4_cross_attention_with_different_lengths():
@@ -511,12 +532,13 @@ def test_pitfall1_seed000_mha_stores_heads():
         logits = model(ids)
     assert logits.shape == (2, 5, 100)
     assert torch.isfinite(logits).all()
-    assert mha.attn_weights.shape == (2, 8, 5, 5)
+    x = torch.randn(2, 5, 512)
+    assert keeping_weights(mha, x, x, x)[1].shape == (2, 8, 5, 5)
 
 
 def test_kv_cache_len_and_append():
     cache = tf.KVCache()
-    assert len(cache) == 0 and cache.k is None and cache.v is None and not cache.static
+    assert len(cache) == 0 and cache.k is None and cache.v is None
     k1, v1 = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5)
     k, v = cache.append(k1, v1)
     assert len(cache) == 4 and torch.equal(k, k1) and torch.equal(v, v1)
@@ -525,20 +547,21 @@ def test_kv_cache_len_and_append():
     assert len(cache) == 5 and k.shape == v.shape == (2, 3, 5, 5)
     assert torch.equal(k, torch.cat([k1, k2], 2)) and torch.equal(v, torch.cat([v1, v2], 2))
     assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
-    assert tf.KVCache(static=True).static
 
 
-def test_mha_static_cache_keeps_the_first_keys_and_values():
+def test_mha_cache_given_no_new_keys_reads_the_ones_it_holds():
+    """Cross-attention's cache (section 6): filled with the memory once, then handed no new
+    tokens, it answers later queries from the keys and values it holds."""
     mha = tf.MultiHeadAttention(D, H, dropout=0.0).eval()
     query, memory = torch.randn(2, 1, D), torch.randn(2, 6, D)
-    cache = tf.KVCache(static=True)
+    cache = tf.KVCache()
     first = mha(query, memory, memory, cache=cache)
     assert len(cache) == 6
-    # a static cache is filled once: later calls reuse it, whatever key and value they pass
-    again = mha(query, torch.zeros_like(memory), torch.zeros_like(memory), cache=cache)
+    later = torch.randn(2, 1, D)
+    again = mha(later, memory[:, :0], memory[:, :0], cache=cache)
     assert len(cache) == 6
-    assert_close(again, first)
     assert_close(first, mha(query, memory, memory))
+    assert_close(again, mha(later, memory, memory))
 
 
 # ===========================================================================
@@ -879,8 +902,7 @@ def test_decode_with_cache_in_chunks_equals_one_pass(norm_first):
     assert first.shape == (2, 3, TGT_VOCAB) and rest.shape == (2, 4, TGT_VOCAB)
     assert_close(torch.cat([first, rest], 1), full)
     # the self-attention caches hold all 7 target positions, the cross caches the 6 source ones
-    assert all(len(self_c) == 7 and len(cross_c) == SRC.size(1) and cross_c.static and not self_c.static
-               for self_c, cross_c in cache)
+    assert all(len(self_c) == 7 and len(cross_c) == SRC.size(1) for self_c, cross_c in cache)
 
 
 def test_cross_attention_keys_computed_once_per_layer_with_cache():
@@ -898,7 +920,7 @@ def test_cross_attention_keys_computed_once_per_layer_with_cache():
         out = tf.greedy_decode(model, SRC, BOS, EOS, max_len=steps, use_cache=True)
         assert out.shape == (2, steps)
         for i in range(2):
-            assert seen["cross"][i] == [(2, S, D)]                  # once, at the first step
+            assert seen["cross"][i] == [(2, S, D)] + [(2, 0, D)] * (steps - 1)  # S tokens once, then none
             assert seen["self"][i] == [(2, 1, D)] * steps           # one new token per step
         for shapes in seen["cross"] + seen["self"]:
             shapes.clear()
@@ -981,7 +1003,8 @@ def test_generate_is_greedy():
 
 def test_generate_bad_inputs_raise():
     model = _gpt()                                                       # max_len 16
-    with pytest.raises(ValueError, match=r"prompt length 10 \+ max_new_tokens 7.*max_len=16"):
+    with pytest.raises(ValueError, match=r"prompt_length \+ max_new_tokens must be at most max_len"
+                                         r" \(max_new_tokens=7, max_len=16\), got 10"):
         model.generate(torch.zeros(1, 10, dtype=torch.long), 7)
     model.generate(torch.zeros(1, 10, dtype=torch.long), 6)              # exactly max_len is fine
     with pytest.raises(ValueError, match=rf"id {V}\b.*\[0, {V}\)"):
@@ -1214,7 +1237,7 @@ def test_rope_cos_sin_formula():
 
 @pytest.mark.parametrize("head_dim", [9, 1, 0])
 def test_rope_odd_head_dim_raises(head_dim):
-    with pytest.raises(ValueError, match=f"got {head_dim}"):
+    with pytest.raises(ValueError, match=f"head_dim must be .*, got {head_dim}$"):
         tf.rope_cos_sin(head_dim, 8)
 
 
@@ -1394,7 +1417,7 @@ def test_pitfall_is_causal_wrong_for_cached_multi_token_step():
     (dict(d_model=32, n_heads=4, n_kv_heads=3), ["4", "3"]),
     (dict(d_model=30, n_heads=4, n_kv_heads=2), ["30", "4"]),
     (dict(d_model=32, n_heads=0, n_kv_heads=0), ["0"]),
-    (dict(d_model=32, n_heads=4, n_kv_heads=0), ["n_kv_heads (0)"]),
+    (dict(d_model=32, n_heads=4, n_kv_heads=0), ["n_kv_heads must be an integer >= 1", "got 0"]),
 ])
 def test_gqa_bad_heads_raise(kwargs, numbers):
     with pytest.raises(ValueError) as info:
@@ -1804,16 +1827,16 @@ def _gqa_reference(attn, x, cos, sin, norm="per_head_before_rope"):
 
 
 def test_head_dim_decouples_head_width_from_d_model():
-    attn = tf.GroupedQueryAttention(d_model=24, n_heads=4, n_kv_heads=2, head_dim=10)   # 4 x 10 = 40 > 24
+    attn = tf.QKNormAttention(d_model=24, n_heads=4, n_kv_heads=2, head_dim=10)   # 4 x 10 = 40 > 24
     assert attn.w_q.weight.shape == (40, 24) and attn.w_k.weight.shape == (20, 24)
-    assert attn.w_o.weight.shape == (24, 40) and not hasattr(attn, "q_norm")
+    assert attn.w_o.weight.shape == (24, 40)
     cos, sin = tf.rope_cos_sin(10, 16)
     x = torch.randn(2, 7, 24)
-    assert_close(attn(x, cos[:7], sin[:7], tf.make_causal_mask(7)), _gqa_reference(attn, x, cos[:7], sin[:7], None))
+    assert_close(attn(x, cos[:7], sin[:7], tf.make_causal_mask(7)), _gqa_reference(attn, x, cos[:7], sin[:7]))
 
 
 def test_qk_norm_is_per_head_and_before_rope():
-    attn = randomize(tf.GroupedQueryAttention(d_model=32, n_heads=4, n_kv_heads=2, head_dim=12, qk_norm=True))
+    attn = randomize(tf.QKNormAttention(d_model=32, n_heads=4, n_kv_heads=2, head_dim=12))
     assert attn.q_norm.weight.shape == (12,) and attn.k_norm.weight.shape == (12,)
     cos, sin = tf.rope_cos_sin(12, 16)
     x = 3 * torch.randn(2, 6, 32)
@@ -1824,10 +1847,10 @@ def test_qk_norm_is_per_head_and_before_rope():
     assert max_diff(ours, _gqa_reference(attn, x, cos[:6], sin[:6], "whole_projection")) > 1e-3
 
 
-def test_llama_passes_head_dim_and_qk_norm_through():
-    model = tf.Llama(vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, qk_norm=True,
-                     max_len=16)
-    assert model.cos.shape == (16, 16) and all(layer.attn.qk_norm for layer in model.layers)
+def test_qwen3_is_llama_with_qk_norm_attention_of_its_head_width():
+    model = tf.Qwen3(vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, max_len=16)
+    assert model.cos.shape == (16, 16) and all(type(layer.attn) is tf.QKNormAttention for layer in model.layers)
+    assert isinstance(model, tf.Llama) and model.config["head_dim"] == 16
     randomize(model).eval()
     ids = torch.randint(0, 40, (2, 9))
     full = model(ids)
@@ -2035,12 +2058,10 @@ def test_update_router_bias_brings_a_skewed_load_toward_uniform():
     assert tf.update_router_bias(softmax) == 0 and softmax.router_bias.abs().sum() == 0
 
 
-def test_review_edge_cases_are_value_errors_naming_the_value():
+def test_edge_cases_are_value_errors_naming_the_value():
     with pytest.raises(ValueError, match=r"router_logits must be \[N, E\] with N >= 1 tokens, got shape \[0, 4\]"):
         tf.load_balancing_loss(torch.zeros(0, 4), top_k=2)             # would be NaN
-    model = tf.Llama(vocab_size=20, d_model=16, n_layers=1, n_heads=2, max_len=16, window=4)
-    with pytest.raises(ValueError, match="a paged cache keeps every token, a window of 4"):
-        model.new_cache(pool=tf.KVPool(n_blocks=4, block_size=4))      # it would keep every token
+    model = tf.Mistral(vocab_size=20, d_model=16, n_layers=1, n_heads=2, max_len=16, window=4)
     cache = model.new_cache()
     ids = torch.randint(0, 20, (1, 5))                                  # [1, 5]
     model(ids, cache)
@@ -2050,48 +2071,54 @@ def test_review_edge_cases_are_value_errors_naming_the_value():
             (dict(beta_fast=1, beta_slow=32), "scaling yarn needs beta_fast > beta_slow, got 1 and 32"),
             (dict(beta_fast=0), "scaling 'yarn' beta_fast must be a finite number > 0, got 0")]:
         with pytest.raises(ValueError, match=message):
-            tf.rope_cos_sin(8, 16, scaling={"type": "yarn", "factor": 4.0, "original_max_len": 16, **scaling})
+            tf.scaled_rope_cos_sin(8, 16, 10000.0, {"type": "yarn", "factor": 4.0, "original_max_len": 16, **scaling})
     with pytest.raises(ValueError, match="scaling 'llama3' low_freq_factor must be a finite number > 0, got 0"):
-        tf.rope_cos_sin(8, 16, scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 0,
-                                        "high_freq_factor": 4.0, "original_max_len": 8192})
+        tf.scaled_rope_cos_sin(8, 16, 10000.0, {"type": "llama3", "factor": 8.0, "low_freq_factor": 0,
+                                                "high_freq_factor": 4.0, "original_max_len": 8192})
 
 
 def test_moe_bad_arguments_raise_value_errors_naming_them():
     for kwargs, message in [
-            (dict(top_k=0), r"top_k must be an integer from 1 to n_experts=8, got 0"),
-            (dict(top_k=9), r"top_k must be .* got 9"),
+            (dict(top_k=0), r"top_k must be an integer >= 1 or None, got 0"),
+            (dict(top_k=9), r"top_k must be at most n_experts \(n_experts=8\), got 9"),
             (dict(router="relu"), r"router must be 'softmax' or 'sigmoid', got 'relu'"),
-            (dict(n_groups=2), r"n_groups > 1 \(got 2\) is DeepSeek-V3's group-limited routing: router='sigmoid'"),
-            (dict(n_groups=3, router="sigmoid"), r"n_experts \(8\) must be divisible by n_groups \(3\)"),
-            (dict(n_groups=2, topk_groups=3, router="sigmoid"), r"topk_groups \(3\) must be at most n_groups \(2\)"),
-            (dict(top_k=4, n_groups=4, topk_groups=1, router="sigmoid"), r"leave 2 to choose from, fewer than top_k=4"),
+            (dict(n_groups=2), r"n_groups > 1 is DeepSeek-V3's group-limited routing: it needs router='sigmoid'"
+                               r" \(router='softmax'\), got 2"),
+            (dict(n_groups=3, router="sigmoid"), r"n_experts must be divisible by n_groups \(n_groups=3\), got 8"),
+            (dict(n_groups=2, topk_groups=3, router="sigmoid"),
+             r"topk_groups must be at most n_groups \(n_groups=2\), got 3"),
+            (dict(top_k=4, n_groups=4, topk_groups=1, router="sigmoid"),
+             r"must hold at least top_k \(n_groups=4, n_experts=8, top_k=4\), got 1"),
             (dict(n_shared=-1), r"n_shared must be an integer >= 0, got -1"),
-            (dict(routed_scale=0), r"routed_scale must be a number > 0, got 0"),
+            (dict(routed_scale=0), r"routed_scale must be a number from 1.17549e-38 to 1e\+30, got 0"),
             (dict(n_experts=0), r"n_experts must be an integer >= 1, got 0")]:
         with pytest.raises(ValueError, match=message):
             tf.MoE(**{**dict(d_model=8, d_ff=8, n_experts=8, top_k=2), **kwargs})
-    with pytest.raises(ValueError, match=r"top_k must be an integer from 1 to 4 \(the experts\), got 5"):
+    with pytest.raises(ValueError, match=r"top_k must be at most n_experts \(n_experts=4\), got 5"):
         tf.load_balancing_loss(torch.zeros(3, 4), top_k=5)
     with pytest.raises(ValueError, match=r"rate must be a number >= 0, got -0.1"):
         tf.update_router_bias(tf.MoE(8, 8, 4, 2), rate=-0.1)
 
 
-def test_llama_with_experts_is_mixtral_shaped_and_decodes_with_its_cache():
-    model = randomize(tf.Llama(vocab_size=40, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24,
-                               n_experts=4, top_k=2, max_len=24)).eval()
+def test_mixtral_and_qwen3_moe_are_their_dense_models_with_moe_feed_forwards_and_decode_with_a_cache():
+    model = randomize(tf.Mixtral(vocab_size=40, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24,
+                                 n_experts=4, top_k=2, max_len=24)).eval()
     assert all(isinstance(layer.ffn, tf.MoE) and layer.ffn.experts[0].w1.weight.shape == (24, 16)
-               for layer in model.layers)
-    qwen = tf.Llama(vocab_size=40, d_model=16, n_layers=1, n_heads=4, head_dim=8, qk_norm=True, n_experts=6,
-                    top_k=3, expert_d_ff=10, norm_topk=False)
+               and layer.ffn.norm_topk and type(layer.attn) is tf.GroupedQueryAttention for layer in model.layers)
+    qwen = tf.Qwen3MoE(vocab_size=40, d_model=16, n_layers=1, n_heads=4, head_dim=8, n_experts=6, top_k=3,
+                       expert_d_ff=10, norm_topk=False)
     assert qwen.layers[0].ffn.experts[0].w1.weight.shape == (10, 16) and not qwen.layers[0].ffn.norm_topk
+    assert type(qwen.layers[0].attn) is tf.QKNormAttention and qwen.layers[0].attn.head_dim == 8
     ids = torch.randint(0, 40, (2, 6))
     assert torch.equal(model.generate(ids, 8), model.generate(ids, 8, use_cache=False))
-    with pytest.raises(ValueError, match=r"n_experts must be an integer >= 0 \(0: a dense SwiGLU\), got -1"):
-        tf.Llama(vocab_size=40, d_model=16, n_layers=1, n_heads=4, n_experts=-1)
-    with pytest.raises(ValueError, match=r"head_dim must be an integer >= 1, got 0"):
-        tf.GroupedQueryAttention(16, 4, 2, head_dim=0)
-    with pytest.raises(ValueError, match=r"expert_d_ff must be an integer >= 1, got 0"):
-        tf.Llama(vocab_size=40, d_model=16, n_layers=1, n_heads=4, n_experts=2, expert_d_ff=0)
+    with pytest.raises(ValueError, match=r"n_experts must be an integer >= 1, got -1"):
+        tf.Mixtral(vocab_size=40, d_model=16, n_layers=1, n_heads=4, n_experts=-1)
+    with pytest.raises(ValueError, match=r"head_dim must be an integer >= 1 or None, got 0"):
+        tf.Qwen3(vocab_size=40, d_model=16, n_layers=1, n_heads=4, head_dim=0)
+    with pytest.raises(ValueError, match=r"expert_d_ff must be an integer >= 1 or None, got 0"):
+        tf.Mixtral(vocab_size=40, d_model=16, n_layers=1, n_heads=4, n_experts=2, expert_d_ff=0)
+    with pytest.raises(ValueError, match=r"top_k must be at most n_experts \(n_experts=2\), got 3"):
+        tf.Qwen3MoE(vocab_size=40, d_model=16, n_layers=1, n_heads=4, n_experts=2, top_k=3)
 
 
 # ===========================================================================
@@ -2224,7 +2251,7 @@ def test_mla_bad_arguments_raise_value_errors_naming_them():
     base = dict(d_model=32, n_heads=4, kv_lora_rank=12, qk_nope_dim=6, qk_rope_dim=4, v_head_dim=5)
     for kwargs, message in [(dict(qk_rope_dim=3), r"qk_rope_dim must be even, got 3"),
                             (dict(kv_lora_rank=0), r"kv_lora_rank must be an integer >= 1, got 0"),
-                            (dict(q_lora_rank=0), r"q_lora_rank must be an integer >= 1, got 0"),
+                            (dict(q_lora_rank=0), r"q_lora_rank must be an integer >= 1 or None, got 0"),
                             (dict(v_head_dim=2.5), r"v_head_dim must be an integer >= 1, got 2.5")]:
         with pytest.raises(ValueError, match=message):
             tf.MultiHeadLatentAttention(**{**base, **kwargs})
@@ -2238,7 +2265,9 @@ def test_deepseek_layout_names_and_blocks():
     model = tiny_deepseek(n_layers=4, n_dense_layers=2)
     assert [type(layer.ffn).__name__ for layer in model.layers] == ["SwiGLU", "SwiGLU", "MoE", "MoE"]
     moe = model.layers[2].ffn
-    assert moe.score_func == "sigmoid" and moe.routed_scale == 2.5 and moe.n_groups == 4
+    assert moe.scoring == "sigmoid" and moe.routed_scale == 2.5 and moe.n_groups == 4
+    assert isinstance(model, tf.Llama) and all(type(layer.attn) is tf.MultiHeadLatentAttention
+                                               for layer in model.layers)
     names = set(model.state_dict())
     for name in ["token_embedding.weight", "layers.0.attn_norm.weight", "layers.0.attn.w_dq.weight",
                  "layers.0.attn.q_norm.weight", "layers.0.attn.w_uq.weight", "layers.0.attn.w_dkv.weight",
@@ -2289,11 +2318,13 @@ def test_deepseek_no_nan_in_half_precision(dtype, tol):
 
 
 def test_deepseek_bad_arguments_raise_value_errors_naming_them():
-    with pytest.raises(ValueError, match=r"n_dense_layers must be an integer from 0 to n_layers=3, got 4"):
+    with pytest.raises(ValueError, match=r"n_dense_layers must be at most n_layers \(n_layers=3\), got 4"):
         tiny_deepseek(n_dense_layers=4)
-    with pytest.raises(ValueError, match=r"expert_d_ff must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"expert_d_ff must be an integer >= 1 or None, got 0"):
         tiny_deepseek(expert_d_ff=0)
-    with pytest.raises(ValueError, match=r"topk_groups \(5\) must be at most n_groups \(4\)"):
+    with pytest.raises(ValueError, match=r"expert_d_ff must be an integer >= 1, got None"):
+        tiny_deepseek(expert_d_ff=None)
+    with pytest.raises(ValueError, match=r"topk_groups must be at most n_groups \(n_groups=4\), got 5"):
         tiny_deepseek(topk_groups=5)
     with pytest.raises(ValueError, match=r"qk_rope_dim must be even, got 5"):
         tiny_deepseek(qk_rope_dim=5)
@@ -2319,15 +2350,18 @@ def test_deepseek_checkpoint_round_trip(tmp_path):
             == tf.translator(kind, model, vocab, vocab, beam_size=3)(sentences))
 
 
-def test_moe_llama_checkpoint_round_trip(tmp_path):
+def test_qwen3_moe_checkpoint_round_trip(tmp_path):
     pairs = tf.make_toy_data(seed=0)[:60]
     vocab = tf.build_gpt_vocab(pairs)
-    model = randomize(tf.Llama(vocab_size=len(vocab), d_model=16, n_layers=2, n_heads=4, n_kv_heads=2,
-                               head_dim=6, qk_norm=True, n_experts=4, top_k=2, expert_d_ff=12, max_len=32)).eval()
-    tf.save_checkpoint(str(tmp_path / "moe.pt"), "llama", model, vocab, vocab)
+    model = randomize(tf.Qwen3MoE(vocab_size=len(vocab), d_model=16, n_layers=2, n_heads=4, n_kv_heads=2,
+                                  head_dim=6, n_experts=4, top_k=2, expert_d_ff=12, max_len=32)).eval()
+    tf.save_checkpoint(str(tmp_path / "moe.pt"), "qwen3moe", model, vocab, vocab)
     kind, loaded, *_ = tf.load_checkpoint(str(tmp_path / "moe.pt"))
     ids = torch.randint(0, len(vocab), (2, 7))
-    assert kind == "llama" and loaded.config == model.config and torch.equal(loaded(ids), model(ids))
+    assert kind == "qwen3moe" and type(loaded) is tf.Qwen3MoE and loaded.config == model.config
+    assert torch.equal(loaded(ids), model(ids))
+    with pytest.raises(ValueError, match=r"kind 'llama' with a Qwen3MoE: expected one of"):
+        tf.save_checkpoint(str(tmp_path / "other.pt"), "llama", model, vocab, vocab)  # a Llama, but not one
 
 
 # ===========================================================================
@@ -2339,11 +2373,12 @@ def _meta_count(kind, config):
         return tf.count_parameters(tf.MODEL_CLASSES[kind](**config))
 
 
-LLAMA_SHAPES = [dict(),                                                     # dense
-                dict(n_kv_heads=2, head_dim=6, qk_norm=True),
-                dict(qkv_bias=True, tie_weights=True),
-                dict(n_experts=4, top_k=2),                                 # Mixtral-like
-                dict(n_kv_heads=1, head_dim=10, qk_norm=True, n_experts=6, top_k=3, expert_d_ff=7, tie_weights=True)]
+LLAMA_SHAPES = [("llama", dict()),                                         # dense
+                ("qwen3", dict(n_kv_heads=2, head_dim=6)),
+                ("llama", dict(qkv_bias=True, tie_weights=True)),          # Qwen2-like
+                ("mixtral", dict(n_experts=4, top_k=2)),
+                ("qwen3moe", dict(n_kv_heads=1, head_dim=10, n_experts=6, top_k=3, expert_d_ff=7, tie_weights=True)),
+                ("mistral", dict(n_kv_heads=2, window=3))]
 DEEPSEEK_SHAPES = [dict(),
                    dict(q_lora_rank=None),
                    dict(n_shared=0, n_groups=1, topk_groups=1),
@@ -2353,10 +2388,10 @@ DEEPSEEK_SHAPES = [dict(),
                    dict(q_lora_rank=None, n_shared=0, n_dense_layers=2, tie_weights=True, top_k=1)]
 
 
-@pytest.mark.parametrize("extra", LLAMA_SHAPES)
-def test_llama_formula_equals_count(extra):
+@pytest.mark.parametrize("kind, extra", LLAMA_SHAPES)
+def test_llama_family_formulas_equal_counts(kind, extra):
     config = dict(vocab_size=30, d_model=16, n_layers=2, n_heads=4, d_ff=20, **extra)
-    assert tf.llama_param_formula(**config) == _meta_count("llama", config)
+    assert tf.PARAMETER_FORMULAS[kind](**config) == _meta_count(kind, config)
 
 
 @pytest.mark.parametrize("extra", DEEPSEEK_SHAPES)
@@ -2384,13 +2419,13 @@ def _active_by_hooks(model, ids):
     return sum(p.numel() for p in {id(p): p for p in used}.values())
 
 
-@pytest.mark.parametrize("kind, extra", [("llama", LLAMA_SHAPES[3]), ("llama", LLAMA_SHAPES[4]),
+@pytest.mark.parametrize("kind, extra", [LLAMA_SHAPES[3], LLAMA_SHAPES[4],
                                          ("deepseek", DEEPSEEK_SHAPES[0]), ("deepseek", DEEPSEEK_SHAPES[3]),
                                          ("deepseek", DEEPSEEK_SHAPES[6])])
 def test_active_formula_equals_what_one_token_runs(kind, extra):
-    if kind == "llama":
+    if kind != "deepseek":
         config = dict(vocab_size=30, d_model=16, n_layers=2, n_heads=4, d_ff=20, **extra)
-        formula = tf.llama_param_formula
+        formula = tf.PARAMETER_FORMULAS[kind]
     else:
         config = dict(vocab_size=30, d_model=16, n_layers=3, n_heads=2, kv_lora_rank=6, qk_nope_dim=4,
                       qk_rope_dim=2, v_head_dim=3, d_ff=20, expert_d_ff=5, n_experts=8, top_k=2, q_lora_rank=7,
@@ -2417,7 +2452,7 @@ def test_published_table_exactly_total_and_active():
     for name, (kind, config) in configs.items():
         formula = tf.PARAMETER_FORMULAS[kind]
         assert (formula(**config), formula(**config, active=True)) == TABLE[name], name
-    assert _meta_count("llama", configs["Mixtral-8x7B"][1]) == TABLE["Mixtral-8x7B"][0]
+    assert _meta_count("mixtral", configs["Mixtral-8x7B"][1]) == TABLE["Mixtral-8x7B"][0]
     for name, depths in [("Qwen3-30B-A3B", (1, 2)), ("DeepSeek-V3", (4, 5))]:
         kind, config = configs[name]
         for n_layers in depths:
@@ -2655,25 +2690,27 @@ def test_flash_attention_refuses_mismatched_shapes():
 
 @pytest.mark.parametrize("T, past, window", [(7, 0, 1), (7, 0, 3), (7, 0, 7), (7, 0, 20), (4, 6, 3), (1, 9, 5)])
 def test_window_mask_equals_its_definition(T, past, window):
-    mask = tf.make_causal_mask(T, past=past, window=window)[0, 0]         # [T, past+T]
+    mask = tf.make_window_mask(T, window, past=past)[0, 0]                # [T, past+T]
     brute = torch.tensor([[p - window + 1 <= j <= p for j in range(past + T)] for p in range(past, past + T)])
     assert torch.equal(mask, brute)
-    assert torch.equal(tf.make_causal_mask(T, past=past, window=None), tf.make_causal_mask(T, past=past))
+    if window >= past + T:                                                # a window past every key: causal
+        assert torch.equal(tf.make_window_mask(T, window, past=past), tf.make_causal_mask(T, past=past))
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True, "4"])
 def test_window_must_be_a_positive_integer(bad):
-    for make in (lambda: tf.make_causal_mask(4, window=bad), lambda: tf.KVCache(window=bad),
-                 lambda: tf.Llama(vocab_size=10, d_model=8, n_layers=1, n_heads=2, window=bad),
+    for make in (lambda: tf.make_window_mask(4, bad), lambda: tf.RollingKVCache(bad),
+                 lambda: tf.Mistral(vocab_size=10, d_model=8, n_layers=1, n_heads=2, window=bad),
                  lambda: tf.window_reach(2, bad)):
-        with pytest.raises(ValueError, match="window"):
+        with pytest.raises(ValueError, match=f"window must be an integer >= 1, got {bad!r}"):
             make()
 
 
 def tiny_llama(seed=0, **kw):
+    """A small Llama, or with window= a Mistral (the same weights for the same seed)."""
     torch.manual_seed(seed)
     config = dict(vocab_size=40, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24, max_len=64)
-    model = tf.Llama(**{**config, **kw}).eval()
+    model = (tf.Mistral if "window" in kw else tf.Llama)(**{**config, **kw}).eval()
     with torch.no_grad():  # larger weights than N(0, 0.02): attention that is far from uniform
         for name, p in model.named_parameters():
             if "norm" not in name:
@@ -2704,7 +2741,7 @@ def test_rolling_cache_generation_equals_the_full_cache_and_holds_at_most_window
     model = tiny_llama(window=4)
     ids = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(1))  # a prompt longer than 4
     rolling, full = model.new_cache(), [tf.KVCache() for _ in model.layers]
-    assert all(c.window == 4 for c in rolling)
+    assert all(type(c) is tf.RollingKVCache and c.window == 4 for c in rolling)
     for step in range(15):
         a, b = model(ids, rolling), model(ids, full)                      # [2, Tn, V] each
         assert max_diff(a, b) < 1e-5
@@ -2719,7 +2756,7 @@ def llama_step(model, new_ids, cache, position):
     """Llama.forward for the new tokens, with their first position given: positions
     restart where position is the cache's held count instead of len(cache)."""
     Tn = new_ids.size(1)
-    mask = tf.make_causal_mask(Tn, past=position, window=model.window)    # [1, 1, Tn, position+Tn]
+    mask = tf.make_causal_mask(Tn, past=position)                         # the window's attention bands it
     cos, sin = model.cos[position:position + Tn], model.sin[position:position + Tn]  # [Tn, dk] each
     x = model.token_embedding(new_ids)                                    # [B, Tn, D]
     for layer, c in zip(model.layers, cache):
@@ -2761,13 +2798,15 @@ def tiny_deepseek_2_layers(seed=0):
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt, tiny_deepseek_2_layers])
 @torch.no_grad()
 def test_paged_cache_equals_the_contiguous_cache_for_sequences_sharing_one_pool(make):
+    """Any model of sections 9-20 takes a list of paged caches where it takes new_cache()'s,
+    without naming them: the GPT and the Llama PagedKVCaches, DeepSeek's MLA PagedLatentCaches."""
     model = make()
     pool = tf.KVPool(n_blocks=40, block_size=4)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 40, (1, n), generator=g) for n in (3, 9, 5)]  # [1, T] each
-    paged = [model.new_cache(pool=pool) for _ in prompts]
+    paged_cache = tf.PagedLatentCache if isinstance(model, tf.DeepSeekV3) else tf.PagedKVCache
+    paged = [[paged_cache(pool) for _ in model.layers] for _ in prompts]
     contiguous = [model.new_cache() for _ in prompts]
-    assert all(isinstance(c, tf.PagedKVCache) for c in paged[0])
     ids = list(prompts)
     for step in range(6):  # the sequences take turns, their blocks interleave; each holds prompt + 5
         for i in range(len(ids)):
@@ -2838,7 +2877,7 @@ LLAMA31 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_f
     {"type": "yarn", "factor": 1.0, "original_max_len": 16}])
 def test_rope_scaling_with_factor_1_changes_nothing(scaling):
     cos, sin = tf.rope_cos_sin(16, 64)                                    # [64, 16] each
-    scaled_cos, scaled_sin = tf.rope_cos_sin(16, 64, scaling=scaling)     # [64, 16] each
+    scaled_cos, scaled_sin = tf.scaled_rope_cos_sin(16, 64, 10000.0, scaling)     # [64, 16] each
     assert max_diff(cos, scaled_cos) < 1e-6 and max_diff(sin, scaled_sin) < 1e-6
 
 
@@ -2858,7 +2897,7 @@ def test_rope_llama3_equals_hand_computed_frequencies():
         return (1 - smooth) * freq / 8.0 + smooth * freq
 
     inv_freq = 1.0 / 500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128)  # [64]
-    ours, factor = tf.scaled_inv_freq(inv_freq, 128, 500000.0, LLAMA31)
+    ours, factor = tf.scaled_rope_frequencies(128, 500000.0, LLAMA31)
     assert factor == 1.0
     freqs = base_inv_freq(128, 500000.0)
     for i in (0, 10, 28, 29, 31, 34, 35, 50, 63):  # kept, blended (29-34), slowed by 8
@@ -2866,7 +2905,7 @@ def test_rope_llama3_equals_hand_computed_frequencies():
     assert abs(ours[10].item() - freqs[10]) <= 1e-6 * freqs[10]
     assert abs(ours[50].item() - freqs[50] / 8) <= 1e-6 * freqs[50]
     assert freqs[31] / 8 * 1.01 < ours[31].item() < freqs[31] * 0.99
-    cos, sin = tf.rope_cos_sin(128, 1001, 500000.0, LLAMA31)              # [1001, 128] each
+    cos, sin = tf.scaled_rope_cos_sin(128, 1001, 500000.0, LLAMA31)              # [1001, 128] each
     angle = 1000 * ours.double()                                          # [64]
     assert max_diff(cos[1000, :64].double(), angle.cos()) < 1e-3 and max_diff(sin[1000, 64:].double(), angle.sin()) < 1e-3
 
@@ -2879,7 +2918,7 @@ def test_rope_yarn_equals_hand_computed_frequencies_with_the_ramp_ends_rounded()
     assert math.floor(turning[0]) == 20 and math.ceil(turning[1]) == 46
     scaling = {"type": "yarn", "factor": factor, "original_max_len": original, "beta_fast": 32, "beta_slow": 1}
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)  # [64]
-    ours, attention = tf.scaled_inv_freq(inv_freq, dim, theta, scaling)
+    ours, attention = tf.scaled_rope_frequencies(dim, theta, scaling)
     freqs = base_inv_freq(dim, theta)
     for i in (5, 20, 21, 30, 45, 46, 60):
         ramp = min(max((i - 20) / (46 - 20), 0.0), 1.0)
@@ -2888,14 +2927,14 @@ def test_rope_yarn_equals_hand_computed_frequencies_with_the_ramp_ends_rounded()
     unrounded = min(max((30 - turning[0]) / (turning[1] - turning[0]), 0), 1)
     assert abs(ours[30].item() - (freqs[30] / factor * unrounded + freqs[30] * (1 - unrounded))) > 1e-3 * freqs[30]
     assert attention == pytest.approx(0.1 * math.log(4.0) + 1)
-    defaults, _ = tf.scaled_inv_freq(inv_freq, dim, theta, {"type": "yarn", "factor": factor, "original_max_len": original})
+    defaults, _ = tf.scaled_rope_frequencies(dim, theta, {"type": "yarn", "factor": factor, "original_max_len": original})
     assert torch.equal(defaults, ours)                                    # beta_fast 32, beta_slow 1 by default
-    cos, sin = tf.rope_cos_sin(dim, 64, theta, scaling)                   # [64, 128] each
+    cos, sin = tf.scaled_rope_cos_sin(dim, 64, theta, scaling)                   # [64, 128] each
     assert max_diff((cos ** 2 + sin ** 2).sqrt(), torch.full_like(cos, 0.1 * math.log(4.0) + 1)) < 1e-5
 
 
 def test_rope_linear_divides_every_frequency():
-    cos, sin = tf.rope_cos_sin(16, 64, scaling={"type": "linear", "factor": 4})  # [64, 16] each
+    cos, sin = tf.scaled_rope_cos_sin(16, 64, 10000.0, {"type": "linear", "factor": 4})  # [64, 16] each
     plain_cos, plain_sin = tf.rope_cos_sin(16, 64)                        # [64, 16] each
     assert max_diff(cos[::4], plain_cos[:16]) < 1e-5 and max_diff(sin[::4], plain_sin[:16]) < 1e-5
 
@@ -2911,13 +2950,15 @@ def test_rope_linear_divides_every_frequency():
     ({"type": "yarn", "factor": 2.0, "original_max_len": 0}, "original_max_len")])
 def test_rope_scaling_refuses_bad_arguments(scaling, named):
     with pytest.raises(ValueError, match=named):
-        tf.rope_cos_sin(16, 32, scaling=scaling)
+        tf.scaled_rope_cos_sin(16, 32, 10000.0, scaling)
+    with pytest.raises(ValueError, match=named):
+        tf.with_rope_scaling(tiny_llama(), scaling)
 
 
 @torch.no_grad()
 def test_scaled_model_runs_past_original_max_len():
     scaling = {"type": "yarn", "factor": 4.0, "original_max_len": 16}
-    model = tiny_llama(rope_scaling=scaling)                              # max_len 64 = 4 x 16
+    model = tf.with_rope_scaling(tiny_llama(), scaling)                            # max_len 64 = 4 x 16
     ids = torch.randint(0, 40, (1, 64), generator=torch.Generator().manual_seed(4))
     full = model(ids)                                                     # [1, 64, V]
     assert torch.isfinite(full).all()
@@ -2925,7 +2966,9 @@ def test_scaled_model_runs_past_original_max_len():
     steps = torch.cat([model(ids[:, :40], cache)] + [model(ids[:, :t], cache) for t in range(41, 65)], 1)
     assert max_diff(steps, full) < 1e-5                                   # cached, at positions 40-63 too
     assert max_diff(tiny_llama()(ids), full) > 1e-3                       # the scaling did change it
-    clone = tf.Llama(**model.config).eval()                               # the config carries it (checkpoints)
+    config = dict(model.config)                                           # the config carries it (checkpoints)
+    clone = tf.with_rope_scaling(tf.Llama(**{k: v for k, v in config.items() if k != "rope_scaling"}),
+                                 config["rope_scaling"]).eval()
     clone.load_state_dict(model.state_dict())
     assert torch.equal(clone(ids), full)
 
@@ -2933,7 +2976,7 @@ def test_scaled_model_runs_past_original_max_len():
 @torch.no_grad()
 def test_pitfall_scaling_turns_each_cached_key_once():
     scaling = {"type": "yarn", "factor": 4.0, "original_max_len": 8}
-    cos, sin = tf.rope_cos_sin(8, 32, scaling=scaling)                    # [32, 8] each
+    cos, sin = tf.scaled_rope_cos_sin(8, 32, 10000.0, scaling)                    # [32, 8] each
     torch.manual_seed(5)
     attn = tf.GroupedQueryAttention(d_model=16, n_heads=2, n_kv_heads=1)
     x = torch.randn(1, 20, 16)                                            # [B, T, D]
@@ -2947,7 +2990,7 @@ def test_pitfall_scaling_turns_each_cached_key_once():
 
 def test_pitfall_yarn_without_its_temperature():
     scaling = {"type": "yarn", "factor": 16.0, "original_max_len": 8}
-    cos, sin = tf.rope_cos_sin(8, 32, scaling=scaling)                    # [32, 8] each
+    cos, sin = tf.scaled_rope_cos_sin(8, 32, 10000.0, scaling)                    # [32, 8] each
     t = 0.1 * math.log(16.0) + 1                                          # 1.277
     q, k = torch.randn(1, 1, 32, 8), torch.randn(1, 1, 32, 8)             # [1, 1, 32, 8] each
     with_temperature = tf.apply_rope(q, cos, sin) @ tf.apply_rope(k, cos, sin).transpose(-2, -1)  # [1, 1, 32, 32]
@@ -2955,7 +2998,7 @@ def test_pitfall_yarn_without_its_temperature():
     # every score t^2 = 1.63 times larger: what DeepSeek-V3 puts in its softmax scale instead
     assert max_diff(with_temperature, t * t * without) < 1e-4
     assert max_diff(with_temperature, without) > 0.1
-    model = tiny_llama(rope_scaling=dict(scaling, original_max_len=16))
+    model = tf.with_rope_scaling(tiny_llama(), dict(scaling, original_max_len=16))
     forgot = tiny_llama()
     forgot.cos, forgot.sin = model.cos / (0.1 * math.log(16.0) + 1), model.sin / (0.1 * math.log(16.0) + 1)
     ids = torch.randint(0, 40, (1, 30), generator=torch.Generator().manual_seed(6))
@@ -2966,9 +3009,9 @@ def test_pitfall_yarn_without_its_temperature():
 def test_llama_3_1_8b_is_llama_3_8b_with_llama3_scaling():
     assert tf.llama_param_formula(**tf.LLAMA_3_1_8B) == 8_030_261_248
     with torch.device("meta"):
-        model = tf.Llama(**tf.LLAMA_3_1_8B)
+        model = tf.with_rope_scaling(tf.Llama(**tf.LLAMA_3_1_8B), tf.LLAMA_3_1_SCALING)
     assert tf.count_parameters(model) == 8_030_261_248 and model.cos.shape == (131072, 128)
-    assert tf.LLAMA_3_1_8B["rope_scaling"] == LLAMA31
+    assert tf.LLAMA_3_1_SCALING == LLAMA31 and model.config["rope_scaling"] == LLAMA31
 
 
 # ===========================================================================
@@ -3874,10 +3917,31 @@ def test_render_heatmap_long_row_label_still_lines_up():
     assert len({_display_width(line) for line in lines[:3]}) == 1
 
 
-def test_cross_attention_map_of_a_fused_model_says_why_it_cannot():
-    model = tf.use_fused_kernels(_tiny_seq2seq())
-    with pytest.raises(ValueError, match=r"use_fused_kernels\(model, False\)"):
-        tf.cross_attention_map(model, SRC[1:], torch.tensor([[4, 6, 3, EOS]]))
+def test_cross_attention_map_of_a_fused_model_is_the_written_one():
+    """Fused kernels keep no weights; the map computes them for its one call, and the
+    module is left as it was (its fused attend again, no attribute left behind)."""
+    model = randomize_norms(_tiny_seq2seq()).eval()
+    out = torch.tensor([[4, 6, 3, EOS]])
+    written = tf.cross_attention_map(model, SRC[1:], out)
+    tf.use_fused_kernels(model)
+    assert_close(tf.cross_attention_map(model, SRC[1:], out), written)
+    attn = model.decoder_layers[-1].cross_attn
+    assert type(attn) is tf.FusedAttention and "attend" not in vars(attn)
+
+
+def _cross_weights_by_hand(model, src, tgt):
+    """The last decoder layer's cross-attention weights [H, T, S], recomputed from the
+    inputs its cross_attn received (a forward hook) with the module's own w_q and w_k."""
+    attn, seen = model.decoder_layers[-1].cross_attn, {}
+    handle = attn.register_forward_hook(lambda module, args, output: seen.update(args=args))
+    with torch.no_grad():
+        model.eval().decode(tgt, model.encode(src), src)
+    handle.remove()
+    query, key = seen["args"][:2]                                           # [1, T, D], [1, S, D]
+    q = attn.w_q(query).view(1, -1, H, D // H).transpose(1, 2)             # [1, H, T, dk]
+    k = attn.w_k(key).view(1, -1, H, D // H).transpose(1, 2)               # [1, H, S, dk]
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(D // H)).masked_fill((src == PAD)[:, None, None], -math.inf)
+    return scores.softmax(-1)[0].detach()                                   # [H, T, S]
 
 
 def test_cross_attention_map_rows_heads_and_padding():
@@ -3888,26 +3952,19 @@ def test_cross_attention_map_rows_heads_and_padding():
     assert avg.shape == (4, 6)
     assert_close(avg.sum(-1), torch.ones(4))             # rows sum to 1 (no dropout)
     assert (avg[:, 3:] == 0).all() and (avg[:, :3] > 0).all()
-    last = model.decoder_layers[-1].cross_attn.attn_weights  # [1, H, T, S]
-    assert last.shape == (1, H, 4, 6)
-    assert_close(avg, last[0].mean(0))
     heads = [tf.cross_attention_map(model, src, out, head=h) for h in range(H)]
+    assert model.training                                # the map put the mode back
+    # row t is the query that predicts out[t]: the decoder read bos + out[:-1]
+    last = _cross_weights_by_hand(model, src, torch.tensor([[BOS, 4, 6, 3]]))  # [H, T, S]
+    assert_close(avg, last.mean(0))
     for h, weights in enumerate(heads):
         assert weights.shape == (4, 6)
-        assert_close(weights, last[0, h])
+        assert_close(weights, last[h])
         assert_close(weights.sum(-1), torch.ones(4))
         assert (weights[:, 3:] == 0).all()
     assert max_diff(heads[0], heads[1]) > 1e-3          # a head is not the mean
     assert_close(torch.stack(heads).mean(0), avg)
-    assert model.training                                # the map put the mode back
-    # row t is the query that predicts out[t]: the decoder read bos + out[:-1]
-    model.eval()
-    with torch.no_grad():
-        model.decode(torch.tensor([[BOS, 4, 6, 3]]), model.encode(src), src)
-    assert_close(model.decoder_layers[-1].cross_attn.attn_weights[0].mean(0), avg)
-    with torch.no_grad():
-        model.decode(out, model.encode(src), src)        # not shifted: other weights
-    assert max_diff(model.decoder_layers[-1].cross_attn.attn_weights[0].mean(0), avg) > 1e-4
+    assert max_diff(_cross_weights_by_hand(model, src, out).mean(0), avg) > 1e-4  # not shifted: other weights
 
 
 # ===========================================================================
@@ -4632,16 +4689,14 @@ def test_fused_kernels_compute_the_same_model(kind):
         out = run()
         out.pow(2).mean().backward()
         grads = [p.grad.clone() for p in model.parameters()]
-        weights = [m.attn_weights for m in model.modules() if isinstance(m, tf.MultiHeadAttention)]
-        assert all((w is None) == fused for w in weights)                # fused keeps no weights
+        kinds = {type(m) for m in model.modules() if isinstance(m, (tf.MultiHeadAttention, tf.LayerNorm))}
+        assert kinds == ({tf.FusedAttention, tf.FusedLayerNorm} if fused else {tf.MultiHeadAttention, tf.LayerNorm})
         results.append((out.detach(), grads, decode()))
     (out, grads, tokens), (out2, grads2, tokens2), (out3, _, _) = results
     assert_close(out2, out)
     assert all(max_diff(g2, g) <= TOL for g, g2 in zip(grads, grads2))
     assert torch.equal(tokens2, tokens)
     assert torch.equal(out3, out)                                         # off again: as written
-    fused_modules = [m.fused for m in model.modules() if isinstance(m, (tf.MultiHeadAttention, tf.LayerNorm))]
-    assert fused_modules and not any(fused_modules)
 
 
 def test_fused_attention_reads_nothing_where_nothing_may_be_read(monkeypatch):
@@ -5541,19 +5596,19 @@ def test_cli_beam_beyond_its_cap_is_one_line_before_the_work(hard, beam):
 # ===========================================================================
 
 def test_every_configuration_field_of_every_kind_has_a_rule():
-    # a new keyword of a model class needs a line in CONFIG_FIELDS, or its checkpoints cannot load
+    # a new keyword of a model class needs a rule in ARGUMENTS, or its checkpoints cannot load
     for kind, cls in tf.MODEL_CLASSES.items():
         fields = set(inspect.signature(cls).parameters)
-        assert fields <= set(tf.CONFIG_FIELDS), (kind, fields - set(tf.CONFIG_FIELDS))
+        assert fields <= set(tf.ARGUMENTS), (kind, fields - set(tf.ARGUMENTS))
 
 
 NAN, INF = float("nan"), float("inf")
 FORGED_FIELDS = [  # (kind, field, value, words of the message)
-    ("llama", "n_heads", 0, "n_heads must be an integer from 1 to 2,147,483,647, got 0"),
-    ("llama", "d_model", 1e308, "d_model must be an integer from 1 to 2,147,483,647, got 1e+308"),
-    ("llama", "d_model", 10 ** 400, "d_model must be an integer from 1"),
-    ("llama", "d_ff", 2.5, "d_ff must be an integer from 1 to 2,147,483,647 or None, got 2.5"),
-    ("llama", "n_kv_heads", -1, "n_kv_heads must be an integer from 1"),
+    ("llama", "n_heads", 0, "n_heads must be an integer >= 1, got 0"),
+    ("llama", "d_model", 1e308, "d_model must be an integer >= 1, got 1e+308"),
+    ("llama", "d_model", 10 ** 400, "d_model must be an integer >= 1"),
+    ("llama", "d_ff", 2.5, "d_ff must be an integer >= 1 or None, got 2.5"),
+    ("llama", "n_kv_heads", -1, "n_kv_heads must be an integer >= 1"),
     ("llama", "norm_eps", "x", "norm_eps must be a number from 1.17549e-38 to 1, got 'x'"),
     ("llama", "norm_eps", -1e-6, "norm_eps must be a number"),
     ("llama", "norm_eps", NAN, "norm_eps must be a number"),
@@ -5580,8 +5635,8 @@ FORGED_FIELDS = [  # (kind, field, value, words of the message)
     ("deepseek", "norm_eps", -1.0, "norm_eps must be a number"),
     ("deepseek", "n_experts", 0.5, "n_experts must be an integer"),
     ("deepseek", "routed_scale", NAN, "routed_scale must be a number"),
-    ("deepseek", "kv_lora_rank", 0, "kv_lora_rank must be an integer from 1"),
-    ("deepseek", "q_lora_rank", "x", "q_lora_rank must be an integer from 1 to 2,147,483,647 or None"),
+    ("deepseek", "kv_lora_rank", 0, "kv_lora_rank must be an integer >= 1"),
+    ("deepseek", "q_lora_rank", "x", "q_lora_rank must be an integer >= 1 or None"),
     ("deepseek", "rope_interleave", 0, "rope_interleave must be True or False"),
     ("llama", "n_experts", -1, "n_experts must be an integer from 0"),
     ("llama", "head_dim", 0, "head_dim must be an integer from 1"),
@@ -5817,7 +5872,7 @@ def _library_calls(hard):
         "translate-batch-minus-1": (lambda: tf.translate(model, ["wo ai"], sv, tv, batch_size=-1),
                                     "batch_size must be an integer >= 1, got -1"),
         "generate-generator-5": (lambda: gpt.generate(torch.tensor([[4, 5]]), 2, temperature=1.0, generator=5),
-                                 "generator must be a torch.Generator or None, got int"),
+                                 "generator must be a Generator or None, got 5"),
         "read-pairs-none": (lambda: tf.read_pairs(None), "path must be a file name (str or os.PathLike), got NoneType"),
         "bigram-hmm-empty": (lambda: tf.BigramHMM([]), "pairs must be a non-empty list of (pinyin, hanzi)"),
         "evaluate-empty": (lambda: tf.evaluate(lambda s: s, []), "pairs is empty: there is nothing to evaluate on"),
@@ -6127,6 +6182,43 @@ def test_readme_section_map_names_every_section_at_its_line():
             assert re.search(rf"^(class|def) {name}\b|^{name} = ", text_through_section(int(n)), re.M), name
 
 
+def section_of_each_top_level_statement():
+    """[(section number, statement)] for every top-level statement of the file, by the
+    numbered banner above it (the module docstring and the Part banners: section 0)."""
+    starts = [(SOURCE.count("\n", 0, m.start()) + 2, int(m.group(1))) for m in BANNER.finditer(SOURCE)]
+    return [(max([n for line, n in starts if line <= node.lineno], default=0), node)
+            for node in ast.parse(SOURCE).body]
+
+
+def test_no_definition_uses_a_name_defined_in_a_later_section():
+    """The reading order, proven: a class, function or table of section n uses only names
+    defined in sections 0 .. n (helpers live before their first use, in the section that
+    explains them), so the file cut after any section holds what that section needs."""
+    statements = section_of_each_top_level_statement()
+    defined = {}                                                        # name -> its section
+    for n, node in statements:
+        targets = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
+            t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        for name in targets:
+            defined.setdefault(name, n)
+    later = [(n, getattr(node, "name", f"line {node.lineno}"), sub.id, defined[sub.id])
+             for n, node in statements for sub in ast.walk(node)
+             if isinstance(sub, ast.Name) and defined.get(sub.id, -1) > n]
+    assert not later, later
+    assert {defined[name] for name in ("Llama", "Qwen3", "Mixtral", "Qwen3MoE", "DeepSeekV3", "Mistral",
+                                       "PagedKVCache", "with_rope_scaling")} == {15, 17, 18, 20, 23, 24, 25}
+
+
+def test_the_reading_order_check_finds_a_forward_reference():
+    """The check above, run on a file that breaks the order, finds the break."""
+    text = "# ====\n# 1. One\n# ====\ndef a():\n    return b()\n\n# ====\n# 2. Two\n# ====\ndef b():\n    return 1\n"
+    starts = [(text.count("\n", 0, m.start()) + 2, int(m.group(1))) for m in BANNER.finditer(text)]
+    nodes = [(max(n for line, n in starts if line <= node.lineno), node) for node in ast.parse(text).body]
+    defined = {node.name: n for n, node in nodes}
+    assert [(node.name, sub.id) for n, node in nodes for sub in ast.walk(node)
+            if isinstance(sub, ast.Name) and defined.get(sub.id, -1) > n] == [("a", "b")]
+
+
 def test_top_level_holds_exactly_the_four_files():
     root = os.path.dirname(tf.__file__)
     tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True).stdout.split()
@@ -6155,14 +6247,32 @@ assert llama.generate(torch.randint(0, 50, (2, 6)), max_new_tokens=5, top_k=5, t
 assert ds(torch.randint(0, 50, (2, 6))).shape == (2, 6, 50)
 assert ds.generate(torch.randint(0, 50, (2, 6)), max_new_tokens=5, top_k=5, temperature=0.8).shape == (2, 11)
 assert len(ds.new_cache()) == 3""",
-    25: """model = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_len=96, window=8,
-              rope_scaling={"type": "yarn", "factor": 4.0, "original_max_len": 24})
+    17: """qwen = Qwen3(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, max_len=64)
+ids = torch.randint(0, 50, (2, 6))
+assert qwen(ids).shape == (2, 6, 50) and qwen.layers[0].attn.w_q.weight.shape == (64, 32)
+assert torch.equal(qwen.generate(ids, max_new_tokens=5), qwen.generate(ids, max_new_tokens=5, use_cache=False))""",
+    18: """mixtral = Mixtral(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2)
+qwen = Qwen3MoE(vocab_size=50, d_model=32, n_layers=2, n_heads=4, head_dim=16, n_experts=4, top_k=2, expert_d_ff=24)
+ids = torch.randint(0, 50, (2, 6))
+for model in (mixtral, qwen):
+    assert torch.equal(model.generate(ids, max_new_tokens=5), model.generate(ids, max_new_tokens=5, use_cache=False))
+assert count_parameters(qwen) == qwen3_moe_param_formula(**qwen.config)""",
+    23: """mistral = Mistral(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_len=96, window=8)
+ids = torch.randint(0, 50, (1, 40))
+cache = mistral.new_cache()
+generated = mistral.generate(ids, max_new_tokens=8)
+assert torch.equal(generated, mistral.generate(ids, max_new_tokens=8, use_cache=False))
+mistral(generated, cache)
+assert len(cache[0]) == 48 and cache[0].k.size(2) == 8""",
+    24: """llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=96)
 ids = torch.randint(0, 50, (1, 40))
 pool = KVPool(n_blocks=24, block_size=4)
+cache = [PagedKVCache(pool) for _ in llama.layers]
+assert torch.allclose(llama(ids, cache), llama(ids), atol=1e-5) and pool.n_free == 24 - 2 * 10""",
+    25: """model = with_rope_scaling(Mistral(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_len=96,
+                                   window=8), {"type": "yarn", "factor": 4.0, "original_max_len": 24})
+ids = torch.randint(0, 50, (1, 40))
 assert torch.equal(model.generate(ids, max_new_tokens=8), model.generate(ids, max_new_tokens=8, use_cache=False))
-full = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=96)  # no window: a paged cache
-cache = full.new_cache(pool=pool)
-assert torch.allclose(full(ids, cache), full(ids), atol=1e-5) and pool.n_free == 24 - 2 * 10
 q, k, v = torch.randn(3, 1, 2, 37, 8).unbind(0)
 out, lse = flash_attention(q, k, v, causal=True, block_size=7)
 assert torch.allclose(out, scaled_dot_product_attention(q, k, v, make_causal_mask(37))[0], atol=1e-5)""",

@@ -67,6 +67,46 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# Argument checks cost one line: check(name=value, ...) looks each keyword up in one
+# table, ARGUMENTS, to which every section adds the arguments it introduces, and
+# raises a ValueError naming the argument, the value and what was expected, before
+# anything is built. A rule that ties arguments together (d_model divisible by
+# n_heads) is a named entry of RELATIONS, which the caller lists: check("rule", ...).
+# The checkpoint loader (section 34) checks a saved configuration with the same table.
+# Sizes stop at 2^31 - 1, past any real model and what torch's kernels index.
+
+MAX_SIZE = 2 ** 31 - 1
+ARGUMENTS = {}  # name -> (int or float, smallest, largest), (a type,) or ("one of", values...); "or None" at the end
+RELATIONS = {}  # rule -> (argument names, test on their values, what is expected of the first)
+
+
+def check(*relations, **arguments):
+    """Each keyword against its rule in ARGUMENTS, then each named rule of RELATIONS."""
+    for name, value in arguments.items():
+        kind, *rule = ARGUMENTS[name]
+        optional = rule[-1:] == ["or None"]
+        if value is None and optional:
+            continue
+        rule = rule[:-1] if optional else rule
+        if kind in (int, float):  # an int counts as a float, a bool as neither; NaN is in no range
+            low, high = rule
+            numeric = (int,) if kind is int else (int, float)
+            ok = isinstance(value, numeric) and not isinstance(value, bool) and low <= value <= high
+            show = lambda x: f"{x:,}" if isinstance(x, int) else f"{x:g}"  # noqa: E731
+            what = ("an integer" if kind is int else "a number") + (
+                f" >= {show(low)}" if high in (MAX_SIZE, math.inf) else f" from {show(low)} to {show(high)}")
+        elif kind == "one of":
+            ok, what = isinstance(value, str) and value in rule, " or ".join(map(repr, rule))
+        else:
+            ok, what = isinstance(value, kind), "True or False" if kind is bool else f"a {kind.__name__}"
+        if not ok:
+            raise ValueError(f"{name} must be {what}{' or None' if optional else ''}, got {value!r}")
+    for rule in relations:  # the first argument a rule names is the one its message is about
+        names, holds, expected = RELATIONS[rule]
+        if not holds(*(arguments[name] for name in names)):
+            others = ", ".join(f"{name}={arguments[name]!r}" for name in names[1:])
+            raise ValueError(f"{expected}{f' ({others})' if others else ''}, got {arguments[names[0]]!r}")
+
 
 # ===========================================================================
 # 1. Positional encoding (位置编码)
@@ -76,13 +116,16 @@ import torch.nn.functional as F
 # of geometrically spaced frequencies make PE[pos + k] a linear function of
 # PE[pos], which lets the model read relative positions.
 
+ARGUMENTS.update(d_model=(int, 1, MAX_SIZE), max_len=(int, 1, MAX_SIZE), dropout=(float, 0.0, 1.0))
+RELATIONS["even d_model"] = (("d_model",), lambda d: d % 2 == 0, "d_model must be even (sin/cos pairs)")
+
+
 class PositionalEncoding(nn.Module):
     """PE[pos, 2i] = sin(pos / 10000^(2i/D)), PE[pos, 2i+1] = cos(same angle)."""
 
     def __init__(self, d_model, max_len=5000, dropout=0.1):
         super().__init__()
-        if d_model < 2 or d_model % 2:
-            raise ValueError(f"d_model must be a positive even number (sin/cos pairs), got {d_model}")
+        check("even d_model", d_model=d_model, max_len=max_len, dropout=dropout)
         self.dropout = nn.Dropout(dropout)
         position = torch.arange(max_len).unsqueeze(1)                      # [max_len, 1]
         # 10000^(-2i/D) computed as exp(-2i * ln(10000) / D): no huge powers
@@ -125,28 +168,15 @@ def make_pad_mask(ids, pad_id):
     return (ids != pad_id)[:, None, None, :]                               # [B, 1, 1, S]
 
 
-def check_window(window):
-    """A sliding window is None (no window) or an integer >= 1: how many keys a query sees."""
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be an integer >= 1 (keys a query sees, itself included) or None,"
-                         f" got {window!r}")
-
-
-def make_causal_mask(T, device=None, past=0, window=None):
+def make_causal_mask(T, device=None, past=0):
     """[1, 1, T, past + T]: query i may attend to keys 0 .. past + i, never later.
     past = 0 is the whole sequence at once: the lower triangle. past > 0 is for a
     model that generates in pieces and keeps the keys of the `past` tokens it has
-    already processed: its T new queries sit at positions past .. past + T - 1, so
-    new query i sees every earlier key and the new ones up to itself. That is the
+    already processed (section 3): its T new queries sit at positions past .. past + T - 1,
+    so new query i sees every earlier key and the new ones up to itself. That is the
     bottom-right corner of the full (past + T)-square mask; the top-left alignment
-    of is_causal in F.scaled_dot_product_attention would hide keys it may see.
-    window: Mistral's sliding window (section 23); the query at position p then sees
-    only the keys p - window + 1 .. p (window keys, itself included)."""
-    check_window(window)
-    mask = torch.ones(T, past + T, dtype=torch.bool, device=device).tril(past)  # [T, past+T]
-    if window is not None:
-        mask = mask.triu(past - window + 1)                                # [T, past+T]: a band
-    return mask[None, None]                                                # [1, 1, T, past+T]
+    of is_causal in F.scaled_dot_product_attention would hide keys it may see."""
+    return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(past)[None, None]  # [1, 1, T, past+T]
 
 
 def check_mask(mask):
@@ -158,17 +188,14 @@ def check_mask(mask):
 def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
     """softmax(q k^T / sqrt(dk)) v. q [B, H, Tq, dk], k and v [B, H, Tk, dk]."""
     check_mask(mask)
-    dk = q.size(-1)
     # divide by sqrt(dk) so the dot products keep unit variance and softmax does not saturate
-    scores = q @ k.transpose(-2, -1) / math.sqrt(dk)                       # [B, H, Tq, Tk]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))               # [B, H, Tq, Tk]
     if mask is not None:
-        # the dtype's own minimum, not -1e9 (which overflows float16) and not -inf
-        # (a row with nothing to attend to would become 0/0 = NaN)
+        # the dtype's minimum: -1e9 overflows float16, -inf makes a row with no key 0/0 = NaN
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)  # [B, H, Tq, Tk]
     weights = scores.softmax(dim=-1)                                       # [B, H, Tq, Tk]
     if mask is not None:
-        # a query that may attend to nothing (an all-padding row) reads nothing:
-        # zero weights instead of a uniform average over padding
+        # a query with no key to read (an all-padding row) reads nothing, not an average of padding
         weights = weights.masked_fill(~mask, 0.0)                          # [B, H, Tq, Tk]
     if dropout is not None:
         weights = dropout(weights)                                         # [B, H, Tq, Tk]
@@ -190,8 +217,8 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
 # ===========================================================================
 # H heads of width dk = D / H attend in parallel, each in its own learned
 # subspace, and w_o mixes their outputs back together. The same module does
-# self-attention (query = key = value) and cross-attention (query from the
-# decoder, key and value from the encoder: Tq and Tk differ).
+# self-attention (query = key = value) and cross-attention (queries from one
+# sequence, keys and values from another: Tq and Tk differ).
 # A model that generates text writes one token per step. At step t, the new
 # token's query must read the keys and values of tokens 0..t; those of 0..t-1
 # were computed at earlier steps, from the same inputs and the same weights,
@@ -199,39 +226,28 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
 # the new token: n generated tokens cost n token-passes instead of
 # 1 + 2 + ... + n ≈ n²/2. Earlier queries are never needed again, so there is
 # no Q cache.
-# fused (off unless use_fused_kernels of section 7 turns it on) hands step 2 to
-# F.scaled_dot_product_attention: PyTorch's kernels for the same formula, which
-# where they can (on a CPU: without attention dropout) never build the
-# [B, H, Tq, Tk] weights, faster and smaller for long sequences; it keeps none
-# for the heatmap. --bench measures what it changes.
 
 class KVCache:
-    """One attention module's keys and values from earlier steps, [B, H, t, dk] each.
-    Self-attention appends every step. Cross-attention reads the fixed source, so
-    its keys and values are computed at the first step and reused (static=True)."""
+    """One attention module's keys and values from earlier steps, [B, H, t, dk] each."""
 
-    def __init__(self, static=False, window=None):
-        # window: a rolling cache for sliding-window attention (section 23): it keeps only
-        # the last `window` keys and values, while len() still counts every token appended
-        check_window(window)
-        self.static, self.k, self.v = static, None, None                   # [B, H, t, dk] once filled
-        self.window, self.dropped = window, 0                              # dropped: tokens let go
+    def __init__(self):
+        self.k = self.v = None                                             # [B, H, t, dk] once filled
 
     def __len__(self):
-        return self.dropped + (0 if self.k is None else self.k.size(2))
+        return 0 if self.k is None else self.k.size(2)
 
     def append(self, k, v):
-        """Add this step's keys and values [B, H, Tn, dk]; return all of them (with a
-        window: the ones kept so far and the new ones, which this step's queries need)."""
+        """Add this step's keys and values [B, H, Tn, dk]; return all of them, [B, H, t+Tn, dk]."""
         if self.k is not None:
             k = torch.cat([self.k, k], dim=2)                              # [B, H, t+Tn, dk]
             v = torch.cat([self.v, v], dim=2)                              # [B, H, t+Tn, dk]
         self.k, self.v = k, v
-        if self.window is not None and k.size(2) > self.window:
-            self.dropped += k.size(2) - self.window
-            self.k = k[:, :, -self.window:].clone()                        # [B, H, window, dk]: its own memory
-            self.v = v[:, :, -self.window:].clone()                        # [B, H, window, dk]
         return k, v
+
+
+ARGUMENTS.update(n_heads=(int, 1, MAX_SIZE))
+RELATIONS["heads divide d_model"] = (("d_model", "n_heads"), lambda d, h: d % h == 0,
+                                     "d_model must be divisible by n_heads")
 
 
 class MultiHeadAttention(nn.Module):
@@ -239,57 +255,36 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, d_model, n_heads, dropout=0.1):
         super().__init__()
-        if n_heads < 1 or d_model % n_heads:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads}), n_heads >= 1")
+        check("heads divide d_model", d_model=d_model, n_heads=n_heads, dropout=dropout)
         self.d_model, self.n_heads, self.dk = d_model, n_heads, d_model // n_heads
         self.w_q = nn.Linear(d_model, d_model)
         self.w_k = nn.Linear(d_model, d_model)
         self.w_v = nn.Linear(d_model, d_model)
         self.w_o = nn.Linear(d_model, d_model)
         self.dropout = nn.Dropout(dropout)
-        self.attn_weights = None  # the last forward's weights [B, H, Tq, Tk], for heatmaps
-        self.fused = False
 
     def split_heads(self, x):
-        """[B, T, D] -> [B, H, T, dk]: head h is features h*dk .. (h+1)*dk - 1 of every
-        position. view as [B, T, H, dk], then transpose. Reshaping [B, T, D] straight to
-        [B, H, T, dk] runs without error and mixes positions into heads."""
+        """[B, T, D] -> [B, H, T, dk], head h = features h*dk .. (h+1)*dk - 1: view, then transpose.
+        Reshaping [B, T, D] straight to [B, H, T, dk] runs without error and mixes positions into heads."""
         B, T, _ = x.shape
         return x.view(B, T, self.n_heads, self.dk).transpose(1, 2)         # [B, H, T, dk]
 
     def forward(self, query, key, value, mask=None, cache=None):
-        """query [B, Tq, D], key and value [B, Tk, D], mask broadcastable to [B, H, Tq, Tk]
-        (with a cache: to [B, H, Tq, t + Tk]); cache: a KVCache, or None."""
+        """query [B, Tq, D], key and value [B, Tk, D]; mask broadcastable to [B, H, Tq, t + Tk], t the cache's."""
         B, Tq, _ = query.shape
         # 1. project, then split each of q, k, v into heads with its own length
         q = self.split_heads(self.w_q(query))                              # [B, H, Tq, dk]
-        if cache is not None and cache.static and len(cache):
-            # cross-attention after the first step: the source's keys and values, as they were
-            k, v = cache.k, cache.v                                        # [B, H, Tk, dk] each
-        else:
-            k = self.split_heads(self.w_k(key))                            # [B, H, Tk, dk]
-            v = self.split_heads(self.w_v(value))                          # [B, H, Tk, dk]
-            if cache is not None:
-                k, v = cache.append(k, v)                                  # [B, H, t+Tk, dk] each
+        k, v = self.split_heads(self.w_k(key)), self.split_heads(self.w_v(value))  # [B, H, Tk, dk] each
+        if cache is not None:
+            k, v = cache.append(k, v)                                      # [B, H, t+Tk, dk] each
         # 2. attend in every head at once
-        if self.fused:
-            check_mask(mask)
-            p = self.dropout.p if self.training else 0.0
-            if mask is not None:
-                # a query with nothing to attend to reads nothing, as in section 2; the
-                # kernel is not shown such a row at all (some kernels return NaN for it)
-                empty = ~mask.any(dim=-1, keepdim=True)                    # [B, 1|H, Tq, 1]
-                mask = mask | empty                                        # [B, 1|H, Tq, Tk]
-            out = F.scaled_dot_product_attention(q, k, v, mask, p)         # [B, H, Tq, dk]
-            if mask is not None:
-                out = out.masked_fill(empty, 0.0)                          # [B, H, Tq, dk]
-            self.attn_weights = None
-        else:
-            out, weights = scaled_dot_product_attention(q, k, v, mask, self.dropout)  # [B, H, Tq, dk]
-            self.attn_weights = weights.detach()                           # [B, H, Tq, Tk]
+        out = self.attend(q, k, v, mask)                                   # [B, H, Tq, dk]
         # 3. merge the heads back (transpose makes it non-contiguous, so contiguous before view)
         out = out.transpose(1, 2).contiguous().view(B, Tq, self.d_model)   # [B, Tq, D]
         return self.w_o(out)                                               # [B, Tq, D]
+
+    def attend(self, q, k, v, mask):  # step 2 alone: a variant swaps it (section 22's fused kernel)
+        return scaled_dot_product_attention(q, k, v, mask, self.dropout)[0]  # [B, H, Tq, dk]
 
 # Try it: self-attention keeps the query's shape; cross-attention reads 7 keys.
 #   >>> mha = MultiHeadAttention(d_model=16, n_heads=4)
@@ -304,15 +299,20 @@ class MultiHeadAttention(nn.Module):
 # ===========================================================================
 # Attention mixes information across positions; the feed-forward network then
 # transforms each position on its own: widen to Dff (usually 4 D), a
-# nonlinearity, narrow back to D.
+# nonlinearity, narrow back to D. The paper's nonlinearity is ReLU, max(0, x);
+# GPT's is GELU (Hendrycks & Gimpel, 2016), x * P(Z <= x) for a standard normal Z:
+# a smooth ReLU that lets a little of the negative side through.
+
+ARGUMENTS.update(d_ff=(int, 1, MAX_SIZE, "or None"), activation=("one of", "relu", "gelu"))  # None: Llama derives it
+RELATIONS["d_ff given"] = (("d_ff",), lambda width: width is not None, "d_ff must be an integer >= 1")
+
 
 class FeedForward(nn.Module):
     """fc2(dropout(activation(fc1(x)))), applied to every position alike."""
 
     def __init__(self, d_model, d_ff, dropout=0.1, activation="relu"):
         super().__init__()
-        if activation not in ("relu", "gelu"):
-            raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
+        check("d_ff given", d_model=d_model, d_ff=d_ff, dropout=dropout, activation=activation)
         self.fc1 = nn.Linear(d_model, d_ff)
         self.fc2 = nn.Linear(d_ff, d_model)
         self.dropout = nn.Dropout(dropout)
@@ -333,9 +333,6 @@ class FeedForward(nn.Module):
 # model rescale them (weight) and shift them (bias). Two classic slips, both
 # differ from nn.LayerNorm: the unbiased variance (divide by D - 1), and adding
 # eps to the standard deviation instead of to the variance.
-# Written out, it is nine small tensor operations; fused (see section 3) runs
-# F.layer_norm, one kernel for the same formula. A small model's step is a few
-# hundred such operations, so nine instead of one shows: --bench measures it.
 
 class LayerNorm(nn.Module):
     """(x - mean) / sqrt(var + eps) * weight + bias, over the last dimension."""
@@ -345,11 +342,8 @@ class LayerNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d_model))                    # [D]
         self.bias = nn.Parameter(torch.zeros(d_model))                     # [D]
-        self.fused = False
 
     def forward(self, x):
-        if self.fused:
-            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)  # [B, T, D]
         centered = x - x.mean(dim=-1, keepdim=True)                        # [B, T, D]
         var = centered.pow(2).mean(dim=-1, keepdim=True)                   # [B, T, 1]: divided by D, not D - 1
         return centered * torch.rsqrt(var + self.eps) * self.weight + self.bias  # [B, T, D]
@@ -423,7 +417,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, memory, tgt_mask=None, memory_mask=None, cache=None):
         """x [B, T, D], memory [B, S, D]; tgt_mask [B, 1, T, T], memory_mask [B, 1, 1, S];
-        cache: (self-attention KVCache, static cross-attention KVCache) or None."""
+        cache: (self-attention KVCache, cross-attention KVCache) or None."""
         self_cache, cross_cache = cache or (None, None)
         if self.norm_first:  # pre-LN
             x = x + self._sa_block(self.norm1(x), tgt_mask, self_cache)                  # [B, T, D]
@@ -439,7 +433,11 @@ class DecoderLayer(nn.Module):
         return self.dropout1(self.self_attn(x, x, x, mask, cache))         # [B, T, D]
 
     def _mha_block(self, x, memory, mask, cache):
-        # queries from the decoder, keys and values from the encoder: [B, H, T, S] scores
+        # queries from the decoder, keys and values from the memory: [B, H, T, S] scores. The
+        # memory does not change while decoding, so a cache takes its keys and values at the
+        # first step, and later steps hand it none to add (S = 0): projected once, read every step
+        if cache is not None and len(cache):
+            memory = memory[:, :0]                                         # [B, 0, D]
         return self.dropout2(self.cross_attn(x, memory, memory, mask, cache))  # [B, T, D]
 
     def _ff_block(self, x):
@@ -455,71 +453,10 @@ class DecoderLayer(nn.Module):
 # 7. Token ids and embeddings (词元与嵌入)
 # ===========================================================================
 # A model reads token ids: integers from 0 to V - 1, one per token, in a [B, T]
-# tensor. An embedding table turns each id into a learned D-vector. What every
-# model below shares lives here: the checks on its sizes and on the ids it is
-# given (a clear error now instead of an index error deep inside), the
-# embedding's initial scale, an "eval mode" block for inference, and the switch
-# to PyTorch's fused kernels (sections 3 and 5).
-
-def check_sizes(**sizes):
-    """Each keyword must be an integer >= 1 (a vocabulary, a width, a count)."""
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-# Every configuration field a model takes, with its type and range, in one table:
-# the constructors check their numbers here, and load_checkpoint (section 34) checks
-# a file's whole configuration here before computing anything from it. A new field
-# is one line: (type, smallest, largest) for a number, (type,) for anything else,
-# and "or None" where None is allowed.
-# Sizes stop at 2^31 - 1, past any real model and what torch's kernels index;
-# no published model has 1,024 layers (Llama 3 405B: 126).
-MAX_SIZE = 2 ** 31 - 1
-CONFIG_FIELDS = {
-    "vocab_size": (int, 1, MAX_SIZE), "src_vocab_size": (int, 1, MAX_SIZE), "tgt_vocab_size": (int, 1, MAX_SIZE),
-    "d_model": (int, 1, MAX_SIZE), "n_heads": (int, 1, MAX_SIZE), "max_len": (int, 1, MAX_SIZE),
-    "n_layers": (int, 1, 1024), "pad_id": (int, 0, MAX_SIZE - 1),
-    "d_ff": (int, 1, MAX_SIZE, "or None"),          # None: Llama derives it (llama_ffn_dim)
-    "n_kv_heads": (int, 1, MAX_SIZE, "or None"),    # None: as many as n_heads
-    "dropout": (float, 0.0, 1.0),                   # a probability
-    "rope_theta": (float, 1.0, 1e30),  # the wavelengths' base: 0, negative or NaN make cos/sin NaN
-    "norm_eps": (float, torch.finfo(torch.float32).tiny, 1.0),  # > 0 in float32: 0 / sqrt(0) is NaN
-    "norm_first": (bool,), "share_embeddings": (bool,), "tie_weights": (bool,), "qkv_bias": (bool,),
-    # Part III: Qwen3's head width and QK-norm, the experts, DeepSeek's latent attention
-    "head_dim": (int, 1, MAX_SIZE, "or None"), "qk_norm": (bool,), "norm_topk": (bool,), "rope_interleave": (bool,),
-    "n_experts": (int, 0, MAX_SIZE),                # 0: a dense SwiGLU (Llama); DeepSeekV3 needs >= 1
-    "top_k": (int, 1, MAX_SIZE), "expert_d_ff": (int, 1, MAX_SIZE, "or None"), "n_shared": (int, 0, MAX_SIZE),
-    "n_dense_layers": (int, 0, 1024), "n_groups": (int, 1, MAX_SIZE), "topk_groups": (int, 1, MAX_SIZE),
-    "routed_scale": (float, torch.finfo(torch.float32).tiny, 1e30),
-    "kv_lora_rank": (int, 1, MAX_SIZE), "q_lora_rank": (int, 1, MAX_SIZE, "or None"),
-    "qk_nope_dim": (int, 1, MAX_SIZE), "qk_rope_dim": (int, 1, MAX_SIZE), "v_head_dim": (int, 1, MAX_SIZE),
-    # Part IV: the sliding window (keys a query sees); rope_cos_sin checks what the scaling dict says
-    "window": (int, 1, MAX_SIZE, "or None"), "rope_scaling": (dict, "or None"),
-}
-
-
-def check_config(**fields):
-    """Each keyword is a field of CONFIG_FIELDS and must have its type (an int counts
-    as a float, a bool as neither) and lie in its range, which NaN never does.
-    ValueError naming the field, the value and what was expected."""
-    for name, value in fields.items():
-        kind, *rule = CONFIG_FIELDS[name]
-        if value is None and "or None" in rule:
-            continue
-        if kind not in (int, float):  # True or False, a dict: the type is the rule
-            if not isinstance(value, kind):
-                what = "True or False" if kind is bool else f"a {kind.__name__}"
-                raise ValueError(f"{name} must be {what}{' or None' if 'or None' in rule else ''}, got {value!r}")
-            continue
-        low, high = rule[:2]
-        numeric = (int,) if kind is int else (int, float)
-        if isinstance(value, bool) or not isinstance(value, numeric) or not low <= value <= high:
-            what = "an integer" if kind is int else "a number"
-            also = " or None" if "or None" in rule else ""
-            show = lambda x: f"{x:,}" if isinstance(x, int) else f"{x:g}"  # noqa: E731
-            raise ValueError(f"{name} must be {what} from {show(low)} to {show(high)}{also}, got {value!r}")
-
+# tensor. An embedding table, nn.Embedding(V, D), turns each id into a learned
+# D-vector: row id of its [V, D] weight. Two things every model below shares: the
+# ids it is given are checked (a clear error now instead of an index error deep
+# inside), and the table starts at a scale that suits what it is added to.
 
 def check_ids(name, ids, vocab_size, max_len):
     """Token ids must be a [B, T] int64 or int32 tensor inside the vocabulary and max_len."""
@@ -540,36 +477,10 @@ def init_embedding(embedding):
     entries, the same size as the sinusoidal position it is added to."""
     nn.init.normal_(embedding.weight, std=embedding.embedding_dim ** -0.5)
 
-
-def use_fused_kernels(model, fused=True):
-    """Every MultiHeadAttention and LayerNorm in model computes with PyTorch's fused
-    kernels (fused=True) or as written (False); the weights stay as they are.
-    -> model. (The Llama of Part II has neither module.)"""
-    for module in model.modules():
-        if isinstance(module, (MultiHeadAttention, LayerNorm)):
-            module.fused = fused
-    return model
-
-
-class eval_mode:
-    """with eval_mode(model): dropout off inside the block, and the caller's mode
-    (training or not) restored after, even on an error."""
-
-    def __init__(self, model):
-        self.model, self.was_training = model, model.training
-
-    def __enter__(self):
-        return self.model.eval()
-
-    def __exit__(self, *exc):
-        self.model.train(self.was_training)
-
 # Try it:
 #   >>> check_ids("src", torch.tensor([[5, 7, 900]]), vocab_size=100, max_len=10)
 #   Traceback (most recent call last):
 #   ValueError: src holds token id 900, outside the vocabulary [0, 100)
-
-
 
 
 # ===========================================================================
@@ -583,6 +494,16 @@ class eval_mode:
 # feeds the whole shifted target at once, so the causal mask is what stops
 # position t from reading the answer at t+1.
 
+ARGUMENTS.update(src_vocab_size=(int, 1, MAX_SIZE), tgt_vocab_size=(int, 1, MAX_SIZE), n_layers=(int, 1, 1024),
+                 pad_id=(int, 0, MAX_SIZE - 1), norm_first=(bool,), share_embeddings=(bool,))
+RELATIONS.update({
+    "one vocabulary to share": (("tgt_vocab_size", "src_vocab_size", "share_embeddings"), lambda t, s, shared:
+                                not shared or s == t, "tgt_vocab_size must equal src_vocab_size to share embeddings"),
+    "pad_id in both vocabularies": (("pad_id", "src_vocab_size", "tgt_vocab_size"), lambda p, s, t: p < min(s, t),
+                                    "pad_id must be an id in both vocabularies"),
+})
+
+
 class Transformer(nn.Module):
     """Encoder-decoder Transformer for sequence to sequence tasks."""
 
@@ -590,16 +511,10 @@ class Transformer(nn.Module):
                  n_layers=6, dropout=0.1, max_len=5000, norm_first=False,
                  share_embeddings=False, pad_id=0):
         super().__init__()
-        check_sizes(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model,
-                    n_heads=n_heads, d_ff=d_ff, n_layers=n_layers, max_len=max_len)
-        check_config(dropout=dropout, norm_first=norm_first, share_embeddings=share_embeddings)
-        if share_embeddings and src_vocab_size != tgt_vocab_size:
-            raise ValueError(f"share_embeddings needs one vocabulary, got src_vocab_size="
-                             f"{src_vocab_size} and tgt_vocab_size={tgt_vocab_size}")
-        if isinstance(pad_id, bool) or not isinstance(pad_id, int) or not 0 <= pad_id < min(src_vocab_size,
-                                                                                          tgt_vocab_size):
-            raise ValueError(f"pad_id must be an id in both vocabularies, 0 to "
-                             f"{min(src_vocab_size, tgt_vocab_size) - 1}, got {pad_id!r}")
+        check("one vocabulary to share", "pad_id in both vocabularies", "d_ff given", src_vocab_size=src_vocab_size,
+              tgt_vocab_size=tgt_vocab_size, d_model=d_model, n_heads=n_heads, d_ff=d_ff, n_layers=n_layers,
+              dropout=dropout, max_len=max_len, norm_first=norm_first, share_embeddings=share_embeddings,
+              pad_id=pad_id)
         self.config = dict(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model,
                            n_heads=n_heads, d_ff=d_ff, n_layers=n_layers, dropout=dropout, max_len=max_len,
                            norm_first=norm_first, share_embeddings=share_embeddings, pad_id=pad_id)  # for checkpoints
@@ -636,8 +551,9 @@ class Transformer(nn.Module):
         return self.encoder_norm(x) if self.encoder_norm else x            # [B, S, D]
 
     def new_cache(self):
-        """An empty KV cache for decode: per layer, self- and cross-attention."""
-        return [(KVCache(), KVCache(static=True)) for _ in self.decoder_layers]
+        """An empty KV cache for decode: per decoder layer, a KVCache for its self-attention
+        and one for its cross-attention (the memory's keys and values, from the first step)."""
+        return [(KVCache(), KVCache()) for _ in self.decoder_layers]
 
     def decode(self, tgt, memory, src, cache=None):
         """tgt [B, T] (starting with bos), memory [B, S, D], src [B, S] -> logits [B, T, V].
@@ -684,6 +600,17 @@ class Transformer(nn.Module):
 # drawn at random from the model's distribution (sampling, for varied text).
 # Section 3's KV cache makes each step run only the newest token.
 
+ARGUMENTS.update(vocab_size=(int, 1, MAX_SIZE), tie_weights=(bool,), max_new_tokens=(int, 0, MAX_SIZE),
+                 prompt_length=(int, 1, MAX_SIZE), temperature=(float, 0.0, math.inf),
+                 top_k=(int, 1, MAX_SIZE, "or None"), top_p=(float, 0.0, 1.0, "or None"),
+                 generator=(torch.Generator, "or None"))
+RELATIONS.update({
+    "prompt fits": (("prompt_length", "max_new_tokens", "max_len"), lambda t, n, most: t + n <= most,
+                    "prompt_length + max_new_tokens must be at most max_len"),
+    "top_p > 0": (("top_p",), lambda p: p is None or p > 0, "top_p must be > 0 (the nucleus holds a token)"),
+})
+
+
 def next_token(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
     """logits [B, V] -> the next ids [B, 1]. temperature 0 takes the most likely;
     otherwise sample from softmax(logits / temperature), over the top_k most likely
@@ -709,6 +636,20 @@ def next_token(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
     return torch.multinomial(probs, 1, generator=generator)                # [B, 1]
 
 
+class eval_mode:
+    """with eval_mode(model): dropout off inside the block, and the caller's mode
+    (training or not) restored after, even on an error."""
+
+    def __init__(self, model):
+        self.model, self.was_training = model, model.training
+
+    def __enter__(self):
+        return self.model.eval()
+
+    def __exit__(self, *exc):
+        self.model.train(self.was_training)
+
+
 @torch.no_grad()
 def generate_tokens(model, input_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                     generator=None, use_cache=True):
@@ -716,19 +657,8 @@ def generate_tokens(model, input_ids, max_new_tokens, temperature=0.0, top_k=Non
     decoder-only model with new_cache() and forward(ids, cache). A torch.Generator
     makes sampling reproducible; the cache changes the speed, not the tokens."""
     check_ids("input_ids", input_ids, model.vocab_size, model.max_len)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if input_ids.size(1) + max_new_tokens > model.max_len:
-        raise ValueError(f"prompt length {input_ids.size(1)} + max_new_tokens {max_new_tokens}"
-                         f" exceeds max_len={model.max_len}")
-    if not (isinstance(temperature, (int, float)) and temperature >= 0):  # also refuses NaN
-        raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    check("prompt fits", "top_p > 0", prompt_length=input_ids.size(1), max_new_tokens=max_new_tokens,
+          max_len=model.max_len, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
     with eval_mode(model):
         cache = model.new_cache() if use_cache else None                   # per layer [B, H, t, dk]
         for _ in range(max_new_tokens):
@@ -744,9 +674,8 @@ class DecoderOnlyTransformer(nn.Module):
     def __init__(self, vocab_size, d_model, n_layers, n_heads, d_ff, max_len=5000,
                  dropout=0.1, tie_weights=False):
         super().__init__()
-        check_sizes(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-                    d_ff=d_ff, max_len=max_len)
-        check_config(dropout=dropout, tie_weights=tie_weights)
+        check("d_ff given", vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_ff=d_ff,
+              max_len=max_len, dropout=dropout, tie_weights=tie_weights)
         self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                            d_ff=d_ff, max_len=max_len, dropout=dropout, tie_weights=tie_weights)  # for checkpoints
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
@@ -761,12 +690,9 @@ class DecoderOnlyTransformer(nn.Module):
         if tie_weights:  # input and output embeddings share one [V, D] matrix (GPT-2 does)
             self.lm_head.weight = self.token_embedding.weight
 
-    def new_cache(self, pool=None):
-        """An empty KV cache for forward: one self-attention cache per layer. pool: a
-        KVPool of section 24 (a paged cache: keys in fixed-size blocks taken from one
-        pool shared by many sequences, as vLLM keeps them); None: plain KVCaches."""
-        if pool is not None:
-            return [PagedKVCache(pool) for _ in self.layers]
+    def new_cache(self):
+        """An empty KV cache for forward: one KVCache per layer (forward takes any list of
+        per-layer caches with the same append and len: section 24 pages them)."""
         return [KVCache() for _ in self.layers]
 
     def forward(self, input_ids, cache=None):
@@ -869,8 +795,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model))                    # [D]
 
     def forward(self, x):
-        # in float32 (a mean of D bf16 squares loses digits), cast back to x's dtype, THEN
-        # scale: Llama's order, self._norm(x.float()).type_as(x) * self.weight
+        # in float32 (a mean of D squares in bfloat16, bf16: float32's range with 8 significant
+        # bits, loses digits), cast back to x's dtype, THEN scale: Llama's order,
+        # self._norm(x.float()).type_as(x) * self.weight
         x32 = x.float()                                                    # [B, T, D]
         # eps inside the square root, as in LayerNorm: it matters where x is tiny
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # [B, T, D]
@@ -891,22 +818,23 @@ class RMSNorm(nn.Module):
 # turned by the angle pos * theta_i. With q at position m turned by m * theta and
 # k at n by n * theta, q . k depends only on m - n: relative position, no table.
 
-def rope_cos_sin(head_dim, max_len, theta=10000.0, scaling=None):
-    """cos and sin of every position's angles, each [max_len, head_dim], float32.
-    scaling (section 25, for contexts longer than the model was trained on): a dict;
-    {"type": "linear", "factor": f} turns every pair f times slower, "llama3" and
-    "yarn" only the slow pairs, and "yarn" also multiplies cos and sin by 0.1 ln f + 1."""
-    if head_dim < 2 or head_dim % 2:
-        raise ValueError(f"RoPE turns pairs of dims: head_dim must be a positive even number, got {head_dim}")
-    # pair i turns at theta^(-2i/dk) radians per position: the first pairs fast, the last
-    # slowly. float32 even for a bf16 model: bf16's 8 significant bits round 1001 to 1000
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # [dk/2]
-    attention_factor = 1.0
-    if scaling is not None:
-        inv_freq, attention_factor = scaled_inv_freq(inv_freq, head_dim, theta, scaling)  # [dk/2], a float
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [max_len, dk/2]
+ARGUMENTS.update(head_dim=(int, 1, MAX_SIZE, "or None"), theta=(float, 1.0, 1e30), rope_theta=(float, 1.0, 1e30))
+RELATIONS["even head_dim"] = (("head_dim",), lambda d: d is not None and d % 2 == 0,
+                              "RoPE turns pairs of dims: head_dim must be even")
+
+
+def rope_frequencies(head_dim, theta=10000.0):
+    """[dk/2]: pair i turns theta^(-2i/dk) radians per position, the first pairs fast, the last slowly."""
+    # float32 even for a bf16 model: bf16's 8 significant bits round 1001 to 1000
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # [dk/2]
+
+
+def rope_cos_sin(head_dim, max_len, theta=10000.0):
+    """cos and sin of every position's angles, each [max_len, head_dim], float32."""
+    check("even head_dim", head_dim=head_dim, max_len=max_len, theta=theta)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_frequencies(head_dim, theta))  # [max_len, dk/2]
     emb = torch.cat([angles, angles], dim=-1)                              # [max_len, dk]
-    return emb.cos() * attention_factor, emb.sin() * attention_factor      # [max_len, dk] each
+    return emb.cos(), emb.sin()                                            # [max_len, dk] each
 
 
 def rotate_half(x):
@@ -943,7 +871,8 @@ def apply_rope(x, cos, sin):
 # 13. SwiGLU feed-forward (SwiGLU 前馈网络)
 # ===========================================================================
 # A gated feed-forward (Shazeer, 2020, "GLU Variants Improve Transformer"): one
-# projection, through SiLU, opens or closes each channel of another. Three
+# projection, through SiLU (x * sigmoid(x), a smooth ReLU like section 4's GELU),
+# opens or closes each channel of another. Three
 # matrices instead of two, so the width is 2/3 of 4 D: 3 * D * 8D/3 = 2 * D * 4D,
 # the parameters and FLOPs of the classic feed-forward.
 
@@ -996,57 +925,51 @@ def repeat_kv(x, n_rep):
     return x[:, :, None].expand(B, Hkv, n_rep, T, dk).reshape(B, Hkv * n_rep, T, dk)  # [B, H, T, dk]
 
 
+ARGUMENTS.update(n_kv_heads=(int, 1, MAX_SIZE, "or None"), qkv_bias=(bool,), bias=(bool,))
+RELATIONS["kv heads divide heads"] = (("n_heads", "n_kv_heads"), lambda h, hkv: h % hkv == 0,
+                                      "n_heads must be divisible by n_kv_heads")
+
+
 class GroupedQueryAttention(nn.Module):
     """n_heads query heads in groups of n_heads // n_kv_heads, each group sharing a
-    key/value head; bias on q, k, v only (as Qwen2), never on w_o. Qwen3's two
-    options (section 17 says why): head_dim, a head's width when it is not D / H, and
-    qk_norm, an RMSNorm (section 11) on every head's q and k before RoPE."""
+    key/value head; bias on q, k, v only (as Qwen2), never on w_o."""
 
-    def __init__(self, d_model, n_heads, n_kv_heads, bias=False, head_dim=None, qk_norm=False, norm_eps=1e-6):
+    def __init__(self, d_model, n_heads, n_kv_heads, bias=False):
         super().__init__()
-        if min(d_model, n_heads, n_kv_heads) < 1:
-            raise ValueError(f"d_model ({d_model}), n_heads ({n_heads}) and n_kv_heads ({n_kv_heads})"
-                             f" must be >= 1")
-        if head_dim is None and d_model % n_heads:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
-        if head_dim is not None:
-            check_sizes(head_dim=head_dim)
-        if n_heads % n_kv_heads:
-            raise ValueError(f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
-        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
-        self.head_dim = d_model // n_heads if head_dim is None else head_dim
+        check("heads divide d_model", "kv heads divide heads", d_model=d_model, n_heads=n_heads,
+              n_kv_heads=n_kv_heads, bias=bias)
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
         self.w_q = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
         self.w_k = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.w_v = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.w_o = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
-        self.qk_norm = qk_norm
-        if qk_norm:  # one weight of head_dim, shared by every head (Qwen3's q_norm, k_norm)
-            self.q_norm, self.k_norm = RMSNorm(self.head_dim, norm_eps), RMSNorm(self.head_dim, norm_eps)
 
     def forward(self, x, cos, sin, mask=None, cache=None):
         """x [B, Tn, D]; cos, sin [Tn, dk] at the new tokens' absolute positions; mask
         [1, 1, Tn, t + Tn]; cache: a KVCache of the earlier tokens' keys and values."""
         B, Tn, _ = x.shape
-        # view, then transpose (as split_heads of section 3), each with its own head count
-        q = self.w_q(x).view(B, Tn, self.n_heads, self.head_dim).transpose(1, 2)     # [B, H, Tn, dk]
-        k = self.w_k(x).view(B, Tn, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, Tn, dk]
-        v = self.w_v(x).view(B, Tn, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, Tn, dk]
-        if self.qk_norm:  # over each head's dk dims, before RoPE: Qwen3's order
-            q, k = self.q_norm(q), self.k_norm(k)                          # [B, H, Tn, dk], [B, Hkv, Tn, dk]
+        q, k, v = self.project(x)                                          # [B, H|Hkv, Tn, dk]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)            # [B, H, Tn, dk], [B, Hkv, Tn, dk]
         if cache is not None:
             # the cache stores keys already turned (a key's angle is fixed by its own
             # position) and only Hkv heads: that is the memory GQA saves
             k, v = cache.append(k, v)                                      # [B, Hkv, t+Tn, dk] each
-            if mask is not None:
-                # a rolling cache (a KVCache with a window) hands back only the keys it kept,
-                # the latest ones: the mask's last columns are theirs
-                mask = mask[..., -k.size(2):]                              # [1, 1, Tn, kept+Tn]
+        out = self.attend(q, k, v, mask)                                   # [B, H, Tn, dk]
+        return self.w_o(out.transpose(1, 2).reshape(B, Tn, -1))            # [B, Tn, D]
+
+    def project(self, x):
+        """x [B, Tn, D] -> q [B, H, Tn, dk], k and v [B, Hkv, Tn, dk]: view, then transpose
+        (as split_heads of section 3), each with its own head count."""
+        B, Tn, _ = x.shape
+        q = self.w_q(x).view(B, Tn, self.n_heads, self.head_dim).transpose(1, 2)     # [B, H, Tn, dk]
+        k = self.w_k(x).view(B, Tn, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, Tn, dk]
+        v = self.w_v(x).view(B, Tn, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, Tn, dk]
+        return q, k, v
+
+    def attend(self, q, k, v, mask):
+        """Each kv head repeated for its group of query heads, then section 2's attention."""
         n_rep = self.n_heads // self.n_kv_heads
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)                    # [B, H, t+Tn, dk] each
-        out, _ = scaled_dot_product_attention(q, k, v, mask)               # [B, H, Tn, dk]
-        out = out.transpose(1, 2).contiguous().view(B, Tn, self.n_heads * self.head_dim)  # [B, Tn, H*dk]
-        return self.w_o(out)                                               # [B, Tn, D]
+        return scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)[0]  # [B, H, Tn, dk]
 
 # Try it:
 #   >>> attn = GroupedQueryAttention(d_model=64, n_heads=8, n_kv_heads=2)  # 4 query heads per kv head
@@ -1067,17 +990,13 @@ class GroupedQueryAttention(nn.Module):
 # them against the sinusoidal table; there is none). No dropout, as in Llama.
 
 class LlamaBlock(nn.Module):
-    """x + attn(attn_norm(x)), then x + ffn(ffn_norm(x))."""
+    """x + attn(attn_norm(x)), then x + ffn(ffn_norm(x)), around the attention and the
+    feed-forward it is given (GQA and SwiGLU in Llama)."""
 
-    def __init__(self, d_model, n_heads, n_kv_heads, d_ff, norm_eps=1e-6, qkv_bias=False, head_dim=None,
-                 qk_norm=False, n_experts=0, top_k=2, norm_topk=True):
+    def __init__(self, d_model, attn, ffn, norm_eps=1e-6):
         super().__init__()
-        self.attn_norm = RMSNorm(d_model, norm_eps)
-        self.attn = GroupedQueryAttention(d_model, n_heads, n_kv_heads, qkv_bias, head_dim, qk_norm, norm_eps)
-        self.ffn_norm = RMSNorm(d_model, norm_eps)
-        # n_experts >= 1: a mixture of n_experts SwiGLUs of width d_ff, top_k per token
-        # (Mixtral, Qwen3-MoE; MoE is section 18's, so a file cut here builds dense models only)
-        self.ffn = MoE(d_model, d_ff, n_experts, top_k, norm_topk=norm_topk) if n_experts else SwiGLU(d_model, d_ff)
+        self.attn_norm, self.attn = RMSNorm(d_model, norm_eps), attn
+        self.ffn_norm, self.ffn = RMSNorm(d_model, norm_eps), ffn
 
     def forward(self, x, cos, sin, mask=None, cache=None):
         """x [B, Tn, D]; cos, sin [Tn, dk]; mask [1, 1, Tn, t + Tn]; cache a KVCache."""
@@ -1085,44 +1004,33 @@ class LlamaBlock(nn.Module):
         return x + self.ffn(self.ffn_norm(x))                              # [B, Tn, D]
 
 
+ARGUMENTS.update(norm_eps=(float, torch.finfo(torch.float32).tiny, 1.0))  # > 0 in float32: 0 / sqrt(0) is NaN
+
+
 class Llama(nn.Module):
     """Token embedding, N Llama blocks, a final RMSNorm, lm_head. n_kv_heads None means
-    n_heads (plain MHA), d_ff None means llama_ffn_dim(d_model). Part III's keywords:
-    head_dim and qk_norm (section 17); n_experts >= 1 makes every ffn a MoE (section 18)
-    of experts expert_d_ff wide (None: d_ff), top_k of them per token. Part IV's: window,
-    Mistral's sliding window (section 23): in every layer the query at p sees keys
-    p - window + 1 .. p, and new_cache() keeps only that many; rope_scaling, rope_cos_sin's
-    scaling (section 25)."""
+    n_heads (plain MHA), d_ff None means llama_ffn_dim(d_model). Each block's attention
+    and feed-forward come from the methods attention() and feed_forward(): a model family
+    that differs there (Part III) overrides them and nothing else."""
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
-                 rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None,
-                 qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True, window=None,
-                 rope_scaling=None):
+                 rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False):
         super().__init__()
+        check(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+              d_ff=d_ff, max_len=max_len, rope_theta=rope_theta, norm_eps=norm_eps, tie_weights=tie_weights,
+              qkv_bias=qkv_bias)
         self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                            n_kv_heads=n_kv_heads, d_ff=d_ff, max_len=max_len, rope_theta=rope_theta,
-                           norm_eps=norm_eps, tie_weights=tie_weights, qkv_bias=qkv_bias, head_dim=head_dim,
-                           qk_norm=qk_norm, n_experts=n_experts, top_k=top_k, expert_d_ff=expert_d_ff,
-                           norm_topk=norm_topk, window=window, rope_scaling=rope_scaling)  # for checkpoints
-        check_window(window)
-        self.window = window
-        check_sizes(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, max_len=max_len,
-                    **{name: value for name, value in (("n_kv_heads", n_kv_heads), ("d_ff", d_ff),
-                                                       ("head_dim", head_dim), ("expert_d_ff", expert_d_ff))
-                       if value is not None})
-        if isinstance(n_experts, bool) or not isinstance(n_experts, int) or n_experts < 0:
-            raise ValueError(f"n_experts must be an integer >= 0 (0: a dense SwiGLU), got {n_experts!r}")
-        check_config(rope_theta=rope_theta, norm_eps=norm_eps, tie_weights=tie_weights, qkv_bias=qkv_bias)
+                           norm_eps=norm_eps, tie_weights=tie_weights, qkv_bias=qkv_bias)  # for checkpoints
+        self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
-        width = d_ff if expert_d_ff is None or not n_experts else expert_d_ff  # each ffn's (each expert's)
-        self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         self.token_embedding = nn.Embedding(vocab_size, d_model)
-        self.layers = nn.ModuleList([LlamaBlock(d_model, n_heads, n_kv_heads, width, norm_eps, qkv_bias, head_dim,
-                                                qk_norm, n_experts, top_k, norm_topk) for _ in range(n_layers)])
+        self.layers = nn.ModuleList([LlamaBlock(d_model, self.attention(d_model, n_heads, n_kv_heads, qkv_bias, norm_eps),
+                                                self.feed_forward(i, d_model, d_ff), norm_eps) for i in range(n_layers)])
         self.final_norm = RMSNorm(d_model, norm_eps)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
-        cos, sin = rope_cos_sin(self.layers[0].attn.head_dim, max_len, rope_theta, rope_scaling)  # [max_len, dk] each
+        cos, sin = self.rope_tables(max_len, rope_theta)                   # [max_len, dk] each
         # buffers follow .to(device); not persistent: recomputed from the config, so the
         # state_dict holds only weights
         self.register_buffer("cos", cos, persistent=False)
@@ -1138,15 +1046,21 @@ class Llama(nn.Module):
         if tie_weights:  # input and output embeddings share one [V, D] matrix (Qwen2.5-0.5B does)
             self.lm_head.weight = self.token_embedding.weight
 
-    def new_cache(self, pool=None):
-        """An empty KV cache for forward: one per layer, each [B, Hkv, t, dk] once filled
-        (a rolling one with the model's window); pool: paged caches, as for the GPT."""
-        if pool is not None and self.window is not None:
-            raise ValueError(f"a paged cache keeps every token, a window of {self.window} needs only the last:"
-                             f" a windowed model's cache is new_cache() without a pool (rolling)")
-        if pool is not None:
-            return [PagedKVCache(pool) for _ in self.layers]
-        return [KVCache(window=self.window) for _ in self.layers]
+    def attention(self, d_model, n_heads, n_kv_heads, qkv_bias, norm_eps):
+        """Every block's attention: GQA (section 14)."""
+        return GroupedQueryAttention(d_model, n_heads, n_kv_heads, qkv_bias)
+
+    def feed_forward(self, i, d_model, d_ff):
+        """Block i's feed-forward: SwiGLU (section 13)."""
+        return SwiGLU(d_model, d_ff)
+
+    def rope_tables(self, max_len, theta):
+        """cos and sin [max_len, dk] for the heads' width."""
+        return rope_cos_sin(self.layers[0].attn.head_dim, max_len, theta)  # [max_len, dk] each
+
+    def new_cache(self):
+        """An empty KV cache for forward: one KVCache per layer, each [B, Hkv, t, dk] once filled."""
+        return [KVCache() for _ in self.layers]
 
     def forward(self, input_ids, cache=None):
         """input_ids [B, T] -> logits [B, T, V]. With a cache (new_cache()), only the
@@ -1157,7 +1071,7 @@ class Llama(nn.Module):
             raise ValueError(f"input_ids holds {input_ids.size(1)} tokens and the cache {past} already:"
                              f" pass the cached tokens and at least one new one")
         new = input_ids[:, past:]                                          # [B, Tn]
-        mask = make_causal_mask(new.size(1), input_ids.device, past, self.window)  # [1, 1, Tn, T]
+        mask = make_causal_mask(new.size(1), input_ids.device, past)       # [1, 1, Tn, T]
         # the new tokens' absolute positions are past..T-1: their angles, not 0..Tn-1
         cos, sin = self.cos[past:input_ids.size(1)], self.sin[past:input_ids.size(1)]  # [Tn, dk] each
         x = self.token_embedding(new)                                      # [B, Tn, D]
@@ -1191,28 +1105,25 @@ class Llama(nn.Module):
 # must agree to the last parameter. Then the memory that decides how many tokens
 # fit on a GPU: the KV cache.
 
+def gqa_params(d_model, n_heads, n_kv_heads, head_dim, bias):
+    """w_q and w_o (H * dk wide), w_k and w_v (Hkv * dk wide), and the q, k, v biases."""
+    q_width, kv_width = n_heads * head_dim, n_kv_heads * head_dim
+    return 2 * d_model * q_width + 2 * d_model * kv_width + ((q_width + 2 * kv_width) if bias else 0)
+
+
+def decoder_params(vocab_size, d_model, n_layers, attention, ffn, tie_weights):
+    """A Llama-style stack around one block's attention and ffn parameters: token_embedding
+    and lm_head, per block the two plus two RMSNorms, then final_norm."""
+    return vocab_size * d_model * (1 if tie_weights else 2) + n_layers * (attention + ffn + 2 * d_model) + d_model
+
+
 def llama_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
-                        rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None,
-                        qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True, window=None,
-                        rope_scaling=None, active=False):
-    """Closed form of count_parameters(Llama(...)), same keywords (max_len, rope_theta,
-    norm_eps, window and rope_scaling hold no parameters). active=True: the parameters
-    one token's forward uses, every weight but the experts it is not routed to (Part
-    III, section 21)."""
-    head_dim = d_model // n_heads if head_dim is None else head_dim
-    kv_width = (n_heads if n_kv_heads is None else n_kv_heads) * head_dim  # Hkv * dk
+                        rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False):
+    """Closed form of count_parameters(Llama(...)), same keywords (max_len, rope_theta and
+    norm_eps hold no parameters)."""
     d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
-    attention = 2 * d_model * n_heads * head_dim + 2 * d_model * kv_width  # w_q and w_o, w_k and w_v
-    attention += (n_heads * head_dim + 2 * kv_width) if qkv_bias else 0  # q, k, v biases
-    attention += 2 * head_dim if qk_norm else 0                        # q_norm, k_norm
-    if n_experts:  # the router's [E, D], and n_experts SwiGLUs, top_k of them used by a token
-        expert = 3 * d_model * (d_ff if expert_d_ff is None else expert_d_ff)
-        ffn = n_experts * d_model + (top_k if active else n_experts) * expert
-    else:
-        ffn = 3 * d_model * d_ff                                       # w1, w3, w2
-    layer = attention + ffn + 2 * d_model                              # + two RMSNorms
-    embeddings = vocab_size * d_model * (1 if tie_weights else 2)      # token_embedding, lm_head
-    return embeddings + n_layers * layer + d_model                     # + final_norm
+    attention = gqa_params(d_model, n_heads, n_kv_heads or n_heads, d_model // n_heads, qkv_bias)
+    return decoder_params(vocab_size, d_model, n_layers, attention, 3 * d_model * d_ff, tie_weights)  # w1, w3, w2
 
 
 def kv_cache_bytes_per_token(n_layers, n_kv_heads, head_dim, bytes_per_value=2):
@@ -1254,39 +1165,82 @@ LLAMA_CONFIGS = [
 # ===========================================================================
 # Part III: the frontier, mixture of experts and latent attention (第三部分：前沿)
 # ===========================================================================
-# What the large models of 2024-2026 (Mixtral, Qwen3, DeepSeek-V3) add to Part II's
-# decoder: heads whose width is free of D / H and whose q and k are normalized
-# (Qwen3); a feed-forward split into many experts, of which each token runs only a
-# few (mixture of experts); and DeepSeek's multi-head latent attention, whose cache
-# is one small latent a token instead of every head's keys and values. Then the
-# DeepSeek-V3-style model, and what "671B parameters, 37B active" counts.
+# What the large open models since late 2023 (Mixtral, Qwen3, DeepSeek-V3) add to
+# Part II's decoder: heads whose width is free of D / H and whose q and k are
+# normalized (Qwen3); a feed-forward split into many experts, of which each token runs
+# only a few (mixture of experts); and DeepSeek's multi-head latent attention, whose
+# cache is one small latent a token instead of every head's keys and values. Each
+# model family is written as transformers' modular files write it: a subclass of
+# Llama that swaps what differs (Qwen3 = Llama + QK-norm + a free head width;
+# Mixtral = Llama with a MoE feed-forward). Then the DeepSeek-V3-style model, and what
+# "671B parameters, 37B active" counts.
 
 # ===========================================================================
-# 17. QK-norm and free head widths (QK 归一化与自由头宽)
+# 17. QK-norm and free head widths: Qwen3 (QK 归一化与自由头宽)
 # ===========================================================================
-# Two options of GroupedQueryAttention (section 14), both Qwen3's. head_dim frees a
-# head's width from D / H: Qwen3-30B-A3B has D 2048 and 32 heads of 128, so w_q is
-# 4096 wide, wider than the model, and w_o brings H * dk back to D. qk_norm keeps the
-# scores from growing: q . k grows with the lengths of q and k, and once the logits
-# are large the softmax is one-hot and its gradient vanishes (Dehghani et al., 2023,
-# "Scaling Vision Transformers to 22 Billion Parameters", saw such logits diverge
-# training and normalized q and k). Qwen3 and Gemma 3 apply an RMSNorm over each
-# head's dk dims, one weight [dk] shared by all heads, to q and k BEFORE RoPE; OLMo 2
-# instead normalizes the whole projection, over all H * dk dims, before splitting
-# into heads. The order matters once the norm's weight is learned: RoPE keeps the
-# length of every pair it turns, but a weight that scales dim i and not its partner
-# gives a different vector before the turn than after it (a test shows the two orders
-# differ with a learned weight and agree with a weight of ones).
-#
-# Try it: a Qwen3-style attention, 4 heads of 16 in a model 32 wide.
-#   >>> attn = GroupedQueryAttention(d_model=32, n_heads=4, n_kv_heads=2, head_dim=16, qk_norm=True)
+# Qwen3's attention differs from Llama's in two places. head_dim frees a head's width
+# from D / H: Qwen3-30B-A3B has D 2048 and 32 heads of 128, so w_q is 4096 wide, wider
+# than the model, and w_o brings H * dk back to D. QK-norm keeps the scores from
+# growing: q . k grows with the lengths of q and k, and once the logits are large the
+# softmax is one-hot and its gradient vanishes (Dehghani et al., 2023, "Scaling Vision
+# Transformers to 22 Billion Parameters", saw such logits diverge training and
+# normalized q and k). Qwen3 and Gemma 3 apply an RMSNorm over each head's dk dims, one
+# weight [dk] shared by all heads, to q and k BEFORE RoPE; OLMo 2 instead normalizes
+# the whole projection, over all H * dk dims, before splitting into heads. The order
+# matters once the norm's weight is learned: RoPE keeps the length of every pair it
+# turns, but a weight that scales dim i and not its partner gives a different vector
+# before the turn than after it (a test shows the two orders differ with a learned
+# weight and agree with a weight of ones).
+
+class QKNormAttention(GroupedQueryAttention):
+    """GQA with heads head_dim wide and an RMSNorm on each head's q and k (q_norm, k_norm)."""
+
+    def __init__(self, d_model, n_heads, n_kv_heads, head_dim, bias=False, norm_eps=1e-6):
+        nn.Module.__init__(self)  # not GQA's __init__: it sizes the heads D / H
+        check("kv heads divide heads", d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.w_q = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+        self.w_k = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.w_v = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.w_o = nn.Linear(n_heads * head_dim, d_model, bias=False)
+        self.q_norm, self.k_norm = RMSNorm(head_dim, norm_eps), RMSNorm(head_dim, norm_eps)
+
+    def project(self, x):
+        """GQA's q, k and v, with q and k normalized over each head's dk dims (before RoPE)."""
+        q, k, v = super().project(x)                                       # [B, H|Hkv, Tn, dk]
+        return self.q_norm(q), self.k_norm(k), v                           # [B, H|Hkv, Tn, dk]
+
+
+class Qwen3(Llama):
+    """Qwen3 = Llama + QK-norm + a free head width (head_dim None: D / H)."""
+
+    def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
+                 rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None):
+        check(d_model=d_model, n_heads=n_heads, head_dim=head_dim)
+        self.head_dim = d_model // n_heads if head_dim is None else head_dim  # read by attention() below
+        super().__init__(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta, norm_eps,
+                         tie_weights, qkv_bias)
+        self.config["head_dim"] = head_dim
+
+    def attention(self, d_model, n_heads, n_kv_heads, qkv_bias, norm_eps):
+        return QKNormAttention(d_model, n_heads, n_kv_heads, self.head_dim, qkv_bias, norm_eps)
+
+
+def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
+                        rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None):
+    """Closed form of count_parameters(Qwen3(...)), same keywords: Llama's with heads head_dim
+    wide, plus q_norm and k_norm in every block."""
+    head_dim = d_model // n_heads if head_dim is None else head_dim
+    attention = gqa_params(d_model, n_heads, n_kv_heads or n_heads, head_dim, qkv_bias) + 2 * head_dim
+    d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
+    return decoder_params(vocab_size, d_model, n_layers, attention, 3 * d_model * d_ff, tie_weights)
+
+# Try it: a Qwen3 with 4 heads of 16 in a model 32 wide.
+#   >>> qwen = Qwen3(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16)
+#   >>> attn = qwen.layers[0].attn
 #   >>> attn.w_q.weight.shape, attn.w_o.weight.shape, attn.q_norm.weight.shape
 #   (torch.Size([64, 32]), torch.Size([32, 64]), torch.Size([16]))
-#   >>> cos, sin = rope_cos_sin(head_dim=16, max_len=8)                    # [8, 16] each
-#   >>> attn(torch.randn(2, 5, 32), cos[:5], sin[:5], make_causal_mask(5)).shape
-#   torch.Size([2, 5, 32])
-#   >>> qwen = Llama(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, qk_norm=True)
-#   >>> qwen(torch.randint(0, 100, (1, 6))).shape, count_parameters(qwen) == llama_param_formula(**qwen.config)
+#   >>> qwen(torch.randint(0, 100, (1, 6))).shape, count_parameters(qwen) == qwen3_param_formula(**qwen.config)
 #   (torch.Size([1, 6, 100]), True)
 
 
@@ -1313,34 +1267,37 @@ LLAMA_CONFIGS = [
 #     topk_groups best (V3: 4) may be chosen from, so a token's experts sit on few
 #     nodes. Weights: the chosen s over their sum, times routed_scale (2.5 in V3).
 
+ARGUMENTS.update(n_experts=(int, 1, MAX_SIZE), n_shared=(int, 0, MAX_SIZE), router=("one of", "softmax", "sigmoid"),
+                 norm_topk=(bool,), n_groups=(int, 1, MAX_SIZE), topk_groups=(int, 1, MAX_SIZE),
+                 routed_scale=(float, torch.finfo(torch.float32).tiny, 1e30), expert_d_ff=(int, 1, MAX_SIZE, "or None"))
+RELATIONS.update({
+    "top_k <= n_experts": (("top_k", "n_experts"), lambda k, e: k is not None and k <= e,
+                           "top_k must be at most n_experts"),
+    "groups divide experts": (("n_experts", "n_groups"), lambda e, g: e % g == 0,
+                              "n_experts must be divisible by n_groups"),
+    "groups from sigmoids": (("n_groups", "router"), lambda g, router: g == 1 or router == "sigmoid",
+                             "n_groups > 1 is DeepSeek-V3's group-limited routing: it needs router='sigmoid'"),
+    "topk_groups <= n_groups": (("topk_groups", "n_groups"), lambda kg, g: kg <= g,
+                                "topk_groups must be at most n_groups"),
+    "enough experts in the groups": (("topk_groups", "n_groups", "n_experts", "top_k"), lambda kg, g, e, k:
+                                     kg * (e // g) >= k, "topk_groups groups of n_experts / n_groups experts"
+                                     " must hold at least top_k"),
+})
+
+
 class MoE(nn.Module):
     """Each token's top_k experts, weighted, plus the shared expert on every token:
-    out = sum_{e chosen} w_e * experts[e](x) + shared(x). router "softmax" (Mixtral,
-    Qwen3-MoE) or "sigmoid" (DeepSeek-V3, with router_bias and groups)."""
+    out = sum_{e chosen} w_e * experts[e](x) + shared(x). router: how the router scores
+    the experts, "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3, with
+    router_bias and groups)."""
 
     def __init__(self, d_model, d_ff, n_experts, top_k, n_shared=0, router="softmax", norm_topk=True,
                  n_groups=1, topk_groups=1, routed_scale=1.0):
         super().__init__()
-        check_sizes(d_model=d_model, d_ff=d_ff, n_experts=n_experts, n_groups=n_groups, topk_groups=topk_groups)
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
-            raise ValueError(f"top_k must be an integer from 1 to n_experts={n_experts}, got {top_k!r}")
-        if router not in ("softmax", "sigmoid"):
-            raise ValueError(f"router must be 'softmax' or 'sigmoid', got {router!r}")
-        if n_groups > 1 and router != "sigmoid":  # DeepSeek-V3's group scores are sums of its sigmoids
-            raise ValueError(f"n_groups > 1 (got {n_groups}) is DeepSeek-V3's group-limited routing: router='sigmoid'")
-        if n_experts % n_groups:
-            raise ValueError(f"n_experts ({n_experts}) must be divisible by n_groups ({n_groups})")
-        if topk_groups > n_groups:
-            raise ValueError(f"topk_groups ({topk_groups}) must be at most n_groups ({n_groups})")
-        eligible = topk_groups * (n_experts // n_groups)
-        if eligible < top_k:
-            raise ValueError(f"topk_groups={topk_groups} groups of {n_experts // n_groups} experts leave"
-                             f" {eligible} to choose from, fewer than top_k={top_k}")
-        if isinstance(n_shared, bool) or not isinstance(n_shared, int) or n_shared < 0:
-            raise ValueError(f"n_shared must be an integer >= 0, got {n_shared!r}")
-        if isinstance(routed_scale, bool) or not isinstance(routed_scale, (int, float)) or not routed_scale > 0:
-            raise ValueError(f"routed_scale must be a number > 0, got {routed_scale!r}")
-        self.n_experts, self.top_k, self.score_func, self.norm_topk = n_experts, top_k, router, norm_topk
+        check("top_k <= n_experts", "groups divide experts", "groups from sigmoids", "topk_groups <= n_groups",
+              "enough experts in the groups", d_model=d_model, d_ff=d_ff, n_experts=n_experts, top_k=top_k, n_shared=n_shared, router=router,
+              norm_topk=norm_topk, n_groups=n_groups, topk_groups=topk_groups, routed_scale=routed_scale)
+        self.n_experts, self.top_k, self.scoring, self.norm_topk = n_experts, top_k, router, norm_topk
         self.n_groups, self.topk_groups, self.routed_scale = n_groups, topk_groups, routed_scale
         self.router = nn.Linear(d_model, n_experts, bias=False)          # a score per expert
         self.experts = nn.ModuleList([SwiGLU(d_model, d_ff) for _ in range(n_experts)])
@@ -1352,7 +1309,7 @@ class MoE(nn.Module):
 
     def route(self, logits):
         """Router logits [N, E] (float32) -> chosen experts [N, k] and their weights [N, k]."""
-        if self.score_func == "softmax":
+        if self.scoring == "softmax":
             scores = logits.softmax(dim=-1)                                # [N, E]: p, each row sums to 1
         else:
             scores = logits.sigmoid()                                      # [N, E]: s, each in (0, 1)
@@ -1375,9 +1332,9 @@ class MoE(nn.Module):
     def forward(self, x):
         """x [B, T, D] -> [B, T, D]; keeps router_logits [N, E] and tokens_per_expert [E]."""
         flat = x.reshape(-1, x.size(-1))                                   # [N, D], N = B * T tokens
-        if self.score_func == "softmax":  # Mixtral: the router in the model's dtype, the softmax in float32
+        if self.scoring == "softmax":  # Mixtral: the router in the model's dtype, the softmax in float32
             logits = self.router(flat).float()                             # [N, E]
-        else:  # DeepSeek-V3: the router's matmul itself in float32
+        else:  # DeepSeek-V3 as transformers ports it, the matmul in float32 (DeepSeek's own: in bf16)
             logits = F.linear(flat.float(), self.router.weight.float())    # [N, E]
         chosen, weights = self.route(logits)                               # [N, k] each
         self.router_logits = logits                                        # [N, E], still in the graph
@@ -1407,13 +1364,15 @@ def load_balancing_loss(router_logits, top_k):
     if router_logits.dim() != 2 or len(router_logits) == 0:
         raise ValueError(f"router_logits must be [N, E] with N >= 1 tokens, got shape {list(router_logits.shape)}")
     E = router_logits.size(-1)
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
-        raise ValueError(f"top_k must be an integer from 1 to {E} (the experts), got {top_k!r}")
+    check("top_k <= n_experts", top_k=top_k, n_experts=E)
     probs = router_logits.float().softmax(dim=-1)                          # [N, E]
     chosen = probs.topk(top_k, dim=-1).indices                             # [N, k]
     f = torch.bincount(chosen.flatten(), minlength=E).float() / len(probs)  # [E]: sums to top_k
     P = probs.mean(dim=0)                                                  # [E]: sums to 1
     return E * (f * P).sum()                                               # []
+
+
+ARGUMENTS.update(rate=(float, 0.0, math.inf))
 
 
 @torch.no_grad()
@@ -1423,15 +1382,75 @@ def update_router_bias(model, rate=1e-3):
     router_bias += rate * sign(mean load - its load), from its last forward's
     tokens_per_expert (in training, padded positions count too). V3 trained with rate
     0.001, and 0 for its last 500B tokens. -> the MoEs updated."""
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate >= 0:
-        raise ValueError(f"rate must be a number >= 0, got {rate!r}")
+    check(rate=rate)
     updated = 0
     for module in model.modules():
-        if isinstance(module, MoE) and module.score_func == "sigmoid" and module.tokens_per_expert is not None:
+        if isinstance(module, MoE) and module.scoring == "sigmoid" and module.tokens_per_expert is not None:
             load = module.tokens_per_expert.float()                        # [E]
             module.router_bias += rate * torch.sign(load.mean() - load)    # [E]: overloaded down, idle up
             updated += 1
     return updated
+
+# The two MoE families: Llama or Qwen3 with every feed-forward a MoE of n_experts SwiGLUs
+# expert_d_ff wide (None: d_ff), top_k per token, softmax-routed. Mixtral renormalizes
+# its top 2; Qwen3-MoE's norm_topk chooses (its configs set True; Qwen1.5-MoE's False).
+
+class Mixtral(Llama):
+    """Mixtral = Llama with every feed-forward a MoE."""
+    norm_topk = True  # Mixtral divides its top_k weights by their sum
+
+    def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
+                 rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, n_experts=8, top_k=2,
+                 expert_d_ff=None):
+        check("top_k <= n_experts", n_experts=n_experts, top_k=top_k, expert_d_ff=expert_d_ff)
+        self.n_experts, self.top_k, self.expert_d_ff = n_experts, top_k, expert_d_ff  # read by feed_forward()
+        super().__init__(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta, norm_eps,
+                         tie_weights, qkv_bias)
+        self.config.update(n_experts=n_experts, top_k=top_k, expert_d_ff=expert_d_ff)
+
+    def feed_forward(self, i, d_model, d_ff):
+        return MoE(d_model, self.expert_d_ff or d_ff, self.n_experts, self.top_k, norm_topk=self.norm_topk)
+
+
+class Qwen3MoE(Qwen3):
+    """Qwen3-MoE = Qwen3 with Mixtral's feed-forward, norm_topk its option."""
+
+    def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
+                 rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None, n_experts=8,
+                 top_k=2, expert_d_ff=None, norm_topk=True):
+        check("top_k <= n_experts", n_experts=n_experts, top_k=top_k, expert_d_ff=expert_d_ff, norm_topk=norm_topk)
+        self.n_experts, self.top_k, self.expert_d_ff, self.norm_topk = n_experts, top_k, expert_d_ff, norm_topk
+        super().__init__(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta, norm_eps,
+                         tie_weights, qkv_bias, head_dim)
+        self.config.update(n_experts=n_experts, top_k=top_k, expert_d_ff=expert_d_ff, norm_topk=norm_topk)
+
+    feed_forward = Mixtral.feed_forward
+
+
+def moe_params(d_model, expert_d_ff, n_experts, top_k, n_shared=0, active=False):
+    """The router's [E, D] and the experts; active=True: only the top_k a token runs (section 21)."""
+    return n_experts * d_model + ((top_k if active else n_experts) + n_shared) * 3 * d_model * expert_d_ff
+
+
+def mixtral_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
+                          rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, n_experts=8,
+                          top_k=2, expert_d_ff=None, active=False):
+    """Closed form of count_parameters(Mixtral(...)), same keywords; active=True: one token's."""
+    attention = gqa_params(d_model, n_heads, n_kv_heads or n_heads, d_model // n_heads, qkv_bias)
+    width = expert_d_ff or d_ff or llama_ffn_dim(d_model)
+    return decoder_params(vocab_size, d_model, n_layers, attention,
+                          moe_params(d_model, width, n_experts, top_k, active=active), tie_weights)
+
+
+def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
+                            rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None,
+                            n_experts=8, top_k=2, expert_d_ff=None, norm_topk=True, active=False):
+    """Closed form of count_parameters(Qwen3MoE(...)), same keywords; active=True: one token's."""
+    head_dim = d_model // n_heads if head_dim is None else head_dim
+    attention = gqa_params(d_model, n_heads, n_kv_heads or n_heads, head_dim, qkv_bias) + 2 * head_dim
+    width = expert_d_ff or d_ff or llama_ffn_dim(d_model)
+    return decoder_params(vocab_size, d_model, n_layers, attention,
+                          moe_params(d_model, width, n_experts, top_k, active=active), tie_weights)
 
 # Try it: 4 experts, 2 per token; 12 tokens make 24 expert-rows, not 4 x 12 = 48.
 #   >>> moe = MoE(d_model=16, d_ff=32, n_experts=4, top_k=2)
@@ -1445,7 +1464,10 @@ def update_router_bias(model, rate=1e-3):
 #   (1, True)
 #   >>> MoE(16, 32, n_experts=8, top_k=4, router="sigmoid", n_groups=4, topk_groups=1)
 #   Traceback (most recent call last):
-#   ValueError: topk_groups=1 groups of 2 experts leave 2 to choose from, fewer than top_k=4
+#   ValueError: topk_groups groups of n_experts / n_groups experts must hold at least top_k (n_groups=4, n_experts=8, top_k=4), got 1
+#   >>> mixtral = Mixtral(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2)
+#   >>> type(mixtral.layers[0].ffn).__name__, count_parameters(mixtral) == mixtral_param_formula(**mixtral.config)
+#   ('MoE', True)
 
 
 # ===========================================================================
@@ -1505,6 +1527,13 @@ class LatentCache:
         return latent, k_rope
 
 
+ARGUMENTS.update(kv_lora_rank=(int, 1, MAX_SIZE), q_lora_rank=(int, 1, MAX_SIZE, "or None"),
+                 qk_nope_dim=(int, 1, MAX_SIZE), qk_rope_dim=(int, 1, MAX_SIZE), v_head_dim=(int, 1, MAX_SIZE),
+                 rope_interleave=(bool,))
+RELATIONS["even qk_rope_dim"] = (("qk_rope_dim",), lambda d: d % 2 == 0,
+                                 "RoPE turns pairs of dims: qk_rope_dim must be even")
+
+
 class MultiHeadLatentAttention(nn.Module):
     """DeepSeek-V2/V3's MLA in DeepSeek's weight layout (wq_a, q_norm, wq_b, wkv_a,
     kv_norm, wkv_b, wo there; w_dq, q_norm, w_uq, w_dkv, kv_norm, w_ukv, w_o here),
@@ -1513,11 +1542,8 @@ class MultiHeadLatentAttention(nn.Module):
     def __init__(self, d_model, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim, q_lora_rank=None,
                  norm_eps=1e-6, rope_interleave=True):
         super().__init__()
-        check_sizes(d_model=d_model, n_heads=n_heads, kv_lora_rank=kv_lora_rank, qk_nope_dim=qk_nope_dim,
-                    qk_rope_dim=qk_rope_dim, v_head_dim=v_head_dim,
-                    **({} if q_lora_rank is None else {"q_lora_rank": q_lora_rank}))
-        if qk_rope_dim % 2:
-            raise ValueError(f"RoPE turns pairs of dims: qk_rope_dim must be even, got {qk_rope_dim}")
+        check("even qk_rope_dim", d_model=d_model, n_heads=n_heads, kv_lora_rank=kv_lora_rank, qk_nope_dim=qk_nope_dim,
+              qk_rope_dim=qk_rope_dim, v_head_dim=v_head_dim, q_lora_rank=q_lora_rank, rope_interleave=rope_interleave)
         self.n_heads, self.kv_lora_rank, self.q_lora_rank = n_heads, kv_lora_rank, q_lora_rank
         self.nope, self.rope, self.v_dim, self.rope_interleave = qk_nope_dim, qk_rope_dim, v_head_dim, rope_interleave
         q_width = n_heads * (qk_nope_dim + qk_rope_dim)                   # every head's [nope | rope]
@@ -1553,7 +1579,8 @@ class MultiHeadLatentAttention(nn.Module):
         # w_ukv's rows are, per head, the nope key's then the value's: W_uk, W_uv
         w_ukv = self.w_ukv.weight.view(H, self.nope + self.v_dim, self.kv_lora_rank)  # [H, nope+v, r]
         w_uk, w_uv = w_ukv.split([self.nope, self.v_dim], dim=1)          # [H, nope, r], [H, v, r]
-        if past > 0 if absorb is None else absorb:
+        absorbed = past > 0 if absorb is None else absorb                  # decoding: absorbed; a prefill: expanded
+        if absorbed:
             # 3a. absorbed: q_nope . (W_uk c) = (W_uk^T q_nope) . c, one query of width r per head
             q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)        # [B, H, Tn, r]
             # one key [c | k_rope] and one value c for all H heads (broadcast, as MQA); section 2
@@ -1590,26 +1617,23 @@ class MultiHeadLatentAttention(nn.Module):
 # 20. The DeepSeek-V3 model (DeepSeek-V3 模型)
 # ===========================================================================
 # Llama's pre-norm stack with MLA for attention and, after the first n_dense_layers
-# blocks with a dense SwiGLU (3 in V3), a sigmoid-routed MoE
-# with shared experts for the feed-forward. Positions enter only through the rope
-# parts; the cache is one LatentCache a layer. What DeepSeek-V3's release has that
+# blocks with a dense SwiGLU (3 in V3), a sigmoid-routed MoE with shared experts for
+# the feed-forward: a subclass of Llama that swaps both, its RoPE tables only as wide as
+# the rope part, its cache one LatentCache a layer. What DeepSeek-V3's release has that
 # this does not: the multi-token-prediction (MTP) module, one more block that predicts
-# the token after next (14B parameters, for training and speculative decoding); YaRN,
-# which stretches its RoPE from 4K to 128K tokens (section 25).
+# the token after next (11.5B parameters of its own, DeepSeek's weights README counts,
+# besides the embedding and output head it shares with the main model; for training and
+# speculative decoding); YaRN, which stretches its RoPE from 4K to 128K tokens (section 25).
 
-class DeepSeekBlock(LlamaBlock):
-    """LlamaBlock's forward as it is, x + attn(attn_norm(x)), then x + ffn(ffn_norm(x)),
-    around MLA and a SwiGLU or a MoE."""
-
-    def __init__(self, d_model, attn, ffn, norm_eps=1e-6):
-        nn.Module.__init__(self)  # not LlamaBlock's __init__: it would build GQA and a SwiGLU
-        self.attn_norm = RMSNorm(d_model, norm_eps)
-        self.attn = attn
-        self.ffn_norm = RMSNorm(d_model, norm_eps)
-        self.ffn = ffn
+ARGUMENTS.update(n_dense_layers=(int, 0, 1024))
+RELATIONS.update({
+    "n_dense_layers <= n_layers": (("n_dense_layers", "n_layers"), lambda dense, n: dense <= n,
+                                   "n_dense_layers must be at most n_layers"),
+    "expert width": (("expert_d_ff",), lambda width: width is not None, "expert_d_ff must be an integer >= 1"),
+})
 
 
-class DeepSeekV3(nn.Module):
+class DeepSeekV3(Llama):
     """Token embedding, N blocks (MLA; SwiGLU for the first n_dense_layers, then a
     sigmoid MoE with n_shared shared experts), a final RMSNorm, lm_head."""
 
@@ -1617,7 +1641,16 @@ class DeepSeekV3(nn.Module):
                  d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1, n_dense_layers=1, n_groups=1,
                  topk_groups=1, routed_scale=1.0, norm_topk=True, max_len=4096, rope_theta=10000.0, norm_eps=1e-6,
                  tie_weights=False, rope_interleave=True):
-        super().__init__()
+        check("n_dense_layers <= n_layers", "expert width", "d_ff given", "top_k <= n_experts", n_layers=n_layers, d_ff=d_ff,
+              n_dense_layers=n_dense_layers, expert_d_ff=expert_d_ff, n_experts=n_experts, top_k=top_k)
+        # read by attention() and feed_forward() while Llama builds the blocks
+        self.mla = dict(kv_lora_rank=kv_lora_rank, qk_nope_dim=qk_nope_dim, qk_rope_dim=qk_rope_dim,
+                        v_head_dim=v_head_dim, q_lora_rank=q_lora_rank, rope_interleave=rope_interleave)
+        self.moe = dict(d_ff=expert_d_ff, n_experts=n_experts, top_k=top_k, n_shared=n_shared, norm_topk=norm_topk,
+                        n_groups=n_groups, topk_groups=topk_groups, routed_scale=routed_scale)
+        self.n_dense_layers = n_dense_layers
+        super().__init__(vocab_size, d_model, n_layers, n_heads, None, d_ff, max_len, rope_theta, norm_eps,
+                         tie_weights)  # N(0, 0.02) as Llama's (V3's paper: std 0.006)
         self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                            kv_lora_rank=kv_lora_rank, qk_nope_dim=qk_nope_dim, qk_rope_dim=qk_rope_dim,
                            v_head_dim=v_head_dim, d_ff=d_ff, expert_d_ff=expert_d_ff, n_experts=n_experts,
@@ -1625,49 +1658,39 @@ class DeepSeekV3(nn.Module):
                            n_groups=n_groups, topk_groups=topk_groups, routed_scale=routed_scale,
                            norm_topk=norm_topk, max_len=max_len, rope_theta=rope_theta, norm_eps=norm_eps,
                            tie_weights=tie_weights, rope_interleave=rope_interleave)  # for checkpoints
-        check_sizes(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, max_len=max_len, d_ff=d_ff,
-                    expert_d_ff=expert_d_ff, n_experts=n_experts)
-        check_config(rope_theta=rope_theta, norm_eps=norm_eps, tie_weights=tie_weights, norm_topk=norm_topk,
-                     rope_interleave=rope_interleave)
-        dense = n_dense_layers
-        if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense <= n_layers:
-            raise ValueError(f"n_dense_layers must be an integer from 0 to n_layers={n_layers}, got {n_dense_layers!r}")
-        self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
-        self.token_embedding = nn.Embedding(vocab_size, d_model)
 
-        def ffn(i):
-            if i < n_dense_layers:
-                return SwiGLU(d_model, d_ff)
-            return MoE(d_model, expert_d_ff, n_experts, top_k, n_shared, "sigmoid", norm_topk, n_groups,
-                       topk_groups, routed_scale)
+    def attention(self, d_model, n_heads, n_kv_heads, qkv_bias, norm_eps):
+        return MultiHeadLatentAttention(d_model, n_heads, **self.mla, norm_eps=norm_eps)
 
-        self.layers = nn.ModuleList([DeepSeekBlock(d_model, MultiHeadLatentAttention(
-            d_model, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim, q_lora_rank, norm_eps,
-            rope_interleave), ffn(i), norm_eps) for i in range(n_layers)])
-        self.final_norm = RMSNorm(d_model, norm_eps)
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
-        cos, sin = rope_cos_sin(qk_rope_dim, max_len, rope_theta)          # [max_len, rope] each
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-        for module in self.modules():  # N(0, 0.02), as Llama's (V3's paper: std 0.006)
-            if isinstance(module, (nn.Embedding, nn.Linear)):
-                nn.init.trunc_normal_(module.weight, std=0.02)
-        if tie_weights:
-            self.lm_head.weight = self.token_embedding.weight
+    def feed_forward(self, i, d_model, d_ff):
+        return SwiGLU(d_model, d_ff) if i < self.n_dense_layers else MoE(d_model, router="sigmoid", **self.moe)
 
-    def new_cache(self, pool=None):
-        """An empty cache for forward: one LatentCache per layer, [B, t, r] and [B, t, rope];
-        pool: a KVPool of section 24, whose blocks then hold the latents (a paged cache,
-        keys in fixed-size blocks taken from one pool shared by many sequences)."""
-        if pool is not None:
-            return [PagedLatentCache(pool) for _ in self.layers]
+    def rope_tables(self, max_len, theta):
+        return rope_cos_sin(self.mla["qk_rope_dim"], max_len, theta)      # [max_len, rope]: the rope part only
+
+    def new_cache(self):
+        """An empty cache for forward: one LatentCache per layer, [B, t, r] and [B, t, rope]."""
         return [LatentCache() for _ in self.layers]
 
-    # Llama's forward and generate as they are: embed, run the blocks with the new tokens'
-    # angles and the bottom-right causal mask, norm, lm_head; generate_tokens for the loop
-    window = None  # full causal attention: no sliding window (Llama's forward reads it)
-    forward = Llama.forward
-    generate = Llama.generate
+def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim,
+                           v_head_dim, d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1,
+                           n_dense_layers=1, n_groups=1, topk_groups=1, routed_scale=1.0, norm_topk=True,
+                           max_len=4096, rope_theta=10000.0, norm_eps=1e-6, tie_weights=False,
+                           rope_interleave=True, active=False):
+    """Closed form of count_parameters(DeepSeekV3(...)), same keywords; active=True: the
+    parameters one token's forward uses. router_bias is a buffer, not a parameter."""
+    q_width = n_heads * (qk_nope_dim + qk_rope_dim)
+    if q_lora_rank is None:
+        attention = d_model * q_width                                      # w_q
+    else:
+        attention = d_model * q_lora_rank + q_lora_rank + q_lora_rank * q_width  # w_dq, q_norm, w_uq
+    attention += d_model * (kv_lora_rank + qk_rope_dim) + kv_lora_rank     # w_dkv, kv_norm
+    attention += kv_lora_rank * n_heads * (qk_nope_dim + v_head_dim) + n_heads * v_head_dim * d_model  # w_ukv, w_o
+    moe = moe_params(d_model, expert_d_ff, n_experts, top_k, n_shared, active)  # router, routed, shared
+    dense_layers, moe_layers = n_dense_layers, n_layers - n_dense_layers
+    layers = dense_layers * (attention + 3 * d_model * d_ff) + moe_layers * (attention + moe)
+    embeddings = vocab_size * d_model * (1 if tie_weights else 2)          # token_embedding, lm_head
+    return embeddings + layers + n_layers * 2 * d_model + d_model          # + two RMSNorms a block, final_norm
 
 # Try it: a DeepSeek-V3 in miniature, whose cache changes the speed, not the tokens.
 #   >>> torch.manual_seed(0)
@@ -1690,31 +1713,12 @@ class DeepSeekV3(nn.Module):
 # A MoE model has two sizes: the total, which must fit in memory, and the active
 # parameters one token's forward uses (every weight but the experts it is not routed
 # to; embeddings, lm_head, routers and shared experts included), which set the
-# compute. Both come from the formulas below, and the total also from a count of the
-# model built on the meta device: they agree to the last parameter. Then the cache
-# memory a token takes: MLA's latent beside GQA's keys and values.
-
-def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim,
-                           v_head_dim, d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1,
-                           n_dense_layers=1, n_groups=1, topk_groups=1, routed_scale=1.0, norm_topk=True,
-                           max_len=4096, rope_theta=10000.0, norm_eps=1e-6, tie_weights=False,
-                           rope_interleave=True, active=False):
-    """Closed form of count_parameters(DeepSeekV3(...)), same keywords; active=True: the
-    parameters one token's forward uses. router_bias is a buffer, not a parameter."""
-    q_width = n_heads * (qk_nope_dim + qk_rope_dim)
-    if q_lora_rank is None:
-        attention = d_model * q_width                                      # w_q
-    else:
-        attention = d_model * q_lora_rank + q_lora_rank + q_lora_rank * q_width  # w_dq, q_norm, w_uq
-    attention += d_model * (kv_lora_rank + qk_rope_dim) + kv_lora_rank     # w_dkv, kv_norm
-    attention += kv_lora_rank * n_heads * (qk_nope_dim + v_head_dim) + n_heads * v_head_dim * d_model  # w_ukv, w_o
-    expert = 3 * d_model * expert_d_ff                                     # one SwiGLU expert
-    moe = n_experts * d_model + (top_k if active else n_experts) * expert + n_shared * expert  # router, routed, shared
-    dense_layers, moe_layers = n_dense_layers, n_layers - n_dense_layers
-    layers = dense_layers * (attention + 3 * d_model * d_ff) + moe_layers * (attention + moe)
-    embeddings = vocab_size * d_model * (1 if tie_weights else 2)          # token_embedding, lm_head
-    return embeddings + layers + n_layers * 2 * d_model + d_model          # + two RMSNorms a block, final_norm
-
+# compute. Both come from each family's formula (sections 18 and 20), and the total
+# also from a count of the model built on the meta device: they agree to the last
+# parameter. The active count here takes the whole input embedding table as used,
+# 0.93B in DeepSeek-V3, where a token reads one row of it: 37.55B, against DeepSeek's
+# own finer figure of 36.7B (embedding and head included) and its round 37B. Then the
+# cache memory a token takes: MLA's latent beside GQA's keys and values.
 
 def mla_cache_bytes_per_token(n_layers, kv_lora_rank, qk_rope_dim, bytes_per_value=2):
     """MLA's cache memory one token takes: its latent and its rope key, in every layer.
@@ -1722,14 +1726,17 @@ def mla_cache_bytes_per_token(n_layers, kv_lora_rank, qk_rope_dim, bytes_per_val
     return n_layers * (kv_lora_rank + qk_rope_dim) * bytes_per_value
 
 # (name, kind, configuration as released, total, active, what the release reports);
-# max_len, theta and eps as released, except DeepSeek-V3's max_len: 4K, before YaRN
+# max_len, theta and eps as released, except DeepSeek-V3's max_len: 4K, before YaRN.
+# Mixtral and Qwen3-30B-A3B publish exact totals, which the formulas meet to the last
+# parameter; DeepSeek publishes 671B (685B in the checkpoint, with the MTP module), and
+# 671,026,404,352 is the count of transformers' DeepseekV3 class, which this one meets
 FRONTIER_CONFIGS = [
-    ("Mixtral-8x7B", "llama", dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+    ("Mixtral-8x7B", "mixtral", dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                                    d_ff=14336, max_len=32768, rope_theta=1000000.0, norm_eps=1e-5,
                                    n_experts=8, top_k=2), 46_702_792_704, 12_879_925_248, "47B / 13B"),
-    ("Qwen3-30B-A3B", "llama", dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4,
-                                    head_dim=128, qk_norm=True, max_len=40960, rope_theta=1000000.0,
-                                    n_experts=128, top_k=8, expert_d_ff=768), 30_532_122_624, 3_353_032_704,
+    ("Qwen3-30B-A3B", "qwen3moe", dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4,
+                                       head_dim=128, max_len=40960, rope_theta=1000000.0,
+                                       n_experts=128, top_k=8, expert_d_ff=768), 30_532_122_624, 3_353_032_704,
      "30.5B / 3.3B"),
     ("DeepSeek-V3", "deepseek", dict(vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, kv_lora_rank=512,
                                      qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, d_ff=18432,
@@ -1740,16 +1747,16 @@ FRONTIER_CONFIGS = [
 # Where DeepSeek-V3's 671B go: 58 MoE layers x 256 experts x 3 x 7168 x 2048 = 654B in
 # routed experts (97%). A token runs 8 of them, 20.4B, plus 11.4B of attention (61
 # layers), 2.6B of shared experts, 1.2B of dense feed-forward (3 layers), 1.9B of
-# embeddings and lm_head: 37.6B. Its cache per token in bf16: 61 layers x 576 x 2 bytes =
+# embeddings and lm_head (the whole input table counted): 37.6B. Its cache per token in bf16: 61 layers x 576 x 2 bytes =
 # 70,272 bytes (68.6 KiB), against 61 x 40,960 x 2 = 4.77 MiB for per-head keys and
 # values, and Mixtral's GQA 128 KiB (8 kv heads of 128, 32 layers).
 
-# Try it: the published totals, to the last parameter.
+# Try it: DeepSeek-V3's totals, and Mixtral's published total to the last parameter.
 #   >>> name, kind, config, total, active, reported = FRONTIER_CONFIGS[2]
 #   >>> deepseek_param_formula(**config), deepseek_param_formula(**config, active=True)
 #   (671026404352, 37552282624)
 #   >>> with torch.device("meta"):                                         # Mixtral: 8 experts a layer, quick
-#   ...     count_parameters(Llama(**FRONTIER_CONFIGS[0][2]))
+#   ...     count_parameters(Mixtral(**FRONTIER_CONFIGS[0][2]))
 #   46702792704
 #   >>> mla_cache_bytes_per_token(n_layers=61, kv_lora_rank=512, qk_rope_dim=64), 61 * 128 * (192 + 128) * 2
 #   (70272, 4997120)
@@ -1764,7 +1771,9 @@ FRONTIER_CONFIGS = [
 # break: the [Tq, Tk] score matrix (16 M entries a head at 4k tokens), the KV
 # cache that grows with every token, the memory a batch reserves for its longest
 # request, and RoPE angles the model never saw in training. Each fix below is
-# plain torch on a CPU, and each is proven equal to the computation it replaces.
+# plain torch on a CPU. FlashAttention and the paged cache are proven equal to the
+# computation they replace; the window and RoPE scaling change the model on purpose,
+# and are proven equal to what their papers and reference code compute.
 
 # ===========================================================================
 # 22. FlashAttention's tiles: the online softmax (FlashAttention 的分块：在线 softmax)
@@ -1792,23 +1801,20 @@ FRONTIER_CONFIGS = [
 # reads them back, Theta(T^2) traffic; the tiles never leave SRAM, and the fused
 # kernel is faster although it does more arithmetic. Here, in Python on a CPU, each
 # tile is a dozen separate torch calls, and the code exists to prove the math and
-# the memory, O(T * block). Its speed depends on the machine (--bench measures it):
-# on an idle 2-core one, 4096 tokens and 4 heads took 0.30 s against section 2's 1.35 s
-# on one thread (a 64 x 64 tile stays in the CPU's cache while section 2 streams
-# 256 MiB tensors through memory: the GPU's reason, on a small scale); at 1024 tokens
-# on two threads section 2 was ahead, 0.014 s against 0.017 s (the Python calls add up),
-# and on a busy machine waking the second thread for each small call can cost more.
+# the memory, O(T * block). Its speed depends on the machine: a 64 x 64 tile stays in
+# the CPU's cache while section 2 streams [T, T] tensors through memory (the GPU's
+# reason, on a small scale), against a dozen Python calls a tile; --bench measures
+# both, and the README gives today's numbers.
 # The backward saves only q, k, v, out and the lse [Tq] (not the [Tq, Tk] weights
 # of section 2) and recomputes each tile's probabilities P = e^(S - lse) from them.
-# With D = rowsum(dO * O): dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dQ += dS K
-# / sqrt(dk), dK += dS^T Q / sqrt(dk). (D comes from softmax's Jacobian: the sum over
-# keys of P * dP is dO . O.) Recomputing costs FLOPs and saves the memory; on a GPU
-# it is still faster than reading a saved [T, T] P from HBM.
+# With delta = rowsum(dO * O): dV += P^T dO, dP = dO V^T, dS = P * (dP - delta),
+# dQ += dS K / sqrt(dk), dK += dS^T Q / sqrt(dk). (delta comes from softmax's Jacobian:
+# the sum over keys of P * dP is dO . O.) Recomputing costs FLOPs and saves the
+# memory; on a GPU it is still faster than reading a saved [T, T] P from HBM.
 
 def flash_tile_scores(q_block, k_block, q_start, k_start, offset, causal):
     """Scaled scores of one tile, [B, H, bq, bk], with keys after a query hidden (-inf)
-    when causal: query i sits at key position i + offset (bottom-right alignment). The
-    causal structure is worked out for this tile alone: a [bq, bk] comparison."""
+    when causal: query i sits at key position i + offset (bottom-right alignment)."""
     scores = q_block @ k_block.transpose(-2, -1)                           # [B, H, bq, bk]
     if causal and k_start + k_block.size(2) - 1 > q_start + offset:        # the tile crosses the diagonal
         rows = torch.arange(q_start, q_start + q_block.size(2), device=q_block.device) + offset  # [bq]
@@ -1860,43 +1866,32 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        causal, block_size = ctx.causal, ctx.block_size
-        Tq, dk, Tk = q.size(2), q.size(-1), k.size(2)
-        scale, offset = dk ** -0.5, Tk - Tq
-        acc_dtype = lse.dtype
-        # D = rowsum(dO * O); a gradient on lse adds P * d_lse to dS, so it joins D
-        D = (d_out.to(acc_dtype) * out.to(acc_dtype)).sum(dim=-1) - d_lse   # [B, H, Tq]
-        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)       # [B, H, Tq, dk]
-        dk_ = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)      # [B, H, Tk, dk]
-        dv_ = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)      # [B, H, Tk, dv]
+        Tq, Tk, scale, acc = q.size(2), k.size(2), q.size(-1) ** -0.5, lse.dtype
+        offset, size = Tk - Tq, ctx.block_size
+        # delta = rowsum(dO * O); a gradient on lse adds P * d_lse to dS, so it joins delta
+        delta = (d_out.to(acc) * out.to(acc)).sum(dim=-1) - d_lse          # [B, H, Tq]
+        d_q, d_k, d_v = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))  # as q, k, v
         # FlashAttention-2's order: key blocks outside (their dK, dV stay in SRAM), queries inside
-        for ks in range(0, Tk, block_size):
-            ke = min(ks + block_size, Tk)
-            k_block, v_block = k[:, :, ks:ke].to(acc_dtype), v[:, :, ks:ke].to(acc_dtype)  # [B, H, bk, dk|dv]
-            for qs in range(0, Tq, block_size):
-                qe = min(qs + block_size, Tq)
-                if ks >= last_key_block(qe, Tk, offset, causal):
+        for ks in range(0, Tk, size):
+            ke = min(ks + size, Tk)
+            k_block, v_block = k[:, :, ks:ke].to(acc), v[:, :, ks:ke].to(acc)  # [B, H, bk, dk|dv]
+            for qs in range(0, Tq, size):
+                qe = min(qs + size, Tq)
+                if ks >= last_key_block(qe, Tk, offset, ctx.causal):
                     continue                                               # the tile is wholly above the diagonal
-                q_block = q[:, :, qs:qe].to(acc_dtype) * scale             # [B, H, bq, dk]
-                s = flash_tile_scores(q_block, k_block, qs, ks, offset, causal)  # [B, H, bq, bk]
+                q_block = q[:, :, qs:qe].to(acc) * scale                   # [B, H, bq, dk]
+                s = flash_tile_scores(q_block, k_block, qs, ks, offset, ctx.causal)  # [B, H, bq, bk]
                 p = torch.exp(s - lse[:, :, qs:qe, None])                  # [B, H, bq, bk]: recomputed
-                do_block = d_out[:, :, qs:qe].to(acc_dtype)                # [B, H, bq, dv]
-                dv_[:, :, ks:ke] += p.transpose(-2, -1) @ do_block         # [B, H, bk, dv]
-                dp = do_block @ v_block.transpose(-2, -1)                  # [B, H, bq, bk]
-                ds = p * (dp - D[:, :, qs:qe, None])                       # [B, H, bq, bk]
-                dq[:, :, qs:qe] += ds @ k_block * scale                    # [B, H, bq, dk]
-                dk_[:, :, ks:ke] += ds.transpose(-2, -1) @ q_block         # [B, H, bk, dk]: q_block is scaled
-        return dq.to(q.dtype), dk_.to(k.dtype), dv_.to(v.dtype), None, None  # [B, H, Tq|Tk, dk|dv]
+                do_block = d_out[:, :, qs:qe].to(acc)                      # [B, H, bq, dv]
+                d_v[:, :, ks:ke] += p.transpose(-2, -1) @ do_block         # [B, H, bk, dv]
+                ds = p * (do_block @ v_block.transpose(-2, -1) - delta[:, :, qs:qe, None])  # [B, H, bq, bk]
+                d_q[:, :, qs:qe] += ds @ k_block * scale                   # [B, H, bq, dk]
+                d_k[:, :, ks:ke] += ds.transpose(-2, -1) @ q_block         # [B, H, bk, dk]: q_block is scaled
+        return d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None, None  # [B, H, Tq|Tk, dk|dv]
 
 
-def flash_attention(q, k, v, causal=False, block_size=64):
-    """softmax(q k^T / sqrt(dk)) v in tiles -> (out [B, H, Tq, dv], lse [B, H, Tq]), the
-    logsumexp of each query's scaled scores. q [B, H, Tq, dk], k [B, H, Tk, dk], v
-    [B, H, Tk, dv]. causal: bottom-right, as make_causal_mask(Tq, past=Tk - Tq): the Tq
-    queries are the last Tq positions (is_causal=True of F.scaled_dot_product_attention
-    is top-left, and for Tq < Tk hides from query i the keys after key i)."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+def check_qkv(q, k, v, causal):
+    """q [B, H, Tq, dk], k [B, H, Tk, dk], v [B, H, Tk, dv], Tk >= 1, and Tq <= Tk when causal."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or q.size(-1) != k.size(-1):
         raise ValueError(f"expected q [B, H, Tq, dk], k [B, H, Tk, dk], v [B, H, Tk, dv], got q {list(q.shape)},"
                          f" k {list(k.shape)}, v {list(v.shape)}")
@@ -1905,6 +1900,19 @@ def flash_attention(q, k, v, causal=False, block_size=64):
     if causal and q.size(2) > k.size(2):
         raise ValueError(f"causal needs Tq <= Tk (the queries are the last Tq of the Tk positions),"
                          f" got Tq {q.size(2)} > Tk {k.size(2)}")
+
+
+ARGUMENTS.update(block_size=(int, 1, MAX_SIZE), causal=(bool,))
+
+
+def flash_attention(q, k, v, causal=False, block_size=64):
+    """softmax(q k^T / sqrt(dk)) v in tiles -> (out [B, H, Tq, dv], lse [B, H, Tq]), the
+    logsumexp of each query's scaled scores. q [B, H, Tq, dk], k [B, H, Tk, dk], v
+    [B, H, Tk, dv]. causal: bottom-right, as make_causal_mask(Tq, past=Tk - Tq): the Tq
+    queries are the last Tq positions (is_causal=True of F.scaled_dot_product_attention
+    is top-left, and for Tq < Tk hides from query i the keys after key i)."""
+    check(block_size=block_size, causal=causal)
+    check_qkv(q, k, v, causal)
     return FlashAttention.apply(q, k, v, causal, block_size)
 
 # Try it: the two blocks worked out above, and a long causal case against section 2.
@@ -1919,6 +1927,45 @@ def flash_attention(q, k, v, causal=False, block_size=64):
 #   >>> torch.allclose(out, plain, atol=1e-5)
 #   True
 
+# PyTorch's F.scaled_dot_product_attention computes the same formula in fused kernels
+# (on a GPU a FlashAttention kernel where it can; on a CPU, without attention dropout,
+# one that never builds the [B, H, Tq, Tk] weights either), and F.layer_norm does
+# section 5's nine small operations in one. A small model's step is a few hundred such
+# operations, so the fused ones show: use_fused_kernels swaps them into a model of
+# Part I, the weights untouched, and --bench measures what they change.
+
+class FusedAttention(MultiHeadAttention):
+    """Section 3's attention with step 2 in PyTorch's kernel (no weights kept)."""
+
+    def attend(self, q, k, v, mask):
+        check_mask(mask)
+        if mask is not None:
+            # a query with nothing to attend to reads nothing, as in section 2; the kernel
+            # is not shown such a row at all (some kernels return NaN for it)
+            empty = ~mask.any(dim=-1, keepdim=True)                        # [B, 1|H, Tq, 1]
+            mask = mask | empty                                            # [B, 1|H, Tq, Tk]
+        p = self.dropout.p if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, mask, p)             # [B, H, Tq, dk]
+        return out if mask is None else out.masked_fill(empty, 0.0)        # [B, H, Tq, dk]
+
+
+class FusedLayerNorm(LayerNorm):
+    """Section 5's LayerNorm in one kernel, F.layer_norm."""
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)  # [B, T, D]
+
+
+def use_fused_kernels(model, fused=True):
+    """Every MultiHeadAttention and LayerNorm in model computes with PyTorch's fused
+    kernels (fused=True) or as written (False); the weights stay as they are. -> model."""
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            module.__class__ = FusedAttention if fused else MultiHeadAttention
+        elif isinstance(module, LayerNorm):
+            module.__class__ = FusedLayerNorm if fused else LayerNorm
+    return model
+
 
 # ===========================================================================
 # 23. Sliding-window attention and the rolling cache (滑动窗口注意力与滚动缓存)
@@ -1929,14 +1976,14 @@ def flash_attention(q, k, v, causal=False, block_size=64):
 # needs more than `window` tokens, however long the generation: Mistral-7B's 32 layers
 # of 8 kv heads of 128 take 128 KiB a token in bf16 (section 16), so 512 MiB for
 # 4096 tokens, where a full cache at 32k tokens takes 4 GiB.
-# The pieces are in place: make_causal_mask(T, past=..., window=...) of section 2
-# (a band under the diagonal), KVCache(window=...) of section 3 and Llama(window=...)
-# of section 15, whose new_cache() gives rolling caches and whose attention (section
-# 14) lines the mask's last columns up with the keys a rolling cache kept.
-# Older tokens still count, through the layers: layer 1 at position p read p - (W - 1)
-# .. p, and layer 2 reads layer 1's outputs there, so L layers reach back L * (W - 1)
-# positions (Mistral-7B: 32 * 4095 = 131,040, the paper's "approximately 131K"). A
-# token further back changes nothing at all; one within that reach can change them.
+# Three pieces: the band mask; a rolling cache that keeps the last `window` keys; and
+# Mistral, a Llama whose attention applies the band, which replaces the causal mask
+# (the band is causal itself). Older tokens still count, through the layers: layer 1
+# at position p read p - (W - 1) .. p, and layer 2 reads layer 1's outputs there, so L
+# layers reach back L * (W - 1) positions (Mistral-7B: 32 * 4095 = 131,040 with the
+# window counting the token itself, as here; the paper's W x k = 4096 x 32 = 131,072
+# counts W positions a layer). A token further back changes nothing at all; one within that
+# reach can change them.
 # The pitfall: len(cache) must count every token seen, not the `window` it holds. RoPE
 # turns the next token by its absolute position and the mask counts from it; a cache
 # whose length stops at `window` restarts the positions, and the keys kept (turned at
@@ -1944,19 +1991,95 @@ def flash_attention(q, k, v, causal=False, block_size=64):
 # Mistral's reference writes token p into slot p mod W of a fixed buffer (its rolling
 # buffer cache: no copies); this one keeps the last W in order, simpler to read.
 
+ARGUMENTS.update(window=(int, 1, MAX_SIZE))
+
+
+def make_window_mask(T, window, device=None, past=0):
+    """[1, 1, T, past + T]: section 2's causal mask cut to a band, the query at position p
+    seeing only the keys p - window + 1 .. p (window keys, itself included)."""
+    check(window=window)
+    return make_causal_mask(T, device, past) & torch.ones(T, past + T, dtype=torch.bool, device=device).triu(
+        past - window + 1)                                                 # [1, 1, T, past+T]
+
+
+class RollingKVCache(KVCache):
+    """A KVCache that keeps only the last `window` keys and values, while len() still
+    counts every token appended."""
+
+    def __init__(self, window):
+        super().__init__()
+        check(window=window)
+        self.window, self.dropped = window, 0                              # dropped: tokens let go
+
+    def __len__(self):
+        return self.dropped + super().__len__()
+
+    def append(self, k, v):
+        """Add keys and values [B, Hkv, Tn, dk]; return the ones kept so far and the new
+        ones (which this step's queries need), then keep only the last window."""
+        k, v = super().append(k, v)                                        # [B, Hkv, kept+Tn, dk] each
+        if k.size(2) > self.window:
+            self.dropped += k.size(2) - self.window
+            self.k = k[:, :, -self.window:].clone()                        # [B, Hkv, window, dk]: its own memory
+            self.v = v[:, :, -self.window:].clone()                        # [B, Hkv, window, dk]
+        return k, v
+
+
+class SlidingWindowAttention(GroupedQueryAttention):
+    """GQA whose queries see only the last `window` keys."""
+
+    def __init__(self, d_model, n_heads, n_kv_heads, window, bias=False):
+        super().__init__(d_model, n_heads, n_kv_heads, bias)
+        self.window = window
+
+    def attend(self, q, k, v, mask):
+        # the band over the keys this step has, the queries the last Tn of them; a rolling
+        # cache hands over only the keys it kept, and the band needs no more (it is causal too)
+        band = make_window_mask(q.size(2), self.window, q.device, past=k.size(2) - q.size(2))  # [1, 1, Tn, t+Tn]
+        return super().attend(q, k, v, band)                               # [B, H, Tn, dk]
+
+
+class Mistral(Llama):
+    """Mistral = Llama with sliding-window attention and a rolling cache."""
+
+    def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
+                 rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, window=4096):
+        check(window=window)
+        self.window = window                                               # read by attention() below
+        super().__init__(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta, norm_eps,
+                         tie_weights, qkv_bias)
+        self.config["window"] = window
+
+    def attention(self, d_model, n_heads, n_kv_heads, qkv_bias, norm_eps):
+        return SlidingWindowAttention(d_model, n_heads, n_kv_heads, self.window, qkv_bias)
+
+    def new_cache(self):
+        """One RollingKVCache per layer: at most window tokens each, however long the generation."""
+        return [RollingKVCache(self.window) for _ in self.layers]
+
+
+def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
+    """Closed form of count_parameters(Mistral(...)): Llama's, the window holds no parameters."""
+    return llama_param_formula(*llama_arguments, **llama_keywords)
+
+
 def window_reach(n_layers, window):
     """How many positions back a stack of n_layers sliding-window layers can see."""
-    check_window(window)
+    check(n_layers=n_layers, window=window)
     return n_layers * (window - 1)
 
 # Try it:
-#   >>> make_causal_mask(5, window=3)[0, 0].int().tolist()                # each query sees 3 keys at most
+#   >>> make_window_mask(5, window=3)[0, 0].int().tolist()                # each query sees 3 keys at most
 #   [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]
-#   >>> cache = KVCache(window=4)
+#   >>> cache = RollingKVCache(window=4)
 #   >>> for _ in range(10):
 #   ...     _ = cache.append(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))  # one token a step
 #   >>> len(cache), cache.k.shape[2], window_reach(n_layers=32, window=4096)    # seen, held, Mistral-7B's reach
 #   (10, 4, 131040)
+#   >>> mistral = Mistral(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, window=4)
+#   >>> ids = torch.randint(0, 100, (1, 12))                               # [1, 12]: three windows long
+#   >>> torch.equal(mistral.generate(ids, 6), mistral.generate(ids, 6, use_cache=False))  # rolling = recomputed
+#   True
 
 
 # ===========================================================================
@@ -1968,7 +2091,9 @@ def window_reach(n_layers, window):
 # operating system pages memory: a sequence takes a block when its last one fills,
 # finds its blocks through a block table, and gives them back when it ends; the waste
 # is under one block per sequence. Here KVPool holds the blocks and PagedKVCache is a
-# drop-in for KVCache (append, len) for one sequence. Every layer's cache takes its
+# drop-in for KVCache (append, len) for one sequence: every model of sections 9-20
+# takes a list of them, one a layer, where it takes new_cache()'s (PagedLatentCache for
+# MLA's latents). Every layer's cache takes its
 # own blocks from the one pool (vLLM shares one block table across the layers, each
 # with its own storage). To attend, append gathers the sequence's blocks into one
 # [1, Hkv, t, dk] tensor; a real paged kernel (vLLM's PagedAttention) reads the
@@ -1976,13 +2101,16 @@ def window_reach(n_layers, window):
 # so the keys are never copied together. --bench measures a batch of six requests of
 # 12 to 1500 tokens: a padded cache reserves 3.4 times the blocks a paged one takes.
 
+ARGUMENTS.update(n_blocks=(int, 1, MAX_SIZE))
+
+
 class KVPool:
     """n_blocks blocks of block_size token slots each, shared by many PagedKVCaches.
     The storage [n_blocks, Hkv, block_size, dk] takes the shape, dtype and device of
     the first keys written."""
 
     def __init__(self, n_blocks, block_size):
-        check_sizes(n_blocks=n_blocks, block_size=block_size)
+        check(n_blocks=n_blocks, block_size=block_size)
         self.n_blocks, self.block_size = n_blocks, block_size
         self.k = self.v = None                                             # [n_blocks, Hkv, block_size, dk]
         self.free_blocks = list(range(n_blocks - 1, -1, -1))               # popped from the end: 0 first
@@ -2014,8 +2142,6 @@ class KVPool:
 
 class PagedKVCache:
     """One sequence's keys and values in a KVPool's blocks: same append and len as KVCache."""
-
-    static = False  # a self-attention cache, appended every step (as KVCache(static=False))
 
     def __init__(self, pool):
         self.pool, self.blocks, self.n = pool, [], 0                       # block table, tokens held
@@ -2073,6 +2199,11 @@ def padded_and_paged_slots(lengths, block_size):
 #   8
 #   >>> padded_and_paged_slots([30, 4000, 7, 500], block_size=16)         # 4 requests, one long
 #   (16000, 4560)
+#   >>> llama = Llama(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
+#   >>> ids = torch.randint(0, 100, (1, 9))                                # [1, 9]
+#   >>> paged = [PagedKVCache(KVPool(n_blocks=6, block_size=4)) for _ in llama.layers]  # a pool a layer here
+#   >>> torch.allclose(llama(ids, paged)[:, -1], llama(ids)[:, -1], atol=1e-5)  # the same last logits
+#   True
 
 
 # ===========================================================================
@@ -2080,11 +2211,11 @@ def padded_and_paged_slots(lengths, block_size):
 # ===========================================================================
 # A model trained on L positions has never seen RoPE angles past L * theta_i, and
 # falls apart beyond it. Three ways to stretch it, each a new set of inverse
-# frequencies that rope_cos_sin (section 12) takes as scaling=...:
+# frequencies in place of section 12's, which with_rope_scaling gives a model:
 # - linear (position interpolation, Chen et al., 2023): every frequency divided by
 #   the factor s, position p looks like p / s. Simple, but it squeezes the fast pairs
-#   too: neighbouring tokens now differ by 1/s of the angle they did, and the model
-#   loses the fine, local order it learned.
+#   too: neighbouring tokens now differ by 1/s of the angle they did, which the YaRN
+#   paper hypothesizes loses the fine, local order the model learned.
 # - NTK-aware (bloc97, 2023: a larger base, theta * s^(dk / (dk - 2)), which slows the
 #   slow pairs most), then "by parts" (YaRN, Peng et al., 2023), used here: a pair whose
 #   wavelength 2 pi / theta_i is much shorter than L has turned many times in training,
@@ -2100,86 +2231,125 @@ def padded_and_paged_slots(lengths, block_size):
 #   the same 8,030,261,248 parameters as Llama-3-8B (RoPE has none).
 # - yarn: the blend's ends are where a pair turns beta_fast (32) and beta_slow (1)
 #   times within L, rounded outwards to whole pairs (floor, ceil) as the reference
-#   implementations do, and the attention gets a temperature: cos and sin times
-#   0.1 ln s + 1 (fitted on Llama models in the YaRN paper), so every score q . k is
-#   multiplied by its square, sharpening a softmax that more keys would flatten.
-#   Forgetting it raises no error: the model just runs at a worse perplexity.
-#   DeepSeek-V3 leaves cos and sin alone and multiplies its softmax scale by mscale^2
-#   instead (mscale = 0.1 * mscale * ln s + 1, its config's mscale 1): in MLA only the
-#   64 rope dims are turned, so scaling cos and sin would miss the 128 nope dims.
+#   implementations do, and the attention gets a temperature t, which YaRN defines by
+#   sqrt(1/t) = 0.1 ln s + 1 (fitted on Llama models): cos and sin times 0.1 ln s + 1,
+#   so every score q . k is multiplied by (0.1 ln s + 1)^2 = 1/t, sharpening a softmax
+#   that more keys would flatten. Forgetting it raises no error: the model just runs at
+#   a worse perplexity. DeepSeek-V3 leaves cos and sin alone and multiplies its softmax
+#   scale by m^2 instead (m = 0.1 * a * ln s + 1, a its config's mscale_all_dim, 1): in
+#   MLA only the 64 rope dims are turned, so scaling cos and sin would miss the 128
+#   nope dims. That softmax scale is not built here: with_rope_scaling refuses yarn for
+#   latent attention.
 # The pitfall: the cache holds keys already turned at their positions (section 14).
-# Scaling is chosen once, for the model; turning the cached keys again (say, to switch
-# scaling mid-generation) turns them twice.
+# Static scaling, the kind here, is chosen once for the model; turning the cached keys
+# again (say, to switch scaling mid-generation) turns them twice. Dynamic NTK and
+# dynamic YaRN change the scaling with the sequence's length, every forward, by design,
+# and so cache the keys before RoPE (YaRN, section 3.3).
 
-def scaled_inv_freq(inv_freq, head_dim, theta, scaling):
-    """RoPE's inverse frequencies [dk/2] stretched for a longer context, as the published
-    formulas (Hugging Face's _compute_linear_scaling_rope_parameters, _compute_llama3_parameters
-    and _compute_yarn_parameters, whose rope_type and original_max_position_embeddings
-    are type and original_max_len here) -> (inv_freq [dk/2], attention factor for cos and sin)."""
-    required = {"linear": ("factor",),
-                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_len"),
-                "yarn": ("factor", "original_max_len")}
-    optional = {"linear": (), "llama3": (), "yarn": ("beta_fast", "beta_slow")}
+ARGUMENTS.update(original_max_len=(int, 1, MAX_SIZE))
+SCALING_KEYS = {"linear": (("factor",), ()),
+                "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_len"), ()),
+                "yarn": (("factor", "original_max_len"), ("beta_fast", "beta_slow"))}  # (required, optional)
+
+
+def check_scaling(scaling):
+    """A scaling is a dict with a known type, its keys, finite numbers > 0, factor >= 1,
+    an integer original_max_len, llama3's low < high and yarn's beta_fast > beta_slow."""
     kind = scaling.get("type") if isinstance(scaling, dict) else None
-    if kind not in required:
+    if kind not in SCALING_KEYS:
         raise ValueError(f"scaling type must be 'linear', 'llama3' or 'yarn' (a dict with a 'type' key), got"
                          f" {kind!r} in {scaling!r}")
-    missing = [key for key in required[kind] if key not in scaling]
-    unknown = sorted(set(scaling) - {"type", *required[kind], *optional[kind]})
+    required, optional = SCALING_KEYS[kind]
+    missing = [key for key in required if key not in scaling]
+    unknown = sorted(set(scaling) - {"type", *required, *optional})
     if missing or unknown:
-        raise ValueError(f"scaling {kind!r} needs the keys {list(required[kind])} (optional:"
-                         f" {list(optional[kind])}); missing {missing}, unknown {unknown}")
+        raise ValueError(f"scaling {kind!r} needs the keys {list(required)} (optional: {list(optional)});"
+                         f" missing {missing}, unknown {unknown}")
     for key in sorted(set(scaling) - {"type", "original_max_len"}):  # factors and betas divide or take logs
         value = scaling[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise ValueError(f"scaling {kind!r} {key} must be a finite number > 0, got {value!r}")
-    factor = scaling["factor"]
-    if not factor >= 1:
-        raise ValueError(f"scaling factor must be a number >= 1 (how many times longer), got {factor!r}")
-    if kind == "linear":
+    if not scaling["factor"] >= 1:
+        raise ValueError(f"scaling factor must be a number >= 1 (how many times longer), got {scaling['factor']!r}")
+    if kind != "linear":
+        check(original_max_len=scaling["original_max_len"])
+    if kind == "llama3" and not scaling["low_freq_factor"] < scaling["high_freq_factor"]:
+        raise ValueError(f"scaling llama3 needs low_freq_factor < high_freq_factor, got"
+                         f" {scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
+    if kind == "yarn" and not scaling.get("beta_fast", 32) > scaling.get("beta_slow", 1):
+        raise ValueError(f"scaling yarn needs beta_fast > beta_slow, got {scaling.get('beta_fast', 32)} and"
+                         f" {scaling.get('beta_slow', 1)}")
+
+
+def scaled_rope_frequencies(head_dim, theta, scaling):
+    """RoPE's inverse frequencies [dk/2] stretched for a longer context, as the published
+    formulas (Hugging Face's _compute_linear_scaling_rope_parameters, _compute_llama3_parameters
+    and _compute_yarn_parameters, whose rope_type and original_max_position_embeddings
+    are type and original_max_len here) -> (inv_freq [dk/2], attention factor for cos and sin)."""
+    inv_freq, factor = rope_frequencies(head_dim, theta), scaling["factor"]  # [dk/2], s
+    if scaling["type"] == "linear":
         return inv_freq / factor, 1.0                                      # [dk/2]
-    original = scaling["original_max_len"]
-    check_sizes(original_max_len=original)
-    if kind == "llama3":
+    original = scaling["original_max_len"]                                 # L
+    if scaling["type"] == "llama3":
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        if not low < high:
-            raise ValueError(f"scaling llama3 needs low_freq_factor < high_freq_factor, got {low} and {high}")
         wavelength = 2 * math.pi / inv_freq                                # [dk/2]: positions per turn
         blend = (original / wavelength - low) / (high - low)               # [dk/2]: 1 at the fast end
         mixed = (1 - blend) * inv_freq / factor + blend * inv_freq         # [dk/2]
         slowed = torch.where(wavelength > original / low, inv_freq / factor, mixed)  # [dk/2]
         return torch.where(wavelength < original / high, inv_freq, slowed), 1.0  # [dk/2]
-    beta_fast, beta_slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
-    if not beta_fast > beta_slow:  # the ramp runs from the fast pairs (many turns) to the slow
-        raise ValueError(f"scaling yarn needs beta_fast > beta_slow, got {beta_fast} and {beta_slow}")
 
     def pair_turning(turns):  # the (fractional) pair index that turns `turns` times in L positions
         return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
 
-    start = max(math.floor(pair_turning(beta_fast)), 0)
-    end = min(math.ceil(pair_turning(beta_slow)), head_dim - 1)
+    start = max(math.floor(pair_turning(scaling.get("beta_fast", 32))), 0)
+    end = min(math.ceil(pair_turning(scaling.get("beta_slow", 1))), head_dim - 1)
     end = end + 0.001 if end == start else end                            # the references' guard against 0/0
-    ramp = ((torch.arange(head_dim // 2, device=inv_freq.device) - start) / (end - start)).clamp(0, 1)  # [dk/2]
+    ramp = ((torch.arange(head_dim // 2) - start) / (end - start)).clamp(0, 1)  # [dk/2]: 1 where slowed
     return inv_freq / factor * ramp + inv_freq * (1 - ramp), 0.1 * math.log(factor) + 1.0  # [dk/2], a float
 
 
+def scaled_rope_cos_sin(head_dim, max_len, theta, scaling):
+    """rope_cos_sin's tables [max_len, head_dim] for the stretched frequencies, times the
+    attention factor (yarn's temperature; 1 for the others)."""
+    check("even head_dim", head_dim=head_dim, max_len=max_len, theta=theta)
+    check_scaling(scaling)
+    inv_freq, attention_factor = scaled_rope_frequencies(head_dim, theta, scaling)  # [dk/2], a float
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [max_len, dk/2]
+    emb = torch.cat([angles, angles], dim=-1)                              # [max_len, dk]
+    return emb.cos() * attention_factor, emb.sin() * attention_factor      # [max_len, dk] each
+
+
+def with_rope_scaling(model, scaling):
+    """Give a RoPE model of this file (Llama, its families, DeepSeekV3) the tables of
+    scaling for its max_len, and record the scaling in its config (checkpoints rebuild
+    it). -> model."""
+    check_scaling(scaling)
+    if isinstance(model, DeepSeekV3) and scaled_rope_frequencies(2, 10000.0, scaling)[1] != 1:
+        raise ValueError("yarn's temperature goes into latent attention's softmax scale (DeepSeek-V3's mscale),"
+                         " which this file does not build: use 'linear' or 'llama3' with a DeepSeekV3")
+    cos, sin = scaled_rope_cos_sin(model.cos.size(-1), model.max_len, model.config["rope_theta"], scaling)
+    model.cos, model.sin = cos.to(model.cos), sin.to(model.sin)            # [max_len, dk] each, as the old ones
+    model.config["rope_scaling"] = dict(scaling)
+    return model
+
+
 LLAMA_3_1_8B = dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
-                    max_len=131072, rope_theta=500000.0, norm_eps=1e-5,
-                    rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                  "high_freq_factor": 4.0, "original_max_len": 8192})
+                    max_len=131072, rope_theta=500000.0, norm_eps=1e-5)
+LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_len": 8192}
 
 # Try it:
-#   >>> cos, sin = rope_cos_sin(8, 64, scaling={"type": "linear", "factor": 4.0})  # [64, 8] each
+#   >>> cos, sin = scaled_rope_cos_sin(8, 64, 10000.0, {"type": "linear", "factor": 4.0})  # [64, 8] each
 #   >>> plain_cos, plain_sin = rope_cos_sin(8, 64)                         # [64, 8] each
 #   >>> torch.allclose(cos[40], plain_cos[10], atol=1e-6)                  # position 40 turned as 10 was
 #   True
-#   >>> cos, sin = rope_cos_sin(8, 64, scaling={"type": "yarn", "factor": 4.0, "original_max_len": 16})
+#   >>> cos, sin = scaled_rope_cos_sin(8, 64, 10000.0, {"type": "yarn", "factor": 4.0, "original_max_len": 16})
 #   >>> round((cos[5] ** 2 + sin[5] ** 2)[0].sqrt().item(), 4), round(0.1 * math.log(4) + 1, 4)  # the temperature
 #   (1.1386, 1.1386)
 #   >>> with torch.device("meta"):                                         # shapes only
-#   ...     llama31 = Llama(**LLAMA_3_1_8B)
-#   >>> count_parameters(llama31), llama31.cos.shape[0]
-#   (8030261248, 131072)
+#   ...     llama31 = with_rope_scaling(Llama(**LLAMA_3_1_8B), LLAMA_3_1_SCALING)
+#   >>> count_parameters(llama31), llama31.cos.shape[0], llama31.config["rope_scaling"]["type"]
+#   (8030261248, 131072, 'llama3')
 
 
 # ===========================================================================
@@ -2483,14 +2653,18 @@ def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True, allowed=N
     return ys[:, 1:]                                                       # [B, <= max_len]
 
 
+ARGUMENTS.update(beam_size=(int, 1, MAX_SIZE), n_steps=(int, 1, MAX_SIZE), batch_size=(int, 1, MAX_SIZE))
+
+
 def reorder_cache(cache, index):
-    """Every KVCache (or LatentCache) in a model's cache keeps the batch rows `index` [N], in order."""
-    for entry in cache:
-        for c in (entry if isinstance(entry, tuple) else (entry,)):
-            if isinstance(c, LatentCache):
-                c.latent, c.k_rope = c.latent[index], c.k_rope[index]      # [N, t, r], [N, t, rope]
-            else:
-                c.k, c.v = c.k[index], c.v[index]                          # [N, H, t, dk] each
+    """Every layer's cache keeps the batch rows `index` [N], in order: each tensor it
+    holds (a KVCache's or RollingKVCache's k and v, a LatentCache's latent and k_rope)
+    is indexed along the batch, its first dimension."""
+    for layer_cache in cache:
+        for c in layer_cache if isinstance(layer_cache, tuple) else (layer_cache,):  # the encoder-decoder's pairs
+            for name, value in vars(c).items():
+                if isinstance(value, torch.Tensor):
+                    setattr(c, name, value[index])                         # [N, ...]
 
 
 @torch.no_grad()
@@ -2503,7 +2677,7 @@ def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_i
     continues with pad at no cost, so finished and open beams compare fairly.
     Plain beam search can push the greedy path out and end below it; here that
     one path always keeps a place, so the answer never scores lower than greedy's."""
-    check_sizes(beam_size=beam_size, n_steps=n_steps)
+    check(beam_size=beam_size, n_steps=n_steps)
     B, k = start.size(0), beam_size
     rows = torch.arange(B, device=start.device)                            # [B]
     ids = start.repeat_interleave(k, dim=0)                                # [B*k, T0]
@@ -2545,7 +2719,7 @@ def translate(model, sentences, src_vocab, tgt_vocab, readings=None, beam_size=1
     """Pinyin strings -> hanzi strings with the encoder-decoder: constrained by the
     syllables' readings when given, greedy when beam_size is 1. A batch holds
     batch_size sentences, or batch_size // beam_size with a beam: the same rows."""
-    check_sizes(beam_size=beam_size, batch_size=batch_size)
+    check(beam_size=beam_size, batch_size=batch_size)
     device = next(model.parameters()).device
     longest = max((len(s.split()) for s in sentences), default=0)
     out, batch_size = [], rows_per_batch(batch_size // beam_size, longest + 1, len(tgt_vocab))
@@ -2756,7 +2930,7 @@ def gpt_translate(model, sentences, vocab, readings=None, beam_size=1, batch_siz
     prompt "pinyin <sep>", constrained and searched as translate() does. Sentences
     of one length share a batch (of batch_size // beam_size at most), so no prompt
     needs padding."""
-    check_sizes(beam_size=beam_size, batch_size=batch_size)
+    check(beam_size=beam_size, batch_size=batch_size)
     device = next(model.parameters()).device
     by_length, out = {}, [""] * len(sentences)
     for i, sentence in enumerate(sentences):
@@ -2845,15 +3019,24 @@ def render_heatmap(weights, col_labels, row_labels):
 @torch.no_grad()
 def cross_attention_map(model, src, out, head=None):
     """src [1, S] and the decoded out [1, T] -> the last decoder layer's
-    cross-attention [T, S]: row t is what the query predicting out[t] read."""
-    if model.decoder_layers[-1].cross_attn.fused:
-        raise ValueError("cross_attention_map reads attention weights, which fused kernels do not keep: "
-                         "use_fused_kernels(model, False) first")
+    cross-attention [T, S]: row t is what the query predicting out[t] read. The
+    weights are section 2's, caught by an attend() set on that one module for the
+    call (an instance attribute shadows the class's method, the fused one too)."""
     tgt = torch.cat([torch.full_like(out[:, :1], Vocab.BOS), out[:, :-1]], dim=1)  # [1, T]
-    with eval_mode(model):
-        model.decode(tgt, model.encode(src), src)                          # [1, T, V]
-    weights = model.decoder_layers[-1].cross_attn.attn_weights[0]          # [H, T, S]
-    return weights.mean(dim=0) if head is None else weights[head]          # [T, S]
+    attn, seen = model.decoder_layers[-1].cross_attn, []
+
+    def attend(q, k, v, mask):
+        out, weights = scaled_dot_product_attention(q, k, v, mask)         # [1, H, T, dk], [1, H, T, S]
+        seen.append(weights[0])                                            # [H, T, S]
+        return out
+
+    attn.attend = attend
+    try:
+        with eval_mode(model):
+            model.decode(tgt, model.encode(src), src)                      # [1, T, V]
+    finally:
+        del attn.attend
+    return seen[0].mean(dim=0) if head is None else seen[0][head]          # [T, S]
 
 
 # A model with experts (section 18) shows where its tokens went instead: each MoE
@@ -3041,9 +3224,17 @@ def read_pairs(path):
 # leaves the previous file as it was.
 
 CHECKPOINT_FORMAT = "transformer.py checkpoint v1"
-MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer, "llama": Llama, "deepseek": DeepSeekV3}
+MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer, "llama": Llama, "qwen3": Qwen3,
+                 "mixtral": Mixtral, "qwen3moe": Qwen3MoE, "mistral": Mistral, "deepseek": DeepSeekV3}
 PARAMETER_FORMULAS = {"encdec": transformer_param_formula, "gpt": decoder_only_param_formula,
-                      "llama": llama_param_formula, "deepseek": deepseek_param_formula}
+                      "llama": llama_param_formula, "qwen3": qwen3_param_formula, "mixtral": mixtral_param_formula,
+                      "qwen3moe": qwen3_moe_param_formula, "mistral": mistral_param_formula,
+                      "deepseek": deepseek_param_formula}
+ROPE_KINDS = ("llama", "qwen3", "mixtral", "qwen3moe", "mistral", "deepseek")  # config may hold rope_scaling
+# Before the model families were classes of their own, a "llama" checkpoint's config held
+# all their options; at these values they are a plain Llama's, and are dropped on loading
+OLD_LLAMA_OPTIONS = dict(head_dim=None, qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True,
+                         window=None, rope_scaling=None)
 
 
 def save_target_problem(path):
@@ -3072,7 +3263,7 @@ def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
     existing file keeps its permissions and owner, and anything but a regular file
     (or a standard stream, see save_target_problem) is refused.
     ValueError naming the path if it cannot be written; the old file stays intact."""
-    if kind not in MODEL_CLASSES or not isinstance(model, MODEL_CLASSES[kind]):
+    if kind not in MODEL_CLASSES or type(model) is not MODEL_CLASSES[kind]:
         raise ValueError(f"kind {kind!r} with a {type(model).__name__}: expected one of "
                          + ", ".join(f"{k!r} with a {c.__name__}" for k, c in MODEL_CLASSES.items()))
     checkpoint = {"format": CHECKPOINT_FORMAT, "kind": kind, "config": model.config,
@@ -3141,19 +3332,31 @@ def check_state_dict(state):
 def check_model_config(kind, config):
     """A checkpoint's kind and configuration, before anything is computed from them:
     exactly the keywords the kind's class takes (the required ones present), each of
-    the type and range CONFIG_FIELDS (section 7) gives it. Or ValueError."""
+    the type and range ARGUMENTS (section 0) gives it, and for a RoPE model perhaps a
+    rope_scaling (section 25). -> (the class's keywords, the scaling or None); or ValueError."""
     if not isinstance(kind, str) or kind not in MODEL_CLASSES:
         raise ValueError(f"kind {quote(str(kind))}: expected one of {', '.join(MODEL_CLASSES)}")
     if not isinstance(config, dict):
         raise ValueError(f"config is a {type(config).__name__}, expected a dict")
+    if kind == "llama":  # an older file's options at a plain Llama's values: dropped
+        config = {key: value for key, value in config.items() if not (
+            key in OLD_LLAMA_OPTIONS and type(value) is type(OLD_LLAMA_OPTIONS[key]) and value == OLD_LLAMA_OPTIONS[key])}
+    config = dict(config)
+    scaling = config.pop("rope_scaling", None) if kind in ROPE_KINDS else None
+    if scaling is not None:
+        check_scaling(scaling)
     parameters = inspect.signature(MODEL_CLASSES[kind]).parameters  # the constructor's keywords
     unknown = next((key for key in config if key not in parameters), None)
+    if unknown is not None and kind == "llama" and unknown in OLD_LLAMA_OPTIONS:
+        raise ValueError(f"config field {unknown}={quote(repr(config[unknown]))} is an option of an older Llama;"
+                         f" that model is now a Qwen3, Mixtral, Qwen3MoE or Mistral: rebuild it as one and save it")
     if unknown is not None:
         raise ValueError(f"config field {quote(str(unknown))} is not one a {kind} model takes")
     missing = next((n for n, p in parameters.items() if p.default is p.empty and n not in config), None)
     if missing:
         raise ValueError(f"config lacks {missing}, which a {kind} model needs")
-    check_config(**config)
+    check(**config)
+    return config, scaling
 
 
 def check_vocab(itos, name):
@@ -3196,8 +3399,8 @@ def load_checkpoint(path, device="cpu"):
 
 def checked_checkpoint(checkpoint, device):
     """load_checkpoint's checks on the loaded dict, cheapest and most basic first."""
-    kind, config, state = checkpoint["kind"], checkpoint["config"], checkpoint["state_dict"]
-    check_model_config(kind, config)
+    kind, state = checkpoint["kind"], checkpoint["state_dict"]
+    config, scaling = check_model_config(kind, checkpoint["config"])
     check_state_dict(state)
     if config.get("pad_id", Vocab.PAD) != Vocab.PAD:
         raise ValueError(f"config must have pad_id {Vocab.PAD}, the id of <pad>")
@@ -3210,15 +3413,16 @@ def checked_checkpoint(checkpoint, device):
     if needed != sum(weights.values()):
         raise ValueError(f"the configuration ({config['n_layers']} layers) needs {needed:,} parameters,"
                          f" the weights hold {sum(weights.values()):,}")
-    per_position = {"llama": 2 * (config.get("head_dim") or config["d_model"] // config["n_heads"]),
-                    "deepseek": 2 * config.get("qk_rope_dim", 0)}.get(kind, config["d_model"])
+    per_position = (config["d_model"] if kind not in ROPE_KINDS else 2 * config["qk_rope_dim"] if kind == "deepseek"
+                    else 2 * (config.get("head_dim") or config["d_model"] // config["n_heads"]))  # cos, sin
     if config["max_len"] * per_position > max(sum(weights.values()), 2 ** 24):  # position tables
         raise ValueError(f"max_len {config['max_len']} asks for position tables far larger than the model")
     # the weights are real (check_state_dict: no view counted twice) and as many as the
     # configuration needs, so building the model allocates what the file holds, no more;
     # then its names and shapes must be the file's, exactly
-    cls = MODEL_CLASSES[kind]
-    model = cls(**config).to(device)
+    model = MODEL_CLASSES[kind](**config).to(device)
+    if scaling is not None:
+        with_rope_scaling(model, scaling)
     expected = {name: t.shape for name, t in model.state_dict().items()}
     wrong = next((name for name in {**expected, **state} if expected.get(name) != getattr(
         state.get(name), "shape", None)), None)
@@ -3797,8 +4001,8 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
 
     torch.manual_seed(0)
     window, n_new = 256, 8192
-    model = Llama(vocab_size=1000, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_len=n_new + 8,
-                  window=window).to(device).eval()
+    model = Mistral(vocab_size=1000, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_len=n_new + 8,
+                    window=window).to(device).eval()
     held, tokens = {}, {}
     torch.set_num_threads(1)  # a token of a tiny model is ~50 tiny ops: more threads only wait on each other
     for kind in ("rolling", "full"):
@@ -3823,7 +4027,7 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
     pool = KVPool(n_blocks=sum(-(-n // block_size) for n in lengths) * len(model.layers), block_size=block_size)
     with torch.no_grad():
         for n in lengths:
-            model(torch.randint(0, 1000, (1, n), device=device), model.new_cache(pool=pool))  # its prompt
+            model(torch.randint(0, 1000, (1, n), device=device), [PagedKVCache(pool) for _ in model.layers])
     block_bytes = pool.k[0].nbytes + pool.v[0].nbytes                      # one block's keys and values
     paged = (pool.n_blocks - pool.n_free) * block_bytes
     padded = 2 * len(model.layers) * len(lengths) * max(lengths) * pool.k[0, :, 0].nbytes  # [B, Hkv, max, dk] x2
