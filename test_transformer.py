@@ -3449,6 +3449,66 @@ def test_beam_search_cache_follows_the_beams():
         assert torch.equal(cached[0], fresh[0]) and torch.allclose(cached[1], fresh[1], atol=1e-4)
 
 
+@torch.no_grad()
+def sharpened(model, seed=0, std=0.3):
+    """model with every weight but the norms drawn from N(0, std^2): attention far from uniform."""
+    torch.manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" not in name:
+            p.normal_(0, std)
+    return model
+
+
+def _every_cache_kind():
+    """(name, model) for each cache type a decoder-only model makes: plain KVCaches (GPT,
+    Llama, Qwen3, Mixtral), rolling ones (Mistral, window 3, shorter than the sequences),
+    latent ones (DeepSeek-V3). Large random weights, so that beams part ways."""
+    qwen = randomize(tf.Qwen3(vocab_size=40, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=6, max_len=64))
+    mixtral = randomize(tf.Mixtral(vocab_size=40, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=24,
+                                   n_experts=4, top_k=2, max_len=64))
+    return [("gpt", tiny_gpt()), ("llama", tiny_llama()), ("qwen3", qwen.eval()), ("mixtral", mixtral.eval()),
+            ("mistral", tiny_llama(window=3)), ("deepseek", sharpened(tiny_deepseek_2_layers()))]
+
+
+@torch.no_grad()
+def test_every_cache_kind_gives_the_uncached_tokens_in_generate_and_in_beam_search():
+    """generate extends each cache, beam search also reorders it (reorder_cache, every tensor
+    a cache holds): cached = recomputed from scratch, for every kind. (The paged caches hold
+    one sequence, batch 1: section 24's test runs them through generation.)"""
+    prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(7))  # [2, 5]
+    for name, model in _every_cache_kind():
+        assert torch.equal(model.generate(prompt, 6), model.generate(prompt, 6, use_cache=False)), name
+        step = lambda ids, cache: model(ids, cache)[:, -1]               # noqa: E731
+        cached = tf.beam_search(step, prompt, 6, 4, cache=model.new_cache())
+        fresh = tf.beam_search(step, prompt, 6, 4, cache=None)           # the whole prefix every step
+        assert torch.equal(cached[0], fresh[0]) and torch.allclose(cached[1], fresh[1], atol=1e-4), name
+    # the encoder-decoder's pairs of caches: self-attention's grows, cross-attention's holds the memory
+    model = randomize_norms(_tiny_seq2seq(max_len=24)).eval()
+    memory, src = model.encode(SRC).repeat_interleave(4, dim=0), SRC.repeat_interleave(4, dim=0)  # [2*4, S, D]
+    step = lambda ids, cache: model.decode(ids, memory, src, cache)[:, -1]  # noqa: E731
+    start = torch.full((2, 1), BOS)
+    cached, fresh = tf.beam_search(step, start, 6, 4, cache=model.new_cache()), tf.beam_search(step, start, 6, 4)
+    assert torch.equal(cached[0], fresh[0]) and torch.allclose(cached[1], fresh[1], atol=1e-4)
+
+
+@torch.no_grad()
+def test_a_reorder_that_misses_one_tensor_of_a_cache_is_caught(monkeypatch):
+    """The test above has teeth: a reorder that moves MLA's latents but not its rope keys
+    (or a KVCache's keys but not its values) gives other beams than recomputing."""
+    prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(7))  # [2, 5]
+    for model, kept in ((sharpened(tiny_deepseek_2_layers()), "latent"), (tiny_llama(), "k")):
+        def partial_reorder(cache, index):
+            for c in cache:
+                setattr(c, kept, getattr(c, kept)[index])                # the other tensor stays put
+
+        step = lambda ids, cache: model(ids, cache)[:, -1]               # noqa: E731
+        fresh = tf.beam_search(step, prompt, 6, 4)
+        with monkeypatch.context() as patch:
+            patch.setattr(tf, "reorder_cache", partial_reorder)
+            broken = tf.beam_search(step, prompt, 6, 4, cache=model.new_cache())
+        assert not (torch.equal(broken[0], fresh[0]) and torch.allclose(broken[1], fresh[1], atol=1e-4)), kept
+
+
 def test_evaluate_counts_missing_and_extra_characters_wrong():
     pairs = [("ni hao", "你好"), ("wo ai xue xi", "我爱学习"), ("shi", "是")]
     result = tf.evaluate(lambda s: ["你好", "我爱学", "是是"], pairs)
@@ -4134,6 +4194,63 @@ def _checkpoint_model(kind, tied):
     src, tgt = torch.randint(4, len(sv), (2, 6)), torch.randint(4, len(tv), (2, 5))
     src[1, 4:] = PAD
     return model, sv, tv, pairs, lambda m: m(src, tgt)
+
+
+def _llama_checkpoint(tmp_path, model, **old_options):
+    """model saved as a "llama" checkpoint, its config holding old_options too (as files
+    saved before the model families were classes of their own held them)."""
+    pairs = tf.make_toy_data(n_sentences=10, seed=2)
+    vocab = tf.build_gpt_vocab(pairs)
+    path = tmp_path / "llama.pt"
+    tf.save_checkpoint(str(path), "llama", model, vocab, vocab)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["config"].update(old_options)
+    torch.save(checkpoint, path)
+    return str(path)
+
+
+def test_an_older_llama_checkpoint_with_the_families_options_at_their_defaults_is_a_llama(tmp_path):
+    pairs = tf.make_toy_data(n_sentences=10, seed=2)
+    model = randomize(tf.Llama(vocab_size=len(tf.build_gpt_vocab(pairs)), d_model=16, n_layers=2, n_heads=4,
+                               n_kv_heads=2, max_len=32)).eval()
+    path = _llama_checkpoint(tmp_path, model, **tf.OLD_LLAMA_OPTIONS)   # head_dim None, n_experts 0, window None...
+    kind, loaded, *_ = tf.load_checkpoint(path)
+    ids = torch.randint(0, model.vocab_size, (2, 7))
+    assert kind == "llama" and type(loaded) is tf.Llama and loaded.config == model.config
+    assert torch.equal(loaded(ids), model(ids))
+    for option, value in [("qk_norm", True), ("n_experts", 4), ("window", 8), ("head_dim", 8)]:
+        with pytest.raises(ValueError, match=rf"config field {option}={value}: an older Llama's option; build a"
+                                             r" Qwen3, Mixtral, Qwen3MoE or Mistral\)$"):
+            tf.load_checkpoint(_llama_checkpoint(tmp_path, model, **{option: value}))
+    with pytest.raises(ValueError, match=r"config field 'qk_norm' is not one a qwen3 model takes"):  # only llama's
+        tf.check_model_config("qwen3", dict(model.config, qk_norm=False))
+
+
+def test_a_scaled_rope_survives_a_checkpoint(tmp_path):
+    pairs = tf.make_toy_data(n_sentences=10, seed=2)
+    vocab = tf.build_gpt_vocab(pairs)
+    scaling = {"type": "yarn", "factor": 4.0, "original_max_len": 8}
+    model = tf.with_rope_scaling(randomize(tf.Mistral(vocab_size=len(vocab), d_model=16, n_layers=2, n_heads=4,
+                                                      n_kv_heads=2, max_len=32, window=6)), scaling).eval()
+    tf.save_checkpoint(str(tmp_path / "m.pt"), "mistral", model, vocab, vocab)
+    kind, loaded, *_ = tf.load_checkpoint(str(tmp_path / "m.pt"))
+    ids = torch.randint(0, len(vocab), (1, 30))
+    assert kind == "mistral" and loaded.config == model.config and loaded.config["rope_scaling"] == scaling
+    assert torch.equal(loaded.cos, model.cos) and torch.equal(loaded(ids), model(ids))
+    with pytest.raises(ValueError, match="scaling 'linear' needs the keys"):
+        tf.check_model_config("llama", dict(model.config, rope_scaling={"type": "linear"}))
+    with pytest.raises(ValueError, match="config field 'rope_scaling' is not one a gpt model takes"):
+        tf.check_model_config("gpt", dict(vocab_size=5, d_model=4, n_layers=1, n_heads=1, d_ff=4,
+                                          rope_scaling=scaling))
+
+
+def test_yarn_is_refused_for_latent_attention_and_the_others_scale_its_rope_part():
+    model = tiny_deepseek()
+    with pytest.raises(ValueError, match="yarn's temperature goes into latent attention's softmax scale"):
+        tf.with_rope_scaling(model, {"type": "yarn", "factor": 4.0, "original_max_len": 8})
+    tf.with_rope_scaling(model, {"type": "linear", "factor": 4.0})
+    plain_cos, _ = tf.rope_cos_sin(4, 32)                                 # qk_rope_dim 4
+    assert model.cos.shape == (32, 4) and max_diff(model.cos[8], plain_cos[2]) < 1e-6
 
 
 @pytest.mark.parametrize("kind, tied", [("encdec", False), ("encdec", True), ("gpt", False), ("gpt", True)])

@@ -3348,8 +3348,8 @@ def check_model_config(kind, config):
     parameters = inspect.signature(MODEL_CLASSES[kind]).parameters  # the constructor's keywords
     unknown = next((key for key in config if key not in parameters), None)
     if unknown is not None and kind == "llama" and unknown in OLD_LLAMA_OPTIONS:
-        raise ValueError(f"config field {unknown}={quote(repr(config[unknown]))} is an option of an older Llama;"
-                         f" that model is now a Qwen3, Mixtral, Qwen3MoE or Mistral: rebuild it as one and save it")
+        raise ValueError(f"config field {unknown}={repr(config[unknown])[:20]}: an older Llama's option; build a"
+                         f" Qwen3, Mixtral, Qwen3MoE or Mistral")
     if unknown is not None:
         raise ValueError(f"config field {quote(str(unknown))} is not one a {kind} model takes")
     missing = next((n for n, p in parameters.items() if p.default is p.empty and n not in config), None)
