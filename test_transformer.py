@@ -485,7 +485,7 @@ def test_mha_cross_attention_with_key_padding_matches_nn():
 
 
 def test_pitfall4_cross_attention_with_different_lengths():
-    # seed 002 reshaped K and V with the query's length: fails once S != T
+    # the build-it-yourself tutorial reshaped K and V with the query's length: fails once S != T
     ours, ref = _mha_pair(D=24, H=3)
     for Tq, Tk in ((3, 8), (8, 3), (1, 5)):
         query, memory = torch.randn(2, Tq, 24), torch.randn(2, Tk, 24)
@@ -520,7 +520,7 @@ def test_pitfall7_view_before_transpose():
 
 
 def test_pitfall1_mha_stores_its_heads_and_the_gpt_has_a_forward():
-    # seed 000's MultiHeadAttention never stored n_heads / d_model (crash on first use),
+    # the decoder-only tutorial's MultiHeadAttention never stored n_heads / d_model (crash on first use),
     # and its DecoderOnlyTransformer had no forward. Same structure, small vocab:
     # DecoderOnlyTransformer(vocab_size, d_model=512, n_layers=6, n_heads=8, d_ff=2048)
     assert "forward" in tf.DecoderOnlyTransformer.__dict__
@@ -618,7 +618,7 @@ def test_pitfall6_layernorm_eps_inside_sqrt_biased_var():
     out = ours(x)
     assert_close(out, F.layer_norm(x, (D,), eps=eps))
     mean = x.mean(-1, keepdim=True)
-    # seed 001: eps added to the (biased) std instead of to the variance
+    # the attention walk-through: eps added to the (biased) std instead of to the variance
     std_plus_eps = (x - mean) / (x.std(-1, unbiased=False, keepdim=True) + eps)
     # the Annotated Transformer: unbiased std (divide by D - 1), eps added to it
     unbiased = (x - mean) / (x.std(-1, keepdim=True) + eps)
@@ -926,7 +926,7 @@ def test_transformer_decoder_causality():
 
 
 def test_pitfall3_decoder_is_causal_in_training(monkeypatch):
-    # seed 002's forward gave the decoder no causal mask: position 0 read the answer
+    # the build-it-yourself tutorial's forward gave the decoder no causal mask: position 0 read the answer
     model = _seq2seq(norm_first=True)
     src = SRC[:1]
     a, b = torch.tensor([[1, 4, 6, 3]]), torch.tensor([[1, 9, 2, 5]])   # same first token
@@ -1259,7 +1259,7 @@ def test_tied_weights_counted_once():
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_pitfall2_the_tutorial_gpts_parameter_count(tie):
-    # seed 000: vocab 50257, d 512, 6 layers, 8 heads, d_ff 2048, said to have "3000多万"
+    # the decoder-only tutorial: vocab 50257, d 512, 6 layers, 8 heads, d_ff 2048, said to have "3000多万"
     V0, D0, L0, H0, F0 = 50257, 512, 6, 8, 2048
     with torch.device("meta"):  # shapes only: no memory, no time
         model = tf.DecoderOnlyTransformer(V0, D0, L0, H0, F0, tie_weights=tie)
@@ -3846,7 +3846,7 @@ def overfit10():
 
 
 def test_pitfall3_causal_decoder_overfits_ten_sentences_and_decodes_them(overfit10):
-    # seed 002 had no causal mask: its loss went to ~0 while greedy decoding failed.
+    # the build-it-yourself tutorial had no causal mask: its loss went to ~0 while greedy decoding failed.
     # Here the loss goes to ~0 AND greedy decoding reproduces every sentence
     # (about 0.9 s; the margins: see OVERFIT_EPOCHS).
     model, pairs, sv, tv, result, logs = overfit10
@@ -5652,8 +5652,6 @@ def test_claim_seeds_go_up_to_torchs_limit_2_64_minus_1():
 # ===========================================================================
 # Hardening: inputs that must fail cleanly
 # ===========================================================================
-# Hardening: inputs that must fail cleanly (issue 18, section 2).
-#
 # The promise of the command line: a mistake is one line on stderr and exit status
 # 2, nothing the user has is lost, memory stays within a few hundred MB. The
 # library's promise: a bad argument is a ValueError naming the argument, the value
