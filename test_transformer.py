@@ -2021,8 +2021,10 @@ def test_load_balancing_loss_is_top_k_when_uniform_and_equals_its_closed_form():
 def test_update_router_bias_brings_a_skewed_load_toward_uniform():
     """A router skewed toward experts 0 and 1 for 128 tokens: at first they take 251 of
     the 256 slots, the load's coefficient of variation (std / mean over the experts) is
-    1.69. After 100 bias updates (rate 0.01, no training) it is 0.11 (measured; at most
-    0.13 over the last 10 steps), every expert busy."""
+    1.69. After 100 bias updates (rate 0.01, no training) it alternates between 0.088 and
+    0.132 (measured, seed 0: steps of a fixed size, by sign, go back and forth), every
+    expert busy."""
+    torch.manual_seed(0)
     moe = tf.MoE(d_model=8, d_ff=4, n_experts=8, top_k=2, router="sigmoid")
     with torch.no_grad():
         moe.router.weight[:2] += 0.4
@@ -2035,7 +2037,7 @@ def test_update_router_bias_brings_a_skewed_load_toward_uniform():
         assert tf.update_router_bias(moe, rate=0.01) == 1
         moe(x)
         late += [variation(moe.tokens_per_expert)] if step >= 90 else []
-    assert max(late) < 0.3 and (moe.tokens_per_expert > 0).all()
+    assert max(late) < 0.2 and abs(sum(late) / len(late) - 0.11) < 0.03 and (moe.tokens_per_expert > 0).all()
     assert moe.router_bias[:2].max() < 0 and moe.router_bias[:2].max() < moe.router_bias[2:].min()
     softmax = tf.MoE(d_model=8, d_ff=4, n_experts=8, top_k=2)          # softmax MoEs are left alone
     softmax(x)

@@ -1,9 +1,10 @@
 """transformer.py: the Transformer, hand-written, top to bottom, proven against PyTorch.
 
 Read it like an article: each numbered section depends only on torch and on the
-sections above it, so the file cut after any model's section still runs that model
-(the options a later part adds, such as Part III's experts or Part IV's paged cache
-and RoPE scaling, need the file through that part).
+sections above it, so the file cut after any model's section still runs that model.
+A later idea never becomes an option of an earlier class: it extends it, the way the
+model families extend the Llama (Qwen3 is Llama with QK-norm and a free head width,
+Mixtral is Llama with a mixture-of-experts feed-forward, Mistral is Llama with a window).
 
   Part I    The classic Transformer (Vaswani et al., 2017, "Attention Is All You Need")
               1 positional encoding       2 attention and masks     3 multi-head attention
@@ -13,12 +14,13 @@ and RoPE scaling, need the file through that part).
   Part II   The modern decoder, Llama-style
              11 RMSNorm                   12 rotary positions       13 SwiGLU
              14 grouped-query attention   15 the Llama model        16 parameters, KV-cache memory
-  Part III  The frontier: mixture of experts and latent attention (Mixtral, Qwen3, DeepSeek-V3)
-             17 QK-norm, free head widths 18 mixture of experts     19 latent attention (MLA)
-             20 the DeepSeek-V3 model     21 total and active parameters, the latent cache
+  Part III  The frontier: mixture of experts and latent attention
+             17 QK-norm, free head widths: Qwen3                    18 mixture of experts: Mixtral,
+             19 latent attention (MLA)    20 the DeepSeek-V3 model     Qwen3-MoE
+             21 total and active parameters, the latent cache
   Part IV   Long sequences
-             22 FlashAttention's tiles    23 sliding windows        24 the paged KV cache
-             25 RoPE for long context
+             22 FlashAttention's tiles, fused kernels                23 sliding windows: Mistral
+             24 the paged KV cache        25 RoPE for long context
   Part V    Learning and using it: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
              26 the toy task              27 a baseline to beat     28 decoding: greedy,
              29 training                  30 the KV cache measured     constrained, beam
@@ -48,7 +50,7 @@ encoder-decoder), fixes their mistakes, and proves each piece in test_transforme
 # ===========================================================================
 
 # ===========================================================================
-# 0. Imports and the shape legend (导入与形状记号)
+# 0. Imports, the shape legend, argument checks (导入、形状记号与参数检查)
 # ===========================================================================
 # The models need nothing but torch. One legend for every shape comment:
 #   B batch, S source length, T target length, D d_model, H heads,
@@ -832,7 +834,8 @@ def rope_frequencies(head_dim, theta=10000.0):
 def rope_cos_sin(head_dim, max_len, theta=10000.0):
     """cos and sin of every position's angles, each [max_len, head_dim], float32."""
     check("even head_dim", head_dim=head_dim, max_len=max_len, theta=theta)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_frequencies(head_dim, theta))  # [max_len, dk/2]
+    positions = torch.arange(max_len, dtype=torch.float32)                 # [max_len]
+    angles = torch.outer(positions, rope_frequencies(head_dim, theta))     # [max_len, dk/2]
     emb = torch.cat([angles, angles], dim=-1)                              # [max_len, dk]
     return emb.cos(), emb.sin()                                            # [max_len, dk] each
 
@@ -1026,8 +1029,9 @@ class Llama(nn.Module):
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
         self.token_embedding = nn.Embedding(vocab_size, d_model)
-        self.layers = nn.ModuleList([LlamaBlock(d_model, self.attention(d_model, n_heads, n_kv_heads, qkv_bias, norm_eps),
-                                                self.feed_forward(i, d_model, d_ff), norm_eps) for i in range(n_layers)])
+        self.layers = nn.ModuleList([
+            LlamaBlock(d_model, self.attention(d_model, n_heads, n_kv_heads, qkv_bias, norm_eps),
+                       self.feed_forward(i, d_model, d_ff), norm_eps) for i in range(n_layers)])
         self.final_norm = RMSNorm(d_model, norm_eps)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         cos, sin = self.rope_tables(max_len, rope_theta)                   # [max_len, dk] each
@@ -1245,7 +1249,7 @@ def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
 
 
 # ===========================================================================
-# 18. Mixture of experts (混合专家)
+# 18. Mixture of experts: Mixtral and Qwen3-MoE (混合专家)
 # ===========================================================================
 # A dense feed-forward runs all its weights on every token. A mixture of experts
 # (Shazeer et al., 2017; in Transformers GShard and Switch) holds E feed-forwards,
@@ -1295,8 +1299,9 @@ class MoE(nn.Module):
                  n_groups=1, topk_groups=1, routed_scale=1.0):
         super().__init__()
         check("top_k <= n_experts", "groups divide experts", "groups from sigmoids", "topk_groups <= n_groups",
-              "enough experts in the groups", d_model=d_model, d_ff=d_ff, n_experts=n_experts, top_k=top_k, n_shared=n_shared, router=router,
-              norm_topk=norm_topk, n_groups=n_groups, topk_groups=topk_groups, routed_scale=routed_scale)
+              "enough experts in the groups", d_model=d_model, d_ff=d_ff, n_experts=n_experts, top_k=top_k,
+              n_shared=n_shared, router=router, norm_topk=norm_topk, n_groups=n_groups, topk_groups=topk_groups,
+              routed_scale=routed_scale)
         self.n_experts, self.top_k, self.scoring, self.norm_topk = n_experts, top_k, router, norm_topk
         self.n_groups, self.topk_groups, self.routed_scale = n_groups, topk_groups, routed_scale
         self.router = nn.Linear(d_model, n_experts, bias=False)          # a score per expert
@@ -1464,7 +1469,7 @@ def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=N
 #   (1, True)
 #   >>> MoE(16, 32, n_experts=8, top_k=4, router="sigmoid", n_groups=4, topk_groups=1)
 #   Traceback (most recent call last):
-#   ValueError: topk_groups groups of n_experts / n_groups experts must hold at least top_k (n_groups=4, n_experts=8, top_k=4), got 1
+#   ValueError: topk_groups groups of n_experts / n_groups experts must hold at least top_k (n_groups=4, ...
 #   >>> mixtral = Mixtral(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2)
 #   >>> type(mixtral.layers[0].ffn).__name__, count_parameters(mixtral) == mixtral_param_formula(**mixtral.config)
 #   ('MoE', True)
@@ -1641,8 +1646,8 @@ class DeepSeekV3(Llama):
                  d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1, n_dense_layers=1, n_groups=1,
                  topk_groups=1, routed_scale=1.0, norm_topk=True, max_len=4096, rope_theta=10000.0, norm_eps=1e-6,
                  tie_weights=False, rope_interleave=True):
-        check("n_dense_layers <= n_layers", "expert width", "d_ff given", "top_k <= n_experts", n_layers=n_layers, d_ff=d_ff,
-              n_dense_layers=n_dense_layers, expert_d_ff=expert_d_ff, n_experts=n_experts, top_k=top_k)
+        check("n_dense_layers <= n_layers", "expert width", "d_ff given", "top_k <= n_experts", n_layers=n_layers,
+              d_ff=d_ff, n_dense_layers=n_dense_layers, expert_d_ff=expert_d_ff, n_experts=n_experts, top_k=top_k)
         # read by attention() and feed_forward() while Llama builds the blocks
         self.mla = dict(kv_lora_rank=kv_lora_rank, qk_nope_dim=qk_nope_dim, qk_rope_dim=qk_rope_dim,
                         v_head_dim=v_head_dim, q_lora_rank=q_lora_rank, rope_interleave=rope_interleave)
@@ -1747,9 +1752,10 @@ FRONTIER_CONFIGS = [
 # Where DeepSeek-V3's 671B go: 58 MoE layers x 256 experts x 3 x 7168 x 2048 = 654B in
 # routed experts (97%). A token runs 8 of them, 20.4B, plus 11.4B of attention (61
 # layers), 2.6B of shared experts, 1.2B of dense feed-forward (3 layers), 1.9B of
-# embeddings and lm_head (the whole input table counted): 37.6B. Its cache per token in bf16: 61 layers x 576 x 2 bytes =
-# 70,272 bytes (68.6 KiB), against 61 x 40,960 x 2 = 4.77 MiB for per-head keys and
-# values, and Mixtral's GQA 128 KiB (8 kv heads of 128, 32 layers).
+# embeddings and lm_head (the whole input table counted): 37.6B. Its cache per token in
+# bf16: 61 layers x 576 x 2 bytes = 70,272 bytes (68.6 KiB), against 61 x 40,960 x 2 =
+# 4.77 MiB for per-head keys and values, and Mixtral's GQA 128 KiB (8 kv heads of 128,
+# 32 layers).
 
 # Try it: DeepSeek-V3's totals, and Mixtral's published total to the last parameter.
 #   >>> name, kind, config, total, active, reported = FRONTIER_CONFIGS[2]
@@ -1870,7 +1876,7 @@ class FlashAttention(torch.autograd.Function):
         offset, size = Tk - Tq, ctx.block_size
         # delta = rowsum(dO * O); a gradient on lse adds P * d_lse to dS, so it joins delta
         delta = (d_out.to(acc) * out.to(acc)).sum(dim=-1) - d_lse          # [B, H, Tq]
-        d_q, d_k, d_v = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))  # as q, k, v
+        d_q, d_k, d_v = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))  # [B, H, Tq|Tk, dk|dv]
         # FlashAttention-2's order: key blocks outside (their dK, dV stay in SRAM), queries inside
         for ks in range(0, Tk, size):
             ke = min(ks + size, Tk)
@@ -1968,7 +1974,7 @@ def use_fused_kernels(model, fused=True):
 
 
 # ===========================================================================
-# 23. Sliding-window attention and the rolling cache (滑动窗口注意力与滚动缓存)
+# 23. Sliding-window attention and the rolling cache: Mistral (滑动窗口注意力与滚动缓存)
 # ===========================================================================
 # Mistral-7B (Jiang et al., 2023) lets each query see only the last `window` keys,
 # itself included (4096 in v0.1): a kernel that skips the hidden keys does T * window
@@ -3339,8 +3345,9 @@ def check_model_config(kind, config):
     if not isinstance(config, dict):
         raise ValueError(f"config is a {type(config).__name__}, expected a dict")
     if kind == "llama":  # an older file's options at a plain Llama's values: dropped
-        config = {key: value for key, value in config.items() if not (
-            key in OLD_LLAMA_OPTIONS and type(value) is type(OLD_LLAMA_OPTIONS[key]) and value == OLD_LLAMA_OPTIONS[key])}
+        old = OLD_LLAMA_OPTIONS
+        config = {key: value for key, value in config.items()
+                  if not (key in old and type(value) is type(old[key]) and value == old[key])}
     config = dict(config)
     scaling = config.pop("rope_scaling", None) if kind in ROPE_KINDS else None
     if scaling is not None:
@@ -3420,7 +3427,8 @@ def checked_checkpoint(checkpoint, device):
     # the weights are real (check_state_dict: no view counted twice) and as many as the
     # configuration needs, so building the model allocates what the file holds, no more;
     # then its names and shapes must be the file's, exactly
-    model = MODEL_CLASSES[kind](**config).to(device)
+    cls = MODEL_CLASSES[kind]
+    model = cls(**config).to(device)
     if scaling is not None:
         with_rope_scaling(model, scaling)
     expected = {name: t.shape for name, t in model.state_dict().items()}
