@@ -4487,6 +4487,53 @@ def test_load_checkpoint_forged_llama_max_len_does_not_allocate(tmp_path):
     assert grown < 200, f"peak memory grew by {grown:.0f} MiB"
 
 
+def _weights_as(tmp_path, dtype, name=None, value=None):
+    """good.pt of _bad_checkpoint with every weight stored as dtype and, if given, one
+    value of weight `name` set to `value` (as that dtype holds it); -> its path."""
+    _bad_checkpoint(tmp_path, "missing")                                  # writes good.pt
+    checkpoint = torch.load(tmp_path / "good.pt", weights_only=True)
+    state = {key: t.to(dtype) for key, t in checkpoint["state_dict"].items()}
+    if name:
+        state[name].view(-1)[3] = value
+    path = tmp_path / f"{str(dtype)[6:]}.pt"
+    torch.save(dict(checkpoint, state_dict=state), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("lm_head.weight", 1e39, "'lm_head.weight' holds float64 1e+39: infinite in float32, the model's dtype"),
+    ("final_norm.bias", -1e39, "'final_norm.bias' holds float64 -1e+39: infinite in float32"),
+    ("pos_encoding.pe", 1e300, "'pos_encoding.pe' holds float64 1e+300: infinite in float32"),  # a buffer
+], ids=["weight", "negative", "buffer"])
+def test_load_checkpoint_refuses_values_finite_as_stored_but_infinite_in_the_models_dtype(
+        tmp_path, name, value, words):
+    # float64 holds them; the float32 model would compute inf from them
+    path = _weights_as(tmp_path, torch.float64, name, value)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: damaged checkpoint (ValueError: {words}")):
+        tf.load_checkpoint(path)
+    status, out, err = _main(["--load", path, "--translate", "wo ai", "--device", "cpu"])
+    assert status == 2 and out == "" and err.count("\n") == 1 and words in err
+
+
+def test_load_checkpoint_checks_values_as_converted_not_as_stored(tmp_path):
+    # past float32's largest (3.4028234664e38) but rounding down to it: finite once converted
+    path = _weights_as(tmp_path, torch.float64, "lm_head.weight", 3.4028235e38)
+    assert tf.load_checkpoint(path)[1].lm_head.weight.view(-1)[3] == torch.finfo(torch.float32).max
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):          # the other stored dtypes fit
+        _, model, *_ = tf.load_checkpoint(_weights_as(tmp_path, dtype))
+        assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in model.state_dict().values())
+    # any model dtype: a float32 1e5 is past float16's 65504, for a model built in float16
+    path = _weights_as(tmp_path, torch.float32, "lm_head.weight", 1e5)
+    assert tf.load_checkpoint(path)[0] == "gpt"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        with pytest.raises(ValueError, match=re.escape("'lm_head.weight' holds float32 100000: infinite in float16,")):
+            tf.load_checkpoint(path)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def test_checkpoint_without_readings_loads_and_the_cli_answers_unconstrained(tiny_checkpoints):
     path = tiny_checkpoints["gpt-noreadings"]
     kind, model, sv, tv, readings = tf.load_checkpoint(path)

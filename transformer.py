@@ -3227,6 +3227,15 @@ def checked_checkpoint(checkpoint, device):
                          f"{list(expected[wrong]) if wrong in expected else 'no such weight'}, the file holds "
                          f"{list(state[wrong].shape) if wrong in state else 'none'}")
     model.load_state_dict(state)
+    # finite as stored is not finite as computed: load_state_dict converts to the model's
+    # dtype, where a float64 1e39 (float32 stops at 3.4e38) or a float32 1e5 (float16 at
+    # 65504) is inf; so the loaded copies are checked, exactly as the model will read them
+    for name, t in model.state_dict().items():
+        bad = (~torch.isfinite(t)).nonzero()                               # [n, t.dim()]: where it overflowed
+        if len(bad):
+            stored = state[name]
+            raise ValueError(f"{quote(name)} holds {str(stored.dtype)[6:]} {stored[tuple(bad[0])].item():g}:"
+                             f" infinite in {str(t.dtype)[6:]}, the model's dtype")
     vocabs = check_vocab(checkpoint["src_vocab"], "src_vocab"), check_vocab(checkpoint["tgt_vocab"], "tgt_vocab")
     sizes = [model.config.get(key, model.config.get("vocab_size")) for key in ("src_vocab_size", "tgt_vocab_size")]
     if [len(vocab) for vocab in vocabs] != sizes:
