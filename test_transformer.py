@@ -53,6 +53,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 import unicodedata
 import warnings
@@ -4532,6 +4533,60 @@ def test_load_checkpoint_checks_values_as_converted_not_as_stored(tmp_path):
             tf.load_checkpoint(path)
     finally:
         torch.set_default_dtype(default)
+
+
+@contextlib.contextmanager
+def _piped(data, fifo=None):
+    """data written by a thread into a pipe: -> the name to read it by, /dev/fd/N
+    (what bash's <(cat m.pt) gives) or, with fifo, that named pipe (mkfifo)."""
+    if fifo:
+        os.mkfifo(fifo)
+        r, w = None, os.open(fifo, os.O_RDWR)  # a writer before the reader opens: else it reads the end at once
+    else:
+        r, w = os.pipe()
+    writer = threading.Thread(target=lambda: (_write_all(w, data), os.close(w)))
+    writer.start()
+    try:
+        yield str(fifo) if fifo else f"/dev/fd/{r}"
+    finally:
+        writer.join(timeout=10)
+        if r is not None:
+            os.close(r)
+
+
+def _write_all(fd, data):
+    with contextlib.suppress(BrokenPipeError):           # a reader that stops early
+        for i in range(0, len(data), 2 ** 16):
+            os.write(fd, data[i:i + 2 ** 16])
+
+
+@pytest.mark.parametrize("how", ["dev-fd", "fifo"])
+def test_load_checkpoint_reads_a_pipe(tiny_checkpoints, tmp_path, how):
+    # python transformer.py --load <(cat m.pt), or a named pipe: read whole into memory, then loaded
+    path = tiny_checkpoints["encdec"]
+    with open(path, "rb") as f:
+        data = f.read()
+    kind, model, sv, tv, readings = tf.load_checkpoint(path)
+    with _piped(data, tmp_path / "fifo" if how == "fifo" else None) as name:
+        kind2, model2, sv2, tv2, readings2 = tf.load_checkpoint(name)
+    assert (kind2, sv2.itos, tv2.itos, readings2) == (kind, sv.itos, tv.itos, readings)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    with _piped(data, tmp_path / "fifo2" if how == "fifo" else None) as name:  # the command line too
+        status, out, err = _main(["--load", name, "--translate", "wo ai", "--device", "cpu"])
+    assert (status, err) == (0, "") and out == tf.translator(kind, model, sv, tv, readings, 4)(["wo ai"])[0] + "\n"
+
+
+def test_load_checkpoint_reads_a_pipe_within_a_bound(tiny_checkpoints, monkeypatch):
+    with open(tiny_checkpoints["encdec"], "rb") as f:
+        data = f.read()
+    with _piped(data[:len(data) // 2]) as name:          # cut short: refused as any truncated file
+        with pytest.raises(ValueError, match=rf"^{name}: not a readable checkpoint \(\w+\)$"):
+            tf.load_checkpoint(name)
+    monkeypatch.setattr(tf, "MAX_PIPED_CHECKPOINT_BYTES", 2 ** 20)
+    with _piped(bytes(2 * 2 ** 20)) as name:             # 2 MB of zeros: never more than 1 MB + 1 byte is read
+        with pytest.raises(ValueError, match=re.escape(f"{name}: larger than 1 MB; expected a checkpoint file,"
+                                                       f" or a pipe of at most that (a pipe is held in memory)")):
+            tf.load_checkpoint(name)
 
 
 def test_checkpoint_without_readings_loads_and_the_cli_answers_unconstrained(tiny_checkpoints):

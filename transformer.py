@@ -2907,6 +2907,7 @@ def render_expert_load(loads, uniform=10):
 
 import argparse
 import inspect
+import io
 import os
 import re
 import sys
@@ -2976,6 +2977,18 @@ def open_for_reading(path):
         raise ValueError(f"{shown(path)}: {e.strerror or e}") from None
 
 
+def read_at_most(f, path, limit, expected):
+    """All of the open file f, or ValueError naming path if it cannot be read or holds
+    more than limit bytes: a bounded read, so /dev/zero or a huge file stops there."""
+    try:
+        data = f.read(limit + 1)
+    except OSError as e:
+        raise ValueError(f"{shown(path)}: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise ValueError(f"{shown(path)}: larger than {limit // 2 ** 20} MB; expected {expected}")
+    return data
+
+
 MAX_PAIRS = 200_000  # sentences: far more than trains in hours on a CPU, and a bounded dict
 
 
@@ -2984,10 +2997,8 @@ def read_pairs(path):
     pinyin. Raises ValueError naming the file and line. Memory stays a small
     multiple of the file: the lines are visited one by one, never listed."""
     with open_for_reading(path) as f:
-        data = f.read(MAX_DATA_BYTES + 1)  # a bounded read: /dev/zero or a huge file stops here
+        data = read_at_most(f, path, MAX_DATA_BYTES, "a pinyin<TAB>hanzi file")
     path = shown(path)
-    if len(data) > MAX_DATA_BYTES:
-        raise ValueError(f"{path}: larger than {MAX_DATA_BYTES // 2 ** 20} MB; expected a pinyin<TAB>hanzi file")
     try:
         text = data.decode("utf-8-sig")  # -sig: a byte-order mark is not text
     except UnicodeDecodeError as e:
@@ -3167,9 +3178,12 @@ def check_vocab(itos, name):
     return Vocab(itos)
 
 
+MAX_PIPED_CHECKPOINT_BYTES = 256 * 2 ** 20  # a pipe (--load <(...)) is held in memory whole; --save's are a few MB
+
+
 def load_checkpoint(path, device="cpu"):
-    """-> (kind, model in eval mode, src_vocab, tgt_vocab, readings or None);
-    ValueError for a bad device, or for a missing, truncated, foreign or forged file.
+    """-> (kind, model in eval mode, src_vocab, tgt_vocab, readings or None); path may be
+    a file or a pipe. ValueError for a bad device, or a missing, truncated, foreign or forged file.
     Nothing is built before the configuration is checked and accounts for exactly the
     weights the file really stores, so no file can make this allocate more than it holds."""
     try:
@@ -3181,6 +3195,9 @@ def load_checkpoint(path, device="cpu"):
         raise ValueError(f"device {str(device)!r} is not available here")
     with open_for_reading(path) as f, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's notes on sparse or complex32 tensors: the refusal is the line
+        if not f.seekable():  # a pipe (--load <(cat m.pt)): torch.load seeks, so it is read into memory first
+            f = io.BytesIO(read_at_most(f, path, MAX_PIPED_CHECKPOINT_BYTES,
+                                        "a checkpoint file, or a pipe of at most that (a pipe is held in memory)"))
         try:
             checkpoint = torch.load(f, map_location=device, weights_only=True)
         except Exception as e:  # truncated, not a torch file, or objects weights_only refuses
