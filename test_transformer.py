@@ -3461,6 +3461,21 @@ def test_greedy_decode_max_len_beyond_the_model_names_max_len():
         tf.greedy_decode(model, torch.tensor([[4, 5]]), tf.Vocab.BOS, tf.Vocab.EOS, 8)
 
 
+def test_greedy_decode_on_a_model_with_no_room_after_bos_says_so():
+    # max_len 1: not "max_len must be 1 to 0"; max_len 2, the smallest with room, decodes one step
+    model = tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=1)
+    words = "^the model's max_len is 1: bos fills it, there is no room to decode$"
+    for max_len in (1, 0):
+        with pytest.raises(ValueError, match=words):
+            tf.greedy_decode(model, torch.tensor([[4]]), tf.Vocab.BOS, tf.Vocab.EOS, max_len)
+    with pytest.raises(ValueError, match=words):                          # and translate, which calls it
+        tf.translate(model, ["wo"], tf.Vocab(["wo"]), tf.Vocab(["我"]))
+    model = tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=2)
+    assert tf.greedy_decode(model, torch.tensor([[4]]), tf.Vocab.BOS, tf.Vocab.EOS, 1).shape == (1, 1)
+    with pytest.raises(ValueError, match="^max_len must be 1 to 1 "):
+        tf.greedy_decode(model, torch.tensor([[4]]), tf.Vocab.BOS, tf.Vocab.EOS, 2)
+
+
 def test_pitfall3_greedy_decode_refuses_a_3d_source():
     """Seed 002 decodes torch.tensor([src_seq]).unsqueeze(0), a [1, 1, S] source."""
     model = tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=8)
@@ -4299,6 +4314,19 @@ def test_load_checkpoint_refuses_a_forged_layer_count_without_building_it(tmp_pa
     with pytest.raises(ValueError, match="layers"):
         tf.load_checkpoint(path)
     assert time.perf_counter() - start < 2                         # measured 0.01-0.03 s
+
+
+def test_load_checkpoint_names_a_layer_count_that_does_not_fit_the_weights(tmp_path):
+    # "(n_layers 1)", not "(1 layers)": a 2-layer file that says 1
+    model = tf.DecoderOnlyTransformer(20, 16, 2, 2, 32, max_len=16)
+    path = str(tmp_path / "m.pt")
+    tf.save_checkpoint(path, "gpt", model, tf.Vocab([]), tf.Vocab(list("abcdefghijklmnop")))
+    checkpoint = torch.load(path, weights_only=True)
+    torch.save(dict(checkpoint, config=dict(checkpoint["config"], n_layers=1)), path)
+    needed = tf.decoder_only_param_formula(20, 16, 1, 32)
+    with pytest.raises(ValueError, match=re.escape(f"the configuration (n_layers 1) needs {needed:,} parameters,"
+                                                   f" the weights hold {tf.count_parameters(model):,}")):
+        tf.load_checkpoint(path)
 
 
 def toy_split_and_vocabs():
@@ -5251,6 +5279,46 @@ def test_cli_load_a_model_that_takes_no_held_out_sentence(tiny_checkpoints):
     assert status == 0 and err == ""
     assert f"skipped {len(test_pairs)} held-out sentences longer than the 2 syllables this model takes" in out
     assert "held-out exact match" not in out and "cross-attention" not in out   # nothing left to report
+
+
+def _short_model(tmp_path, kind, max_len, n_heads=2):
+    """A checkpoint of a tiny untrained model of kind and max_len; -> (its path, the model)."""
+    vocab = tf.Vocab(["wo", "ai", "我", "爱", tf.SEP])
+    model = {"encdec": lambda: tf.Transformer(len(vocab), len(vocab), d_model=16, n_heads=n_heads, d_ff=32,
+                                              n_layers=1, max_len=max_len),
+             "gpt": lambda: tf.DecoderOnlyTransformer(len(vocab), 16, 1, n_heads, 32, max_len=max_len),
+             "llama": lambda: tf.Llama(len(vocab), 16, 1, n_heads, max_len=max_len)}[kind]()
+    path = str(tmp_path / f"{kind}-{max_len}.pt")
+    tf.save_checkpoint(path, kind, model, vocab, vocab, _GOOD_READINGS)
+    return path, model
+
+
+@pytest.mark.parametrize("kind, max_len", [("encdec", 1), ("encdec", 2), ("gpt", 1), ("gpt", 3), ("llama", 2)])
+def test_cli_load_a_model_too_short_for_any_sentence_says_so_before_the_work(tmp_path, kind, max_len):
+    # not "1 syllables, this model takes at most -1", nor a demo that skips every sentence
+    path, model = _short_model(tmp_path, kind, max_len)
+    assert tf.longest_sentence(kind, model) == 0
+    need = "3 (bos, its character, eos)" if kind == "encdec" else "4 (the syllable, <sep>, its character, eos)"
+    for argv in (["--translate", "wo"], ["--translate", "-"], [], ["--head", "0"]):
+        status, out, err = _main(["--load", path, "--device", "cpu", *argv], stdin="wo\n")
+        assert (status, out) == (2, "")
+        assert err == (f"transformer.py: error: --load {path}: a model of max_len {max_len} can answer no"
+                       f" sentence at all; one syllable needs max_len {need}\n")
+
+
+@pytest.mark.parametrize("kind, max_len", [("encdec", 3), ("gpt", 4)])
+def test_cli_the_smallest_model_that_answers_and_one_head_are_named_truly(tmp_path, kind, max_len):
+    path, model = _short_model(tmp_path, kind, max_len, n_heads=1)
+    assert tf.longest_sentence(kind, model) == 1
+    status, out, err = _main(["--load", path, "--device", "cpu", "--translate", "-"], stdin="wo\nwo ai\n")
+    assert status == 2 and len(out) == 2                 # "wo" answered: one character and a newline
+    assert err == "transformer.py: error: 2 syllables, this model takes at most 1 in 'wo ai'\n"
+    status, out, err = _main(["--load", path, "--device", "cpu", "--beam", "1"])
+    _, test_pairs = tf.split_data(tf.make_toy_data(seed=0), seed=0)
+    assert status == 0 and (f"skipped {len(test_pairs)} held-out sentences longer than the 1 syllable this"
+                            f" model takes\n") in out
+    status, out, err = _main(["--load", path, "--device", "cpu", "--head", "1", "--translate", "wo"])
+    assert (status, out, err) == (2, "", "transformer.py: error: --head 1: the model has only head 0\n")
 
 
 @pytest.mark.parametrize("free", [False, True])

@@ -2463,6 +2463,8 @@ def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True, allowed=N
     use_cache changes the work per step, not the tokens."""
     if bos_id == model.pad_id:
         raise ValueError(f"bos_id ({bos_id}) must differ from the pad id: decoding would start from padding")
+    if model.max_len < 2:  # "max_len must be 1 to 0" below would ask for the impossible
+        raise ValueError(f"the model's max_len is {model.max_len}: bos fills it, there is no room to decode")
     if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len < model.max_len:
         raise ValueError(f"max_len must be 1 to {model.max_len - 1} (the model's max_len less bos),"
                          f" an integer, got {max_len!r}")
@@ -3225,7 +3227,7 @@ def checked_checkpoint(checkpoint, device):
                if not name.endswith((".pe", ".router_bias"))}  # tied once; buffers are no parameters
     needed = PARAMETER_FORMULAS[kind](**config)
     if needed != sum(weights.values()):
-        raise ValueError(f"the configuration ({config['n_layers']} layers) needs {needed:,} parameters,"
+        raise ValueError(f"the configuration (n_layers {config['n_layers']}) needs {needed:,} parameters,"
                          f" the weights hold {sum(weights.values()):,}")
     per_position = {"llama": 2 * (config.get("head_dim") or config["d_model"] // config["n_heads"]),
                     "deepseek": 2 * config.get("qk_rope_dim", 0)}.get(kind, config["d_model"])
@@ -3466,9 +3468,10 @@ def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed, log=pri
 
 
 def longest_sentence(kind, model):
-    """The most syllables the model can answer: the encoder-decoder needs S + 1
-    decoder positions after bos, a decoder-only model holds pinyin, <sep>, hanzi, <eos>."""
-    return model.max_len - 2 if kind == "encdec" else (model.max_len - 2) // 2
+    """The most syllables the model can answer, 0 for none: the encoder-decoder needs
+    S + 1 decoder positions after bos (max_len 3 for one syllable), a decoder-only model
+    holds pinyin, <sep>, hanzi, <eos> (max_len 4)."""
+    return max(0, model.max_len - 2 if kind == "encdec" else (model.max_len - 2) // 2)
 
 
 def percent(right, total):
@@ -3580,7 +3583,7 @@ def run(args, device, pairs, loaded):
             fits = [p for p in test_pairs if len(p[0].split()) <= longest]
             if len(fits) < len(test_pairs):
                 print(f"skipped {len(test_pairs) - len(fits)} held-out sentences longer than the "
-                      f"{longest} syllables this model takes")
+                      f"{longest} syllable{'s' * (longest > 1)} this model takes")
             answered = answered or fits
             if fits:
                 answer = translator(kind, model, src_vocab, tgt_vocab, None if args.free else readings, args.beam)
@@ -4084,9 +4087,15 @@ def main(argv=None):
         loaded = load_checkpoint(args.load, device) if args.load else None
     except ValueError as e:
         parser.error(str(e))
+    if loaded and not longest_sentence(loaded[0], loaded[1]):  # not "takes at most -1 syllables", later
+        need = ("3 (bos, its character, eos)" if loaded[0] == "encdec"
+                else f"4 (the syllable, {SEP}, its character, eos)")
+        parser.error(f"--load {shown(args.load)}: a model of max_len {loaded[1].max_len} can answer no sentence"
+                     f" at all; one syllable needs max_len {need}")
     n_heads = loaded[1].config["n_heads"] if loaded else TOY_MODELS["encdec"]["config"]["n_heads"]
     if args.head is not None and args.head >= n_heads:
-        parser.error(f"--head {args.head}: the model has heads 0 to {n_heads - 1}")
+        heads = "only head 0" if n_heads == 1 else f"heads 0 to {n_heads - 1}"
+        parser.error(f"--head {args.head}: the model has {heads}")
     if args.bench:
         print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
         bench_training(device)
