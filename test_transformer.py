@@ -2476,7 +2476,7 @@ def test_expert_load_counts_every_routed_slot_without_padding():
     assert list(loads) == [1, 2] and all(load.shape == (8,) for load in loads.values())
     slots = torch.zeros(8)
     for pinyin, hanzi in pairs:                                        # one sentence at a time, counted here
-        ids = vocab.encode(pinyin.split() + [tf.SEP]) + vocab.encode(hanzi) + [tf.Vocab.EOS]
+        ids = vocab.encode(pinyin.split() + [tf.SEP]) + vocab.encode(list(hanzi)) + [tf.Vocab.EOS]
         model(torch.tensor([ids]))
         slots += model.layers[1].ffn.tokens_per_expert
     assert_close(loads[1], slots / slots.sum(), 1e-6)
@@ -3087,7 +3087,7 @@ def test_build_vocabs():
     assert len(sv) == 4 + 5 and len(tv) == 4 + 5
     assert set(sv.itos[4:]) == {"wo", "ni", "ai", "xue", "xi"}          # syllables
     assert set(tv.itos[4:]) == {"我", "你", "爱", "学", "习"}           # characters
-    assert tv.decode(tv.encode("我爱学习")) == list("我爱学习")
+    assert tv.decode(tv.encode(list("我爱学习"))) == list("我爱学习")
 
 
 def _tiny_vocabs():
@@ -3102,7 +3102,7 @@ def test_pinyin_dataset_item():
     src, tgt_in, tgt_out = ds[0]
     assert src.dtype == tgt_in.dtype == tgt_out.dtype == torch.long
     assert src.tolist() == sv.encode(["wo", "ai", "xue", "xi"])
-    chars = tv.encode("我爱学习")
+    chars = tv.encode(list("我爱学习"))
     # teacher forcing: read bos + chars, predict chars + eos
     assert tgt_in.tolist() == [tf.Vocab.BOS] + chars
     assert tgt_out.tolist() == chars + [tf.Vocab.EOS]
@@ -3301,7 +3301,7 @@ def test_answer_masks_rows_follow_the_syllables():
     allowed = tf.answer_masks([["shi", "dian"], ["xyz"]], tv, readings)  # [B=2, S+1=3, V]
     chars = {i for i, t in enumerate(tv.itos) if not t.startswith("<")}
     ids = lambda row: {i for i, ok in enumerate(row.tolist()) if ok}    # noqa: E731
-    assert ids(allowed[0, 0]) == set(tv.encode("是师十")) and ids(allowed[0, 1]) == set(tv.encode("点"))
+    assert ids(allowed[0, 0]) == set(tv.encode(list("是师十"))) and ids(allowed[0, 1]) == set(tv.encode(["点"]))
     assert ids(allowed[0, 2]) == {tf.Vocab.EOS}                          # exactly S characters, then eos
     assert ids(allowed[1, 0]) == chars                                   # an unseen syllable: any character
     assert ids(allowed[1, 1]) == {tf.Vocab.EOS} and ids(allowed[1, 2]) == {tf.Vocab.PAD}
@@ -4006,7 +4006,7 @@ def test_unseen_character_maps_to_unk_and_counts_wrong(overfit10):
     model, pairs, sv, tv, _, _ = overfit10
     (pinyin, hanzi), other = pairs[0], pairs[1]
     unseen = "龘"
-    assert unseen not in tv.stoi and tv.encode(unseen) == [tf.Vocab.UNK]
+    assert unseen not in tv.stoi and tv.encode([unseen]) == [tf.Vocab.UNK]
     held_out = [(pinyin, unseen + hanzi[1:]), other]     # known syllables, a character never trained on
     _, _, tgt_out = tf.PinyinDataset(held_out, sv, tv)[0]
     assert tgt_out[0].item() == tf.Vocab.UNK
@@ -5924,6 +5924,88 @@ def _gpt_and_vocab():
     vocab = tf.Vocab(["wo", "ai", "我", "爱", tf.SEP])
     torch.manual_seed(0)
     return tf.DecoderOnlyTransformer(len(vocab), 16, 1, 2, 32, max_len=8), vocab
+
+
+_PAIRS = "(pinyin, hanzi) pairs"
+
+
+@pytest.fixture(scope="module")
+def list_arguments(hard):
+    """Every library argument that takes a list (of sentences, pairs, syllables, tokens,
+    ids, labels or lines) in sections 26-37: name -> (call(value), argument, its items)."""
+    kind, model, sv, tv, readings = tf.load_checkpoint(hard["encdec"])
+    _, gpt, _, vocab, _ = tf.load_checkpoint(hard["gpt"])
+    pairs = tf.make_toy_data(n_sentences=10, seed=0)
+    hmm = tf.BigramHMM(pairs)
+    return {
+        "split_data": (lambda v: tf.split_data(v), "pairs", _PAIRS),
+        "Vocab": (lambda v: tf.Vocab(v), "tokens", "tokens"),
+        "Vocab.encode": (lambda v: sv.encode(v), "tokens", "tokens (for a hanzi string, list(hanzi))"),
+        "Vocab.decode": (lambda v: tv.decode(v), "ids", "token ids"),
+        "build_vocabs": (lambda v: tf.build_vocabs(v), "pairs", _PAIRS),
+        "build_gpt_vocab": (lambda v: tf.build_gpt_vocab(v), "pairs", _PAIRS),
+        "PinyinDataset": (lambda v: tf.PinyinDataset(v, sv, tv), "pairs", _PAIRS),
+        "collate": (lambda v: tf.collate(v), "batch", "dataset items"),
+        "syllable_readings": (lambda v: tf.syllable_readings(v), "pairs", _PAIRS),
+        "ambiguous_syllables": (lambda v: tf.ambiguous_syllables(v), "pairs", _PAIRS),
+        "BigramHMM": (lambda v: tf.BigramHMM(v), "pairs", _PAIRS),
+        "BigramHMM.decode": (lambda v: hmm.decode(v), "sentences", "pinyin strings"),
+        "BigramHMM.decode_one": (lambda v: hmm.decode_one(v), "syllables", "syllables"),
+        "answer_masks": (lambda v: tf.answer_masks(v, tv), "syllable_lists", "lists of syllables"),
+        "answer_masks-row": (lambda v: tf.answer_masks([["wo"], v], tv), "syllable_lists[1]", "syllables"),
+        "translate": (lambda v: tf.translate(model, v, sv, tv), "sentences", "pinyin strings"),
+        "translator": (lambda v: tf.translator(kind, model, sv, tv)(v), "sentences", "pinyin strings"),
+        "evaluate": (lambda v: tf.evaluate(hmm.decode, v), "pairs", _PAIRS),
+        "evaluate-ambiguous": (lambda v: tf.evaluate(hmm.decode, pairs, v), "ambiguous", "syllables"),
+        "PromptDataset": (lambda v: tf.PromptDataset(v, vocab), "pairs", _PAIRS),
+        "gpt_translate": (lambda v: tf.gpt_translate(gpt, v, vocab), "sentences", "pinyin strings"),
+        "teacher_forced_accuracy": (lambda v: tf.teacher_forced_accuracy(kind, model, v, sv, tv), "pairs", _PAIRS),
+        "render_heatmap-columns": (lambda v: tf.render_heatmap(torch.ones(1, 2), v, ["我"]), "col_labels", "labels"),
+        "render_heatmap-rows": (lambda v: tf.render_heatmap(torch.ones(1, 2), ["wo", "ai"], v), "row_labels",
+                                "labels"),
+        "expert_load": (lambda v: tf.expert_load(gpt, v, vocab), "pairs", _PAIRS),
+        "with_pieces": (lambda v: tf.with_pieces(v), "pairs", _PAIRS),
+        "train_toy_model-train": (lambda v: tf.train_toy_model("gpt", v, pairs, "cpu", 1, 0), "train_pairs", _PAIRS),
+        "train_toy_model-test": (lambda v: tf.train_toy_model("gpt", pairs, v, "cpu", 1, 0), "test_pairs", _PAIRS),
+        "report": (lambda v: tf.report(hmm.decode, v, set()), "test_pairs", _PAIRS),
+        "show_heatmap": (lambda v: tf.show_heatmap(model, sv, tv, v, set(), None, readings), "test_pairs", _PAIRS),
+        "compare_with_baseline-train": (lambda v: tf.compare_with_baseline({}, v, pairs, None), "train_pairs", _PAIRS),
+        "compare_with_baseline-answered": (lambda v: tf.compare_with_baseline({}, pairs, v, None), "answered",
+                                           _PAIRS),
+        "run": (lambda v: tf.run(None, "cpu", v, None), "pairs", _PAIRS),
+        "answer_lines": (lambda v: tf.answer_lines(hmm.decode, sv, 30, v), "lines", "lines of pinyin"),
+    }
+
+
+_LIST_ARGUMENTS = ["split_data", "Vocab", "Vocab.encode", "Vocab.decode", "build_vocabs", "build_gpt_vocab",
+                   "PinyinDataset", "collate", "syllable_readings", "ambiguous_syllables", "BigramHMM",
+                   "BigramHMM.decode", "BigramHMM.decode_one", "answer_masks", "answer_masks-row", "translate",
+                   "translator", "evaluate", "evaluate-ambiguous", "PromptDataset", "gpt_translate",
+                   "teacher_forced_accuracy", "render_heatmap-columns", "render_heatmap-rows", "expert_load",
+                   "with_pieces", "train_toy_model-train", "train_toy_model-test", "report", "show_heatmap",
+                   "compare_with_baseline-train", "compare_with_baseline-answered", "run", "answer_lines"]
+
+
+@pytest.mark.parametrize("name", _LIST_ARGUMENTS)
+def test_a_list_argument_refuses_a_string_and_every_other_non_list(list_arguments, name, capsys):
+    # translate(model, "wo ai xue xi", ...) once answered letter by letter: a str, bytes or
+    # a dict (its keys) would be read as a list, None or a number not at all
+    call, argument, items = list_arguments[name]
+    for value in ("wo ai xue xi", b"wo ai", {"wo ai": "我爱"}, None, 5, 2.5):
+        with pytest.raises(ValueError, match=rf"^{re.escape(argument)} must be a list of {re.escape(items)},"
+                                             rf" got {type(value).__name__} {re.escape(repr(value))}$"):
+            call(value)
+    assert capsys.readouterr() == ("", "")               # refused before anything was printed
+
+
+def test_list_arguments_still_take_tuples_and_one_pass_iterables(list_arguments, hard):
+    kind, model, sv, tv, readings = tf.load_checkpoint(hard["encdec"])
+    sentences = ["wo ai", "ni men hui jia"]
+    assert tf.translate(model, tuple(sentences), sv, tv, readings) == tf.translate(model, sentences, sv, tv, readings)
+    assert tf.Vocab(t for t in ["wo", "ai"]).itos == tf.Vocab(["wo", "ai"]).itos   # build_vocabs passes these
+    assert tv.decode(torch.tensor([5, tf.Vocab.EOS, 6])) == tv.decode([5, tf.Vocab.EOS, 6]) == [tv.itos[5]]
+    assert tf.evaluate(lambda s: list(s), [("wo", "wo")], ambiguous={"wo"})["ambiguous_total"] == 1
+    assert tv.encode(list("我爱")) == [tv.stoi["我"], tv.stoi["爱"]]  # a hanzi string, as a list of characters
 
 
 # ===========================================================================

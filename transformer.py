@@ -2257,8 +2257,16 @@ def make_toy_data(n_sentences=2400, seed=0, min_chars=3, max_chars=12):
     return sorted(answers.items())
 
 
+def check_list(name, value, items):
+    """A list argument: any iterable but a str or bytes (read one character at a time:
+    "wo ai" would be 5 sentences) or a dict (read by its keys), never None or a number."""
+    if isinstance(value, (str, bytes, bytearray, dict)) or not hasattr(type(value), "__iter__"):
+        raise ValueError(f"{name} must be a list of {items}, got {type(value).__name__} {value!r:.60}")
+
+
 def split_data(pairs, held_out=0.1, seed=0):
     """Shuffle and hold out a fraction: the held-out sentences are never trained on."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     pairs = list(pairs)
     random.Random(seed).shuffle(pairs)
     n_test = max(1, round(len(pairs) * held_out))
@@ -2272,6 +2280,7 @@ class Vocab:
     SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
     def __init__(self, tokens):
+        check_list("tokens", tokens, "tokens")
         self.itos = self.SPECIALS + sorted(set(tokens) - set(self.SPECIALS))
         self.stoi = {tok: i for i, tok in enumerate(self.itos)}
 
@@ -2279,10 +2288,12 @@ class Vocab:
         return len(self.itos)
 
     def encode(self, tokens):
+        check_list("tokens", tokens, "tokens (for a hanzi string, list(hanzi))")
         return [self.stoi.get(tok, self.UNK) for tok in tokens]
 
     def decode(self, ids):
         """Ids to tokens, stopping at eos and skipping pad and bos."""
+        check_list("ids", ids, "token ids")
         out = []
         for i in ids:
             if i == self.EOS:
@@ -2294,6 +2305,7 @@ class Vocab:
 
 def build_vocabs(pairs):
     """Source vocabulary of syllables, target vocabulary of characters."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     return (Vocab(s for pinyin, _ in pairs for s in pinyin.split()),    # ['wo', 'ai', ...]
             Vocab(c for _, hanzi in pairs for c in hanzi))                # ['我', '爱', ...]
 
@@ -2303,6 +2315,7 @@ class PinyinDataset(torch.utils.data.Dataset):
     target in (bos + chars), target out (chars + eos)."""
 
     def __init__(self, pairs, src_vocab, tgt_vocab):
+        check_list("pairs", pairs, "(pinyin, hanzi) pairs")
         self.pairs, self.src_vocab, self.tgt_vocab = pairs, src_vocab, tgt_vocab
 
     def __len__(self):
@@ -2311,7 +2324,7 @@ class PinyinDataset(torch.utils.data.Dataset):
     def __getitem__(self, i):
         pinyin, hanzi = self.pairs[i]
         src = torch.tensor(self.src_vocab.encode(pinyin.split()))                         # [S]
-        tgt = torch.tensor([Vocab.BOS] + self.tgt_vocab.encode(hanzi) + [Vocab.EOS])     # [T+2]
+        tgt = torch.tensor([Vocab.BOS] + self.tgt_vocab.encode(list(hanzi)) + [Vocab.EOS])  # [T+2]
         # teacher forcing: read the target shifted right, predict it shifted left
         return src, tgt[:-1], tgt[1:]                                      # [S], [T+1], [T+1]
 
@@ -2319,12 +2332,14 @@ class PinyinDataset(torch.utils.data.Dataset):
 def collate(batch):
     """Pad every field of a list of items to the longest in the batch:
     (src, tgt_in, tgt_out) items give [B, S], [B, T+1], [B, T+1]."""
+    check_list("batch", batch, "dataset items")
     return tuple(nn.utils.rnn.pad_sequence(field, batch_first=True, padding_value=Vocab.PAD)
                  for field in zip(*batch))                                 # [B, longest] each
 
 
 def syllable_readings(pairs):
     """syllable -> the set of characters written for it somewhere in the pairs."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     readings = {}
     for pinyin, hanzi in pairs:
         for syllable, char in zip(pinyin.split(), hanzi):
@@ -2355,6 +2370,7 @@ class BigramHMM:
     syllable never seen may be any character."""
 
     def __init__(self, pairs, smoothing=1.0):
+        check_list("pairs", pairs, "(pinyin, hanzi) pairs")
         pairs = list(pairs)
         if not pairs or not all(isinstance(p, tuple) and len(p) == 2 and all(isinstance(s, str) for s in p)
                                 for p in pairs):
@@ -2385,6 +2401,7 @@ class BigramHMM:
         self.anything = (torch.arange(C), torch.zeros(C))                  # an unseen syllable: [C], [C]
 
     def decode_one(self, syllables):
+        check_list("syllables", syllables, "syllables")
         if not syllables:
             return ""
         ids, log_emit = self.emissions.get(syllables[0], self.anything)    # [n0], [n0]
@@ -2406,6 +2423,7 @@ class BigramHMM:
         return "".join(chosen)
 
     def decode(self, sentences):
+        check_list("sentences", sentences, "pinyin strings")
         return [self.decode_one(sentence.split()) for sentence in sentences]  # [B] hanzi strings
 
 # Try it:
@@ -2438,6 +2456,9 @@ def answer_masks(syllable_lists, vocab, readings=None):
     syllable's; without, any character or an early eos), eos at step len, pad
     after. Characters are the vocabulary's non-ASCII tokens: never a special
     token (<pad>, <eos>, ...) and never a pinyin syllable."""
+    check_list("syllable_lists", syllable_lists, "lists of syllables")
+    for b, syllables in enumerate(syllable_lists):  # a row "wo ai" would be 5 one-letter syllables
+        check_list(f"syllable_lists[{b}]", syllables, "syllables")
     S = max((len(syllables) for syllables in syllable_lists), default=0)
     characters = torch.tensor([not token.isascii() for token in vocab.itos])  # [V]
     free = characters.clone()                                               # [V]
@@ -2547,6 +2568,7 @@ def translate(model, sentences, src_vocab, tgt_vocab, readings=None, beam_size=1
     """Pinyin strings -> hanzi strings with the encoder-decoder: constrained by the
     syllables' readings when given, greedy when beam_size is 1. A batch holds
     batch_size sentences, or batch_size // beam_size with a beam: the same rows."""
+    check_list("sentences", sentences, "pinyin strings")
     check_sizes(beam_size=beam_size, batch_size=batch_size)
     device = next(model.parameters()).device
     longest = max((len(s.split()) for s in sentences), default=0)
@@ -2575,6 +2597,8 @@ def evaluate(translate_fn, pairs, ambiguous=()):
     accuracy; character accuracy, where a missing or extra character counts as
     wrong (right / max(len(expected), len(predicted)) summed over sentences); and
     accuracy on the characters whose syllable is in `ambiguous`."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
+    check_list("ambiguous", ambiguous, "syllables")  # "shi" would hold "s", "h", "hi"...
     if not pairs:
         raise ValueError("pairs is empty: there is nothing to evaluate on")
     predictions = translate_fn([pinyin for pinyin, _ in pairs])
@@ -2739,6 +2763,7 @@ class PromptDataset(torch.utils.data.Dataset):
     target padded over the prompt so that only the hanzi part is learned."""
 
     def __init__(self, pairs, vocab):
+        check_list("pairs", pairs, "(pinyin, hanzi) pairs")
         self.pairs, self.vocab = pairs, vocab
 
     def __len__(self):
@@ -2747,7 +2772,7 @@ class PromptDataset(torch.utils.data.Dataset):
     def __getitem__(self, i):
         pinyin, hanzi = self.pairs[i]
         prompt = self.vocab.encode(pinyin.split() + [SEP])                # ids of ['wo', 'ai', '<sep>']
-        ids = torch.tensor(prompt + self.vocab.encode(hanzi) + [Vocab.EOS])  # [S+T+2]
+        ids = torch.tensor(prompt + self.vocab.encode(list(hanzi)) + [Vocab.EOS])  # [S+T+2]
         target = ids[1:].clone()                                           # [S+T+1]
         target[:len(prompt) - 1] = Vocab.PAD  # positions that would predict the prompt
         return ids[:-1], target                                            # [S+T+1] each
@@ -2758,6 +2783,7 @@ def gpt_translate(model, sentences, vocab, readings=None, beam_size=1, batch_siz
     prompt "pinyin <sep>", constrained and searched as translate() does. Sentences
     of one length share a batch (of batch_size // beam_size at most), so no prompt
     needs padding."""
+    check_list("sentences", sentences, "pinyin strings")
     check_sizes(beam_size=beam_size, batch_size=batch_size)
     device = next(model.parameters()).device
     by_length, out = {}, [""] * len(sentences)
@@ -2793,6 +2819,7 @@ def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=N
     one teacher-forced pass checks, at every step at once. Used after each
     training epoch: it is the same number as decoding, at a fraction of the cost.
     batch_size sentences a pass: all held-out logits [B, T, V] at once could be gigabytes."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     longest = max((len(pinyin.split()) for pinyin, _ in pairs), default=0)
     batch_size = rows_per_batch(batch_size, 2 * longest + 2, len(tgt_vocab))
     if len(pairs) > batch_size:
@@ -2831,6 +2858,8 @@ SHADES = " ░▒▓█"
 
 def render_heatmap(weights, col_labels, row_labels):
     """weights [rows, cols] in [0, 1] -> a text grid, one shade per cell, with a legend."""
+    check_list("col_labels", col_labels, "labels")
+    check_list("row_labels", row_labels, "labels")
     widths = [max(2, len(label)) for label in col_labels]
     # a hanzi is two columns wide in a terminal; row labels get a common width
     columns = [sum(1 if c.isascii() else 2 for c in label) for label in row_labels]
@@ -2867,10 +2896,11 @@ def expert_load(model, pairs, vocab):
     """Share of the routed slots each expert took, per MoE layer, over the sequences
     "pinyin <sep> hanzi <eos>" of pairs: {layer index: [E] summing to 1}. Sequences of
     one length share a batch, so no padding is routed."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     device = next(model.parameters()).device
     by_length = {}
     for pinyin, hanzi in pairs:
-        ids = vocab.encode(pinyin.split() + [SEP]) + vocab.encode(hanzi) + [Vocab.EOS]
+        ids = vocab.encode(pinyin.split() + [SEP]) + vocab.encode(list(hanzi)) + [Vocab.EOS]
         by_length.setdefault(len(ids), []).append(ids)
     moes = {i: layer.ffn for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoE)}
     totals = {i: torch.zeros(moe.n_experts) for i, moe in moes.items()}  # [E] each
@@ -2950,6 +2980,7 @@ def with_pieces(pairs, copies=1, seed=0):
     more, shorter than the whole). One syllable is one character, so a piece of a
     right answer is a right answer: free extra data that teaches words apart from
     the sentences they came in."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     rng, pieces = random.Random(seed), []
     for pinyin, hanzi in pairs:
         syllables = pinyin.split()
@@ -3444,6 +3475,8 @@ def show_models(device):
 def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed, log=print, size="small"):
     """Build one model of a recipe in SIZES for the data, train it;
     -> (model, src_vocab, tgt_vocab, result)."""
+    check_list("train_pairs", train_pairs, "(pinyin, hanzi) pairs")
+    check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
     spec = SIZES[size][kind]
     # room for the longest sentence twice (a decoder-only sequence holds pinyin and hanzi) + <sep> + <eos>
     max_len = 2 * max(len(pinyin.split()) for pinyin, _ in train_pairs + test_pairs) + 2
@@ -3481,6 +3514,7 @@ def percent(right, total):
 def report(answer, test_pairs, ambiguous, n_examples=6):
     """Held-out accuracy (sentences, characters, ambiguous syllables), examples, and
     the seconds the answers took."""
+    check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
     start = time.perf_counter()
     result = evaluate(answer, test_pairs, ambiguous)  # ends in characters on the host: the device is done
     result["answer_seconds"] = time.perf_counter() - start
@@ -3502,6 +3536,7 @@ def report(answer, test_pairs, ambiguous, n_examples=6):
 
 def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head, readings):
     """Cross-attention of the held-out sentence with the most ambiguous syllables."""
+    check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
     pinyin, _ = max((p for p in test_pairs if len(p[0].split()) <= min(8, longest_sentence("encdec", model))),
                     key=lambda p: sum(s in ambiguous for s in p[0].split()), default=test_pairs[0])
     device = next(model.parameters()).device
@@ -3523,6 +3558,8 @@ def compare_with_baseline(results, train_pairs, answered, args):
     and a plain line for every model that does not beat it. Past
     MAX_BASELINE_CHARACTERS distinct characters the baseline is left out (its
     memory grows with their square), and the table says so."""
+    check_list("train_pairs", train_pairs, "(pinyin, hanzi) pairs")
+    check_list("answered", answered, "(pinyin, hanzi) pairs")
     n_chars = len({c for _, hanzi in train_pairs for c in hanzi})
     start = time.perf_counter()
     hmm = BigramHMM(train_pairs) if n_chars <= MAX_BASELINE_CHARACTERS else None
@@ -3553,6 +3590,7 @@ def run(args, device, pairs, loaded):
     """Train each model asked for (or take the loaded one), report on the held-out
     sentences beside the bigram baseline, draw the heatmap, save;
     -> the first (kind, model, src_vocab, tgt_vocab, readings)."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     answering = args.translate is not None
     train_pairs, test_pairs = split_data(pairs, seed=args.seed)
     ambiguous = ambiguous_syllables(pairs)
@@ -3599,7 +3637,7 @@ def run(args, device, pairs, loaded):
                 if kind == "deepseek":  # the trained model's latent cache, measured against section 21's formula
                     cache, cfg = model.new_cache(), model.config
                     pinyin, hanzi = fits[0]
-                    ids = tgt_vocab.encode(pinyin.split() + [SEP]) + tgt_vocab.encode(hanzi)
+                    ids = tgt_vocab.encode(pinyin.split() + [SEP]) + tgt_vocab.encode(list(hanzi))
                     with torch.no_grad():
                         model(torch.tensor([ids], device=next(model.parameters()).device), cache)  # [1, L, V]
                     stored = sum(c.latent.nelement() * c.latent.element_size()
@@ -3914,6 +3952,7 @@ def answer_lines(answer, src_vocab, longest, lines):
     """Print one hanzi line per pinyin line; a line the model cannot take gets one
     error line on stderr and the rest still answer; input that cannot be read
     (read_lines) ends the answers with one error line. -> exit status."""
+    check_list("lines", lines, "lines of pinyin")
     status = 0
     try:
         for line in lines:
