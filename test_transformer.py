@@ -4577,9 +4577,10 @@ def _piped(data, fifo=None):
     try:
         yield str(fifo) if fifo else f"/dev/fd/{r}"
     finally:
-        writer.join(timeout=10)
         if r is not None:
-            os.close(r)
+            os.close(r)                                  # a writer still writing gets BrokenPipeError
+        writer.join(timeout=10)
+        assert not writer.is_alive()
 
 
 def _write_all(fd, data):
