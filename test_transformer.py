@@ -54,6 +54,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 import unicodedata
 import warnings
@@ -3355,7 +3356,7 @@ def test_build_vocabs():
     assert len(sv) == 4 + 5 and len(tv) == 4 + 5
     assert set(sv.itos[4:]) == {"wo", "ni", "ai", "xue", "xi"}          # syllables
     assert set(tv.itos[4:]) == {"我", "你", "爱", "学", "习"}           # characters
-    assert tv.decode(tv.encode("我爱学习")) == list("我爱学习")
+    assert tv.decode(tv.encode(list("我爱学习"))) == list("我爱学习")
 
 
 def _tiny_vocabs():
@@ -3370,7 +3371,7 @@ def test_pinyin_dataset_item():
     src, tgt_in, tgt_out = ds[0]
     assert src.dtype == tgt_in.dtype == tgt_out.dtype == torch.long
     assert src.tolist() == sv.encode(["wo", "ai", "xue", "xi"])
-    chars = tv.encode("我爱学习")
+    chars = tv.encode(list("我爱学习"))
     # teacher forcing: read bos + chars, predict chars + eos
     assert tgt_in.tolist() == [tf.Vocab.BOS] + chars
     assert tgt_out.tolist() == chars + [tf.Vocab.EOS]
@@ -3569,7 +3570,7 @@ def test_answer_masks_rows_follow_the_syllables():
     allowed = tf.answer_masks([["shi", "dian"], ["xyz"]], tv, readings)  # [B=2, S+1=3, V]
     chars = {i for i, t in enumerate(tv.itos) if not t.startswith("<")}
     ids = lambda row: {i for i, ok in enumerate(row.tolist()) if ok}    # noqa: E731
-    assert ids(allowed[0, 0]) == set(tv.encode("是师十")) and ids(allowed[0, 1]) == set(tv.encode("点"))
+    assert ids(allowed[0, 0]) == set(tv.encode(list("是师十"))) and ids(allowed[0, 1]) == set(tv.encode(["点"]))
     assert ids(allowed[0, 2]) == {tf.Vocab.EOS}                          # exactly S characters, then eos
     assert ids(allowed[1, 0]) == chars                                   # an unseen syllable: any character
     assert ids(allowed[1, 1]) == {tf.Vocab.EOS} and ids(allowed[1, 2]) == {tf.Vocab.PAD}
@@ -3787,6 +3788,21 @@ def test_greedy_decode_max_len_beyond_the_model_names_max_len():
     model = tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=8)
     with pytest.raises(ValueError, match="max_len must be 1 to 7"):
         tf.greedy_decode(model, torch.tensor([[4, 5]]), tf.Vocab.BOS, tf.Vocab.EOS, 8)
+
+
+def test_greedy_decode_on_a_model_with_no_room_after_bos_says_so():
+    # max_len 1: not "max_len must be 1 to 0"; max_len 2, the smallest with room, decodes one step
+    model = tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=1)
+    words = "^the model's max_len is 1: bos fills it, there is no room to decode$"
+    for max_len in (1, 0):
+        with pytest.raises(ValueError, match=words):
+            tf.greedy_decode(model, torch.tensor([[4]]), tf.Vocab.BOS, tf.Vocab.EOS, max_len)
+    with pytest.raises(ValueError, match=words):                          # and translate, which calls it
+        tf.translate(model, ["wo"], tf.Vocab(["wo"]), tf.Vocab(["我"]))
+    model = tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=2)
+    assert tf.greedy_decode(model, torch.tensor([[4]]), tf.Vocab.BOS, tf.Vocab.EOS, 1).shape == (1, 1)
+    with pytest.raises(ValueError, match="^max_len must be 1 to 1 "):
+        tf.greedy_decode(model, torch.tensor([[4]]), tf.Vocab.BOS, tf.Vocab.EOS, 2)
 
 
 def test_pitfall3_greedy_decode_refuses_a_3d_source():
@@ -4279,7 +4295,7 @@ def test_expert_load_counts_every_routed_slot_without_padding():
     assert list(loads) == [1, 2] and all(load.shape == (8,) for load in loads.values())
     slots = torch.zeros(8)
     for pinyin, hanzi in pairs:                                        # one sentence at a time, counted here
-        ids = vocab.encode(pinyin.split() + [tf.SEP]) + vocab.encode(hanzi) + [tf.Vocab.EOS]
+        ids = vocab.encode(pinyin.split() + [tf.SEP]) + vocab.encode(list(hanzi)) + [tf.Vocab.EOS]
         model(torch.tensor([ids]))
         slots += model.layers[1].ffn.tokens_per_expert
     assert_close(loads[1], slots / slots.sum(), 1e-6)
@@ -4367,7 +4383,7 @@ def test_unseen_character_maps_to_unk_and_counts_wrong(overfit10):
     model, pairs, sv, tv, _, _ = overfit10
     (pinyin, hanzi), other = pairs[0], pairs[1]
     unseen = "龘"
-    assert unseen not in tv.stoi and tv.encode(unseen) == [tf.Vocab.UNK]
+    assert unseen not in tv.stoi and tv.encode([unseen]) == [tf.Vocab.UNK]
     held_out = [(pinyin, unseen + hanzi[1:]), other]     # known syllables, a character never trained on
     _, _, tgt_out = tf.PinyinDataset(held_out, sv, tv)[0]
     assert tgt_out[0].item() == tf.Vocab.UNK
@@ -4734,6 +4750,19 @@ def test_load_checkpoint_refuses_a_forged_layer_count_without_building_it(tmp_pa
     assert time.perf_counter() - start < 2                         # measured 0.01-0.03 s
 
 
+def test_load_checkpoint_names_a_layer_count_that_does_not_fit_the_weights(tmp_path):
+    # "(n_layers 1)", not "(1 layers)": a 2-layer file that says 1
+    model = tf.DecoderOnlyTransformer(20, 16, 2, 2, 32, max_len=16)
+    path = str(tmp_path / "m.pt")
+    tf.save_checkpoint(path, "gpt", model, tf.Vocab([]), tf.Vocab(list("abcdefghijklmnop")))
+    checkpoint = torch.load(path, weights_only=True)
+    torch.save(dict(checkpoint, config=dict(checkpoint["config"], n_layers=1)), path)
+    needed = tf.decoder_only_param_formula(20, 16, 1, 32)
+    with pytest.raises(ValueError, match=re.escape(f"the configuration (n_layers 1) needs {needed:,} parameters,"
+                                                   f" the weights hold {tf.count_parameters(model):,}")):
+        tf.load_checkpoint(path)
+
+
 def toy_split_and_vocabs():
     """The toy task's seed-0 split and what --save stores beside a model: ->
     (train pairs, held-out pairs, readings, source vocab, target vocab, decoder-only vocab)."""
@@ -4919,6 +4948,108 @@ def test_load_checkpoint_forged_llama_max_len_does_not_allocate(tmp_path):
         assert str(e).startswith(f"{path}: ") and "\n" not in str(e)
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024
     assert grown < 200, f"peak memory grew by {grown:.0f} MiB"
+
+
+def _weights_as(tmp_path, dtype, name=None, value=None):
+    """good.pt of _bad_checkpoint with every weight stored as dtype and, if given, one
+    value of weight `name` set to `value` (as that dtype holds it); -> its path."""
+    _bad_checkpoint(tmp_path, "missing")                                  # writes good.pt
+    checkpoint = torch.load(tmp_path / "good.pt", weights_only=True)
+    state = {key: t.to(dtype) for key, t in checkpoint["state_dict"].items()}
+    if name:
+        state[name].view(-1)[3] = value
+    path = tmp_path / f"{str(dtype)[6:]}.pt"
+    torch.save(dict(checkpoint, state_dict=state), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("lm_head.weight", 1e39, "'lm_head.weight' holds float64 1e+39: infinite in float32, the model's dtype"),
+    ("final_norm.bias", -1e39, "'final_norm.bias' holds float64 -1e+39: infinite in float32"),
+    ("pos_encoding.pe", 1e300, "'pos_encoding.pe' holds float64 1e+300: infinite in float32"),  # a buffer
+], ids=["weight", "negative", "buffer"])
+def test_load_checkpoint_refuses_values_finite_as_stored_but_infinite_in_the_models_dtype(
+        tmp_path, name, value, words):
+    # float64 holds them; the float32 model would compute inf from them
+    path = _weights_as(tmp_path, torch.float64, name, value)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: damaged checkpoint (ValueError: {words}")):
+        tf.load_checkpoint(path)
+    status, out, err = _main(["--load", path, "--translate", "wo ai", "--device", "cpu"])
+    assert status == 2 and out == "" and err.count("\n") == 1 and words in err
+
+
+def test_load_checkpoint_checks_values_as_converted_not_as_stored(tmp_path):
+    # past float32's largest (3.4028234664e38) but rounding down to it: finite once converted
+    path = _weights_as(tmp_path, torch.float64, "lm_head.weight", 3.4028235e38)
+    assert tf.load_checkpoint(path)[1].lm_head.weight.view(-1)[3] == torch.finfo(torch.float32).max
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):          # the other stored dtypes fit
+        _, model, *_ = tf.load_checkpoint(_weights_as(tmp_path, dtype))
+        assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in model.state_dict().values())
+    # any model dtype: a float32 1e5 is past float16's 65504, for a model built in float16
+    path = _weights_as(tmp_path, torch.float32, "lm_head.weight", 1e5)
+    assert tf.load_checkpoint(path)[0] == "gpt"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        with pytest.raises(ValueError, match=re.escape("'lm_head.weight' holds float32 100000: infinite in float16,")):
+            tf.load_checkpoint(path)
+    finally:
+        torch.set_default_dtype(default)
+
+
+@contextlib.contextmanager
+def _piped(data, fifo=None):
+    """data written by a thread into a pipe: -> the name to read it by, /dev/fd/N
+    (what bash's <(cat m.pt) gives) or, with fifo, that named pipe (mkfifo)."""
+    if fifo:
+        os.mkfifo(fifo)
+        r, w = None, os.open(fifo, os.O_RDWR)  # a writer before the reader opens: else it reads the end at once
+    else:
+        r, w = os.pipe()
+    writer = threading.Thread(target=lambda: (_write_all(w, data), os.close(w)))
+    writer.start()
+    try:
+        yield str(fifo) if fifo else f"/dev/fd/{r}"
+    finally:
+        if r is not None:
+            os.close(r)                                  # a writer still writing gets BrokenPipeError
+        writer.join(timeout=10)
+        assert not writer.is_alive()
+
+
+def _write_all(fd, data):
+    with contextlib.suppress(BrokenPipeError):           # a reader that stops early
+        for i in range(0, len(data), 2 ** 16):
+            os.write(fd, data[i:i + 2 ** 16])
+
+
+@pytest.mark.parametrize("how", ["dev-fd", "fifo"])
+def test_load_checkpoint_reads_a_pipe(tiny_checkpoints, tmp_path, how):
+    # python transformer.py --load <(cat m.pt), or a named pipe: read whole into memory, then loaded
+    path = tiny_checkpoints["encdec"]
+    with open(path, "rb") as f:
+        data = f.read()
+    kind, model, sv, tv, readings = tf.load_checkpoint(path)
+    with _piped(data, tmp_path / "fifo" if how == "fifo" else None) as name:
+        kind2, model2, sv2, tv2, readings2 = tf.load_checkpoint(name)
+    assert (kind2, sv2.itos, tv2.itos, readings2) == (kind, sv.itos, tv.itos, readings)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    with _piped(data, tmp_path / "fifo2" if how == "fifo" else None) as name:  # the command line too
+        status, out, err = _main(["--load", name, "--translate", "wo ai", "--device", "cpu"])
+    assert (status, err) == (0, "") and out == tf.translator(kind, model, sv, tv, readings, 4)(["wo ai"])[0] + "\n"
+
+
+def test_load_checkpoint_reads_a_pipe_within_a_bound(tiny_checkpoints, monkeypatch):
+    with open(tiny_checkpoints["encdec"], "rb") as f:
+        data = f.read()
+    with _piped(data[:len(data) // 2]) as name:          # cut short: refused as any truncated file
+        with pytest.raises(ValueError, match=rf"^{name}: not a readable checkpoint \(\w+\)$"):
+            tf.load_checkpoint(name)
+    monkeypatch.setattr(tf, "MAX_PIPED_CHECKPOINT_BYTES", 2 ** 20)
+    with _piped(bytes(2 * 2 ** 20)) as name:             # 2 MB of zeros: never more than 1 MB + 1 byte is read
+        with pytest.raises(ValueError, match=re.escape(f"{name}: larger than 1 MB; expected a checkpoint file,"
+                                                       f" or a pipe of at most that (a pipe is held in memory)")):
+            tf.load_checkpoint(name)
 
 
 def test_checkpoint_without_readings_loads_and_the_cli_answers_unconstrained(tiny_checkpoints):
@@ -5615,6 +5746,46 @@ def test_cli_load_a_model_that_takes_no_held_out_sentence(tiny_checkpoints):
     assert "held-out exact match" not in out and "cross-attention" not in out   # nothing left to report
 
 
+def _short_model(tmp_path, kind, max_len, n_heads=2):
+    """A checkpoint of a tiny untrained model of kind and max_len; -> (its path, the model)."""
+    vocab = tf.Vocab(["wo", "ai", "我", "爱", tf.SEP])
+    model = {"encdec": lambda: tf.Transformer(len(vocab), len(vocab), d_model=16, n_heads=n_heads, d_ff=32,
+                                              n_layers=1, max_len=max_len),
+             "gpt": lambda: tf.DecoderOnlyTransformer(len(vocab), 16, 1, n_heads, 32, max_len=max_len),
+             "llama": lambda: tf.Llama(len(vocab), 16, 1, n_heads, max_len=max_len)}[kind]()
+    path = str(tmp_path / f"{kind}-{max_len}.pt")
+    tf.save_checkpoint(path, kind, model, vocab, vocab, _GOOD_READINGS)
+    return path, model
+
+
+@pytest.mark.parametrize("kind, max_len", [("encdec", 1), ("encdec", 2), ("gpt", 1), ("gpt", 3), ("llama", 2)])
+def test_cli_load_a_model_too_short_for_any_sentence_says_so_before_the_work(tmp_path, kind, max_len):
+    # not "1 syllables, this model takes at most -1", nor a demo that skips every sentence
+    path, model = _short_model(tmp_path, kind, max_len)
+    assert tf.longest_sentence(kind, model) == 0
+    need = "3 (bos, its character, eos)" if kind == "encdec" else "4 (the syllable, <sep>, its character, eos)"
+    for argv in (["--translate", "wo"], ["--translate", "-"], [], ["--head", "0"]):
+        status, out, err = _main(["--load", path, "--device", "cpu", *argv], stdin="wo\n")
+        assert (status, out) == (2, "")
+        assert err == (f"transformer.py: error: --load {path}: a model of max_len {max_len} can answer no"
+                       f" sentence at all; one syllable needs max_len {need}\n")
+
+
+@pytest.mark.parametrize("kind, max_len", [("encdec", 3), ("gpt", 4)])
+def test_cli_the_smallest_model_that_answers_and_one_head_are_named_truly(tmp_path, kind, max_len):
+    path, model = _short_model(tmp_path, kind, max_len, n_heads=1)
+    assert tf.longest_sentence(kind, model) == 1
+    status, out, err = _main(["--load", path, "--device", "cpu", "--translate", "-"], stdin="wo\nwo ai\n")
+    assert status == 2 and len(out) == 2                 # "wo" answered: one character and a newline
+    assert err == "transformer.py: error: 2 syllables, this model takes at most 1 in 'wo ai'\n"
+    status, out, err = _main(["--load", path, "--device", "cpu", "--beam", "1"])
+    _, test_pairs = tf.split_data(tf.make_toy_data(seed=0), seed=0)
+    assert status == 0 and (f"skipped {len(test_pairs)} held-out sentences longer than the 1 syllable this"
+                            f" model takes\n") in out
+    status, out, err = _main(["--load", path, "--device", "cpu", "--head", "1", "--translate", "wo"])
+    assert (status, out, err) == (2, "", "transformer.py: error: --head 1: the model has only head 0\n")
+
+
 @pytest.mark.parametrize("free", [False, True])
 @pytest.mark.parametrize("name", ["gpt-adversarial", "llama"])
 def test_cli_garbage_model_still_answers_only_characters(tiny_checkpoints, free, name):
@@ -6226,6 +6397,88 @@ def _gpt_and_vocab():
     vocab = tf.Vocab(["wo", "ai", "我", "爱", tf.SEP])
     torch.manual_seed(0)
     return tf.DecoderOnlyTransformer(len(vocab), 16, 1, 2, 32, max_len=8), vocab
+
+
+_PAIRS = "(pinyin, hanzi) pairs"
+
+
+@pytest.fixture(scope="module")
+def list_arguments(hard):
+    """Every library argument that takes a list (of sentences, pairs, syllables, tokens,
+    ids, labels or lines) in sections 26-37: name -> (call(value), argument, its items)."""
+    kind, model, sv, tv, readings = tf.load_checkpoint(hard["encdec"])
+    _, gpt, _, vocab, _ = tf.load_checkpoint(hard["gpt"])
+    pairs = tf.make_toy_data(n_sentences=10, seed=0)
+    hmm = tf.BigramHMM(pairs)
+    return {
+        "split_data": (lambda v: tf.split_data(v), "pairs", _PAIRS),
+        "Vocab": (lambda v: tf.Vocab(v), "tokens", "tokens"),
+        "Vocab.encode": (lambda v: sv.encode(v), "tokens", "tokens (for a hanzi string, list(hanzi))"),
+        "Vocab.decode": (lambda v: tv.decode(v), "ids", "token ids"),
+        "build_vocabs": (lambda v: tf.build_vocabs(v), "pairs", _PAIRS),
+        "build_gpt_vocab": (lambda v: tf.build_gpt_vocab(v), "pairs", _PAIRS),
+        "PinyinDataset": (lambda v: tf.PinyinDataset(v, sv, tv), "pairs", _PAIRS),
+        "collate": (lambda v: tf.collate(v), "batch", "dataset items"),
+        "syllable_readings": (lambda v: tf.syllable_readings(v), "pairs", _PAIRS),
+        "ambiguous_syllables": (lambda v: tf.ambiguous_syllables(v), "pairs", _PAIRS),
+        "BigramHMM": (lambda v: tf.BigramHMM(v), "pairs", _PAIRS),
+        "BigramHMM.decode": (lambda v: hmm.decode(v), "sentences", "pinyin strings"),
+        "BigramHMM.decode_one": (lambda v: hmm.decode_one(v), "syllables", "syllables"),
+        "answer_masks": (lambda v: tf.answer_masks(v, tv), "syllable_lists", "lists of syllables"),
+        "answer_masks-row": (lambda v: tf.answer_masks([["wo"], v], tv), "syllable_lists[1]", "syllables"),
+        "translate": (lambda v: tf.translate(model, v, sv, tv), "sentences", "pinyin strings"),
+        "translator": (lambda v: tf.translator(kind, model, sv, tv)(v), "sentences", "pinyin strings"),
+        "evaluate": (lambda v: tf.evaluate(hmm.decode, v), "pairs", _PAIRS),
+        "evaluate-ambiguous": (lambda v: tf.evaluate(hmm.decode, pairs, v), "ambiguous", "syllables"),
+        "PromptDataset": (lambda v: tf.PromptDataset(v, vocab), "pairs", _PAIRS),
+        "gpt_translate": (lambda v: tf.gpt_translate(gpt, v, vocab), "sentences", "pinyin strings"),
+        "teacher_forced_accuracy": (lambda v: tf.teacher_forced_accuracy(kind, model, v, sv, tv), "pairs", _PAIRS),
+        "render_heatmap-columns": (lambda v: tf.render_heatmap(torch.ones(1, 2), v, ["我"]), "col_labels", "labels"),
+        "render_heatmap-rows": (lambda v: tf.render_heatmap(torch.ones(1, 2), ["wo", "ai"], v), "row_labels",
+                                "labels"),
+        "expert_load": (lambda v: tf.expert_load(gpt, v, vocab), "pairs", _PAIRS),
+        "with_pieces": (lambda v: tf.with_pieces(v), "pairs", _PAIRS),
+        "train_toy_model-train": (lambda v: tf.train_toy_model("gpt", v, pairs, "cpu", 1, 0), "train_pairs", _PAIRS),
+        "train_toy_model-test": (lambda v: tf.train_toy_model("gpt", pairs, v, "cpu", 1, 0), "test_pairs", _PAIRS),
+        "report": (lambda v: tf.report(hmm.decode, v, set()), "test_pairs", _PAIRS),
+        "show_heatmap": (lambda v: tf.show_heatmap(model, sv, tv, v, set(), None, readings), "test_pairs", _PAIRS),
+        "compare_with_baseline-train": (lambda v: tf.compare_with_baseline({}, v, pairs, None), "train_pairs", _PAIRS),
+        "compare_with_baseline-answered": (lambda v: tf.compare_with_baseline({}, pairs, v, None), "answered",
+                                           _PAIRS),
+        "run": (lambda v: tf.run(None, "cpu", v, None), "pairs", _PAIRS),
+        "answer_lines": (lambda v: tf.answer_lines(hmm.decode, sv, 30, v), "lines", "lines of pinyin"),
+    }
+
+
+_LIST_ARGUMENTS = ["split_data", "Vocab", "Vocab.encode", "Vocab.decode", "build_vocabs", "build_gpt_vocab",
+                   "PinyinDataset", "collate", "syllable_readings", "ambiguous_syllables", "BigramHMM",
+                   "BigramHMM.decode", "BigramHMM.decode_one", "answer_masks", "answer_masks-row", "translate",
+                   "translator", "evaluate", "evaluate-ambiguous", "PromptDataset", "gpt_translate",
+                   "teacher_forced_accuracy", "render_heatmap-columns", "render_heatmap-rows", "expert_load",
+                   "with_pieces", "train_toy_model-train", "train_toy_model-test", "report", "show_heatmap",
+                   "compare_with_baseline-train", "compare_with_baseline-answered", "run", "answer_lines"]
+
+
+@pytest.mark.parametrize("name", _LIST_ARGUMENTS)
+def test_a_list_argument_refuses_a_string_and_every_other_non_list(list_arguments, name, capsys):
+    # translate(model, "wo ai xue xi", ...) once answered letter by letter: a str, bytes or
+    # a dict (its keys) would be read as a list, None or a number not at all
+    call, argument, items = list_arguments[name]
+    for value in ("wo ai xue xi", b"wo ai", {"wo ai": "我爱"}, None, 5, 2.5):
+        with pytest.raises(ValueError, match=rf"^{re.escape(argument)} must be a list of {re.escape(items)},"
+                                             rf" got {type(value).__name__} {re.escape(repr(value))}$"):
+            call(value)
+    assert capsys.readouterr() == ("", "")               # refused before anything was printed
+
+
+def test_list_arguments_still_take_tuples_and_one_pass_iterables(list_arguments, hard):
+    kind, model, sv, tv, readings = tf.load_checkpoint(hard["encdec"])
+    sentences = ["wo ai", "ni men hui jia"]
+    assert tf.translate(model, tuple(sentences), sv, tv, readings) == tf.translate(model, sentences, sv, tv, readings)
+    assert tf.Vocab(t for t in ["wo", "ai"]).itos == tf.Vocab(["wo", "ai"]).itos   # build_vocabs passes these
+    assert tv.decode(torch.tensor([5, tf.Vocab.EOS, 6])) == tv.decode([5, tf.Vocab.EOS, 6]) == [tv.itos[5]]
+    assert tf.evaluate(lambda s: list(s), [("wo", "wo")], ambiguous={"wo"})["ambiguous_total"] == 1
+    assert tv.encode(list("我爱")) == [tv.stoi["我"], tv.stoi["爱"]]  # a hanzi string, as a list of characters
 
 
 # ===========================================================================

@@ -2433,8 +2433,16 @@ def make_toy_data(n_sentences=2400, seed=0, min_chars=3, max_chars=12):
     return sorted(answers.items())
 
 
+def check_list(name, value, items):
+    """A list argument: any iterable but a str or bytes (read one character at a time:
+    "wo ai" would be 5 sentences) or a dict (read by its keys), never None or a number."""
+    if isinstance(value, (str, bytes, bytearray, dict)) or not hasattr(type(value), "__iter__"):
+        raise ValueError(f"{name} must be a list of {items}, got {type(value).__name__} {value!r:.60}")
+
+
 def split_data(pairs, held_out=0.1, seed=0):
     """Shuffle and hold out a fraction: the held-out sentences are never trained on."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     pairs = list(pairs)
     random.Random(seed).shuffle(pairs)
     n_test = max(1, round(len(pairs) * held_out))
@@ -2448,6 +2456,7 @@ class Vocab:
     SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
     def __init__(self, tokens):
+        check_list("tokens", tokens, "tokens")
         self.itos = self.SPECIALS + sorted(set(tokens) - set(self.SPECIALS))
         self.stoi = {tok: i for i, tok in enumerate(self.itos)}
 
@@ -2455,10 +2464,12 @@ class Vocab:
         return len(self.itos)
 
     def encode(self, tokens):
+        check_list("tokens", tokens, "tokens (for a hanzi string, list(hanzi))")
         return [self.stoi.get(tok, self.UNK) for tok in tokens]
 
     def decode(self, ids):
         """Ids to tokens, stopping at eos and skipping pad and bos."""
+        check_list("ids", ids, "token ids")
         out = []
         for i in ids:
             if i == self.EOS:
@@ -2470,6 +2481,7 @@ class Vocab:
 
 def build_vocabs(pairs):
     """Source vocabulary of syllables, target vocabulary of characters."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     return (Vocab(s for pinyin, _ in pairs for s in pinyin.split()),    # ['wo', 'ai', ...]
             Vocab(c for _, hanzi in pairs for c in hanzi))                # ['我', '爱', ...]
 
@@ -2479,6 +2491,7 @@ class PinyinDataset(torch.utils.data.Dataset):
     target in (bos + chars), target out (chars + eos)."""
 
     def __init__(self, pairs, src_vocab, tgt_vocab):
+        check_list("pairs", pairs, "(pinyin, hanzi) pairs")
         self.pairs, self.src_vocab, self.tgt_vocab = pairs, src_vocab, tgt_vocab
 
     def __len__(self):
@@ -2487,7 +2500,7 @@ class PinyinDataset(torch.utils.data.Dataset):
     def __getitem__(self, i):
         pinyin, hanzi = self.pairs[i]
         src = torch.tensor(self.src_vocab.encode(pinyin.split()))                         # [S]
-        tgt = torch.tensor([Vocab.BOS] + self.tgt_vocab.encode(hanzi) + [Vocab.EOS])     # [T+2]
+        tgt = torch.tensor([Vocab.BOS] + self.tgt_vocab.encode(list(hanzi)) + [Vocab.EOS])  # [T+2]
         # teacher forcing: read the target shifted right, predict it shifted left
         return src, tgt[:-1], tgt[1:]                                      # [S], [T+1], [T+1]
 
@@ -2495,12 +2508,14 @@ class PinyinDataset(torch.utils.data.Dataset):
 def collate(batch):
     """Pad every field of a list of items to the longest in the batch:
     (src, tgt_in, tgt_out) items give [B, S], [B, T+1], [B, T+1]."""
+    check_list("batch", batch, "dataset items")
     return tuple(nn.utils.rnn.pad_sequence(field, batch_first=True, padding_value=Vocab.PAD)
                  for field in zip(*batch))                                 # [B, longest] each
 
 
 def syllable_readings(pairs):
     """syllable -> the set of characters written for it somewhere in the pairs."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     readings = {}
     for pinyin, hanzi in pairs:
         for syllable, char in zip(pinyin.split(), hanzi):
@@ -2531,6 +2546,7 @@ class BigramHMM:
     syllable never seen may be any character."""
 
     def __init__(self, pairs, smoothing=1.0):
+        check_list("pairs", pairs, "(pinyin, hanzi) pairs")
         pairs = list(pairs)
         if not pairs or not all(isinstance(p, tuple) and len(p) == 2 and all(isinstance(s, str) for s in p)
                                 for p in pairs):
@@ -2561,6 +2577,7 @@ class BigramHMM:
         self.anything = (torch.arange(C), torch.zeros(C))                  # an unseen syllable: [C], [C]
 
     def decode_one(self, syllables):
+        check_list("syllables", syllables, "syllables")
         if not syllables:
             return ""
         ids, log_emit = self.emissions.get(syllables[0], self.anything)    # [n0], [n0]
@@ -2582,6 +2599,7 @@ class BigramHMM:
         return "".join(chosen)
 
     def decode(self, sentences):
+        check_list("sentences", sentences, "pinyin strings")
         return [self.decode_one(sentence.split()) for sentence in sentences]  # [B] hanzi strings
 
 # Try it:
@@ -2614,6 +2632,9 @@ def answer_masks(syllable_lists, vocab, readings=None):
     syllable's; without, any character or an early eos), eos at step len, pad
     after. Characters are the vocabulary's non-ASCII tokens: never a special
     token (<pad>, <eos>, ...) and never a pinyin syllable."""
+    check_list("syllable_lists", syllable_lists, "lists of syllables")
+    for b, syllables in enumerate(syllable_lists):  # a row "wo ai" would be 5 one-letter syllables
+        check_list(f"syllable_lists[{b}]", syllables, "syllables")
     S = max((len(syllables) for syllables in syllable_lists), default=0)
     characters = torch.tensor([not token.isascii() for token in vocab.itos])  # [V]
     free = characters.clone()                                               # [V]
@@ -2639,6 +2660,8 @@ def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True, allowed=N
     use_cache changes the work per step, not the tokens."""
     if bos_id == model.pad_id:
         raise ValueError(f"bos_id ({bos_id}) must differ from the pad id: decoding would start from padding")
+    if model.max_len < 2:  # "max_len must be 1 to 0" below would ask for the impossible
+        raise ValueError(f"the model's max_len is {model.max_len}: bos fills it, there is no room to decode")
     if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len < model.max_len:
         raise ValueError(f"max_len must be 1 to {model.max_len - 1} (the model's max_len less bos),"
                          f" an integer, got {max_len!r}")
@@ -2725,6 +2748,7 @@ def translate(model, sentences, src_vocab, tgt_vocab, readings=None, beam_size=1
     """Pinyin strings -> hanzi strings with the encoder-decoder: constrained by the
     syllables' readings when given, greedy when beam_size is 1. A batch holds
     batch_size sentences, or batch_size // beam_size with a beam: the same rows."""
+    check_list("sentences", sentences, "pinyin strings")
     check(beam_size=beam_size, batch_size=batch_size)
     device = next(model.parameters()).device
     longest = max((len(s.split()) for s in sentences), default=0)
@@ -2753,6 +2777,8 @@ def evaluate(translate_fn, pairs, ambiguous=()):
     accuracy; character accuracy, where a missing or extra character counts as
     wrong (right / max(len(expected), len(predicted)) summed over sentences); and
     accuracy on the characters whose syllable is in `ambiguous`."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
+    check_list("ambiguous", ambiguous, "syllables")  # "shi" would hold "s", "h", "hi"...
     if not pairs:
         raise ValueError("pairs is empty: there is nothing to evaluate on")
     predictions = translate_fn([pinyin for pinyin, _ in pairs])
@@ -2917,6 +2943,7 @@ class PromptDataset(torch.utils.data.Dataset):
     target padded over the prompt so that only the hanzi part is learned."""
 
     def __init__(self, pairs, vocab):
+        check_list("pairs", pairs, "(pinyin, hanzi) pairs")
         self.pairs, self.vocab = pairs, vocab
 
     def __len__(self):
@@ -2925,7 +2952,7 @@ class PromptDataset(torch.utils.data.Dataset):
     def __getitem__(self, i):
         pinyin, hanzi = self.pairs[i]
         prompt = self.vocab.encode(pinyin.split() + [SEP])                # ids of ['wo', 'ai', '<sep>']
-        ids = torch.tensor(prompt + self.vocab.encode(hanzi) + [Vocab.EOS])  # [S+T+2]
+        ids = torch.tensor(prompt + self.vocab.encode(list(hanzi)) + [Vocab.EOS])  # [S+T+2]
         target = ids[1:].clone()                                           # [S+T+1]
         target[:len(prompt) - 1] = Vocab.PAD  # positions that would predict the prompt
         return ids[:-1], target                                            # [S+T+1] each
@@ -2936,6 +2963,7 @@ def gpt_translate(model, sentences, vocab, readings=None, beam_size=1, batch_siz
     prompt "pinyin <sep>", constrained and searched as translate() does. Sentences
     of one length share a batch (of batch_size // beam_size at most), so no prompt
     needs padding."""
+    check_list("sentences", sentences, "pinyin strings")
     check(beam_size=beam_size, batch_size=batch_size)
     device = next(model.parameters()).device
     by_length, out = {}, [""] * len(sentences)
@@ -2971,6 +2999,7 @@ def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=N
     one teacher-forced pass checks, at every step at once. Used after each
     training epoch: it is the same number as decoding, at a fraction of the cost.
     batch_size sentences a pass: all held-out logits [B, T, V] at once could be gigabytes."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     longest = max((len(pinyin.split()) for pinyin, _ in pairs), default=0)
     batch_size = rows_per_batch(batch_size, 2 * longest + 2, len(tgt_vocab))
     if len(pairs) > batch_size:
@@ -3009,6 +3038,8 @@ SHADES = " ░▒▓█"
 
 def render_heatmap(weights, col_labels, row_labels):
     """weights [rows, cols] in [0, 1] -> a text grid, one shade per cell, with a legend."""
+    check_list("col_labels", col_labels, "labels")
+    check_list("row_labels", row_labels, "labels")
     widths = [max(2, len(label)) for label in col_labels]
     # a hanzi is two columns wide in a terminal; row labels get a common width
     columns = [sum(1 if c.isascii() else 2 for c in label) for label in row_labels]
@@ -3054,10 +3085,11 @@ def expert_load(model, pairs, vocab):
     """Share of the routed slots each expert took, per MoE layer, over the sequences
     "pinyin <sep> hanzi <eos>" of pairs: {layer index: [E] summing to 1}. Sequences of
     one length share a batch, so no padding is routed."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     device = next(model.parameters()).device
     by_length = {}
     for pinyin, hanzi in pairs:
-        ids = vocab.encode(pinyin.split() + [SEP]) + vocab.encode(hanzi) + [Vocab.EOS]
+        ids = vocab.encode(pinyin.split() + [SEP]) + vocab.encode(list(hanzi)) + [Vocab.EOS]
         by_length.setdefault(len(ids), []).append(ids)
     moes = {i: layer.ffn for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoE)}
     totals = {i: torch.zeros(moe.n_experts) for i, moe in moes.items()}  # [E] each
@@ -3096,6 +3128,7 @@ def render_expert_load(loads, uniform=10):
 
 import argparse
 import inspect
+import io
 import os
 import re
 import sys
@@ -3136,6 +3169,7 @@ def with_pieces(pairs, copies=1, seed=0):
     more, shorter than the whole). One syllable is one character, so a piece of a
     right answer is a right answer: free extra data that teaches words apart from
     the sentences they came in."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     rng, pieces = random.Random(seed), []
     for pinyin, hanzi in pairs:
         syllables = pinyin.split()
@@ -3165,6 +3199,18 @@ def open_for_reading(path):
         raise ValueError(f"{shown(path)}: {e.strerror or e}") from None
 
 
+def read_at_most(f, path, limit, expected):
+    """All of the open file f, or ValueError naming path if it cannot be read or holds
+    more than limit bytes: a bounded read, so /dev/zero or a huge file stops there."""
+    try:
+        data = f.read(limit + 1)
+    except OSError as e:
+        raise ValueError(f"{shown(path)}: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise ValueError(f"{shown(path)}: larger than {limit // 2 ** 20} MB; expected {expected}")
+    return data
+
+
 MAX_PAIRS = 200_000  # sentences: far more than trains in hours on a CPU, and a bounded dict
 
 
@@ -3173,10 +3219,8 @@ def read_pairs(path):
     pinyin. Raises ValueError naming the file and line. Memory stays a small
     multiple of the file: the lines are visited one by one, never listed."""
     with open_for_reading(path) as f:
-        data = f.read(MAX_DATA_BYTES + 1)  # a bounded read: /dev/zero or a huge file stops here
+        data = read_at_most(f, path, MAX_DATA_BYTES, "a pinyin<TAB>hanzi file")
     path = shown(path)
-    if len(data) > MAX_DATA_BYTES:
-        raise ValueError(f"{path}: larger than {MAX_DATA_BYTES // 2 ** 20} MB; expected a pinyin<TAB>hanzi file")
     try:
         text = data.decode("utf-8-sig")  # -sig: a byte-order mark is not text
     except UnicodeDecodeError as e:
@@ -3377,9 +3421,12 @@ def check_vocab(itos, name):
     return Vocab(itos)
 
 
+MAX_PIPED_CHECKPOINT_BYTES = 256 * 2 ** 20  # a pipe (--load <(...)) is held in memory whole; --save's are a few MB
+
+
 def load_checkpoint(path, device="cpu"):
-    """-> (kind, model in eval mode, src_vocab, tgt_vocab, readings or None);
-    ValueError for a bad device, or for a missing, truncated, foreign or forged file.
+    """-> (kind, model in eval mode, src_vocab, tgt_vocab, readings or None); path may be
+    a file or a pipe. ValueError for a bad device, or a missing, truncated, foreign or forged file.
     Nothing is built before the configuration is checked and accounts for exactly the
     weights the file really stores, so no file can make this allocate more than it holds."""
     try:
@@ -3391,6 +3438,9 @@ def load_checkpoint(path, device="cpu"):
         raise ValueError(f"device {str(device)!r} is not available here")
     with open_for_reading(path) as f, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's notes on sparse or complex32 tensors: the refusal is the line
+        if not f.seekable():  # a pipe (--load <(cat m.pt)): torch.load seeks, so it is read into memory first
+            f = io.BytesIO(read_at_most(f, path, MAX_PIPED_CHECKPOINT_BYTES,
+                                        "a checkpoint file, or a pipe of at most that (a pipe is held in memory)"))
         try:
             checkpoint = torch.load(f, map_location=device, weights_only=True)
         except Exception as e:  # truncated, not a torch file, or objects weights_only refuses
@@ -3418,7 +3468,7 @@ def checked_checkpoint(checkpoint, device):
                if not name.endswith((".pe", ".router_bias"))}  # tied once; buffers are no parameters
     needed = PARAMETER_FORMULAS[kind](**config)
     if needed != sum(weights.values()):
-        raise ValueError(f"the configuration ({config['n_layers']} layers) needs {needed:,} parameters,"
+        raise ValueError(f"the configuration (n_layers {config['n_layers']}) needs {needed:,} parameters,"
                          f" the weights hold {sum(weights.values()):,}")
     per_position = (config["d_model"] if kind not in ROPE_KINDS else 2 * config["qk_rope_dim"] if kind == "deepseek"
                     else 2 * (config.get("head_dim") or config["d_model"] // config["n_heads"]))  # cos, sin
@@ -3439,6 +3489,15 @@ def checked_checkpoint(checkpoint, device):
                          f"{list(expected[wrong]) if wrong in expected else 'no such weight'}, the file holds "
                          f"{list(state[wrong].shape) if wrong in state else 'none'}")
     model.load_state_dict(state)
+    # finite as stored is not finite as computed: load_state_dict converts to the model's
+    # dtype, where a float64 1e39 (float32 stops at 3.4e38) or a float32 1e5 (float16 at
+    # 65504) is inf; so the loaded copies are checked, exactly as the model will read them
+    for name, t in model.state_dict().items():
+        bad = (~torch.isfinite(t)).nonzero()                               # [n, t.dim()]: where it overflowed
+        if len(bad):
+            stored = state[name]
+            raise ValueError(f"{quote(name)} holds {str(stored.dtype)[6:]} {stored[tuple(bad[0])].item():g}:"
+                             f" infinite in {str(t.dtype)[6:]}, the model's dtype")
     vocabs = check_vocab(checkpoint["src_vocab"], "src_vocab"), check_vocab(checkpoint["tgt_vocab"], "tgt_vocab")
     sizes = [model.config.get(key, model.config.get("vocab_size")) for key in ("src_vocab_size", "tgt_vocab_size")]
     if [len(vocab) for vocab in vocabs] != sizes:
@@ -3628,6 +3687,8 @@ def show_models(device):
 def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed, log=print, size="small"):
     """Build one model of a recipe in SIZES for the data, train it;
     -> (model, src_vocab, tgt_vocab, result)."""
+    check_list("train_pairs", train_pairs, "(pinyin, hanzi) pairs")
+    check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
     spec = SIZES[size][kind]
     # room for the longest sentence twice (a decoder-only sequence holds pinyin and hanzi) + <sep> + <eos>
     max_len = 2 * max(len(pinyin.split()) for pinyin, _ in train_pairs + test_pairs) + 2
@@ -3652,9 +3713,10 @@ def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed, log=pri
 
 
 def longest_sentence(kind, model):
-    """The most syllables the model can answer: the encoder-decoder needs S + 1
-    decoder positions after bos, a decoder-only model holds pinyin, <sep>, hanzi, <eos>."""
-    return model.max_len - 2 if kind == "encdec" else (model.max_len - 2) // 2
+    """The most syllables the model can answer, 0 for none: the encoder-decoder needs
+    S + 1 decoder positions after bos (max_len 3 for one syllable), a decoder-only model
+    holds pinyin, <sep>, hanzi, <eos> (max_len 4)."""
+    return max(0, model.max_len - 2 if kind == "encdec" else (model.max_len - 2) // 2)
 
 
 def percent(right, total):
@@ -3664,6 +3726,7 @@ def percent(right, total):
 def report(answer, test_pairs, ambiguous, n_examples=6):
     """Held-out accuracy (sentences, characters, ambiguous syllables), examples, and
     the seconds the answers took."""
+    check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
     start = time.perf_counter()
     result = evaluate(answer, test_pairs, ambiguous)  # ends in characters on the host: the device is done
     result["answer_seconds"] = time.perf_counter() - start
@@ -3685,6 +3748,7 @@ def report(answer, test_pairs, ambiguous, n_examples=6):
 
 def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head, readings):
     """Cross-attention of the held-out sentence with the most ambiguous syllables."""
+    check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
     pinyin, _ = max((p for p in test_pairs if len(p[0].split()) <= min(8, longest_sentence("encdec", model))),
                     key=lambda p: sum(s in ambiguous for s in p[0].split()), default=test_pairs[0])
     device = next(model.parameters()).device
@@ -3706,6 +3770,8 @@ def compare_with_baseline(results, train_pairs, answered, args):
     and a plain line for every model that does not beat it. Past
     MAX_BASELINE_CHARACTERS distinct characters the baseline is left out (its
     memory grows with their square), and the table says so."""
+    check_list("train_pairs", train_pairs, "(pinyin, hanzi) pairs")
+    check_list("answered", answered, "(pinyin, hanzi) pairs")
     n_chars = len({c for _, hanzi in train_pairs for c in hanzi})
     start = time.perf_counter()
     hmm = BigramHMM(train_pairs) if n_chars <= MAX_BASELINE_CHARACTERS else None
@@ -3736,6 +3802,7 @@ def run(args, device, pairs, loaded):
     """Train each model asked for (or take the loaded one), report on the held-out
     sentences beside the bigram baseline, draw the heatmap, save;
     -> the first (kind, model, src_vocab, tgt_vocab, readings)."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     answering = args.translate is not None
     train_pairs, test_pairs = split_data(pairs, seed=args.seed)
     ambiguous = ambiguous_syllables(pairs)
@@ -3766,7 +3833,7 @@ def run(args, device, pairs, loaded):
             fits = [p for p in test_pairs if len(p[0].split()) <= longest]
             if len(fits) < len(test_pairs):
                 print(f"skipped {len(test_pairs) - len(fits)} held-out sentences longer than the "
-                      f"{longest} syllables this model takes")
+                      f"{longest} syllable{'s' * (longest > 1)} this model takes")
             answered = answered or fits
             if fits:
                 answer = translator(kind, model, src_vocab, tgt_vocab, None if args.free else readings, args.beam)
@@ -3782,7 +3849,7 @@ def run(args, device, pairs, loaded):
                 if kind == "deepseek":  # the trained model's latent cache, measured against section 21's formula
                     cache, cfg = model.new_cache(), model.config
                     pinyin, hanzi = fits[0]
-                    ids = tgt_vocab.encode(pinyin.split() + [SEP]) + tgt_vocab.encode(hanzi)
+                    ids = tgt_vocab.encode(pinyin.split() + [SEP]) + tgt_vocab.encode(list(hanzi))
                     with torch.no_grad():
                         model(torch.tensor([ids], device=next(model.parameters()).device), cache)  # [1, L, V]
                     stored = sum(c.latent.nelement() * c.latent.element_size()
@@ -4097,6 +4164,7 @@ def answer_lines(answer, src_vocab, longest, lines):
     """Print one hanzi line per pinyin line; a line the model cannot take gets one
     error line on stderr and the rest still answer; input that cannot be read
     (read_lines) ends the answers with one error line. -> exit status."""
+    check_list("lines", lines, "lines of pinyin")
     status = 0
     try:
         for line in lines:
@@ -4270,9 +4338,15 @@ def main(argv=None):
         loaded = load_checkpoint(args.load, device) if args.load else None
     except ValueError as e:
         parser.error(str(e))
+    if loaded and not longest_sentence(loaded[0], loaded[1]):  # not "takes at most -1 syllables", later
+        need = ("3 (bos, its character, eos)" if loaded[0] == "encdec"
+                else f"4 (the syllable, {SEP}, its character, eos)")
+        parser.error(f"--load {shown(args.load)}: a model of max_len {loaded[1].max_len} can answer no sentence"
+                     f" at all; one syllable needs max_len {need}")
     n_heads = loaded[1].config["n_heads"] if loaded else TOY_MODELS["encdec"]["config"]["n_heads"]
     if args.head is not None and args.head >= n_heads:
-        parser.error(f"--head {args.head}: the model has heads 0 to {n_heads - 1}")
+        heads = "only head 0" if n_heads == 1 else f"heads 0 to {n_heads - 1}"
+        parser.error(f"--head {args.head}: the model has {heads}")
     if args.bench:
         print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
         bench_training(device)
