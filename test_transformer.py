@@ -39,6 +39,7 @@ import argparse
 import ast
 import contextlib
 import doctest
+from fractions import Fraction
 import inspect
 import io
 import itertools
@@ -825,6 +826,28 @@ def test_models_refuse_ids_that_are_not_int64_or_int32(dtype):
             assert torch.equal(run(good.int()), run(good))
 
 
+def test_init_embedding_is_normal_with_variance_one_over_d():
+    """init_embedding's claim, N(0, 1/D), on a bare table and on the three tables the
+    models build (a model that skipped it would keep nn.Embedding's N(0, 1)): the std
+    within 3% of D**-0.5 (the sampling error of a std over n >= 65,536 entries is
+    1/sqrt(2n) <= 0.28%, so 3% is over 10 of them), the mean within 5 standard errors
+    of 0, and 68.3% of the entries within one std, as a normal has (a uniform of that
+    std: 57.7%). Measured: std / D**-0.5 = 0.9941 to 1.0007, the mean 0.35 to 0.8
+    standard errors from 0, within one std 0.6814 to 0.6861."""
+    bare = nn.Embedding(4096, 64)
+    tf.init_embedding(bare)
+    encdec = tf.Transformer(2048, 4096, d_model=32, n_heads=4, d_ff=32, n_layers=1)
+    gpt = tf.DecoderOnlyTransformer(2048, 32, 1, 4, 32)
+    for name, table in [("bare", bare), ("src_embed", encdec.src_embed), ("tgt_embed", encdec.tgt_embed),
+                        ("token_embedding", gpt.token_embedding)]:
+        w = table.weight.detach().double().flatten()
+        n, scale = w.numel(), table.embedding_dim ** -0.5
+        assert abs(w.std().item() / scale - 1) < 0.03, (name, w.std().item() / scale)
+        assert abs(w.mean().item()) < 5 * scale / math.sqrt(n), (name, w.mean().item())
+        inside = (w.abs() < scale).double().mean().item()                  # normal: erf(1/sqrt 2) = 0.6827
+        assert abs(inside - math.erf(1 / math.sqrt(2))) < 0.01, (name, inside)
+
+
 # ===========================================================================
 # 8. The encoder-decoder Transformer
 # ===========================================================================
@@ -1027,6 +1050,51 @@ def test_transformer_refuses_batch_sizes_that_differ():
     assert model.decode(tgt, memory, src).shape == (3, 4, 12)                  # equal sizes: fine
 
 
+def _sinusoid(positions, d):
+    """The paper's table, written out: PE[pos, 2i] = sin(pos / 10000^(2i/D)),
+    PE[pos, 2i+1] = cos(pos / 10000^(2i/D)); float64, from math, not from section 1."""
+    return torch.tensor([[(math.sin if j % 2 == 0 else math.cos)(pos / 10000 ** (2 * (j // 2) / d))
+                          for j in range(d)] for pos in positions], dtype=torch.float64)
+
+
+def _first_input(layer):
+    """A forward pre-hook on layer -> (the list it appends each call's x to, the hook)."""
+    seen = []
+    return seen, layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+
+
+def test_transformer_embeds_tokens_times_sqrt_d_plus_the_sinusoid():
+    """Section 8's embedding on its own. The parity tests with nn.Transformer feed
+    model.embed to both sides, so an embed() without its sqrt(D) would pass them: here
+    embed(), and the input of the first encoder and decoder layers on the real path
+    (encode; decode with a cache, whose second chunk starts at position 2), are
+    weight[ids] * sqrt(D) + PE[start:], PE from the closed form. Without sqrt(D) they
+    are off by over 0.5."""
+    d = 16
+    model = tf.Transformer(11, 13, d_model=d, n_heads=4, d_ff=32, n_layers=1, dropout=0.0, max_len=16)
+    src = torch.tensor([[5, 3, 7, 2, 9, 4], [6, 8, 2, 1, 10, 3]])          # [2, 6], no padding
+    tgt = torch.tensor([[1, 4, 6, 3], [1, 7, 12, 5]])                      # [2, 4]
+    src_w, tgt_w = model.src_embed.weight.detach(), model.tgt_embed.weight.detach()
+    pe = _sinusoid(range(16), d)                                           # [16, D]
+    with torch.no_grad():
+        assert_close(model.embed(model.src_embed, src), src_w[src] * math.sqrt(d) + pe[0:6])
+        assert_close(model.embed(model.tgt_embed, tgt, start=5), tgt_w[tgt] * math.sqrt(d) + pe[5:9])
+        assert max_diff(model.embed(model.src_embed, src), src_w[src] + pe[0:6]) > 0.5   # the missing factor
+        enc_in, enc_hook = _first_input(model.encoder_layers[0])
+        dec_in, dec_hook = _first_input(model.decoder_layers[0])
+        try:
+            memory = model.encode(src)
+            cache = model.new_cache()
+            model.decode(tgt[:, :2], memory, src, cache)
+            model.decode(tgt, memory, src, cache)                          # positions 2 and 3 only
+        finally:
+            enc_hook.remove()
+            dec_hook.remove()
+    assert_close(enc_in[0], src_w[src] * math.sqrt(d) + pe[0:6])
+    assert_close(dec_in[0], tgt_w[tgt[:, :2]] * math.sqrt(d) + pe[0:2])
+    assert_close(dec_in[1], tgt_w[tgt[:, 2:]] * math.sqrt(d) + pe[2:4])
+
+
 # ===========================================================================
 # 9. The decoder-only Transformer, GPT style
 # ===========================================================================
@@ -1221,6 +1289,238 @@ def test_generate_refuses_a_temperature_too_small_to_divide_by(cls):
     assert model.generate(prompt, 2, temperature=1e-3, generator=torch.Generator().manual_seed(0)).shape == (1, 5)
     assert model.generate(prompt, 2, temperature=0).shape == (1, 5)
     assert tf.next_token(torch.zeros(1, 4), temperature=1e-45).shape == (1, 1)  # 0 / 1e-45 is still 0
+
+
+def test_gpt_first_layer_reads_embedding_times_sqrt_d_plus_the_sinusoid():
+    """The GPT's first block reads token_embedding * sqrt(D) + PE (closed form), for a
+    whole sequence and for a cached second chunk starting at position 3; a hook on
+    layers[0], so the check does not depend on how forward reaches it."""
+    d = 16
+    model = tf.DecoderOnlyTransformer(23, d, 2, 4, 32, max_len=16, dropout=0.0).eval()
+    ids = torch.randint(0, 23, (2, 7))
+    w, pe = model.token_embedding.weight.detach(), _sinusoid(range(16), d)
+    seen, hook = _first_input(model.layers[0])
+    try:
+        with torch.no_grad():
+            model(ids)
+            cache = model.new_cache()
+            model(ids[:, :3], cache)
+            model(ids, cache)                                              # positions 3 .. 6
+    finally:
+        hook.remove()
+    assert_close(seen[0], w[ids] * math.sqrt(d) + pe[0:7])
+    assert_close(seen[1], w[ids[:, :3]] * math.sqrt(d) + pe[0:3])
+    assert_close(seen[2], w[ids[:, 3:]] * math.sqrt(d) + pe[3:7])
+    assert max_diff(seen[0], w[ids] + pe[0:7]) > 0.5                       # without sqrt(D): far off
+
+
+# --- next_token's sampling rules, against their definitions -------------------
+# Two distributions over 6 tokens, listed in token order (not sorted, so a rule that
+# keeps the right count of tokens but the wrong ones fails), the logits log(p):
+#   _SAMPLE_P:  distinct, sorted 3 .36, 1 .31, 4 .14, 2 .09, 5 .06, 0 .04;
+#               cumulative .36 .67 .81 .90 .96 1.
+#   _SAMPLE_POW: powers of two, sorted 1 1/2, 3 1/4, 0 1/8, 5 1/16, 2 and 4 1/32;
+#               cumulative 1/2 3/4 7/8 ... Float32 softmax gives them exactly (each
+#               weight 2^-k, their sum 1; checked below, and measured the same under
+#               ATEN_CPU_CAPABILITY default, avx2 and avx512), so a top_p of 0.75 or
+#               0.5 is hit exactly, not approximately.
+# The definitions: temperature T samples softmax(logits / T), here p^(1/T)
+# renormalized; top_k keeps the k most likely; top_p keeps the smallest set of the
+# most likely whose probabilities (after top_k, renormalized) add up to at least
+# top_p. So the token whose probability makes the mass cross top_p is in, and when
+# the mass hits top_p exactly, the tokens after it are out.
+_SAMPLE_P = [Fraction(x) for x in ("0.04", "0.31", "0.09", "0.36", "0.14", "0.06")]
+_SAMPLE_POW = [Fraction(1, 8), Fraction(1, 2), Fraction(1, 32), Fraction(1, 4), Fraction(1, 32), Fraction(1, 16)]
+_DRAWS = 20_000
+
+
+def _by_definition(p, temperature, top_k, top_p):
+    """{token: probability} the rule must sample from, from the definitions above, in
+    exact fractions where the powers are whole (T = 1, 0.5): p^(1/T), the top_k largest,
+    then the shortest most-likely-first prefix whose renormalized mass is >= top_p."""
+    power = 1 / temperature
+    weights = [x ** int(power) if power.is_integer() else float(x) ** power for x in p]
+    kept = sorted(range(len(p)), key=lambda t: -weights[t])[:top_k]        # top_k None: all
+    if top_p is not None:
+        total, mass, nucleus = sum(weights[t] for t in kept), 0, []
+        for t in kept:
+            nucleus.append(t)
+            mass += weights[t] / total
+            if mass >= top_p:
+                break
+        kept = nucleus
+    z = sum(weights[t] for t in kept)
+    return {t: float(weights[t] / z) for t in kept}
+
+
+def _chi2_pvalue(statistic, dof):
+    """P(chi-square with dof degrees of freedom >= statistic): Q(dof/2, statistic/2)."""
+    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                   torch.tensor(statistic / 2, dtype=torch.float64)).item()
+
+
+def _check_sampling(sample, p, temperature, top_k=None, top_p=None, seed=0):
+    """Draw _DRAWS tokens with sample(logits, temperature, top_k, top_p, generator) in
+    one call (a batch of identical rows, a seeded generator), and assert that the
+    tokens drawn are exactly the support of _by_definition, then that their counts fit
+    its probabilities: a chi-square goodness-of-fit test, p-value > 1e-6 (with a fixed
+    seed the outcome is fixed; the margin is for another torch's random stream).
+    -> (statistic, p-value); (0.0, 1.0) for a one-token support."""
+    want = _by_definition(p, temperature, top_k, top_p)
+    logits = torch.tensor([math.log(x) for x in p]).expand(_DRAWS, -1)     # [N, V], identical rows
+    ids = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                 generator=torch.Generator().manual_seed(seed))
+    assert ids.shape == (_DRAWS, 1)
+    counts = torch.bincount(ids[:, 0], minlength=len(p)).tolist()
+    drawn = {t for t, c in enumerate(counts) if c}
+    assert drawn == set(want), f"support {sorted(drawn)} != {sorted(want)} (counts {counts})"
+    if len(want) == 1:
+        return 0.0, 1.0
+    statistic = sum((counts[t] - _DRAWS * q) ** 2 / (_DRAWS * q) for t, q in want.items())
+    pvalue = _chi2_pvalue(statistic, len(want) - 1)
+    assert pvalue > 1e-6, f"chi-square {statistic:.1f}, p-value {pvalue:.2g}: counts {counts}, expected {want}"
+    return statistic, pvalue
+
+
+# (name, p, temperature, top_k, top_p, the support worked out by hand)
+_SAMPLING_CASES = [
+    ("T=1", _SAMPLE_P, 1.0, None, None, {0, 1, 2, 3, 4, 5}),
+    ("T=0.5", _SAMPLE_P, 0.5, None, None, {0, 1, 2, 3, 4, 5}),        # p^2: .0016 .0961 .0081 .1296 .0196 .0036
+    ("T=2", _SAMPLE_P, 2.0, None, None, {0, 1, 2, 3, 4, 5}),          # sqrt(p), renormalized
+    ("top_k=3", _SAMPLE_P, 1.0, 3, None, {3, 1, 4}),                  # .36 .31 .14, over .81
+    ("top_k>V", _SAMPLE_P, 1.0, 10, None, {0, 1, 2, 3, 4, 5}),        # more than V: all of them
+    ("top_p=0.6", _SAMPLE_P, 1.0, None, 0.6, {3, 1}),                 # .36 < .6 <= .67: 1 crosses, in; 4 out
+    ("top_p=0.85", _SAMPLE_P, 1.0, None, 0.85, {3, 1, 4, 2}),         # .81 < .85 <= .90: 2 crosses, in
+    ("top_p=0.75 hit", _SAMPLE_POW, 1.0, None, 0.75, {1, 3}),         # 1/2 + 1/4 = .75 exactly: 0 out
+    ("top_p=0.5 hit", _SAMPLE_POW, 1.0, None, 0.5, {1}),              # the first alone reaches .5
+    ("top_k=4 top_p=0.7", _SAMPLE_P, 1.0, 4, 0.7, {3, 1}),            # over .90: .400 .744 (not .36 .67 .81)
+    ("T=0.5 top_k=2", _SAMPLE_P, 0.5, 2, None, {3, 1}),               # .1296 .0961 -> .574 .426
+    ("T=2 top_k=3", _SAMPLE_P, 2.0, 3, None, {3, 1, 4}),              # .6 .557 .374 renormalized
+    ("T=0.5 top_p=0.8", _SAMPLE_P, 0.5, None, 0.8, {3, 1}),           # p^2: .501 .873 (p itself: .36 .67 .81)
+    ("T=2 top_p=0.6", _SAMPLE_P, 2.0, None, 0.6, {3, 1, 4}),          # sqrt: .264 .508 .673 (p itself: 2 tokens)
+    ("T=2 top_k=4 top_p=0.7", _SAMPLE_P, 2.0, 4, 0.7, {3, 1, 4}),     # sqrt over 4: .328 .632 .836
+]
+# Measured with tf.next_token, seed 0, torch 2.13.0, the same under ATEN_CPU_CAPABILITY
+# default, avx2 and avx512 (chi-square statistic / degrees of freedom, p-value):
+#   T=1 4.19/5 .52; T=0.5 5.41/5 .37; T=2 12.60/5 .03; top_k=3 5.52/2 .06; top_k>V 4.19/5 .52;
+#   top_p=0.6 3.26/1 .07; top_p=0.85 3.78/3 .29; top_p=0.75 hit 0.00/1 .99; top_p=0.5 hit: one
+#   token, all 20,000 draws; top_k=4 top_p=0.7 3.26/1 .07; T=0.5 top_k=2 3.97/1 .05;
+#   T=2 top_k=3 6.20/2 .04; T=0.5 top_p=0.8 3.97/1 .05; T=2 top_p=0.6 6.20/2 .04;
+#   T=2 top_k=4 top_p=0.7 6.20/2 .04. (One seed drives every case, so their deviations
+#   move together.) Over seeds 0-39 the p-values spread uniformly, each case's smallest
+#   0.005 to 0.063: the 1e-6 threshold is far from any honest draw, while every mistaken
+#   rule below misses by a support or by a chi-square in the hundreds or thousands.
+
+
+@pytest.mark.parametrize("name, p, temperature, top_k, top_p, support", _SAMPLING_CASES,
+                         ids=[case[0] for case in _SAMPLING_CASES])
+def test_next_token_samples_the_distribution_its_rule_defines(name, p, temperature, top_k, top_p, support):
+    """Each rule and pair of rules of next_token, 20,000 draws: exactly the tokens the
+    definition allows come out, at the definition's frequencies (chi-square, above).
+    The top_p cases put the crossing token in and the next one out, and two of them hit
+    top_p exactly; the combined cases fail if top_p reads the probabilities before the
+    temperature or before top_k's renormalization (the comments give those supports)."""
+    assert set(_by_definition(p, temperature, top_k, top_p)) == support    # the arithmetic in the table
+    _check_sampling(tf.next_token, p, temperature, top_k, top_p)
+
+
+def test_next_token_power_of_two_probabilities_are_exact_in_float32():
+    """What the exact top_p cases stand on: float32's softmax of log(_SAMPLE_POW) is those
+    powers of two exactly, and the sorted cumulative mass is 1/2, 3/4, 7/8, ... exactly."""
+    probs = torch.tensor([math.log(x) for x in _SAMPLE_POW]).softmax(-1)
+    assert probs.tolist() == [float(x) for x in _SAMPLE_POW]
+    assert probs.sort(descending=True).values.cumsum(-1).tolist()[:3] == [0.5, 0.75, 0.875]
+
+
+def _top_p_rule(drop):
+    """next_token's top_p alone, copied, with its drop rule `before >= top_p` replaced by
+    drop(before, probs, top_p): what a one-line slip in that line would sample."""
+    def sample(logits, temperature, top_k=None, top_p=None, generator=None):
+        logits = logits.float() / temperature
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs
+        dropped = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, drop(before, probs, top_p))
+        return torch.multinomial(logits.masked_fill(dropped, float("-inf")).softmax(-1), 1, generator=generator)
+    return sample
+
+
+def test_sampling_check_catches_a_nucleus_one_token_short_or_long_and_a_wrong_temperature():
+    """The check above has teeth. The copy with the file's own rule passes every top_p
+    case. Dropping the token whose probability crosses top_p (`before + probs >= top_p`,
+    the nucleus one token short) fails both the crossing case and the exact hit; keeping
+    the token after an exact hit (`before > top_p`, one long) passes the crossing case,
+    which is why the exact hit is in the table, and fails the hit. Multiplying by the
+    temperature instead of dividing keeps the support and fails on the frequencies
+    (chi-square 44,733 at T = 0.5, measured)."""
+    as_written = _top_p_rule(lambda before, probs, top_p: before >= top_p)
+    one_short = _top_p_rule(lambda before, probs, top_p: before + probs >= top_p)
+    one_long = _top_p_rule(lambda before, probs, top_p: before > top_p)
+    crossing, hit = (_SAMPLE_P, 1.0, None, 0.6), (_SAMPLE_POW, 1.0, None, 0.75)
+    for case in (crossing, hit, (_SAMPLE_P, 1.0, None, 0.85)):
+        _check_sampling(as_written, *case)
+    for case in (crossing, hit):
+        with pytest.raises(AssertionError, match="support"):
+            _check_sampling(one_short, *case)
+    _check_sampling(one_long, *crossing)
+    with pytest.raises(AssertionError, match=r"support \[0, 1, 3\] != \[1, 3\]"):
+        _check_sampling(one_long, *hit)
+    times_t = lambda logits, temperature, **kw: tf.next_token(logits, 1 / temperature, **kw)  # noqa: E731
+    with pytest.raises(AssertionError, match="chi-square"):
+        _check_sampling(times_t, _SAMPLE_P, 0.5)
+
+
+def test_next_token_top_p_1_keeps_every_token(monkeypatch):
+    """top_p = 1 samples softmax(logits) itself: a float32 cumulative sum of 1,000
+    probabilities can reach 1.0 before its last tokens, and comparing the mass ahead of a
+    token with top_p would drop them (measured: 42 of these 50 rows lost one or more)."""
+    seen = []
+    monkeypatch.setattr(torch, "multinomial", lambda probs, n, generator=None: seen.append(probs) or
+                        probs.argmax(dim=-1, keepdim=True))
+    logits = 10 * torch.randn(50, 1000, generator=torch.Generator().manual_seed(0))  # [50, 1000]: peaked rows
+    tf.next_token(logits, temperature=1.0, top_p=1.0)
+    assert (seen[0] > 0).all() and torch.allclose(seen[0], logits.softmax(dim=-1))
+
+
+def test_next_token_temperature_zero_is_the_first_argmax_and_draws_nothing():
+    """Greedy: the most likely token of each row, the first one where several tie, the
+    same whatever top_k, top_p and generator say, and no random number drawn (the
+    generator's state is unchanged)."""
+    rows = [[0.1, 2.0, -1.0, 2.0, 0.5],          # a tie between 1 and 3: 1
+            [5.0, 5.0, 5.0, 5.0, 5.0],          # all tie: 0
+            [-3.0, -2.0, -1.0, -0.5, -0.7],     # 3
+            [0.0, 0.0, 0.0, 0.0, 1e-6]]         # 4, by a hair
+    want = [[row.index(max(row))] for row in rows]
+    assert want == [[1], [0], [3], [4]]
+    logits = torch.tensor(rows)
+    generator = torch.Generator().manual_seed(3)
+    state = generator.get_state()
+    for kw in (dict(), dict(top_k=2), dict(top_p=0.1), dict(top_k=1, top_p=0.9, generator=generator)):
+        out = tf.next_token(logits, 0.0, **kw)
+        assert out.dtype == torch.long and out.tolist() == want, kw
+    assert torch.equal(generator.get_state(), state)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.7), dict(temperature=1.5, top_k=4),
+                                dict(temperature=1.5, top_p=0.6), dict(temperature=1.5, top_k=6, top_p=0.5)],
+                         ids=["T", "T+top_k", "T+top_p", "T+top_k+top_p"])
+def test_generate_draws_each_token_by_next_token(kw):
+    """generate's tokens are next_token's, step by step: a loop written here (the whole
+    prefix each step, no cache) that calls next_token with the same generator seed
+    gives the same tokens, so the rules proven above are the ones generate samples by,
+    with the arguments in their places. And the filters bite: the same seed without
+    top_k / top_p gives other tokens."""
+    model = tf.DecoderOnlyTransformer(23, 16, 2, 4, 32, max_len=32, dropout=0.1).eval()
+    prompt = torch.randint(0, 23, (3, 3))
+    out = model.generate(prompt, 16, generator=torch.Generator().manual_seed(5), **kw)
+    ids, generator = prompt, torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for _ in range(16):
+            ids = torch.cat([ids, tf.next_token(model(ids)[:, -1], generator=generator, **kw)], 1)
+    assert torch.equal(out, ids)
+    if len(kw) > 1:
+        plain = model.generate(prompt, 16, temperature=kw["temperature"], generator=torch.Generator().manual_seed(5))
+        assert not torch.equal(out, plain)
 
 
 # ===========================================================================
@@ -3811,6 +4111,113 @@ def test_pitfall3_greedy_decode_refuses_a_3d_source():
     src = torch.tensor([[4, 5, 6]]).unsqueeze(0)                          # [1, 1, 3]
     with pytest.raises(ValueError, match=r"2-D integer tensor \[B, T\].*\[1, 1, 3\]"):
         tf.greedy_decode(model, src, tf.Vocab.BOS, tf.Vocab.EOS, 4)
+
+
+def test_beam_search_with_room_for_every_sequence_is_exhaustive_search():
+    """With beam_size >= V^(n_steps-1) no continuation is ever pruned, so beam search
+    must return the most likely of all V^n_steps continuations and its log-probability,
+    under its own rule that a finished beam (eos) continues with pad at no cost. The
+    reference scores all 216 sequences per prompt in one teacher-forced pass (no cache),
+    a sequence with anything but pad after eos scoring -inf; the beam runs with the
+    GPT's cache. eos gets -1 on its logit. Measured: the best sequences end at different
+    steps ([1, eos, pad] and [eos, pad, pad]), and a beam of 2 misses row 0's (-3.32
+    against -2.83)."""
+    n_tokens, eos, pad, n_steps = 6, 2, 0, 3
+    model = tf.DecoderOnlyTransformer(n_tokens, 16, 2, 4, 32, max_len=16, dropout=0.0).eval()
+    bias = torch.zeros(n_tokens)
+    bias[eos] = -1.0
+    prompt = torch.tensor([[1, 4, 3], [5, 3, 1]])                          # [B=2, T0=3]
+    with torch.no_grad():
+        step = lambda ids, cache: model(ids, cache)[:, -1] + bias          # noqa: E731
+        best, score = tf.beam_search(step, prompt, n_steps, n_tokens ** (n_steps - 1), cache=model.new_cache(),
+                                     eos_id=eos, pad_id=pad)
+        every = torch.cartesian_prod(*[torch.arange(n_tokens)] * n_steps)  # [216, 3]
+        for b in range(2):
+            ids = torch.cat([prompt[b].expand(len(every), -1), every], 1)  # [216, 6]
+            logp = (model(ids) + bias).log_softmax(-1)[:, 2:-1]            # [216, 3]: each next token's
+            per_token = logp.gather(-1, every[..., None])[..., 0]          # [216, 3]
+            after_eos = (every == eos).long().cumsum(-1) - (every == eos).long() > 0
+            per_token = torch.where(after_eos, torch.where(every == pad, 0.0, float("-inf")), per_token)
+            total = per_token.sum(-1)                                      # [216]
+            assert torch.equal(best[b], every[total.argmax()]), (b, best[b], every[total.argmax()])
+            assert abs(score[b].item() - total.max().item()) < 1e-4
+            assert total.topk(2).values.diff().abs().item() > 1e-3       # a unique best: the check is sharp
+        narrow, narrow_score = tf.beam_search(step, prompt, n_steps, 2, cache=model.new_cache(), eos_id=eos,
+                                              pad_id=pad)
+    assert any(eos in row[:-1] for row in best.tolist())                 # the rule after eos is in play
+    assert (narrow_score < score - 1e-3).any()                            # and a narrow beam would not do
+
+
+def _table_step(table, n_tokens):
+    """step(ids, cache) of a hand-built model: next-token probabilities table[last id]."""
+    def step(ids, cache):
+        probs = torch.full((ids.size(0), n_tokens), 1e-9)
+        for row, last in enumerate(ids[:, -1].tolist()):
+            for token, q in table[last].items():
+                probs[row, token] = q
+        return probs.log()
+    return step
+
+
+def test_beam_search_keeps_greedy_where_plain_beam_would_end_below_it():
+    """The docstring's claim, on a case made for it: tokens pad 0, bos 1, eos 2, A 3, B 4,
+    C 5, X 6, Y 7, Z 8, then 9-16 the spread. Greedy: A (.40), X (.21), eos: .084. Beam
+    2 keeps A and B (.31); at step 2, B Y .158 and B Z .152 push out A X .084; after Y
+    and Z everything is spread over 8 tokens, so plain beam ends at .158 / 8 = .0198,
+    below greedy. Kept in the last place, A X wins at step 3: the beam returns greedy's
+    sentence and log .084."""
+    spread = {t: 0.125 for t in range(9, 17)}
+    table = {1: {3: 0.40, 4: 0.31, 5: 0.29}, 3: {6: 0.21, 5: 0.1975, 7: 0.1975, 8: 0.1975, 9: 0.1975},
+             4: {7: 0.51, 8: 0.49}, 5: {2: 1.0}, 6: {2: 1.0}, 7: spread, 8: spread, 2: {0: 1.0}, 0: {0: 1.0},
+             **{t: {2: 1.0} for t in range(9, 17)}}
+    step, start = _table_step(table, 17), torch.tensor([[1]])
+    greedy, g_score = tf.beam_search(step, start, 3, 1)
+    beam, b_score = tf.beam_search(step, start, 3, 2)
+    assert greedy.tolist() == [[3, 6, 2]] and math.isclose(g_score.exp().item(), 0.084, rel_tol=1e-4)
+    assert beam.tolist() == [[3, 6, 2]] and math.isclose(b_score.exp().item(), 0.084, rel_tol=1e-4)
+
+
+def test_beam_search_finished_beam_continues_with_pad_at_no_cost():
+    """bos -> eos .6 or A .4, A -> X 1, X -> eos 1. After eos the model itself puts
+    pad at .01 (it would rather say X), but a finished beam continues with pad at no
+    cost: [eos, pad, pad] scores log .6 and beats [A, X, eos] at log .4. Charging the
+    model's pad probability (.6 * .01 * .01) or letting the beam go on after eos
+    (eos X eos, .6 * .99) would both change the answer or its score."""
+    table = {1: {2: 0.6, 3: 0.4}, 3: {4: 1.0}, 4: {2: 1.0}, 2: {4: 0.99, 0: 0.01}, 0: {0: 1.0}}
+    best, score = tf.beam_search(_table_step(table, 5), torch.tensor([[1]]), 3, 2)
+    assert best.tolist() == [[2, 0, 0]]
+    assert math.isclose(score.item(), math.log(0.6), rel_tol=1e-5)
+
+
+def test_translate_with_a_beam_answers_each_sentence_as_alone():
+    """translate's beam path repeats the memory and the source k times per sentence
+    (repeat_interleave: beams b*k .. b*k+k-1 read sentence b). A batch of different
+    sentences (different lengths, so padded) must answer each as that sentence alone
+    does, constrained and free. Reading another sentence's memory (.repeat: beam j of
+    sentence b reads sentence (b*k + j) % B) changes free answers of this untrained
+    model (measured: 4 of 6), checked below, so the comparison can see the mistake."""
+    pairs = tf.make_toy_data(n_sentences=60, seed=0)
+    sv, tv = tf.build_vocabs(pairs)
+    readings = tf.syllable_readings(pairs)
+    torch.manual_seed(0)
+    model = tf.Transformer(len(sv), len(tv), d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=40).eval()
+    sentences = [p for p, _ in pairs[:6]]
+    assert len({len(s.split()) for s in sentences}) > 1
+    for chosen in (readings, None):
+        together = tf.translate(model, sentences, sv, tv, chosen, beam_size=3)
+        alone = [tf.translate(model, [s], sv, tv, chosen, beam_size=3)[0] for s in sentences]
+        assert together == alone, chosen is None
+    # the teeth: the same beam with the memory in the wrong rows answers otherwise
+    k, rows = 3, [s.split() for s in sentences]
+    src, = tf.collate([(torch.tensor(sv.encode(r)),) for r in rows])
+    allowed = tf.answer_masks(rows, tv, None)
+    with torch.no_grad():
+        memory, src_k = model.encode(src).repeat(k, 1, 1), src.repeat(k, 1)
+        wrong, _ = tf.beam_search(lambda ids, cache: model.decode(ids, memory, src_k, cache)[:, -1],
+                                  torch.full((len(rows), 1), tf.Vocab.BOS), src.size(1) + 1, k, allowed,
+                                  model.new_cache())
+    misread = ["".join(tv.decode(row)) for row in wrong.tolist()]
+    assert sum(a != b for a, b in zip(misread, together)) >= 1             # together: the free answers
 
 
 # ===========================================================================
@@ -6877,6 +7284,48 @@ def test_no_definition_uses_a_name_defined_in_a_later_section():
     assert not later, later
     assert {defined[name] for name in ("Llama", "Qwen3", "Mixtral", "Qwen3MoE", "DeepSeekV3", "Mistral",
                                        "PagedKVCache", "with_rope_scaling")} == {15, 17, 18, 20, 23, 24, 25}
+
+
+ARGUMENT_CHECKS = {"check", "check_mask", "check_ids", "check_qkv", "check_scaling"}  # a line the reader drops
+
+
+def copy_size(*roots):
+    """The lines a note-taker copies for an idea: the definitions of roots and of every
+    top-level name they use, transitively, verbatim, a blank line between two; calls to
+    the argument-check helpers dropped (the helpers and their tables not counted)."""
+    definitions = {}
+    for node in ast.parse(SOURCE).body:
+        names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
+            t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        for name in names:
+            definitions[name] = node
+    seen, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name not in seen and name not in ARGUMENT_CHECKS:
+            seen.add(name)
+            todo += [s.id for s in ast.walk(definitions[name]) if isinstance(s, ast.Name) and s.id in definitions]
+    lines = 0
+    for name in seen:
+        node = definitions[name]
+        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        dropped = {line for s in ast.walk(node) if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call)
+                   and getattr(s.value.func, "id", None) in ARGUMENT_CHECKS
+                   for line in range(s.lineno, s.end_lineno + 1)}
+        lines += node.end_lineno - start + 1 - len(dropped) + 1
+    return lines - 1
+
+
+def test_each_idea_copies_at_its_anchors_size():
+    """The sizes the sections issue set (nanoGPT's attention is 48 lines; the from-scratch
+    book's KV-cache chapter 95; Meta's GQA and rope helpers 116 lines of code; DeepSeek-V3's
+    MoE 81 and MLA 86 of code): measured 49, 76, 85, 92, 128 and 82 when this test was written."""
+    assert copy_size("MultiHeadAttention") <= 50
+    assert copy_size("MultiHeadAttention", "KVCache", "make_causal_mask") <= 95
+    assert copy_size("GroupedQueryAttention", "rope_cos_sin", "apply_rope") <= 120
+    assert copy_size("MoE", "update_router_bias") <= 95
+    assert copy_size("MultiHeadLatentAttention", "LatentCache") <= 130
+    assert copy_size("flash_attention") <= 85
 
 
 def test_the_reading_order_check_finds_a_forward_reference():

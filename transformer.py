@@ -627,7 +627,7 @@ def next_token(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.size(-1))).values[:, -1:]      # [B, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))           # [B, V]
-    if top_p is not None:
+    if top_p is not None and top_p < 1:  # top_p 1 keeps every token (a float32 cumsum can reach 1 early)
         sorted_logits, order = logits.sort(dim=-1, descending=True)        # [B, V] each
         probs = sorted_logits.softmax(dim=-1)                              # [B, V], most likely first
         before = probs.cumsum(dim=-1) - probs                              # [B, V]: mass ahead of each
@@ -1298,10 +1298,10 @@ class MoE(nn.Module):
     def __init__(self, d_model, d_ff, n_experts, top_k, n_shared=0, router="softmax", norm_topk=True,
                  n_groups=1, topk_groups=1, routed_scale=1.0):
         super().__init__()
-        check("top_k <= n_experts", "groups divide experts", "groups from sigmoids", "topk_groups <= n_groups",
-              "enough experts in the groups", d_model=d_model, d_ff=d_ff, n_experts=n_experts, top_k=top_k,
-              n_shared=n_shared, router=router, norm_topk=norm_topk, n_groups=n_groups, topk_groups=topk_groups,
-              routed_scale=routed_scale)
+        check("d_ff given", "top_k <= n_experts", "groups divide experts", "groups from sigmoids",
+              "topk_groups <= n_groups", "enough experts in the groups", d_model=d_model, d_ff=d_ff,
+              n_experts=n_experts, top_k=top_k, n_shared=n_shared, router=router, norm_topk=norm_topk,
+              n_groups=n_groups, topk_groups=topk_groups, routed_scale=routed_scale)
         self.n_experts, self.top_k, self.scoring, self.norm_topk = n_experts, top_k, router, norm_topk
         self.n_groups, self.topk_groups, self.routed_scale = n_groups, topk_groups, routed_scale
         self.router = nn.Linear(d_model, n_experts, bias=False)          # a score per expert
@@ -1540,9 +1540,8 @@ RELATIONS["even qk_rope_dim"] = (("qk_rope_dim",), lambda d: d % 2 == 0,
 
 
 class MultiHeadLatentAttention(nn.Module):
-    """DeepSeek-V2/V3's MLA in DeepSeek's weight layout (wq_a, q_norm, wq_b, wkv_a,
-    kv_norm, wkv_b, wo there; w_dq, q_norm, w_uq, w_dkv, kv_norm, w_ukv, w_o here),
-    no biases; q_lora_rank=None: one w_q instead of w_dq, q_norm, w_uq."""
+    """DeepSeek-V2/V3's MLA in DeepSeek's layout (its wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b, wo are
+    w_dq, q_norm, w_uq, w_dkv, kv_norm, w_ukv, w_o here), no biases; q_lora_rank=None: one w_q."""
 
     def __init__(self, d_model, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim, q_lora_rank=None,
                  norm_eps=1e-6, rope_interleave=True):
@@ -1564,9 +1563,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.w_o = nn.Linear(n_heads * v_head_dim, d_model, bias=False)
 
     def forward(self, x, cos, sin, mask=None, cache=None, absorb=None):
-        """x [B, Tn, D]; cos, sin [Tn, rope] at the new tokens' positions; mask
-        [1, 1, Tn, t + Tn]; cache a LatentCache. absorb None: absorbed when the cache
-        already holds tokens (a decoding step), expanded otherwise."""
+        """x [B, Tn, D]; cos, sin [Tn, rope] at the new tokens' positions; mask [1, 1, Tn, t + Tn]; cache
+        a LatentCache. absorb None: absorbed when the cache holds tokens (decoding), expanded otherwise."""
         B, Tn, _ = x.shape
         H, past = self.n_heads, len(cache) if cache is not None else 0
         # 1. every head's query, split into the part without position and the part RoPE turns
