@@ -3819,16 +3819,20 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
     print(f"  the same tokens: {torch.equal(tokens['rolling'], tokens['full'])}; the rolling cache stays at "
           f"{window} tokens however long the generation")
 
+    # a paged cache keeps every token: the same model without its window
     lengths, block_size = (12, 40, 90, 300, 700, 1500), 16
+    model = Llama(vocab_size=1000, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                  max_len=max(lengths)).to(device).eval()
     pool = KVPool(n_blocks=sum(-(-n // block_size) for n in lengths) * len(model.layers), block_size=block_size)
     with torch.no_grad():
         for n in lengths:
-            model(torch.randint(0, 1000, (1, n), device=device), model.new_cache(pool=pool))  # its prompt
+            cache = [PagedKVCache(pool) for _ in model.layers]
+            model(torch.randint(0, 1000, (1, n), device=device), cache)   # its prompt
     block_bytes = pool.k[0].nbytes + pool.v[0].nbytes                      # one block's keys and values
     paged = (pool.n_blocks - pool.n_free) * block_bytes
     padded = 2 * len(model.layers) * len(lengths) * max(lengths) * pool.k[0, :, 0].nbytes  # [B, Hkv, max, dk] x2
     print(f"\npaged KV cache (section 24): a batch of {len(lengths)} requests of {', '.join(map(str, lengths))} "
-          f"tokens, same model")
+          f"tokens, the same Llama without a window")
     print(f"  padded [B, {max(lengths)}] cache: {padded / 1024:6.0f} KiB reserved; paged, blocks of {block_size}: "
           f"{paged / 1024:4.0f} KiB in {pool.n_blocks - pool.n_free} blocks "
           f"({len(model.layers) * sum(lengths) * block_bytes // block_size / 1024:.0f} KiB of tokens): "
