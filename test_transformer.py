@@ -4592,6 +4592,28 @@ def test_main_short_run(monkeypatch, capsys):
     assert f"{tf.percent(hmm['exact'], hmm['total'])}" in table[6]
 
 
+def test_main_seed_and_free_greedy(monkeypatch, tmp_path):
+    """The README's python transformer.py --seed N and --free --beam 1, on 60 toy sentences, the
+    encoder-decoder alone (the tables before training are test_main_short_run's): the seed
+    picks the data and the split, and the report is the model's unconstrained greedy answers."""
+    monkeypatch.setattr(tf, "make_toy_data", lambda seed=0: TOY_DATA(n_sentences=60, seed=seed))
+    monkeypatch.setattr(tf, "show_models", lambda device: print("(the models' tables)"))
+    path = str(tmp_path / "model.pt")
+    status, out, err = _main(["--seed", "1", "--free", "--beam", "1", "--model", "encdec", "--epochs", "1",
+                              "--device", "cpu", "--save", path])
+    assert (status, err) == (0, "")
+    _, test_pairs = tf.split_data(TOY_DATA(n_sentences=60, seed=1), seed=1)
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if "pinyin (held out)" in line)
+    shown = [re.match(r"  ([a-z]+(?: [a-z]+)*)  +(\S+)", line).groups() for line in lines[header + 1:header + 7]]
+    assert all(pair in test_pairs for pair in shown), shown              # seed 1's held-out sentences
+    kind, model, sv, tv, _ = tf.load_checkpoint(path)
+    free_greedy = tf.evaluate(tf.translator(kind, model, sv, tv, None, 1), test_pairs)
+    assert (f"held-out exact match: {tf.percent(free_greedy['exact'], free_greedy['total'])} sentences; characters:"
+            f" {tf.percent(free_greedy['char_right'], free_greedy['char_total'])}") in lines
+    assert "held-out sentences, same split (unconstrained decoding):" in lines
+
+
 # ===========================================================================
 # 36. The benchmark
 # ===========================================================================
@@ -5034,6 +5056,52 @@ def test_cli_translate_stdin_unknown_syllable_is_one_error_line(cli_runs, capsys
     answer = tf.translator(kind, model, sv, tv, readings, 4)   # --beam 4, the default
     # one line at a time, as answer_lines reads them: 4 answers (one empty), in order
     assert out.split("\n")[:-1] == [answer([g])[0] for g in good[:2]] + [""] + answer(good[2:])
+
+
+def readme_session():
+    """The README's command line session (its ```text block of $ lines): -> [(command,
+    [the lines it prints])], a printf's text unescaped."""
+    readme = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
+    block = re.search(r"```text\n(\$ python transformer\.py .*?)```", readme, re.S)[1]
+    session = []
+    for line in block.splitlines():
+        if line.startswith("$ "):
+            session.append((line[2:].split("  #")[0].strip().replace("\\n", "\n").replace("\\t", "\t"), []))
+        else:
+            session[-1][1].append(line)
+    return session
+
+
+def test_cli_readme_session_saves_then_answers_stdin(monkeypatch, tmp_path):
+    """The README's $ python transformer.py --model encdec --save model.pt, then its printf ... |
+    python transformer.py --load model.pt --translate -, on 100 toy sentences and one epoch: the
+    answers on stdout are the saved model's, the unknown syllable the README's one stderr line."""
+    (save, _), (answer, shown) = readme_session()[:2]
+    assert save == "python transformer.py --model encdec --save model.pt"
+    stdin, command = re.fullmatch(r"printf '(.*)' \| (python transformer\.py --load model\.pt --translate -)",
+                                  answer, re.S).groups()
+    monkeypatch.setattr(tf, "make_toy_data", lambda seed=0: TOY_DATA(n_sentences=100, seed=seed))
+    monkeypatch.setattr(tf, "show_models", lambda device: None)      # test_main_short_run's
+    monkeypatch.chdir(tmp_path)
+    status, out, err = _main(save.split()[2:] + ["--epochs", "1", "--device", "cpu"])
+    assert (status, err) == (0, "") and out.endswith("saved the encoder-decoder model to model.pt\n")
+    status, out, err = _main(command.split()[2:] + ["--device", "cpu"], stdin=stdin)
+    errors = [line for line in shown if line.startswith("transformer.py: error:")]
+    assert (status, err.splitlines()) == (2, errors) and len(errors) == 1
+    kind, model, sv, tv, readings = tf.load_checkpoint("model.pt")
+    good = [line for line in stdin.splitlines() if f"'{line}'" not in errors[0]]  # wo ai xue xi, lao shi ...
+    assert out.splitlines() == tf.translator(kind, model, sv, tv, readings, 4)(good)
+    assert [len(line) for line in out.splitlines()] == [len(line) for line in shown if line not in errors]
+
+
+def test_cli_readme_session_bad_tsv_is_the_readmes_error_line(monkeypatch, tmp_path):
+    """The README's printf '...' > bad.tsv; python transformer.py --data bad.tsv prints its line."""
+    command, shown = readme_session()[2]
+    text, data = re.fullmatch(r"printf '(.*)' > bad\.tsv; (python transformer\.py --data bad\.tsv)", command,
+                              re.S).groups()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.tsv").write_text(text, encoding="utf-8")
+    assert _main(data.split()[2:] + ["--device", "cpu"]) == (2, "", "\n".join(shown) + "\n")
 
 
 def test_cli_data_malformed_line_is_one_line(capsys, tmp_path):
@@ -6291,6 +6359,37 @@ def test_readme_section_map_names_every_section_at_its_line():
         assert lines[int(line) - 1] == f"# {n}. {title}", (n, line)
         for name in re.findall(r"`(\w+)`", names):  # each name listed is defined in that section
             assert re.search(rf"^(class|def) {name}\b|^{name} = ", text_through_section(int(n)), re.M), name
+
+
+README_COMMANDS = {  # each command line the README shows -> the tests that run it, at a small size
+    "python transformer.py": ["test_main_short_run"],
+    "python transformer.py --seed N": ["test_main_seed_and_free_greedy"],
+    "python transformer.py --free --beam 1": ["test_main_seed_and_free_greedy"],
+    "python transformer.py --help": ["test_main_help"],
+    "python transformer.py --model encdec --save model.pt": ["test_cli_readme_session_saves_then_answers_stdin"],
+    "python transformer.py --load model.pt --translate -": [
+        "test_cli_readme_session_saves_then_answers_stdin",
+        "test_cli_translate_stdin_unknown_syllable_is_one_error_line"],
+    "python transformer.py --data bad.tsv": ["test_cli_readme_session_bad_tsv_is_the_readmes_error_line"],
+    "python transformer.py --bench": ["test_bench_runs_every_benchmark_in_order",
+                                      "test_bench_training_reports_its_rates_and_their_ratios",
+                                      "test_bench_kv_cache_gives_the_same_tokens_with_and_without_the_cache",
+                                      "test_bench_long_sequences_flash_equals_section_2_and_the_caches_agree",
+                                      "test_bench_time_to_99_reports_each_toy_model"],
+    'python -c "import torch, transformer as tf; tf.bench_long_sequences(torch.device(\'cpu\'))"': [
+        "test_bench_long_sequences_flash_equals_section_2_and_the_caches_agree"],
+}
+
+
+def test_every_command_the_readme_shows_has_a_test():
+    """A command line added to the README needs a test that runs it (README_COMMANDS)."""
+    readme = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
+    shown = {" ".join(("python transformer.py" + options).split())
+             for options in re.findall(r"python transformer\.py([^`#|>\n（]*)", readme)}
+    shown |= set(re.findall(r'python -c "[^"]*"', readme))
+    assert shown == set(README_COMMANDS)
+    for tests in README_COMMANDS.values():
+        assert all(callable(globals().get(name)) and name.startswith("test_") for name in tests), tests
 
 
 def test_top_level_holds_exactly_the_four_files():
