@@ -40,6 +40,7 @@ import ast
 import contextlib
 import doctest
 from fractions import Fraction
+import functools
 import inspect
 import io
 import itertools
@@ -5595,6 +5596,28 @@ def test_main_short_run(monkeypatch, capsys):
     assert f"{tf.percent(hmm['exact'], hmm['total'])}" in table[6]
 
 
+def test_main_seed_and_free_greedy(monkeypatch, tmp_path):
+    """The README's python transformer.py --seed N and --free --beam 1, on 60 toy sentences, the
+    encoder-decoder alone (the tables before training are test_main_short_run's): the seed
+    picks the data and the split, and the report is the model's unconstrained greedy answers."""
+    monkeypatch.setattr(tf, "make_toy_data", lambda seed=0: TOY_DATA(n_sentences=60, seed=seed))
+    monkeypatch.setattr(tf, "show_models", lambda device: print("(the models' tables)"))
+    path = str(tmp_path / "model.pt")
+    status, out, err = _main(["--seed", "1", "--free", "--beam", "1", "--model", "encdec", "--epochs", "1",
+                              "--device", "cpu", "--save", path])
+    assert (status, err) == (0, "")
+    _, test_pairs = tf.split_data(TOY_DATA(n_sentences=60, seed=1), seed=1)
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if "pinyin (held out)" in line)
+    shown = [re.match(r"  ([a-z]+(?: [a-z]+)*)  +(\S+)", line).groups() for line in lines[header + 1:header + 7]]
+    assert all(pair in test_pairs for pair in shown), shown              # seed 1's held-out sentences
+    kind, model, sv, tv, _ = tf.load_checkpoint(path)
+    free_greedy = tf.evaluate(tf.translator(kind, model, sv, tv, None, 1), test_pairs)
+    assert (f"held-out exact match: {tf.percent(free_greedy['exact'], free_greedy['total'])} sentences; characters:"
+            f" {tf.percent(free_greedy['char_right'], free_greedy['char_total'])}") in lines
+    assert "held-out sentences, same split (unconstrained decoding):" in lines
+
+
 # ===========================================================================
 # 36. The benchmark
 # ===========================================================================
@@ -5689,6 +5712,171 @@ def test_fused_attention_refuses_a_mask_that_is_not_4d():
 
 def test_memory_bandwidth_is_a_plausible_number():
     assert 1e8 < tf.memory_bandwidth(megabytes=16) < 1e13   # between 0.1 GB/s and 10 TB/s; measured 6.6-14 GB/s
+
+
+def test_bench_defaults_are_the_sizes_the_readme_reports():
+    """--bench calls each benchmark with its defaults: the sizes the README's numbers are for."""
+    defaults = {name: {key: p.default for key, p in inspect.signature(getattr(tf, name)).parameters.items()
+                       if p.default is not inspect.Parameter.empty}
+                for name in ("bench_training", "bench_kv_cache", "bench_long_sequences", "bench_time_to_99")}
+    assert defaults["bench_training"] == dict(rounds=3, sizes=tf.TRAINING_BENCH_SIZES)
+    assert [(config["d_model"], batch, length, steps) for _, config, batch, length, steps in tf.TRAINING_BENCH_SIZES
+            ] == [(64, 64, 14, 30), (512, 32, 32, 6)]
+    assert defaults["bench_kv_cache"] == dict(lengths=(64, 256, 1024), d_model=512, n_heads=8, d_ff=2048,
+                                              n_layers=2, megabytes=256)
+    assert defaults["bench_long_sequences"] == dict(lengths=(1024, 4096), heads=4, dk=64, window=256, n_new=8192,
+                                                    requests=(12, 40, 90, 300, 700, 1500), block_size=16)
+    assert defaults["bench_time_to_99"] == dict(seed=0, epochs=6, n_sentences=2400)
+
+
+TINY_BENCH = {  # each benchmark at a size that takes a fraction of a second
+    "bench_training": dict(rounds=1, sizes=[("tiny: d16, 2 heads, d_ff 32, 1+1 layers, batch 4",
+                                             dict(d_model=16, n_heads=2, d_ff=32, n_layers=1), 4, 6, 2)]),
+    "bench_kv_cache": dict(lengths=(4, 12), d_model=32, n_heads=2, d_ff=64, n_layers=1, megabytes=8),
+    "bench_long_sequences": dict(lengths=(64, 512), heads=2, dk=16, window=16, n_new=25, requests=(3, 17, 40),
+                                 block_size=8),
+    "bench_time_to_99": dict(epochs=1, n_sentences=20),
+}
+
+
+def fake_peak_bytes(kind, T, H, dk):
+    """attention_peak_bytes without its fresh process (a second or more each): T / 8 MiB for
+    section 2, 0.5 MiB for flash. The real one is tested on its own below."""
+    return 2 ** 20 * T // 8 if kind == "plain" else 2 ** 19
+
+
+@pytest.fixture(scope="module")
+def bench_run():
+    """python transformer.py --bench through main(), each benchmark at its TINY_BENCH size:
+    -> (exit status, stdout, stderr, the calls to attention_peak_bytes)."""
+    peak_calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        for name, sizes in TINY_BENCH.items():
+            patch.setattr(tf, name, functools.partial(getattr(tf, name), **sizes))
+        patch.setattr(tf, "attention_peak_bytes", lambda *args: peak_calls.append(args) or fake_peak_bytes(*args))
+        return (*_main(["--bench", "--device", "cpu"]), peak_calls)
+
+
+def test_bench_runs_every_benchmark_in_order(bench_run):
+    status, out, err, _ = bench_run
+    assert (status, err) == (0, "")
+    assert out.startswith(f"device: cpu, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    titles = ["training throughput", "KV cache: decoder-only", "attention, causal", "sliding window 16",
+              "paged KV cache", "time to 99% held-out"]
+    starts = [out.find("\n" + title) for title in titles]
+    assert -1 not in starts and starts == sorted(starts), starts
+
+
+def test_bench_training_reports_its_rates_and_their_ratios(bench_run):
+    out = bench_run[1]
+    assert "(median of 1 alternating rounds)" in out
+    (name, *_), = TINY_BENCH["bench_training"]["sizes"]
+    row = next(line for line in out.splitlines() if line.startswith("  " + name))
+    written, fused, reference, *ratios = re.fullmatch(
+        r"  .{50} +([\d,]+) +([\d,]+) +([\d,]+)  ([\d.]+)x, ([\d.]+)x", row).groups()
+    written, fused, reference = (float(rate.replace(",", "")) for rate in (written, fused, reference))
+    assert min(written, fused, reference) > 0
+    assert abs(float(ratios[0]) - written / reference) <= 0.01 and abs(float(ratios[1]) - fused / reference) <= 0.01
+
+
+def test_bench_kv_cache_gives_the_same_tokens_with_and_without_the_cache(bench_run):
+    out, sizes = bench_run[1], TINY_BENCH["bench_kv_cache"]
+    assert "KV cache: decoder-only, d_model 32, 2 heads, d_ff 64, 1 layers, vocab 1000, batch 1, prompt 8\n" in out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.strip().startswith("new tokens"))
+    rows = [re.fullmatch(r" +(\d+) +[\d.]+s +[\d.]+s +[\d.]+x +[\d.]+", line)  # "  (tokens DIFFER)" would end it
+            for line in lines[header + 1:header + 3]]
+    assert all(rows) and [int(row[1]) for row in rows] == list(sizes["lengths"]), lines[header:header + 3]
+    assert "DIFFER" not in out
+    d_model, n_layers, d_ff = sizes["d_model"], sizes["n_layers"], sizes["d_ff"]
+    weights = 4 * (tf.decoder_only_param_formula(1000, d_model, n_layers, d_ff) - 1000 * d_model)  # but the embedding
+    assert f"reads every weight but the embedding table once, {weights / 1e6:.1f} MB in float32" in out
+
+
+def test_bench_long_sequences_flash_equals_section_2_and_the_caches_agree(bench_run):
+    """Part IV measured, tiny: flash_attention's output equals section 2's, the rolling
+    cache holds its window and the full one every token with the same tokens generated,
+    and the paged cache takes the blocks padded_and_paged_slots counts."""
+    _, out, _, peak_calls = bench_run
+    sizes = TINY_BENCH["bench_long_sequences"]
+    heads, dk, window, n_new, requests, block_size = (sizes[key] for key in (
+        "heads", "dk", "window", "n_new", "requests", "block_size"))
+    assert peak_calls == [(kind, T, heads, dk) for T in sizes["lengths"] for kind in ("plain", "flash")]
+    rows = re.findall(r"^ +(\d+) +1 +[\d.]+s +[\d.]+s +(\S+ MiB) +(\S+ MiB) +(\d+) MiB  (\S+)$", out, re.M)
+    assert [int(T) for T, *_ in rows] == list(sizes["lengths"])        # one thread here: one row a length
+    for T, plain, flash, scores, diff in rows:
+        T = int(T)
+        assert (plain, flash) == tuple(f"{fake_peak_bytes(kind, T, heads, dk) / 2 ** 20:.1f} MiB"
+                                       for kind in ("plain", "flash"))
+        assert scores == f"{heads * T * T * 4 / 2 ** 20:.0f}" and float(diff) < 1e-5
+    # the bench's Llama: 2 layers, 2 kv heads of 16, float32: 2 x 2 x 2 x 16 x 4 = 512 bytes a token; the
+    # full cache holds the prompt of 8 and every token generated but the last (never run through the model)
+    assert re.search(rf"^  rolling  cache: +{window * 512 // 1024} KiB held", out, re.M)
+    assert re.search(rf"^  full     cache: +{(8 + n_new - 1) * 512 // 1024} KiB held", out, re.M)
+    assert f"the same tokens: True; the rolling cache stays at {window} tokens" in out
+    padded, paged = tf.padded_and_paged_slots(requests, block_size)    # token slots, per layer
+    slot = 2 * 2 * 16 * 4                                              # a token's keys and values in one layer
+    assert (f"  padded [B, {max(requests)}] cache: {2 * padded * slot / 1024:6.0f} KiB reserved; paged, blocks of"
+            f" {block_size}: {2 * paged * slot / 1024:4.0f} KiB in {2 * paged // block_size} blocks"
+            f" ({2 * sum(requests) * slot / 1024:.0f} KiB of tokens): {padded / paged:.1f}x less\n") in out
+
+
+def test_bench_time_to_99_reports_each_toy_model(bench_run):
+    lines = bench_run[1].splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("time to 99% held-out")) + 2
+    rows = [re.fullmatch(r"  (.{20}) (?: *[\d.]+ s \(epoch 1\)|not within 1 epochs)", line)
+            for line in lines[first:first + 4]]
+    assert all(rows), lines[first:]
+    assert [row[1].strip() for row in rows] == [spec["name"] for spec in tf.TOY_MODELS.values()]
+
+
+def test_bench_time_to_99_reports_the_first_epoch_at_99_percent(monkeypatch, capsys):
+    """Each model's line: the training seconds of the first epoch whose held-out accuracy
+    reaches 0.99, or that none did within the epochs."""
+    histories = {"encdec": [(1, 0.8, 0.5), (2, 1.6, 0.99), (3, 2.4, 1.0)],  # (epoch, seconds, accuracy)
+                 "gpt": [(1, 0.7, 0.985), (2, 1.5, 0.989)], "llama": [(1, 0.9, 1.0)], "deepseek": []}
+    calls = []
+
+    def trained(kind, train_pairs, test_pairs, device, epochs, seed, log):
+        calls.append((kind, len(train_pairs), len(test_pairs), epochs, seed))
+        return None, None, None, {"history": histories[kind]}
+    monkeypatch.setattr(tf, "train_toy_model", trained)
+    tf.bench_time_to_99(torch.device("cpu"), seed=3, epochs=2, n_sentences=20)
+    assert calls == [(kind, 18, 2, 2, 3) for kind in histories]
+    assert capsys.readouterr().out.splitlines()[-4:] == [
+        "  encoder-decoder        1.6 s (epoch 2)", "  decoder-only (GPT)   not within 2 epochs",
+        "  Llama-style            0.9 s (epoch 1)", "  DeepSeek-style       not within 2 epochs"]
+
+
+def test_attention_peak_bytes_runs_the_program_in_a_fresh_process(monkeypatch):
+    """--bench's peak memory column: PEAK_MEMORY_PROGRAM run on this file with the call's
+    sizes, its last number read; None where it fails (the program itself is run below)."""
+    runs = []
+
+    def run(argv, **kwargs):
+        runs.append(argv)
+        return subprocess.CompletedProcess(argv, len(runs) - 1, stdout="a warning\n52428800\n", stderr="")
+    monkeypatch.setattr(subprocess, "run", run)
+    assert tf.attention_peak_bytes("plain", 1024, 4, 64) == 52428800      # the last number it printed
+    assert tf.attention_peak_bytes("flash", 8, 2, 16) is None             # exit status 1
+    assert runs == [[sys.executable, "-c", tf.PEAK_MEMORY_PROGRAM, tf.__file__, "plain", "1024", "4", "64"],
+                    [sys.executable, "-c", tf.PEAK_MEMORY_PROGRAM, tf.__file__, "flash", "8", "2", "16"]]
+
+
+@started_with_the_session("test_peak_memory_program_sees_section_2s_scores")
+def _peak_memory(folder, request):
+    if not os.path.exists("/proc/self/status"):
+        return None
+    return python(["-c", tf.PEAK_MEMORY_PROGRAM, tf.__file__, "plain", "1024", "4", "64"])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="measures through Linux's /proc")
+def test_peak_memory_program_sees_section_2s_scores(processes):
+    """Section 2 at 1024 tokens, 4 heads, measured as --bench does: at least its [T, T] scores
+    (16 MiB in float32; it holds scores, masked scores and weights at once: measured 50 MiB)."""
+    status, out, err = finished(processes["test_peak_memory_program_sees_section_2s_scores"][0])
+    assert status == 0, err
+    assert 4 * 1024 * 1024 * 4 <= int(out.split()[-1]) < 2 ** 30
 
 
 # ===========================================================================
@@ -5870,6 +6058,52 @@ def test_cli_translate_stdin_unknown_syllable_is_one_error_line(cli_runs, capsys
     answer = tf.translator(kind, model, sv, tv, readings, 4)   # --beam 4, the default
     # one line at a time, as answer_lines reads them: 4 answers (one empty), in order
     assert out.split("\n")[:-1] == [answer([g])[0] for g in good[:2]] + [""] + answer(good[2:])
+
+
+def readme_session():
+    """The README's command line session (its ```text block of $ lines): -> [(command,
+    [the lines it prints])], a printf's text unescaped."""
+    readme = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
+    block = re.search(r"```text\n(\$ python transformer\.py .*?)```", readme, re.S)[1]
+    session = []
+    for line in block.splitlines():
+        if line.startswith("$ "):
+            session.append((line[2:].split("  #")[0].strip().replace("\\n", "\n").replace("\\t", "\t"), []))
+        else:
+            session[-1][1].append(line)
+    return session
+
+
+def test_cli_readme_session_saves_then_answers_stdin(monkeypatch, tmp_path):
+    """The README's $ python transformer.py --model encdec --save model.pt, then its printf ... |
+    python transformer.py --load model.pt --translate -, on 100 toy sentences and one epoch: the
+    answers on stdout are the saved model's, the unknown syllable the README's one stderr line."""
+    (save, _), (answer, shown) = readme_session()[:2]
+    assert save == "python transformer.py --model encdec --save model.pt"
+    stdin, command = re.fullmatch(r"printf '(.*)' \| (python transformer\.py --load model\.pt --translate -)",
+                                  answer, re.S).groups()
+    monkeypatch.setattr(tf, "make_toy_data", lambda seed=0: TOY_DATA(n_sentences=100, seed=seed))
+    monkeypatch.setattr(tf, "show_models", lambda device: None)      # test_main_short_run's
+    monkeypatch.chdir(tmp_path)
+    status, out, err = _main(save.split()[2:] + ["--epochs", "1", "--device", "cpu"])
+    assert (status, err) == (0, "") and out.endswith("saved the encoder-decoder model to model.pt\n")
+    status, out, err = _main(command.split()[2:] + ["--device", "cpu"], stdin=stdin)
+    errors = [line for line in shown if line.startswith("transformer.py: error:")]
+    assert (status, err.splitlines()) == (2, errors) and len(errors) == 1
+    kind, model, sv, tv, readings = tf.load_checkpoint("model.pt")
+    good = [line for line in stdin.splitlines() if f"'{line}'" not in errors[0]]  # wo ai xue xi, lao shi ...
+    assert out.splitlines() == tf.translator(kind, model, sv, tv, readings, 4)(good)
+    assert [len(line) for line in out.splitlines()] == [len(line) for line in shown if line not in errors]
+
+
+def test_cli_readme_session_bad_tsv_is_the_readmes_error_line(monkeypatch, tmp_path):
+    """The README's printf '...' > bad.tsv; python transformer.py --data bad.tsv prints its line."""
+    command, shown = readme_session()[2]
+    text, data = re.fullmatch(r"printf '(.*)' > bad\.tsv; (python transformer\.py --data bad\.tsv)", command,
+                              re.S).groups()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.tsv").write_text(text, encoding="utf-8")
+    assert _main(data.split()[2:] + ["--device", "cpu"]) == (2, "", "\n".join(shown) + "\n")
 
 
 def test_cli_data_malformed_line_is_one_line(capsys, tmp_path):
@@ -7336,6 +7570,37 @@ def test_the_reading_order_check_finds_a_forward_reference():
     defined = {node.name: n for n, node in nodes}
     assert [(node.name, sub.id) for n, node in nodes for sub in ast.walk(node)
             if isinstance(sub, ast.Name) and defined.get(sub.id, -1) > n] == [("a", "b")]
+
+
+README_COMMANDS = {  # each command line the README shows -> the tests that run it, at a small size
+    "python transformer.py": ["test_main_short_run"],
+    "python transformer.py --seed N": ["test_main_seed_and_free_greedy"],
+    "python transformer.py --free --beam 1": ["test_main_seed_and_free_greedy"],
+    "python transformer.py --help": ["test_main_help"],
+    "python transformer.py --model encdec --save model.pt": ["test_cli_readme_session_saves_then_answers_stdin"],
+    "python transformer.py --load model.pt --translate -": [
+        "test_cli_readme_session_saves_then_answers_stdin",
+        "test_cli_translate_stdin_unknown_syllable_is_one_error_line"],
+    "python transformer.py --data bad.tsv": ["test_cli_readme_session_bad_tsv_is_the_readmes_error_line"],
+    "python transformer.py --bench": ["test_bench_runs_every_benchmark_in_order",
+                                      "test_bench_training_reports_its_rates_and_their_ratios",
+                                      "test_bench_kv_cache_gives_the_same_tokens_with_and_without_the_cache",
+                                      "test_bench_long_sequences_flash_equals_section_2_and_the_caches_agree",
+                                      "test_bench_time_to_99_reports_each_toy_model"],
+    'python -c "import torch, transformer as tf; tf.bench_long_sequences(torch.device(\'cpu\'))"': [
+        "test_bench_long_sequences_flash_equals_section_2_and_the_caches_agree"],
+}
+
+
+def test_every_command_the_readme_shows_has_a_test():
+    """A command line added to the README needs a test that runs it (README_COMMANDS)."""
+    readme = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
+    shown = {" ".join(("python transformer.py" + options).split())
+             for options in re.findall(r"python transformer\.py([^`#|>\n（]*)", readme)}
+    shown |= set(re.findall(r'python -c "[^"]*"', readme))
+    assert shown == set(README_COMMANDS)
+    for tests in README_COMMANDS.values():
+        assert all(callable(globals().get(name)) and name.startswith("test_") for name in tests), tests
 
 
 def test_top_level_holds_exactly_the_four_files():

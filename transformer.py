@@ -3940,18 +3940,21 @@ def training_tokens_per_second(model, src, tgt, steps):
     return steps * tgt.numel() / (time.perf_counter() - start)
 
 
-def bench_training(device, rounds=3):
-    """Ours as written and with fused kernels (section 7) against nn.Transformer, same
+TRAINING_BENCH_SIZES = [  # name, the model's widths, batch, length, steps a round
+    ("toy: d64, 4 heads, d_ff 256, 2+2 layers, batch 64", dict(d_model=64, n_heads=4, d_ff=256, n_layers=2),
+     64, 14, 30),
+    ("d512, 8 heads, d_ff 2048, 2+2 layers, batch 32", dict(d_model=512, n_heads=8, d_ff=2048, n_layers=2),
+     32, 32, 6)]
+
+
+def bench_training(device, rounds=3, sizes=TRAINING_BENCH_SIZES):
+    """Ours as written and with fused kernels (section 22) against nn.Transformer, same
     configuration and weights, alternating. No dropout, as the demo trains (with it,
     PyTorch's attention on a CPU falls back to the unfused formula)."""
     print("training throughput, forward + backward + Adam, no dropout, target tokens/s (median of "
           f"{rounds} alternating rounds)")
     print(f"  {'configuration':50s} {'hand-written':>12s} {'fused':>7s} {'nn.Transformer':>14s}  ratios")
-    for name, config, batch, length, steps in [
-            ("toy: d64, 4 heads, d_ff 256, 2+2 layers, batch 64", dict(d_model=64, n_heads=4, d_ff=256,
-                                                                        n_layers=2), 64, 14, 30),
-            ("d512, 8 heads, d_ff 2048, 2+2 layers, batch 32", dict(d_model=512, n_heads=8, d_ff=2048,
-                                                                     n_layers=2), 32, 32, 6)]:
+    for name, config, batch, length, steps in sizes:
         torch.manual_seed(0)
         ours = Transformer(src_vocab_size=1000, tgt_vocab_size=1000, dropout=0.0, max_len=64, **config).to(device)
         theirs = TorchTransformer(ours).to(device)
@@ -3984,16 +3987,18 @@ def memory_bandwidth(device=torch.device("cpu"), megabytes=256):
     return 5 * 2 * x.nelement() * 4 / (time.perf_counter() - start)
 
 
-def bench_kv_cache(device, lengths=(64, 256, 1024)):
+def bench_kv_cache(device, lengths=(64, 256, 1024), d_model=512, n_heads=8, d_ff=2048, n_layers=2, megabytes=256):
     """The cache's speedup with the number of new tokens, and its floor: a cached step
-    is one token through every weight, so it cannot beat bytes of weights / bandwidth."""
+    is one token through every weight, so it cannot beat bytes of weights / bandwidth
+    (measured by copying megabytes)."""
     torch.manual_seed(0)
-    gpt = DecoderOnlyTransformer(vocab_size=1000, d_model=512, n_layers=2, n_heads=8, d_ff=2048,
-                                 max_len=1100).to(device).eval()
+    gpt = DecoderOnlyTransformer(vocab_size=1000, d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_ff=d_ff,
+                                 max_len=max(lengths) + 8).to(device).eval()
     prompt = torch.randint(0, 1000, (1, 8), device=device)                 # [B, T]
     weights = 4 * (count_parameters(gpt) - gpt.token_embedding.weight.numel())  # bytes a step reads (fp32)
-    bandwidth = memory_bandwidth(device)
-    print("\nKV cache: decoder-only, d_model 512, 8 heads, d_ff 2048, 2 layers, vocab 1000, batch 1, prompt 8")
+    bandwidth = memory_bandwidth(device, megabytes)
+    print(f"\nKV cache: decoder-only, d_model {d_model}, {n_heads} heads, d_ff {d_ff}, {n_layers} layers, vocab 1000,"
+          f" batch 1, prompt 8")
     print(f"  {'new tokens':>10s} {'with cache':>11s} {'without':>9s} {'speedup':>8s} {'ms/step cached':>15s}")
     for n in lengths:
         with_cache, without, same = time_generation(gpt, prompt, n)
@@ -4039,9 +4044,11 @@ def attention_peak_bytes(kind, T, H, dk):
     return int(result.stdout.split()[-1]) if result.returncode == 0 else None
 
 
-def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
-    """Part IV measured: FlashAttention's tiles against section 2, the rolling cache
-    against the full one, the paged cache against a padded one."""
+def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64, window=256, n_new=8192,
+                         requests=(12, 40, 90, 300, 700, 1500), block_size=16):
+    """Part IV measured: FlashAttention's tiles against section 2 at each of lengths,
+    the rolling cache against the full one (n_new tokens through a window), the
+    paged cache against a padded one (a batch of requests of these lengths)."""
     print(f"\nattention, causal, batch 1, {heads} heads of {dk}: section 2 against flash_attention "
           f"(block 64, section 22)")
     print(f"  {'tokens':>6s} {'threads':>7s} {'section 2':>10s} {'flash':>8s} {'peak memory: section 2':>23s}"
@@ -4073,7 +4080,6 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
           "  call a few microseconds, more where a second thread must be woken for it")
 
     torch.manual_seed(0)
-    window, n_new = 256, 8192
     model = Mistral(vocab_size=1000, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_len=n_new + 8,
                     window=window).to(device).eval()
     held, tokens = {}, {}
@@ -4089,34 +4095,37 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
         held[kind] = (sum(c.k.nbytes + c.v.nbytes for c in cache), time.perf_counter() - start)
         tokens[kind] = ids
     torch.set_num_threads(threads)
-    print(f"\nsliding window {window} (section 23): Llama d64, 2 layers, 2 kv heads of 16, float32, "
+    print(f"\nsliding window {window} (section 23): Mistral d64, 2 layers, 2 kv heads of 16, float32, "
           f"{n_new} tokens generated, 1 thread")
     for kind, (nbytes, seconds) in held.items():
         print(f"  {kind:8s} cache: {nbytes / 1024:8.0f} KiB held after {n_new + 8} tokens ({seconds:.1f} s)")
     print(f"  the same tokens: {torch.equal(tokens['rolling'], tokens['full'])}; the rolling cache stays at "
           f"{window} tokens however long the generation")
 
-    lengths, block_size = (12, 40, 90, 300, 700, 1500), 16
-    pool = KVPool(n_blocks=sum(-(-n // block_size) for n in lengths) * len(model.layers), block_size=block_size)
+    # a paged cache keeps every token: the same model without its window
+    model = Llama(vocab_size=1000, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                  max_len=max(requests)).to(device).eval()
+    pool = KVPool(n_blocks=sum(-(-n // block_size) for n in requests) * len(model.layers), block_size=block_size)
     with torch.no_grad():
-        for n in lengths:
-            model(torch.randint(0, 1000, (1, n), device=device), [PagedKVCache(pool) for _ in model.layers])
+        for n in requests:
+            cache = [PagedKVCache(pool) for _ in model.layers]
+            model(torch.randint(0, 1000, (1, n), device=device), cache)   # its prompt
     block_bytes = pool.k[0].nbytes + pool.v[0].nbytes                      # one block's keys and values
     paged = (pool.n_blocks - pool.n_free) * block_bytes
-    padded = 2 * len(model.layers) * len(lengths) * max(lengths) * pool.k[0, :, 0].nbytes  # [B, Hkv, max, dk] x2
-    print(f"\npaged KV cache (section 24): a batch of {len(lengths)} requests of {', '.join(map(str, lengths))} "
-          f"tokens, same model")
-    print(f"  padded [B, {max(lengths)}] cache: {padded / 1024:6.0f} KiB reserved; paged, blocks of {block_size}: "
+    padded = 2 * len(model.layers) * len(requests) * max(requests) * pool.k[0, :, 0].nbytes  # [B, Hkv, max, dk] x2
+    print(f"\npaged KV cache (section 24): a batch of {len(requests)} requests of {', '.join(map(str, requests))} "
+          f"tokens, the same Llama without a window")
+    print(f"  padded [B, {max(requests)}] cache: {padded / 1024:6.0f} KiB reserved; paged, blocks of {block_size}: "
           f"{paged / 1024:4.0f} KiB in {pool.n_blocks - pool.n_free} blocks "
-          f"({len(model.layers) * sum(lengths) * block_bytes // block_size / 1024:.0f} KiB of tokens): "
+          f"({len(model.layers) * sum(requests) * block_bytes // block_size / 1024:.0f} KiB of tokens): "
           f"{padded / paged:.1f}x less")
 
 
-def bench_time_to_99(device, seed=0, epochs=6):
+def bench_time_to_99(device, seed=0, epochs=6, n_sentences=2400):
     """Training seconds (evaluation excluded) until held-out exact match first reaches 99%."""
     print("\ntime to 99% held-out exact match on the toy task (training seconds; the held-out check after")
     print("each epoch is not counted)")
-    pairs = make_toy_data(seed=seed)
+    pairs = make_toy_data(n_sentences=n_sentences, seed=seed)
     train_pairs, test_pairs = split_data(pairs, seed=seed)
     for kind, spec in TOY_MODELS.items():
         with contextlib.redirect_stdout(None):
