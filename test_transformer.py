@@ -16,7 +16,7 @@ What it proves:
   computed whole against FlashAttention's tiles, the contiguous cache against the
   rolling and paged ones, hand-computed RoPE frequencies).
 - Numbers: parameter counts against closed-form formulas and published totals.
-- Learning and tools (Part V and after): the toy task, decoding, training, the
+- Learning and tools (Part VI and after): the toy task, decoding, training, the
   demo, checkpoints and the command line; then "Hardening": bad input of every
   class, as one stderr line and exit 2, nothing lost, memory bounded. A threshold on
   anything learned carries, beside it, the range measured under
@@ -38,6 +38,7 @@ the hardening's with its first test) and each test waits on its own.
 import argparse
 import ast
 import contextlib
+import copy
 import doctest
 from fractions import Fraction
 import functools
@@ -3543,11 +3544,461 @@ def test_hf_parity_deepseek_v3():
 
 
 # ===========================================================================
-# Part V: learning and using it
+# Part V: training, by hand
 # ===========================================================================
 
 # ===========================================================================
-# 26. The toy task: pinyin to hanzi
+# 26. AdamW, written out
+# ===========================================================================
+
+def small_llama(seed=0):
+    torch.manual_seed(seed)
+    return tf.Llama(vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_len=16, qkv_bias=True)
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 40, (4, 12), generator=g) for _ in range(n)]
+
+
+def train_steps(model, optimizer, data):
+    """Next-token cross-entropy on each batch of ids, one optimizer step each."""
+    for ids in data:
+        logits = model(ids[:, :-1])                                        # [4, 11, 40]
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model
+
+
+def max_param_diff(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def two_groups(model, weight_decay=0.1):
+    """decay_groups, with the second (no decay) group at its own lr: per-group settings."""
+    groups = tf.decay_groups(model, weight_decay)
+    groups[1]["lr"] = 3e-3
+    return groups
+
+
+def test_adamw_equals_torch_adamw_after_25_steps_on_a_llama():
+    data = batches(25)
+    start = small_llama()
+    ours, theirs = copy.deepcopy(start), copy.deepcopy(start)
+    train_steps(ours, tf.AdamW(two_groups(ours), lr=1e-2, betas=(0.9, 0.95), eps=1e-8), data)
+    train_steps(theirs, torch.optim.AdamW(two_groups(theirs), lr=1e-2, betas=(0.9, 0.95), eps=1e-8), data)
+    diff = max_param_diff(ours, theirs)
+    moved = max_param_diff(ours, start)
+    print(f"AdamW vs torch.optim.AdamW, 25 steps: max abs diff {diff:.2e}, largest move {moved:.3f}")
+    assert diff <= 1e-6                      # measured 1.6e-7 .. 2.4e-7 (float32)
+    assert moved > 0.1                      # the weights did move: 0.25 measured
+
+
+def test_adamw_state_dict_round_trip_continues_the_same_run():
+    """An optimizer saved mid-run and loaded into a fresh one continues exactly."""
+    data = batches(6)
+    a, b = small_llama(), small_llama()
+    opt_a = tf.AdamW(a.parameters(), lr=1e-2)
+    train_steps(a, opt_a, data[:3])
+    b.load_state_dict(a.state_dict())
+    opt_b = tf.AdamW(b.parameters(), lr=1e-2)
+    saved = io.BytesIO()
+    torch.save(opt_a.state_dict(), saved)                   # through a file, as a checkpoint is
+    opt_b.load_state_dict(torch.load(io.BytesIO(saved.getvalue())))   # weights_only: m, v and an int t
+    train_steps(a, opt_a, data[3:]), train_steps(b, opt_b, data[3:])
+    assert max_param_diff(a, b) == 0
+
+
+def test_pitfall_adam_with_l2_is_a_different_optimizer():
+    """torch.optim.Adam(weight_decay=...) adds wd * p to the gradient: after a few steps its
+    weights are far from AdamW's, and ours equals AdamW's, not Adam-L2's."""
+    data = batches(5)
+    start = small_llama()
+    ours, adamw, adam_l2 = copy.deepcopy(start), copy.deepcopy(start), copy.deepcopy(start)
+    train_steps(ours, tf.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1), data)
+    train_steps(adamw, torch.optim.AdamW(adamw.parameters(), lr=1e-2, weight_decay=0.1), data)
+    train_steps(adam_l2, torch.optim.Adam(adam_l2.parameters(), lr=1e-2, weight_decay=0.1), data)
+    assert max_param_diff(ours, adamw) <= 1e-6
+    assert max_param_diff(ours, adam_l2) > 1e-3            # 8.5e-3 measured: a different optimizer
+    assert max_param_diff(adamw, adam_l2) > 1e-3
+
+
+def test_l2_decay_vanishes_for_weights_with_large_gradients():
+    """The banner's claim: under L2 the decay is divided by sqrt(v), so a weight with a large
+    gradient is hardly decayed; AdamW decays every weight by lr * wd * p."""
+    def moved(optimizer_class, weight_decay, grad):
+        w = nn.Parameter(torch.ones(1))
+        opt = optimizer_class([w], lr=0.1, weight_decay=weight_decay)
+        w.grad = torch.tensor([grad])
+        opt.step()
+        return w.item()
+    for grad in (100.0, 0.0):
+        decay_l2 = moved(torch.optim.Adam, 0.0, grad) - moved(torch.optim.Adam, 0.1, grad)
+        decay_w = moved(tf.AdamW, 0.0, grad) - moved(tf.AdamW, 0.1, grad)
+        assert decay_w == pytest.approx(0.1 * 0.1 * 1.0, rel=1e-4)        # lr * wd * p, whatever the gradient
+        if grad:
+            assert abs(decay_l2) < 1e-6       # large gradient: L2's decay is lost in sqrt(v)
+        else:
+            assert decay_l2 == pytest.approx(0.1, rel=1e-4)  # zero gradient: a whole lr-sized step
+
+
+def adam_step_without_bias_correction(p, g, lr, betas, eps=1e-8):
+    """The mistaken first step: m and v used as they are."""
+    m, v = (1 - betas[0]) * g, (1 - betas[1]) * g * g
+    return p - lr * m / (v.sqrt() + eps)
+
+
+@pytest.mark.parametrize("betas, factor", [((0.9, 0.999), 3.1623), ((0.9, 0.98), 0.7071)])
+def test_pitfall_bias_correction_forgotten(betas, factor):
+    """The first update is lr (times the gradient's sign) with the correction and
+    (1 - beta1) / sqrt(1 - beta2) times that without: too large or too small."""
+    g = torch.tensor([0.3, -5.0, 40.0])
+    w = nn.Parameter(torch.zeros(3))
+    w.grad = g.clone()
+    tf.AdamW([w], lr=0.01, betas=betas, weight_decay=0.0).step()
+    assert torch.allclose(w.detach(), -0.01 * g.sign(), rtol=1e-5)
+    wrong = adam_step_without_bias_correction(torch.zeros(3), g, 0.01, betas)
+    assert (1 - betas[0]) / math.sqrt(1 - betas[1]) == pytest.approx(factor, abs=1e-4)
+    assert torch.allclose(wrong / w.detach(), torch.full((3,), factor), rtol=1e-4)
+    assert not torch.allclose(wrong, w.detach(), rtol=0.1)
+
+
+def test_decay_groups_decays_the_matrices_and_not_biases_or_norms():
+    """The 2+-dim parameters are exactly the nn.Linear and nn.Embedding weights; biases and
+    every norm's weight and bias are in the group without decay; a tied weight comes once."""
+    torch.manual_seed(0)
+    models = [small_llama(),
+              tf.DecoderOnlyTransformer(vocab_size=30, d_model=16, n_layers=2, n_heads=2, d_ff=32, tie_weights=True),
+              tf.Transformer(20, 20, d_model=16, n_heads=2, d_ff=32, n_layers=1, norm_first=True)]
+    for model in models:
+        decayed, kept = tf.decay_groups(model, 0.1)
+        assert (decayed["weight_decay"], kept["weight_decay"]) == (0.1, 0.0)
+        matrices = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+        vectors = {id(p) for m in model.modules() for name, p in m.named_parameters(recurse=False)
+                   if name == "bias" or not isinstance(m, (nn.Linear, nn.Embedding))}
+        assert {id(p) for p in decayed["params"]} == matrices
+        assert {id(p) for p in kept["params"]} == vectors and vectors
+        assert len(decayed["params"]) + len(kept["params"]) == len(list(model.parameters()))
+    gpt = models[1]
+    gpt_decayed, _ = tf.decay_groups(gpt, 0.1)
+    assert sum(p is gpt.token_embedding.weight for p in gpt_decayed["params"]) == 1  # tied to lm_head: once
+
+
+def test_decay_groups_leaves_frozen_parameters_out():
+    model = small_llama()
+    model.token_embedding.weight.requires_grad_(False)
+    decayed, _ = tf.decay_groups(model, 0.1)
+    assert all(p is not model.token_embedding.weight for p in decayed["params"])
+
+
+def test_pitfall_decay_on_norm_weights():
+    """Decaying every parameter shrinks the norms' gains, whose neutral value is 1: with no
+    gradient they fall as (1 - lr * wd)^n. decay_groups leaves them at 1 and decays the matrices."""
+    model = small_llama()
+    everything = copy.deepcopy(model)
+    split = tf.AdamW(tf.decay_groups(model, 0.1), lr=0.1)
+    flat = tf.AdamW(everything.parameters(), lr=0.1, weight_decay=0.1)
+    for m in (model, everything):
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+    with torch.no_grad():                                   # biases away from 0, where decay would show
+        for m in (model, everything):
+            m.layers[0].attn.w_q.bias.fill_(0.5)
+    w_q = model.layers[0].attn.w_q.weight.clone()
+    for _ in range(20):
+        split.step(), flat.step()
+    expected = (1 - 0.1 * 0.1) ** 20                                       # 0.818
+    assert torch.equal(model.final_norm.weight, torch.ones(32))
+    assert torch.equal(model.layers[0].attn.w_q.bias, torch.full((32,), 0.5))  # biases kept where they are
+    assert torch.allclose(everything.layers[0].attn.w_q.bias, torch.full((32,), 0.5 * expected), rtol=1e-5)
+    assert torch.allclose(everything.final_norm.weight, torch.full((32,), expected), rtol=1e-5)
+    assert torch.allclose(model.layers[0].attn.w_q.weight, w_q * expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("keyword, value, message", [
+    ("lr", -1e-3, r"lr must be a number >= 0, got -0\.001"),
+    ("betas", (0.9, 1.0), r"betas must be two numbers, each >= 0 and < 1, got \(0\.9, 1\.0\)"),
+    ("betas", (-0.1, 0.999), r"betas must be two numbers, each >= 0 and < 1, got \(-0\.1, 0\.999\)"),
+    ("betas", (0.9,), r"betas must be two numbers"),
+    ("betas", [0.9, 0.999], r"betas must be a tuple, got \[0\.9, 0\.999\]"),
+    ("eps", 0.0, r"eps must be a number >= 1\.17549e-38, got 0\.0"),
+    ("eps", -1e-8, r"eps must be a number >= .*, got -1e-08"),
+    ("weight_decay", -0.1, r"weight_decay must be a number >= 0, got -0\.1"),
+])
+def test_adamw_bad_input(keyword, value, message):
+    with pytest.raises(ValueError, match=message):
+        tf.AdamW([nn.Parameter(torch.zeros(1))], **{keyword: value})
+
+
+def test_decay_groups_bad_input():
+    with pytest.raises(ValueError, match=r"weight_decay must be a number >= 0, got -1"):
+        tf.decay_groups(small_llama(), -1)
+
+
+# ===========================================================================
+# 27. Learning-rate schedules
+# ===========================================================================
+
+@pytest.mark.parametrize("min_ratio", [0.0, 0.1])
+def test_warmup_cosine_closed_form(min_ratio):
+    f = lambda step: tf.warmup_cosine(step, 10, 110, min_ratio)           # noqa: E731
+    assert f(0) == 0.0 and f(5) == 0.5 and f(10) == 1.0                   # linear from 0, 1 at the warmup's end
+    assert f(60) == pytest.approx((1 + min_ratio) / 2, abs=1e-12)          # the cosine's midpoint
+    assert f(35) == pytest.approx(min_ratio + (1 - min_ratio) * (1 + math.cos(math.pi / 4)) / 2, abs=1e-12)
+    assert f(110) == min_ratio and f(111) == min_ratio and f(10 ** 6) == min_ratio  # held after the end
+    values = [f(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))               # only falls after the warmup
+    assert tf.warmup_cosine(0, 0, 100) == 1.0                             # no warmup: the peak at once
+
+
+@pytest.mark.parametrize("min_ratio", [0.0, 0.1])
+def test_warmup_stable_decay_closed_form(min_ratio):
+    f = lambda step: tf.warmup_stable_decay(step, 10, 100, 20, min_ratio)  # noqa: E731
+    assert f(0) == min_ratio and f(5) == pytest.approx((1 + min_ratio) / 2) and f(10) == 1.0
+    assert all(f(s) == 1.0 for s in range(10, 81))                        # the plateau, through the decay's start
+    assert f(90) == pytest.approx((1 + min_ratio) / 2)                     # halfway down
+    assert f(99) == pytest.approx(min_ratio + (1 - min_ratio) / 20)
+    assert f(100) == min_ratio and f(150) == min_ratio
+    assert [tf.warmup_stable_decay(s, 0, 10, 0) for s in (0, 9, 10)] == [1.0, 1.0, 0.0]  # no warmup, no decay
+
+
+@pytest.mark.parametrize("d_model, warmup", [(64, 10), (512, 4000)])
+def test_noam_keeps_its_values(d_model, warmup):
+    """The moved schedule: the same numbers as Part V's noam_lambda before the move."""
+    old = lambda step: d_model ** -0.5 * min((step + 1) ** -0.5, (step + 1) * warmup ** -1.5)  # noqa: E731
+    f = tf.noam_lambda(d_model, warmup)
+    for step in list(range(3 * warmup))[::max(1, warmup // 50)] + [10 * warmup]:
+        assert f(step) == old(step) == tf.noam(step, warmup, d_model)
+    values = [f(s) for s in range(3 * warmup)]
+    assert values.index(max(values)) == warmup - 1                        # the peak at s = step + 1 = warmup
+
+
+def test_schedules_drive_lambda_lr():
+    """LambdaLR sets lr = peak * multiplier(step) at each step."""
+    opt = tf.AdamW([nn.Parameter(torch.zeros(1))], lr=2.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: tf.warmup_stable_decay(step, 3, 12, 4, 0.25))
+    seen = []
+    for _ in range(15):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        schedule.step()
+    assert seen == [2.0 * tf.warmup_stable_decay(s, 3, 12, 4, 0.25) for s in range(15)]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: tf.warmup_cosine(-1, 10, 100), r"step must be an integer >= 0, got -1"),
+    (lambda: tf.warmup_cosine(0, -5, 100), r"warmup_steps must be an integer >= 0, got -5"),
+    (lambda: tf.warmup_cosine(0, 0, 0), r"total_steps must be an integer >= 1, got 0"),
+    (lambda: tf.warmup_cosine(0, 20, 10), r"warmup_steps must be at most total_steps \(total_steps=10\), got 20"),
+    (lambda: tf.warmup_cosine(0, 1, 10, min_ratio=-0.1), r"min_ratio must be a number from 0 to 1, got -0\.1"),
+    (lambda: tf.warmup_cosine(0, 1, 10, min_ratio=1.5), r"min_ratio must be a number from 0 to 1, got 1\.5"),
+    (lambda: tf.warmup_cosine(1.5, 1, 10), r"step must be an integer >= 0, got 1\.5"),
+    (lambda: tf.warmup_stable_decay(0, 10, 100, 95),
+     r"decay_steps must be at most total_steps - warmup_steps \(total_steps=100, warmup_steps=10\), got 95"),
+    (lambda: tf.warmup_stable_decay(0, 10, 100, -1), r"decay_steps must be an integer >= 0, got -1"),
+    (lambda: tf.warmup_stable_decay(0, 200, 100, 0), r"warmup_steps must be at most total_steps"),
+    (lambda: tf.warmup_stable_decay(0, 1, 10, 2, min_ratio=2.0), r"min_ratio must be a number from 0 to 1, got 2\.0"),
+    (lambda: tf.noam_lambda(64, 0), r"warmup_steps must be >= 1 \(the peak's step\), got 0"),
+    (lambda: tf.noam(-3, 10, 64), r"step must be an integer >= 0, got -3"),
+])
+def test_schedules_bad_input(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# ===========================================================================
+# 28. Clipping and gradient accumulation
+# ===========================================================================
+
+def grads_of(params):
+    return [None if p.grad is None else p.grad.clone() for p in params]
+
+
+def with_grads(grads):
+    params = [nn.Parameter(torch.zeros(g.shape if g is not None else 3)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.clone()
+    return params
+
+
+@pytest.mark.parametrize("max_norm", [100.0, 1.0, 0.0, math.inf])
+@pytest.mark.parametrize("case", ["several", "some without grad", "one tensor"])
+def test_clip_grad_norm_equals_torch(case, max_norm):
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(4, 5, generator=g) * 3, torch.randn(7, generator=g), torch.randn(2, 3, 2, generator=g)]
+    if case == "some without grad":
+        grads.insert(1, None)
+    ours, theirs = with_grads(grads), with_grads(grads)
+    if case == "one tensor":
+        ours, theirs = ours[0], theirs[0]
+    norm = tf.clip_grad_norm(ours, max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    assert norm.shape == () and abs(norm - expected) <= 1e-6
+    for a, b in zip(grads_of(ours if isinstance(ours, list) else [ours]),
+                    grads_of(theirs if isinstance(theirs, list) else [theirs])):
+        assert (a is None and b is None) or (a - b).abs().max() <= 1e-6
+    if max_norm == 100.0:                                  # the norm (about 10) is below: nothing changes
+        kept = [g for g in grads if g is not None][:1 if case == "one tensor" else None]
+        assert all(torch.equal(p.grad, g) for p, g in zip([x for x in (ours if isinstance(ours, list) else [ours])
+                                                           if x.grad is not None], kept))
+    if max_norm == 1.0:                                    # above: the new norm is max_norm, the direction kept
+        clipped = torch.cat([p.grad.flatten() for p in (ours if isinstance(ours, list) else [ours])
+                             if p.grad is not None])
+        original = torch.cat([g.flatten() for g in grads if g is not None][:1 if case == "one tensor" else None])
+        assert clipped.norm().item() == pytest.approx(1.0, rel=1e-5)
+        assert F.cosine_similarity(clipped, original, dim=0).item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_clip_grad_norm_without_gradients_returns_zero():
+    assert tf.clip_grad_norm([nn.Parameter(torch.zeros(2))], 1.0).item() == 0.0
+    assert torch.nn.utils.clip_grad_norm_([nn.Parameter(torch.zeros(2))], 1.0).item() == 0.0
+
+
+def test_clipping_each_tensor_by_its_own_norm_turns_the_direction():
+    """The comment's claim: one factor for all keeps the direction, per-tensor factors do not."""
+    grads = [torch.tensor([3.0, 4.0]), torch.tensor([0.3, 0.4])]
+    params = with_grads(grads)
+    tf.clip_grad_norm(params, 1.0)
+    whole = torch.cat([p.grad for p in params])
+    per_tensor = torch.cat([g * min(1.0, 1.0 / g.norm().item()) for g in grads])
+    original = torch.cat(grads)
+    assert F.cosine_similarity(whole, original, dim=0).item() == pytest.approx(1.0, abs=1e-6)
+    assert F.cosine_similarity(per_tensor, original, dim=0).item() < 0.95  # 0.934
+
+
+def test_clip_grad_norm_bad_input():
+    with pytest.raises(ValueError, match=r"max_norm must be a number >= 0, got -1\.0"):
+        tf.clip_grad_norm([nn.Parameter(torch.zeros(1))], -1.0)
+
+
+def uneven_micro_batches():
+    """Three micro-batches of a causal LM with 3, 12 and 20 real tokens (-100: padding), and
+    the big batch they make together, padded to one length."""
+    g = torch.Generator().manual_seed(0)
+    micro = []
+    for rows, length, real in [(1, 4, [3]), (2, 8, [8, 4]), (2, 10, [10, 10])]:
+        ids = torch.randint(1, 30, (rows, length), generator=g)            # [b, t]
+        targets = torch.randint(0, 30, (rows, length), generator=g)        # [b, t]
+        for r, n in enumerate(real):
+            targets[r, n:] = -100
+        micro.append((ids, targets))
+    longest = max(ids.size(1) for ids, _ in micro)
+    big_ids = torch.cat([F.pad(ids, (0, longest - ids.size(1)), value=0) for ids, _ in micro])  # [5, 10]
+    big_targets = torch.cat([F.pad(t, (0, longest - t.size(1)), value=-100) for _, t in micro])  # [5, 10]
+    return micro, big_ids, big_targets
+
+
+def test_accumulation_by_token_count_equals_the_big_batch():
+    """Normalized by the real tokens of all micro-batches, the accumulated gradient is the big
+    batch's (padding after a causal model's tokens changes none of their logits); the mean of
+    the micro-batches' means is not."""
+    torch.manual_seed(0)
+    model = tf.DecoderOnlyTransformer(vocab_size=30, d_model=32, n_layers=2, n_heads=4, d_ff=64, dropout=0.0)
+    micro, big_ids, big_targets = uneven_micro_batches()
+    assert [int((t != -100).sum()) for _, t in micro] == [3, 12, 20]
+
+    big_loss = F.cross_entropy(model(big_ids).flatten(0, 1), big_targets.flatten())  # mean over 35 tokens
+    big_loss.backward()
+    big = [p.grad.clone() for p in model.parameters()]
+
+    model.zero_grad()
+    loss = tf.accumulate_gradients(model, micro)
+    ours = [p.grad.clone() for p in model.parameters()]
+
+    model.zero_grad()
+    for ids, targets in micro:                              # the mistake: each micro-batch's mean / 3
+        (F.cross_entropy(model(ids).flatten(0, 1), targets.flatten()) / len(micro)).backward()
+    naive = [p.grad.clone() for p in model.parameters()]
+
+    diff = max((a - b).abs().max().item() for a, b in zip(ours, big))
+    scale = max(b.abs().max().item() for b in big)
+    naive_rel = max(((a - b).norm() / b.norm()).item() for a, b in zip(naive, big) if b.norm() > 0)
+    print(f"accumulation: max abs diff {diff:.2e} (gradients up to {scale:.2f}); mean of means off by "
+          f"{100 * naive_rel:.0f}% (relative norm, worst tensor)")
+    assert abs(loss - big_loss.item()) <= 1e-6
+    assert diff <= 1e-6                                      # measured 1.5e-8 .. 3e-8
+    assert naive_rel > 0.1                                  # measured 0.5-0.6
+
+
+def test_accumulation_with_no_real_token_is_refused():
+    model = tf.DecoderOnlyTransformer(vocab_size=10, d_model=8, n_layers=1, n_heads=2, d_ff=16)
+    ids = torch.ones(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"micro_batches must hold a real token, got every target = ignore_index"):
+        tf.accumulate_gradients(model, [(ids, torch.full((1, 3), -100))])
+
+
+# ===========================================================================
+# Section 27's schedules against transformers' (run where transformers is installed)
+# ===========================================================================
+# warmup_cosine against get_cosine_with_min_lr_schedule_with_warmup(min_lr_rate=...) up to
+# total_steps, warmup_stable_decay against get_wsd_schedule(warmup_type="linear",
+# decay_type="linear", min_lr_ratio=...), step by step over whole runs (measured: max
+# difference 0.0 and 1.1e-16 on transformers 5.24.0).
+
+HF_SCHEDULE_RUNS = [(0, 50, 0.0), (10, 100, 0.0), (10, 100, 0.1), (7, 333, 0.25), (99, 100, 0.05), (1, 2, 0.5)]
+
+
+def hf_lambda(scheduler):
+    (f,) = scheduler.lr_lambdas
+    return f
+
+
+def hf_optimizer():
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+
+
+@pytest.mark.parametrize("warmup, total, min_ratio", HF_SCHEDULE_RUNS)
+@needs_transformers
+def test_hf_parity_warmup_cosine_up_to_total(warmup, total, min_ratio):
+    theirs = hf_lambda(transformers.get_cosine_with_min_lr_schedule_with_warmup(
+        hf_optimizer(), num_warmup_steps=warmup, num_training_steps=total, min_lr_rate=min_ratio))
+    diff = max(abs(tf.warmup_cosine(s, warmup, total, min_ratio) - theirs(s)) for s in range(total + 1))
+    assert diff <= 1e-12
+    # past total_steps transformers' cosine climbs back up; ours holds min_ratio (the comment's claim)
+    later = total + max(1, (total - warmup) // 2)
+    assert tf.warmup_cosine(later, warmup, total, min_ratio) == min_ratio < theirs(later)
+
+
+@needs_transformers
+@pytest.mark.parametrize("warmup, total, min_ratio", HF_SCHEDULE_RUNS)
+@pytest.mark.parametrize("decay_share", [0.0, 0.1, 0.5, 1.0])
+def test_hf_parity_warmup_stable_decay(warmup, total, min_ratio, decay_share):
+    decay = int(decay_share * (total - warmup))
+    theirs = hf_lambda(transformers.get_wsd_schedule(
+        hf_optimizer(), num_warmup_steps=warmup, num_decay_steps=decay, num_training_steps=total,
+        warmup_type="linear", decay_type="linear", min_lr_ratio=min_ratio))
+    diff = max(abs(tf.warmup_stable_decay(s, warmup, total, decay, min_ratio) - theirs(s))
+               for s in range(total + 50))                       # past the end too: both hold min_ratio
+    assert diff <= 1e-12
+
+
+@needs_transformers
+def test_hf_parity_schedules_compare_the_installed_signatures():
+    wsd = inspect.signature(transformers.get_wsd_schedule).parameters
+    assert {"num_warmup_steps", "num_decay_steps", "num_training_steps", "num_stable_steps", "warmup_type",
+            "decay_type", "min_lr_ratio"} <= set(wsd)
+    assert "min_lr_rate" in inspect.signature(transformers.get_cosine_with_min_lr_schedule_with_warmup).parameters
+
+
+@needs_transformers
+def test_hf_parity_warmup_as_long_as_the_run_ends_at_min_ratio_where_transformers_restarts():
+    """A known difference, at the edge: warmup_steps == total_steps leaves no cosine. Ours
+    ends at min_ratio at total_steps; transformers' progress is then 0 / max(1, 0) = 0, so
+    it returns 1 there (and swings between 1 and min_lr_rate after)."""
+    theirs = hf_lambda(transformers.get_cosine_with_min_lr_schedule_with_warmup(
+        hf_optimizer(), num_warmup_steps=10, num_training_steps=10, min_lr_rate=0.1))
+    assert [theirs(s) for s in (9, 10, 11)] == pytest.approx([0.9, 1.0, 0.1])
+    assert [tf.warmup_cosine(s, 10, 10, 0.1) for s in (9, 10, 11)] == pytest.approx([0.9, 0.1, 0.1])
+
+
+# ===========================================================================
+# Part VI: learning and using it
+# ===========================================================================
+
+# ===========================================================================
+# 33. The toy task: pinyin to hanzi
 # ===========================================================================
 
 
@@ -3702,7 +4153,7 @@ def test_collate_pads_to_longest():
 
 
 # ===========================================================================
-# 27. A baseline to beat: bigram HMM and Viterbi
+# 34. A baseline to beat: bigram HMM and Viterbi
 # ===========================================================================
 
 
@@ -3754,7 +4205,7 @@ def test_bigram_hmm_on_the_toy_task_is_fast_and_a_real_baseline():
 
 
 # ===========================================================================
-# 28. Decoding: greedy, constrained, beam
+# 35. Decoding: greedy, constrained, beam
 # ===========================================================================
 
 
@@ -4222,7 +4673,7 @@ def test_translate_with_a_beam_answers_each_sentence_as_alone():
 
 
 # ===========================================================================
-# 29. Training
+# 36. Training
 # ===========================================================================
 
 
@@ -4412,7 +4863,7 @@ def test_short_training_generalizes_to_held_out_sentences():
 
 
 # ===========================================================================
-# 30. The KV cache, measured
+# 37. The KV cache, measured
 # ===========================================================================
 
 
@@ -4476,7 +4927,7 @@ def test_every_model_on_a_gpu_computes_what_it_computes_on_the_cpu(device):
 
 
 # ===========================================================================
-# 31. Decoder-only models on the task
+# 38. Decoder-only models on the task
 # ===========================================================================
 
 
@@ -4580,7 +5031,7 @@ def test_gpt_translate_groups_by_length_keeps_input_order(gpt_overfit10, monkeyp
 
 
 # ===========================================================================
-# 32. The attention heatmap
+# 39. The attention heatmap
 # ===========================================================================
 
 
@@ -4716,7 +5167,7 @@ def test_expert_load_counts_every_routed_slot_without_padding():
 # ===========================================================================
 
 # ===========================================================================
-# 33. Your own data
+# 40. Your own data
 # ===========================================================================
 
 
@@ -4857,7 +5308,7 @@ def test_read_pairs_counts_lines_as_an_editor_does(tmp_path):
 
 
 # ===========================================================================
-# 34. Saving and loading
+# 41. Saving and loading
 # ===========================================================================
 
 
@@ -5508,7 +5959,7 @@ def test_qwen3_moe_checkpoint_round_trip(tmp_path):
 
 
 # ===========================================================================
-# 35. The demo
+# 42. The demo
 # ===========================================================================
 
 
@@ -5619,7 +6070,7 @@ def test_main_seed_and_free_greedy(monkeypatch, tmp_path):
 
 
 # ===========================================================================
-# 36. The benchmark
+# 43. The benchmark
 # ===========================================================================
 
 
@@ -5880,7 +6331,7 @@ def test_peak_memory_program_sees_section_2s_scores(processes):
 
 
 # ===========================================================================
-# 37. The command line
+# 44. The command line
 # ===========================================================================
 
 
@@ -7046,7 +7497,7 @@ _PAIRS = "(pinyin, hanzi) pairs"
 @pytest.fixture(scope="module")
 def list_arguments(hard):
     """Every library argument that takes a list (of sentences, pairs, syllables, tokens,
-    ids, labels or lines) in sections 26-37: name -> (call(value), argument, its items)."""
+    ids, labels or lines) in sections 33-44: name -> (call(value), argument, its items)."""
     kind, model, sv, tv, readings = tf.load_checkpoint(hard["encdec"])
     _, gpt, _, vocab, _ = tf.load_checkpoint(hard["gpt"])
     pairs = tf.make_toy_data(n_sentences=10, seed=0)

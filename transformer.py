@@ -21,12 +21,16 @@ Mixtral is Llama with a mixture-of-experts feed-forward, Mistral is Llama with a
   Part IV   Long sequences
              22 FlashAttention's tiles, fused kernels                23 sliding windows: Mistral
              24 the paged KV cache        25 RoPE for long context
-  Part V    Learning and using it: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
-             26 the toy task              27 a baseline to beat     28 decoding: greedy,
-             29 training                  30 the KV cache measured     constrained, beam
-             31 decoder-only models on the task                     32 the attention heatmap
-  Tools     After a banner that says the article ends: 33 your own data,
-            34 checkpoints, 35 the demo, 36 the benchmark, 37 the command line.
+  Part V    Training, by hand
+             26 AdamW                     27 learning-rate schedules 28 clipping, accumulation
+             29 FLOPs                     30 memory                 31 mixed precision
+             32 LoRA
+  Part VI   Learning and using it: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
+             33 the toy task              34 a baseline to beat     35 decoding: greedy,
+             36 training                  37 the KV cache measured     constrained, beam
+             38 decoder-only models on the task                     39 the attention heatmap
+  Tools     After a banner that says the article ends: 40 your own data,
+            41 checkpoints, 42 the demo, 43 the benchmark, 44 the command line.
 
 The encoder-decoder (Part I) and its shapes, for a batch of B sentences:
 
@@ -74,7 +78,7 @@ import torch.nn.functional as F
 # raises a ValueError naming the argument, the value and what was expected, before
 # anything is built. A rule that ties arguments together (d_model divisible by
 # n_heads) is a named entry of RELATIONS, which the caller lists: check("rule", ...).
-# The checkpoint loader (section 34) checks a saved configuration with the same table.
+# The checkpoint loader (section 41) checks a saved configuration with the same table.
 # Sizes stop at 2^31 - 1, past any real model and what torch's kernels index.
 
 MAX_SIZE = 2 ** 31 - 1
@@ -2357,7 +2361,246 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 
 
 # ===========================================================================
-# Part V: learning and using it (第五部分：训练与使用)
+# Part V: training, by hand (第五部分：手写训练)
+# ===========================================================================
+# What training a Transformer takes besides the model, each piece written out and
+# proven equal to the library it replaces: the optimizer, the schedule, clipping and
+# accumulation; then what training costs, in FLOPs and in memory, by formula and
+# measured; mixed precision; and LoRA, which trains a few parameters instead of all.
+
+# ===========================================================================
+# 26. AdamW, written out (AdamW 优化器)
+# ===========================================================================
+# Adam steps each weight by a running mean of its gradient over the root of a running
+# mean of its square: about lr per step whatever the gradient's scale, so one lr fits
+# every layer. Weight decay added to the gradient (L2, torch.optim.Adam(weight_decay=...))
+# is divided by that root too, and a weight with large gradients is hardly decayed.
+# AdamW (Loshchilov and Hutter, "Decoupled Weight Decay Regularization", ICLR 2019)
+# shrinks the weight itself, apart from the gradient: p <- p * (1 - lr * weight_decay).
+
+ARGUMENTS.update(lr=(float, 0.0, math.inf), betas=(tuple,), eps=(float, torch.finfo(torch.float32).tiny, math.inf),
+                 weight_decay=(float, 0.0, math.inf))
+RELATIONS["betas in [0, 1)"] = (("betas",), lambda b: len(b) == 2 and all(
+    isinstance(x, (int, float)) and 0 <= x < 1 for x in b), "betas must be two numbers, each >= 0 and < 1")
+
+
+class AdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW's update, written out. params: parameters, or groups (dicts)
+    with their own lr and weight_decay, as for any torch optimizer."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+        check("betas in [0, 1)", lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient. closure, if given,
+        recomputes the loss first (torch's convention) -> that loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:  # not used this step: no update and no decay, as torch
+                    continue
+                state = self.state[p]
+                if not state:  # both means start at 0
+                    state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                state["t"] += 1
+                t, g, m, v = state["t"], p.grad, state["m"], state["v"]
+                p.mul_(1 - lr * decay)  # decoupled: the weight shrinks, m and v never see it
+                m.lerp_(g, 1 - beta1)   # m <- beta1 * m + (1 - beta1) * g: the mean gradient
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v <- beta2 * v + (1 - beta2) * g^2
+                # means started at 0 are too small by 1 - beta^t (the weight they have given real
+                # gradients so far): m_hat = m / (1 - beta1^t), v_hat = v / (1 - beta2^t). Without it
+                # the first update is lr * (1 - beta1) / sqrt(1 - beta2): 3.16 lr at the default betas
+                denom = v.sqrt() / math.sqrt(1 - beta2 ** t) + eps        # [as p]: sqrt(v_hat) + eps
+                p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))       # p -= lr * m_hat / denom
+        return loss
+
+# The update is written in torch's order of operations: the same maths in another order
+# rounds differently, and 25 steps of a small Llama's training grow that last bit to 5e-6
+# (the formulas as written above, measured against torch.optim.AdamW; torch's order: 0).
+# As in torch.optim.AdamW, the decay is multiplied by the whole lr; the paper's Algorithm 2
+# multiplies its lambda by the schedule's factor alone, so its lambda is peak lr * weight_decay.
+# Which weights decay: decay pulls toward 0, which keeps a matrix's size in check, but a
+# norm's weight is a per-feature gain whose neutral value is 1 (decayed, it shrinks the
+# block's input and the next matrix must grow to undo it), and a bias is a shift of D numbers.
+# nanoGPT's rule, kept here: parameters of 2+ dims decay (in this file exactly the nn.Linear
+# and nn.Embedding weights, embeddings included), 1-dim ones (biases, norm weights) do not.
+# Buffers (positions, MoE's router_bias) are not parameters: no optimizer touches them.
+
+def decay_groups(model, weight_decay):
+    """The two parameter groups for AdamW: model's trained parameters of 2+ dims with
+    weight_decay, the rest (biases, norm weights) with 0. A tied weight comes once."""
+    check(weight_decay=weight_decay)
+    params = [p for p in model.parameters() if p.requires_grad]  # frozen ones have nothing to update
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+# Try it: a first step moves each weight by lr, whatever its gradient's size.
+#   >>> w = nn.Parameter(torch.tensor([1.0, -2.0]))
+#   >>> opt = AdamW([w], lr=0.1, weight_decay=0.0)
+#   >>> w.grad = torch.tensor([0.5, 100.0]); opt.step()
+#   >>> w.data
+#   tensor([ 0.9000, -2.1000])
+#   >>> model = Llama(vocab_size=50, d_model=16, n_layers=1, n_heads=2)
+#   >>> [len(group["params"]) for group in decay_groups(model, 0.1)]    # 9 matrices; 3 RMSNorm weights
+#   [9, 3]
+#   >>> ours = AdamW(decay_groups(model, 0.1), lr=0.01)
+#   >>> for p in model.parameters(): p.grad = torch.zeros_like(p)         # no gradient: only decay acts
+#   >>> before = model.lm_head.weight.clone(); ours.step()
+#   >>> round((model.lm_head.weight / before).mean().item(), 6), model.final_norm.weight.mean().item()
+#   (0.999, 1.0)
+
+
+# ===========================================================================
+# 27. Learning-rate schedules (学习率调度)
+# ===========================================================================
+# A schedule multiplies the peak learning rate by a function of the step, for
+# torch.optim.lr_scheduler.LambdaLR. It rises first (warmup: Adam's first updates are
+# noisy, so they are kept small) and falls at the end (a smaller step settles lower).
+# Cosine needs the run's length in advance; WSD (warmup-stable-decay) holds the peak and
+# decays only over the last steps, so a run can be extended and decayed from any point.
+
+ARGUMENTS.update(step=(int, 0, MAX_SIZE), warmup_steps=(int, 0, MAX_SIZE), total_steps=(int, 1, MAX_SIZE),
+                 decay_steps=(int, 0, MAX_SIZE), min_ratio=(float, 0.0, 1.0))
+RELATIONS.update({
+    "warmup <= total": (("warmup_steps", "total_steps"), lambda w, t: w <= t,
+                        "warmup_steps must be at most total_steps"),
+    "decay after warmup": (("decay_steps", "total_steps", "warmup_steps"), lambda d, t, w: d <= t - w,
+                           "decay_steps must be at most total_steps - warmup_steps"),
+    "a warmup step": (("warmup_steps",), lambda w: w >= 1, "warmup_steps must be >= 1 (the peak's step)"),
+})
+
+
+def warmup_cosine(step, warmup_steps, total_steps, min_ratio=0.0):
+    """The multiplier at step: step / warmup_steps during the warmup (0 at step 0, so the
+    first step moves no weight: transformers' convention), then half a cosine from 1 down
+    to min_ratio at total_steps, then min_ratio."""
+    check("warmup <= total", step=step, warmup_steps=warmup_steps, total_steps=total_steps, min_ratio=min_ratio)
+    if step < warmup_steps:
+        return step / warmup_steps
+    if step >= total_steps:  # transformers' cosine goes on past total_steps and climbs back
+        return min_ratio     # toward 1; a run longer than planned should keep its lowest rate
+    progress = (step - warmup_steps) / (total_steps - warmup_steps)        # 0 -> 1
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# WSD is MiniCPM's (Hu et al., 2024), whose decay may be any falling function (its runs
+# used an exponential one); here linear, as transformers' get_wsd_schedule(decay_type="linear").
+
+def warmup_stable_decay(step, warmup_steps, total_steps, decay_steps, min_ratio=0.0):
+    """The multiplier at step: from min_ratio up to 1 over the warmup, 1 until the last
+    decay_steps before total_steps, down to min_ratio linearly over them, then min_ratio."""
+    check("warmup <= total", "decay after warmup", step=step, warmup_steps=warmup_steps, total_steps=total_steps,
+          decay_steps=decay_steps, min_ratio=min_ratio)
+    if step < warmup_steps:
+        return min_ratio + (1 - min_ratio) * step / warmup_steps
+    if step < total_steps - decay_steps:
+        return 1.0
+    if step < total_steps:
+        return min_ratio + (1 - min_ratio) * (total_steps - step) / decay_steps
+    return min_ratio
+
+
+# The 2017 paper's schedule ("Noam" after Noam Shazeer, its second author) is the learning
+# rate itself, not a multiplier of a peak: LambdaLR's base lr is a factor on top of it.
+
+def noam(step, warmup_steps, d_model):
+    """d_model^-0.5 * min(s^-0.5, s * warmup_steps^-1.5) with s = step + 1 (never 0): a linear
+    rise to its peak at s = warmup_steps, then 1 / sqrt(s)."""
+    check("a warmup step", step=step, warmup_steps=warmup_steps, d_model=d_model)
+    s = step + 1
+    return d_model ** -0.5 * min(s ** -0.5, s * warmup_steps ** -1.5)
+
+
+def noam_lambda(d_model, warmup):
+    """noam as LambdaLR's function: the lr multiplier after `step` scheduler steps."""
+    check("a warmup step", warmup_steps=warmup, d_model=d_model)
+    return lambda step: noam(step, warmup, d_model)
+
+# Try it: 2 steps of warmup, 10 in all; WSD decays over the last 4.
+#   >>> [round(warmup_cosine(s, 2, 10, min_ratio=0.1), 3) for s in (0, 1, 2, 6, 10, 12)]  # 6: the midpoint
+#   [0.0, 0.5, 1.0, 0.55, 0.1, 0.1]
+#   >>> [round(warmup_stable_decay(s, 2, 10, 4, min_ratio=0.1), 3) for s in (0, 1, 2, 6, 8, 10, 12)]
+#   [0.1, 0.55, 1.0, 1.0, 0.55, 0.1, 0.1]
+#   >>> opt = AdamW([nn.Parameter(torch.zeros(1))], lr=3e-4)
+#   >>> schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_cosine(step, 100, 1000))
+#   >>> for _ in range(100): opt.step(); schedule.step()
+#   >>> opt.param_groups[0]["lr"]                                          # the peak, after the warmup
+#   0.0003
+
+
+# ===========================================================================
+# 28. Clipping and gradient accumulation (梯度裁剪与梯度累积)
+# ===========================================================================
+# One bad batch can bring a gradient many times the usual size, and a step along it
+# throws the weights far: clipping scales the whole gradient down to max_norm when it is
+# longer, keeping its direction. A batch too big for memory runs as micro-batches whose
+# gradients add up in .grad before one step; the sum must be the big batch's gradient.
+
+ARGUMENTS.update(max_norm=(float, 0.0, math.inf), ignore_index=(int, -MAX_SIZE, MAX_SIZE))
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters, max_norm):
+    """torch.nn.utils.clip_grad_norm_: every gradient of parameters (a tensor or an iterable;
+    those without one skipped) times min(1, max_norm / (norm + 1e-6)), norm the length of
+    all of them laid end to end -> that norm before clipping, a [] tensor."""
+    check(max_norm=max_norm)
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)                                           # []: nothing to clip, as torch
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))  # []
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)                      # []: 1 when shorter; 1e-6 for norm 0
+    for g in grads:
+        g.mul_(scale)  # one factor for all: clipping each tensor by its own norm would turn the direction
+    return norm
+
+# Accumulation's pitfall: a language model's loss is a mean over real tokens (padding
+# is ignore_index), and the mean of the micro-batches' means is not the big batch's mean
+# when they hold different numbers of real tokens: with 2 in one and 8 in the other, each
+# token of the first weighs 1/4, each of the second 1/16, where the big batch weighs all
+# 1/10. transformers' Trainer shipped this until October 2024 (its blog post "Fixing
+# Gradient Accumulation", 16 October 2024, and pull request 34191). Right: sum each
+# micro-batch's token losses and divide by the real tokens of all of them.
+
+def accumulate_gradients(model, micro_batches, ignore_index=-100):
+    """Add the big batch's gradient to model's .grad, from a list of micro-batches
+    (inputs..., targets [B, T]) with model(*inputs) -> logits [B, T, V] -> the big
+    batch's loss, the mean cross-entropy over its real tokens (targets != ignore_index)."""
+    check(ignore_index=ignore_index)
+    real = sum(int((batch[-1] != ignore_index).sum()) for batch in micro_batches)  # tokens in the big batch
+    if real == 0:
+        raise ValueError(f"micro_batches must hold a real token, got every target = ignore_index ({ignore_index})")
+    total = 0.0
+    for *inputs, targets in micro_batches:
+        logits = model(*inputs)                                            # [B, T, V]
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index,
+                               reduction="sum") / real                     # []: its share of the big mean
+        loss.backward()  # each micro-batch's graph is freed here: memory for one at a time
+        total += loss.item()
+    return total
+
+# Try it: a gradient of length 5, clipped to 1; two micro-batches of 2 and 6 real tokens.
+#   >>> w = nn.Parameter(torch.zeros(2)); w.grad = torch.tensor([3.0, 4.0])
+#   >>> clip_grad_norm([w], max_norm=1.0), w.grad
+#   (tensor(5.), tensor([0.6000, 0.8000]))
+#   >>> gpt = DecoderOnlyTransformer(vocab_size=20, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0)
+#   >>> ids = torch.randint(0, 20, (2, 6))                                 # [2, 6]
+#   >>> targets = torch.randint(0, 20, (2, 6)); targets[0, 2:] = -100      # [2, 6]: row 0 has 2 real tokens
+#   >>> loss = accumulate_gradients(gpt, [(ids[:1], targets[:1]), (ids[1:], targets[1:])])
+#   >>> big = F.cross_entropy(gpt(ids).flatten(0, 1), targets.flatten())  # one batch, mean over 8
+#   >>> abs(loss - big.item()) < 1e-6
+#   True
+
+
+# ===========================================================================
+# Part VI: learning and using it (第六部分：训练与使用)
 # ===========================================================================
 # A task small enough to learn in seconds on a CPU, the ways to decode an answer,
 # the training loop, and what the models learned. Python's standard library
@@ -2371,7 +2614,7 @@ import time
 
 
 # ===========================================================================
-# 26. The toy task: pinyin to hanzi (玩具任务：拼音转汉字)
+# 33. The toy task: pinyin to hanzi (玩具任务：拼音转汉字)
 # ===========================================================================
 # A task small enough to train in seconds and hard enough to need attention:
 # many syllables are written with different characters depending on the word
@@ -2527,7 +2770,7 @@ def ambiguous_syllables(pairs):
 
 
 # ===========================================================================
-# 27. A baseline to beat: bigram HMM and Viterbi (基线：二元语法与维特比)
+# 34. A baseline to beat: bigram HMM and Viterbi (基线：二元语法与维特比)
 # ===========================================================================
 # Before trusting a Transformer, ask what counting does. A hidden Markov model
 # reads the pinyin as emitted by a hidden chain of characters: each character
@@ -2607,7 +2850,7 @@ class BigramHMM:
 
 
 # ===========================================================================
-# 28. Decoding: greedy, constrained, beam (解码：贪心、约束与束搜索)
+# 35. Decoding: greedy, constrained, beam (解码：贪心、约束与束搜索)
 # ===========================================================================
 # At inference there is no target to feed: start every sentence with bos, run
 # the decoder, choose a next character, repeat until eos. The source is encoded
@@ -2795,21 +3038,17 @@ def evaluate(translate_fn, pairs, ambiguous=()):
 
 
 # ===========================================================================
-# 29. Training (训练)
+# 36. Training (训练)
 # ===========================================================================
 # Teacher forcing: the model reads whole target sequences at once and predicts
 # every next token, the causal mask keeping each position from its own answer.
 # Padding is excluded from the loss (ignore_index), label smoothing keeps the
-# model from over-trusting one character, and the paper's schedule warms the
-# learning rate up linearly, then decays it as 1/sqrt(step): Adam's first
-# updates are noisy, so they are kept small. Ctrl-C stops after the current
-# step and returns what was learned so far.
-
-def noam_lambda(d_model, warmup):  # "Noam" after Noam Shazeer, the paper's second author
-    """lr multiplier after `step` scheduler steps, with s = step + 1 (so it is never
-    0): d_model^-0.5 * min(s^-0.5, s * warmup^-1.5), the peak at s = warmup."""
-    return lambda step: d_model ** -0.5 * min((step + 1) ** -0.5, (step + 1) * warmup ** -1.5)
-
+# model from over-trusting one character, and the paper's schedule (noam_lambda,
+# section 27) warms the learning rate up linearly, then decays it as 1/sqrt(step).
+# The gradient norm is clipped (section 28's rule, in torch's one call), and the
+# optimizer is torch's fused Adam, one C++ call for every weight (section 26 writes
+# AdamW out; its loop over tensors is slower on a CPU). Ctrl-C stops after the
+# current step and returns what was learned so far.
 
 @contextlib.contextmanager
 def stop_on_ctrl_c():
@@ -2886,7 +3125,7 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
 
 
 # ===========================================================================
-# 30. The KV cache, measured (键值缓存实测)
+# 37. The KV cache, measured (键值缓存实测)
 # ===========================================================================
 # Without a cache, generating token t reruns the whole prefix: t tokens through
 # every layer, so n tokens cost about n^2 / 2 token-passes. With the KVCache of
@@ -2917,7 +3156,7 @@ def time_generation(model, prompt, max_new_tokens):
 
 
 # ===========================================================================
-# 31. Decoder-only models on the task (仅解码器模型做同一任务)
+# 38. Decoder-only models on the task (仅解码器模型做同一任务)
 # ===========================================================================
 # The decoder-only models, the GPT of section 9, the Llama of section 15 and the
 # DeepSeek-V3-style model of section 20, have no encoder to read the pinyin, so
@@ -2925,7 +3164,7 @@ def time_generation(model, prompt, max_new_tokens):
 # "wo ai xue xi <sep> 我 爱 学 习 <eos>", one sequence. They learn to continue
 # after <sep>; the prompt itself is given, not predicted, so its positions are
 # left out of the loss (target = pad, ignore_index). They answer through the
-# same beam_search and masks as the encoder-decoder (section 28).
+# same beam_search and masks as the encoder-decoder (section 35).
 
 SEP = "<sep>"
 
@@ -3025,7 +3264,7 @@ def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=N
 
 
 # ===========================================================================
-# 32. The attention heatmap (注意力热力图)
+# 39. The attention heatmap (注意力热力图)
 # ===========================================================================
 # Which syllables did each character read? The last decoder layer's
 # cross-attention weights [H, T, S], averaged over heads or for one head, drawn
@@ -3136,7 +3375,7 @@ import warnings
 
 
 # ===========================================================================
-# 33. Your own data (自己的数据)
+# 40. Your own data (自己的数据)
 # ===========================================================================
 # --data FILE.tsv trains on your pairs instead of the generated ones: UTF-8,
 # one "pinyin<TAB>hanzi" a line, one syllable per character, blank lines and
@@ -3263,7 +3502,7 @@ def read_pairs(path):
 
 
 # ===========================================================================
-# 34. Saving and loading (保存与加载)
+# 41. Saving and loading (保存与加载)
 # ===========================================================================
 # A checkpoint is data: the configuration, the weights and both vocabularies,
 # plain dicts, lists and tensors that torch.load(weights_only=True) reads
@@ -3517,7 +3756,7 @@ def checked_checkpoint(checkpoint, device):
 
 
 # ===========================================================================
-# 35. The demo (演示): python transformer.py
+# 42. The demo (演示): python transformer.py
 # ===========================================================================
 # Shapes and parameter counts first (the tutorials' own configuration among
 # them) and the cache measured; then both toy models learn pinyin to hanzi,
@@ -3875,7 +4114,7 @@ def run(args, device, pairs, loaded):
 
 
 # ===========================================================================
-# 36. The benchmark (基准测试): python transformer.py --bench
+# 43. The benchmark (基准测试): python transformer.py --bench
 # ===========================================================================
 # Where the time goes, measured in one run: training throughput of the
 # hand-written model against nn.Transformer with the same weights, the KV
@@ -4136,7 +4375,7 @@ def bench_time_to_99(device, seed=0, epochs=6, n_sentences=2400):
 
 
 # ===========================================================================
-# 37. The command line (命令行)
+# 44. The command line (命令行)
 # ===========================================================================
 # Every mistake is one line on stderr and exit status 2, found before any work
 # starts where it can be; answers alone go to stdout.
