@@ -67,6 +67,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 import transformer as tf
 
@@ -3927,6 +3928,342 @@ def test_accumulation_with_no_real_token_is_refused():
     ids = torch.ones(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match=r"micro_batches must hold a real token, got every target = ignore_index"):
         tf.accumulate_gradients(model, [(ids, torch.full((1, 3), -100))])
+
+
+CV, CB, CT = 50, 2, 7  # the cost tests' vocabulary, batch and length
+
+
+def tiny(name):
+    """One small model of each decoder-only class (d_model 32, 2 or 3 layers, max_len 16)."""
+    torch.manual_seed(0)
+    return {
+        "gpt": lambda: tf.DecoderOnlyTransformer(CV, 32, 2, 4, 64, max_len=16, dropout=0.0),
+        "llama": lambda: tf.Llama(CV, 32, 2, 4, 2, d_ff=48, max_len=16),
+        "qwen3": lambda: tf.Qwen3(CV, 32, 2, 4, 2, d_ff=48, max_len=16, head_dim=16),
+        "mixtral": lambda: tf.Mixtral(CV, 32, 2, 4, 2, d_ff=48, max_len=16, n_experts=4, top_k=2),
+        "qwen3moe": lambda: tf.Qwen3MoE(CV, 32, 2, 4, 2, max_len=16, head_dim=16, n_experts=4, top_k=2,
+                                        expert_d_ff=24),
+        "mistral": lambda: tf.Mistral(CV, 32, 2, 4, 2, d_ff=48, max_len=16, window=3),
+        "deepseek": lambda: tf.DeepSeekV3(CV, 32, 3, 4, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=4, v_head_dim=8,
+                                          d_ff=64, expert_d_ff=16, n_experts=8, top_k=2, q_lora_rank=24, n_groups=4,
+                                          topk_groups=2, routed_scale=2.5, max_len=16),
+    }[name]()
+
+
+KINDS = ["gpt", "llama", "qwen3", "mixtral", "qwen3moe", "mistral", "deepseek"]
+
+
+def batch(b=CB, t=CT, seed=2):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, CV, (2, b, t), generator=generator).unbind(0)   # ids, targets [b, t] each
+
+
+def loss_of(model, ids, targets):
+    return F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
+
+
+def counted(run):
+    with FlopCounterMode(display=False) as counter:
+        run()
+    return counter.get_total_flops()
+
+
+# ===========================================================================
+# 29. FLOPs, by formula and counted
+# ===========================================================================
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_flops_formula_equals_flop_counter_forward_and_training(kind):
+    model = tiny(kind)
+    assert tf.model_kind(model) == kind
+    ids, targets = batch()
+    with FlopCounterMode(display=False) as forward:
+        loss = loss_of(model, ids, targets)
+    with FlopCounterMode(display=False) as backward:
+        loss.backward()
+    assert forward.get_total_flops() == tf.forward_flops(model, CB, CT)     # exact integers
+    assert forward.get_total_flops() + backward.get_total_flops() == tf.training_flops(model, CB, CT)
+    assert backward.get_total_flops() == 2 * forward.get_total_flops()    # the backward is 2 forwards
+
+
+def test_moe_flops_depend_on_routing_only_through_the_token_count():
+    model, ids = tiny("mixtral"), batch()[0]
+    loads = []
+    for bias in (0.0, 10.0):                                              # 10: every token to experts 0 and 1
+        for layer in model.layers:
+            layer.ffn.router_bias[:2] = bias
+        assert counted(lambda: model(ids)) == tf.forward_flops(model, CB, CT)
+        loads.append(model.layers[0].ffn.tokens_per_expert.tolist())
+    assert loads[1] == [CB * CT, CB * CT, 0, 0] and loads[0] != loads[1]
+
+
+def test_mistral_window_is_counted_as_the_full_square_it_computes():
+    mistral, llama = tiny("mistral"), tiny("llama")
+    ids = batch()[0]
+    assert counted(lambda: mistral(ids)) == counted(lambda: llama(ids)) == tf.forward_flops(mistral, CB, CT)
+
+
+def test_deepseek_counts_the_expanded_latent_attention():
+    model, ids = tiny("deepseek"), batch()[0]
+    c = model.config
+    _, A = tf.matmul_widths("deepseek", c)
+    assert A == c["n_layers"] * c["n_heads"] * (c["qk_nope_dim"] + c["qk_rope_dim"] + c["v_head_dim"])
+    assert counted(lambda: model(ids)) == tf.forward_flops(model, CB, CT)   # absorbed would differ
+
+
+def _not_multiplied(model):
+    """Parameters no product reads: the embedding table (unless lm_head is it), norms, biases."""
+    lm_head = model.lm_head.weight
+    return sum(p.numel() for n, p in model.named_parameters()
+               if p.dim() == 1 or (n == "token_embedding.weight" and p is not lm_head))
+
+
+@pytest.mark.parametrize("kind, tie", [("gpt", False), ("gpt", True), ("llama", False), ("llama", True)])
+def test_six_n_is_off_by_the_unmultiplied_parameters_and_attention(kind, tie):
+    torch.manual_seed(0)
+    model = (tf.DecoderOnlyTransformer(CV, 32, 2, 4, 64, max_len=16, tie_weights=tie) if kind == "gpt" else
+             tf.Llama(CV, 32, 2, 4, 2, d_ff=48, max_len=16, tie_weights=tie, qkv_bias=True))
+    _, A = tf.matmul_widths(kind, model.config)
+    N, tokens = tf.count_parameters(model), CB * CT
+    assert tf.training_flops(model, CB, CT) == 6 * tokens * (N - _not_multiplied(model)) + 6 * tokens * CT * A
+    assert tf.training_flops(model, CB, CT) != 6 * tokens * N
+
+
+def test_six_n_for_llama_3_8b_leaves_out_attention():
+    _, config, N = tf.LLAMA_CONFIGS[1]
+    W, A = tf.matmul_widths("llama", config)
+    assert W == N - 128256 * 4096 - (2 * 32 + 1) * 4096                   # less the table and the norms
+    assert round(8192 * A / W, 3) == 0.286                                # attention on top of 6 W at 8K
+    assert round(6 * (W + 8192 * A) / (6 * N), 3) == 1.202
+
+
+@pytest.mark.parametrize("name", [c[0] for c in tf.LLAMA_CONFIGS] + [c[0] for c in tf.FRONTIER_CONFIGS])
+def test_weights_multiplied_agree_with_the_parameter_formulas(name):
+    """matmul_widths' W is the (active) parameter count less what no product reads."""
+    rows = {n: ("llama", c, tf.llama_param_formula(**c), tf.llama_param_formula(**c)) for n, c, _ in tf.LLAMA_CONFIGS}
+    formulas = {"mixtral": tf.mixtral_param_formula, "qwen3moe": tf.qwen3_moe_param_formula,
+                "deepseek": tf.deepseek_param_formula}
+    rows.update({n: (k, c, formulas[k](**c), formulas[k](**c, active=True)) for n, k, c, *_ in tf.FRONTIER_CONFIGS})
+    kind, c, total, active = rows[name]
+    D, L, H = c["d_model"], c["n_layers"], c["n_heads"]
+    head_dim, kv = c.get("head_dim") or D // H, c.get("n_kv_heads") or H
+    norms = L * 2 * D + D + {"qwen3moe": L * 2 * head_dim, "deepseek": L * (c.get("q_lora_rank") or 0)
+                             + L * c.get("kv_lora_rank", 0)}.get(kind, 0)
+    biases = L * (H + 2 * kv) * head_dim if c.get("qkv_bias") else 0
+    table = 0 if c.get("tie_weights") else c["vocab_size"] * D
+    assert tf.matmul_widths(kind, c)[0] == active - table - norms - biases
+    assert tf.matmul_widths(kind, c, active=False)[0] == total - table - norms - biases
+
+
+def test_published_budgets_and_the_mfu_they_imply():
+    budgets = {row[0]: row[1:] for row in tf.TRAINING_BUDGETS}
+    assert budgets["Llama-2-7B"] == (2.0e12, 184_320, "A100-80GB", 312e12, 4096)   # Llama 2 paper, Tables 1, 2
+    assert budgets["Llama-3-8B"] == (15e12, 1.3e6, "H100-80GB", 989.4e12, 8192)    # Llama 3 model card
+    assert budgets["DeepSeek-V3"] == (14.8e12, 2.664e6, "H800", 989.4e12, 4096)    # V3 report, Table 1
+    configs = {"Llama-2-7B": ("llama", tf.LLAMA_CONFIGS[0][1]), "Llama-3-8B": ("llama", tf.LLAMA_CONFIGS[1][1]),
+               "DeepSeek-V3": ("deepseek", tf.FRONTIER_CONFIGS[2][2])}
+    mfu = {}
+    for name, (tokens, hours, _, peak, seq_len) in budgets.items():
+        W, A = tf.matmul_widths(*configs[name])
+        mfu[name] = round(tf.implied_mfu(6 * (W + seq_len * A), tokens, hours, peak), 3)
+    assert mfu == {"Llama-2-7B": 0.445, "Llama-3-8B": 0.188, "DeepSeek-V3": 0.439}
+    assert tf.implied_mfu(1e12, 3600, 1, 1e12) == 1.0                     # one GPU-hour at peak
+
+
+@pytest.mark.parametrize("model, words", [
+    (lambda: tf.Transformer(30, 30, d_model=16, n_heads=2, d_ff=32, n_layers=1), "got Transformer"),
+    (lambda: torch.nn.Linear(4, 4), "got Linear"),
+    (lambda: type("MyLlama", (tf.Llama,), {})(CV, 32, 1, 4, max_len=16), "got MyLlama"),
+])
+def test_a_model_the_formulas_do_not_know_is_refused_by_name(model, words):
+    for call in (tf.forward_flops, tf.training_flops, tf.training_memory):
+        with pytest.raises(ValueError, match=f"^model must be one of DecoderOnlyTransformer, .*, {words}$"):
+            call(model(), 1, 1)
+
+
+@pytest.mark.parametrize("call", [tf.forward_flops, tf.training_flops, tf.training_memory])
+def test_bad_sizes_are_refused_naming_the_argument(call):
+    model = tiny("llama")
+    with pytest.raises(ValueError, match=r"^batch_size must be an integer >= 1, got 0$"):
+        call(model, 0, 4)
+    with pytest.raises(ValueError, match=r"^seq_len must be an integer >= 1, got 2.5$"):
+        call(model, 1, 2.5)
+    with pytest.raises(ValueError, match=r"^seq_len must be at most max_len \(max_len=16\), got 17$"):
+        call(model, 1, 17)
+
+
+# ===========================================================================
+# 30. Memory, by formula and measured
+# ===========================================================================
+
+def _saved_split(model, ids, targets, mixed_precision):
+    """saved_bytes, counted apart: autocast's copies of parameters (found through the graph:
+    a transpose or cast back to an AccumulateGrad) and the rest."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(torch.utils.weak.TensorWeakRef(t)) or t,
+                                                  lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision):
+            loss = loss_of(model, ids, targets)
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    copies, rest = {}, {}
+    for t in [t for t in (r() for r in saved) if t is not None]:
+        node = t.grad_fn
+        while node is not None and type(node).__name__ in ("TBackward0", "ToCopyBackward0"):
+            node = node.next_functions[0][0]
+        address = t.untyped_storage().data_ptr()
+        if address not in own:
+            (copies if type(node).__name__ == "AccumulateGrad" else rest)[address] = t.untyped_storage().nbytes()
+    del loss
+    return sum(copies.values()), sum(rest.values())
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True], ids=["float32", "bf16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_activation_formula_equals_measurement(kind, mixed_precision):
+    model = tiny(kind)
+    ids, targets = batch()
+    if kind in ("mixtral", "qwen3moe", "deepseek"):                        # every expert receives tokens here
+        model(ids)
+        assert all((layer.ffn.tokens_per_expert > 0).all() for layer in model.layers if hasattr(layer.ffn, "router"))
+    copies, rest = _saved_split(model, ids, targets, mixed_precision)
+    formula = tf.activation_bytes(kind, model.config, CB, CT, mixed_precision)
+    assert rest == formula                                                 # exact, hence within 2%
+    matrices = tf.matmul_widths(kind, model.config, active=False)[0]       # every nn.Linear's weight
+    assert copies == (2 * matrices if mixed_precision else 0)
+    assert tf.saved_bytes(model, ids, targets, mixed_precision) == formula + copies
+    memory = tf.training_memory(model, CB, CT, mixed_precision)
+    assert memory["activations"] == formula and memory["weights"] == 4 * tf.count_parameters(model) + copies
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True], ids=["float32", "bf16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpointing_keeps_the_blocks_inputs_and_what_lies_outside(kind, mixed_precision):
+    model = tf.checkpoint_blocks(tiny(kind))
+    ids, targets = batch()
+    lm_head_copy = 2 * CV * model.d_model if mixed_precision else 0         # the one product outside the blocks
+    measured = tf.saved_bytes(model, ids, targets, mixed_precision)
+    formula = tf.activation_bytes(kind, model.config, CB, CT, mixed_precision, checkpointing=True)
+    assert measured == formula + lm_head_copy
+    assert formula < tf.activation_bytes(kind, model.config, CB, CT, mixed_precision) / 4
+
+
+def test_gpt_dropout_masks_are_counted():
+    torch.manual_seed(0)
+    model, (ids, targets) = tf.DecoderOnlyTransformer(CV, 32, 2, 4, 64, max_len=16, dropout=0.1), batch()
+    for mixed, checkpointing in [(False, False), (True, False), (False, True)]:
+        tf.checkpoint_blocks(model, checkpointing)
+        copies = 2 * (CV * 32 if checkpointing else tf.matmul_widths("gpt", model.config, active=False)[0])
+        assert tf.saved_bytes(model, ids, targets, mixed) == tf.activation_bytes(
+            "gpt", model.config, CB, CT, mixed, checkpointing) + (copies if mixed else 0)
+    assert tf.activation_bytes("gpt", model.config, CB, CT) > tf.activation_bytes("gpt", dict(model.config, dropout=0.0),
+                                                                                CB, CT)
+
+
+def test_a_storage_is_counted_once_and_a_freed_branch_not_at_all():
+    """q, k, v are views of one projection's output in places; DeepSeek's group choice saves
+    indices that die with their branch. A count per saved tensor would be far larger."""
+    model, (ids, targets) = tiny("deepseek"), batch()
+    per_tensor = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: per_tensor.append(t.untyped_storage().nbytes()) or t,
+                                                  lambda t: t):
+        loss_of(model, ids, targets)
+    assert sum(per_tensor) > 1.5 * tf.saved_bytes(model, ids, targets)
+    assert tf.saved_bytes(model, ids, targets) == tf.activation_bytes("deepseek", model.config, CB, CT)
+
+
+def _last_products(kind, model, tokens):
+    """FLOPs of the product each block runs last: the checkpoint's recompute stops before it
+    (early stop: its saved input is the last one the backward needs)."""
+    c, D = model.config, model.d_model
+    dense = 2 * tokens * D * (c["d_ff"] or tf.llama_ffn_dim(D)) if kind != "deepseek" else 2 * tokens * D * c["d_ff"]
+    if kind in ("mixtral", "qwen3moe"):
+        return 0                                                           # index_add_ saves after the last expert
+    if kind == "deepseek":                                                 # the dense block's w2, the shared expert's
+        shared = 2 * tokens * D * c["n_shared"] * c["expert_d_ff"]
+        return c["n_dense_layers"] * dense + (c["n_layers"] - c["n_dense_layers"]) * shared
+    return c["n_layers"] * dense
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama", "mixtral", "deepseek"])  # each kind of last product
+def test_checkpointing_costs_one_more_forward_of_the_blocks(kind):
+    model = tf.checkpoint_blocks(tiny(kind))
+    ids, targets = batch()
+    training = counted(lambda: loss_of(model, ids, targets).backward())
+    forward, lm_head = tf.forward_flops(model, CB, CT), 2 * CB * CT * model.d_model * CV
+    assert training == tf.training_flops(model, CB, CT) + forward - lm_head - _last_products(kind, model, CB * CT)
+    assert 3.6 < training / forward < 4                                   # measured 3.70 (gpt) to 3.94 (mixtral)
+
+
+def test_checkpointed_llama_3_8b_trains_in_3_72_forwards():
+    _, config, _ = tf.LLAMA_CONFIGS[1]
+    W, A = tf.matmul_widths("llama", config)
+    forward = 2 * (W + 4096 * A)                                           # a token at CT = 4096
+    rerun = forward - 2 * 128256 * 4096 - 32 * 2 * 4096 * 14336            # less lm_head and each w2
+    assert round((3 * forward + rerun) / forward, 2) == 3.72
+
+
+def test_gpt_layer_under_autocast_saves_48_d_plus_8_plus_4_h_t_a_token():
+    config = dict(vocab_size=CV, d_model=32, n_heads=4, d_ff=128, n_layers=1, max_len=16, dropout=0.0)
+    one, two = (tf.activation_bytes("gpt", dict(config, n_layers=n), CB, CT, mixed_precision=True) for n in (1, 2))
+    assert two - one == CB * CT * (48 * 32 + 8 + 4 * 4 * CT) + 2 * CT * CT     # and the layer's two masks
+
+
+def test_checkpointing_changes_the_memory_not_the_gradients():
+    model, (ids, targets) = tiny("llama"), batch()
+    grads = []
+    for enabled in (False, True):
+        model.zero_grad()
+        loss_of(tf.checkpoint_blocks(model, checkpointing=enabled), ids, targets).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+    assert "forward" in vars(model.layers[0])
+    assert "forward" not in vars(tf.checkpoint_blocks(model, False).layers[0])  # switched off again
+
+
+def test_trainable_parameters_only_carry_gradients_states_and_master_copies():
+    model = tiny("llama")
+    full = tf.training_memory(model, CB, CT)
+    P = tf.count_parameters(model)
+    assert (full["weights"], full["gradients"], full["optimizer"], full["master_weights"]) == (4 * P, 4 * P, 8 * P, 0)
+    for p in model.parameters():
+        p.requires_grad_(p.dim() == 1)                                     # only the norms train
+    frozen = tf.training_memory(model, CB, CT)
+    trainable = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    assert frozen["weights"] == 4 * P and frozen["gradients"] == 4 * trainable and frozen["optimizer"] == 8 * trainable
+    assert frozen["total"] == sum(v for k, v in frozen.items() if k != "total")
+
+
+def test_bytes_a_parameter_of_the_three_schemes():
+    P = 1000
+    assert tf.memory_bytes(P, P, 0, "bf16")["total"] == 16 * P             # 2 + 2 + 8 + 4: the rule
+    assert tf.memory_bytes(P, P, 0, "float32")["total"] == 16 * P          # 4 + 4 + 8
+    assert tf.memory_bytes(P, P, 0, "autocast", matrices=P)["total"] == 18 * P  # + the bf16 copies
+    assert tf.memory_bytes(P, P, 0, "bf16")["master_weights"] == 4 * P
+
+
+def test_zero_stages_reproduce_the_zero_papers_figure_1():
+    memory = tf.memory_bytes(7_500_000_000, 7_500_000_000, 0, "bf16")     # 7.5B parameters, K = 12
+    per_stage = [round(tf.zero_memory_per_device(memory, 64, stage)["total"] / 1e9, 1) for stage in range(4)]
+    assert per_stage == [120.0, 31.4, 16.6, 1.9]
+    with_activations = tf.memory_bytes(100, 100, 5000, "bf16")
+    assert tf.zero_memory_per_device(with_activations, 8, 3)["activations"] == 5000  # each device its own batch
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda m: tf.training_memory(m, 0, 4), r"^batch_size must be an integer >= 1, got 0$"),
+    (lambda m: tf.training_memory(m, 1, 17), r"^seq_len must be at most max_len \(max_len=16\), got 17$"),
+    (lambda m: tf.training_memory(m, 1, 4, mixed_precision=1), r"^mixed_precision must be True or False, got 1$"),
+    (lambda m: tf.activation_bytes("t5", m.config, 1, 4), r"^kind must be 'gpt' or .* or 'deepseek', got 't5'$"),
+    (lambda m: tf.memory_bytes(1, 1, 0, "fp8"), r"^precision must be 'float32' or 'autocast' or 'bf16', got 'fp8'$"),
+    (lambda m: tf.zero_memory_per_device(tf.training_memory(m, 1, 4), 0, 3),
+     r"^n_devices must be an integer >= 1, got 0$"),
+    (lambda m: tf.zero_memory_per_device(tf.training_memory(m, 1, 4), 8, 4),
+     r"^zero_stage must be an integer from 0 to 3, got 4$"),
+    (lambda m: tf.checkpoint_blocks(m, "yes"), r"^checkpointing must be True or False, got 'yes'$"),
+], ids=["batch-0", "seq-past-max", "mixed-1", "kind", "precision", "devices-0", "stage-4", "enabled-str"])
+def test_memory_bad_input_names_the_argument(call, words):
+    with pytest.raises(ValueError, match=words):
+        call(tiny("llama"))
 
 
 # ===========================================================================

@@ -2600,6 +2600,344 @@ def accumulate_gradients(model, micro_batches, ignore_index=-100):
 
 
 # ===========================================================================
+# 29. FLOPs, by formula and counted (计算量)
+# ===========================================================================
+# What a training run costs is set by its arithmetic: a matrix product [M, K] @ [K, N]
+# is 2 M N K floating-point operations (a multiply and an add per term), and products
+# are nearly all of a Transformer's work. torch.utils.flop_counter.FlopCounterMode
+# counts exactly that, and nothing for norms, softmax, RoPE or the embedding lookup (a
+# gather). The formulas below come from the configuration and meet its count to the
+# FLOP, forward and training, for every decoder-only family of this file.
+
+# exact classes: a subclass may change what its blocks compute
+MODEL_KINDS = {DecoderOnlyTransformer: "gpt", Llama: "llama", Mistral: "mistral", Qwen3: "qwen3",
+               Mixtral: "mixtral", Qwen3MoE: "qwen3moe", DeepSeekV3: "deepseek"}
+ARGUMENTS.update(batch_size=(int, 1, MAX_SIZE), seq_len=(int, 1, MAX_SIZE), kind=("one of", *MODEL_KINDS.values()))
+RELATIONS["seq_len <= max_len"] = (("seq_len", "max_len"), lambda t, most: t <= most,
+                                   "seq_len must be at most max_len")
+
+
+def model_kind(model):
+    """The formulas' name for model's class, as FRONTIER_CONFIGS names it; ValueError for others."""
+    if type(model) not in MODEL_KINDS:
+        raise ValueError(f"model must be one of {', '.join(c.__name__ for c in MODEL_KINDS)}, got"
+                         f" {type(model).__name__}")
+    return MODEL_KINDS[type(model)]
+
+
+def matmul_widths(kind, config, active=True):
+    """(W, A) for a configuration (a model's, or a published one, its keys left out that
+    default to None derived): W the weights a token's forward multiplies by, every
+    nn.Linear's (lm_head's too, a MoE's router, the top_k experts a token runs and the
+    shared ones; active=False: all experts), but not the embedding table, which is read;
+    A = sum over layers of heads x (q.k width + v width), the [T, T] products' width."""
+    check(kind=kind)
+    c = config
+    D, V, L, H = c["d_model"], c["vocab_size"], c["n_layers"], c["n_heads"]
+    if kind == "gpt":
+        return L * (4 * D * D + 2 * D * c["d_ff"]) + V * D, L * 2 * D  # biases: added, not multiplied
+    if kind == "deepseek":
+        q_width, r, qr = H * (c["qk_nope_dim"] + c["qk_rope_dim"]), c["kv_lora_rank"], c.get("q_lora_rank")
+        attention = (D * q_width if qr is None else D * qr + qr * q_width) + D * (r + c["qk_rope_dim"]) + \
+            r * H * (c["qk_nope_dim"] + c["v_head_dim"]) + H * c["v_head_dim"] * D
+        moe = moe_params(D, c["expert_d_ff"], c["n_experts"], c["top_k"], c["n_shared"], active)
+        dense = c["n_dense_layers"]
+        W = L * attention + dense * 3 * D * c["d_ff"] + (L - dense) * moe + V * D
+        return W, L * H * (c["qk_nope_dim"] + c["qk_rope_dim"] + c["v_head_dim"])
+    head_dim = c.get("head_dim") or D // H                                 # Llama and its families
+    attention = gqa_params(D, H, c.get("n_kv_heads") or H, head_dim, bias=False)
+    d_ff = c.get("d_ff") or llama_ffn_dim(D)
+    if kind in ("mixtral", "qwen3moe"):
+        ffn = moe_params(D, c.get("expert_d_ff") or d_ff, c["n_experts"], c["top_k"], active=active)
+    else:
+        ffn = 3 * D * d_ff
+    return L * (attention + ffn) + V * D, L * H * 2 * head_dim
+
+
+def forward_flops(model, batch_size, seq_len):
+    """FLOPs of model(ids) for ids [batch_size, seq_len], as FlopCounterMode counts them:
+    2 W a token for the weights, 2 T A a token for the scores q k^T and their sum over v."""
+    kind = model_kind(model)
+    check("seq_len <= max_len", batch_size=batch_size, seq_len=seq_len, max_len=model.max_len)
+    W, A = matmul_widths(kind, model.config)
+    return 2 * batch_size * seq_len * (W + seq_len * A)
+
+
+def training_flops(model, batch_size, seq_len):
+    """FLOPs of a forward and loss.backward(): 3 forwards. Y = X W needs dX = dY W^T and
+    dW = X^T dY, each as large as the product itself; every input needs its gradient,
+    the first block's too, since the embedding table trains."""
+    return 3 * forward_flops(model, batch_size, seq_len)
+
+# What is counted is what is computed. Section 2 computes all [T, T] scores and masks
+# the upper half: a causal kernel that skips it (FlashAttention) does about half the
+# attention FLOPs, and Mistral's band (section 23) would need T * window, not T^2; the
+# count here is the full square for both. A MoE's count depends on the routing only
+# through n_e, the tokens expert e receives: sum_e n_e = N * top_k whatever the router
+# chose, so the formula is exact. DeepSeek's MLA runs expanded for a whole sequence
+# (absorbed only when decoding from a cache, section 19).
+#
+# "6N": training costs about 6 FLOPs per parameter per token (Kaplan et al., 2020,
+# "Scaling Laws for Neural Language Models": C_forward = 2N + 2 n_layer n_ctx d_model,
+# N without the embeddings, so C = 6N for d_model well above n_ctx / 12). Here training
+# costs 6 W + 6 T A a token, and W is N less what no product reads: the embedding
+# table (a lookup is free, lm_head a product, and tied they are one matrix, counted
+# once), norm weights and biases. 6 T A is what 6N leaves out; it grows with the
+# context: 29% on top of 6 W for Llama-3-8B at T = 8192. Kaplan's context term is half
+# of it (one of the two [T, T] products); the PaLM paper (Chowdhery et al., 2022,
+# appendix B, as nanoGPT's estimate_mfu) counts 6N + 12 L H Q T, Q the head width: this
+# 6 T A when q.k and v are both Q wide. For a MoE, N is the active parameters.
+#
+# Model FLOPs utilization (MFU): the FLOPs a run needed over what its GPUs could do at
+# peak in the time, FLOPs a token x tokens / (GPU hours x 3600 x peak). Published
+# pretraining budgets to put the count against (peaks: dense bf16, without 2:4 sparsity;
+# what the GPU hours hold besides the run's steps, the sources do not say):
+
+TRAINING_BUDGETS = [  # (model, tokens, GPU hours, GPU, peak FLOP/s of one GPU, sequence length)
+    # Llama 2 paper (Touvron et al., 2023): Table 1, 2.0T tokens, 4k context; Table 2,
+    # 184,320 A100-80GB hours for 7B. A100 datasheet: 312 TFLOPS bf16 dense
+    ("Llama-2-7B", 2.0e12, 184_320, "A100-80GB", 312e12, 4096),
+    # Meta's Llama 3 model card: "over 15 trillion tokens", 8k context, 1.3M H100-80GB
+    # hours for 8B. H100 SXM (Hopper whitepaper): 989.4 TFLOPS bf16 dense
+    ("Llama-3-8B", 15e12, 1.3e6, "H100-80GB", 989.4e12, 8192),
+    # DeepSeek-V3 technical report: 14.8T tokens at 4K, Table 1: 2,664K H800 hours of
+    # pretraining (of 2,788K in all). The H800's peak is not in a datasheet found here;
+    # taken as the H100 SXM's, whose chip it shares (cut: NVLink, FP64). Uncertain both
+    # ways: most products ran in FP8 (twice the peak), the MTP module's are not counted
+    ("DeepSeek-V3", 14.8e12, 2.664e6, "H800", 989.4e12, 4096),
+]
+
+
+def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
+    """The MFU a published budget implies: FLOPs needed over FLOPs available at peak."""
+    return flops_per_token * tokens / (gpu_hours * 3600 * peak_flops)
+
+# Try it: the formulas against PyTorch's own count, for a Llama and a MoE; 6N at 8K.
+#   >>> from torch.utils.flop_counter import FlopCounterMode
+#   >>> torch.manual_seed(0)
+#   <torch._C.Generator object at ...>
+#   >>> config = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_len=16)
+#   >>> llama, mixtral = Llama(**config), Mixtral(**config, n_experts=4, top_k=2)
+#   >>> ids = torch.randint(0, 50, (2, 7))                                 # [2, 7]
+#   >>> for model in llama, mixtral:
+#   ...     with FlopCounterMode(display=False) as counter:
+#   ...         model(ids).logsumexp(-1).mean().backward()
+#   ...     print(counter.get_total_flops(), training_flops(model, batch_size=2, seq_len=7))
+#   1757952 1757952
+#   2811648 2811648
+#   >>> W, A = matmul_widths("llama", LLAMA_CONFIGS[1][1])                 # Llama-3-8B
+#   >>> round(6 * (W + 8192 * A) / 1e9, 1), round(6 * LLAMA_CONFIGS[1][2] / 1e9, 1)  # GFLOPs a token
+#   (57.9, 48.2)
+#   >>> forward_flops(torch.nn.Linear(4, 4), batch_size=1, seq_len=1)
+#   Traceback (most recent call last):
+#   ValueError: model must be one of DecoderOnlyTransformer, Llama, ..., DeepSeekV3, got Linear
+
+
+# ===========================================================================
+# 30. Memory, by formula and measured (显存)
+# ===========================================================================
+# A training step holds four things: the weights, their gradients, the optimizer's
+# state (AdamW's m and v, section 26) and the activations, what the forward saves for
+# the backward. The first three grow with the parameters, the last with batch x length,
+# and it is measured here: saved_tensors_hooks sees every tensor autograd saves, and a
+# formula for each model family meets the count. Checkpointing trades activations for
+# a second forward; ZeRO splits the rest over devices.
+
+ARGUMENTS.update(mixed_precision=(bool,), checkpointing=(bool,), precision=("one of", "float32", "autocast", "bf16"),
+                 n_devices=(int, 1, MAX_SIZE), zero_stage=(int, 0, 3))
+
+
+def checkpoint_blocks(model, checkpointing=True):
+    """Activation checkpointing on (or off): each block of model keeps only its inputs for the
+    backward and runs its forward again there (torch.utils.checkpoint, a block at a time). -> model"""
+    check(checkpointing=checkpointing)
+    for block in model.layers:
+        if checkpointing:  # an instance attribute: nn.Module's __call__ finds it before the class's forward
+            block.forward = lambda *inputs, block=block: torch.utils.checkpoint.checkpoint(
+                type(block).forward, block, *inputs, use_reentrant=False)
+        elif "forward" in vars(block):
+            del block.forward
+    return model
+
+
+def saved_bytes(model, input_ids, targets, mixed_precision=False):
+    """Measured: the bytes autograd keeps for the backward of cross_entropy(model(input_ids),
+    targets), each storage once (views share one), the model's parameters and buffers not
+    counted. Under autocast, the bf16 copies of the weights it multiplies are counted."""
+    saved = []  # weak references: a tensor counts only while the graph still holds it
+
+    def pack(tensor):
+        saved.append(torch.utils.weak.TensorWeakRef(tensor))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision):
+            loss = F.cross_entropy(model(input_ids).flatten(0, 1), targets.flatten())  # []
+    # a branch that leads nowhere near the loss (section 18's choice of groups) is freed, its
+    # saved tensors with it, as the forward leaves it, and a later tensor may reuse the address
+    live = [tensor for tensor in (ref() for ref in saved) if tensor is not None]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live}
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    del loss  # the graph, and all it saved, lives until here
+    return sum(size for address, size in storages.items() if address not in own)
+
+
+# What autograd saves, a token, is what the formula below adds up (float32: 4 bytes a value):
+#   a norm of the residual stream: its input (LayerNorm: centered), the normed values and
+#   1/rms, 8 D + 4 bytes; a linear: its input; q k^T: q and k, H heads each (after
+#   repeat_kv); softmax: its output, H T; weights @ v: the masked weights and v; SwiGLU:
+#   w1's and w3's outputs, silu's and the product, 4 Dff (GELU: fc1's output and its own);
+#   the loss: the log-softmax, V; ids and targets, 8 bytes each. A layer: two bool masks.
+# Under autocast the products run in bf16 (2 bytes), norms, the residual stream and the
+# log-softmax stay float32, and each projection casts its OWN bf16 copy of a float32
+# input: q, k and v save three copies of the normed x where float32 saves x once (a
+# fused qkv projection would cast once); RoPE casts cos and sin for q and for k. That is
+# CPU autocast; CUDA's also runs softmax, pow and rsqrt in float32 (torch's autocast op
+# reference), so there the attention weights stay float32: not measured here.
+# A MoE saves, for each of the N top_k (token, expert) pairs, the gathered input, the
+# expert's SwiGLU, its weight and output, the weighted output and two int64 indices:
+# routing decides which experts, never how much, so this too is exact. DeepSeek's MLA
+# saves its latent's and its query's norms and each head's [nope | rope] query and key.
+# Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer
+# Models") count 34 s b h + 5 a s^2 b bytes a GPT layer, 16-bit throughout, dropout
+# included: 34 D + 5 H T a token. This file's GPT layer under autocast, without dropout
+# and with Dff = 4 D, saves 48 D + 8 + 4 H T: float32 norms and separate casts.
+
+
+def activation_bytes(kind, config, batch_size, seq_len, mixed_precision=False, checkpointing=False):
+    """Bytes saved for the backward of a training step, as saved_bytes counts them for
+    ids and targets [batch_size, seq_len]: by formula, from the configuration. Under
+    autocast (mixed_precision) the weights' bf16 copies are left to memory_bytes."""
+    check("seq_len <= max_len", kind=kind, batch_size=batch_size, seq_len=seq_len, max_len=config["max_len"],
+          mixed_precision=mixed_precision, checkpointing=checkpointing)
+    c, B, T = config, batch_size, seq_len
+    N, D, V, L, H = B * T, c["d_model"], c["vocab_size"], c["n_layers"], c["n_heads"]
+    a = 2 if mixed_precision else 4                                        # a product's output
+    copies = (lambda n: 2 * n) if mixed_precision else (lambda n: 4)       # a float32 input n products read
+    norm = 8 * D + 4                                                       # on the float32 residual stream
+    rest = 16 * N + N * (norm + copies(1) * D + 4 * V) + 4                 # final norm, lm_head, loss, ids
+    if kind == "gpt" and c["dropout"] > 0:  # on a CPU dropout keeps a mask of its input's dtype (CUDA: bool)
+        rest += 4 * N * D                                                  # the embedding's
+    if checkpointing:  # a block keeps its float32 input; the one causal mask serves every block
+        return rest + L * 4 * N * D + T * T
+    per_layer = 2 * T * T                                                  # the two ~mask of section 2
+    if kind == "gpt":
+        ffn = norm + copies(1) * D + 2 * a * c["d_ff"]
+        attention = norm + copies(3) * D + 4 * a * D + 2 * a * H * T
+        if c["dropout"] > 0:
+            attention, ffn = attention + a * (H * T + D), ffn + a * (c["d_ff"] + D)
+        return rest + L * (N * (attention + ffn) + per_layer)
+    if kind == "deepseek":
+        r, rope, qr = c["kv_lora_rank"], c["qk_rope_dim"], c.get("q_lora_rank")
+        attention = norm + copies(2) * D + 2 * a * H * (c["qk_nope_dim"] + rope + c["v_head_dim"]) + 2 * a * H * T
+        # kv_norm reads the latent, a view of w_dkv's output (all of it kept) or, under autocast, its float32 copy
+        attention += (4 * r if mixed_precision else 4 * (r + rope)) + 4 + a * r + copies(1) * r
+        attention += 0 if qr is None else 4 * qr + 4 + a * qr + copies(1) * qr  # q_norm
+        per_layer += 8 * T * rope if mixed_precision else 0                # RoPE's cos and sin in bf16
+        moe = moe_activation(D, a, copies, c["n_experts"], c["top_k"], c["expert_d_ff"],
+                             c["n_shared"] * c["expert_d_ff"], a, c.get("norm_topk", True))
+        dense = c["n_dense_layers"]
+        ffn = dense * (norm + copies(2) * D + 4 * a * c["d_ff"]) + (L - dense) * (norm + moe)
+        return rest + L * (N * attention + per_layer) + N * ffn
+    head_dim, Hkv = c.get("head_dim") or D // H, c.get("n_kv_heads") or H  # Llama and its families
+    attention = norm + copies(3) * D + 4 * a * H * head_dim + 2 * a * H * T
+    if kind in ("qwen3", "qwen3moe"):  # q_norm and k_norm; their float32 output leaves RoPE nothing to cast
+        attention += (H + Hkv) * ((4 + a) * head_dim + 4)
+    elif mixed_precision:
+        per_layer += 8 * T * head_dim                                      # RoPE's cos and sin in bf16
+    d_ff = c.get("d_ff") or llama_ffn_dim(D)
+    if kind in ("mixtral", "qwen3moe"):
+        ffn = norm + moe_activation(D, a, copies, c["n_experts"], c["top_k"], c.get("expert_d_ff") or d_ff, 0, 4,
+                                    c.get("norm_topk", True))
+    else:
+        ffn = norm + copies(2) * D + 4 * a * d_ff
+    return rest + L * (N * (attention + ffn) + per_layer)
+
+
+def moe_activation(D, a, copies, n_experts, top_k, expert_d_ff, shared_d_ff, score_bytes, norm_topk):
+    """A MoE's saved bytes a token (section 18's forward): the router's input and scores
+    (float32 after a softmax, the product's dtype after a sigmoid), the indices, and per
+    chosen expert its gathered input, SwiGLU, weight, output and weighted output."""
+    E, k = n_experts, top_k
+    routing = copies(1 + 2 * (shared_d_ff > 0)) * D + score_bytes * E + 8 * k  # + the shared expert's reads
+    routing += score_bytes * (k + 1) if norm_topk else 0                   # chosen weights over their sum
+    per_pair = 16 + copies(2) * D + 4 * a * expert_d_ff + 4 + a * D + 4 * D  # two int64 indices
+    return routing + k * per_pair + 4 * a * shared_d_ff
+
+# Checkpointing: the forward runs each block but drops what it would save, keeping the
+# block's inputs (4 D bytes a token, and the mask); the backward runs the block's forward
+# again, then its backward, holding one block's activations at a time on top. The rerun
+# stops once the last tensor the backward needs is back (torch's early stop), before the
+# block's last product (w2, fc2; a shared expert's w2), and lm_head is outside the blocks:
+# Llama-3-8B at T = 4096 trains in 3.72 forwards instead of 3.
+
+PRECISIONS = {  # bytes a parameter: weights, gradients, AdamW's m and v, float32 master copy
+    "float32": (4, 4, 8, 0),
+    "autocast": (4, 4, 8, 0),  # float32 weights under torch.autocast, as this file trains; + the bf16 copies
+    "bf16": (2, 2, 8, 4),      # bf16 weights and gradients, float32 master and states: large runs' 16 bytes
+}
+
+
+def memory_bytes(params, trainable, activations, precision="float32", matrices=0):
+    """A training step's memory with AdamW, in bytes, by kind: params parameters as weights,
+    the trainable ones with gradients, AdamW's two states and master copies, and the
+    activations. Under autocast, matrices: the parameters products read, of which it keeps
+    a bf16 copy through the forward (its cache) and, where a product saved it, the backward."""
+    check(precision=precision)
+    w, g, o, m = PRECISIONS[precision]
+    memory = dict(weights=w * params + (2 * matrices if precision == "autocast" else 0), gradients=g * trainable,
+                  optimizer=o * trainable, master_weights=m * trainable, activations=activations)
+    memory["total"] = sum(memory.values())
+    return memory
+
+
+def training_memory(model, batch_size, seq_len, mixed_precision=False, checkpointing=False):
+    """memory_bytes of model training on [batch_size, seq_len] with AdamW, in float32 or
+    (mixed_precision) under bf16 autocast over float32 weights, as this file trains."""
+    kind = model_kind(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    activations = activation_bytes(kind, model.config, batch_size, seq_len, mixed_precision, checkpointing)
+    return memory_bytes(count_parameters(model), trainable, activations, "autocast" if mixed_precision else
+                        "float32", matmul_widths(kind, model.config, active=False)[0])
+
+
+def zero_memory_per_device(memory, n_devices, zero_stage):
+    """memory_bytes on each of n_devices data-parallel devices under ZeRO (Rajbhandari et al.,
+    2020): stage 1 splits the optimizer states and master weights, 2 the gradients too,
+    3 the weights too; activations stay whole, each device's own batch's."""
+    check(n_devices=n_devices, zero_stage=zero_stage)
+    split_from = dict(optimizer=1, master_weights=1, gradients=2, weights=3, activations=4)
+    per_device = {key: -(-memory[key] // n_devices) if zero_stage >= stage else memory[key]
+                  for key, stage in split_from.items()}                   # a device holds its share, rounded up
+    per_device["total"] = sum(per_device.values())
+    return per_device
+
+# The rules people quote, from PRECISIONS: AdamW in mixed precision costs 16 bytes a
+# parameter (2 + 2 + 8 + 4; ZeRO's paper: 2 + 2 + K with K = 12), before activations, so
+# a 7.5B model needs 120 GB on every device of plain data parallelism; ZeRO-1, 2, 3 on
+# 64 devices leave 31.4, 16.6 and 1.9 GB (the paper's Figure 1). Autocast over float32
+# weights, as here, costs 18 (Hugging Face's "6 bytes" for weights: 4 + a 2-byte copy).
+# LoRA freezes the weights: gradients, states and master copies only for the adapters.
+
+# Try it: a Llama's activations, by formula and measured, with and without checkpointing.
+#   >>> torch.manual_seed(0)
+#   <torch._C.Generator object at ...>
+#   >>> llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_len=16)
+#   >>> ids, targets = torch.randint(0, 50, (2, 2, 8)).unbind(0)          # [2, 8] each
+#   >>> saved_bytes(llama, ids, targets), activation_bytes("llama", llama.config, 2, 8)
+#   (92100, 92100)
+#   >>> saved_bytes(checkpoint_blocks(llama), ids, targets), activation_bytes("llama", llama.config, 2, 8,
+#   ...                                                                     checkpointing=True)
+#   (13828, 13828)
+#   >>> memory = training_memory(checkpoint_blocks(llama, False), batch_size=2, seq_len=8)
+#   >>> memory["weights"] == 4 * count_parameters(llama), memory["optimizer"] == 2 * memory["weights"]
+#   (True, True)
+#   >>> zero = zero_memory_per_device(memory_bytes(7_500_000_000, 7_500_000_000, 0, "bf16"), 64, zero_stage=3)
+#   >>> round(zero["total"] / 1e9, 1)                                      # ZeRO's Figure 1: 1.9 GB
+#   1.9
+
+
+# ===========================================================================
 # Part VI: learning and using it (第六部分：训练与使用)
 # ===========================================================================
 # A task small enough to learn in seconds on a CPU, the ways to decode an answer,
