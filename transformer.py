@@ -2486,7 +2486,7 @@ def warmup_cosine(step, warmup_steps, total_steps, min_ratio=0.0):
     if step >= total_steps:  # transformers' cosine goes on past total_steps and climbs back
         return min_ratio     # toward 1; a run longer than planned should keep its lowest rate
     progress = (step - warmup_steps) / (total_steps - warmup_steps)        # 0 -> 1
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))  # [] a float, 1 down to min_ratio
 
 
 # WSD is MiniCPM's (Hu et al., 2024), whose decay may be any falling function (its runs
@@ -2574,7 +2574,7 @@ def accumulate_gradients(model, micro_batches, ignore_index=-100):
     (inputs..., targets [B, T]) with model(*inputs) -> logits [B, T, V] -> the big
     batch's loss, the mean cross-entropy over its real tokens (targets != ignore_index)."""
     check(ignore_index=ignore_index)
-    real = sum(int((batch[-1] != ignore_index).sum()) for batch in micro_batches)  # tokens in the big batch
+    real = sum(int((batch[-1] != ignore_index).sum()) for batch in micro_batches)  # [] an int: the big batch's real tokens
     if real == 0:
         raise ValueError(f"micro_batches must hold a real token, got every target = ignore_index ({ignore_index})")
     total = 0.0
@@ -4259,6 +4259,68 @@ def show_models(device):
           f" same tokens: {'yes' if same else 'NO'} (--bench: 256 and 1024 tokens)")
 
 
+def show_training_costs(seq_len=4096, lora_rank=16, n_devices=(8, 64)):
+    """Print FLOPs per token and the MFU published budgets imply, then the memory of full
+    fine-tuning and LoRA of Llama-3-8B and of training DeepSeek-V3."""
+    models = {name: ("llama", config, total, total) for name, config, total in LLAMA_CONFIGS}
+    models.update({name: (kind, config, total, active) for name, kind, config, total, active, _ in FRONTIER_CONFIGS})
+
+    def per_token(name, T):  # training FLOPs a token: 3 forwards of 2 W + 2 T A (section 29)
+        W, A = matmul_widths(models[name][0], models[name][1])
+        return 6 * (W + T * A)
+
+    print(f"Training GFLOPs a token at T = {seq_len}: 6N against the count (3 forwards, attention's [T, T] in full),")
+    print("and the count's share spent on attention's two [T, T] products:")
+    print(f"  {'model':15} {'N (active)':>11} {'6N':>8} {'counted':>8} {'attention':>9}")
+    for name, (kind, config, total, active) in models.items():
+        W, A = matmul_widths(kind, config)
+        print(f"  {name:15} {active / 1e9:10.2f}B {6 * active / 1e9:8.1f} {per_token(name, seq_len) / 1e9:8.1f}"
+              f" {seq_len * A / (W + seq_len * A):9.0%}")
+
+    print("\nThe model FLOPs utilization published budgets imply (section 29's sources):")
+    print(f"  {'model':12} {'tokens':>7} {'GPU hours':>10} {'GPU':10} {'T':>5} {'GFLOPs/token':>12} {'MFU':>5}"
+          f" {'(6N)':>5}")
+    for name, tokens, hours, gpu, peak, T in TRAINING_BUDGETS:
+        flops, six_n = per_token(name, T), 6 * models[name][3]
+        print(f"  {name:12} {tokens / 1e12:6.1f}T {hours / 1e6:9.3f}M {gpu:10} {T:5} {flops / 1e9:12.1f}"
+              f" {implied_mfu(flops, tokens, hours, peak):5.0%} {implied_mfu(six_n, tokens, hours, peak):5.0%}")
+
+    name, config, params = LLAMA_CONFIGS[1]                               # Llama-3-8B
+    D, L, H, Hkv = config["d_model"], config["n_layers"], config["n_heads"], config["n_kv_heads"]
+    dk = D // H
+    lora = L * lora_rank * ((D + H * dk) + (D + Hkv * dk))  # w_q: A [r, D], B [H dk, r]; w_v: B [Hkv dk, r]
+    matrices = matmul_widths("llama", config, active=False)[0]
+    ds_config = dict(FRONTIER_CONFIGS[2][2], max_len=4096)                # 4K before YaRN, as DeepSeekV3 defaults
+    ds_params, ds_matrices = deepseek_param_formula(**ds_config), matmul_widths("deepseek", ds_config, active=False)[0]
+    rows = [(f"{name} full", params, params, matrices), (f"{name} LoRA", params + lora, lora, matrices + lora),
+            ("DeepSeek-V3", ds_params, ds_params, ds_matrices)]
+    print(f"\nTraining memory with AdamW, GB (10^9 bytes), before activations; LoRA r={lora_rank} on w_q and w_v"
+          f"\ntrains {lora:,} parameters:")
+    print(f"  {'':20} {'scheme':9} {'weights':>8} {'grads':>8} {'AdamW':>8} {'master':>8} {'total':>8}"
+          + "".join(f" {'ZeRO-3/' + str(n):>9}" for n in n_devices))
+    for label, total, trainable, mats in rows:
+        for precision in ("float32", "autocast", "bf16"):
+            memory = memory_bytes(total, trainable, 0, precision, mats)
+            cells = [memory[key] for key in ("weights", "gradients", "optimizer", "master_weights", "total")]
+            cells += [zero_memory_per_device(memory, n, 3)["total"] for n in n_devices]
+            print(f"  {label:20} {precision:9}" + "".join(f" {cell / 1e9:8.1f}" for cell in cells[:5])
+                  + "".join(f" {cell / 1e9:9.1f}" for cell in cells[5:]))
+    print("  bytes a parameter: float32 4 + 4 + 8; autocast over float32 weights (as this file trains) the same,\n"
+          "  + a 2-byte bf16 copy of each matrix it multiplies; bf16 weights with float32 master copies\n"
+          "  2 + 2 + 8 + 4 = 16. ZeRO-3 splits all of it over the devices (ZeRO-1: the states, ZeRO-2: and the grads).")
+
+    print("\nActivations of one sequence (batch 1), GB, by section 30's formula for this file's code, which saves\n"
+          "the [T, T] attention weights (a fused kernel, section 22, saves neither them nor the masks), and\n"
+          "for autocast as on a CPU (CUDA's keeps softmax in float32):")
+    for label, kind, config, lengths in [(name, "llama", config, (2048, 8192)),
+                                         ("DeepSeek-V3", "deepseek", ds_config, (1024, 4096))]:
+        for T in lengths:
+            cells = [activation_bytes(kind, config, 1, T, mixed, checkpointed) / 1e9
+                     for mixed in (False, True) for checkpointed in (False, True)]
+            print(f"  {label:12} T={T:5}: float32 {cells[0]:7.1f} (checkpointed {cells[1]:5.1f}),"
+                  f" autocast {cells[2]:7.1f} (checkpointed {cells[3]:5.1f})")
+
+
 def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed, log=print, size="small"):
     """Build one model of a recipe in SIZES for the data, train it;
     -> (model, src_vocab, tgt_vocab, result)."""
@@ -4942,6 +5004,8 @@ def main(argv=None):
         print(f"device: {device}, torch {torch.__version__}\n")
         if not (loaded or args.data):
             show_models(device)
+            print()
+            show_training_costs()
         run(args, device, pairs, loaded)
         return 0
     # answering: the answers alone go to stdout, the training progress to stderr
