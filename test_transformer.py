@@ -4267,6 +4267,330 @@ def test_memory_bad_input_names_the_argument(call, words):
 
 
 # ===========================================================================
+# 31. Mixed precision and loss scaling
+# ===========================================================================
+
+# per step, the gradient's kind: finite, inf, NaN, or finite but inf once scaled (1e36 * S)
+STEPS = ["ok", "ok", "ok", "ok", "inf", "ok", "ok", "nan", "ok", "ok", "ok", "overflow", "ok", "ok", "ok", "ok"]
+
+
+def gradient(kind, i):
+    g = torch.linspace(-1.0, 1.0, 5) * (i + 1) * 1e-3                      # [5]
+    if kind != "ok":
+        g[2] = {"inf": float("inf"), "nan": float("nan"), "overflow": 1e36}[kind]
+    return g
+
+
+def run_scaler(scaler, steps):
+    """Train p [5] with SGD and momentum through scaler on the given gradients; per step the
+    scale after update(), whether the step was skipped (p unchanged), p and its gradient."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(5))
+    optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    out = []
+    for i, kind in enumerate(steps):
+        optimizer.zero_grad()
+        before = p.detach().clone()
+        scaler.scale((p * gradient(kind, i)).sum()).backward()            # p.grad = S * gradient
+        scaler.step(optimizer)
+        scaler.update()
+        out.append((scaler.get_scale(), torch.equal(before, p.detach()), p.detach().clone(), p.grad.clone()))
+    return out
+
+
+@pytest.mark.parametrize("settings", [
+    dict(init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
+    dict(init_scale=2.0 ** 16, growth_factor=3.0, backoff_factor=0.3, growth_interval=2)])
+def test_loss_scaler_matches_grad_scaler(settings):
+    """Same scale after every update, same skipped steps, same weights and unscaled gradients
+    (bit for bit), on gradients with inf, NaN and an overflow at chosen steps; with factors that
+    are not powers of two (2^16 * 0.3 is 19660.8 in float64, 19660.80078125 in float32), the
+    scale's float32 rounding must match too."""
+    ours = run_scaler(tf.LossScaler(**settings), STEPS)
+    theirs = run_scaler(torch.amp.GradScaler("cpu", **settings), STEPS)
+    assert [skipped for _, skipped, _, _ in ours] == [kind != "ok" for kind in STEPS]
+    for i, ((s1, k1, p1, g1), (s2, k2, p2, g2)) in enumerate(zip(ours, theirs)):
+        assert (s1, k1) == (s2, k2), i
+        assert torch.equal(p1, p2), i
+        torch.testing.assert_close(g1, g2, rtol=0, atol=0, equal_nan=True)  # unscaled even when skipped
+
+
+def test_loss_scaler_scales_by_hand():
+    """The scales of the first setting above, by hand: growth after 3 good steps in a row,
+    and a skipped step starts the count again (steps counted from 1: a scaler that kept
+    counting through the inf at step 5 would grow after step 7; this one grows next after
+    step 11, three good steps after the NaN at step 8)."""
+    scales = [s for s, *_ in run_scaler(tf.LossScaler(growth_interval=3), STEPS)]
+    k = 2.0 ** 16
+    assert scales == [k, k, 2 * k, 2 * k, k, k, k, k / 2, k / 2, k / 2, k, k / 2, k / 2, k / 2, k, k]
+
+
+def test_clipping_at_max_norm_times_the_scale_is_clipping_the_unscaled_gradients():
+    """GradScaler's way (unscale_, clip at 1, step) and ours (clip the scaled gradients at
+    1 * S, step) give the same weights; clipping the scaled gradients at 1 does not."""
+    def train(clip):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(5))
+        optimizer, scaler = torch.optim.SGD([p], lr=0.1), (torch.amp.GradScaler("cpu") if clip == "torch"
+                                                          else tf.LossScaler())
+        for i in range(4):
+            optimizer.zero_grad()
+            scaler.scale((p * gradient("ok", i) * 1e3).sum()).backward()   # gradient norms 1.6 to 6.3
+            if clip == "torch":
+                scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_([p], {"torch": 1.0, "times S": scaler.get_scale(), "at 1": 1.0}[clip])
+            scaler.step(optimizer)
+            scaler.update()
+        return p.detach()
+    assert (train("times S") - train("torch")).abs().max() <= 1e-6
+    assert (train("at 1") - train("torch")).abs().max() > 0.1
+
+
+def test_scale_stops_growing_at_float32s_largest():
+    """2^127 * 2 = 2^128 is inf in float32: GradScaler keeps 2^127, and so must we (a scale
+    kept as a Python float would reach 2^128)."""
+    for scaler in (tf.LossScaler(init_scale=2.0 ** 127, growth_interval=1),
+                   torch.amp.GradScaler("cpu", init_scale=2.0 ** 127, growth_interval=1)):
+        steps = run_scaler(scaler, ["ok", "ok"])
+        assert [(scale, skipped) for scale, skipped, *_ in steps] == [(2.0 ** 127, False)] * 2
+
+
+def test_a_float16_loss_is_scaled_in_float32():
+    """GradScaler multiplies by a float32 tensor: a float16 loss of 1 becomes 65536 in float32.
+    Times a Python number it would stay float16 and overflow (65504 is float16's largest)."""
+    loss = torch.tensor(1.0, dtype=torch.float16)                          # []
+    for scaler in (tf.LossScaler(), torch.amp.GradScaler("cpu")):
+        scaled = scaler.scale(loss)                                        # []
+        assert scaled.dtype == torch.float32 and scaled.item() == 65536.0
+    assert (loss * 65536.0).item() == float("inf")
+
+
+def test_float16_flushes_a_small_gradient_to_zero_and_the_scale_keeps_it():
+    """1e-8 is 0 in float16; times 2^16 it is a normal float16 number, and divided by 2^16
+    in float32 it is 1e-8 again, to float16's rounding (relative 2^-11)."""
+    assert torch.tensor(1e-8, dtype=torch.float16).item() == 0.0
+    kept = torch.tensor(1e-8 * 2 ** 16, dtype=torch.float16).float() / 2 ** 16  # []
+    assert abs(kept.item() - 1e-8) <= 2 ** -11 * 1e-8
+    # through backward: d/dw of 1e-4 * (w * x), x = 1e-4 in float16, is 1e-8 in float16
+    x = torch.full((1,), 1e-4, dtype=torch.float16)                        # [1]
+    w = nn.Parameter(torch.zeros(1))  # 0, so that w - 1e-8 is not 0 again (1 - 1e-8 is 1 in float32)
+    ((w.half() * x).float().sum() * 1e-4).backward()
+    assert w.grad.item() == 0.0
+    w.grad, scaler = None, tf.LossScaler()
+    scaler.scale((w.half() * x).float().sum() * 1e-4).backward()
+    scaler.step(torch.optim.SGD([w], lr=1.0))
+    # three float16 roundings (x, the incoming gradient, the product), each <= 2^-11 relative
+    assert abs(w.grad.item() - 1e-8) <= 3 * 2 ** -11 * 1e-8
+    assert w.item() == -w.grad.item()                                      # the step was taken
+
+
+def test_float16_and_bfloat16_ranges_and_steps():
+    """The numbers the comment gives: float16's largest, smallest normal and subnormal, the
+    cut to 0 at 2^-25 (a tie, rounded to even: 0); bfloat16 keeps 1e-8 but not 1 + 0.001."""
+    half, bf16 = torch.finfo(torch.float16), torch.finfo(torch.bfloat16)
+    assert (half.max, half.tiny, half.eps, bf16.eps) == (65504.0, 2.0 ** -14, 2.0 ** -10, 2.0 ** -7)
+    assert bf16.max == pytest.approx(3.39e38, rel=1e-3) and bf16.tiny == torch.finfo(torch.float32).tiny
+    assert torch.tensor(2.0 ** -24, dtype=torch.float16).item() == 2.0 ** -24 == pytest.approx(6.0e-8, rel=1e-2)
+    assert torch.tensor(2.0 ** -25, dtype=torch.float16).item() == 0.0
+    assert torch.tensor(2.0 ** -25 * 1.01, dtype=torch.float16).item() == 2.0 ** -24
+    assert abs(torch.tensor(1e-8).bfloat16().item() - 1e-8) <= 2 ** -8 * 1e-8
+    assert (torch.tensor(1.0).bfloat16() + 0.001).item() == 1.0 and (torch.tensor(1.0) + 0.001).item() > 1.0
+
+
+def test_autocast_on_the_cpu_casts_what_the_comment_says():
+    """Matrix products in bfloat16, losses in float32, softmax in its input's dtype, the
+    residual sum float32, and the weights and their gradients float32."""
+    torch.manual_seed(0)
+    layer, x = nn.Linear(8, 4), torch.randn(2, 3, 8)                       # x [2, 3, 8]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)                                                       # [2, 3, 4]
+        assert y.dtype == (x @ x.transpose(1, 2)).dtype == torch.bfloat16
+        assert torch.bmm(x, x.transpose(1, 2)).dtype == torch.bfloat16
+        assert F.scaled_dot_product_attention(x[None], x[None], x[None]).dtype == torch.bfloat16
+        assert y.softmax(-1).dtype == torch.bfloat16 and x.softmax(-1).dtype == torch.float32
+        assert (x[..., :4] + y).dtype == torch.float32
+        loss = F.cross_entropy(y.reshape(-1, 4), torch.zeros(6, dtype=torch.long))  # []
+        assert loss.dtype == torch.float32
+    loss.backward()
+    assert layer.weight.dtype == layer.weight.grad.dtype == torch.float32
+
+
+BACKOFF = "backoff_factor must be between 0 and 1, both excluded (the scale must shrink)"
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(init_scale=0.0), "init_scale must be > 0, got 0.0"),
+    (dict(init_scale=1e39), "init_scale must be a number from 0 to 3.40282e+38, got 1e+39"),
+    (dict(growth_factor=1.0), "growth_factor must be > 1 (the scale must grow), got 1.0"),
+    (dict(backoff_factor=1.0), BACKOFF + ", got 1.0"),
+    (dict(backoff_factor=0.0), BACKOFF + ", got 0.0"),
+    (dict(growth_interval=0), "growth_interval must be an integer >= 1, got 0"),
+])
+def test_loss_scaler_bad_arguments(bad, message):
+    with pytest.raises(ValueError) as error:
+        tf.LossScaler(**bad)
+    assert str(error.value) == message
+
+
+# ===========================================================================
+# 32. LoRA
+# ===========================================================================
+
+def small_models():
+    """A Llama-style model and an encoder-decoder, their inputs, in eval mode."""
+    torch.manual_seed(0)
+    llama = tf.Llama(vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48).eval()
+    encdec = tf.Transformer(src_vocab_size=30, tgt_vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2,
+                            dropout=0.0).eval()
+    ids = torch.randint(0, 40, (2, 7))                                     # [B, T]
+    src = torch.randint(1, 30, (2, 5))                                     # [B, S]
+    return [(llama, (ids,)), (encdec, (src, ids))]
+
+
+def randomize_b(model):
+    """Give every lora_B values, as training would (B = 0 makes every LoRA test trivial)."""
+    for name, p in model.named_parameters():
+        if name.endswith("lora_B"):
+            nn.init.normal_(p, std=0.1)
+
+
+def test_lora_starts_as_its_base_model():
+    """B = 0: the adapted model's outputs are the base model's, exactly; A is drawn as
+    nn.Linear draws a weight, in +-1/sqrt(in)."""
+    for model, inputs in small_models():
+        base = copy.deepcopy(model)
+        tf.add_lora(model, r=4, alpha=8)
+        assert torch.equal(model(*inputs), base(*inputs))
+        for module in model.modules():
+            if isinstance(module, tf.LoRALinear):
+                assert torch.count_nonzero(module.lora_B) == 0
+                bound = module.base.in_features ** -0.5
+                assert module.lora_A.abs().max() <= bound and module.lora_A.abs().max() > 0.8 * bound
+
+
+def test_lora_update_is_alpha_over_r_times_b_a_x():
+    """lora(x) - base(x) = (alpha / r) B A x; with r 4 and alpha 8 a scaling of alpha or 1
+    would be off by 4 or 2 times."""
+    torch.manual_seed(0)
+    lora = tf.LoRALinear(nn.Linear(12, 6), r=4, alpha=8)
+    nn.init.normal_(lora.lora_B)
+    x = torch.randn(3, 5, 12)                                              # [3, 5, in]
+    expected = (8 / 4) * x @ lora.lora_A.T @ lora.lora_B.T                 # [3, 5, out]
+    assert (lora(x) - lora.base(x) - expected).abs().max() <= 1e-6
+    assert lora.lora_A.shape == (4, 12) and lora.lora_B.shape == (6, 4)
+    trainable = {name for name, p in lora.named_parameters() if p.requires_grad}
+    assert trainable == {"lora_A", "lora_B"}  # base frozen by LoRALinear itself, not only by add_lora
+
+
+def test_lora_dropout_drops_the_input_of_a_not_of_base():
+    """In training, dropout applies to x on its way into A (as peft), never to base's x."""
+    torch.manual_seed(0)
+    lora = tf.LoRALinear(nn.Linear(12, 6), r=4, alpha=8, dropout=0.5).train()
+    nn.init.normal_(lora.lora_B)
+    x = torch.randn(3, 12)                                                 # [3, in]
+    torch.manual_seed(1)
+    out = lora(x)                                                          # [3, out]
+    torch.manual_seed(1)
+    dropped = F.dropout(x, 0.5, training=True)                             # [3, in], the same mask
+    expected = lora.base(x) + 2.0 * dropped @ lora.lora_A.T @ lora.lora_B.T  # [3, out]
+    assert (out - expected).abs().max() <= 1e-6
+    assert (out - lora.base(dropped) - 2.0 * dropped @ lora.lora_A.T @ lora.lora_B.T).abs().max() > 1e-2
+
+
+def test_merge_and_unmerge_are_exact():
+    """Merged and unmerged outputs agree (<= 1e-6), unmerge brings the weight back (<= 1e-6),
+    and merging twice adds the update once."""
+    for model, inputs in small_models():
+        weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+        tf.add_lora(model, r=4, alpha=8, targets=("w_q", "w_k", "w_v", "w_o"))
+        randomize_b(model)
+        unmerged = model(*inputs)                                          # [B, T, V]
+        tf.merge_lora(model)
+        tf.merge_lora(model)
+        assert (model(*inputs) - unmerged).abs().max() <= 1e-6
+        changed = {name for name, p in model.named_parameters() if name.endswith(".base.weight")
+                   and (p - weights[name.replace(".base.", ".")]).abs().max() > 1e-3}
+        assert len(changed) == 2 * 4 * (1 if isinstance(model, tf.Llama) else 3)  # every wrapped weight moved
+        tf.merge_lora(model, merge=False)
+        for name, p in model.named_parameters():
+            if "lora_" not in name:
+                assert (p - weights[name.replace(".base.", ".")]).abs().max() <= 1e-6, name
+        assert (model(*inputs) - unmerged).abs().max() <= 1e-6
+
+
+def test_only_lora_a_and_b_train():
+    """After add_lora, gradients reach every lora_A and lora_B and nothing else."""
+    for model, inputs in small_models():
+        tf.add_lora(model, r=4, alpha=8)
+        randomize_b(model)  # with B = 0 the gradient of A is exactly 0
+        model(*inputs).square().mean().backward()
+        for name, p in model.named_parameters():
+            if name.endswith(("lora_A", "lora_B")):
+                assert p.requires_grad and p.grad is not None and p.grad.abs().max() > 0, name
+            else:
+                assert not p.requires_grad and p.grad is None, name
+
+
+@pytest.mark.parametrize("targets", [("w_q", "w_v"), ("w_q", "w_k", "w_v", "w_o"), ("w1", "w2", "w3"),
+                                     ("fc1", "fc2"), ("lm_head",), ("output_proj", "cross_attn.w_q")])
+def test_lora_param_count_is_the_count_after_add_lora(targets):
+    """The formula r * (in + out) summed over the Linears the targets name, against the
+    trainable parameters after add_lora, for every model the targets fit."""
+    fitted = 0
+    for model, _ in small_models():
+        try:
+            formula = tf.lora_param_count(model, 4, targets)
+        except ValueError:  # e.g. fc1 in a Llama: its feed-forward is w1, w2, w3
+            continue
+        tf.add_lora(model, r=4, alpha=8, targets=targets)
+        assert sum(p.numel() for p in model.parameters() if p.requires_grad) == formula
+        fitted += 1
+    assert fitted >= 1
+
+
+def test_lora_param_count_by_hand():
+    """Llama, D 32, 4 heads, 2 kv heads of 8: w_q 32 -> 32 and w_v 32 -> 16 in 2 layers."""
+    llama = small_models()[0][0]
+    assert tf.lora_param_count(llama, 4, ("w_q", "w_v")) == 2 * 4 * ((32 + 32) + (32 + 16)) == 896
+
+
+def test_targets_match_whole_names_only():
+    """"q" is no module's name (w_q ends in q, not in ".q"): a ValueError naming it and the
+    Linears there are; a dotted target matches the end of the qualified name."""
+    llama = small_models()[0][0]
+    with pytest.raises(ValueError) as error:
+        tf.add_lora(llama, targets=("w_q", "q"))
+    assert str(error.value) == ("targets: 'q' names no nn.Linear of the model (its Linears: lm_head, w1, w2, w3,"
+                                " w_k, w_o, w_q, w_v)")
+    assert [name for name, _ in tf.lora_targets(llama, ("0.attn.w_q",))] == ["layers.0.attn.w_q"]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(r=0), "r must be an integer >= 1, got 0"),
+    (dict(alpha=0), "alpha must be > 0, got 0"),
+    (dict(alpha=-1.0), "alpha must be a number >= 0, got -1.0"),
+    (dict(dropout=1.0), "dropout must be below 1 (at 1 the update sees only zeros), got 1.0"),
+    (dict(dropout=-0.1), "dropout must be a number from 0 to 1, got -0.1"),
+    (dict(targets=()), "targets must be a non-empty tuple of module names, got ()"),
+    (dict(targets=["w_q"]), "targets must be a tuple, got ['w_q']"),
+    (dict(targets=("w_q", "")), "targets must be a non-empty tuple of module names, got ('w_q', '')"),
+])
+def test_add_lora_bad_arguments_change_nothing(bad, message):
+    """A ValueError naming the argument, and the model untouched: nothing wrapped, nothing frozen."""
+    model = small_models()[0][0]
+    with pytest.raises(ValueError) as error:
+        tf.add_lora(model, **{"r": 8, "alpha": 16, **bad})
+    assert str(error.value) == message
+    assert all(p.requires_grad for p in model.parameters())
+    assert not any(isinstance(m, tf.LoRALinear) for m in model.modules())
+
+
+def test_lora_linear_wants_a_linear():
+    with pytest.raises(ValueError, match=r"^base must be a Linear, got Embedding\(4, 2\)$"):
+        tf.LoRALinear(nn.Embedding(4, 2), r=2, alpha=4)
+
+
+# ===========================================================================
 # Section 27's schedules against transformers' (run where transformers is installed)
 # ===========================================================================
 # warmup_cosine against get_cosine_with_min_lr_schedule_with_warmup(min_lr_rate=...) up to
@@ -4328,6 +4652,128 @@ def test_hf_parity_warmup_as_long_as_the_run_ends_at_min_ratio_where_transformer
         hf_optimizer(), num_warmup_steps=10, num_training_steps=10, min_lr_rate=0.1))
     assert [theirs(s) for s in (9, 10, 11)] == pytest.approx([0.9, 1.0, 0.1])
     assert [tf.warmup_cosine(s, 10, 10, 0.1) for s in (9, 10, 11)] == pytest.approx([0.9, 0.1, 0.1])
+
+
+# ===========================================================================
+# Section 32's LoRA against peft (run where peft is installed)
+# ===========================================================================
+# peft's inject_adapter_in_model on this file's own models, A and B copied into ours: the
+# same outputs, trainable count, frozen set and merged weights (measured: differences 0 on
+# peft 0.21.2). `pip install peft && python -m pytest -q -k peft` runs them.
+
+try:
+    import peft
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer, LoraModel
+except ImportError:
+    peft = None
+needs_peft = pytest.mark.skipif(peft is None, reason="needs peft: pip install peft")
+
+PEFT_R, PEFT_ALPHA = 4, 8
+
+
+def peft_models():
+    """(name, model, inputs): a Llama-style model with GQA and the encoder-decoder, eval mode."""
+    torch.manual_seed(0)
+    llama = tf.Llama(vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48).eval()
+    encdec = tf.Transformer(src_vocab_size=30, tgt_vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2,
+                            dropout=0.0).eval()
+    ids = torch.randint(0, 40, (2, 7))                                     # [B, T]
+    src_ids = torch.randint(1, 30, (2, 5))                                 # [B, S]
+    return [("llama", llama, (ids,)), ("encdec", encdec, (src_ids, ids))]
+
+
+def peft_config(targets):
+    return LoraConfig(r=PEFT_R, lora_alpha=PEFT_ALPHA, target_modules=list(targets), lora_dropout=0.0)
+
+
+def peft_paired(model, targets=("w_q", "w_v")):
+    """ours (add_lora) and peft's (inject_adapter_in_model) on copies of model, peft's A and a
+    random B copied into ours."""
+    ours = tf.add_lora(copy.deepcopy(model), r=PEFT_R, alpha=PEFT_ALPHA, targets=targets)
+    theirs = inject_adapter_in_model(peft_config(targets), copy.deepcopy(model))
+    torch.manual_seed(1)
+    for name, module in theirs.named_modules():
+        if isinstance(module, LoraLayer):
+            torch.nn.init.normal_(module.lora_B["default"].weight, std=0.1)  # as if trained
+            mine = ours.get_submodule(name)
+            with torch.no_grad():
+                mine.lora_A.copy_(module.lora_A["default"].weight)
+                mine.lora_B.copy_(module.lora_B["default"].weight)
+    return ours, theirs
+
+
+def peft_ours_name(peft_name):
+    """peft's parameter name -> ours: base_layer is base, lora_A.default.weight is lora_A."""
+    return (peft_name.replace(".base_layer.", ".base.").replace(".lora_A.default.weight", ".lora_A")
+            .replace(".lora_B.default.weight", ".lora_B"))
+
+
+@needs_peft
+@pytest.mark.parametrize("targets", [("w_q", "w_v"), ("w_q", "w_k", "w_v", "w_o")])
+def test_peft_parity_lora_outputs(targets):
+    for name, model, inputs in peft_models():
+        ours, theirs = peft_paired(model, targets)
+        assert not torch.equal(ours(*inputs), model(*inputs))  # B is not zero: the adapters act
+        diff = (ours(*inputs) - theirs(*inputs)).abs().max().item()
+        assert diff <= 1e-6
+
+
+@needs_peft
+def test_peft_parity_lora_starts_as_its_base():
+    """Both start from the base model (B = 0) with A in +-1/sqrt(in) (kaiming_uniform, a = sqrt(5))."""
+    for name, model, inputs in peft_models():
+        ours = tf.add_lora(copy.deepcopy(model), r=PEFT_R, alpha=PEFT_ALPHA)
+        theirs = inject_adapter_in_model(peft_config(("w_q", "w_v")), copy.deepcopy(model))
+        assert torch.equal(ours(*inputs), model(*inputs)) and torch.equal(theirs(*inputs), model(*inputs))
+        for layer_name, module in theirs.named_modules():
+            if isinstance(module, LoraLayer):
+                bound = module.in_features ** -0.5
+                for a in (module.lora_A["default"].weight, ours.get_submodule(layer_name).lora_A):
+                    assert 0.8 * bound < a.abs().max() <= bound
+
+
+@needs_peft
+@pytest.mark.parametrize("targets", [("w_q", "w_v"), ("w_q", "w_k", "w_v", "w_o")])
+def test_peft_parity_lora_trainable_count_and_frozen_set(targets):
+    for name, model, _ in peft_models():
+        formula = tf.lora_param_count(model, PEFT_R, targets)
+        ours, theirs = peft_paired(model, targets)
+        count = {m: sum(p.numel() for p in m.parameters() if p.requires_grad) for m in (ours, theirs)}
+        assert count[ours] == count[theirs] == formula
+        frozen = {m: {peft_ours_name(n) for n, p in m.named_parameters() if not p.requires_grad} for m in (ours, theirs)}
+        trainable = {m: {peft_ours_name(n) for n, p in m.named_parameters() if p.requires_grad} for m in (ours, theirs)}
+        assert frozen[ours] == frozen[theirs] and trainable[ours] == trainable[theirs]
+        assert all(n.endswith(("lora_A", "lora_B")) for n in trainable[ours])
+
+
+@needs_peft
+def test_peft_parity_lora_merged_weights():
+    """Ours merged against peft's merge_and_unload (LoraModel, which inject_adapter_in_model
+    builds, unloaded back to plain Linears): the same weights, the same outputs; and each
+    injected layer's own merge() gives the same weight too."""
+    for name, model, inputs in peft_models():
+        ours, theirs = peft_paired(model)
+        layer_merged = copy.deepcopy(theirs)
+        for module in layer_merged.modules():
+            if isinstance(module, LoraLayer):
+                module.merge()
+        unloaded = LoraModel(copy.deepcopy(model), peft_config(("w_q", "w_v")), "default")
+        for layer_name, module in unloaded.model.named_modules():  # the same A and B as ours
+            if isinstance(module, LoraLayer):
+                with torch.no_grad():
+                    module.lora_A["default"].weight.copy_(ours.get_submodule(layer_name).lora_A)
+                    module.lora_B["default"].weight.copy_(ours.get_submodule(layer_name).lora_B)
+        unloaded = unloaded.merge_and_unload()
+        tf.merge_lora(ours)
+        weights = dict(unloaded.named_parameters())
+        diff = max((p - weights[n.replace(".base.", ".")]).abs().max().item() for n, p in ours.named_parameters()
+                   if "lora_" not in n)
+        also = max((p - dict(ours.named_parameters())[peft_ours_name(n)]).abs().max().item()
+                   for n, p in layer_merged.named_parameters() if "lora_" not in n)
+        out = (ours(*inputs) - unloaded(*inputs)).abs().max().item()
+        assert diff <= 1e-6 and also <= 1e-6 and out <= 1e-6
+        assert not any(isinstance(m, LoraLayer) for m in unloaded.modules())
 
 
 # ===========================================================================

@@ -2938,6 +2938,227 @@ def zero_memory_per_device(memory, n_devices, zero_stage):
 
 
 # ===========================================================================
+# 31. Mixed precision and loss scaling (混合精度与损失缩放)
+# ===========================================================================
+# 16-bit numbers take half the memory and memory traffic of float32, and recent GPUs (and
+# CPUs with AVX512-BF16 or AMX) multiply them on faster units. Mixed precision (Micikevicius
+# et al., 2018, "Mixed Precision Training") keeps the weights, their updates and the sums in
+# float32 and runs the matrix products in 16 bits. In float16 that needs one more piece, loss
+# scaling, or small gradients round to zero; in bfloat16 it does not.
+
+# The two 16-bit formats, beside float32's 8 exponent bits and 24 significant bits:
+#   float16   5 exponent bits, 11 significant: a step of 2^-10 near 1, largest 65504, smallest
+#             normal 2^-14 = 6.1e-5, then subnormals with fewer bits down to 2^-24 = 6.0e-8
+#   bfloat16  float32's 8 exponent bits (to 3.4e38, normal down to 1.2e-38), 8 significant:
+#             a step of 2^-7 near 1, so 1 + 0.001 rounds to 1, and weights that took updates
+#             of lr * gradient in bfloat16 would stop moving: they stay float32
+# torch.autocast("cpu", dtype=torch.bfloat16) casts per operation, never the weights: linear,
+# matmul, bmm and scaled_dot_product_attention run in bfloat16, the losses (cross_entropy,
+# nll_loss, mse_loss...) in float32, everything else in the dtype of its inputs (a softmax of
+# bfloat16 scores is bfloat16; float32 + bfloat16 is float32, so the residual stream stays
+# float32). On CUDA softmax and layer_norm go to float32 as well (torch's Autocast Op Reference).
+
+ARGUMENTS.update(init_scale=(float, 0.0, torch.finfo(torch.float32).max), growth_factor=(float, 1.0, math.inf),
+                 backoff_factor=(float, 0.0, 1.0), growth_interval=(int, 1, MAX_SIZE))
+RELATIONS.update({
+    "init_scale > 0": (("init_scale",), lambda s: s > 0, "init_scale must be > 0"),
+    "growth_factor > 1": (("growth_factor",), lambda g: g > 1, "growth_factor must be > 1 (the scale must grow)"),
+    "0 < backoff_factor < 1": (("backoff_factor",), lambda b: 0 < b < 1,
+                               "backoff_factor must be between 0 and 1, both excluded (the scale must shrink)"),
+})
+
+
+def to_float32(x):
+    """x rounded to the nearest float32 (inf past its range), as a Python number."""
+    return torch.tensor(x, dtype=torch.float32).item()                   # a [] tensor's one number
+
+
+# float16's trap: a gradient of 2^-25 = 3e-8 or less rounds to 0 (1e-8 does) and stops its weight.
+# Gradients are linear in the loss, so a loss times S gives gradients times S, up into float16's
+# range; they are divided by S in float32 before the step. An S too large overflows to inf or
+# NaN: that step is skipped and S shrinks; after growth_interval good steps in a row it grows.
+# So S hovers near the largest that fits, without anyone choosing it. Clipping (section 28)
+# must not cut the S-times-larger gradients at max_norm: GradScaler has unscale_() to call
+# before it; here, clip at max_norm * get_scale(), the same cut on the scaled gradients.
+
+class LossScaler:
+    """torch.amp.GradScaler's dynamic loss scaling, written out. Each step:
+    scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()."""
+
+    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        check("init_scale > 0", "growth_factor > 1", "0 < backoff_factor < 1", init_scale=init_scale,
+              growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval)
+        # a float32 number, as GradScaler keeps it (a float32 tensor): the same scales, bit for bit
+        self.loss_scale, self.good_steps, self.found_inf = to_float32(init_scale), 0, False
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+
+    def scale(self, loss):
+        """loss * the scale, in float32 as GradScaler multiplies (by a float32 tensor): a float16
+        loss of 1 times 2^16 is 65536, not the inf of float16 times a Python number."""
+        return loss * torch.tensor(self.loss_scale, device=loss.device)    # as loss, [] for a loss
+
+    def step(self, optimizer):
+        """Divide every gradient by the scale (times its float32 inverse), then step, unless
+        a gradient holds inf or NaN: then the weights and the optimizer's state stay as they are."""
+        inverse = to_float32(1.0 / self.loss_scale)  # GradScaler's reciprocal, in float64 then float32
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self.found_inf = not all(torch.isfinite(g).all() for g in grads)  # bool, from a [] test a gradient
+        for g in grads:
+            g.mul_(inverse)  # unscaled even when the step is skipped, as GradScaler does
+        if not self.found_inf:
+            optimizer.step()
+
+    def update(self):
+        """After a skipped step: scale * backoff_factor, and the good steps counted from 0 again.
+        After growth_interval good steps in a row: scale * growth_factor (unless float32
+        overflows), counted from 0 again."""
+        if self.found_inf:
+            self.loss_scale, self.good_steps = to_float32(self.loss_scale * self.backoff_factor), 0
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            grown = to_float32(self.loss_scale * self.growth_factor)
+            self.loss_scale = grown if math.isfinite(grown) else self.loss_scale
+            self.good_steps = 0
+
+    def get_scale(self):
+        return self.loss_scale
+
+# Try it: a gradient of 1e-4 * 1e-4 = 1e-8 through a float16 product, lost, then kept by the scale.
+#   >>> w = nn.Parameter(torch.zeros(1))                                   # [1], a float32 master weight
+#   >>> x = torch.full((1,), 1e-4, dtype=torch.float16)                    # [1], a float16 activation
+#   >>> ((w.half() * x).float().sum() * 1e-4).backward(); w.grad.item()
+#   0.0
+#   >>> w.grad, scaler, opt = None, LossScaler(), torch.optim.SGD([w], lr=1.0)
+#   >>> scaler.scale((w.half() * x).float().sum() * 1e-4).backward()      # gradients 2^16 times larger
+#   >>> scaler.step(opt); scaler.update(); f"{w.grad.item():.3e}", f"{w.item():.3e}"  # unscaled; stepped
+#   ('1.000e-08', '-1.000e-08')
+#   >>> w.grad = torch.full((1,), float("inf")); scaler.step(opt); scaler.update()  # an overflow
+#   >>> scaler.get_scale(), f"{w.item():.3e}"                             # skipped, and S halved
+#   (32768.0, '-1.000e-08')
+#   >>> torch.tensor(1e-8).bfloat16().item() > 0, torch.tensor(1.0).bfloat16() + 0.001 == 1  # range, not steps
+#   (True, tensor(True))
+
+
+# ===========================================================================
+# 32. LoRA (低秩适配)
+# ===========================================================================
+# Fine-tuning all of a model keeps a gradient and AdamW's two moments beside every
+# weight. LoRA (Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large Language Models")
+# freezes a pretrained W [out, in] and trains only a change of rank r: W x + (alpha / r)
+# B A x, A [r, in] and B [out, r], r (in + out) numbers for the in * out of W; the paper's
+# hypothesis is that adapting a model needs a change of low "intrinsic rank". Merged,
+# W + (alpha / r) B A runs at the base model's cost; unmerged, the base serves other adapters.
+
+ARGUMENTS.update(base=(nn.Linear,), r=(int, 1, MAX_SIZE), alpha=(float, 0.0, math.inf), targets=(tuple,))
+RELATIONS.update({
+    "alpha > 0": (("alpha",), lambda a: a > 0, "alpha must be > 0"),
+    "dropout < 1": (("dropout",), lambda p: p < 1, "dropout must be below 1 (at 1 the update sees only zeros)"),
+    "targets named": (("targets",), lambda t: len(t) > 0 and all(isinstance(n, str) and n for n in t),
+                      "targets must be a non-empty tuple of module names"),
+})
+
+
+class LoRALinear(nn.Module):
+    """base(x) + (alpha / r) B A dropout(x), base frozen; lora_A [r, in], lora_B [out, r]."""
+
+    def __init__(self, base, r, alpha, dropout=0.0):
+        super().__init__()
+        check("alpha > 0", "dropout < 1", base=base, r=r, alpha=alpha, dropout=dropout)
+        # alpha / r: the paper's scaling, so that a change of r needs less retuning
+        self.base, self.scaling, self.merged = base.requires_grad_(False), alpha / r, False
+        self.lora_A = nn.Parameter(base.weight.new_empty(r, base.in_features))   # [r, in]
+        self.lora_B = nn.Parameter(base.weight.new_zeros(base.out_features, r))  # [out, r]
+        # A drawn as nn.Linear draws a weight, uniform in +-1/sqrt(in) (peft and Microsoft's
+        # loralib; the paper says Gaussian), B zero: B A = 0, training starts from the base model
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        """x [..., in] -> [..., out]; merged, the update is inside base's weight already."""
+        if self.merged:
+            return self.base(x)                                            # [..., out]
+        update = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)  # [..., r] -> [..., out]
+        return self.base(x) + update * self.scaling                        # [..., out]
+
+    def delta_weight(self):
+        return self.lora_B @ self.lora_A * self.scaling                    # [out, in], rank <= r
+
+    @torch.no_grad()
+    def merge(self):
+        """W += (alpha / r) B A, once: forward is then one matmul, base's own. A tied weight
+        (lm_head = token_embedding) changes in both places."""
+        if not self.merged:
+            self.base.weight += self.delta_weight()                        # [out, in]
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self):
+        """W -= (alpha / r) B A: the base weight back, up to float rounding."""
+        if self.merged:
+            self.base.weight -= self.delta_weight()                        # [out, in]
+            self.merged = False
+
+
+def lora_targets(model, targets):
+    """[(name, nn.Linear)] of the Linears whose qualified name is a target or ends in
+    "." + target (peft's rule for a list: "w_q" matches "layers.0.attn.w_q", not "x_w_q")."""
+    check("targets named", targets=targets)
+    named = lambda name, t: name == t or name.endswith("." + t)  # noqa: E731
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for t in targets:
+        if not any(named(name, t) for name, _ in linears):
+            have = sorted({name.rpartition(".")[2] for name, _ in linears})
+            raise ValueError(f"targets: {t!r} names no nn.Linear of the model (its Linears: {', '.join(have)})")
+    return [(name, m) for name, m in linears if any(named(name, t) for t in targets)]
+
+
+def lora_param_count(model, r, targets=("w_q", "w_v")):
+    """What add_lora(model, r, ..., targets) trains: r * (in + out) per Linear it wraps."""
+    check(r=r)
+    return sum(r * (m.in_features + m.out_features) for _, m in lora_targets(model, targets))
+
+
+def add_lora(model, r=8, alpha=16, targets=("w_q", "w_v"), dropout=0.0):
+    """Wrap every Linear that targets name (lora_targets) in a LoRALinear and freeze every
+    other parameter: only lora_A and lora_B train. -> model, changed in place."""
+    wrapped = [(name, LoRALinear(m, r, alpha, dropout)) for name, m in lora_targets(model, targets)]
+    model.requires_grad_(False)  # the new A and B are not in the model yet: they stay trainable
+    for name, lora in wrapped:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, lora)
+    return model
+
+
+def merge_lora(model, merge=True):
+    """Merge every LoRALinear of model (merge=False: unmerge them). -> model."""
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            (module.merge if merge else module.unmerge)()
+    return model
+
+# What it saves: a frozen float32 weight needs no gradient (4 bytes) and no AdamW moments
+# (8), 12 bytes a parameter; Llama-2-7B with r = 8 on w_q and w_v trains 4.2M of its 6.7B
+# and saves 75 GiB. The weights stay, and backward still runs through every layer to reach
+# the first adapter.
+# Try it: a LoRA of rank 2 starts as its base and merges exactly; Llama-2-7B's numbers.
+#   >>> _ = torch.manual_seed(0); lora = LoRALinear(nn.Linear(16, 8), r=2, alpha=4)
+#   >>> x = torch.randn(3, 16)                                             # [3, in]
+#   >>> torch.equal(lora(x), lora.base(x))                                 # B = 0 at the start
+#   True
+#   >>> _ = nn.init.normal_(lora.lora_B); before = lora(x)                 # as if trained, [3, out]
+#   >>> lora.merge(); (lora(x) - before).abs().max().item() < 1e-6        # one matmul, same answer
+#   True
+#   >>> with torch.device("meta"):                                         # shapes only, no memory
+#   ...     llama = Llama(**LLAMA_CONFIGS[0][1])                           # Llama-2-7B
+#   ...     formula = lora_param_count(llama, r=8, targets=("w_q", "w_v"))
+#   ...     llama = add_lora(llama, r=8, alpha=16, targets=("w_q", "w_v"))
+#   >>> trainable = sum(p.numel() for p in llama.parameters() if p.requires_grad)
+#   >>> formula, trainable, f"{12 * (count_parameters(llama) - trainable) / 2 ** 30:.1f} GiB saved"
+#   (4194304, 4194304, '75.3 GiB saved')
+
+
+# ===========================================================================
 # Part VI: learning and using it (第六部分：训练与使用)
 # ===========================================================================
 # A task small enough to learn in seconds on a CPU, the ways to decode an answer,
@@ -3702,6 +3923,7 @@ def render_expert_load(loads, uniform=10):
 # loading a model, the demo and the command line. Nothing above depends on them.
 
 import argparse
+import copy
 import inspect
 import io
 import os
@@ -4319,6 +4541,88 @@ def show_training_costs(seq_len=4096, lora_rank=16, n_devices=(8, 64)):
                      for mixed in (False, True) for checkpointed in (False, True)]
             print(f"  {label:12} T={T:5}: float32 {cells[0]:7.1f} (checkpointed {cells[1]:5.1f}),"
                   f" autocast {cells[2]:7.1f} (checkpointed {cells[3]:5.1f})")
+
+
+# Five predicates the base model never sees, each a new character for a syllable it already
+# reads otherwise (xi 洗, shi 视, qi 气, ji 鸡, yi 意): the adapted model must learn when.
+LORA_NEW_PREDICATES = [("xi yi fu", "洗衣服"), ("kan dian shi", "看电视"), ("sheng qi", "生气"),
+                       ("chi ji dan", "吃鸡蛋"), ("hen you yi si", "很有意思")]
+# adapting: half the ~250 new sentences, 12 epochs of 4 batches, the training loop's warmup cut
+# to 10 steps; each method's lr_factor the best of 0.01 to 2 on seed 3 (mean of new and old accuracy)
+LORA_RECIPE = dict(epochs=12, batch_size=32, warmup=10)
+LORA_LR, FULL_LR = 0.5, 0.02
+
+
+def lora_task(seed):
+    """The toy sentences split in four: old (without LORA_NEW_PREDICATES) for training and
+    held out, new ones for adapting and held out; vocabularies of all of them (each new
+    character has its rows from the start, untrained) and the readings of what is trained on."""
+    pairs = make_toy_data(seed=seed)
+    is_new = lambda p, h: any(p.endswith(" " + q) and h.endswith(g) for q, g in LORA_NEW_PREDICATES)  # noqa: E731
+    new = [pair for pair in pairs if is_new(*pair)]
+    old_train, old_test = split_data([pair for pair in pairs if not is_new(*pair)], seed=seed)
+    new_train, new_test = split_data(new, held_out=0.5, seed=seed)
+    src_vocab, tgt_vocab = build_vocabs(pairs)
+    return dict(old_train=old_train, old_test=old_test, new_train=new_train, new_test=new_test, src_vocab=src_vocab,
+                tgt_vocab=tgt_vocab, readings=syllable_readings(old_train + new_train), max_len=max(
+                    2 * len(p.split()) + 2 for p, _ in pairs))
+
+
+def lora_train(model, task, part, seed, log=lambda line: None, **recipe):
+    """train() on task[part + "_train"], the epoch lines on task[part + "_test"]; -> seconds."""
+    data = PinyinDataset(task[part + "_train"], task["src_vocab"], task["tgt_vocab"])
+    held_out = lambda: teacher_forced_accuracy("encdec", model, task[part + "_test"], task["src_vocab"],  # noqa: E731
+                                               task["tgt_vocab"], task["readings"])
+    return train(model, data, held_out, seed=seed, log=log, **recipe)["history"][-1][1]
+
+
+def lora_base(task, device, seed, epochs=2):
+    """The demo's encoder-decoder trained on the old sentences; -> (model, seconds)."""
+    spec = TOY_MODELS["encdec"]
+    torch.manual_seed(seed)
+    model = Transformer(src_vocab_size=len(task["src_vocab"]), tgt_vocab_size=len(task["tgt_vocab"]),
+                        max_len=task["max_len"], **spec["config"]).to(device)
+    return model, lora_train(model, task, "old", seed, epochs=epochs, batch_size=spec["batch_size"],
+                             lr_factor=spec["lr_factor"], warmup=spec["warmup"])
+
+
+def lora_adapt(base, task, seed, lr_factor, r=None, alpha=16, targets=("w_q", "w_v")):
+    """A copy of base trained on the new sentences: LoRA of rank r, or every weight (r None).
+    -> (model, seconds)."""
+    model = copy.deepcopy(base)
+    if r is not None:
+        add_lora(model, r=r, alpha=alpha, targets=targets)
+    return model, lora_train(model, task, "new", seed, lr_factor=lr_factor, **LORA_RECIPE)
+
+
+def show_lora(device, seed=0):
+    """Before and after adapting, held-out exact match on new and old sentences (one
+    teacher-forced pass each: greedy constrained decoding's score), and LoRA merged."""
+    start, task = time.perf_counter(), lora_task(seed)
+    base, seconds = lora_base(task, device, seed)
+    rows = [("base model", base, seconds)]
+    rows += [(name, *lora_adapt(base, task, seed, lr, r)) for name, lr, r in (
+        ("LoRA r=8 on w_q, w_v", LORA_LR, 8), ("full fine-tuning", FULL_LR, None))]
+    score = lambda model, part: teacher_forced_accuracy(  # noqa: E731
+        "encdec", model, task[part + "_test"], task["src_vocab"], task["tgt_vocab"], task["readings"])
+    print(f"\nLoRA against full fine-tuning: the encoder-decoder trained on {len(task['old_train']):,} sentences"
+          f" without {len(LORA_NEW_PREDICATES)} predicates ({' '.join(h for _, h in LORA_NEW_PREDICATES)}),"
+          f" then adapted on {len(task['new_train'])} that hold them")
+    print(f"  {'':22s} {'trainable':>10s} {'train s':>8s}  {'new sentences':>13s}  {'old sentences':>13s}")
+    for name, model, seconds in rows:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        print(f"  {name:22s} {trainable:10,d} {seconds:8.1f}  {100 * score(model, 'new'):12.1f}%"
+              f"  {100 * score(model, 'old'):12.1f}%")
+    lora = rows[1][1]
+    with torch.no_grad(), eval_mode(lora):
+        src, tgt, _ = collate([PinyinDataset(task["new_test"], task["src_vocab"], task["tgt_vocab"])[i]
+                               for i in range(len(task["new_test"]))])  # [B, S], [B, T], [B, T]
+        src, tgt = src.to(device), tgt.to(device)                          # [B, S], [B, T]
+        unmerged = lora(src, tgt)                                          # [B, T, V]
+        merged = merge_lora(lora)(src, tgt)                                # [B, T, V]
+    print(f"  held out: {len(task['new_test'])} new and {len(task['old_test'])} old sentences; LoRA merged into"
+          f" the weights: logits within {(merged - unmerged).abs().max().item():.1e} of unmerged"
+          f" ({time.perf_counter() - start:.0f} s in all)")
 
 
 def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed, log=print, size="small"):
@@ -5007,6 +5311,8 @@ def main(argv=None):
             print()
             show_training_costs()
         run(args, device, pairs, loaded)
+        if not (loaded or args.data or args.model != "all" or args.epochs):  # the demo as it stands
+            show_lora(device, args.seed)
         return 0
     # answering: the answers alone go to stdout, the training progress to stderr
     with contextlib.redirect_stdout(sys.stderr):
