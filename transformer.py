@@ -2574,7 +2574,7 @@ def accumulate_gradients(model, micro_batches, ignore_index=-100):
     (inputs..., targets [B, T]) with model(*inputs) -> logits [B, T, V] -> the big
     batch's loss, the mean cross-entropy over its real tokens (targets != ignore_index)."""
     check(ignore_index=ignore_index)
-    real = sum(int((batch[-1] != ignore_index).sum()) for batch in micro_batches)  # [] an int: the big batch's real tokens
+    real = sum(int((batch[-1] != ignore_index).sum()) for batch in micro_batches)  # [] ints: real tokens
     if real == 0:
         raise ValueError(f"micro_batches must hold a real token, got every target = ignore_index ({ignore_index})")
     total = 0.0
@@ -4456,7 +4456,8 @@ def show_models(device):
         if kind == "deepseek":
             cache_bytes = mla_cache_bytes_per_token(cfg["n_layers"], cfg["kv_lora_rank"], cfg["qk_rope_dim"])
         else:
-            cache_bytes = kv_cache_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], cfg.get("head_dim") or cfg["d_model"] // cfg["n_heads"])
+            head_dim = cfg.get("head_dim") or cfg["d_model"] // cfg["n_heads"]
+            cache_bytes = kv_cache_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], head_dim)
         print(f"  {name:14s} {counted:15,d} {PARAMETER_FORMULAS[kind](**cfg):15,d}"
               f" {PARAMETER_FORMULAS[kind](**cfg, active=True):14,d}  {cache_bytes / 1024:5.1f} KiB  {reported}")
     v3 = FRONTIER_CONFIGS[2][2]
@@ -4733,7 +4734,8 @@ def compare_with_baseline(results, train_pairs, answered, args):
               f" their square (at most {MAX_BASELINE_CHARACTERS:,})")
         return
     print(f"  {'bigram HMM baseline':20s} {'-':>10s} {trained - start:8.2f} {answered_at - trained:8.2f}  "
-          f"{percent(baseline['exact'], baseline['total']):17s}  {percent(baseline['char_right'], baseline['char_total'])}")
+          f"{percent(baseline['exact'], baseline['total']):17s}"
+          f"  {percent(baseline['char_right'], baseline['char_total'])}")
     for kind, (*_, r) in results.items():  # beating it: more exact matches, or as many and more characters
         if "exact" in r and (r["accuracy"], r["char_accuracy"]) <= (baseline["accuracy"], baseline["char_accuracy"]):
             print(f"  the {SIZES[args.size][kind]['name']} does NOT beat the bigram baseline on these sentences")
@@ -5255,7 +5257,8 @@ def main(argv=None):
     parser.add_argument("--save", metavar="PATH", help="after training, save the model and its vocabularies")
     parser.add_argument("--load", metavar="PATH", help="load a saved model instead of training")
     parser.add_argument("--translate", metavar="PINYIN", help="answer this pinyin sentence ('-': one per stdin line)")
-    parser.add_argument("--beam", type=int_at_least(1), default=4, help="beam size for answers (default 4; 1 is greedy)")
+    parser.add_argument("--beam", type=int_at_least(1), default=4,
+                        help="beam size for answers (default 4; 1 is greedy)")
     parser.add_argument("--free", action="store_true",
                         help="decode unconstrained: any character at any step, not only the syllable's readings")
     parser.add_argument("--head", type=int_at_least(0), help="draw this head's attention in the heatmap, not the mean")
