@@ -4093,7 +4093,173 @@ def test_bad_sizes_are_refused_naming_the_argument(call):
 
 
 # ===========================================================================
-# 30. Memory, by formula and measured
+# 30. Mixed precision and loss scaling
+# ===========================================================================
+
+# per step, the gradient's kind: finite, inf, NaN, or finite but inf once scaled (1e36 * S)
+STEPS = ["ok", "ok", "ok", "ok", "inf", "ok", "ok", "nan", "ok", "ok", "ok", "overflow", "ok", "ok", "ok", "ok"]
+
+
+def gradient(kind, i):
+    g = torch.linspace(-1.0, 1.0, 5) * (i + 1) * 1e-3                      # [5]
+    if kind != "ok":
+        g[2] = {"inf": float("inf"), "nan": float("nan"), "overflow": 1e36}[kind]
+    return g
+
+
+def run_scaler(scaler, steps):
+    """Train p [5] with SGD and momentum through scaler on the given gradients; per step the
+    scale after update(), whether the step was skipped (p unchanged), p and its gradient."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(5))
+    optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    out = []
+    for i, kind in enumerate(steps):
+        optimizer.zero_grad()
+        before = p.detach().clone()
+        scaler.scale((p * gradient(kind, i)).sum()).backward()            # p.grad = S * gradient
+        scaler.step(optimizer)
+        scaler.update()
+        out.append((scaler.get_scale(), torch.equal(before, p.detach()), p.detach().clone(), p.grad.clone()))
+    return out
+
+
+@pytest.mark.parametrize("settings", [
+    dict(init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
+    dict(init_scale=2.0 ** 16, growth_factor=3.0, backoff_factor=0.3, growth_interval=2)])
+def test_loss_scaler_matches_grad_scaler(settings):
+    """Same scale after every update, same skipped steps, same weights and unscaled gradients
+    (bit for bit), on gradients with inf, NaN and an overflow at chosen steps; with factors that
+    are not powers of two (2^16 * 0.3 is 19660.8 in float64, 19660.80078125 in float32), the
+    scale's float32 rounding must match too."""
+    ours = run_scaler(tf.LossScaler(**settings), STEPS)
+    theirs = run_scaler(torch.amp.GradScaler("cpu", **settings), STEPS)
+    assert [skipped for _, skipped, _, _ in ours] == [kind != "ok" for kind in STEPS]
+    for i, ((s1, k1, p1, g1), (s2, k2, p2, g2)) in enumerate(zip(ours, theirs)):
+        assert (s1, k1) == (s2, k2), i
+        assert torch.equal(p1, p2), i
+        torch.testing.assert_close(g1, g2, rtol=0, atol=0, equal_nan=True)  # unscaled even when skipped
+
+
+def test_loss_scaler_scales_by_hand():
+    """The scales of the first setting above, by hand: growth after 3 good steps in a row,
+    and a skipped step starts the count again (steps counted from 1: a scaler that kept
+    counting through the inf at step 5 would grow after step 7; this one grows next after
+    step 11, three good steps after the NaN at step 8)."""
+    scales = [s for s, *_ in run_scaler(tf.LossScaler(growth_interval=3), STEPS)]
+    k = 2.0 ** 16
+    assert scales == [k, k, 2 * k, 2 * k, k, k, k, k / 2, k / 2, k / 2, k, k / 2, k / 2, k / 2, k, k]
+
+
+def test_clipping_at_max_norm_times_the_scale_is_clipping_the_unscaled_gradients():
+    """GradScaler's way (unscale_, clip at 1, step) and ours (clip the scaled gradients at
+    1 * S, step) give the same weights; clipping the scaled gradients at 1 does not."""
+    def train(clip):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(5))
+        optimizer, scaler = torch.optim.SGD([p], lr=0.1), (torch.amp.GradScaler("cpu") if clip == "torch"
+                                                          else tf.LossScaler())
+        for i in range(4):
+            optimizer.zero_grad()
+            scaler.scale((p * gradient("ok", i) * 1e3).sum()).backward()   # gradient norms 1.6 to 6.3
+            if clip == "torch":
+                scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_([p], {"torch": 1.0, "times S": scaler.get_scale(), "at 1": 1.0}[clip])
+            scaler.step(optimizer)
+            scaler.update()
+        return p.detach()
+    assert (train("times S") - train("torch")).abs().max() <= 1e-6
+    assert (train("at 1") - train("torch")).abs().max() > 0.1
+
+
+def test_scale_stops_growing_at_float32s_largest():
+    """2^127 * 2 = 2^128 is inf in float32: GradScaler keeps 2^127, and so must we (a scale
+    kept as a Python float would reach 2^128)."""
+    for scaler in (tf.LossScaler(init_scale=2.0 ** 127, growth_interval=1),
+                   torch.amp.GradScaler("cpu", init_scale=2.0 ** 127, growth_interval=1)):
+        steps = run_scaler(scaler, ["ok", "ok"])
+        assert [(scale, skipped) for scale, skipped, *_ in steps] == [(2.0 ** 127, False)] * 2
+
+
+def test_a_float16_loss_is_scaled_in_float32():
+    """GradScaler multiplies by a float32 tensor: a float16 loss of 1 becomes 65536 in float32.
+    Times a Python number it would stay float16 and overflow (65504 is float16's largest)."""
+    loss = torch.tensor(1.0, dtype=torch.float16)                          # []
+    for scaler in (tf.LossScaler(), torch.amp.GradScaler("cpu")):
+        scaled = scaler.scale(loss)                                        # []
+        assert scaled.dtype == torch.float32 and scaled.item() == 65536.0
+    assert (loss * 65536.0).item() == float("inf")
+
+
+def test_float16_flushes_a_small_gradient_to_zero_and_the_scale_keeps_it():
+    """1e-8 is 0 in float16; times 2^16 it is a normal float16 number, and divided by 2^16
+    in float32 it is 1e-8 again, to float16's rounding (relative 2^-11)."""
+    assert torch.tensor(1e-8, dtype=torch.float16).item() == 0.0
+    kept = torch.tensor(1e-8 * 2 ** 16, dtype=torch.float16).float() / 2 ** 16  # []
+    assert abs(kept.item() - 1e-8) <= 2 ** -11 * 1e-8
+    # through backward: d/dw of 1e-4 * (w * x), x = 1e-4 in float16, is 1e-8 in float16
+    x = torch.full((1,), 1e-4, dtype=torch.float16)                        # [1]
+    w = nn.Parameter(torch.zeros(1))  # 0, so that w - 1e-8 is not 0 again (1 - 1e-8 is 1 in float32)
+    ((w.half() * x).float().sum() * 1e-4).backward()
+    assert w.grad.item() == 0.0
+    w.grad, scaler = None, tf.LossScaler()
+    scaler.scale((w.half() * x).float().sum() * 1e-4).backward()
+    scaler.step(torch.optim.SGD([w], lr=1.0))
+    # three float16 roundings (x, the incoming gradient, the product), each <= 2^-11 relative
+    assert abs(w.grad.item() - 1e-8) <= 3 * 2 ** -11 * 1e-8
+    assert w.item() == -w.grad.item()                                      # the step was taken
+
+
+def test_float16_and_bfloat16_ranges_and_steps():
+    """The numbers the comment gives: float16's largest, smallest normal and subnormal, the
+    cut to 0 at 2^-25 (a tie, rounded to even: 0); bfloat16 keeps 1e-8 but not 1 + 0.001."""
+    half, bf16 = torch.finfo(torch.float16), torch.finfo(torch.bfloat16)
+    assert (half.max, half.tiny, half.eps, bf16.eps) == (65504.0, 2.0 ** -14, 2.0 ** -10, 2.0 ** -7)
+    assert bf16.max == pytest.approx(3.39e38, rel=1e-3) and bf16.tiny == torch.finfo(torch.float32).tiny
+    assert torch.tensor(2.0 ** -24, dtype=torch.float16).item() == 2.0 ** -24 == pytest.approx(6.0e-8, rel=1e-2)
+    assert torch.tensor(2.0 ** -25, dtype=torch.float16).item() == 0.0
+    assert torch.tensor(2.0 ** -25 * 1.01, dtype=torch.float16).item() == 2.0 ** -24
+    assert abs(torch.tensor(1e-8).bfloat16().item() - 1e-8) <= 2 ** -8 * 1e-8
+    assert (torch.tensor(1.0).bfloat16() + 0.001).item() == 1.0 and (torch.tensor(1.0) + 0.001).item() > 1.0
+
+
+def test_autocast_on_the_cpu_casts_what_the_comment_says():
+    """Matrix products in bfloat16, losses in float32, softmax in its input's dtype, the
+    residual sum float32, and the weights and their gradients float32."""
+    torch.manual_seed(0)
+    layer, x = nn.Linear(8, 4), torch.randn(2, 3, 8)                       # x [2, 3, 8]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)                                                       # [2, 3, 4]
+        assert y.dtype == (x @ x.transpose(1, 2)).dtype == torch.bfloat16
+        assert torch.bmm(x, x.transpose(1, 2)).dtype == torch.bfloat16
+        assert F.scaled_dot_product_attention(x[None], x[None], x[None]).dtype == torch.bfloat16
+        assert y.softmax(-1).dtype == torch.bfloat16 and x.softmax(-1).dtype == torch.float32
+        assert (x[..., :4] + y).dtype == torch.float32
+        loss = F.cross_entropy(y.reshape(-1, 4), torch.zeros(6, dtype=torch.long))  # []
+        assert loss.dtype == torch.float32
+    loss.backward()
+    assert layer.weight.dtype == layer.weight.grad.dtype == torch.float32
+
+
+BACKOFF = "backoff_factor must be between 0 and 1, both excluded (the scale must shrink)"
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(init_scale=0.0), "init_scale must be > 0, got 0.0"),
+    (dict(init_scale=1e39), "init_scale must be a number from 0 to 3.40282e+38, got 1e+39"),
+    (dict(growth_factor=1.0), "growth_factor must be > 1 (the scale must grow), got 1.0"),
+    (dict(backoff_factor=1.0), BACKOFF + ", got 1.0"),
+    (dict(backoff_factor=0.0), BACKOFF + ", got 0.0"),
+    (dict(growth_interval=0), "growth_interval must be an integer >= 1, got 0"),
+])
+def test_loss_scaler_bad_arguments(bad, message):
+    with pytest.raises(ValueError) as error:
+        tf.LossScaler(**bad)
+    assert str(error.value) == message
+
+
+# ===========================================================================
+# 31. Memory, by formula and measured
 # ===========================================================================
 
 def _saved_split(model, ids, targets, mixed_precision):
@@ -4264,172 +4430,6 @@ def test_zero_stages_reproduce_the_zero_papers_figure_1():
 def test_memory_bad_input_names_the_argument(call, words):
     with pytest.raises(ValueError, match=words):
         call(tiny("llama"))
-
-
-# ===========================================================================
-# 31. Mixed precision and loss scaling
-# ===========================================================================
-
-# per step, the gradient's kind: finite, inf, NaN, or finite but inf once scaled (1e36 * S)
-STEPS = ["ok", "ok", "ok", "ok", "inf", "ok", "ok", "nan", "ok", "ok", "ok", "overflow", "ok", "ok", "ok", "ok"]
-
-
-def gradient(kind, i):
-    g = torch.linspace(-1.0, 1.0, 5) * (i + 1) * 1e-3                      # [5]
-    if kind != "ok":
-        g[2] = {"inf": float("inf"), "nan": float("nan"), "overflow": 1e36}[kind]
-    return g
-
-
-def run_scaler(scaler, steps):
-    """Train p [5] with SGD and momentum through scaler on the given gradients; per step the
-    scale after update(), whether the step was skipped (p unchanged), p and its gradient."""
-    torch.manual_seed(0)
-    p = nn.Parameter(torch.randn(5))
-    optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9)
-    out = []
-    for i, kind in enumerate(steps):
-        optimizer.zero_grad()
-        before = p.detach().clone()
-        scaler.scale((p * gradient(kind, i)).sum()).backward()            # p.grad = S * gradient
-        scaler.step(optimizer)
-        scaler.update()
-        out.append((scaler.get_scale(), torch.equal(before, p.detach()), p.detach().clone(), p.grad.clone()))
-    return out
-
-
-@pytest.mark.parametrize("settings", [
-    dict(init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
-    dict(init_scale=2.0 ** 16, growth_factor=3.0, backoff_factor=0.3, growth_interval=2)])
-def test_loss_scaler_matches_grad_scaler(settings):
-    """Same scale after every update, same skipped steps, same weights and unscaled gradients
-    (bit for bit), on gradients with inf, NaN and an overflow at chosen steps; with factors that
-    are not powers of two (2^16 * 0.3 is 19660.8 in float64, 19660.80078125 in float32), the
-    scale's float32 rounding must match too."""
-    ours = run_scaler(tf.LossScaler(**settings), STEPS)
-    theirs = run_scaler(torch.amp.GradScaler("cpu", **settings), STEPS)
-    assert [skipped for _, skipped, _, _ in ours] == [kind != "ok" for kind in STEPS]
-    for i, ((s1, k1, p1, g1), (s2, k2, p2, g2)) in enumerate(zip(ours, theirs)):
-        assert (s1, k1) == (s2, k2), i
-        assert torch.equal(p1, p2), i
-        torch.testing.assert_close(g1, g2, rtol=0, atol=0, equal_nan=True)  # unscaled even when skipped
-
-
-def test_loss_scaler_scales_by_hand():
-    """The scales of the first setting above, by hand: growth after 3 good steps in a row,
-    and a skipped step starts the count again (steps counted from 1: a scaler that kept
-    counting through the inf at step 5 would grow after step 7; this one grows next after
-    step 11, three good steps after the NaN at step 8)."""
-    scales = [s for s, *_ in run_scaler(tf.LossScaler(growth_interval=3), STEPS)]
-    k = 2.0 ** 16
-    assert scales == [k, k, 2 * k, 2 * k, k, k, k, k / 2, k / 2, k / 2, k, k / 2, k / 2, k / 2, k, k]
-
-
-def test_clipping_at_max_norm_times_the_scale_is_clipping_the_unscaled_gradients():
-    """GradScaler's way (unscale_, clip at 1, step) and ours (clip the scaled gradients at
-    1 * S, step) give the same weights; clipping the scaled gradients at 1 does not."""
-    def train(clip):
-        torch.manual_seed(0)
-        p = nn.Parameter(torch.randn(5))
-        optimizer, scaler = torch.optim.SGD([p], lr=0.1), (torch.amp.GradScaler("cpu") if clip == "torch"
-                                                          else tf.LossScaler())
-        for i in range(4):
-            optimizer.zero_grad()
-            scaler.scale((p * gradient("ok", i) * 1e3).sum()).backward()   # gradient norms 1.6 to 6.3
-            if clip == "torch":
-                scaler.unscale_(optimizer)
-            nn.utils.clip_grad_norm_([p], {"torch": 1.0, "times S": scaler.get_scale(), "at 1": 1.0}[clip])
-            scaler.step(optimizer)
-            scaler.update()
-        return p.detach()
-    assert (train("times S") - train("torch")).abs().max() <= 1e-6
-    assert (train("at 1") - train("torch")).abs().max() > 0.1
-
-
-def test_scale_stops_growing_at_float32s_largest():
-    """2^127 * 2 = 2^128 is inf in float32: GradScaler keeps 2^127, and so must we (a scale
-    kept as a Python float would reach 2^128)."""
-    for scaler in (tf.LossScaler(init_scale=2.0 ** 127, growth_interval=1),
-                   torch.amp.GradScaler("cpu", init_scale=2.0 ** 127, growth_interval=1)):
-        steps = run_scaler(scaler, ["ok", "ok"])
-        assert [(scale, skipped) for scale, skipped, *_ in steps] == [(2.0 ** 127, False)] * 2
-
-
-def test_a_float16_loss_is_scaled_in_float32():
-    """GradScaler multiplies by a float32 tensor: a float16 loss of 1 becomes 65536 in float32.
-    Times a Python number it would stay float16 and overflow (65504 is float16's largest)."""
-    loss = torch.tensor(1.0, dtype=torch.float16)                          # []
-    for scaler in (tf.LossScaler(), torch.amp.GradScaler("cpu")):
-        scaled = scaler.scale(loss)                                        # []
-        assert scaled.dtype == torch.float32 and scaled.item() == 65536.0
-    assert (loss * 65536.0).item() == float("inf")
-
-
-def test_float16_flushes_a_small_gradient_to_zero_and_the_scale_keeps_it():
-    """1e-8 is 0 in float16; times 2^16 it is a normal float16 number, and divided by 2^16
-    in float32 it is 1e-8 again, to float16's rounding (relative 2^-11)."""
-    assert torch.tensor(1e-8, dtype=torch.float16).item() == 0.0
-    kept = torch.tensor(1e-8 * 2 ** 16, dtype=torch.float16).float() / 2 ** 16  # []
-    assert abs(kept.item() - 1e-8) <= 2 ** -11 * 1e-8
-    # through backward: d/dw of 1e-4 * (w * x), x = 1e-4 in float16, is 1e-8 in float16
-    x = torch.full((1,), 1e-4, dtype=torch.float16)                        # [1]
-    w = nn.Parameter(torch.zeros(1))  # 0, so that w - 1e-8 is not 0 again (1 - 1e-8 is 1 in float32)
-    ((w.half() * x).float().sum() * 1e-4).backward()
-    assert w.grad.item() == 0.0
-    w.grad, scaler = None, tf.LossScaler()
-    scaler.scale((w.half() * x).float().sum() * 1e-4).backward()
-    scaler.step(torch.optim.SGD([w], lr=1.0))
-    # three float16 roundings (x, the incoming gradient, the product), each <= 2^-11 relative
-    assert abs(w.grad.item() - 1e-8) <= 3 * 2 ** -11 * 1e-8
-    assert w.item() == -w.grad.item()                                      # the step was taken
-
-
-def test_float16_and_bfloat16_ranges_and_steps():
-    """The numbers the comment gives: float16's largest, smallest normal and subnormal, the
-    cut to 0 at 2^-25 (a tie, rounded to even: 0); bfloat16 keeps 1e-8 but not 1 + 0.001."""
-    half, bf16 = torch.finfo(torch.float16), torch.finfo(torch.bfloat16)
-    assert (half.max, half.tiny, half.eps, bf16.eps) == (65504.0, 2.0 ** -14, 2.0 ** -10, 2.0 ** -7)
-    assert bf16.max == pytest.approx(3.39e38, rel=1e-3) and bf16.tiny == torch.finfo(torch.float32).tiny
-    assert torch.tensor(2.0 ** -24, dtype=torch.float16).item() == 2.0 ** -24 == pytest.approx(6.0e-8, rel=1e-2)
-    assert torch.tensor(2.0 ** -25, dtype=torch.float16).item() == 0.0
-    assert torch.tensor(2.0 ** -25 * 1.01, dtype=torch.float16).item() == 2.0 ** -24
-    assert abs(torch.tensor(1e-8).bfloat16().item() - 1e-8) <= 2 ** -8 * 1e-8
-    assert (torch.tensor(1.0).bfloat16() + 0.001).item() == 1.0 and (torch.tensor(1.0) + 0.001).item() > 1.0
-
-
-def test_autocast_on_the_cpu_casts_what_the_comment_says():
-    """Matrix products in bfloat16, losses in float32, softmax in its input's dtype, the
-    residual sum float32, and the weights and their gradients float32."""
-    torch.manual_seed(0)
-    layer, x = nn.Linear(8, 4), torch.randn(2, 3, 8)                       # x [2, 3, 8]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = layer(x)                                                       # [2, 3, 4]
-        assert y.dtype == (x @ x.transpose(1, 2)).dtype == torch.bfloat16
-        assert torch.bmm(x, x.transpose(1, 2)).dtype == torch.bfloat16
-        assert F.scaled_dot_product_attention(x[None], x[None], x[None]).dtype == torch.bfloat16
-        assert y.softmax(-1).dtype == torch.bfloat16 and x.softmax(-1).dtype == torch.float32
-        assert (x[..., :4] + y).dtype == torch.float32
-        loss = F.cross_entropy(y.reshape(-1, 4), torch.zeros(6, dtype=torch.long))  # []
-        assert loss.dtype == torch.float32
-    loss.backward()
-    assert layer.weight.dtype == layer.weight.grad.dtype == torch.float32
-
-
-BACKOFF = "backoff_factor must be between 0 and 1, both excluded (the scale must shrink)"
-
-
-@pytest.mark.parametrize("bad, message", [
-    (dict(init_scale=0.0), "init_scale must be > 0, got 0.0"),
-    (dict(init_scale=1e39), "init_scale must be a number from 0 to 3.40282e+38, got 1e+39"),
-    (dict(growth_factor=1.0), "growth_factor must be > 1 (the scale must grow), got 1.0"),
-    (dict(backoff_factor=1.0), BACKOFF + ", got 1.0"),
-    (dict(backoff_factor=0.0), BACKOFF + ", got 0.0"),
-    (dict(growth_interval=0), "growth_interval must be an integer >= 1, got 0"),
-])
-def test_loss_scaler_bad_arguments(bad, message):
-    with pytest.raises(ValueError) as error:
-        tf.LossScaler(**bad)
-    assert str(error.value) == message
 
 
 # ===========================================================================

@@ -23,7 +23,7 @@ Mixtral is Llama with a mixture-of-experts feed-forward, Mistral is Llama with a
              24 the paged KV cache        25 RoPE for long context
   Part V    Training, by hand
              26 AdamW                     27 learning-rate schedules 28 clipping, accumulation
-             29 FLOPs                     30 memory                 31 mixed precision
+             29 FLOPs                     30 mixed precision        31 memory
              32 LoRA
   Part VI   Learning and using it: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
              33 the toy task              34 a baseline to beat     35 decoding: greedy,
@@ -34,9 +34,9 @@ Mixtral is Llama with a mixture-of-experts feed-forward, Mistral is Llama with a
 
 The encoder-decoder (Part I) and its shapes, for a batch of B sentences:
 
-    src ids [B, S] -> embed + position -> N x EncoderLayer ---------> memory [B, S, D]
+    src ids [B, S] -> embed + position -> L x EncoderLayer ---------> memory [B, S, D]
                                                                           |
-    tgt ids [B, T] -> embed + position -> N x DecoderLayer <--------------+ cross-attention
+    tgt ids [B, T] -> embed + position -> L x DecoderLayer <--------------+ cross-attention
                                           (causal self-attention)
                                        -> output_proj -> logits [B, T, V]: the next token
 
@@ -367,7 +367,7 @@ class LayerNorm(nn.Module):
 # with a LayerNorm. The paper normalizes after the sum (post-LN); GPT-2 and most
 # models since normalize the sub-layer's input and leave the residual path
 # untouched (pre-LN), which keeps gradients well scaled in deep stacks (they
-# still use a learning-rate warmup, as this file does). As in PyTorch's
+# still use a learning-rate warmup, as this file does: section 27). As in PyTorch's
 # nn.TransformerEncoderLayer, each sub-layer is a small _block method, so the
 # two orders read side by side in forward.
 # The decoder layer adds cross-attention to the memory: the encoder's output
@@ -460,8 +460,8 @@ class DecoderLayer(nn.Module):
 # ===========================================================================
 # A model reads token ids: integers from 0 to V - 1, one per token, in a [B, T]
 # tensor. An embedding table, nn.Embedding(V, D), turns each id into a learned
-# D-vector: row id of its [V, D] weight. Two things every model below shares: the
-# ids it is given are checked (a clear error now instead of an index error deep
+# D-vector: row id of its [V, D] weight. Two things the models of Part I share: the
+# ids they are given are checked (a clear error now instead of an index error deep
 # inside), and the table starts at a scale that suits what it is added to.
 
 def check_ids(name, ids, vocab_size, max_len):
@@ -736,7 +736,8 @@ class DecoderOnlyTransformer(nn.Module):
 # Count what is there, and derive the same number from the configuration, so a
 # claim like "this config has 30-odd million parameters" (the decoder-only
 # tutorial's, for vocabulary 50257, D 512, 6 layers, Dff 2048) can be checked by
-# hand. Weights shared by tying are counted once, as model.parameters() yields them.
+# hand. It is wrong: 70.4M untied, 44.6M tied (the Try-it below). Weights shared by
+# tying are counted once, as model.parameters() yields them.
 
 def count_parameters(model):
     """Number of distinct parameters (tied weights once)."""
@@ -787,10 +788,10 @@ def decoder_only_param_formula(vocab_size, d_model, n_layers, d_ff, tie_weights=
 # 11. RMSNorm (均方根归一化)
 # ===========================================================================
 # LayerNorm without the mean and without the bias: divide each position by the
-# root mean square of its D features, then rescale. Skipping the mean is cheaper;
-# that re-centering adds little and the rescaling invariance is what helps is the
-# paper's hypothesis, borne out in its experiments, not a proof (Zhang & Sennrich,
-# 2019, "Root Mean Square Layer Normalization": "we hypothesize ...").
+# root mean square of its D features, then rescale. Skipping the mean is cheaper. That
+# re-centering adds little and the rescaling invariance is what helps is the paper's
+# hypothesis, borne out in its experiments, not proved (Zhang & Sennrich, 2019, "Root
+# Mean Square Layer Normalization": "we hypothesize ...").
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, over the last dimension."""
@@ -1017,8 +1018,9 @@ ARGUMENTS.update(norm_eps=(float, torch.finfo(torch.float32).tiny, 1.0))  # > 0 
 class Llama(nn.Module):
     """Token embedding, N Llama blocks, a final RMSNorm, lm_head. n_kv_heads None means
     n_heads (plain MHA), d_ff None means llama_ffn_dim(d_model). Each block's attention
-    and feed-forward come from the methods attention() and feed_forward(): a model family
-    that differs there (Part III) overrides them and nothing else."""
+    and feed-forward come from the methods attention() and feed_forward(), its RoPE tables
+    from rope_tables(): a model family that differs there (Parts III and IV) overrides
+    them, and its constructor records its own keywords in config."""
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False):
@@ -1034,7 +1036,7 @@ class Llama(nn.Module):
         d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
         self.token_embedding = nn.Embedding(vocab_size, d_model)
         self.layers = nn.ModuleList([
-            LlamaBlock(d_model, self.attention(d_model, n_heads, n_kv_heads, qkv_bias, norm_eps),
+            LlamaBlock(d_model, self.attention(d_model, n_heads, n_kv_heads, qkv_bias),
                        self.feed_forward(i, d_model, d_ff), norm_eps) for i in range(n_layers)])
         self.final_norm = RMSNorm(d_model, norm_eps)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
@@ -1044,8 +1046,8 @@ class Llama(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         # N(0, 0.02), Hugging Face's initializer_range: near-uniform first predictions, and
-        # the RMSNorms set the scale. trunc_normal_: its cut at +-2 is 100 std out, so a
-        # plain normal, and unlike normal_ it is instant on the meta device
+        # the RMSNorms set the scale (trunc_normal_, as Hugging Face's: its cut at +-2 is
+        # 100 std out, so a plain normal)
         for module in self.modules():
             if isinstance(module, (nn.Embedding, nn.Linear)):
                 nn.init.trunc_normal_(module.weight, std=0.02)
@@ -1054,12 +1056,13 @@ class Llama(nn.Module):
         if tie_weights:  # input and output embeddings share one [V, D] matrix (Qwen2.5-0.5B does)
             self.lm_head.weight = self.token_embedding.weight
 
-    def attention(self, d_model, n_heads, n_kv_heads, qkv_bias, norm_eps):
+    def attention(self, d_model, n_heads, n_kv_heads, qkv_bias):
         """Every block's attention: GQA (section 14)."""
         return GroupedQueryAttention(d_model, n_heads, n_kv_heads, qkv_bias)
 
     def feed_forward(self, i, d_model, d_ff):
-        """Block i's feed-forward: SwiGLU (section 13)."""
+        """Block i's feed-forward: SwiGLU (section 13) in every block (section 20's model
+        makes only its first blocks dense)."""
         return SwiGLU(d_model, d_ff)
 
     def rope_tables(self, max_len, theta):
@@ -1230,8 +1233,8 @@ class Qwen3(Llama):
                          tie_weights, qkv_bias)
         self.config["head_dim"] = head_dim
 
-    def attention(self, d_model, n_heads, n_kv_heads, qkv_bias, norm_eps):
-        return QKNormAttention(d_model, n_heads, n_kv_heads, self.head_dim, qkv_bias, norm_eps)
+    def attention(self, d_model, n_heads, n_kv_heads, qkv_bias):
+        return QKNormAttention(d_model, n_heads, n_kv_heads, self.head_dim, qkv_bias, self.config["norm_eps"])
 
 
 def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
@@ -1253,7 +1256,7 @@ def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
 
 
 # ===========================================================================
-# 18. Mixture of experts: Mixtral and Qwen3-MoE (混合专家)
+# 18. Mixture of experts: Mixtral, Qwen3-MoE, DeepSeek's router (混合专家)
 # ===========================================================================
 # A dense feed-forward runs all its weights on every token. A mixture of experts
 # (Shazeer et al., 2017; in Transformers GShard and Switch) holds E feed-forwards,
@@ -1666,8 +1669,8 @@ class DeepSeekV3(Llama):
                            norm_topk=norm_topk, max_len=max_len, rope_theta=rope_theta, norm_eps=norm_eps,
                            tie_weights=tie_weights, rope_interleave=rope_interleave)  # for checkpoints
 
-    def attention(self, d_model, n_heads, n_kv_heads, qkv_bias, norm_eps):
-        return MultiHeadLatentAttention(d_model, n_heads, **self.mla, norm_eps=norm_eps)
+    def attention(self, d_model, n_heads, n_kv_heads, qkv_bias):
+        return MultiHeadLatentAttention(d_model, n_heads, **self.mla, norm_eps=self.config["norm_eps"])
 
     def feed_forward(self, i, d_model, d_ff):
         return SwiGLU(d_model, d_ff) if i < self.n_dense_layers else MoE(d_model, router="sigmoid", **self.moe)
@@ -1724,8 +1727,9 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
 # also from a count of the model built on the meta device: they agree to the last
 # parameter. The active count here takes the whole input embedding table as used,
 # 0.93B in DeepSeek-V3, where a token reads one row of it: 37.55B, against DeepSeek's
-# own finer figure of 36.7B (embedding and head included) and its round 37B. Then the
-# cache memory a token takes: MLA's latent beside GQA's keys and values.
+# round 37B and its finer 36.7B (which also counts the embedding and head; the 0.85B
+# between is not explained in its README). Then the cache memory a token takes: MLA's
+# latent beside GQA's keys and values.
 
 def mla_cache_bytes_per_token(n_layers, kv_lora_rank, qk_rope_dim, bytes_per_value=2):
     """MLA's cache memory one token takes: its latent and its rope key, in every layer.
@@ -1784,7 +1788,7 @@ FRONTIER_CONFIGS = [
 # and are proven equal to what their papers and reference code compute.
 
 # ===========================================================================
-# 22. FlashAttention's tiles: the online softmax (FlashAttention 的分块：在线 softmax)
+# 22. FlashAttention's tiles, the online softmax; fused kernels (FlashAttention 的分块：在线 softmax)
 # ===========================================================================
 # Section 2 builds the [Tq, Tk] scores, softmaxes them and multiplies by v: memory
 # grows with Tq * Tk. FlashAttention (Dao et al., 2022; FlashAttention-2, Dao, 2023)
@@ -1806,8 +1810,9 @@ FRONTIER_CONFIGS = [
 # Why a GPU gains: the scores live in on-chip SRAM (an A100 has 192 KB per each of its
 # 108 streaming multiprocessors, about 19 TB/s) instead of HBM (40-80 GB at 1.5-2.0
 # TB/s), the numbers of the FlashAttention paper. Section 2 writes S and P to HBM and
-# reads them back, Theta(T^2) traffic; the tiles never leave SRAM, and the fused
-# kernel is faster although it does more arithmetic. Here, in Python on a CPU, each
+# reads them back, Theta(T^2) traffic; the tiles never leave SRAM, and the fused kernel
+# (one GPU kernel for all of it, no intermediate written to memory) is faster although
+# it does more arithmetic. Here, in Python on a CPU, each
 # tile is a dozen separate torch calls, and the code exists to prove the math and
 # the memory, O(T * block). Its speed depends on the machine: a 64 x 64 tile stays in
 # the CPU's cache while section 2 streams [T, T] tensors through memory (the GPU's
@@ -1874,23 +1879,24 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        Tq, Tk, scale, acc = q.size(2), k.size(2), q.size(-1) ** -0.5, lse.dtype
+        Tq, Tk, scale, acc_dtype = q.size(2), k.size(2), q.size(-1) ** -0.5, lse.dtype
         offset, size = Tk - Tq, ctx.block_size
         # delta = rowsum(dO * O); a gradient on lse adds P * d_lse to dS, so it joins delta
-        delta = (d_out.to(acc) * out.to(acc)).sum(dim=-1) - d_lse          # [B, H, Tq]
-        d_q, d_k, d_v = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))  # [B, H, Tq|Tk, dk|dv]
+        delta = (d_out.to(acc_dtype) * out.to(acc_dtype)).sum(dim=-1) - d_lse          # [B, H, Tq]
+        shapes = (q.shape, k.shape, v.shape)                               # [B, H, Tq|Tk, dk|dv]
+        d_q, d_k, d_v = (torch.zeros(s, dtype=acc_dtype, device=q.device) for s in shapes)  # [B, H, Tq|Tk, dk|dv]
         # FlashAttention-2's order: key blocks outside (their dK, dV stay in SRAM), queries inside
         for ks in range(0, Tk, size):
             ke = min(ks + size, Tk)
-            k_block, v_block = k[:, :, ks:ke].to(acc), v[:, :, ks:ke].to(acc)  # [B, H, bk, dk|dv]
+            k_block, v_block = k[:, :, ks:ke].to(acc_dtype), v[:, :, ks:ke].to(acc_dtype)  # [B, H, bk, dk|dv]
             for qs in range(0, Tq, size):
                 qe = min(qs + size, Tq)
                 if ks >= last_key_block(qe, Tk, offset, ctx.causal):
                     continue                                               # the tile is wholly above the diagonal
-                q_block = q[:, :, qs:qe].to(acc) * scale                   # [B, H, bq, dk]
+                q_block = q[:, :, qs:qe].to(acc_dtype) * scale                   # [B, H, bq, dk]
                 s = flash_tile_scores(q_block, k_block, qs, ks, offset, ctx.causal)  # [B, H, bq, bk]
                 p = torch.exp(s - lse[:, :, qs:qe, None])                  # [B, H, bq, bk]: recomputed
-                do_block = d_out[:, :, qs:qe].to(acc)                      # [B, H, bq, dv]
+                do_block = d_out[:, :, qs:qe].to(acc_dtype)                      # [B, H, bq, dv]
                 d_v[:, :, ks:ke] += p.transpose(-2, -1) @ do_block         # [B, H, bk, dv]
                 ds = p * (do_block @ v_block.transpose(-2, -1) - delta[:, :, qs:qe, None])  # [B, H, bq, bk]
                 d_q[:, :, qs:qe] += ds @ k_block * scale                   # [B, H, bq, dk]
@@ -1943,7 +1949,7 @@ def flash_attention(q, k, v, causal=False, block_size=64):
 # Part I, the weights untouched, and --bench measures what they change.
 
 class FusedAttention(MultiHeadAttention):
-    """Section 3's attention with step 2 in PyTorch's kernel (no weights kept)."""
+    """Section 3's attention with step 2 in PyTorch's kernel (which never builds the [Tq, Tk] weights)."""
 
     def attend(self, q, k, v, mask):
         check_mask(mask)
@@ -1991,7 +1997,7 @@ def use_fused_kernels(model, fused=True):
 # layers reach back L * (W - 1) positions (Mistral-7B: 32 * 4095 = 131,040 with the
 # window counting the token itself, as here; the paper's W x k = 4096 x 32 = 131,072
 # counts W positions a layer). A token further back changes nothing at all; one within that
-# reach can change them.
+# reach can change the output.
 # The pitfall: len(cache) must count every token seen, not the `window` it holds. RoPE
 # turns the next token by its absolute position and the mask counts from it; a cache
 # whose length stops at `window` restarts the positions, and the keys kept (turned at
@@ -2058,7 +2064,7 @@ class Mistral(Llama):
                          tie_weights, qkv_bias)
         self.config["window"] = window
 
-    def attention(self, d_model, n_heads, n_kv_heads, qkv_bias, norm_eps):
+    def attention(self, d_model, n_heads, n_kv_heads, qkv_bias):
         return SlidingWindowAttention(d_model, n_heads, n_kv_heads, self.window, qkv_bias)
 
     def new_cache(self):
@@ -2252,7 +2258,7 @@ def padded_and_paged_slots(lengths, block_size):
 # Static scaling, the kind here, is chosen once for the model; turning the cached keys
 # again (say, to switch scaling mid-generation) turns them twice. Dynamic NTK and
 # dynamic YaRN change the scaling with the sequence's length, every forward, by design,
-# and so cache the keys before RoPE (YaRN, section 3.3).
+# and so cache the keys before RoPE (the YaRN paper's section 3.3).
 
 ARGUMENTS.update(original_max_len=(int, 1, MAX_SIZE))
 SCALING_KEYS = {"linear": (("factor",), ()),
@@ -2332,7 +2338,7 @@ def with_rope_scaling(model, scaling):
     scaling for its max_len, and record the scaling in its config (checkpoints rebuild
     it). -> model."""
     check_scaling(scaling)
-    if isinstance(model, DeepSeekV3) and scaled_rope_frequencies(2, 10000.0, scaling)[1] != 1:
+    if isinstance(model, DeepSeekV3) and scaling["type"] == "yarn":
         raise ValueError("yarn's temperature goes into latent attention's softmax scale (DeepSeek-V3's mscale),"
                          " which this file does not build: use 'linear' or 'llama3' with a DeepSeekV3")
     cos, sin = scaled_rope_cos_sin(model.cos.size(-1), model.max_len, model.config["rope_theta"], scaling)
@@ -2428,8 +2434,9 @@ class AdamW(torch.optim.Optimizer):
 # Which weights decay: decay pulls toward 0, which keeps a matrix's size in check, but a
 # norm's weight is a per-feature gain whose neutral value is 1 (decayed, it shrinks the
 # block's input and the next matrix must grow to undo it), and a bias is a shift of D numbers.
-# nanoGPT's rule, kept here: parameters of 2+ dims decay (in this file exactly the nn.Linear
-# and nn.Embedding weights, embeddings included), 1-dim ones (biases, norm weights) do not.
+# nanoGPT's rule, kept here: parameters of 2+ dims decay (in this file the nn.Linear and
+# nn.Embedding weights, embeddings included, and section 32's LoRA matrices), 1-dim ones
+# (biases, norm weights) do not.
 # Buffers (positions, MoE's router_bias) are not parameters: no optimizer touches them.
 
 def decay_groups(model, weight_decay):
@@ -2626,8 +2633,8 @@ def model_kind(model):
 
 
 def matmul_widths(kind, config, active=True):
-    """(W, A) for a configuration (a model's, or a published one, its keys left out that
-    default to None derived): W the weights a token's forward multiplies by, every
+    """(W, A) for a configuration (a model's, or a published one whose keys that default to
+    None may be missing, derived as the model derives them): W the weights a token's forward multiplies by, every
     nn.Linear's (lm_head's too, a MoE's router, the top_k experts a token runs and the
     shared ones; active=False: all experts), but not the embedding table, which is read;
     A = sum over layers of heads x (q.k width + v width), the [T, T] products' width."""
@@ -2734,7 +2741,110 @@ def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
 
 
 # ===========================================================================
-# 30. Memory, by formula and measured (显存)
+# 30. Mixed precision and loss scaling (混合精度与损失缩放)
+# ===========================================================================
+# 16-bit numbers take half the memory and memory traffic of float32, and recent GPUs (and
+# CPUs with AVX512-BF16 or AMX) multiply them on faster units. Mixed precision (Micikevicius
+# et al., 2018, "Mixed Precision Training") keeps the weights, their updates and the sums in
+# float32 and runs the matrix products in 16 bits. In float16 that needs one more piece, loss
+# scaling, or small gradients round to zero; in bfloat16 it does not.
+
+# The two 16-bit formats, beside float32's 8 exponent bits and 24 significant bits:
+#   float16   5 exponent bits, 11 significant: a step of 2^-10 near 1, largest 65504, smallest
+#             normal 2^-14 = 6.1e-5, then subnormals with fewer bits down to 2^-24 = 6.0e-8
+#   bfloat16  float32's 8 exponent bits (to 3.4e38, normal down to 1.2e-38), 8 significant:
+#             a step of 2^-7 near 1, so 1 + 0.001 rounds to 1, and weights that took updates
+#             of lr * gradient in bfloat16 would stop moving: they stay float32
+# torch.autocast("cpu", dtype=torch.bfloat16) casts per operation, never the weights: linear,
+# matmul, bmm and scaled_dot_product_attention run in bfloat16, the losses (cross_entropy,
+# nll_loss, mse_loss...) in float32, everything else in the dtype of its inputs (a softmax of
+# bfloat16 scores is bfloat16; float32 + bfloat16 is float32, so the residual stream stays
+# float32). On CUDA softmax and layer_norm go to float32 as well (torch's Autocast Op Reference).
+
+ARGUMENTS.update(init_scale=(float, 0.0, torch.finfo(torch.float32).max), growth_factor=(float, 1.0, math.inf),
+                 backoff_factor=(float, 0.0, 1.0), growth_interval=(int, 1, MAX_SIZE))
+RELATIONS.update({
+    "init_scale > 0": (("init_scale",), lambda s: s > 0, "init_scale must be > 0"),
+    "growth_factor > 1": (("growth_factor",), lambda g: g > 1, "growth_factor must be > 1 (the scale must grow)"),
+    "0 < backoff_factor < 1": (("backoff_factor",), lambda b: 0 < b < 1,
+                               "backoff_factor must be between 0 and 1, both excluded (the scale must shrink)"),
+})
+
+
+def to_float32(x):
+    """x rounded to the nearest float32 (inf past its range), as a Python number."""
+    return torch.tensor(x, dtype=torch.float32).item()                   # a [] tensor's one number
+
+
+# float16's trap: a gradient of 2^-25 = 3e-8 or less rounds to 0 (1e-8 does) and stops its weight.
+# Gradients are linear in the loss, so a loss times S gives gradients times S, up into float16's
+# range; they are divided by S in float32 before the step. An S too large overflows to inf or
+# NaN: that step is skipped and S shrinks; after growth_interval good steps in a row it grows.
+# So S hovers near the largest that fits, without anyone choosing it. Clipping (section 28)
+# must not cut the S-times-larger gradients at max_norm: GradScaler has unscale_() to call
+# before it; here, clip at max_norm * get_scale(), the same cut on the scaled gradients.
+
+class LossScaler:
+    """torch.amp.GradScaler's dynamic loss scaling, written out. Each step:
+    scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()."""
+
+    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        check("init_scale > 0", "growth_factor > 1", "0 < backoff_factor < 1", init_scale=init_scale,
+              growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval)
+        # a float32 number, as GradScaler keeps it (a float32 tensor): the same scales, bit for bit
+        self.loss_scale, self.good_steps, self.found_inf = to_float32(init_scale), 0, False
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+
+    def scale(self, loss):
+        """loss * the scale, in float32 as GradScaler multiplies (by a float32 tensor): a float16
+        loss of 1 times 2^16 is 65536, not the inf of float16 times a Python number."""
+        return loss * torch.tensor(self.loss_scale, device=loss.device)    # as loss, [] for a loss
+
+    def step(self, optimizer):
+        """Divide every gradient by the scale (times its float32 inverse), then step, unless
+        a gradient holds inf or NaN: then the weights and the optimizer's state stay as they are."""
+        inverse = to_float32(1.0 / self.loss_scale)  # GradScaler's reciprocal, in float64 then float32
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self.found_inf = not all(torch.isfinite(g).all() for g in grads)  # bool, from a [] test a gradient
+        for g in grads:
+            g.mul_(inverse)  # unscaled even when the step is skipped, as GradScaler does
+        if not self.found_inf:
+            optimizer.step()
+
+    def update(self):
+        """After a skipped step: scale * backoff_factor, and the good steps counted from 0 again.
+        After growth_interval good steps in a row: scale * growth_factor (unless float32
+        overflows), counted from 0 again."""
+        if self.found_inf:
+            self.loss_scale, self.good_steps = to_float32(self.loss_scale * self.backoff_factor), 0
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            grown = to_float32(self.loss_scale * self.growth_factor)
+            self.loss_scale = grown if math.isfinite(grown) else self.loss_scale
+            self.good_steps = 0
+
+    def get_scale(self):
+        return self.loss_scale
+
+# Try it: a gradient of 1e-4 * 1e-4 = 1e-8 through a float16 product, lost, then kept by the scale.
+#   >>> w = nn.Parameter(torch.zeros(1))                                   # [1], a float32 master weight
+#   >>> x = torch.full((1,), 1e-4, dtype=torch.float16)                    # [1], a float16 activation
+#   >>> ((w.half() * x).float().sum() * 1e-4).backward(); w.grad.item()
+#   0.0
+#   >>> w.grad, scaler, opt = None, LossScaler(), torch.optim.SGD([w], lr=1.0)
+#   >>> scaler.scale((w.half() * x).float().sum() * 1e-4).backward()      # gradients 2^16 times larger
+#   >>> scaler.step(opt); scaler.update(); f"{w.grad.item():.3e}", f"{w.item():.3e}"  # unscaled; stepped
+#   ('1.000e-08', '-1.000e-08')
+#   >>> w.grad = torch.full((1,), float("inf")); scaler.step(opt); scaler.update()  # an overflow
+#   >>> scaler.get_scale(), f"{w.item():.3e}"                             # skipped, and S halved
+#   (32768.0, '-1.000e-08')
+#   >>> torch.tensor(1e-8).bfloat16().item() > 0, torch.tensor(1.0).bfloat16() + 0.001 == 1  # range, not steps
+#   (True, tensor(True))
+
+
+# ===========================================================================
+# 31. Memory, by formula and measured (显存)
 # ===========================================================================
 # A training step holds four things: the weights, their gradients, the optimizer's
 # state (AdamW's m and v, section 26) and the activations, what the forward saves for
@@ -2917,7 +3027,6 @@ def zero_memory_per_device(memory, n_devices, zero_stage):
 # a 7.5B model needs 120 GB on every device of plain data parallelism; ZeRO-1, 2, 3 on
 # 64 devices leave 31.4, 16.6 and 1.9 GB (the paper's Figure 1). Autocast over float32
 # weights, as here, costs 18 (Hugging Face's "6 bytes" for weights: 4 + a 2-byte copy).
-# LoRA freezes the weights: gradients, states and master copies only for the adapters.
 
 # Try it: a Llama's activations, by formula and measured, with and without checkpointing.
 #   >>> torch.manual_seed(0)
@@ -2935,109 +3044,6 @@ def zero_memory_per_device(memory, n_devices, zero_stage):
 #   >>> zero = zero_memory_per_device(memory_bytes(7_500_000_000, 7_500_000_000, 0, "bf16"), 64, zero_stage=3)
 #   >>> round(zero["total"] / 1e9, 1)                                      # ZeRO's Figure 1: 1.9 GB
 #   1.9
-
-
-# ===========================================================================
-# 31. Mixed precision and loss scaling (混合精度与损失缩放)
-# ===========================================================================
-# 16-bit numbers take half the memory and memory traffic of float32, and recent GPUs (and
-# CPUs with AVX512-BF16 or AMX) multiply them on faster units. Mixed precision (Micikevicius
-# et al., 2018, "Mixed Precision Training") keeps the weights, their updates and the sums in
-# float32 and runs the matrix products in 16 bits. In float16 that needs one more piece, loss
-# scaling, or small gradients round to zero; in bfloat16 it does not.
-
-# The two 16-bit formats, beside float32's 8 exponent bits and 24 significant bits:
-#   float16   5 exponent bits, 11 significant: a step of 2^-10 near 1, largest 65504, smallest
-#             normal 2^-14 = 6.1e-5, then subnormals with fewer bits down to 2^-24 = 6.0e-8
-#   bfloat16  float32's 8 exponent bits (to 3.4e38, normal down to 1.2e-38), 8 significant:
-#             a step of 2^-7 near 1, so 1 + 0.001 rounds to 1, and weights that took updates
-#             of lr * gradient in bfloat16 would stop moving: they stay float32
-# torch.autocast("cpu", dtype=torch.bfloat16) casts per operation, never the weights: linear,
-# matmul, bmm and scaled_dot_product_attention run in bfloat16, the losses (cross_entropy,
-# nll_loss, mse_loss...) in float32, everything else in the dtype of its inputs (a softmax of
-# bfloat16 scores is bfloat16; float32 + bfloat16 is float32, so the residual stream stays
-# float32). On CUDA softmax and layer_norm go to float32 as well (torch's Autocast Op Reference).
-
-ARGUMENTS.update(init_scale=(float, 0.0, torch.finfo(torch.float32).max), growth_factor=(float, 1.0, math.inf),
-                 backoff_factor=(float, 0.0, 1.0), growth_interval=(int, 1, MAX_SIZE))
-RELATIONS.update({
-    "init_scale > 0": (("init_scale",), lambda s: s > 0, "init_scale must be > 0"),
-    "growth_factor > 1": (("growth_factor",), lambda g: g > 1, "growth_factor must be > 1 (the scale must grow)"),
-    "0 < backoff_factor < 1": (("backoff_factor",), lambda b: 0 < b < 1,
-                               "backoff_factor must be between 0 and 1, both excluded (the scale must shrink)"),
-})
-
-
-def to_float32(x):
-    """x rounded to the nearest float32 (inf past its range), as a Python number."""
-    return torch.tensor(x, dtype=torch.float32).item()                   # a [] tensor's one number
-
-
-# float16's trap: a gradient of 2^-25 = 3e-8 or less rounds to 0 (1e-8 does) and stops its weight.
-# Gradients are linear in the loss, so a loss times S gives gradients times S, up into float16's
-# range; they are divided by S in float32 before the step. An S too large overflows to inf or
-# NaN: that step is skipped and S shrinks; after growth_interval good steps in a row it grows.
-# So S hovers near the largest that fits, without anyone choosing it. Clipping (section 28)
-# must not cut the S-times-larger gradients at max_norm: GradScaler has unscale_() to call
-# before it; here, clip at max_norm * get_scale(), the same cut on the scaled gradients.
-
-class LossScaler:
-    """torch.amp.GradScaler's dynamic loss scaling, written out. Each step:
-    scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()."""
-
-    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
-        check("init_scale > 0", "growth_factor > 1", "0 < backoff_factor < 1", init_scale=init_scale,
-              growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval)
-        # a float32 number, as GradScaler keeps it (a float32 tensor): the same scales, bit for bit
-        self.loss_scale, self.good_steps, self.found_inf = to_float32(init_scale), 0, False
-        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
-
-    def scale(self, loss):
-        """loss * the scale, in float32 as GradScaler multiplies (by a float32 tensor): a float16
-        loss of 1 times 2^16 is 65536, not the inf of float16 times a Python number."""
-        return loss * torch.tensor(self.loss_scale, device=loss.device)    # as loss, [] for a loss
-
-    def step(self, optimizer):
-        """Divide every gradient by the scale (times its float32 inverse), then step, unless
-        a gradient holds inf or NaN: then the weights and the optimizer's state stay as they are."""
-        inverse = to_float32(1.0 / self.loss_scale)  # GradScaler's reciprocal, in float64 then float32
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        self.found_inf = not all(torch.isfinite(g).all() for g in grads)  # bool, from a [] test a gradient
-        for g in grads:
-            g.mul_(inverse)  # unscaled even when the step is skipped, as GradScaler does
-        if not self.found_inf:
-            optimizer.step()
-
-    def update(self):
-        """After a skipped step: scale * backoff_factor, and the good steps counted from 0 again.
-        After growth_interval good steps in a row: scale * growth_factor (unless float32
-        overflows), counted from 0 again."""
-        if self.found_inf:
-            self.loss_scale, self.good_steps = to_float32(self.loss_scale * self.backoff_factor), 0
-            return
-        self.good_steps += 1
-        if self.good_steps == self.growth_interval:
-            grown = to_float32(self.loss_scale * self.growth_factor)
-            self.loss_scale = grown if math.isfinite(grown) else self.loss_scale
-            self.good_steps = 0
-
-    def get_scale(self):
-        return self.loss_scale
-
-# Try it: a gradient of 1e-4 * 1e-4 = 1e-8 through a float16 product, lost, then kept by the scale.
-#   >>> w = nn.Parameter(torch.zeros(1))                                   # [1], a float32 master weight
-#   >>> x = torch.full((1,), 1e-4, dtype=torch.float16)                    # [1], a float16 activation
-#   >>> ((w.half() * x).float().sum() * 1e-4).backward(); w.grad.item()
-#   0.0
-#   >>> w.grad, scaler, opt = None, LossScaler(), torch.optim.SGD([w], lr=1.0)
-#   >>> scaler.scale((w.half() * x).float().sum() * 1e-4).backward()      # gradients 2^16 times larger
-#   >>> scaler.step(opt); scaler.update(); f"{w.grad.item():.3e}", f"{w.item():.3e}"  # unscaled; stepped
-#   ('1.000e-08', '-1.000e-08')
-#   >>> w.grad = torch.full((1,), float("inf")); scaler.step(opt); scaler.update()  # an overflow
-#   >>> scaler.get_scale(), f"{w.item():.3e}"                             # skipped, and S halved
-#   (32768.0, '-1.000e-08')
-#   >>> torch.tensor(1e-8).bfloat16().item() > 0, torch.tensor(1.0).bfloat16() + 0.001 == 1  # range, not steps
-#   (True, tensor(True))
 
 
 # ===========================================================================
@@ -3482,7 +3488,7 @@ def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True, allowed=N
     return ys[:, 1:]                                                       # [B, <= max_len]
 
 
-ARGUMENTS.update(beam_size=(int, 1, MAX_SIZE), n_steps=(int, 1, MAX_SIZE), batch_size=(int, 1, MAX_SIZE))
+ARGUMENTS.update(beam_size=(int, 1, MAX_SIZE), n_steps=(int, 1, MAX_SIZE))  # batch_size: section 29
 
 
 def reorder_cache(cache, index):
@@ -3823,7 +3829,7 @@ def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=N
 
 
 # ===========================================================================
-# 39. The attention heatmap (注意力热力图)
+# 39. The attention heatmap and the experts' load (注意力热力图)
 # ===========================================================================
 # Which syllables did each character read? The last decoder layer's
 # cross-attention weights [H, T, S], averaged over heads or for one head, drawn
@@ -3889,7 +3895,7 @@ def expert_load(model, pairs, vocab):
         by_length.setdefault(len(ids), []).append(ids)
     moes = {i: layer.ffn for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoE)}
     totals = {i: torch.zeros(moe.n_experts) for i, moe in moes.items()}  # [E] each
-    with eval_mode(model), torch.no_grad():
+    with eval_mode(model):
         for rows in by_length.values():
             model(torch.tensor(rows, device=device))                       # [B, L, V]; fills tokens_per_expert
             for i, moe in moes.items():
@@ -4532,7 +4538,7 @@ def show_training_costs(seq_len=4096, lora_rank=16, n_devices=(8, 64)):
           "  + a 2-byte bf16 copy of each matrix it multiplies; bf16 weights with float32 master copies\n"
           "  2 + 2 + 8 + 4 = 16. ZeRO-3 splits all of it over the devices (ZeRO-1: the states, ZeRO-2: and the grads).")
 
-    print("\nActivations of one sequence (batch 1), GB, by section 30's formula for this file's code, which saves\n"
+    print("\nActivations of one sequence (batch 1), GB, by section 31's formula for this file's code, which saves\n"
           "the [T, T] attention weights (a fused kernel, section 22, saves neither them nor the masks), and\n"
           "for autocast as on a CPU (CUDA's keeps softmax in float32):")
     for label, kind, config, lengths in [(name, "llama", config, (2048, 8192)),
