@@ -617,12 +617,12 @@ RELATIONS.update({
 })
 
 
-def next_token(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
-    """logits [B, V] -> the next ids [B, 1]. temperature 0 takes the most likely;
-    otherwise sample from softmax(logits / temperature), over the top_k most likely
-    and/or the smallest set whose probabilities add up to top_p (nucleus sampling)."""
+def next_token_probs(logits, temperature=0.0, top_k=None, top_p=None):
+    """logits [B, V] -> the distribution next_token draws from, [B, V]: softmax(logits /
+    temperature) over the top_k most likely and/or the smallest set whose probabilities
+    add up to top_p (nucleus sampling); temperature 0 puts all of it on the most likely."""
     if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)                         # [B, 1]
+        return F.one_hot(logits.argmax(dim=-1), logits.size(-1)).float()  # [B, V]
     logits = logits.float() / temperature                                  # [B, V]
     if not torch.isfinite(logits).all():
         raise ValueError(f"temperature {temperature} is too small: logits / temperature overflow"
@@ -638,7 +638,15 @@ def next_token(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
         # drop a token when the ones more likely than it already reach top_p
         drop = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, before >= top_p)  # [B, V]
         logits = logits.masked_fill(drop, float("-inf"))                   # [B, V]
-    probs = logits.softmax(dim=-1)                                         # [B, V]
+    return logits.softmax(dim=-1)                                          # [B, V]
+
+
+def next_token(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
+    """logits [B, V] -> the next ids [B, 1]: the most likely at temperature 0, else a
+    draw from next_token_probs."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)                         # [B, 1]
+    probs = next_token_probs(logits, temperature, top_k, top_p)            # [B, V]
     return torch.multinomial(probs, 1, generator=generator)                # [B, 1]
 
 
