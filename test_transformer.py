@@ -55,6 +55,7 @@ import resource
 import select
 import signal
 import stat
+import statistics
 import subprocess
 import sys
 import threading
@@ -5946,11 +5947,805 @@ def test_expert_load_counts_every_routed_slot_without_padding():
 
 
 # ===========================================================================
+# Part VII: after pretraining
+# ===========================================================================
+
+# ===========================================================================
+# 40. Speculative decoding
+# ===========================================================================
+# The split of section 9's next_token that section 40 reads
+
+def test_next_token_probs_is_the_law_next_token_draws_from_and_one_hot_at_temperature_0(monkeypatch):
+    logits = torch.tensor([[1.0, 3.0, 3.0, -2.0], [0.5, 0.1, 0.2, 0.3]])               # [2, 4], a tie in row 0
+    greedy = tf.next_token_probs(logits, 0.0)
+    assert greedy.tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]                            # argmax's first of a tie
+    assert torch.equal(greedy.argmax(-1, keepdim=True), tf.next_token(logits))
+    seen = []
+    monkeypatch.setattr(torch, "multinomial", lambda probs, n, generator=None: seen.append(probs) or probs[:, :1])
+    tf.next_token(logits, 0.8, top_k=3, top_p=0.9)
+    assert torch.equal(seen[0], tf.next_token_probs(logits, 0.8, top_k=3, top_p=0.9))
+
+
+# Greedy: exactly the target's own tokens
+
+SPEC_V = 24
+
+
+def noisy_copy(model, scale, seed=1):
+    """The model with noise scale * (each matrix's std) added to its matrices: a draft that
+    agrees with it often, not always."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() > 1:
+                p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return draft
+
+
+def sharpen(model, factor=8.0):
+    """Multiply lm_head by factor: a random model's next-token law is then peaked, and a
+    noisy copy's argmax differs from it now and then, not at every step."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(factor)
+    return model
+
+
+def model_pair(name):
+    """(target, draft) of one vocabulary: a sharpened random model and its noisy copy (they
+    agree on about 60% of the drafted tokens below), or two models of different families
+    (which agree by chance)."""
+    torch.manual_seed(0)
+    family = name.split(",")[0]
+    if family == "gpt":
+        target = sharpen(tf.DecoderOnlyTransformer(vocab_size=SPEC_V, d_model=16, n_layers=2, n_heads=2, d_ff=32,
+                                                   max_len=24), 4.0)
+    elif family == "llama":
+        target = sharpen(tf.Llama(vocab_size=SPEC_V, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, max_len=24))
+    elif family == "qwen3moe":
+        target = sharpen(tf.Qwen3MoE(vocab_size=SPEC_V, d_model=16, n_layers=1, n_heads=2, head_dim=8, d_ff=16,
+                                     n_experts=4, top_k=2, max_len=24))
+    elif family == "deepseek":
+        target = sharpen(tf.DeepSeekV3(vocab_size=SPEC_V, d_model=16, n_layers=2, n_heads=2, kv_lora_rank=8,
+                                       qk_nope_dim=4, qk_rope_dim=4, v_head_dim=4, d_ff=16, expert_d_ff=8,
+                                       n_experts=4, top_k=2, max_len=24))
+    elif family == "mistral":  # window 3: every prompt below is longer, the caches drop tokens
+        target = sharpen(tf.Mistral(vocab_size=SPEC_V, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, window=3,
+                                    max_len=24))
+    if name.endswith("noisy copy"):
+        return target, noisy_copy(target, 0.3)
+    if name == "gpt, llama":
+        return target, sharpen(tf.Llama(vocab_size=SPEC_V, d_model=8, n_layers=1, n_heads=1, max_len=24))
+    if name == "deepseek, mixtral":
+        return target, sharpen(tf.Mixtral(vocab_size=SPEC_V, d_model=8, n_layers=1, n_heads=1, d_ff=8, n_experts=2,
+                                          top_k=1, max_len=24))
+    raise KeyError(name)
+
+
+PAIRS = ["gpt, noisy copy", "llama, noisy copy", "qwen3moe, noisy copy", "deepseek, noisy copy",
+         "mistral, noisy copy", "gpt, llama", "deepseek, mixtral"]
+# (prompt length, max_new_tokens, k): k = 1; k larger than max_new_tokens; nothing to write;
+# one token (no draft at all); the prompt and the answer filling max_len (24) exactly
+LENGTHS = [(4, 9, 1), (5, 3, 8), (3, 0, 4), (6, 1, 4), (6, 18, 3)]
+
+
+def rounds(target, draft, ids, n, k, **kw):
+    """speculative_generate's output, the target's and the draft's forwards counted."""
+    calls = {target: 0, draft: 0}
+    hooks = [m.register_forward_pre_hook(lambda m, a: calls.__setitem__(m, calls[m] + 1)) for m in (target, draft)]
+    try:
+        out = tf.speculative_generate(target, draft, ids, n, k=k, **kw)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, calls[target], calls[draft]
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_greedy_writes_exactly_the_targets_own_tokens(name):
+    """Every family, its cache (KVCache, LatentCache, RollingKVCache that drops tokens) and
+    each length case; the noisy copies both keep and reject drafted tokens (each round
+    writes its kept tokens + 1 with one target forward: kept = written - target forwards;
+    measured 13-17 kept of 21-31 drafted), so the kept prefix, the redraw and the extra
+    token after a full acceptance are all compared with generate's."""
+    target, draft = model_pair(name)
+    g = torch.Generator().manual_seed(2)
+    written = forwards = drafted = 0
+    for T, n, k in LENGTHS:
+        ids = torch.randint(0, SPEC_V, (1, T), generator=g)                     # [1, T]
+        out, target_calls, draft_calls = rounds(target, draft, ids, n, k)  # [1, T+n]
+        assert out.shape == (1, T + n) and torch.equal(out, target.generate(ids, n)), (T, n, k)
+        written, forwards, drafted = written + n, forwards + target_calls, drafted + draft_calls
+    if name.endswith("noisy copy"):
+        assert 0 < written - forwards < drafted, (written - forwards, drafted)
+
+
+def test_a_draft_that_always_agrees_costs_one_target_forward_per_k_plus_1_tokens():
+    """With the target as its own draft every drafted token is kept and each round adds
+    the target's own token: 14 tokens with k = 3 take ceil(14 / 4) = 4 target forwards
+    (generate takes 14), the last round drafting 1 (the 2 left, less the target's own)."""
+    target, _ = model_pair("llama, noisy copy")
+    ids = torch.tensor([[1, 2, 3]])
+    out, target_calls, draft_calls = rounds(target, copy.deepcopy(target), ids, 14, 3)
+    assert torch.equal(out, target.generate(ids, 14))
+    assert (target_calls, draft_calls) == (4, 3 + 3 + 3 + 1)
+
+
+# The caches, cut back
+
+def crop_then_continue(model, cache, n=7, rejected=3):
+    """Run prompt + `rejected` tokens into the cache, cut it back to the prompt (n tokens),
+    run two other tokens: the last logits [SPEC_V] against a fresh forward of the kept sequence."""
+    g = torch.Generator().manual_seed(3)
+    prompt, wrong, right = (torch.randint(0, SPEC_V, (1, m), generator=g) for m in (n, rejected, 2))
+    with torch.no_grad():
+        model(torch.cat([prompt, wrong], dim=1), cache)                    # [1, n+rejected, SPEC_V]
+        tf.crop_cache(cache, n)
+        assert all(len(c) == n for c in cache)
+        kept = torch.cat([prompt, right], dim=1)                           # [1, n+2]
+        return model(kept, cache)[0, -1], model(kept)[0, -1]               # [SPEC_V] each
+
+
+@pytest.mark.parametrize("name", ["gpt, noisy copy", "deepseek, noisy copy", "mistral, noisy copy"])
+def test_crop_cache_cuts_kv_latent_and_rolling_caches_back_to_the_kept_tokens(name):
+    """KVCache (GPT), LatentCache (DeepSeek-V3: its tensors are [B, t, r], not [B, H, t, dk])
+    and RollingKVCache (Mistral, window 3, which had dropped tokens): after the cut, the
+    model continues as if the rejected tokens had never been run."""
+    target, _ = model_pair(name)
+    cache = tf.speculation_cache(target.eval(), 3)
+    cached, fresh = crop_then_continue(target, cache)
+    assert type(cache[0]).__name__ == {"gpt, noisy copy": "KVCache", "deepseek, noisy copy": "LatentCache",
+                                       "mistral, noisy copy": "RollingKVCache"}[name]
+    assert getattr(cache[0], "dropped", 1) > 0                             # the rolling one did drop tokens
+    assert (cached - fresh).abs().max() < 1e-5
+
+
+def test_crop_cache_cuts_a_paged_cache_and_gives_its_blocks_back():
+    target, _ = model_pair("llama, noisy copy")
+    pool = tf.KVPool(n_blocks=16, block_size=4)
+    cache = [tf.PagedKVCache(pool) for _ in target.layers]
+    cached, fresh = crop_then_continue(target.eval(), cache, n=7, rejected=3)
+    assert (cached - fresh).abs().max() < 1e-5
+    # 10 tokens took blocks 0-2 (layer 0) and 3-5 (layer 1); cut to 7 they need 2 a layer and
+    # gave back 2 and 5, which the 9 tokens after the cut take again, the last given first
+    assert [c.blocks for c in cache] == [[0, 1, 5], [3, 4, 2]] and pool.n_free == 10
+    tf.crop_cache(cache, 1)
+    assert pool.n_free == 14 and all(len(c) == 1 and len(c.blocks) == 1 for c in cache)
+
+
+def test_crop_cache_keeps_the_first_tokens_of_each_layer_and_never_lengthens_one():
+    keys = torch.randn(1, 2, 8, 4)                                         # [1, 2, 8, 4]
+    short, long = tf.KVCache(), tf.KVCache()
+    short.append(keys[:, :, :3], keys[:, :, :3])
+    long.append(keys, -keys)
+    tf.crop_cache([short, long], 5)
+    assert (len(short), len(long)) == (3, 5)
+    assert torch.equal(long.k, keys[:, :, :5]) and torch.equal(long.v, -keys[:, :, :5])
+
+
+def test_a_rolling_cache_refuses_a_cut_below_the_tokens_it_let_go():
+    cache = tf.RollingKVCache(window=4)
+    cache.append(torch.randn(1, 1, 10, 2), torch.randn(1, 1, 10, 2))     # holds tokens 6-9
+    with pytest.raises(ValueError, match="cannot cut a rolling cache back to 5 tokens: it let 6 go"):
+        tf.crop_cache([cache], 5)
+    tf.crop_cache([cache], 8)
+    assert len(cache) == 8 and cache.k.shape == (1, 1, 2, 2)
+
+
+def test_pitfall_a_cache_left_uncut_is_caught_by_the_forward(monkeypatch):
+    """Without the cut, the caches hold the rejected tokens: the next forward reads more
+    cached tokens than the sequence it is given holds, and this file's forward refuses."""
+    target, draft = model_pair("llama, noisy copy")
+    ids = torch.randint(0, SPEC_V, (1, 6), generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(tf, "crop_cache", lambda cache, length: None)
+    with pytest.raises(ValueError, match=r"input_ids holds \d+ tokens and the cache \d+ already"):
+        tf.speculative_generate(target, draft, ids, 18, k=3)
+
+
+def test_pitfall_a_cache_cut_in_length_but_keeping_the_rejected_keys_changes_the_tokens(monkeypatch):
+    """The silent form: the count of tokens is cut back (positions stay right) and the keys
+    stay, as with a position counter beside a buffer. Mistral's band is sized from the keys
+    it is handed, so nothing refuses: the next query reads the rejected keys as its
+    neighbours, and the tokens are no longer the target's."""
+    target, draft = model_pair("mistral, noisy copy")
+    ids = torch.randint(0, SPEC_V, (1, 6), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(tf.speculative_generate(target, draft, ids, 18, k=3), target.generate(ids, 18))
+
+    def count_only(cache, length):
+        for c in cache:
+            c.dropped -= len(c) - min(length, len(c))
+
+    monkeypatch.setattr(tf, "crop_cache", count_only)
+    assert not torch.equal(tf.speculative_generate(target, draft, ids, 18, k=3), target.generate(ids, 18))
+
+
+def test_pitfall_a_rolling_cache_of_only_its_window_changes_the_tokens(monkeypatch):
+    """Cut back by the rejected tokens, a rolling cache that held just its window holds
+    less than the next query must read (it let the older ones go): the tokens change.
+    speculation_cache's k spare tokens are what keeps them the target's."""
+    target, draft = model_pair("mistral, noisy copy")
+    ids = torch.randint(0, SPEC_V, (1, 6), generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(tf, "speculation_cache", lambda model, k: model.new_cache())
+    assert not torch.equal(tf.speculative_generate(target, draft, ids, 18, k=3), target.generate(ids, 18))
+
+
+def test_a_rejection_with_an_empty_residual_redraws_from_p(monkeypatch):
+    """p = q leaves max(0, p - q) all zero; float noise can still reject there, and the
+    redraw then comes from p. Forced on every drafted token, greedy stays the target's."""
+    target, draft = model_pair("gpt, llama")
+    ids = torch.tensor([[5, 6, 7]])
+    monkeypatch.setattr(tf, "rejection_rule", lambda p, q: (torch.zeros_like(p), torch.zeros_like(p)))
+    assert torch.equal(tf.speculative_generate(target, draft, ids, 6, k=2), target.generate(ids, 6))
+
+
+# Sampling: the target's law
+
+def emitted_law(p, q, rule):
+    """The law [SPEC_V] of the first token a round writes, from the rule, summed over the draft's
+    proposals x ~ q: x itself with q(x) keep(x), else a redraw from the normalized residual."""
+    keep, residual = rule(p, q)                                            # [SPEC_V] each
+    redraw = residual / residual.sum() if residual.sum() > 0 else p        # [SPEC_V]
+    outcome = torch.diag(q * keep) + (q * (1 - keep))[:, None] * redraw    # [SPEC_V x, SPEC_V y]: P(x drafted, y out)
+    return outcome.sum(dim=0)                                              # [SPEC_V]
+
+
+RULE = tf.rejection_rule
+
+
+def wrong_rule(p, q):
+    """The mistake: at a rejection, draw from p rather than from max(0, p - q)."""
+    return RULE(p, q)[0], p
+
+
+def random_laws(n=300, SPEC_V=6, seed=0, dtype=torch.float32):
+    """n pairs (p, q) [SPEC_V], sharp and flat; in a third q has zeros where p has not, in
+    another third p has zeros where q has not (and some have both)."""
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n):
+        p, q = (torch.randn(SPEC_V, generator=g, dtype=dtype) * (1 + 3 * torch.rand((), generator=g)) for _ in range(2))
+        p, q = p.softmax(-1), q.softmax(-1)                                # [SPEC_V] each
+        if i % 3 == 1 or i % 5 == 0:
+            q[torch.randperm(SPEC_V, generator=g)[:2]] = 0
+        if i % 3 == 2 or i % 5 == 0:
+            p[torch.randperm(SPEC_V, generator=g)[:2]] = 0
+        yield p / p.sum(), q / q.sum()
+
+
+def test_the_rule_summed_over_the_drafts_proposals_is_p_exactly():
+    """No sampling: the law of the emitted token, computed from rejection_rule, is p on 300
+    pairs: to 1e-6 in float32 (measured max difference 1.8e-7: p and q sum to 1 only to
+    float32's rounding) and to 1e-12 in float64 (measured 3.3e-16). The wrong residual
+    misses by up to 0.25 (measured) on the same pairs."""
+    diff = {dtype: max((emitted_law(p, q, tf.rejection_rule) - p).abs().max().item()
+                       for p, q in random_laws(dtype=dtype)) for dtype in (torch.float32, torch.float64)}
+    assert diff[torch.float32] < 1e-6 and diff[torch.float64] < 1e-12, diff
+    wrong = max((emitted_law(p, q, wrong_rule) - p).abs().max().item() for p, q in random_laws())
+    assert wrong > 0.2, wrong
+
+
+class Bigram(tf.Llama):
+    """A decoder-only model of the file (a Llama, to speculative_generate's checks) whose
+    logits after a token are a row of a fixed table [SPEC_V, SPEC_V]: the exact law of what it writes
+    is read off the table, and a run costs microseconds. Its cache is one KVCache of
+    placeholder keys, counted, refused and cut as a model's."""
+
+    def __init__(self, table):
+        nn.Module.__init__(self)
+        self.vocab_size, self.max_len, self.table, self.layers = table.size(0), 8, table, [None]
+
+    def forward(self, input_ids, cache=None):
+        past = len(cache[0]) if cache else 0
+        if past >= input_ids.size(1):
+            raise ValueError(f"input_ids holds {input_ids.size(1)} tokens and the cache {past} already")
+        new = input_ids[:, past:]                                          # [1, Tn]
+        if cache:
+            cache[0].append(*[torch.zeros(1, 1, new.size(1), 1)] * 2)
+        return self.table[new]                                             # [1, Tn, SPEC_V]
+
+
+def chi_square(sample, law, draws):
+    """Goodness of fit of counts [cells] to law [cells] (cells of probability 0 left out,
+    those expected under 5 times pooled):
+    -> (statistic, degrees of freedom, p-value)."""
+    expected = law * draws                                                 # [cells]
+    big, small = expected >= 5, (expected < 5) & (law > 0)                 # [cells] each
+    observed = torch.cat([sample[big], sample[small].sum()[None]])         # [cells kept + 1]
+    expected = torch.cat([expected[big], expected[small].sum()[None]])     # [cells kept + 1]
+    observed, expected = observed[expected > 0], expected[expected > 0]    # no small cells: no pool
+    statistic = ((observed - expected) ** 2 / expected).sum().item()
+    dof = len(expected) - 1
+    pvalue = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                     torch.tensor(statistic / 2, dtype=torch.float64)).item()
+    return statistic, dof, pvalue
+
+
+SAMPLE_V, DRAWS = 6, 300
+
+
+def joint_of_two_tokens(temperature=1.0, top_k=None, top_p=None, rule=None, tables=2, seed=0):
+    """DRAWS runs of speculative_generate(max_new_tokens=2, k=2) from prompt [0] with a
+    Bigram target and draft, random tables N(0, 4): the counts of the 36 pairs of tokens
+    written, the target's exact joint law of them, and the chi-square. Tables seed 2: of
+    seeds 0-29, the pair on which redrawing from p misses the law most (chi-square
+    divergence 0.24 on the first token; 0.07 on seed 0), so that 300 runs tell them apart."""
+    g = torch.Generator().manual_seed(tables)
+    target, draft = (Bigram(torch.randn(SAMPLE_V, SAMPLE_V, generator=g) * 2) for _ in range(2))
+    law = tf.next_token_probs(target.table, temperature, top_k, top_p)     # [SPEC_V, SPEC_V]: row a, the law after a
+    joint = (law[0][:, None] * law).flatten()                              # [SPEC_V*SPEC_V]: p(y1 | 0) p(y2 | y1)
+    counts = torch.zeros(SAMPLE_V * SAMPLE_V)                              # [SPEC_V*SPEC_V]
+    generator, prompt = torch.Generator().manual_seed(seed), torch.tensor([[0]])
+    tf.rejection_rule = rule or RULE
+    try:
+        for _ in range(DRAWS):
+            out = tf.speculative_generate(target, draft, prompt, 2, k=2, temperature=temperature, top_k=top_k,
+                                          top_p=top_p, generator=generator)  # [1, 3]
+            counts[out[0, 1] * SAMPLE_V + out[0, 2]] += 1
+    finally:
+        tf.rejection_rule = RULE
+    return counts, joint, chi_square(counts, joint, DRAWS)
+
+
+# Measured, torch 2.13.0, the same under ATEN_CPU_CAPABILITY=default (statistic / degrees of
+# freedom after pooling, p-value), seed 0: the rule at T = 1: 6.97/9, 0.64; at T = 0.7, top_k 4,
+# top_p 0.9: 2.35/5, 0.80; the wrong residual at T = 1: 80.2/9, 1.5e-13. Over sampling seeds
+# 0-19 the rule's p-values ran 0.058-0.97 (T = 1) and 0.013-0.99 (filtered), the wrong
+# residual's at most 2.1e-8 (T = 1): the threshold 1e-6 sits between. With a fixed seed the
+# outcome is fixed; the margin is for another torch's random stream.
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.7, 4, 0.9)])
+def test_what_speculative_generate_writes_follows_the_targets_joint_law(temperature, top_k, top_p):
+    """Both tokens: the first goes through the rule (kept or redrawn), the second is the
+    bonus token after a kept one or the next round's after a rejection; under top_k/top_p
+    every pair outside the target's filtered law has probability 0 and is never written."""
+    counts, joint, (statistic, dof, pvalue) = joint_of_two_tokens(temperature, top_k, top_p)
+    assert counts[joint == 0].sum() == 0
+    assert pvalue > 1e-6, (statistic, dof, pvalue)
+
+
+def test_pitfall_redrawing_from_p_instead_of_the_residual_fails_the_chi_square():
+    _, _, (statistic, dof, pvalue) = joint_of_two_tokens(rule=wrong_rule)
+    assert pvalue < 1e-6, (statistic, dof, pvalue)
+
+
+# ===========================================================================
+# Bad input
+# ===========================================================================
+
+def test_bad_input_raises_a_value_error_naming_the_argument_and_the_value():
+    target, draft = model_pair("gpt, llama")
+    ids = torch.tensor([[1, 2, 3]])
+    other = tf.Llama(vocab_size=SPEC_V + 1, d_model=8, n_layers=1, n_heads=1, max_len=24)
+    encdec = tf.Transformer(src_vocab_size=SPEC_V, tgt_vocab_size=SPEC_V, d_model=8, n_heads=1, d_ff=8, n_layers=1)
+    cases = [
+        (dict(draft=other), r"draft_vocab_size must equal the target's vocab_size \(vocab_size=24\), got 25"),
+        (dict(k=0), "k must be an integer >= 1, got 0"),
+        (dict(k=2.0), "k must be an integer >= 1, got 2.0"),
+        (dict(input_ids=ids.repeat(2, 1)), "batch_size must be 1, got 2"),
+        (dict(target=encdec), r"target must be a decoder-only model of this file .*, got <class '\w+\.Transformer'>"),
+        (dict(draft="gpt"), "draft must be a decoder-only model of this file .*, got <class 'str'>"),
+        (dict(max_new_tokens=22), r"prompt_length \+ max_new_tokens must be at most max_len \(max_new_tokens=22,"
+                                  r" max_len=24\), got 3"),
+        (dict(draft=tf.Llama(vocab_size=SPEC_V, d_model=8, n_layers=1, n_heads=1, max_len=10), max_new_tokens=8),
+         r"max_len=10\), got 3"),                                          # the draft's max_len counts too
+        (dict(temperature=-1.0), "temperature must be a number >= 0, got -1.0"),
+        (dict(input_ids=torch.tensor([[1, SPEC_V]])), "input_ids holds token id 24, outside the vocabulary"),
+    ]
+    for change, message in cases:
+        arguments = dict(target=target, draft=draft, input_ids=ids, max_new_tokens=4, k=2)
+        arguments.update(change)
+        with pytest.raises(ValueError, match=message):
+            tf.speculative_generate(**arguments)
+
+
+def largest_difference(a, b):
+    """max |a - b| over matching shapes (torch.testing.assert_close would import torch._dynamo,
+    2.4 s, on first use: the tests here stay well under a second without it)."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()
+
+
+def prefs_gpt(vocab_size=12, seed=0):
+    torch.manual_seed(seed)
+    return tf.DecoderOnlyTransformer(vocab_size=vocab_size, d_model=16, n_layers=1, n_heads=2, d_ff=32,
+                                     max_len=16, dropout=0.0)
+
+
+def prefs_llama(vocab_size=12, seed=0):
+    torch.manual_seed(seed)
+    model = tf.Llama(vocab_size=vocab_size, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_len=16)
+    with torch.no_grad():  # N(0, 0.02) gives near-uniform logits; larger weights make the check sharper
+        model.lm_head.weight.normal_()
+    return model
+
+
+# ===========================================================================
+# 41. Sequence log-probabilities
+# ===========================================================================
+
+@pytest.mark.parametrize("make", [prefs_gpt, prefs_llama])
+def test_token_logprobs_by_hand_and_by_cross_entropy(make):
+    """Entry [b, t] is log_softmax(logits[b, t])[ids[b, t+1]], read off one position at a time,
+    and -F.cross_entropy(reduction="none") of the shifted targets. Largest differences 0 and
+    < 5e-7 (float32)."""
+    model = make()
+    ids = torch.randint(0, 12, (3, 9), generator=torch.Generator().manual_seed(1))  # [3, 9]
+    ours = tf.token_logprobs(model, ids)                                       # [3, 8]
+    logits = model(ids)                                                        # [3, 9, V]
+    by_hand = torch.tensor([[logits[b, t].log_softmax(-1)[ids[b, t + 1]].item() for t in range(8)]
+                            for b in range(3)])                                # [3, 8]
+    ce = -F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")  # [3, 8]
+    assert ours.shape == (3, 8)
+    assert largest_difference(ours, by_hand) <= 1e-6
+    assert largest_difference(ours, ce) <= 1e-6
+
+
+def test_sequence_logprobs_sums_the_answer_tokens_by_hand():
+    """Rows with prompts and answers of different lengths, padded on the right: each row's
+    value is the sum over its answer's tokens of the log-probability given by the model run on
+    the row's prefix alone (no padding in sight). Largest difference < 2e-6."""
+    model = prefs_gpt()
+    rows = [([3, 4, 5], [6, 7]), ([3], [8, 9, 10, 11]), ([5, 6, 7, 8], [9])]  # (prompt, answer)
+    ids = torch.zeros(3, 7, dtype=torch.long)                                  # [3, 7], 0 = padding
+    mask = torch.zeros(3, 7, dtype=torch.bool)                                # [3, 7]
+    expected = []
+    for b, (prompt, answer) in enumerate(rows):
+        sequence = prompt + answer
+        ids[b, :len(sequence)] = torch.tensor(sequence)
+        mask[b, len(prompt):len(sequence)] = True
+        expected.append(sum(model(torch.tensor([sequence[:t]]))[0, -1].log_softmax(-1)[sequence[t]].item()
+                            for t in range(len(prompt), len(sequence))))
+    assert largest_difference(tf.sequence_logprobs(model, ids, mask), torch.tensor(expected)) <= 2e-6
+
+
+# The mistaken versions the issue names, each written out: the tests below must catch every one.
+def no_shift(model, ids, mask):                                                # logits at t scored against token t
+    logp = model(ids).log_softmax(-1).gather(-1, ids[..., None]).squeeze(-1)  # [B, T]
+    return (logp * mask).sum(-1)
+
+
+def prompt_counted(model, ids, mask):                                          # every real token after the first
+    return (tf.token_logprobs(model, ids) * (ids[:, 1:] != 0)).sum(-1)
+
+
+def padding_counted(model, ids, mask):                                         # everything from the answer on
+    after = mask.cumsum(dim=1) > 0                                            # [B, T]
+    return (tf.token_logprobs(model, ids) * after[:, 1:]).sum(-1)
+
+
+def mean_not_sum(model, ids, mask):
+    return tf.sequence_logprobs(model, ids, mask) / mask.sum(-1)
+
+
+def all_answers(prompt, length, vocab_size, pad=0):
+    """Every answer of `length` tokens after prompt, padded on the right by 2 -> ids, mask."""
+    answers = torch.cartesian_prod(*[torch.arange(1, vocab_size)] * length).view(-1, length)  # [n, length]
+    n, P = len(answers), len(prompt)
+    ids = torch.cat([torch.tensor(prompt).repeat(n, 1), answers, torch.full((n, 2), pad)], dim=1)  # [n, P+length+2]
+    mask = torch.zeros_like(ids, dtype=torch.bool)                             # [n, P+length+2]
+    mask[:, P:P + length] = True
+    return ids, mask
+
+
+def test_answer_probabilities_add_up_to_one():
+    """p(answer | prompt) over all 36 answers of 2 tokens (vocabulary 6) adds up to 1 (< 1e-6;
+    measured 0). Without the shift, with the prompt counted, or with a mean, it does not (off by
+    > 0.05). And the 25 answers without the pad id, padded on the right by 2, give what they give
+    unpadded (< 1e-6), where counting the padding moves them by > 0.5."""
+    model = prefs_gpt(vocab_size=6)
+    answers = torch.cartesian_prod(torch.arange(6), torch.arange(6))          # [36, 2]
+    full = torch.cat([torch.tensor([[2, 3, 4]]).repeat(36, 1), answers], dim=1)  # [36, 5]
+    full_mask = torch.tensor([[False] * 3 + [True] * 2]).repeat(36, 1)        # [36, 5]
+    assert abs(tf.sequence_logprobs(model, full, full_mask).exp().sum().item() - 1) < 1e-6
+    for wrong in (no_shift, prompt_counted, mean_not_sum):
+        assert abs(wrong(model, full, full_mask).exp().sum().item() - 1) > 0.05, wrong.__name__
+    ids, mask = all_answers([2, 3, 4], 2, 6)                                   # [25, 7] each
+    ours, unpadded = tf.sequence_logprobs(model, ids, mask), tf.sequence_logprobs(model, ids[:, :5], mask[:, :5])
+    assert largest_difference(ours, unpadded) <= 1e-6
+    assert (padding_counted(model, ids, mask) - unpadded).abs().max() > 0.5
+
+
+def test_a_padded_row_is_its_unpadded_self():
+    """Right padding changes nothing, whatever the padding holds (its logits are never read);
+    the version that counts padding moves by the padding's log-probabilities (> 1)."""
+    model = prefs_gpt()
+    ids = torch.tensor([[3, 4, 5, 6, 7, 0, 0, 0], [3, 4, 5, 6, 7, 9, 10, 11]])  # [2, 8]: same answer
+    mask = torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0]] * 2, dtype=torch.bool)      # [2, 8]
+    alone = tf.sequence_logprobs(model, ids[:1, :5], mask[:1, :5])             # [1]
+    ours = tf.sequence_logprobs(model, ids, mask)                              # [2]
+    assert largest_difference(ours, alone.expand(2)) <= 1e-6
+    assert (padding_counted(model, ids, mask) - alone).abs().min() > 1
+
+
+def test_a_mean_ranks_answers_of_different_lengths_wrongly():
+    """Two answers, one token against three: the sum is log p(answer), the mean is not. The
+    chain rule checked by hand: p(a b c | prompt) = p(a | prompt) p(b | prompt a) p(c | prompt a b)."""
+    model = prefs_gpt()
+    ids = torch.tensor([[3, 4, 5, 6, 7]])                                      # [1, 5]: prompt 3 4, answer 5 6 7
+    mask = torch.tensor([[False, False, True, True, True]])                   # [1, 5]
+    p = [model(ids[:, :t])[0, -1].softmax(-1)[ids[0, t]].item() for t in (2, 3, 4)]
+    assert abs(tf.sequence_logprobs(model, ids, mask).item() - math.log(p[0] * p[1] * p[2])) < 1e-5
+    assert abs(mean_not_sum(model, ids, mask).item() - math.log(p[0] * p[1] * p[2])) > 1
+
+
+def test_sequence_logprobs_bad_input():
+    model = prefs_gpt()
+    with pytest.raises(ValueError, match=r"one shape.*'input_ids': \[2, 5\], 'response_mask': \[2, 4\]"):
+        tf.sequence_logprobs(model, torch.ones(2, 5, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool))
+
+
+# ===========================================================================
+# 42. DPO
+# ===========================================================================
+
+def dpo_inputs(B=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(B, generator=g, dtype=torch.float64) * 3 - 10).requires_grad_() for _ in range(4)]
+
+
+@pytest.mark.parametrize("beta", [0.1, 0.5, 2.0])
+def test_dpo_loss_and_rewards_closed_form(beta):
+    """-mean log sigmoid(beta((pc - rc) - (pr - rr))) = mean log(1 + exp(-margin)), computed
+    with math in float64 pair by pair; rewards beta(pi - ref), detached. Largest differences
+    < 1e-12 (float64)."""
+    pc, pr, rc, rr = dpo_inputs()
+    loss, chosen, rejected = tf.dpo_loss(pc, pr, rc, rr, beta=beta)
+    margins = [beta * ((a - c) - (b - d)) for a, b, c, d in zip(*[t.tolist() for t in (pc, pr, rc, rr)])]
+    assert abs(loss.item() - statistics.fmean(math.log1p(math.exp(-m)) for m in margins)) < 1e-12
+    assert (chosen - beta * (pc - rc)).abs().max() < 1e-12 and (rejected - beta * (pr - rr)).abs().max() < 1e-12
+    assert not chosen.requires_grad and not rejected.requires_grad
+
+
+def test_dpo_gradient_weights_each_pair_by_sigmoid_of_minus_its_margin():
+    """d loss / d pc = -beta sigmoid(-margin) / B, d / d pr = +beta sigmoid(-margin) / B; the
+    reference gets none (its log-probabilities are constants, even with requires_grad).
+    Largest difference < 1e-15 (float64)."""
+    pc, pr, rc, rr = dpo_inputs()
+    beta, B = 0.3, 6
+    loss, _, _ = tf.dpo_loss(pc, pr, rc, rr, beta=beta)
+    loss.backward()
+    weight = torch.sigmoid(-beta * ((pc - rc) - (pr - rr))).detach()           # [B]
+    assert largest_difference(pc.grad, -beta * weight / B) <= 1e-15
+    assert largest_difference(pr.grad, beta * weight / B) <= 1e-15
+    assert rc.grad is None and rr.grad is None
+    assert weight.min() < 0.2 and weight.max() > 0.8  # the inputs hold pairs ranked right and wrong
+
+
+def test_dpo_loss_is_finite_far_out():
+    """At a margin of -100 (float32), log(sigmoid(.)) is log(0) = -inf; logsigmoid gives 100."""
+    pc, pr, rc, rr = torch.tensor([-250.0]), torch.tensor([-150.0]), torch.tensor([-200.0]), torch.tensor([-200.0])
+    loss, _, _ = tf.dpo_loss(pc, pr, rc, rr, beta=1.0)
+    assert loss.item() == 100.0
+    assert torch.isinf(-torch.log(torch.sigmoid(torch.tensor(-100.0))))        # the naive version
+
+
+def test_dpo_step_moves_the_policy_and_never_the_reference():
+    """A real step: sequence log-probabilities of chosen and rejected answers under a policy and
+    its reference (computed WITHOUT no_grad, the careless way), dpo_loss, then an SGD step on
+    every parameter that got a gradient (written out: a torch.optim optimizer imports
+    torch._dynamo on first use, 2.4 s). The reference's weights are unchanged bit for bit and
+    hold no gradient; the policy's moved."""
+    policy = prefs_gpt()
+    reference = copy.deepcopy(policy)
+    ids = torch.tensor([[3, 4, 5, 6, 2], [3, 4, 7, 8, 2], [5, 3, 9, 2, 0], [5, 3, 10, 11, 2]])  # chosen 0, 2
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 1, 1], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.bool)
+    before = {k: v.clone() for k, v in reference.state_dict().items()}
+    policy_before = copy.deepcopy(policy.state_dict())
+    ours, ref = tf.sequence_logprobs(policy, ids, mask), tf.sequence_logprobs(reference, ids, mask)  # [4] each
+    loss, chosen, rejected = tf.dpo_loss(ours[0::2], ours[1::2], ref[0::2], ref[1::2])
+    loss.backward()
+    with torch.no_grad():
+        for p in [*policy.parameters(), *reference.parameters()]:  # an optimizer given both models
+            if p.grad is not None:
+                p -= 1.0 * p.grad
+    assert all(torch.equal(before[k], v) for k, v in reference.state_dict().items())
+    assert all(p.grad is None for p in reference.parameters())
+    assert not torch.equal(policy_before["lm_head.weight"], policy.lm_head.weight)
+    assert torch.equal(chosen, rejected) and abs(loss.item() - math.log(2)) < 1e-6  # policy = reference at first
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(beta=0.0), "beta must be > 0"), (dict(beta=-0.1), "beta must be a number >= 0, got -0.1"),
+    (dict(beta=1), None), (dict(ref_rejected=torch.zeros(3)), r"one shape.*'ref_rejected': \[3\]"),
+    (dict(policy_chosen=torch.zeros(4, 1)), r"one shape.*'policy_chosen': \[4, 1\]")])
+def test_dpo_loss_bad_input(bad, message):
+    args = dict(policy_chosen=torch.zeros(4), policy_rejected=torch.zeros(4), ref_chosen=torch.zeros(4),
+                ref_rejected=torch.zeros(4), beta=0.1)
+    if message is None:  # an int beta is a number too
+        assert tf.dpo_loss(**{**args, **bad})[0].item() == pytest.approx(math.log(2))
+        return
+    with pytest.raises(ValueError, match=message):
+        tf.dpo_loss(**{**args, **bad})
+
+
+# ===========================================================================
+# 43. GRPO
+# ===========================================================================
+
+def test_group_advantages_closed_form():
+    """(r - mean) / (std + eps) within each group, std unbiased (statistics.stdev), TRL's
+    formula: largest difference < 1e-6 in float32 (the shift by the first reward only rounds)."""
+    rewards = torch.rand(5, 7, generator=torch.Generator().manual_seed(0))    # [5, 7]
+    ours = tf.group_advantages(rewards, eps=1e-4)                              # [5, 7]
+    for row, adv in zip(rewards.tolist(), ours.tolist()):
+        mean, std = statistics.fmean(row), statistics.stdev(row)
+        assert max(abs(a - (r - mean) / (std + 1e-4)) for r, a in zip(row, adv)) < 1e-6
+    trl = (rewards - rewards.mean(-1, keepdim=True)) / (rewards.std(-1, keepdim=True) + 1e-4)
+    assert largest_difference(ours, trl) <= 1e-6
+
+
+def test_equal_rewards_give_exact_zeros_never_nan():
+    """A group whose answers all score alike teaches nothing: exactly 0, not NaN (std 0 and
+    eps), nor the mean's rounding (TRL's formula leaves 1e-3 on eight rewards of 0.1 ... 2/3)."""
+    rewards = torch.tensor([[0.1] * 8, [2 / 3] * 8, [0.0] * 8, [1.0] * 8, [0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 0.9]])
+    ours = tf.group_advantages(rewards)                                        # [5, 8]
+    assert torch.equal(ours[:4], torch.zeros(4, 8)) and torch.isfinite(ours).all()
+    assert ours[4, -1] > 2 and ours[4, 0] < 0
+    trl = (rewards - rewards.mean(-1, keepdim=True)) / (rewards.std(-1, keepdim=True) + 1e-4)
+    assert trl[:2].abs().max() > 1e-5  # what the shift removes
+    assert torch.equal(tf.group_advantages(torch.zeros(3, 2), eps=1e-8), torch.zeros(3, 2))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(rewards=torch.zeros(4, 1)), "group_size must be an integer >= 2, got 1"),
+    (dict(eps=0.0), "eps must be a number"), (dict(eps=-1e-4), "eps must be a number")])
+def test_group_advantages_bad_input(bad, message):
+    with pytest.raises(ValueError, match=message):
+        tf.group_advantages(**{**dict(rewards=torch.zeros(4, 3), eps=1e-4), **bad})
+
+
+def grpo_inputs(seed=3):
+    """N = 4 answers of 1, 3, 5 and 2 tokens in [4, 5], policy moved off the sampler enough that
+    some ratios leave [0.8, 1.2] on both sides, advantages of both signs."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(4, 5, generator=g, dtype=torch.float64) * 3              # [4, 5]
+    logprobs = (old + torch.randn(4, 5, generator=g, dtype=torch.float64) * 0.3).requires_grad_()  # [4, 5]
+    ref = old + torch.randn(4, 5, generator=g, dtype=torch.float64) * 0.5      # [4, 5]
+    mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.bool)
+    return logprobs, old, ref, torch.tensor([1.5, -0.7, 0.4, -1.2], dtype=torch.float64), mask
+
+
+def grpo_by_hand(logprobs, old, ref, advantages, mask, clip_eps, kl_beta):
+    """GRPO's objective written with math, token by token, answer by answer (DeepSeekMath's eq. 3)."""
+    per_answer = []
+    for lp, o, r, A, m in zip(logprobs.tolist(), old.tolist(), ref.tolist(), advantages.tolist(), mask.tolist()):
+        terms = []
+        for lp_t, o_t, r_t, m_t in zip(lp, o, r, m):
+            if m_t:
+                rho = math.exp(lp_t - o_t)
+                clipped = min(max(rho, 1 - clip_eps), 1 + clip_eps)
+                kl = math.exp(r_t - lp_t) - (r_t - lp_t) - 1
+                terms.append(min(rho * A, clipped * A) - kl_beta * kl)
+        per_answer.append(sum(terms) / len(terms))
+    return -sum(per_answer) / len(per_answer)
+
+
+@pytest.mark.parametrize("clip_eps, kl_beta", [(0.2, 0.04), (0.1, 0.0), (0.3, 1.0)])
+def test_grpo_loss_closed_form(clip_eps, kl_beta):
+    """Against the objective written token by token: largest difference < 1e-12 (float64)."""
+    logprobs, old, ref, advantages, mask = grpo_inputs()
+    rho = (logprobs - old).exp()[mask]
+    assert (rho > 1 + clip_eps).any() and (rho < 1 - clip_eps).any()  # the clip is exercised both ways
+    ours = tf.grpo_loss(logprobs, old, ref, advantages, mask, clip_eps, kl_beta).item()
+    assert abs(ours - grpo_by_hand(logprobs, old, ref, advantages, mask, clip_eps, kl_beta)) < 1e-12
+
+
+def test_on_policy_ratio_is_one_but_its_gradient_is_the_policy_gradient():
+    """old = logprobs.detach(): rho is 1, the loss (kl_beta 0) is -mean(A), and the gradient is
+    -A_i / (n_i N) on each of answer i's n_i tokens, the gradient of -mean_i A_i mean_t logp:
+    difference < 1e-15. Passing logprobs itself as old gives the same (old is detached inside).
+    With rho = torch.ones_like(...) the value is the same and the gradient is 0."""
+    logprobs, _, ref, advantages, mask = grpo_inputs()
+    loss = tf.grpo_loss(logprobs, logprobs.detach(), ref, advantages, mask, kl_beta=0.0)
+    assert abs(loss.item() + advantages.mean().item()) < 1e-15
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    n = mask.sum(-1, keepdim=True)                                            # [4, 1]
+    assert largest_difference(grad, -advantages[:, None] * mask / (n * 4)) <= 1e-15
+    (same,) = torch.autograd.grad(tf.grpo_loss(logprobs, logprobs, ref, advantages, mask, kl_beta=0.0), logprobs)
+    assert torch.equal(same, grad)
+    ones = torch.ones_like(logprobs)                                           # the mistaken ratio
+    wrong = -((torch.min(ones * advantages[:, None], ones * advantages[:, None]) * mask).sum(-1) / n[:, 0]).mean()
+    assert wrong.item() == pytest.approx(loss.item()) and not wrong.requires_grad  # no gradient at all
+
+
+def test_on_policy_gradient_through_a_model_is_the_policy_gradient():
+    """The same through a real model: grad of grpo_loss (old = its own detached log-probs)
+    equals grad of -(1/N) sum_i A_i (1/n_i) sum_t logp_i,t, parameter by parameter (< 1e-6)."""
+    model = prefs_gpt()
+    ids = torch.tensor([[3, 4, 5, 6, 2, 0], [3, 4, 7, 2, 0, 0], [5, 3, 9, 10, 11, 2]])  # [3, 6]
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]], dtype=torch.bool)[:, 1:]
+    advantages = torch.tensor([1.0, -0.5, -0.5])
+    logprobs = tf.token_logprobs(model, ids)                                   # [3, 5]
+    loss = tf.grpo_loss(logprobs, logprobs.detach(), logprobs.detach(), advantages, mask)
+    ours = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    policy_gradient = -(advantages * (logprobs * mask).sum(-1) / mask.sum(-1)).mean()
+    theirs = torch.autograd.grad(policy_gradient, list(model.parameters()))
+    assert max((a - b).abs().max().item() for a, b in zip(ours, theirs)) < 1e-6
+    assert max(a.abs().max().item() for a in ours) > 1e-3
+
+
+def test_the_clip_stops_the_gradient_only_past_it_in_the_direction_a_favors():
+    """Per token, PPO's rule: with A > 0 the gradient is 0 where rho > 1 + eps, with A < 0
+    where rho < 1 - eps; everywhere else it is -rho A / (n_i N) (kl_beta 0)."""
+    logprobs, old, ref, advantages, mask = grpo_inputs()
+    (grad,) = torch.autograd.grad(tf.grpo_loss(logprobs, old, ref, advantages, mask, 0.2, 0.0), logprobs)
+    rho, A, n = (logprobs - old).exp().detach(), advantages[:, None], mask.sum(-1, keepdim=True)
+    frozen = ((A > 0) & (rho > 1.2)) | ((A < 0) & (rho < 0.8))                # [4, 5]
+    expected = torch.where(frozen | ~mask, 0.0, -rho * A / (n * 4))
+    assert largest_difference(grad, expected) <= 1e-15
+    assert (frozen & mask).any() and (~frozen & mask).any()
+
+
+def test_kl_term_carries_the_gradient_of_its_closed_form():
+    """With advantages 0 only the KL acts: d loss / d logp = kl_beta (1 - exp(ref - logp)) /
+    (n_i N), the closed form of k3's derivative (< 1e-15). Computed under no_grad, or on
+    detached log-probabilities, the KL would give 0 instead."""
+    logprobs, old, ref, _, mask = grpo_inputs()
+    (grad,) = torch.autograd.grad(tf.grpo_loss(logprobs, old, ref, torch.zeros(4, dtype=torch.float64), mask,
+                                               kl_beta=0.5), logprobs)
+    n = mask.sum(-1, keepdim=True)
+    expected = 0.5 * (1 - (ref - logprobs.detach()).exp()) * mask / (n * 4)
+    assert largest_difference(grad, expected) <= 1e-15
+    assert expected.abs().max() > 1e-2
+    with torch.no_grad():  # the mistaken version: the KL as a number, not a function of logprobs
+        d = ref - logprobs
+        kl = d.exp() - d - 1                                                   # [4, 5]
+    assert not kl.requires_grad
+
+
+def test_k3_is_an_unbiased_estimate_of_kl_policy_to_reference():
+    """Averaged under the policy's own distribution, exp(ref - logp) - (ref - logp) - 1 is
+    KL(pi || pi_ref) exactly (< 1e-12), and never negative; with its sign flipped inside
+    (logp - ref) it would estimate something else."""
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(10, generator=g, dtype=torch.float64).log_softmax(0)   # [10]: the policy
+    ref = torch.randn(10, generator=g, dtype=torch.float64).log_softmax(0)    # [10]: the reference
+    d = ref - logp
+    k3 = d.exp() - d - 1                                                       # [10]
+    kl = (logp.exp() * (logp - ref)).sum()
+    assert abs((logp.exp() * k3).sum() - kl) < 1e-12 and (k3 >= 0).all()
+    flipped = (-d).exp() + d - 1
+    assert abs((logp.exp() * flipped).sum() - kl) > 0.1
+
+
+def test_padding_is_out_of_every_mean():
+    """Changing logprobs, old and ref at masked positions changes neither the loss nor the
+    gradient anywhere (0 at masked positions); an all-padding answer counts 0."""
+    logprobs, old, ref, advantages, mask = grpo_inputs()
+    loss = tf.grpo_loss(logprobs, old, ref, advantages, mask)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    noise = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 5
+    moved = torch.where(mask, logprobs.detach(), logprobs.detach() + noise).requires_grad_()
+    loss2 = tf.grpo_loss(moved, torch.where(mask, old, old - noise), torch.where(mask, ref, ref + noise),
+                         advantages, mask)
+    (grad2,) = torch.autograd.grad(loss2, moved)
+    assert loss.item() == loss2.item() and torch.equal(grad, grad2) and (grad[~mask] == 0).all()
+    # the token-level mean would weigh the answers by their lengths: a different number
+    token_mean = grpo_by_hand(logprobs, old, ref, advantages, torch.ones_like(mask), 0.2, 0.04)
+    assert abs(token_mean - loss.item()) > 1e-3
+    empty = mask.clone(); empty[0] = False
+    with_empty = tf.grpo_loss(logprobs, old, ref, advantages, empty).item()
+    rest = tf.grpo_loss(logprobs[1:], old[1:], ref[1:], advantages[1:], mask[1:]).item()
+    assert abs(with_empty - rest * 3 / 4) < 1e-12
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(mask=torch.ones(4, 4, dtype=torch.bool)), r"one shape.*'mask': \[4, 4\]"),
+    (dict(ref_logprobs=torch.zeros(4, 6)), r"one shape.*'ref_logprobs': \[4, 6\]"),
+    (dict(advantages=torch.zeros(3)), r"one shape.*'advantages': \[3\], 'logprobs\[:, 0\]': \[4\]"),
+    (dict(clip_eps=-0.1), "clip_eps must be a number from 0 to 1, got -0.1"),
+    (dict(kl_beta=-0.04), "kl_beta must be a number >= 0, got -0.04")])
+def test_grpo_loss_bad_input(bad, message):
+    args = dict(logprobs=torch.zeros(4, 5), old_logprobs=torch.zeros(4, 5), ref_logprobs=torch.zeros(4, 5),
+                advantages=torch.zeros(4), mask=torch.ones(4, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match=message):
+        tf.grpo_loss(**{**args, **bad})
+
+
+# ===========================================================================
 # Tools: your own data, checkpoints, the demo, the benchmark, the command line
 # ===========================================================================
 
 # ===========================================================================
-# 40. Your own data
+# 44. Your own data
 # ===========================================================================
 
 
@@ -6091,7 +6886,7 @@ def test_read_pairs_counts_lines_as_an_editor_does(tmp_path):
 
 
 # ===========================================================================
-# 41. Saving and loading
+# 45. Saving and loading
 # ===========================================================================
 
 
@@ -6742,7 +7537,7 @@ def test_qwen3_moe_checkpoint_round_trip(tmp_path):
 
 
 # ===========================================================================
-# 42. The demo
+# 46. The demo
 # ===========================================================================
 
 
@@ -6853,7 +7648,7 @@ def test_main_seed_and_free_greedy(monkeypatch, tmp_path):
 
 
 # ===========================================================================
-# 43. The benchmark
+# 47. The benchmark
 # ===========================================================================
 
 
@@ -7114,7 +7909,7 @@ def test_peak_memory_program_sees_section_2s_scores(processes):
 
 
 # ===========================================================================
-# 44. The command line
+# 48. The command line
 # ===========================================================================
 
 
@@ -8280,7 +9075,7 @@ _PAIRS = "(pinyin, hanzi) pairs"
 @pytest.fixture(scope="module")
 def list_arguments(hard):
     """Every library argument that takes a list (of sentences, pairs, syllables, tokens,
-    ids, labels or lines) in sections 33-44: name -> (call(value), argument, its items)."""
+    ids, labels or lines) in sections 33-48: name -> (call(value), argument, its items)."""
     kind, model, sv, tv, readings = tf.load_checkpoint(hard["encdec"])
     _, gpt, _, vocab, _ = tf.load_checkpoint(hard["gpt"])
     pairs = tf.make_toy_data(n_sentences=10, seed=0)

@@ -29,8 +29,11 @@ Mixtral is Llama with a mixture-of-experts feed-forward, Mistral is Llama with a
              33 the toy task              34 a baseline to beat     35 decoding: greedy,
              36 training                  37 the KV cache measured     constrained, beam
              38 decoder-only models on the task                     39 the attention heatmap
-  Tools     After a banner that says the article ends: 40 your own data,
-            41 checkpoints, 42 the demo, 43 the benchmark, 44 the command line.
+  Part VII  After pretraining
+             40 speculative decoding      41 sequence log-probabilities 42 DPO
+             43 GRPO
+  Tools     After a banner that says the article ends: 44 your own data,
+            45 checkpoints, 46 the demo, 47 the benchmark, 48 the command line.
 
 The encoder-decoder (Part I) and its shapes, for a batch of B sentences:
 
@@ -78,7 +81,7 @@ import torch.nn.functional as F
 # raises a ValueError naming the argument, the value and what was expected, before
 # anything is built. A rule that ties arguments together (d_model divisible by
 # n_heads) is a named entry of RELATIONS, which the caller lists: check("rule", ...).
-# The checkpoint loader (section 41) checks a saved configuration with the same table.
+# The checkpoint loader (section 45) checks a saved configuration with the same table.
 # Sizes stop at 2^31 - 1, past any real model and what torch's kernels index.
 
 MAX_SIZE = 2 ** 31 - 1
@@ -3931,6 +3934,315 @@ def render_expert_load(loads, uniform=10):
 
 
 # ===========================================================================
+# Part VII: after pretraining (第七部分：预训练之后)
+# ===========================================================================
+# What is done with a model once it is trained: answer faster without changing the
+# answer (speculative decoding), score whole sequences, and train on preferences (DPO)
+# and on a reward a program checks (GRPO), on the toy task of Part VI.
+
+# ===========================================================================
+# 40. Speculative decoding (投机解码)
+# ===========================================================================
+# One sequence decoded a token at a time reads all the target's weights for each token,
+# and while that reading dominates, scoring k + 1 tokens in one forward costs about what
+# scoring one does. So a small draft model proposes k tokens, one at a time, the target
+# scores all k + 1 positions in one forward, and the longest prefix it agrees with is
+# kept, plus one token of its own (Leviathan et al., 2023, "Fast Inference from
+# Transformers via Speculative Decoding"; Chen et al., 2023, "Accelerating Large Language
+# Model Decoding with Speculative Sampling"). What comes out is the target's: greedy,
+# exactly its tokens; sampling, exactly its distribution. In Leviathan's notation, a
+# drafted x, drawn from the draft's q, is kept with probability min(1, p(x) / q(x)), p the
+# target's; at the first rejection the token is drawn from max(0, p - q), normalized.
+# Why that is p: y comes out kept with q(y) min(1, p(y) / q(y)) = min(p(y), q(y)); the
+# drafted token is rejected with 1 - sum(min(p, q)) = sum(max(0, p - q)), the residual's
+# own total, so a rejection then a redraw adds max(0, p - q)(y): min + max(0, p - q) = p.
+# Redrawing from p itself gives min(p, q) + (1 - sum(min(p, q))) p: too much of the tokens
+# the draft likes. p and q are next_token_probs (section 9), after temperature, top_k and
+# top_p, so the law is next_token's; at temperature 0 they are one-hot, and x is kept
+# exactly when it is the target's argmax.
+# The pitfall: after a rejection both caches still hold the rejected tokens' keys; cut
+# back, they hold only the kept ones. A rolling cache (section 23) that has let old
+# tokens go cannot take them back: here it holds k tokens more than its window, so cutting
+# at most k leaves it the whole window the next query reads.
+
+ARGUMENTS.update(k=(int, 1, MAX_SIZE), target=(type,), draft=(type,), draft_vocab_size=(int, 1, MAX_SIZE))
+RELATIONS.update({
+    "target decodes": (("target",), lambda cls: issubclass(cls, (DecoderOnlyTransformer, Llama)),
+                       "target must be a decoder-only model of this file (DecoderOnlyTransformer, a Llama family)"),
+    "draft decodes": (("draft",), lambda cls: issubclass(cls, (DecoderOnlyTransformer, Llama)),
+                      "draft must be a decoder-only model of this file (DecoderOnlyTransformer, a Llama family)"),
+    "one vocabulary": (("draft_vocab_size", "vocab_size"), lambda d, t: d == t,
+                       "draft_vocab_size must equal the target's vocab_size"),
+    "batch 1": (("batch_size",), lambda b: b == 1, "speculative decoding takes one sequence: batch_size must be 1"),
+})
+
+
+def crop_cache(cache, length):
+    """Cut every layer's cache back to its first `length` tokens (all, if it holds fewer)."""
+    for c in cache:
+        t = min(length, len(c))                                            # this layer's tokens to keep
+        if isinstance(c, PagedKVCache):  # only its end moves: the next append writes over the slots past it
+            used = -(-t // c.pool.block_size)                              # ceil: the blocks still needed
+            c.pool.give_back(c.blocks[used:])
+            c.blocks, c.n = c.blocks[:used], t
+            continue
+        held = t - getattr(c, "dropped", 0)  # a rolling cache holds tokens dropped .. len - 1
+        if held < 0:
+            raise ValueError(f"cannot cut a rolling cache back to {t} tokens: it let {c.dropped} go")
+        for name, value in vars(c).items():  # KVCache's k, v [B, H, t, dk]; LatentCache's [B, t, r], [B, t, rope]
+            if isinstance(value, torch.Tensor):
+                setattr(c, name, value[..., :held, :])                     # [.., held, ..]: time is dim -2
+
+
+def speculation_cache(model, k):
+    """model.new_cache(), with each rolling cache holding k tokens more than its window."""
+    cache = model.new_cache()
+    for c in cache:
+        if isinstance(c, RollingKVCache):
+            c.window += k
+    return cache
+
+
+def rejection_rule(p, q):
+    """The target's p and the draft's q [.., V] -> the chance min(1, p / q) that a drafted
+    token is kept [.., V], and max(0, p - q) [.., V], the (unnormalized) law of a redraw."""
+    keep = torch.where(p >= q, 1.0, p / q)                                 # [.., V]; q = 0: never drafted
+    return keep, (p - q).clamp(min=0)                                      # [.., V] each
+
+
+@torch.no_grad()
+def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperature=0.0, top_k=None, top_p=None,
+                         generator=None):
+    """input_ids [1, T] -> [1, T + max_new_tokens], the target's generate: its tokens when
+    greedy, its distribution when sampling; draft (same vocabulary) proposes k a round."""
+    check("target decodes", "draft decodes", target=type(target), draft=type(draft))
+    check_ids("input_ids", input_ids, target.vocab_size, target.max_len)
+    check("one vocabulary", "batch 1", "prompt fits", "top_p > 0", draft_vocab_size=draft.vocab_size,
+          vocab_size=target.vocab_size, batch_size=input_ids.size(0), prompt_length=input_ids.size(1),
+          max_new_tokens=max_new_tokens, max_len=min(target.max_len, draft.max_len), k=k, temperature=temperature,
+          top_k=top_k, top_p=top_p, generator=generator)
+
+    def draw(probs):  # [n, V] -> [n, 1], as next_token chooses
+        if temperature == 0:
+            return probs.argmax(dim=-1, keepdim=True)                      # [n, 1]
+        return torch.multinomial(probs, 1, generator=generator)            # [n, 1]
+
+    ids, end = input_ids, input_ids.size(1) + max_new_tokens
+    with eval_mode(target), eval_mode(draft):
+        target_cache, draft_cache = speculation_cache(target, k), speculation_cache(draft, k)
+        while ids.size(1) < end:
+            n, kr = ids.size(1), min(k, end - ids.size(1) - 1)  # a round writes kr + 1 tokens at most
+            q = []  # 1. the draft proposes kr tokens, one at a time
+            for i in range(kr):
+                q.append(next_token_probs(draft(ids, draft_cache)[:, -1], temperature, top_k, top_p))  # [1, V]
+                ids = torch.cat([ids, draw(q[-1])], dim=1)                 # [1, n+i+1]
+            # 2. one forward of the target: its distributions after each of the kr + 1 prefixes
+            p = next_token_probs(target(ids, target_cache)[0, -(kr + 1):], temperature, top_k, top_p)  # [kr+1, V]
+            # 3. the drafted tokens up to the first rejection, then one token of the target's
+            for i in range(kr):
+                keep, residual = rejection_rule(p[i], q[i][0])             # [V] each
+                u = torch.rand((), generator=generator, device=p.device) if temperature else 0.0  # []
+                if u >= keep[ids[0, n + i]]:  # rejected: redraw; from p if p = q (float noise can reject then)
+                    redraw = draw(residual[None] if residual.sum() > 0 else p[i:i + 1])  # [1, 1]
+                    ids = torch.cat([ids[:, :n + i], redraw], dim=1)       # [1, n+i+1]
+                    break
+            else:  # every drafted token kept: the last distribution gives one more
+                ids = torch.cat([ids, draw(p[kr:])], dim=1)                # [1, n+kr+1]
+            # 4. both caches forget the rejected tokens (the newest token is run next round)
+            crop_cache(target_cache, ids.size(1) - 1)
+            crop_cache(draft_cache, ids.size(1) - 1)
+    return ids                                                             # [1, T + max_new_tokens]
+
+# Try it: the target's own greedy tokens, with a draft a quarter of its size.
+#   >>> torch.manual_seed(0)
+#   <torch._C.Generator object at ...>
+#   >>> target = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=32)
+#   >>> draft = Llama(vocab_size=50, d_model=16, n_layers=1, n_heads=2, max_len=32)
+#   >>> ids = torch.randint(0, 50, (1, 5))                                 # [1, 5]
+#   >>> torch.equal(speculative_generate(target, draft, ids, 12, k=3), target.generate(ids, 12))
+#   True
+#   >>> p, q = torch.tensor([0.5, 0.3, 0.2, 0.0]), torch.tensor([0.1, 0.6, 0.0, 0.3])
+#   >>> keep, residual = rejection_rule(p, q)                              # [4] each
+#   >>> keep, residual / residual.sum()                                    # kept 0.1 + 0.3, rejected 0.6
+#   (tensor([1.0000, 0.5000, 1.0000, 0.0000]), tensor([0.6667, 0.0000, 0.3333, 0.0000]))
+#   >>> q * keep + (q * (1 - keep)).sum() * residual / residual.sum()     # what comes out: p
+#   tensor([0.5000, 0.3000, 0.2000, 0.0000])
+
+
+# ===========================================================================
+# 41. Sequence log-probabilities (序列对数概率)
+# ===========================================================================
+# Pretraining and section 36 raise the probability of given text. What comes after
+# compares answers: DPO (section 42) weighs two answers to one prompt, GRPO (section 43)
+# several. Both need log p(answer | prompt), the sum over the answer's tokens of the log-
+# probability the model gave each one, from one teacher-forced pass; GRPO wants it token by
+# token. The logits at t predict token t + 1, so the log-probabilities are shifted by one,
+# and only the answer's tokens count: not the prompt's, not the padding's.
+
+ARGUMENTS.update(shapes=(dict,))
+RELATIONS["one shape"] = (("shapes",), lambda s: len({tuple(shape) for shape in s.values()}) == 1,
+                          "the tensors must have one shape")
+
+
+def token_logprobs(model, input_ids):
+    """input_ids [B, T] -> [B, T-1]: entry t is log p(input_ids[:, t+1] | input_ids[:, :t+1]),
+    for any decoder-only model of this file (forward(ids) -> logits [B, T, V])."""
+    logits = model(input_ids)[:, :-1].float()                              # [B, T-1, V]: t predicts t + 1
+    # log_softmax, then the row of the token that came: float32, as a sum of many small
+    # log-probabilities in bfloat16 would drift (7 bits of mantissa)
+    return logits.log_softmax(dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
+
+
+def sequence_logprobs(model, input_ids, response_mask):
+    """input_ids [B, T] (prompt, answer, then padding on the right) and response_mask [B, T],
+    True on the answer's tokens -> [B]: log p(answer | prompt), the sum of its tokens'
+    log-probabilities. A sum, not a mean: the probability of a whole answer is the product of
+    its tokens' probabilities, and a mean would rank a long answer as if it were a short one."""
+    check("one shape", shapes={"input_ids": list(input_ids.shape), "response_mask": list(response_mask.shape)})
+    answer = response_mask[:, 1:].bool()                                   # [B, T-1]: which predictions count
+    # where, not a product: padding's log-probabilities are dropped even were one -inf
+    return torch.where(answer, token_logprobs(model, input_ids), 0.0).sum(dim=-1)  # [B]
+
+# The padding goes on the right: these models have no padding mask, so a pad on the left
+# would be read as context, and would move the answer's positions. Position 0 has no
+# prediction (nothing comes before it): its mask entry is ignored, as it is always a prompt.
+# The logits after 5 6 7 score the answer's 8, those after 5 6 7 8 its 9.
+# Try it: the answer 8 9 after the prompt 5 6 7, padded to 7.
+#   >>> _ = torch.manual_seed(0)
+#   >>> gpt = DecoderOnlyTransformer(vocab_size=10, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0)
+#   >>> ids = torch.tensor([[5, 6, 7, 8, 9, 0, 0]])                        # [1, 7]: prompt 5 6 7, answer 8 9
+#   >>> mask = torch.tensor([[False, False, False, True, True, False, False]])  # [1, 7]
+#   >>> by_hand = gpt(ids[:, :3])[0, -1].log_softmax(-1)[8] + gpt(ids[:, :4])[0, -1].log_softmax(-1)[9]
+#   >>> torch.allclose(sequence_logprobs(gpt, ids, mask), by_hand), token_logprobs(gpt, ids).shape
+#   (True, torch.Size([1, 6]))
+
+
+# ===========================================================================
+# 42. DPO (直接偏好优化)
+# ===========================================================================
+# RLHF fits a reward model to pairs of answers (one chosen, one rejected), then trains the
+# model against it while a KL penalty holds it near a reference. DPO (Rafailov et al.,
+# 2023, "Direct Preference Optimization") solves that KL-penalized problem in closed form:
+# the model that solves it has the reward beta * log(pi / pi_ref) plus a term of the prompt
+# alone, which cancels between two answers to one prompt. So the pairs train the model directly, a
+# logistic loss on the chosen answer's reward minus the rejected one's: no reward model, no
+# sampling during training, four sequence log-probabilities (section 41) per pair.
+
+ARGUMENTS.update(beta=(float, 0.0, math.inf))
+RELATIONS["beta > 0"] = (("beta",), lambda b: b > 0, "beta must be > 0 (at 0 every pair has the same loss)")
+
+
+def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1):
+    """Sequence log-probabilities [B] of the chosen and rejected answers under the model
+    trained and under the frozen reference -> (loss [], chosen_rewards [B], rejected_rewards
+    [B]): -log sigmoid(chosen - rejected) averaged over the pairs, each reward
+    beta * (log pi - log pi_ref), detached (for logging, as TRL's DPOTrainer)."""
+    check("one shape", "beta > 0", beta=beta, shapes={name: list(t.shape) for name, t in [
+        ("policy_chosen", policy_chosen), ("policy_rejected", policy_rejected), ("ref_chosen", ref_chosen),
+        ("ref_rejected", ref_rejected)]})
+    # the reference is a fixed anchor: detached here, so that log-probabilities computed
+    # outside no_grad cannot send it a gradient (or keep its graph alive)
+    chosen = beta * (policy_chosen - ref_chosen.detach())                  # [B]: implicit rewards
+    rejected = beta * (policy_rejected - ref_rejected.detach())            # [B]
+    # logsigmoid, not log(sigmoid(.)): at a margin of -100 sigmoid underflows to 0 in float32
+    # and the log is -inf; logsigmoid stays at -100
+    loss = -F.logsigmoid(chosen - rejected).mean()                         # []
+    return loss, chosen.detach(), rejected.detach()                        # [], [B], [B]
+
+# The gradient, as the paper's section 4 writes it: d loss / d policy_chosen = -beta *
+# sigmoid(rejected - chosen) / B, and the opposite for policy_rejected. Each pair weighs
+# sigmoid of minus its margin: near 1 where the model still prefers the rejected answer,
+# near 0 once it ranks the pair right, so learned pairs stop pulling. beta = 0.1 is TRL's
+# default; a larger beta holds the model nearer the reference.
+# Try it: a pair the policy already ranks right, and one it ranks wrong.
+#   >>> pi_c, pi_r = torch.tensor([-2.0, -9.0], requires_grad=True), torch.tensor([-6.0, -3.0])
+#   >>> ref_c, ref_r = torch.tensor([-5.0, -5.0]), torch.tensor([-5.0, -5.0])
+#   >>> loss, chosen, rejected = dpo_loss(pi_c, pi_r, ref_c, ref_r, beta=0.5)
+#   >>> chosen, rejected                                                   # 0.5 * (pi - ref)
+#   (tensor([ 1.5000, -2.0000]), tensor([-0.5000,  1.0000]))
+#   >>> loss.backward(); pi_c.grad                                         # -0.5 * sigmoid(-margin) / 2
+#   tensor([-0.0298, -0.2381])
+
+
+# ===========================================================================
+# 43. GRPO (组相对策略优化)
+# ===========================================================================
+# Where an answer can be checked (a math result, a test suite, our toy's characters), the
+# model can learn from its own answers: sample G of them for each prompt, score each, and
+# raise the probability of those better than their group. GRPO (Shao et al., 2024,
+# "DeepSeekMath"; the RL of DeepSeek-R1, 2025) is PPO with the group's mean reward as the
+# baseline (and its std as the scale) instead of a learned value model: no critic to train,
+# G answers a prompt instead.
+
+ARGUMENTS.update(group_size=(int, 2, MAX_SIZE), clip_eps=(float, 0.0, 1.0), kl_beta=(float, 0.0, math.inf))
+
+
+def group_advantages(rewards, eps=1e-4):
+    """rewards [B, G], G answers to each of B prompts -> advantages [B, G]: each reward
+    against its own group, (r - mean) / (std + eps), std unbiased (torch.std's, TRL's)."""
+    check(eps=eps, group_size=rewards.size(-1))  # one answer has no group to compare with
+    # shifted by the first reward first: the same advantages (they ignore a shift), and a
+    # group whose rewards are all equal gets exactly 0 (it teaches nothing), where the
+    # mean's rounding would leave about 1e-3; eps keeps that 0 / 0 from being NaN
+    rewards = rewards - rewards[..., :1]                                   # [B, G]
+    return (rewards - rewards.mean(dim=-1, keepdim=True)) / (rewards.std(dim=-1, keepdim=True) + eps)  # [B, G]
+
+
+def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0.2, kl_beta=0.04):
+    """Per-token log-probabilities [N, T] of N sampled answers under the model trained
+    (logprobs), the model that sampled them (old) and the frozen reference (ref); one
+    advantage [N] an answer; mask [N, T], True on the answers' tokens -> the loss [], minus
+    GRPO's objective: per token min(rho A, clip(rho, 1 - clip_eps, 1 + clip_eps) A) - kl_beta
+    * KL with rho = exp(logprobs - old), averaged over each answer's tokens, then over answers."""
+    check("one shape", clip_eps=clip_eps, kl_beta=kl_beta, shapes={name: list(t.shape) for name, t in [
+        ("logprobs", logprobs), ("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs), ("mask", mask)]})
+    check("one shape", shapes={"advantages": list(advantages.shape), "logprobs[:, 0]": list(logprobs.shape[:1])})
+    # rho is 1 in value when the model trained is the one that sampled (one step a batch),
+    # but not in gradient: d rho / d logprobs = rho, so the surrogate's gradient is A times
+    # the gradient of logprobs, the policy gradient. old is detached: a constant
+    rho = torch.exp(logprobs - old_logprobs.detach())                      # [N, T]
+    A = advantages[:, None]                                                # [N, 1]
+    # PPO's clip: once rho has moved past 1 +- clip_eps in the direction A favors, the
+    # clipped term is the smaller and its gradient is 0: no step pushes further off-policy
+    surrogate = torch.min(rho * A, rho.clamp(1 - clip_eps, 1 + clip_eps) * A)  # [N, T]
+    # KL(pi || pi_ref) per token by the "k3" estimator (Schulman, 2020, "Approximating KL
+    # Divergence"), DeepSeekMath's: exp(d) - d - 1 with d = ref - logprobs, never negative,
+    # and its mean over the tokens the model samples is KL(model || reference). It must carry
+    # the gradient (d / d logprobs = 1 - exp(d)): computed under no_grad it would hold nothing back
+    d = ref_logprobs.detach() - logprobs                                   # [N, T]
+    per_token = surrogate - kl_beta * (torch.exp(d) - d - 1)               # [N, T]: the objective
+    mask = mask.bool()                                                     # [N, T]
+    per_token = torch.where(mask, per_token, 0.0)                          # [N, T]: padding is out of every mean
+    # GRPO's average: over each answer's tokens, then over answers (an empty answer counts 0)
+    per_answer = per_token.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)     # [N]
+    return -per_answer.mean()                                              # []: to minimize
+
+# Two changes of the averaging, each one line here. DAPO (Yu et al., 2025) takes one mean
+# over all the batch's tokens, per_token.sum() / mask.sum(): with a mean per answer each
+# answer weighs the same, so, as the paper says, a token of a long answer counts less, and
+# long answers' gibberish and repetition go too little penalized (entropy and length grow).
+# Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training") divides every answer by
+# one constant (the generation budget) instead of its length, and by no std in
+# group_advantages. As the paper says, 1 / |answer| gives a short right answer larger
+# updates and penalizes a long wrong one less, so wrong answers grow long; and the std gives
+# the questions whose rewards barely vary (too easy or too hard) more weight.
+# kl_beta = 0.04 and G = 64 are DeepSeekMath's (its section 4.2), which gives no clip_eps;
+# 0.2 is PPO's usual value.
+# Try it: two groups of 4 answers (the second all alike), then the on-policy gradient.
+#   >>> group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]]))
+#   tensor([[ 0.8659, -0.8659, -0.8659,  0.8659],
+#           [ 0.0000,  0.0000,  0.0000,  0.0000]])
+#   >>> logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.1, -9.0]], requires_grad=True)  # [2, 3]
+#   >>> mask = torch.tensor([[True, True, True], [True, True, False]])     # answer 2 has 2 tokens
+#   >>> loss = grpo_loss(logp, logp.detach(), logp.detach(), torch.tensor([1.0, -1.0]), mask)
+#   >>> loss.item() == 0, logp.grad is None                                # rho = 1, KL = 0: value 0
+#   (True, True)
+#   >>> loss.backward(); logp.grad                                         # -A / (tokens * N); not 0
+#   tensor([[-0.1667, -0.1667, -0.1667],
+#           [ 0.2500,  0.2500, ...0.0000]])
+
+
+# ===========================================================================
 # The article ends here (正文到此结束)
 # ===========================================================================
 # What follows are the tools around it: training on your own pairs, saving and
@@ -3949,7 +4261,7 @@ import warnings
 
 
 # ===========================================================================
-# 40. Your own data (自己的数据)
+# 44. Your own data (自己的数据)
 # ===========================================================================
 # --data FILE.tsv trains on your pairs instead of the generated ones: UTF-8,
 # one "pinyin<TAB>hanzi" a line, one syllable per character, blank lines and
@@ -4076,7 +4388,7 @@ def read_pairs(path):
 
 
 # ===========================================================================
-# 41. Saving and loading (保存与加载)
+# 45. Saving and loading (保存与加载)
 # ===========================================================================
 # A checkpoint is data: the configuration, the weights and both vocabularies,
 # plain dicts, lists and tensors that torch.load(weights_only=True) reads
@@ -4330,7 +4642,7 @@ def checked_checkpoint(checkpoint, device):
 
 
 # ===========================================================================
-# 42. The demo (演示): python transformer.py
+# 46. The demo (演示): python transformer.py
 # ===========================================================================
 # Shapes and parameter counts first (the tutorials' own configuration among
 # them) and the cache measured; then both toy models learn pinyin to hanzi,
@@ -4834,7 +5146,7 @@ def run(args, device, pairs, loaded):
 
 
 # ===========================================================================
-# 43. The benchmark (基准测试): python transformer.py --bench
+# 47. The benchmark (基准测试): python transformer.py --bench
 # ===========================================================================
 # Where the time goes, measured in one run: training throughput of the
 # hand-written model against nn.Transformer with the same weights, the KV
@@ -5095,7 +5407,7 @@ def bench_time_to_99(device, seed=0, epochs=6, n_sentences=2400):
 
 
 # ===========================================================================
-# 44. The command line (命令行)
+# 48. The command line (命令行)
 # ===========================================================================
 # Every mistake is one line on stderr and exit status 2, found before any work
 # starts where it can be; answers alone go to stdout.
