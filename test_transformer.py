@@ -7850,6 +7850,36 @@ def test_bench_long_sequences_flash_equals_section_2_and_the_caches_agree(bench_
             f" ({2 * sum(requests) * slot / 1024:.0f} KiB of tokens): {padded / paged:.1f}x less\n") in out
 
 
+def test_after_runs_speculative_decoding_then_the_preference_methods_on_the_toy(monkeypatch, capsys):
+    """--after at a tiny size (80 toy sentences, 1 epoch, 3 prompts, a few steps): the
+    speculative rows give the target's own tokens, their kept share is a fraction, the
+    draft alone writes other tokens or the same; each preference method reports its row."""
+    small = tf.make_toy_data
+    monkeypatch.setattr(tf, "make_toy_data", lambda n_sentences=2400, seed=0, **kw: small(80, seed, **kw))
+    monkeypatch.setattr(tf, "TOY_MODELS", {kind: dict(spec, epochs=1) for kind, spec in tf.TOY_MODELS.items()})
+    monkeypatch.setattr(tf, "DRAFT_MODELS", {kind: dict(spec, epochs=1) for kind, spec in tf.DRAFT_MODELS.items()})
+    monkeypatch.setattr(tf, "PREFERENCE", dict(tf.PREFERENCE, start_steps=2, steps=2, prompts=2, group=2))
+    rows = tf.speculative_report(0, n_prompts=3, repeats=1)
+    for way in ("speculative k=2", "speculative k=4"):
+        assert rows[way]["same"] and 0 <= rows[way]["acceptance"] <= 1
+    assert rows["speculative k=4"]["target_forwards"] <= rows["target alone"]["target_forwards"]  # k + 1 at most a forward
+    report = tf.preference_report(0)
+    assert list(report) == ["before", "GRPO", "GRPO, T = 0.5", "DPO", "SFT"]
+    assert all(0 <= exact <= 1 and 0 <= reward <= 1 and seconds > 0 for exact, reward, seconds in
+               list(report.values())[1:])
+    out = capsys.readouterr().out
+    assert "speculative decoding, seed 0" in out and out.count("%") >= 8
+
+
+def test_main_after_calls_both_reports(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tf, "speculative_report", lambda seed, device: calls.append(("speculative", seed, device.type)))
+    monkeypatch.setattr(tf, "preference_report", lambda seed: calls.append(("preference", seed)))
+    status, out, err = _main(["--after", "--seed", "3", "--device", "cpu"])
+    assert (status, err) == (0, "") and out.startswith("device: cpu")
+    assert calls == [("speculative", 3, "cpu"), ("preference", 3)]
+
+
 def test_bench_time_to_99_reports_each_toy_model(bench_run):
     lines = bench_run[1].splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("time to 99% held-out")) + 2
@@ -9611,6 +9641,8 @@ README_COMMANDS = {  # each command line the README shows -> the tests that run 
         "test_cli_readme_session_saves_then_answers_stdin",
         "test_cli_translate_stdin_unknown_syllable_is_one_error_line"],
     "python transformer.py --data bad.tsv": ["test_cli_readme_session_bad_tsv_is_the_readmes_error_line"],
+    "python transformer.py --after": ["test_after_runs_speculative_decoding_then_the_preference_methods_on_the_toy",
+                                      "test_main_after_calls_both_reports"],
     "python transformer.py --bench": ["test_bench_runs_every_benchmark_in_order",
                                       "test_bench_training_reports_its_rates_and_their_ratios",
                                       "test_bench_kv_cache_gives_the_same_tokens_with_and_without_the_cache",
