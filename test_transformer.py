@@ -7855,11 +7855,11 @@ def test_after_runs_speculative_decoding_then_the_preference_methods_on_the_toy(
     speculative rows give the target's own tokens, their kept share is a fraction, the
     draft alone writes other tokens or the same; each preference method reports its row."""
     small = tf.make_toy_data
-    monkeypatch.setattr(tf, "make_toy_data", lambda n_sentences=2400, seed=0, **kw: small(80, seed, **kw))
+    monkeypatch.setattr(tf, "make_toy_data", lambda n_sentences=2400, seed=0, **kw: small(40, seed, **kw))
     monkeypatch.setattr(tf, "TOY_MODELS", {kind: dict(spec, epochs=1) for kind, spec in tf.TOY_MODELS.items()})
     monkeypatch.setattr(tf, "DRAFT_MODELS", {kind: dict(spec, epochs=1) for kind, spec in tf.DRAFT_MODELS.items()})
     monkeypatch.setattr(tf, "PREFERENCE", dict(tf.PREFERENCE, start_steps=2, steps=2, prompts=2, group=2))
-    rows = tf.speculative_report(0, n_prompts=3, repeats=1)
+    rows = tf.speculative_report(0, n_prompts=2, repeats=1)
     for way in ("speculative k=2", "speculative k=4"):
         assert rows[way]["same"] and 0 <= rows[way]["acceptance"] <= 1
     assert rows["speculative k=4"]["target_forwards"] <= rows["target alone"]["target_forwards"]  # k + 1 at most a forward
@@ -9487,6 +9487,7 @@ def test_broken_pipe_mid_training_still_saves_the_model(hard, real):
 # ===========================================================================
 
 SOURCE = open(tf.__file__, encoding="utf-8").read()
+SOURCE_TREE = ast.parse(SOURCE)
 BANNER = re.compile(r"^# =+\n# (\d+)\. (.+)$", re.M)     # a numbered section's banner
 
 
@@ -9557,7 +9558,7 @@ def section_of_each_top_level_statement():
     numbered banner above it (the module docstring and the Part banners: section 0)."""
     starts = [(SOURCE.count("\n", 0, m.start()) + 2, int(m.group(1))) for m in BANNER.finditer(SOURCE)]
     return [(max([n for line, n in starts if line <= node.lineno], default=0), node)
-            for node in ast.parse(SOURCE).body]
+            for node in SOURCE_TREE.body]
 
 
 def test_no_definition_uses_a_name_defined_in_a_later_section():
@@ -9587,7 +9588,7 @@ def copy_size(*roots):
     top-level name they use, transitively, verbatim, a blank line between two; calls to
     the argument-check helpers dropped (the helpers and their tables not counted)."""
     definitions = {}
-    for node in ast.parse(SOURCE).body:
+    for node in SOURCE_TREE.body:
         names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
             t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
         for name in names:
