@@ -1526,8 +1526,8 @@ def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=N
 
 def deinterleave(x):
     """[..., d] -> [..., d]: x0, x2, x4, ... then x1, x3, x5, ..., so that neighbour pair
-    (x[2i], x[2i+1]) becomes half-split pair (x[i], x[i + d/2]) for apply_rope (as
-    Hugging Face's DeepSeek-V3 does before its half-split rotation)."""
+    (x[2i], x[2i+1]) becomes half-split pair (x[i], x[i + d/2]) for apply_rope. (transformers
+    5.x rotates the even and odd slices directly: the same numbers.)"""
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)                 # [..., d]
 
 
