@@ -5875,7 +5875,7 @@ def main(argv=None):
     parser.add_argument("--bench", action="store_true", help="measure where the time goes (a few minutes), then exit")
     parser.add_argument("--after", action="store_true",
                         help="after pretraining, on the toy task and --seed: speculative decoding's acceptance and"
-                             " speed-up, DPO and GRPO against plain fine-tuning (a minute or two), then exit")
+                             " speed-up, DPO and GRPO against plain fine-tuning (under a minute), then exit")
     args = parser.parse_args(argv)
     # every problem that can be seen before the work starts is reported before it starts
     empty = next((option for option in ("data", "load", "save") if getattr(args, option) == ""), None)
