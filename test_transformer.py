@@ -3345,15 +3345,22 @@ class HFUsed(dict):
         return super().__getitem__(key)
 
 
+def hf_stack_weights(ours, n_layers):
+    """The weights every family shares under HF's names: embeddings, norms, lm_head."""
+    out = {"model.embed_tokens.weight": ours["token_embedding.weight"],
+           "model.norm.weight": ours["final_norm.weight"], "lm_head.weight": ours["lm_head.weight"]}
+    for i in range(n_layers):
+        out[f"model.layers.{i}.input_layernorm.weight"] = ours[f"layers.{i}.attn_norm.weight"]
+        out[f"model.layers.{i}.post_attention_layernorm.weight"] = ours[f"layers.{i}.ffn_norm.weight"]
+    return out
+
+
 def hf_llama_family_weights(model, hf):
     """Our Llama / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / Mistral weights under HF's names."""
     ours, hf_sd = HFUsed(model.state_dict()), hf.state_dict()
-    out = {"model.embed_tokens.weight": ours["token_embedding.weight"],
-           "model.norm.weight": ours["final_norm.weight"], "lm_head.weight": ours["lm_head.weight"]}
+    out = hf_stack_weights(ours, len(model.layers))
     for i, layer in enumerate(model.layers):
         a, h = f"layers.{i}", f"model.layers.{i}"
-        out[f"{h}.input_layernorm.weight"] = ours[f"{a}.attn_norm.weight"]
-        out[f"{h}.post_attention_layernorm.weight"] = ours[f"{a}.ffn_norm.weight"]
         for mine, theirs in (("w_q", "q_proj"), ("w_k", "k_proj"), ("w_v", "v_proj"), ("w_o", "o_proj"),
                              ("q_norm", "q_norm"), ("k_norm", "k_norm")):
             for kind in ("weight", "bias"):
@@ -3373,12 +3380,9 @@ def hf_llama_family_weights(model, hf):
 def hf_deepseek_weights(model, hf):
     """Our DeepSeekV3 weights (and router_bias) under HF's names."""
     ours, hf_sd = HFUsed(model.state_dict()), hf.state_dict()
-    out = {"model.embed_tokens.weight": ours["token_embedding.weight"],
-           "model.norm.weight": ours["final_norm.weight"], "lm_head.weight": ours["lm_head.weight"]}
+    out = hf_stack_weights(ours, len(model.layers))
     for i, layer in enumerate(model.layers):
         a, h = f"layers.{i}", f"model.layers.{i}"
-        out[f"{h}.input_layernorm.weight"] = ours[f"{a}.attn_norm.weight"]
-        out[f"{h}.post_attention_layernorm.weight"] = ours[f"{a}.ffn_norm.weight"]
         for mine, theirs in (("w_q", "q_proj"), ("w_dq", "q_a_proj"), ("q_norm", "q_a_layernorm"),
                              ("w_uq", "q_b_proj"), ("w_dkv", "kv_a_proj_with_mqa"),
                              ("kv_norm", "kv_a_layernorm"), ("w_ukv", "kv_b_proj"), ("w_o", "o_proj")):

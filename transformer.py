@@ -5427,7 +5427,8 @@ def train_decoder_recipe(kind, spec, train_pairs, test_pairs, seed, device):
     max_len = 2 * max(len(pinyin.split()) for pinyin, _ in train_pairs + test_pairs) + 2
     torch.manual_seed(seed)
     vocab, readings = build_gpt_vocab(train_pairs), syllable_readings(train_pairs)
-    model = MODEL_CLASSES[kind](vocab_size=len(vocab), max_len=max_len, **spec["config"]).to(device)
+    cls = MODEL_CLASSES[kind]
+    model = cls(vocab_size=len(vocab), max_len=max_len, **spec["config"]).to(device)
     dataset = PromptDataset(with_pieces(train_pairs, spec.get("spans", 0), seed), vocab)
     result = train(model, dataset, lambda: teacher_forced_accuracy(kind, model, test_pairs, vocab, vocab, readings),
                    epochs=spec["epochs"], batch_size=spec["batch_size"], lr_factor=spec["lr_factor"],
@@ -5493,7 +5494,7 @@ def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), d
     log(f"  {'way':18s} {'kept':>6s} {'tokens/target forward':>22s} {'tokens/s':>9s} {'speed-up':>8s}"
         f"  same tokens as the target")
     for way, row in rows.items():
-        same = all(torch.equal(a, b) for a, b in zip(row["outputs"], rows["target alone"]["outputs"]))
+        same = all(torch.equal(a, b) for a, b in zip(row["outputs"], rows["target alone"]["outputs"]))  # [1, T] each
         drafting = way.startswith("speculative")  # each round: 1 target forward, the kept tokens + 1 written
         row.update(median_seconds=median[way], speedup=median["target alone"] / median[way],
                    tokens_per_second=new_tokens / median[way], same=same,
