@@ -3355,6 +3355,12 @@ def hf_stack_weights(ours, n_layers):
     return out
 
 
+def hf_put_swiglu(out, ours, mine, theirs):
+    """A SwiGLU's w1 (gate), w3 (up), w2 (down) under HF's gate_proj, up_proj, down_proj."""
+    for our_name, their_name in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+        out[f"{theirs}.{their_name}.weight"] = ours[f"{mine}.{our_name}.weight"]
+
+
 def hf_llama_family_weights(model, hf):
     """Our Llama / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / Mistral weights under HF's names."""
     ours, hf_sd = HFUsed(model.state_dict()), hf.state_dict()
@@ -3371,8 +3377,7 @@ def hf_llama_family_weights(model, hf):
             # Mixtral and Qwen3-MoE have no router bias: ours must be zero to be their model
             assert not ours[f"{a}.ffn.router_bias"].any(), "a softmax router's bias has no HF counterpart"
         else:
-            for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-                out[f"{h}.mlp.{theirs}.weight"] = ours[f"{a}.ffn.{mine}.weight"]
+            hf_put_swiglu(out, ours, f"{a}.ffn", f"{h}.mlp")
     assert ours.used == set(ours), f"not copied: {sorted(set(ours) - ours.used)}"
     return out
 
@@ -3393,11 +3398,9 @@ def hf_deepseek_weights(model, hf):
             bias = next(k for k in (f"{h}.mlp.gate.e_score_correction_bias", f"{h}.mlp.e_score_correction_bias")
                         if k in hf_sd)
             out[bias] = ours[f"{a}.ffn.router_bias"]
-            for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-                out[f"{h}.mlp.shared_experts.{theirs}.weight"] = ours[f"{a}.ffn.shared.{mine}.weight"]
+            hf_put_swiglu(out, ours, f"{a}.ffn.shared", f"{h}.mlp.shared_experts")
         else:
-            for mine, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
-                out[f"{h}.mlp.{theirs}.weight"] = ours[f"{a}.ffn.{mine}.weight"]
+            hf_put_swiglu(out, ours, f"{a}.ffn", f"{h}.mlp")
     assert ours.used == set(ours), f"not copied: {sorted(set(ours) - ours.used)}"
     return out
 
