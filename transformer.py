@@ -11,24 +11,23 @@ Mixtral is Llama with a mixture-of-experts feed-forward, Mistral is Llama with a
               4 feed-forward network      5 layer normalization     6 encoder and decoder layers
               7 token ids and embeddings  8 the encoder-decoder     9 the decoder-only GPT
              10 parameter counts
-  Part II   The modern decoder, Llama-style
-             11 RMSNorm                   12 rotary positions       13 SwiGLU
-             14 grouped-query attention   15 the Llama model        16 parameters, KV-cache memory
-  Part III  The frontier: mixture of experts and latent attention
-             17 QK-norm, free head widths: Qwen3                    18 mixture of experts: Mixtral,
-             19 latent attention (MLA)    20 the DeepSeek-V3 model     Qwen3-MoE
-             21 total and active parameters, the latent cache
-  Part IV   Long sequences
-             22 FlashAttention's tiles, fused kernels                23 sliding windows: Mistral
-             24 the paged KV cache        25 RoPE for long context
-  Part V    Training, by hand
-             26 AdamW                     27 learning-rate schedules 28 clipping, accumulation
-             29 FLOPs                     30 mixed precision        31 memory
-             32 LoRA
-  Part VI   Learning and using it: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
-             33 the toy task              34 a baseline to beat     35 decoding: greedy,
-             36 training                  37 the KV cache measured     constrained, beam
-             38 decoder-only models on the task                     39 the attention heatmap
+  Part II   Teaching it a task: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
+             11 the toy task              12 a baseline to beat     13 training
+             14 decoding: greedy, constrained, beam                 15 the KV cache measured
+             16 the GPT on the task       17 the attention heatmap
+  Part III  The modern decoder, Llama-style
+             18 RMSNorm                   19 rotary positions       20 SwiGLU
+             21 grouped-query attention   22 the Llama model        23 parameters, KV-cache memory
+  Part IV   The frontier: mixture of experts and latent attention
+             24 QK-norm, free head widths: Qwen3                    25 mixture of experts
+             26 latent attention (MLA)    27 the DeepSeek-V3 model  28 total and active parameters
+  Part V    Long sequences
+             29 FlashAttention's tiles    30 sliding windows: Mistral
+             31 the paged KV cache        32 RoPE for long context
+  Part VI   Training, by hand
+             33 AdamW                     34 learning-rate schedules 35 clipping, accumulation
+             36 FLOPs                     37 mixed precision        38 memory
+             39 LoRA
   Part VII  After pretraining
              40 speculative decoding      41 sequence log-probabilities 42 DPO
              43 GRPO
@@ -61,13 +60,13 @@ encoder-decoder), fixes their mistakes, and proves each piece in test_transforme
 # ===========================================================================
 # The models need nothing but torch. One legend for every shape comment:
 #   B batch, S source length, T target length, D d_model, H heads,
-#   dk = D // H (one head's width; section 17 lets it differ), dv a value's width,
+#   dk = D // H (one head's width; section 24 lets it differ), dv a value's width,
 #   Dff the feed-forward width, V vocabulary size; generating with a cache, t tokens
 #   are cached and Tn are new.
-#   Part II adds Hkv, the key/value heads of grouped-query attention.
-#   Part III adds N = B * T tokens, E experts, k = top_k, G expert groups, r the
+#   Part III adds Hkv, the key/value heads of grouped-query attention.
+#   Part IV adds N = B * T tokens, E experts, k = top_k, G expert groups, r the
 #   latent's width, nope / rope / v the widths of an MLA head's parts.
-#   Part IV adds bq, bk the query and key blocks of a tile, bs a cache block's tokens.
+#   Part V adds bq, bk the query and key blocks of a tile, bs a cache block's tokens.
 # Attention scores are [B, H, Tq, Tk]: one row per query, one column per key.
 
 import math
@@ -292,7 +291,7 @@ class MultiHeadAttention(nn.Module):
         out = out.transpose(1, 2).contiguous().view(B, Tq, self.d_model)   # [B, Tq, D]
         return self.w_o(out)                                               # [B, Tq, D]
 
-    def attend(self, q, k, v, mask):  # step 2 alone: a variant swaps it (section 22's fused kernel)
+    def attend(self, q, k, v, mask):  # step 2 alone: a variant swaps it (section 29's fused kernel)
         return scaled_dot_product_attention(q, k, v, mask, self.dropout)[0]  # [B, H, Tq, dk]
 
 # Try it: self-attention keeps the query's shape; cross-attention reads 7 keys.
@@ -370,7 +369,7 @@ class LayerNorm(nn.Module):
 # with a LayerNorm. The paper normalizes after the sum (post-LN); GPT-2 and most
 # models since normalize the sub-layer's input and leave the residual path
 # untouched (pre-LN), which keeps gradients well scaled in deep stacks (they
-# still use a learning-rate warmup, as this file does: section 27). As in PyTorch's
+# still use a learning-rate warmup, as this file does: section 34). As in PyTorch's
 # nn.TransformerEncoderLayer, each sub-layer is a small _block method, so the
 # two orders read side by side in forward.
 # The decoder layer adds cross-attention to the memory: the encoder's output
@@ -709,7 +708,7 @@ class DecoderOnlyTransformer(nn.Module):
 
     def new_cache(self):
         """An empty KV cache for forward: one KVCache per layer (forward takes any list of
-        per-layer caches with the same append and len: section 24 pages them)."""
+        per-layer caches with the same append and len: section 31 pages them)."""
         return [KVCache() for _ in self.layers]
 
     def forward(self, input_ids, cache=None):
@@ -784,7 +783,753 @@ def decoder_only_param_formula(vocab_size, d_model, n_layers, d_ff, tie_weights=
 
 
 # ===========================================================================
-# Part II: the modern decoder, Llama-style (第二部分：现代解码器)
+# Part II: teaching it a task (第二部分：教它一个任务)
+# ===========================================================================
+# A task small enough to learn in seconds on a CPU, the ways to decode an answer,
+# the training loop, and what the models learned. Python's standard library
+# supplies the rest: random for the toy data, time and signal for training.
+
+import contextlib
+import random
+import signal
+import threading
+import time
+
+
+# ===========================================================================
+# 11. The toy task: pinyin to hanzi (玩具任务：拼音转汉字)
+# ===========================================================================
+# A task small enough to train in seconds and hard enough to need attention:
+# many syllables are written with different characters depending on the word
+# around them (shi: 是 十 事 时 市 视 师, ji: 几 鸡 机 记 计, yi: 一 医 衣 意 已 ...),
+# so the model must read its neighbours, not map syllable to character.
+# Pinyin is toneless and lowercase, one syllable per character, ü written v.
+# A small grammar composes sentences from a lexicon; the generator checks that
+# every pinyin sentence has exactly one hanzi answer.
+
+SUBJECTS = [("wo", "我"), ("ni", "你"), ("ta", "他"), ("wo men", "我们"), ("ni men", "你们"),
+            ("ta men", "他们"), ("lao shi", "老师"), ("xue sheng", "学生"), ("yi sheng", "医生"),
+            ("ma ma", "妈妈"), ("ba ba", "爸爸"), ("wo de peng you", "我的朋友"), ("di di", "弟弟"),
+            ("jie jie", "姐姐"), ("xiao li", "小李"), ("wang lao shi", "王老师"), ("nv er", "女儿")]
+TIMES = [("jin tian", "今天"), ("ming tian", "明天"), ("zuo tian", "昨天"), ("xian zai", "现在"),
+         ("wan shang", "晚上"), ("zao shang", "早上"), ("qi dian", "七点"), ("shi dian", "十点"),
+         ("xing qi yi", "星期一"), ("xia wu", "下午")]
+ADVERBS = [("yi jing", "已经"), ("yi qi", "一起"), ("zhi", "只"), ("chang chang", "常常"),
+           ("ye", "也"), ("yi zhi", "一直"), ("ma shang", "马上"), ("dou", "都")]
+PLACES = [("zai xue xiao", "在学校"), ("zai jia li", "在家里"), ("zai gong si", "在公司"),
+          ("zai shi chang", "在市场"), ("zai ji chang", "在机场")]
+PREDICATES = [
+    ("ai xue xi", "爱学习"), ("xue xi zhong wen", "学习中文"), ("xi huan chang ge", "喜欢唱歌"),
+    ("xi huan xi gua", "喜欢西瓜"), ("xi yi fu", "洗衣服"), ("chi xi gua", "吃西瓜"),
+    ("chi ji dan", "吃鸡蛋"), ("kan shu", "看书"), ("mai shu", "买书"), ("zhong shu", "种树"),
+    ("xue shu xue", "学数学"), ("xie han zi", "写汉字"), ("qu ji chang", "去机场"),
+    ("qu shi chang", "去市场"), ("hui jia", "回家"), ("mei you shi jian", "没有时间"),
+    ("zhi dao zhe jian shi", "知道这件事"), ("jian peng you", "见朋友"), ("qi che", "骑车"),
+    ("zuo qi che", "坐汽车"), ("sheng qi", "生气"), ("qi chuang", "起床"), ("kan dian shi", "看电视"),
+    ("da dian hua", "打电话"), ("xie ri ji", "写日记"), ("ji de zhe jian shi", "记得这件事"),
+    ("ji hua lv xing", "计划旅行"), ("he lv cha", "喝绿茶"), ("mai li wu", "买礼物"),
+    ("zheng li fang jian", "整理房间"), ("hen nu li", "很努力"), ("xiu xi", "休息"),
+    ("lian xi xie zi", "练习写字"), ("shi lao shi", "是老师"), ("shi yi sheng", "是医生"),
+    ("hen you yi si", "很有意思"), ("mai yi fu", "买衣服"), ("mai zhi", "买纸"), ("chi fan", "吃饭"),
+    ("shui jiao", "睡觉"), ("shang ke", "上课"), ("kai hui", "开会"), ("zuo zuo ye", "做作业"),
+    ("mai ji ben shu", "买几本书"), ("kan yi sheng", "看医生"), ("yong dian nao", "用电脑"),
+    ("hen gao xing", "很高兴"), ("qu lv xing", "去旅行"), ("xue xi li shi", "学习历史"),
+    ("zuo shi", "做事")]
+# each slot is optional except subject and predicate: (words, probability of using the slot)
+GRAMMAR = [(SUBJECTS, 1.0), (TIMES, 0.6), (ADVERBS, 0.5), (PLACES, 0.4), (PREDICATES, 1.0)]
+
+
+def make_toy_data(n_sentences=2400, seed=0, min_chars=3, max_chars=12):
+    """n distinct (pinyin, hanzi) sentences from the grammar, the same for the same seed."""
+    rng = random.Random(seed)
+    answers = {}  # pinyin sentence -> its one hanzi answer
+    for _ in range(100 * n_sentences):
+        if len(answers) == n_sentences:
+            break
+        words = [rng.choice(slot) for slot, p in GRAMMAR if rng.random() < p]
+        pinyin, hanzi = " ".join(w[0] for w in words), "".join(w[1] for w in words)
+        if not min_chars <= len(hanzi) <= max_chars:
+            continue
+        if answers.setdefault(pinyin, hanzi) != hanzi:
+            raise ValueError(f"ambiguous toy data: {pinyin!r} is both {answers[pinyin]} and {hanzi}")
+    if len(answers) < n_sentences:
+        raise ValueError(f"the grammar gave only {len(answers)} distinct sentences, asked for {n_sentences}")
+    return sorted(answers.items())
+
+
+def check_list(name, value, items):
+    """A list argument: any iterable but a str or bytes (read one character at a time:
+    "wo ai" would be 5 sentences) or a dict (read by its keys), never None or a number."""
+    if isinstance(value, (str, bytes, bytearray, dict)) or not hasattr(type(value), "__iter__"):
+        raise ValueError(f"{name} must be a list of {items}, got {type(value).__name__} {value!r:.60}")
+
+
+def split_data(pairs, held_out=0.1, seed=0):
+    """Shuffle and hold out a fraction: the held-out sentences are never trained on."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
+    pairs = list(pairs)
+    random.Random(seed).shuffle(pairs)
+    n_test = max(1, round(len(pairs) * held_out))
+    return pairs[n_test:], pairs[:n_test]
+
+
+class Vocab:
+    """Token <-> id. Ids 0-3 are the specials: pad fills batches, bos starts a target,
+    eos ends one, unk stands for a token never seen in training."""
+    PAD, BOS, EOS, UNK = 0, 1, 2, 3
+    SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+
+    def __init__(self, tokens):
+        check_list("tokens", tokens, "tokens")
+        self.itos = self.SPECIALS + sorted(set(tokens) - set(self.SPECIALS))
+        self.stoi = {tok: i for i, tok in enumerate(self.itos)}
+
+    def __len__(self):
+        return len(self.itos)
+
+    def encode(self, tokens):
+        check_list("tokens", tokens, "tokens (for a hanzi string, list(hanzi))")
+        return [self.stoi.get(tok, self.UNK) for tok in tokens]
+
+    def decode(self, ids):
+        """Ids to tokens, stopping at eos and skipping pad and bos."""
+        check_list("ids", ids, "token ids")
+        out = []
+        for i in ids:
+            if i == self.EOS:
+                break
+            if i not in (self.PAD, self.BOS):
+                out.append(self.itos[i])
+        return out
+
+
+def build_vocabs(pairs):
+    """Source vocabulary of syllables, target vocabulary of characters."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
+    return (Vocab(s for pinyin, _ in pairs for s in pinyin.split()),    # ['wo', 'ai', ...]
+            Vocab(c for _, hanzi in pairs for c in hanzi))                # ['我', '爱', ...]
+
+
+class PinyinDataset(torch.utils.data.Dataset):
+    """Each item is the model's inputs, then the target: source syllable ids,
+    target in (bos + chars), target out (chars + eos)."""
+
+    def __init__(self, pairs, src_vocab, tgt_vocab):
+        check_list("pairs", pairs, "(pinyin, hanzi) pairs")
+        self.pairs, self.src_vocab, self.tgt_vocab = pairs, src_vocab, tgt_vocab
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def __getitem__(self, i):
+        pinyin, hanzi = self.pairs[i]
+        src = torch.tensor(self.src_vocab.encode(pinyin.split()))                         # [S]
+        tgt = torch.tensor([Vocab.BOS] + self.tgt_vocab.encode(list(hanzi)) + [Vocab.EOS])  # [T+2]
+        # teacher forcing: read the target shifted right, predict it shifted left
+        return src, tgt[:-1], tgt[1:]                                      # [S], [T+1], [T+1]
+
+
+def collate(batch):
+    """Pad every field of a list of items to the longest in the batch:
+    (src, tgt_in, tgt_out) items give [B, S], [B, T+1], [B, T+1]."""
+    check_list("batch", batch, "dataset items")
+    return tuple(nn.utils.rnn.pad_sequence(field, batch_first=True, padding_value=Vocab.PAD)
+                 for field in zip(*batch))                                 # [B, longest] each
+
+
+def syllable_readings(pairs):
+    """syllable -> the set of characters written for it somewhere in the pairs."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
+    readings = {}
+    for pinyin, hanzi in pairs:
+        for syllable, char in zip(pinyin.split(), hanzi):
+            readings.setdefault(syllable, set()).add(char)
+    return readings
+
+
+def ambiguous_syllables(pairs):
+    """Syllables written with two or more characters somewhere in the data."""
+    return {s for s, chars in syllable_readings(pairs).items() if len(chars) > 1}
+
+
+# ===========================================================================
+# 12. A baseline to beat: bigram HMM and Viterbi (基线：二元语法与维特比)
+# ===========================================================================
+# Before trusting a Transformer, ask what counting does. A hidden Markov model
+# reads the pinyin as emitted by a hidden chain of characters: each character
+# depends only on the one before it (a bigram), each syllable only on its own
+# character. Viterbi finds the most likely chain by dynamic programming,
+#   best[i, c] = max over c' of best[i-1, c'] + log P(c | c') + log P(syllable i | c),
+# in a fraction of a second of counting. A Transformer that cannot beat it on
+# the same sentences has not earned its place.
+
+class BigramHMM:
+    """Counts from training pairs; decode(pinyin sentences) -> hanzi by Viterbi.
+    P(c | c') is the bigram count smoothed toward the character's overall
+    frequency (a sentence start counts as c'); P(syllable | c) is counted. A
+    syllable never seen may be any character."""
+
+    def __init__(self, pairs, smoothing=1.0):
+        check_list("pairs", pairs, "(pinyin, hanzi) pairs")
+        pairs = list(pairs)
+        if not pairs or not all(isinstance(p, tuple) and len(p) == 2 and all(isinstance(s, str) for s in p)
+                                for p in pairs):
+            raise ValueError(f"pairs must be a non-empty list of (pinyin, hanzi) string pairs, got {pairs[:2]!r}")
+        self.chars = sorted({c for _, hanzi in pairs for c in hanzi})
+        index = {c: i for i, c in enumerate(self.chars)}
+        C = len(self.chars)
+        previous, following = [], []                                       # every bigram's two char ids
+        emitted = {}                                                       # syllable -> {char id: count}
+        for pinyin, hanzi in pairs:
+            syllables = pinyin.split()
+            ids = [index[char] for _, char in zip(syllables, hanzi)]
+            previous += ([C] + ids)[:-1]                                   # C: the sentence start
+            following += ids
+            for syllable, i in zip(syllables, ids):
+                emitted.setdefault(syllable, {})
+                emitted[syllable][i] = emitted[syllable].get(i, 0) + 1
+        bigrams = torch.zeros(C + 1, C).index_put_(                        # [C+1, C]: row C = sentence start
+            (torch.tensor(previous), torch.tensor(following)), torch.ones(len(following)), accumulate=True)
+        unigram = bigrams.sum(dim=0) / bigrams.sum()                       # [C]
+        char_count = bigrams.sum(dim=0)                                    # [C]
+        row_total = bigrams.sum(dim=1, keepdim=True) + smoothing           # [C+1, 1]
+        # in place: the table is (C + 1) x C, so a temporary copy would double the memory
+        self.log_next = bigrams.add_(smoothing * unigram).div_(row_total).log_()  # [C+1, C]
+        self.emissions = {s: (torch.tensor(list(c)), (torch.tensor(list(c.values()), dtype=torch.float)
+                                                       / char_count[list(c)]).log())
+                          for s, c in emitted.items()}                     # syllable -> ([n], [n])
+        self.anything = (torch.arange(C), torch.zeros(C))                  # an unseen syllable: [C], [C]
+
+    def decode_one(self, syllables):
+        check_list("syllables", syllables, "syllables")
+        if not syllables:
+            return ""
+        ids, log_emit = self.emissions.get(syllables[0], self.anything)    # [n0], [n0]
+        score = self.log_next[-1, ids] + log_emit                          # [n0]
+        back = []
+        for syllable in syllables[1:]:
+            new_ids, log_emit = self.emissions.get(syllable, self.anything)  # [n], [n]
+            total = score[:, None] + self.log_next[ids][:, new_ids]        # [n_prev, n]
+            score, best_previous = total.max(dim=0)                        # [n], [n]
+            score = score + log_emit                                       # [n]
+            back.append(best_previous)
+            ids = new_ids
+        path = [score.argmax().item()]                                     # an int: position in the last [n]
+        for best_previous in reversed(back):
+            path.append(best_previous[path[-1]].item())
+        chosen, candidates = [], [self.emissions.get(s, self.anything)[0] for s in syllables]
+        for position, ids in zip(reversed(path), candidates):
+            chosen.append(self.chars[ids[position]])
+        return "".join(chosen)
+
+    def decode(self, sentences):
+        check_list("sentences", sentences, "pinyin strings")
+        return [self.decode_one(sentence.split()) for sentence in sentences]  # [B] hanzi strings
+
+# Try it:
+#   >>> hmm = BigramHMM([("shi lao shi", "是老师"), ("shi dian", "十点"), ("lao shi", "老师")])
+#   >>> hmm.decode(["lao shi", "shi dian"])
+#   ['老师', '十点']
+
+
+# ===========================================================================
+# 13. Training (训练)
+# ===========================================================================
+# Teacher forcing: the model reads whole target sequences at once and predicts
+# every next token, the causal mask keeping each position from its own answer.
+# Padding is excluded from the loss (ignore_index), and label smoothing keeps the
+# model from over-trusting one character. The weights are updated as the 2017 paper
+# did: Adam, with a learning rate that rises over a warmup (Adam's first steps are
+# noisy, so they are kept small), then decays as 1 / sqrt(step); and the gradient's
+# length is clipped, so one bad batch cannot throw the weights far. Here that is
+# torch's fused Adam, one C++ call for every weight, and torch's clip_grad_norm_:
+# Part VI writes each of them out and proves it equal. Ctrl-C stops after the
+# current step and returns what was learned so far.
+
+ARGUMENTS.update(step=(int, 0, MAX_SIZE), warmup_steps=(int, 0, MAX_SIZE), epochs=(int, 1, MAX_SIZE),
+                 batch_size=(int, 1, MAX_SIZE))
+RELATIONS["a warmup step"] = (("warmup_steps",), lambda w: w >= 1, "warmup_steps must be >= 1 (the peak's step)")
+
+
+def noam(step, warmup_steps, d_model):
+    """The paper's learning rate ("Noam" after Noam Shazeer, its second author):
+    d_model^-0.5 * min(s^-0.5, s * warmup_steps^-1.5) with s = step + 1 (never 0), a
+    linear rise to its peak at s = warmup_steps, then 1 / sqrt(s)."""
+    check("a warmup step", step=step, warmup_steps=warmup_steps, d_model=d_model)
+    s = step + 1
+    return d_model ** -0.5 * min(s ** -0.5, s * warmup_steps ** -1.5)
+
+
+def noam_lambda(d_model, warmup):
+    """noam as LambdaLR's function: the lr multiplier after `step` scheduler steps
+    (LambdaLR's base lr is a factor on top of it)."""
+    check("a warmup step", warmup_steps=warmup, d_model=d_model)
+    return lambda step: noam(step, warmup, d_model)
+
+
+def adam_noam(model, lr_factor=0.25, warmup=150, clip=1.0):
+    """The paper's update as one function, run after each backward: clip the gradient
+    norm to clip, one step of Adam (betas 0.9 and 0.98, eps 1e-9, as the paper) at
+    lr_factor * noam(step), then clear the gradients. -> update()."""
+    # fused=True: one C++ call updates every weight, not several small operations per weight
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr_factor, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, noam_lambda(model.d_model, warmup))
+
+    def update():
+        nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return update
+
+
+@contextlib.contextmanager
+def stop_on_ctrl_c():
+    """Within the block, Ctrl-C (SIGINT) only appends to the yielded list, which the
+    training loop reads between steps, so no step is cut in half; a second Ctrl-C
+    interrupts at once, as usual. Signals reach only the main thread: elsewhere
+    the list stays empty."""
+    stop = []
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handle(signum, frame):
+        stop.append(signum)
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, handle)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25, warmup=150,
+          label_smoothing=0.1, clip=1.0, seed=0, log=print, update=None):
+    """Train on dataset items (model inputs..., target), log one line per epoch with
+    evaluate_fn()'s held-out accuracy. update: run after each backward to step the
+    weights; None for adam_noam(model, lr_factor, warmup, clip). Later sections pass their
+    own (section 25 balances experts after each step, Part VI steps with its own AdamW).
+    Returns the last epoch's mean loss, the accuracy, the seconds taken (training,
+    evaluation and all), whether Ctrl-C stopped it, and the history: (epoch, training
+    seconds so far, accuracy)."""
+    check(epochs=epochs, batch_size=batch_size)
+    torch.manual_seed(seed)
+    device = next(model.parameters()).device
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collate,
+                                         generator=torch.Generator().manual_seed(seed))  # [B, longest] fields
+    criterion = nn.CrossEntropyLoss(ignore_index=Vocab.PAD, label_smoothing=label_smoothing)
+    update = update or adam_noam(model, lr_factor, warmup, clip)
+    start, accuracy, training_seconds, history, steps = time.perf_counter(), 0.0, 0.0, [], 0
+    with stop_on_ctrl_c() as stop:
+        for epoch in range(1, epochs + 1):
+            model.train()
+            epoch_start = time.perf_counter()
+            loss_sum, count = 0.0, 0
+            for batch in loader:
+                *inputs, target = [t.to(device) for t in batch]            # [B, S], [B, T], [B, T]
+                logits = model(*inputs)                                    # [B, T, V]
+                loss = criterion(logits.reshape(-1, logits.size(-1)), target.reshape(-1))  # []
+                loss.backward()
+                update()
+                steps += 1
+                # .item() copies the loss to the host, which waits for the device: on a GPU
+                # too, the epoch's clock below reads finished work
+                loss_sum, count = loss_sum + loss.item(), count + 1
+                if stop:
+                    break
+            training_seconds += time.perf_counter() - epoch_start
+            accuracy = evaluate_fn()
+            history.append((epoch, training_seconds, accuracy))
+            log(f"epoch {epoch:2d}  loss {loss_sum / max(count, 1):.3f}  held-out accuracy "
+                f"{100 * accuracy:5.1f}%  {time.perf_counter() - start:5.1f}s")
+            if stop:
+                log(f"interrupted (Ctrl-C): stopped after step {steps}")
+                break
+    return {"loss": loss_sum / max(count, 1), "accuracy": accuracy,
+            "seconds": time.perf_counter() - start, "interrupted": bool(stop), "history": history}
+
+
+# ===========================================================================
+# 14. Decoding: greedy, constrained, beam (解码：贪心、约束与束搜索)
+# ===========================================================================
+# At inference there is no target to feed: start every sentence with bos, run
+# the decoder, choose a next character, repeat until eos. The source is encoded
+# once; with the KV cache of section 3 each step runs the newest token only.
+# Greedy takes the most likely token at every step. Two improvements:
+# - Constrained: the task has structure the model may ignore, one character
+#   per syllable and only the characters seen with that syllable (its
+#   readings). Masking every other token's logit before choosing makes each
+#   answer well-formed by construction. Structured generation (JSON grammars,
+#   tool calls) works the same way. And an answer never holds a special token
+#   or a syllable, constrained or not.
+# - Beam search keeps the beam_size best partial answers by summed
+#   log-probability instead of one. It fixes a first choice that looked best
+#   alone but leads to a worse sentence; it cannot fix a model that scores the
+#   wrong sentence higher, and it costs beam_size times the work.
+
+def answer_masks(syllable_lists, vocab, readings=None):
+    """[B, S+1, V] bool, S the longest sentence: which tokens step i may choose.
+    For sentence b: a character at steps 0 .. len-1 (with readings, one of that
+    syllable's; without, any character or an early eos), eos at step len, pad
+    after. Characters are the vocabulary's non-ASCII tokens: never a special
+    token (<pad>, <eos>, ...) and never a pinyin syllable."""
+    check_list("syllable_lists", syllable_lists, "lists of syllables")
+    for b, syllables in enumerate(syllable_lists):  # a row "wo ai" would be 5 one-letter syllables
+        check_list(f"syllable_lists[{b}]", syllables, "syllables")
+    S = max((len(syllables) for syllables in syllable_lists), default=0)
+    characters = torch.tensor([not token.isascii() for token in vocab.itos])  # [V]
+    free = characters.clone()                                               # [V]
+    free[Vocab.EOS] = True
+    allowed = torch.zeros(len(syllable_lists), S + 1, len(vocab), dtype=torch.bool)  # [B, S+1, V]
+    for b, syllables in enumerate(syllable_lists):
+        for i, syllable in enumerate(syllables):
+            if readings is None:
+                allowed[b, i] = free
+            elif syllable in readings:
+                allowed[b, i, vocab.encode(sorted(readings[syllable]))] = True
+            else:  # a syllable never seen in training: any character, but still one
+                allowed[b, i] = characters
+        allowed[b, len(syllables), Vocab.EOS] = True
+        allowed[b, len(syllables) + 1:, Vocab.PAD] = True
+    return allowed
+
+
+@torch.no_grad()
+def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True, allowed=None):
+    """src [B, S] -> generated ids [B, <= max_len], eos included, pad after it.
+    allowed [B, max_len, V]: step i chooses only among allowed[:, i] (None: any token).
+    use_cache changes the work per step, not the tokens."""
+    if bos_id == model.pad_id:
+        raise ValueError(f"bos_id ({bos_id}) must differ from the pad id: decoding would start from padding")
+    if model.max_len < 2:  # "max_len must be 1 to 0" below would ask for the impossible
+        raise ValueError(f"the model's max_len is {model.max_len}: bos fills it, there is no room to decode")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len < model.max_len:
+        raise ValueError(f"max_len must be 1 to {model.max_len - 1} (the model's max_len less bos),"
+                         f" an integer, got {max_len!r}")
+    ys = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)  # [B, 1]
+    done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)   # [B]
+    cache = model.new_cache() if use_cache else None
+    with eval_mode(model):
+        memory = model.encode(src)                                         # [B, S, D]
+        for i in range(max_len):
+            logits = model.decode(ys, memory, src, cache)[:, -1]           # [B, V]
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed[:, i], torch.finfo(logits.dtype).min)  # [B, V]
+            next_id = logits.argmax(dim=-1).masked_fill(done, model.pad_id)  # [B]
+            ys = torch.cat([ys, next_id[:, None]], dim=1)                  # [B, t+1]
+            done |= next_id == eos_id                                      # [B]
+            if done.all():
+                break
+    return ys[:, 1:]                                                       # [B, <= max_len]
+
+
+ARGUMENTS.update(beam_size=(int, 1, MAX_SIZE), n_steps=(int, 1, MAX_SIZE))  # batch_size: section 13
+
+
+def reorder_cache(cache, index):
+    """Every layer's cache keeps the batch rows `index` [N], in order: each tensor it
+    holds (a KVCache's or RollingKVCache's k and v, a LatentCache's latent and k_rope)
+    is indexed along the batch, its first dimension."""
+    for layer_cache in cache:
+        for c in layer_cache if isinstance(layer_cache, tuple) else (layer_cache,):  # the encoder-decoder's pairs
+            for name, value in vars(c).items():
+                if isinstance(value, torch.Tensor):
+                    setattr(c, name, value[index])                         # [N, ...]
+
+
+@torch.no_grad()
+def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_id=Vocab.EOS, pad_id=Vocab.PAD):
+    """The beam_size most likely continuations of start [B, T0], kept by summed
+    log-probability; -> (best continuation [B, n_steps], its log-probability [B]).
+    step(ids [B*k, t], cache) gives next-token logits [B*k, V], row b*k + j being
+    beam j of sentence b (the caller repeats its own inputs k times); allowed
+    [B, n_steps, V] masks as in greedy_decode. A beam that has emitted eos
+    continues with pad at no cost, so finished and open beams compare fairly.
+    Plain beam search can push the greedy path out and end below it; here that
+    one path always keeps a place, so the answer never scores lower than greedy's."""
+    check(beam_size=beam_size, n_steps=n_steps)
+    B, k = start.size(0), beam_size
+    rows = torch.arange(B, device=start.device)                            # [B]
+    ids = start.repeat_interleave(k, dim=0)                                # [B*k, T0]
+    scores = torch.full((B, k), float("-inf"), device=start.device)        # [B, k]
+    scores[:, 0] = 0.0  # k copies of one start: only the first is live, or all k beams would be equal
+    greedy = torch.zeros(B, dtype=torch.long, device=start.device)         # [B]: the beam on greedy's path
+    done = torch.zeros(B * k, dtype=torch.bool, device=start.device)       # [B*k]
+    for i in range(n_steps):
+        logp = step(ids, cache).float().log_softmax(dim=-1)                # [B*k, V]
+        if allowed is not None:
+            logp = logp.masked_fill(~allowed[:, i].repeat_interleave(k, dim=0), float("-inf"))  # [B*k, V]
+        logp[done] = float("-inf")
+        logp[done, pad_id] = 0.0
+        V = logp.size(-1)
+        total = (scores.view(-1, 1) + logp).view(B, k * V)                 # [B, k*V]: every beam, every token
+        scores, flat = total.topk(k, dim=-1)                               # [B, k], best first
+        greedy_flat = greedy * V + logp.view(B, k, V)[rows, greedy].argmax(dim=-1)  # [B]: greedy's next
+        lost = (flat != greedy_flat[:, None]).all(dim=-1)                  # [B]: pushed out of the beam
+        flat[lost, -1], scores[lost, -1] = greedy_flat[lost], total[rows, greedy_flat][lost]  # it takes the last place
+        greedy = (flat == greedy_flat[:, None]).int().argmax(dim=-1)       # [B]
+        beam, token = flat // V, flat % V                                  # [B, k] each
+        index = (rows[:, None] * k + beam).view(-1)                        # [B*k]
+        ids = torch.cat([ids[index], token.view(-1, 1)], dim=1)            # [B*k, t+1]
+        done = done[index] | (token.view(-1) == eos_id)                    # [B*k]
+        if cache is not None:
+            reorder_cache(cache, index)  # the cache follows its beam
+    best = ids.view(B, k, -1)[:, 0, start.size(1):]                        # [B, n_steps]
+    return best, scores[:, 0]                                              # [B, n_steps], [B]
+
+
+def rows_per_batch(batch_size, length, vocab_size, budget=2 ** 24):
+    """How many sentences go in one batch: at most batch_size, and few enough that a
+    [B, length, V] tensor of logits or masks stays within budget values (64 MB of
+    float32), however long the sentences and large the vocabulary."""
+    return max(1, min(batch_size, budget // max(1, length * vocab_size)))
+
+
+def translate(model, sentences, src_vocab, tgt_vocab, readings=None, beam_size=1, batch_size=256):
+    """Pinyin strings -> hanzi strings with the encoder-decoder: constrained by the
+    syllables' readings when given, greedy when beam_size is 1. A batch holds
+    batch_size sentences, or batch_size // beam_size with a beam: the same rows."""
+    check_list("sentences", sentences, "pinyin strings")
+    check(beam_size=beam_size, batch_size=batch_size)
+    device = next(model.parameters()).device
+    longest = max((len(s.split()) for s in sentences), default=0)
+    out, batch_size = [], rows_per_batch(batch_size // beam_size, longest + 1, len(tgt_vocab))
+    for i in range(0, len(sentences), batch_size):
+        syllables = [s.split() for s in sentences[i:i + batch_size]]      # B lists of syllables
+        # collate pads every row to the longest (an empty sentence becomes all padding)
+        src, = collate([(torch.tensor(src_vocab.encode(s), dtype=torch.long),) for s in syllables])  # [B, S]
+        src = src.to(device)                                               # [B, S]
+        allowed = answer_masks(syllables, tgt_vocab, readings).to(device)  # [B, S+1, V]
+        if beam_size == 1:
+            generated = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1, allowed=allowed)  # [B, <= S+1]
+        else:
+            with eval_mode(model):
+                memory = model.encode(src).repeat_interleave(beam_size, dim=0)  # [B*k, S, D]
+                src_k = src.repeat_interleave(beam_size, dim=0)             # [B*k, S]
+                start = torch.full((len(syllables), 1), Vocab.BOS, device=device)  # [B, 1]
+                generated, _ = beam_search(lambda ids, cache: model.decode(ids, memory, src_k, cache)[:, -1],
+                                           start, src.size(1) + 1, beam_size, allowed, model.new_cache())  # [B, S+1]
+        out += ["".join(tgt_vocab.decode(row)) for row in generated.tolist()]
+    return out
+
+
+def evaluate(translate_fn, pairs, ambiguous=()):
+    """How translate_fn (pinyin list -> hanzi list) does on the pairs: exact-match
+    accuracy; character accuracy, where a missing or extra character counts as
+    wrong (right / max(len(expected), len(predicted)) summed over sentences); and
+    accuracy on the characters whose syllable is in `ambiguous`."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
+    check_list("ambiguous", ambiguous, "syllables")  # "shi" would hold "s", "h", "hi"...
+    if not pairs:
+        raise ValueError("pairs is empty: there is nothing to evaluate on")
+    predictions = translate_fn([pinyin for pinyin, _ in pairs])
+    exact = sum(pred == hanzi for pred, (_, hanzi) in zip(predictions, pairs))
+    char_right = sum(sum(p == h for p, h in zip(pred, hanzi)) for pred, (_, hanzi) in zip(predictions, pairs))
+    char_total = sum(max(len(pred), len(hanzi)) for pred, (_, hanzi) in zip(predictions, pairs))
+    amb_right = amb_total = 0
+    for pred, (pinyin, hanzi) in zip(predictions, pairs):
+        for i, (syllable, char) in enumerate(zip(pinyin.split(), hanzi)):
+            if syllable in ambiguous:
+                amb_total += 1
+                amb_right += i < len(pred) and pred[i] == char
+    return {"accuracy": exact / len(pairs), "exact": exact, "total": len(pairs), "predictions": predictions,
+            "char_accuracy": char_right / max(char_total, 1), "char_right": char_right, "char_total": char_total,
+            "ambiguous_right": amb_right, "ambiguous_total": amb_total}
+
+
+# ===========================================================================
+# 15. The KV cache, measured (键值缓存实测)
+# ===========================================================================
+# Without a cache, generating token t reruns the whole prefix: t tokens through
+# every layer, so n tokens cost about n^2 / 2 token-passes. With the KVCache of
+# section 3 each step runs one token and reads the earlier keys and values:
+# n token-passes, plus attention over a growing cache. Same tokens, less work.
+# A GPU runs asynchronously: a call returns once its work is queued, so a clock
+# read right after it times the queueing. Every timing waits for the device first.
+
+def synchronize(device):
+    """Wait until the device has finished all the work queued on it (CUDA, MPS;
+    a CPU computes before returning, so there is nothing to wait for)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def time_generation(model, prompt, max_new_tokens):
+    """Seconds to generate with and without the cache, and whether the tokens agree."""
+    seconds, tokens = {}, {}
+    for use_cache in (True, False):
+        synchronize(prompt.device)
+        start = time.perf_counter()
+        tokens[use_cache] = model.generate(prompt, max_new_tokens, use_cache=use_cache)  # [B, T+n]
+        synchronize(prompt.device)
+        seconds[use_cache] = time.perf_counter() - start
+    return seconds[True], seconds[False], torch.equal(tokens[True], tokens[False])  # same [B, T+n]?
+
+
+# ===========================================================================
+# 16. The GPT on the task (仅解码器模型做同一任务)
+# ===========================================================================
+# A decoder-only model, the GPT of section 9 (and every decoder of the later parts),
+# has no encoder to read the pinyin, so the pinyin goes in front as a prompt:
+# "wo ai xue xi <sep> 我 爱 学 习 <eos>", one sequence. It learns to continue
+# after <sep>; the prompt itself is given, not predicted, so its positions are
+# left out of the loss (target = pad, ignore_index). It answers through the
+# same beam_search and masks as the encoder-decoder (section 14).
+
+SEP = "<sep>"
+
+
+def build_gpt_vocab(pairs):
+    """One vocabulary for the whole sequence: syllables, characters and <sep>."""
+    src_vocab, tgt_vocab = build_vocabs(pairs)
+    return Vocab(src_vocab.itos + tgt_vocab.itos + [SEP])
+
+
+class PromptDataset(torch.utils.data.Dataset):
+    """Items (input ids, target): pinyin <sep> hanzi <eos> shifted by one, the
+    target padded over the prompt so that only the hanzi part is learned."""
+
+    def __init__(self, pairs, vocab):
+        check_list("pairs", pairs, "(pinyin, hanzi) pairs")
+        self.pairs, self.vocab = pairs, vocab
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def __getitem__(self, i):
+        pinyin, hanzi = self.pairs[i]
+        prompt = self.vocab.encode(pinyin.split() + [SEP])                # ids of ['wo', 'ai', '<sep>']
+        ids = torch.tensor(prompt + self.vocab.encode(list(hanzi)) + [Vocab.EOS])  # [S+T+2]
+        target = ids[1:].clone()                                           # [S+T+1]
+        target[:len(prompt) - 1] = Vocab.PAD  # positions that would predict the prompt
+        return ids[:-1], target                                            # [S+T+1] each
+
+
+def gpt_translate(model, sentences, vocab, readings=None, beam_size=1, batch_size=256):
+    """Pinyin strings -> hanzi with a decoder-only model: its continuation of the
+    prompt "pinyin <sep>", constrained and searched as translate() does. Sentences
+    of one length share a batch (of batch_size // beam_size at most), so no prompt
+    needs padding."""
+    check_list("sentences", sentences, "pinyin strings")
+    check(beam_size=beam_size, batch_size=batch_size)
+    device = next(model.parameters()).device
+    by_length, out = {}, [""] * len(sentences)
+    for i, sentence in enumerate(sentences):
+        by_length.setdefault(len(sentence.split()), []).append(i)
+    size = {S: rows_per_batch(batch_size // beam_size, 2 * S + 2, len(vocab)) for S in by_length}
+    batches = [(S, rows[j:j + size[S]]) for S, rows in by_length.items() for j in range(0, len(rows), size[S])]
+    for S, rows in batches:
+        syllables = [sentences[i].split() for i in rows]                   # B lists of S syllables
+        prompt = torch.tensor([vocab.encode(s + [SEP]) for s in syllables], device=device)  # [B, S+1]
+        allowed = answer_masks(syllables, vocab, readings).to(device)      # [B, S+1, V]
+        with eval_mode(model):
+            answer, _ = beam_search(lambda ids, cache: model(ids, cache)[:, -1], prompt, S + 1, beam_size,
+                                    allowed, model.new_cache())            # [B, S+1]: S characters, eos
+        for i, row in zip(rows, answer.tolist()):
+            out[i] = "".join(vocab.decode(row))
+    return out
+
+
+def translator(kind, model, src_vocab, tgt_vocab, readings=None, beam_size=1):
+    """pinyin list -> hanzi list with the encoder-decoder ("encdec") or a
+    decoder-only model (any other kind)."""
+    if kind == "encdec":
+        return lambda sentences: translate(model, sentences, src_vocab, tgt_vocab, readings, beam_size)
+    return lambda sentences: gpt_translate(model, sentences, tgt_vocab, readings, beam_size)
+
+
+@torch.no_grad()
+def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, batch_size=256):
+    """Exact match of greedy decoding (constrained by readings, if given) in one
+    forward pass. Greedy writes the right sentence exactly when, fed the right
+    prefix, the model's top allowed choice is right at every step: that is what
+    one teacher-forced pass checks, at every step at once. Used after each
+    training epoch: it is the same number as decoding, at a fraction of the cost.
+    batch_size sentences a pass: all held-out logits [B, T, V] at once could be gigabytes."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
+    longest = max((len(pinyin.split()) for pinyin, _ in pairs), default=0)
+    batch_size = rows_per_batch(batch_size, 2 * longest + 2, len(tgt_vocab))
+    if len(pairs) > batch_size:
+        right = sum(round(len(chunk) * teacher_forced_accuracy(kind, model, chunk, src_vocab, tgt_vocab, readings,
+                                                               len(chunk)))
+                    for chunk in (pairs[i:i + batch_size] for i in range(0, len(pairs), batch_size)))
+        return right / len(pairs)
+    if kind == "encdec":
+        items = PinyinDataset(pairs, src_vocab, tgt_vocab)                 # (src, tgt in, tgt out)
+    else:
+        items = PromptDataset(pairs, tgt_vocab)                            # (ids, target)
+    device = next(model.parameters()).device
+    *inputs, target = (t.to(device) for t in collate([items[i] for i in range(len(pairs))]))  # [B, S], ..., [B, T]
+    with eval_mode(model):
+        logits = model(*inputs)                                            # [B, T, V]
+    syllables = [pinyin.split() for pinyin, _ in pairs]
+    masks = answer_masks(syllables, tgt_vocab, readings).to(logits.device)  # [B, S+1, V]
+    allowed = torch.zeros_like(logits, dtype=torch.bool)                   # [B, T, V]
+    for b, row in enumerate(syllables):  # a decoder-only target starts after the prompt
+        start = 0 if kind == "encdec" else len(row)
+        allowed[b, start:start + len(row) + 1] = masks[b, :len(row) + 1]
+    predicted = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min).argmax(dim=-1)  # [B, T]
+    right = (predicted == target) | (target == Vocab.PAD)                  # [B, T]
+    return right.all(dim=1).sum().item() / len(pairs)                     # [B] -> sentences all right / B
+
+
+# ===========================================================================
+# 17. The attention heatmap (注意力热力图)
+# ===========================================================================
+# Which syllables did each character read? The last decoder layer's
+# cross-attention weights [H, T, S], averaged over heads or for one head, drawn
+# as shades in the terminal: no plotting library needed.
+
+SHADES = " ░▒▓█"
+
+
+def render_heatmap(weights, col_labels, row_labels):
+    """weights [rows, cols] in [0, 1] -> a text grid, one shade per cell, with a legend."""
+    check_list("col_labels", col_labels, "labels")
+    check_list("row_labels", row_labels, "labels")
+    widths = [max(2, len(label)) for label in col_labels]
+    # a hanzi is two columns wide in a terminal; row labels get a common width
+    columns = [sum(1 if c.isascii() else 2 for c in label) for label in row_labels]
+    label_width = max([3] + columns) + 1
+    lines = [" " * label_width + " ".join(label.ljust(w) for label, w in zip(col_labels, widths))]
+    for label, n, row in zip(row_labels, columns, weights.tolist()):
+        cells = [SHADES[min(int(w * len(SHADES)), len(SHADES) - 1)] * width for w, width in zip(row, widths)]
+        lines.append(label + " " * (label_width - n) + " ".join(cells))
+    step = 1 / len(SHADES)
+    lines.append("legend: " + "  ".join(f"'{s}' {i * step:.1f}-{(i + 1) * step:.1f}" for i, s in enumerate(SHADES)))
+    return "\n".join(lines)
+
+
+@torch.no_grad()
+def cross_attention_map(model, src, out, head=None):
+    """src [1, S] and the decoded out [1, T] -> the last decoder layer's
+    cross-attention [T, S]: row t is what the query predicting out[t] read. The
+    weights are section 2's, caught by an attend() set on that one module for the
+    call (an instance attribute shadows the class's method, the fused one too)."""
+    tgt = torch.cat([torch.full_like(out[:, :1], Vocab.BOS), out[:, :-1]], dim=1)  # [1, T]
+    attn, seen = model.decoder_layers[-1].cross_attn, []
+
+    def attend(q, k, v, mask):
+        out, weights = scaled_dot_product_attention(q, k, v, mask)         # [1, H, T, dk], [1, H, T, S]
+        seen.append(weights[0])                                            # [H, T, S]
+        return out
+
+    attn.attend = attend
+    try:
+        with eval_mode(model):
+            model.decode(tgt, model.encode(src), src)                      # [1, T, V]
+    finally:
+        del attn.attend
+    return seen[0].mean(dim=0) if head is None else seen[0][head]          # [T, S]
+
+
+# ===========================================================================
+# Part III: the modern decoder, Llama-style (第三部分：现代解码器)
 # ===========================================================================
 # Since 2017 the decoder-only block has changed in four places. Llama (Touvron et
 # al., 2023) put three together: RMSNorm instead of LayerNorm, rotary position
@@ -796,7 +1541,7 @@ def decoder_only_param_formula(vocab_size, d_model, n_layers, d_ff, tie_weights=
 # against PyTorch's own where one exists, against its closed form where none does.
 
 # ===========================================================================
-# 11. RMSNorm (均方根归一化)
+# 18. RMSNorm (均方根归一化)
 # ===========================================================================
 # LayerNorm without the mean and without the bias: divide each position by the
 # root mean square of its D features, then rescale. Skipping the mean is cheaper. That
@@ -829,7 +1574,7 @@ class RMSNorm(nn.Module):
 
 
 # ===========================================================================
-# 12. Rotary position embedding, RoPE (旋转位置编码)
+# 19. Rotary position embedding, RoPE (旋转位置编码)
 # ===========================================================================
 # RoPE (Su et al., 2021, "RoFormer") marks a position by turning q and k, not by
 # adding a vector to the input. Each pair of a head's dims is a point in a plane,
@@ -887,7 +1632,7 @@ def apply_rope(x, cos, sin):
 
 
 # ===========================================================================
-# 13. SwiGLU feed-forward (SwiGLU 前馈网络)
+# 20. SwiGLU feed-forward (SwiGLU 前馈网络)
 # ===========================================================================
 # A gated feed-forward (Shazeer, 2020, "GLU Variants Improve Transformer"): one
 # projection, through SiLU (x * sigmoid(x), a smooth ReLU like section 4's GELU),
@@ -925,11 +1670,11 @@ class SwiGLU(nn.Module):
 
 
 # ===========================================================================
-# 14. Grouped-query attention (分组查询注意力)
+# 21. Grouped-query attention (分组查询注意力)
 # ===========================================================================
 # Generating, every layer keeps keys and values for every token, and for long or
 # many sequences that cache outgrows the weights: Llama-2-7B in bf16 has 13.5 GB of
-# weights and caches 512 KiB a token (section 16), so past about 25,700 cached
+# weights and caches 512 KiB a token (section 23), so past about 25,700 cached
 # tokens (batch x length) the cache is the larger. GQA (Ainslie et al., 2023) lets groups of
 # query heads share one key/value head: n_kv_heads = n_heads is plain multi-head
 # attention, 1 is multi-query attention (MQA), anything between trades the two.
@@ -1001,7 +1746,7 @@ class GroupedQueryAttention(nn.Module):
 
 
 # ===========================================================================
-# 15. The Llama block and model (Llama 模型)
+# 22. The Llama block and model (Llama 模型)
 # ===========================================================================
 # The GPT of section 9 with the pieces above: pre-norm blocks of RMSNorm, GQA with
 # RoPE and SwiGLU, a final RMSNorm and lm_head. Positions enter only through RoPE
@@ -1030,7 +1775,7 @@ class Llama(nn.Module):
     """Token embedding, N Llama blocks, a final RMSNorm, lm_head. n_kv_heads None means
     n_heads (plain MHA), d_ff None means llama_ffn_dim(d_model). Each block's attention
     and feed-forward come from the methods attention() and feed_forward(), its RoPE tables
-    from rope_tables(): a model family that differs there (Parts III and IV) overrides
+    from rope_tables(): a model family that differs there (Parts IV and V) overrides
     them, and its constructor records its own keywords in config."""
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
@@ -1068,11 +1813,11 @@ class Llama(nn.Module):
             self.lm_head.weight = self.token_embedding.weight
 
     def attention(self, d_model, n_heads, n_kv_heads, qkv_bias):
-        """Every block's attention: GQA (section 14)."""
+        """Every block's attention: GQA (section 21)."""
         return GroupedQueryAttention(d_model, n_heads, n_kv_heads, qkv_bias)
 
     def feed_forward(self, i, d_model, d_ff):
-        """Block i's feed-forward: SwiGLU (section 13) in every block (section 20's model
+        """Block i's feed-forward: SwiGLU (section 20) in every block (section 27's model
         makes only its first blocks dense)."""
         return SwiGLU(d_model, d_ff)
 
@@ -1120,7 +1865,7 @@ class Llama(nn.Module):
 
 
 # ===========================================================================
-# 16. Counting a modern model: parameters and KV-cache memory (参数量与 KV 缓存显存)
+# 23. Counting a modern model: parameters and KV-cache memory (参数量与 KV 缓存显存)
 # ===========================================================================
 # The same check as section 10, on published models: the formula, the count of a
 # model built on the meta device (shapes only, no memory) and the published total
@@ -1185,10 +1930,10 @@ LLAMA_CONFIGS = [
 
 
 # ===========================================================================
-# Part III: the frontier, mixture of experts and latent attention (第三部分：前沿)
+# Part IV: the frontier, mixture of experts and latent attention (第四部分：前沿)
 # ===========================================================================
 # What the large open models since late 2023 (Mixtral, Qwen3, DeepSeek-V3) add to
-# Part II's decoder: heads whose width is free of D / H and whose q and k are
+# Part III's decoder: heads whose width is free of D / H and whose q and k are
 # normalized (Qwen3); a feed-forward split into many experts, of which each token runs
 # only a few (mixture of experts); and DeepSeek's multi-head latent attention, whose
 # cache is one small latent a token instead of every head's keys and values. Each
@@ -1198,7 +1943,7 @@ LLAMA_CONFIGS = [
 # "671B parameters, 37B active" counts.
 
 # ===========================================================================
-# 17. QK-norm and free head widths: Qwen3 (QK 归一化与自由头宽)
+# 24. QK-norm and free head widths: Qwen3 (QK 归一化与自由头宽)
 # ===========================================================================
 # Qwen3's attention differs from Llama's in two places. head_dim frees a head's width
 # from D / H: Qwen3-30B-A3B has D 2048 and 32 heads of 128, so w_q is 4096 wide, wider
@@ -1267,7 +2012,7 @@ def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
 
 
 # ===========================================================================
-# 18. Mixture of experts: Mixtral, Qwen3-MoE, DeepSeek's router (混合专家)
+# 25. Mixture of experts: Mixtral, Qwen3-MoE, DeepSeek's router (混合专家)
 # ===========================================================================
 # A dense feed-forward runs all its weights on every token. A mixture of experts
 # (Shazeer et al., 2017; in Transformers GShard and Switch) holds E feed-forwards,
@@ -1451,7 +2196,7 @@ class Qwen3MoE(Qwen3):
 
 
 def moe_params(d_model, expert_d_ff, n_experts, top_k, n_shared=0, active=False):
-    """The router's [E, D] and the experts; active=True: only the top_k a token runs (section 21)."""
+    """The router's [E, D] and the experts; active=True: only the top_k a token runs (section 28)."""
     return n_experts * d_model + ((top_k if active else n_experts) + n_shared) * 3 * d_model * expert_d_ff
 
 
@@ -1493,8 +2238,62 @@ def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=N
 #   ('MoE', True)
 
 
+def with_router_bias(update, model, rate):
+    """Section 13's update step, then update_router_bias(model, rate): DeepSeek-V3's
+    balancing after every step, from that batch's load. -> update()."""
+    def step():
+        update()
+        update_router_bias(model, rate)
+    return step
+
+
+# On the toy task of Part II, a model with experts trains with its router bias moved after
+# every step (with_router_bias), and shows where its tokens went: each MoE layer's share of
+# the routed slots per expert, one bar each. Uniform is 1 / E; a router left unbalanced
+# sends most tokens to a few experts and leaves others idle.
+
+@torch.no_grad()
+def expert_load(model, pairs, vocab):
+    """Share of the routed slots each expert took, per MoE layer, over the sequences
+    "pinyin <sep> hanzi <eos>" of pairs: {layer index: [E] summing to 1}. Sequences of
+    one length share a batch, so no padding is routed."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
+    device = next(model.parameters()).device
+    by_length = {}
+    for pinyin, hanzi in pairs:
+        ids = vocab.encode(pinyin.split() + [SEP]) + vocab.encode(list(hanzi)) + [Vocab.EOS]
+        by_length.setdefault(len(ids), []).append(ids)
+    moes = {i: layer.ffn for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoE)}
+    totals = {i: torch.zeros(moe.n_experts) for i, moe in moes.items()}  # [E] each
+    with eval_mode(model):
+        for rows in by_length.values():
+            model(torch.tensor(rows, device=device))                       # [B, L, V]; fills tokens_per_expert
+            for i, moe in moes.items():
+                totals[i] += moe.tokens_per_expert.cpu()                   # [E]
+    return {i: total / total.sum() for i, total in totals.items()}         # [E] each
+
+
+def render_expert_load(loads, uniform=10):
+    """{layer: shares [E]} -> text bars, `uniform` blocks for a share of exactly 1 / E."""
+    lines = []
+    for i, load in loads.items():
+        E = len(load)
+        lines.append(f"layer {i}, {E} experts (uniform: {1 / E:.1%} each, {uniform} blocks)")
+        for e, share in enumerate(load.tolist()):
+            lines.append(f"  expert {e:2d} {'█' * round(share * E * uniform):{3 * uniform}s} {share:6.1%}")
+    return "\n".join(lines)
+
+# Try it: a layer of 4 experts, one of them idle.
+#   >>> print(render_expert_load({1: torch.tensor([0.5, 0.25, 0.25, 0.0])}, uniform=4))
+#   layer 1, 4 experts (uniform: 25.0% each, 4 blocks)
+#     expert  0 ████████      50.0%
+#     expert  1 ████          25.0%
+#     expert  2 ████          25.0%
+#     expert  3                0.0%
+
+
 # ===========================================================================
-# 19. Multi-head latent attention, MLA (多头潜在注意力)
+# 26. Multi-head latent attention, MLA (多头潜在注意力)
 # ===========================================================================
 # GQA shrinks the cache by sharing heads; MLA (DeepSeek-V2, 2024; kept in V3) by
 # compressing. w_dkv maps each token to a latent c of kv_lora_rank dims (512 in V3)
@@ -1520,7 +2319,7 @@ def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=N
 # query once for all cached tokens. Hence the nope part carries no position and
 # absorbs; position travels in the separate rope part, whose key is cached as it is.
 # The rope part's pairing convention: DeepSeek's checkpoints pair neighbours (x[2i],
-# x[2i+1]), Meta's complex-number way (rope_interleave=True); section 12's halves
+# x[2i+1]), Meta's complex-number way (rope_interleave=True); section 19's halves
 # are the same model after a fixed permutation of the rope rows of w_uq (or w_q)
 # and w_dkv. A checkpoint used with the wrong one raises no error and attends wrongly.
 
@@ -1592,7 +2391,7 @@ class MultiHeadLatentAttention(nn.Module):
         # 2. one projection gives the latent and the rope key shared by every head
         latent, k_rope = self.w_dkv(x).split([self.kv_lora_rank, self.rope], dim=-1)  # [B, Tn, r], [B, Tn, rope]
         latent = self.kv_norm(latent)                                      # [B, Tn, r]
-        if self.rope_interleave:  # DeepSeek's neighbour pairs, turned as section 12's halves
+        if self.rope_interleave:  # DeepSeek's neighbour pairs, turned as section 19's halves
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)    # [B, H, Tn, rope], [B, Tn, rope]
         q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)  # [B, H, Tn, rope], [B, Tn, rope]
         if cache is not None:  # the cache: r + rope values a token, nothing per head
@@ -1635,7 +2434,7 @@ class MultiHeadLatentAttention(nn.Module):
 
 
 # ===========================================================================
-# 20. The DeepSeek-V3 model (DeepSeek-V3 模型)
+# 27. The DeepSeek-V3 model (DeepSeek-V3 模型)
 # ===========================================================================
 # Llama's pre-norm stack with MLA for attention and, after the first n_dense_layers
 # blocks with a dense SwiGLU (3 in V3), a sigmoid-routed MoE with shared experts for
@@ -1644,7 +2443,7 @@ class MultiHeadLatentAttention(nn.Module):
 # this does not: the multi-token-prediction (MTP) module, one more block that predicts
 # the token after next (11.5B parameters of its own, DeepSeek's weights README counts,
 # besides the embedding and output head it shares with the main model; for training and
-# speculative decoding); YaRN, which stretches its RoPE from 4K to 128K tokens (section 25).
+# speculative decoding); YaRN, which stretches its RoPE from 4K to 128K tokens (section 32).
 
 ARGUMENTS.update(n_dense_layers=(int, 0, 1024))
 RELATIONS.update({
@@ -1729,12 +2528,12 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
 
 
 # ===========================================================================
-# 21. Total and active parameters, the latent cache (总参数、激活参数与潜在缓存)
+# 28. Total and active parameters, the latent cache (总参数、激活参数与潜在缓存)
 # ===========================================================================
 # A MoE model has two sizes: the total, which must fit in memory, and the active
 # parameters one token's forward uses (every weight but the experts it is not routed
 # to; embeddings, lm_head, routers and shared experts included), which set the
-# compute. Both come from each family's formula (sections 18 and 20), and the total
+# compute. Both come from each family's formula (sections 25 and 27), and the total
 # also from a count of the model built on the meta device: they agree to the last
 # parameter. The active count here takes the whole input embedding table as used,
 # 0.93B in DeepSeek-V3, where a token reads one row of it: 37.55B, against DeepSeek's
@@ -1788,7 +2587,7 @@ FRONTIER_CONFIGS = [
 
 
 # ===========================================================================
-# Part IV: long sequences (第四部分：长序列)
+# Part V: long sequences (第五部分：长序列)
 # ===========================================================================
 # Everything above is exact for a few thousand tokens. Past that, four things
 # break: the [Tq, Tk] score matrix (16 M entries a head at 4k tokens), the KV
@@ -1799,7 +2598,7 @@ FRONTIER_CONFIGS = [
 # and are proven equal to what their papers and reference code compute.
 
 # ===========================================================================
-# 22. FlashAttention's tiles, the online softmax; fused kernels (FlashAttention 的分块：在线 softmax)
+# 29. FlashAttention's tiles, the online softmax; fused kernels (FlashAttention 的分块：在线 softmax)
 # ===========================================================================
 # Section 2 builds the [Tq, Tk] scores, softmaxes them and multiplies by v: memory
 # grows with Tq * Tk. FlashAttention (Dao et al., 2022; FlashAttention-2, Dao, 2023)
@@ -1993,13 +2792,13 @@ def use_fused_kernels(model, fused=True):
 
 
 # ===========================================================================
-# 23. Sliding-window attention and the rolling cache: Mistral (滑动窗口注意力与滚动缓存)
+# 30. Sliding-window attention and the rolling cache: Mistral (滑动窗口注意力与滚动缓存)
 # ===========================================================================
 # Mistral-7B (Jiang et al., 2023) lets each query see only the last `window` keys,
 # itself included (4096 in v0.1): a kernel that skips the hidden keys does T * window
 # work instead of T^2 / 2 (the masks here only hide them), and the KV cache never
 # needs more than `window` tokens, however long the generation: Mistral-7B's 32 layers
-# of 8 kv heads of 128 take 128 KiB a token in bf16 (section 16), so 512 MiB for
+# of 8 kv heads of 128 take 128 KiB a token in bf16 (section 23), so 512 MiB for
 # 4096 tokens, where a full cache at 32k tokens takes 4 GiB.
 # Three pieces: the band mask; a rolling cache that keeps the last `window` keys; and
 # Mistral, a Llama whose attention applies the band, which replaces the causal mask
@@ -2108,7 +2907,7 @@ def window_reach(n_layers, window):
 
 
 # ===========================================================================
-# 24. The paged KV cache (分页 KV 缓存)
+# 31. The paged KV cache (分页 KV 缓存)
 # ===========================================================================
 # A server batching requests of very different lengths wastes most of a padded
 # [B, max_len] cache: a 30-token answer reserves as much as a 4000-token one. vLLM
@@ -2116,7 +2915,7 @@ def window_reach(n_layers, window):
 # operating system pages memory: a sequence takes a block when its last one fills,
 # finds its blocks through a block table, and gives them back when it ends; the waste
 # is under one block per sequence. Here KVPool holds the blocks and PagedKVCache is a
-# drop-in for KVCache (append, len) for one sequence: every model of sections 9-20
+# drop-in for KVCache (append, len) for one sequence: every model of sections 9-27
 # takes a list of them, one a layer, where it takes new_cache()'s (PagedLatentCache for
 # MLA's latents). Every layer's cache takes its
 # own blocks from the one pool (vLLM shares one block table across the layers, each
@@ -2199,7 +2998,7 @@ class PagedKVCache:
 
 
 class PagedLatentCache(PagedKVCache):
-    """MLA's cache (section 19) in a KVPool's blocks: the latent [1, t, r] stored as the
+    """MLA's cache (section 26) in a KVPool's blocks: the latent [1, t, r] stored as the
     keys and the rope key [1, t, rope] as the values of a single head."""
 
     def append(self, latent, k_rope):
@@ -2232,11 +3031,11 @@ def padded_and_paged_slots(lengths, block_size):
 
 
 # ===========================================================================
-# 25. RoPE for long context: interpolation, Llama 3.1, YaRN (长上下文的 RoPE)
+# 32. RoPE for long context: interpolation, Llama 3.1, YaRN (长上下文的 RoPE)
 # ===========================================================================
 # A model trained on L positions has never seen RoPE angles past L * theta_i, and
 # falls apart beyond it. Three ways to stretch it, each a new set of inverse
-# frequencies in place of section 12's, which with_rope_scaling gives a model:
+# frequencies in place of section 19's, which with_rope_scaling gives a model:
 # - linear (position interpolation, Chen et al., 2023): every frequency divided by
 #   the factor s, position p looks like p / s. Simple, but it squeezes the fast pairs
 #   too: neighbouring tokens now differ by 1/s of the angle they did, which the YaRN
@@ -2265,7 +3064,7 @@ def padded_and_paged_slots(lengths, block_size):
 #   MLA only the 64 rope dims are turned, so scaling cos and sin would miss the 128
 #   nope dims. That softmax scale is not built here: with_rope_scaling refuses yarn for
 #   latent attention.
-# The pitfall: the cache holds keys already turned at their positions (section 14).
+# The pitfall: the cache holds keys already turned at their positions (section 21).
 # Static scaling, the kind here, is chosen once for the model; turning the cached keys
 # again (say, to switch scaling mid-generation) turns them twice. Dynamic NTK and
 # dynamic YaRN change the scaling with the sequence's length, every forward, by design,
@@ -2378,7 +3177,7 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 
 
 # ===========================================================================
-# Part V: training, by hand (第五部分：手写训练)
+# Part VI: training, by hand (第六部分：手写训练)
 # ===========================================================================
 # What training a Transformer takes besides the model, each piece written out and
 # proven equal to the library it replaces: the optimizer, the schedule, clipping and
@@ -2386,7 +3185,7 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 # measured; mixed precision; and LoRA, which trains a few parameters instead of all.
 
 # ===========================================================================
-# 26. AdamW, written out (AdamW 优化器)
+# 33. AdamW, written out (AdamW 优化器)
 # ===========================================================================
 # Adam steps each weight by a running mean of its gradient over the root of a running
 # mean of its square: about lr per step whatever the gradient's scale, so one lr fits
@@ -2446,7 +3245,7 @@ class AdamW(torch.optim.Optimizer):
 # norm's weight is a per-feature gain whose neutral value is 1 (decayed, it shrinks the
 # block's input and the next matrix must grow to undo it), and a bias is a shift of D numbers.
 # nanoGPT's rule, kept here: parameters of 2+ dims decay (in this file the nn.Linear and
-# nn.Embedding weights, embeddings included, and section 32's LoRA matrices), 1-dim ones
+# nn.Embedding weights, embeddings included, and section 39's LoRA matrices), 1-dim ones
 # (biases, norm weights) do not.
 # Buffers (positions, MoE's router_bias) are not parameters: no optimizer touches them.
 
@@ -2475,7 +3274,7 @@ def decay_groups(model, weight_decay):
 
 
 # ===========================================================================
-# 27. Learning-rate schedules (学习率调度)
+# 34. Learning-rate schedules (学习率调度)
 # ===========================================================================
 # A schedule multiplies the peak learning rate by a function of the step, for
 # torch.optim.lr_scheduler.LambdaLR. It rises first (warmup: Adam's first updates are
@@ -2524,21 +3323,8 @@ def warmup_stable_decay(step, warmup_steps, total_steps, decay_steps, min_ratio=
     return min_ratio
 
 
-# The 2017 paper's schedule ("Noam" after Noam Shazeer, its second author) is the learning
-# rate itself, not a multiplier of a peak: LambdaLR's base lr is a factor on top of it.
-
-def noam(step, warmup_steps, d_model):
-    """d_model^-0.5 * min(s^-0.5, s * warmup_steps^-1.5) with s = step + 1 (never 0): a linear
-    rise to its peak at s = warmup_steps, then 1 / sqrt(s)."""
-    check("a warmup step", step=step, warmup_steps=warmup_steps, d_model=d_model)
-    s = step + 1
-    return d_model ** -0.5 * min(s ** -0.5, s * warmup_steps ** -1.5)
-
-
-def noam_lambda(d_model, warmup):
-    """noam as LambdaLR's function: the lr multiplier after `step` scheduler steps."""
-    check("a warmup step", warmup_steps=warmup, d_model=d_model)
-    return lambda step: noam(step, warmup, d_model)
+# The 2017 paper's schedule, noam (section 13), is the learning rate itself; these two are
+# multipliers of a peak learning rate.
 
 # Try it: 2 steps of warmup, 10 in all; WSD decays over the last 4.
 #   >>> [round(warmup_cosine(s, 2, 10, min_ratio=0.1), 3) for s in (0, 1, 2, 6, 10, 12)]  # 6: the midpoint
@@ -2553,7 +3339,7 @@ def noam_lambda(d_model, warmup):
 
 
 # ===========================================================================
-# 28. Clipping and gradient accumulation (梯度裁剪与梯度累积)
+# 35. Clipping and gradient accumulation (梯度裁剪与梯度累积)
 # ===========================================================================
 # One bad batch can bring a gradient many times the usual size, and a step along it
 # throws the weights far: clipping scales the whole gradient down to max_norm when it is
@@ -2618,7 +3404,7 @@ def accumulate_gradients(model, micro_batches, ignore_index=-100):
 
 
 # ===========================================================================
-# 29. FLOPs, by formula and counted (计算量)
+# 36. FLOPs, by formula and counted (计算量)
 # ===========================================================================
 # What a training run costs is set by its arithmetic: a matrix product [M, K] @ [K, N]
 # is 2 M N K floating-point operations (a multiply and an add per term), and products
@@ -2689,11 +3475,11 @@ def training_flops(model, batch_size, seq_len):
 
 # What is counted is what is computed. Section 2 computes all [T, T] scores and masks
 # the upper half: a causal kernel that skips it (FlashAttention) does about half the
-# attention FLOPs, and Mistral's band (section 23) would need T * window, not T^2; the
+# attention FLOPs, and Mistral's band (section 30) would need T * window, not T^2; the
 # count here is the full square for both. A MoE's count depends on the routing only
 # through n_e, the tokens expert e receives: sum_e n_e = N * top_k whatever the router
 # chose, so the formula is exact. DeepSeek's MLA runs expanded for a whole sequence
-# (absorbed only when decoding from a cache, section 19).
+# (absorbed only when decoding from a cache, section 26).
 #
 # "6N": training costs about 6 FLOPs per parameter per token (Kaplan et al., 2020,
 # "Scaling Laws for Neural Language Models": C_forward = 2N + 2 n_layer n_ctx d_model,
@@ -2752,7 +3538,7 @@ def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
 
 
 # ===========================================================================
-# 30. Mixed precision and loss scaling (混合精度与损失缩放)
+# 37. Mixed precision and loss scaling (混合精度与损失缩放)
 # ===========================================================================
 # 16-bit numbers take half the memory and memory traffic of float32, and recent GPUs (and
 # CPUs with AVX512-BF16 or AMX) multiply them on faster units. Mixed precision (Micikevicius
@@ -2791,7 +3577,7 @@ def to_float32(x):
 # Gradients are linear in the loss, so a loss times S gives gradients times S, up into float16's
 # range; they are divided by S in float32 before the step. An S too large overflows to inf or
 # NaN: that step is skipped and S shrinks; after growth_interval good steps in a row it grows.
-# So S hovers near the largest that fits, without anyone choosing it. Clipping (section 28)
+# So S hovers near the largest that fits, without anyone choosing it. Clipping (section 35)
 # must not cut the S-times-larger gradients at max_norm: GradScaler has unscale_() to call
 # before it; here, clip at max_norm * get_scale(), the same cut on the scaled gradients.
 
@@ -2855,10 +3641,10 @@ class LossScaler:
 
 
 # ===========================================================================
-# 31. Memory, by formula and measured (显存)
+# 38. Memory, by formula and measured (显存)
 # ===========================================================================
 # A training step holds four things: the weights, their gradients, the optimizer's
-# state (AdamW's m and v, section 26) and the activations, what the forward saves for
+# state (AdamW's m and v, section 33) and the activations, what the forward saves for
 # the backward. The first three grow with the parameters, the last with batch x length,
 # and it is measured here: saved_tensors_hooks sees every tensor autograd saves, and a
 # formula for each model family meets the count. Checkpointing trades activations for
@@ -2894,7 +3680,7 @@ def saved_bytes(model, input_ids, targets, mixed_precision=False):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision):
             loss = F.cross_entropy(model(input_ids).flatten(0, 1), targets.flatten())  # []
-    # a branch that leads nowhere near the loss (section 18's choice of groups) is freed, its
+    # a branch that leads nowhere near the loss (section 25's choice of groups) is freed, its
     # saved tensors with it, as the forward leaves it, and a later tensor may reuse the address
     live = [tensor for tensor in (ref() for ref in saved) if tensor is not None]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live}
@@ -2976,7 +3762,7 @@ def activation_bytes(kind, config, batch_size, seq_len, mixed_precision=False, c
 
 
 def moe_activation(D, a, copies, n_experts, top_k, expert_d_ff, shared_d_ff, score_bytes, norm_topk):
-    """A MoE's saved bytes a token (section 18's forward): the router's input and scores
+    """A MoE's saved bytes a token (section 25's forward): the router's input and scores
     (float32 after a softmax, the product's dtype after a sigmoid), the indices, and per
     chosen expert its gathered input, SwiGLU, weight, output and weighted output."""
     E, k = n_experts, top_k
@@ -3058,7 +3844,7 @@ def zero_memory_per_device(memory, n_devices, zero_stage):
 
 
 # ===========================================================================
-# 32. LoRA (低秩适配)
+# 39. LoRA (低秩适配)
 # ===========================================================================
 # Fine-tuning all of a model keeps a gradient and AdamW's two moments beside every
 # weight. LoRA (Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large Language Models")
@@ -3176,769 +3962,11 @@ def merge_lora(model, merge=True):
 
 
 # ===========================================================================
-# Part VI: learning and using it (第六部分：训练与使用)
-# ===========================================================================
-# A task small enough to learn in seconds on a CPU, the ways to decode an answer,
-# the training loop, and what the models learned. Python's standard library
-# supplies the rest: random for the toy data, time and signal for training.
-
-import contextlib
-import random
-import signal
-import threading
-import time
-
-
-# ===========================================================================
-# 33. The toy task: pinyin to hanzi (玩具任务：拼音转汉字)
-# ===========================================================================
-# A task small enough to train in seconds and hard enough to need attention:
-# many syllables are written with different characters depending on the word
-# around them (shi: 是 十 事 时 市 视 师, ji: 几 鸡 机 记 计, yi: 一 医 衣 意 已 ...),
-# so the model must read its neighbours, not map syllable to character.
-# Pinyin is toneless and lowercase, one syllable per character, ü written v.
-# A small grammar composes sentences from a lexicon; the generator checks that
-# every pinyin sentence has exactly one hanzi answer.
-
-SUBJECTS = [("wo", "我"), ("ni", "你"), ("ta", "他"), ("wo men", "我们"), ("ni men", "你们"),
-            ("ta men", "他们"), ("lao shi", "老师"), ("xue sheng", "学生"), ("yi sheng", "医生"),
-            ("ma ma", "妈妈"), ("ba ba", "爸爸"), ("wo de peng you", "我的朋友"), ("di di", "弟弟"),
-            ("jie jie", "姐姐"), ("xiao li", "小李"), ("wang lao shi", "王老师"), ("nv er", "女儿")]
-TIMES = [("jin tian", "今天"), ("ming tian", "明天"), ("zuo tian", "昨天"), ("xian zai", "现在"),
-         ("wan shang", "晚上"), ("zao shang", "早上"), ("qi dian", "七点"), ("shi dian", "十点"),
-         ("xing qi yi", "星期一"), ("xia wu", "下午")]
-ADVERBS = [("yi jing", "已经"), ("yi qi", "一起"), ("zhi", "只"), ("chang chang", "常常"),
-           ("ye", "也"), ("yi zhi", "一直"), ("ma shang", "马上"), ("dou", "都")]
-PLACES = [("zai xue xiao", "在学校"), ("zai jia li", "在家里"), ("zai gong si", "在公司"),
-          ("zai shi chang", "在市场"), ("zai ji chang", "在机场")]
-PREDICATES = [
-    ("ai xue xi", "爱学习"), ("xue xi zhong wen", "学习中文"), ("xi huan chang ge", "喜欢唱歌"),
-    ("xi huan xi gua", "喜欢西瓜"), ("xi yi fu", "洗衣服"), ("chi xi gua", "吃西瓜"),
-    ("chi ji dan", "吃鸡蛋"), ("kan shu", "看书"), ("mai shu", "买书"), ("zhong shu", "种树"),
-    ("xue shu xue", "学数学"), ("xie han zi", "写汉字"), ("qu ji chang", "去机场"),
-    ("qu shi chang", "去市场"), ("hui jia", "回家"), ("mei you shi jian", "没有时间"),
-    ("zhi dao zhe jian shi", "知道这件事"), ("jian peng you", "见朋友"), ("qi che", "骑车"),
-    ("zuo qi che", "坐汽车"), ("sheng qi", "生气"), ("qi chuang", "起床"), ("kan dian shi", "看电视"),
-    ("da dian hua", "打电话"), ("xie ri ji", "写日记"), ("ji de zhe jian shi", "记得这件事"),
-    ("ji hua lv xing", "计划旅行"), ("he lv cha", "喝绿茶"), ("mai li wu", "买礼物"),
-    ("zheng li fang jian", "整理房间"), ("hen nu li", "很努力"), ("xiu xi", "休息"),
-    ("lian xi xie zi", "练习写字"), ("shi lao shi", "是老师"), ("shi yi sheng", "是医生"),
-    ("hen you yi si", "很有意思"), ("mai yi fu", "买衣服"), ("mai zhi", "买纸"), ("chi fan", "吃饭"),
-    ("shui jiao", "睡觉"), ("shang ke", "上课"), ("kai hui", "开会"), ("zuo zuo ye", "做作业"),
-    ("mai ji ben shu", "买几本书"), ("kan yi sheng", "看医生"), ("yong dian nao", "用电脑"),
-    ("hen gao xing", "很高兴"), ("qu lv xing", "去旅行"), ("xue xi li shi", "学习历史"),
-    ("zuo shi", "做事")]
-# each slot is optional except subject and predicate: (words, probability of using the slot)
-GRAMMAR = [(SUBJECTS, 1.0), (TIMES, 0.6), (ADVERBS, 0.5), (PLACES, 0.4), (PREDICATES, 1.0)]
-
-
-def make_toy_data(n_sentences=2400, seed=0, min_chars=3, max_chars=12):
-    """n distinct (pinyin, hanzi) sentences from the grammar, the same for the same seed."""
-    rng = random.Random(seed)
-    answers = {}  # pinyin sentence -> its one hanzi answer
-    for _ in range(100 * n_sentences):
-        if len(answers) == n_sentences:
-            break
-        words = [rng.choice(slot) for slot, p in GRAMMAR if rng.random() < p]
-        pinyin, hanzi = " ".join(w[0] for w in words), "".join(w[1] for w in words)
-        if not min_chars <= len(hanzi) <= max_chars:
-            continue
-        if answers.setdefault(pinyin, hanzi) != hanzi:
-            raise ValueError(f"ambiguous toy data: {pinyin!r} is both {answers[pinyin]} and {hanzi}")
-    if len(answers) < n_sentences:
-        raise ValueError(f"the grammar gave only {len(answers)} distinct sentences, asked for {n_sentences}")
-    return sorted(answers.items())
-
-
-def check_list(name, value, items):
-    """A list argument: any iterable but a str or bytes (read one character at a time:
-    "wo ai" would be 5 sentences) or a dict (read by its keys), never None or a number."""
-    if isinstance(value, (str, bytes, bytearray, dict)) or not hasattr(type(value), "__iter__"):
-        raise ValueError(f"{name} must be a list of {items}, got {type(value).__name__} {value!r:.60}")
-
-
-def split_data(pairs, held_out=0.1, seed=0):
-    """Shuffle and hold out a fraction: the held-out sentences are never trained on."""
-    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
-    pairs = list(pairs)
-    random.Random(seed).shuffle(pairs)
-    n_test = max(1, round(len(pairs) * held_out))
-    return pairs[n_test:], pairs[:n_test]
-
-
-class Vocab:
-    """Token <-> id. Ids 0-3 are the specials: pad fills batches, bos starts a target,
-    eos ends one, unk stands for a token never seen in training."""
-    PAD, BOS, EOS, UNK = 0, 1, 2, 3
-    SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-
-    def __init__(self, tokens):
-        check_list("tokens", tokens, "tokens")
-        self.itos = self.SPECIALS + sorted(set(tokens) - set(self.SPECIALS))
-        self.stoi = {tok: i for i, tok in enumerate(self.itos)}
-
-    def __len__(self):
-        return len(self.itos)
-
-    def encode(self, tokens):
-        check_list("tokens", tokens, "tokens (for a hanzi string, list(hanzi))")
-        return [self.stoi.get(tok, self.UNK) for tok in tokens]
-
-    def decode(self, ids):
-        """Ids to tokens, stopping at eos and skipping pad and bos."""
-        check_list("ids", ids, "token ids")
-        out = []
-        for i in ids:
-            if i == self.EOS:
-                break
-            if i not in (self.PAD, self.BOS):
-                out.append(self.itos[i])
-        return out
-
-
-def build_vocabs(pairs):
-    """Source vocabulary of syllables, target vocabulary of characters."""
-    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
-    return (Vocab(s for pinyin, _ in pairs for s in pinyin.split()),    # ['wo', 'ai', ...]
-            Vocab(c for _, hanzi in pairs for c in hanzi))                # ['我', '爱', ...]
-
-
-class PinyinDataset(torch.utils.data.Dataset):
-    """Each item is the model's inputs, then the target: source syllable ids,
-    target in (bos + chars), target out (chars + eos)."""
-
-    def __init__(self, pairs, src_vocab, tgt_vocab):
-        check_list("pairs", pairs, "(pinyin, hanzi) pairs")
-        self.pairs, self.src_vocab, self.tgt_vocab = pairs, src_vocab, tgt_vocab
-
-    def __len__(self):
-        return len(self.pairs)
-
-    def __getitem__(self, i):
-        pinyin, hanzi = self.pairs[i]
-        src = torch.tensor(self.src_vocab.encode(pinyin.split()))                         # [S]
-        tgt = torch.tensor([Vocab.BOS] + self.tgt_vocab.encode(list(hanzi)) + [Vocab.EOS])  # [T+2]
-        # teacher forcing: read the target shifted right, predict it shifted left
-        return src, tgt[:-1], tgt[1:]                                      # [S], [T+1], [T+1]
-
-
-def collate(batch):
-    """Pad every field of a list of items to the longest in the batch:
-    (src, tgt_in, tgt_out) items give [B, S], [B, T+1], [B, T+1]."""
-    check_list("batch", batch, "dataset items")
-    return tuple(nn.utils.rnn.pad_sequence(field, batch_first=True, padding_value=Vocab.PAD)
-                 for field in zip(*batch))                                 # [B, longest] each
-
-
-def syllable_readings(pairs):
-    """syllable -> the set of characters written for it somewhere in the pairs."""
-    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
-    readings = {}
-    for pinyin, hanzi in pairs:
-        for syllable, char in zip(pinyin.split(), hanzi):
-            readings.setdefault(syllable, set()).add(char)
-    return readings
-
-
-def ambiguous_syllables(pairs):
-    """Syllables written with two or more characters somewhere in the data."""
-    return {s for s, chars in syllable_readings(pairs).items() if len(chars) > 1}
-
-
-# ===========================================================================
-# 34. A baseline to beat: bigram HMM and Viterbi (基线：二元语法与维特比)
-# ===========================================================================
-# Before trusting a Transformer, ask what counting does. A hidden Markov model
-# reads the pinyin as emitted by a hidden chain of characters: each character
-# depends only on the one before it (a bigram), each syllable only on its own
-# character. Viterbi finds the most likely chain by dynamic programming,
-#   best[i, c] = max over c' of best[i-1, c'] + log P(c | c') + log P(syllable i | c),
-# in a fraction of a second of counting. A Transformer that cannot beat it on
-# the same sentences has not earned its place.
-
-class BigramHMM:
-    """Counts from training pairs; decode(pinyin sentences) -> hanzi by Viterbi.
-    P(c | c') is the bigram count smoothed toward the character's overall
-    frequency (a sentence start counts as c'); P(syllable | c) is counted. A
-    syllable never seen may be any character."""
-
-    def __init__(self, pairs, smoothing=1.0):
-        check_list("pairs", pairs, "(pinyin, hanzi) pairs")
-        pairs = list(pairs)
-        if not pairs or not all(isinstance(p, tuple) and len(p) == 2 and all(isinstance(s, str) for s in p)
-                                for p in pairs):
-            raise ValueError(f"pairs must be a non-empty list of (pinyin, hanzi) string pairs, got {pairs[:2]!r}")
-        self.chars = sorted({c for _, hanzi in pairs for c in hanzi})
-        index = {c: i for i, c in enumerate(self.chars)}
-        C = len(self.chars)
-        previous, following = [], []                                       # every bigram's two char ids
-        emitted = {}                                                       # syllable -> {char id: count}
-        for pinyin, hanzi in pairs:
-            syllables = pinyin.split()
-            ids = [index[char] for _, char in zip(syllables, hanzi)]
-            previous += ([C] + ids)[:-1]                                   # C: the sentence start
-            following += ids
-            for syllable, i in zip(syllables, ids):
-                emitted.setdefault(syllable, {})
-                emitted[syllable][i] = emitted[syllable].get(i, 0) + 1
-        bigrams = torch.zeros(C + 1, C).index_put_(                        # [C+1, C]: row C = sentence start
-            (torch.tensor(previous), torch.tensor(following)), torch.ones(len(following)), accumulate=True)
-        unigram = bigrams.sum(dim=0) / bigrams.sum()                       # [C]
-        char_count = bigrams.sum(dim=0)                                    # [C]
-        row_total = bigrams.sum(dim=1, keepdim=True) + smoothing           # [C+1, 1]
-        # in place: the table is (C + 1) x C, so a temporary copy would double the memory
-        self.log_next = bigrams.add_(smoothing * unigram).div_(row_total).log_()  # [C+1, C]
-        self.emissions = {s: (torch.tensor(list(c)), (torch.tensor(list(c.values()), dtype=torch.float)
-                                                       / char_count[list(c)]).log())
-                          for s, c in emitted.items()}                     # syllable -> ([n], [n])
-        self.anything = (torch.arange(C), torch.zeros(C))                  # an unseen syllable: [C], [C]
-
-    def decode_one(self, syllables):
-        check_list("syllables", syllables, "syllables")
-        if not syllables:
-            return ""
-        ids, log_emit = self.emissions.get(syllables[0], self.anything)    # [n0], [n0]
-        score = self.log_next[-1, ids] + log_emit                          # [n0]
-        back = []
-        for syllable in syllables[1:]:
-            new_ids, log_emit = self.emissions.get(syllable, self.anything)  # [n], [n]
-            total = score[:, None] + self.log_next[ids][:, new_ids]        # [n_prev, n]
-            score, best_previous = total.max(dim=0)                        # [n], [n]
-            score = score + log_emit                                       # [n]
-            back.append(best_previous)
-            ids = new_ids
-        path = [score.argmax().item()]                                     # an int: position in the last [n]
-        for best_previous in reversed(back):
-            path.append(best_previous[path[-1]].item())
-        chosen, candidates = [], [self.emissions.get(s, self.anything)[0] for s in syllables]
-        for position, ids in zip(reversed(path), candidates):
-            chosen.append(self.chars[ids[position]])
-        return "".join(chosen)
-
-    def decode(self, sentences):
-        check_list("sentences", sentences, "pinyin strings")
-        return [self.decode_one(sentence.split()) for sentence in sentences]  # [B] hanzi strings
-
-# Try it:
-#   >>> hmm = BigramHMM([("shi lao shi", "是老师"), ("shi dian", "十点"), ("lao shi", "老师")])
-#   >>> hmm.decode(["lao shi", "shi dian"])
-#   ['老师', '十点']
-
-
-# ===========================================================================
-# 35. Decoding: greedy, constrained, beam (解码：贪心、约束与束搜索)
-# ===========================================================================
-# At inference there is no target to feed: start every sentence with bos, run
-# the decoder, choose a next character, repeat until eos. The source is encoded
-# once; with the KV cache of section 3 each step runs the newest token only.
-# Greedy takes the most likely token at every step. Two improvements:
-# - Constrained: the task has structure the model may ignore, one character
-#   per syllable and only the characters seen with that syllable (its
-#   readings). Masking every other token's logit before choosing makes each
-#   answer well-formed by construction. Structured generation (JSON grammars,
-#   tool calls) works the same way. And an answer never holds a special token
-#   or a syllable, constrained or not.
-# - Beam search keeps the beam_size best partial answers by summed
-#   log-probability instead of one. It fixes a first choice that looked best
-#   alone but leads to a worse sentence; it cannot fix a model that scores the
-#   wrong sentence higher, and it costs beam_size times the work.
-
-def answer_masks(syllable_lists, vocab, readings=None):
-    """[B, S+1, V] bool, S the longest sentence: which tokens step i may choose.
-    For sentence b: a character at steps 0 .. len-1 (with readings, one of that
-    syllable's; without, any character or an early eos), eos at step len, pad
-    after. Characters are the vocabulary's non-ASCII tokens: never a special
-    token (<pad>, <eos>, ...) and never a pinyin syllable."""
-    check_list("syllable_lists", syllable_lists, "lists of syllables")
-    for b, syllables in enumerate(syllable_lists):  # a row "wo ai" would be 5 one-letter syllables
-        check_list(f"syllable_lists[{b}]", syllables, "syllables")
-    S = max((len(syllables) for syllables in syllable_lists), default=0)
-    characters = torch.tensor([not token.isascii() for token in vocab.itos])  # [V]
-    free = characters.clone()                                               # [V]
-    free[Vocab.EOS] = True
-    allowed = torch.zeros(len(syllable_lists), S + 1, len(vocab), dtype=torch.bool)  # [B, S+1, V]
-    for b, syllables in enumerate(syllable_lists):
-        for i, syllable in enumerate(syllables):
-            if readings is None:
-                allowed[b, i] = free
-            elif syllable in readings:
-                allowed[b, i, vocab.encode(sorted(readings[syllable]))] = True
-            else:  # a syllable never seen in training: any character, but still one
-                allowed[b, i] = characters
-        allowed[b, len(syllables), Vocab.EOS] = True
-        allowed[b, len(syllables) + 1:, Vocab.PAD] = True
-    return allowed
-
-
-@torch.no_grad()
-def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True, allowed=None):
-    """src [B, S] -> generated ids [B, <= max_len], eos included, pad after it.
-    allowed [B, max_len, V]: step i chooses only among allowed[:, i] (None: any token).
-    use_cache changes the work per step, not the tokens."""
-    if bos_id == model.pad_id:
-        raise ValueError(f"bos_id ({bos_id}) must differ from the pad id: decoding would start from padding")
-    if model.max_len < 2:  # "max_len must be 1 to 0" below would ask for the impossible
-        raise ValueError(f"the model's max_len is {model.max_len}: bos fills it, there is no room to decode")
-    if isinstance(max_len, bool) or not isinstance(max_len, int) or not 1 <= max_len < model.max_len:
-        raise ValueError(f"max_len must be 1 to {model.max_len - 1} (the model's max_len less bos),"
-                         f" an integer, got {max_len!r}")
-    ys = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)  # [B, 1]
-    done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)   # [B]
-    cache = model.new_cache() if use_cache else None
-    with eval_mode(model):
-        memory = model.encode(src)                                         # [B, S, D]
-        for i in range(max_len):
-            logits = model.decode(ys, memory, src, cache)[:, -1]           # [B, V]
-            if allowed is not None:
-                logits = logits.masked_fill(~allowed[:, i], torch.finfo(logits.dtype).min)  # [B, V]
-            next_id = logits.argmax(dim=-1).masked_fill(done, model.pad_id)  # [B]
-            ys = torch.cat([ys, next_id[:, None]], dim=1)                  # [B, t+1]
-            done |= next_id == eos_id                                      # [B]
-            if done.all():
-                break
-    return ys[:, 1:]                                                       # [B, <= max_len]
-
-
-ARGUMENTS.update(beam_size=(int, 1, MAX_SIZE), n_steps=(int, 1, MAX_SIZE))  # batch_size: section 29
-
-
-def reorder_cache(cache, index):
-    """Every layer's cache keeps the batch rows `index` [N], in order: each tensor it
-    holds (a KVCache's or RollingKVCache's k and v, a LatentCache's latent and k_rope)
-    is indexed along the batch, its first dimension."""
-    for layer_cache in cache:
-        for c in layer_cache if isinstance(layer_cache, tuple) else (layer_cache,):  # the encoder-decoder's pairs
-            for name, value in vars(c).items():
-                if isinstance(value, torch.Tensor):
-                    setattr(c, name, value[index])                         # [N, ...]
-
-
-@torch.no_grad()
-def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_id=Vocab.EOS, pad_id=Vocab.PAD):
-    """The beam_size most likely continuations of start [B, T0], kept by summed
-    log-probability; -> (best continuation [B, n_steps], its log-probability [B]).
-    step(ids [B*k, t], cache) gives next-token logits [B*k, V], row b*k + j being
-    beam j of sentence b (the caller repeats its own inputs k times); allowed
-    [B, n_steps, V] masks as in greedy_decode. A beam that has emitted eos
-    continues with pad at no cost, so finished and open beams compare fairly.
-    Plain beam search can push the greedy path out and end below it; here that
-    one path always keeps a place, so the answer never scores lower than greedy's."""
-    check(beam_size=beam_size, n_steps=n_steps)
-    B, k = start.size(0), beam_size
-    rows = torch.arange(B, device=start.device)                            # [B]
-    ids = start.repeat_interleave(k, dim=0)                                # [B*k, T0]
-    scores = torch.full((B, k), float("-inf"), device=start.device)        # [B, k]
-    scores[:, 0] = 0.0  # k copies of one start: only the first is live, or all k beams would be equal
-    greedy = torch.zeros(B, dtype=torch.long, device=start.device)         # [B]: the beam on greedy's path
-    done = torch.zeros(B * k, dtype=torch.bool, device=start.device)       # [B*k]
-    for i in range(n_steps):
-        logp = step(ids, cache).float().log_softmax(dim=-1)                # [B*k, V]
-        if allowed is not None:
-            logp = logp.masked_fill(~allowed[:, i].repeat_interleave(k, dim=0), float("-inf"))  # [B*k, V]
-        logp[done] = float("-inf")
-        logp[done, pad_id] = 0.0
-        V = logp.size(-1)
-        total = (scores.view(-1, 1) + logp).view(B, k * V)                 # [B, k*V]: every beam, every token
-        scores, flat = total.topk(k, dim=-1)                               # [B, k], best first
-        greedy_flat = greedy * V + logp.view(B, k, V)[rows, greedy].argmax(dim=-1)  # [B]: greedy's next
-        lost = (flat != greedy_flat[:, None]).all(dim=-1)                  # [B]: pushed out of the beam
-        flat[lost, -1], scores[lost, -1] = greedy_flat[lost], total[rows, greedy_flat][lost]  # it takes the last place
-        greedy = (flat == greedy_flat[:, None]).int().argmax(dim=-1)       # [B]
-        beam, token = flat // V, flat % V                                  # [B, k] each
-        index = (rows[:, None] * k + beam).view(-1)                        # [B*k]
-        ids = torch.cat([ids[index], token.view(-1, 1)], dim=1)            # [B*k, t+1]
-        done = done[index] | (token.view(-1) == eos_id)                    # [B*k]
-        if cache is not None:
-            reorder_cache(cache, index)  # the cache follows its beam
-    best = ids.view(B, k, -1)[:, 0, start.size(1):]                        # [B, n_steps]
-    return best, scores[:, 0]                                              # [B, n_steps], [B]
-
-
-def rows_per_batch(batch_size, length, vocab_size, budget=2 ** 24):
-    """How many sentences go in one batch: at most batch_size, and few enough that a
-    [B, length, V] tensor of logits or masks stays within budget values (64 MB of
-    float32), however long the sentences and large the vocabulary."""
-    return max(1, min(batch_size, budget // max(1, length * vocab_size)))
-
-
-def translate(model, sentences, src_vocab, tgt_vocab, readings=None, beam_size=1, batch_size=256):
-    """Pinyin strings -> hanzi strings with the encoder-decoder: constrained by the
-    syllables' readings when given, greedy when beam_size is 1. A batch holds
-    batch_size sentences, or batch_size // beam_size with a beam: the same rows."""
-    check_list("sentences", sentences, "pinyin strings")
-    check(beam_size=beam_size, batch_size=batch_size)
-    device = next(model.parameters()).device
-    longest = max((len(s.split()) for s in sentences), default=0)
-    out, batch_size = [], rows_per_batch(batch_size // beam_size, longest + 1, len(tgt_vocab))
-    for i in range(0, len(sentences), batch_size):
-        syllables = [s.split() for s in sentences[i:i + batch_size]]      # B lists of syllables
-        # collate pads every row to the longest (an empty sentence becomes all padding)
-        src, = collate([(torch.tensor(src_vocab.encode(s), dtype=torch.long),) for s in syllables])  # [B, S]
-        src = src.to(device)                                               # [B, S]
-        allowed = answer_masks(syllables, tgt_vocab, readings).to(device)  # [B, S+1, V]
-        if beam_size == 1:
-            generated = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1, allowed=allowed)  # [B, <= S+1]
-        else:
-            with eval_mode(model):
-                memory = model.encode(src).repeat_interleave(beam_size, dim=0)  # [B*k, S, D]
-                src_k = src.repeat_interleave(beam_size, dim=0)             # [B*k, S]
-                start = torch.full((len(syllables), 1), Vocab.BOS, device=device)  # [B, 1]
-                generated, _ = beam_search(lambda ids, cache: model.decode(ids, memory, src_k, cache)[:, -1],
-                                           start, src.size(1) + 1, beam_size, allowed, model.new_cache())  # [B, S+1]
-        out += ["".join(tgt_vocab.decode(row)) for row in generated.tolist()]
-    return out
-
-
-def evaluate(translate_fn, pairs, ambiguous=()):
-    """How translate_fn (pinyin list -> hanzi list) does on the pairs: exact-match
-    accuracy; character accuracy, where a missing or extra character counts as
-    wrong (right / max(len(expected), len(predicted)) summed over sentences); and
-    accuracy on the characters whose syllable is in `ambiguous`."""
-    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
-    check_list("ambiguous", ambiguous, "syllables")  # "shi" would hold "s", "h", "hi"...
-    if not pairs:
-        raise ValueError("pairs is empty: there is nothing to evaluate on")
-    predictions = translate_fn([pinyin for pinyin, _ in pairs])
-    exact = sum(pred == hanzi for pred, (_, hanzi) in zip(predictions, pairs))
-    char_right = sum(sum(p == h for p, h in zip(pred, hanzi)) for pred, (_, hanzi) in zip(predictions, pairs))
-    char_total = sum(max(len(pred), len(hanzi)) for pred, (_, hanzi) in zip(predictions, pairs))
-    amb_right = amb_total = 0
-    for pred, (pinyin, hanzi) in zip(predictions, pairs):
-        for i, (syllable, char) in enumerate(zip(pinyin.split(), hanzi)):
-            if syllable in ambiguous:
-                amb_total += 1
-                amb_right += i < len(pred) and pred[i] == char
-    return {"accuracy": exact / len(pairs), "exact": exact, "total": len(pairs), "predictions": predictions,
-            "char_accuracy": char_right / max(char_total, 1), "char_right": char_right, "char_total": char_total,
-            "ambiguous_right": amb_right, "ambiguous_total": amb_total}
-
-
-# ===========================================================================
-# 36. Training (训练)
-# ===========================================================================
-# Teacher forcing: the model reads whole target sequences at once and predicts
-# every next token, the causal mask keeping each position from its own answer.
-# Padding is excluded from the loss (ignore_index), label smoothing keeps the
-# model from over-trusting one character, and the paper's schedule (noam_lambda,
-# section 27) warms the learning rate up linearly, then decays it as 1/sqrt(step).
-# The gradient norm is clipped (section 28's rule, in torch's one call), and the
-# optimizer is torch's fused Adam, one C++ call for every weight (section 26 writes
-# AdamW out; its loop over tensors is slower on a CPU). Ctrl-C stops after the
-# current step and returns what was learned so far.
-
-@contextlib.contextmanager
-def stop_on_ctrl_c():
-    """Within the block, Ctrl-C (SIGINT) only appends to the yielded list, which the
-    training loop reads between steps, so no step is cut in half; a second Ctrl-C
-    interrupts at once, as usual. Signals reach only the main thread: elsewhere
-    the list stays empty."""
-    stop = []
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-    previous = signal.getsignal(signal.SIGINT)
-
-    def handle(signum, frame):
-        stop.append(signum)
-        signal.signal(signal.SIGINT, previous)
-
-    signal.signal(signal.SIGINT, handle)
-    try:
-        yield stop
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25, warmup=150,
-          label_smoothing=0.1, clip=1.0, seed=0, log=print, router_bias_rate=0.0):
-    """Train on dataset items (model inputs..., target) with Adam and warmup; log one
-    line per epoch with evaluate_fn()'s held-out accuracy. Returns the last epoch's
-    mean loss, the accuracy, the seconds taken (training, evaluation and all), whether
-    Ctrl-C stopped it, and the history: (epoch, training seconds so far, accuracy).
-    router_bias_rate > 0: DeepSeek-V3's balancing after every step (update_router_bias,
-    section 18), for a model with sigmoid-routed experts."""
-    torch.manual_seed(seed)
-    device = next(model.parameters()).device
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collate,
-                                         generator=torch.Generator().manual_seed(seed))  # [B, longest] fields
-    criterion = nn.CrossEntropyLoss(ignore_index=Vocab.PAD, label_smoothing=label_smoothing)
-    # fused=True: one C++ call updates every weight, not several small operations per weight
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr_factor, betas=(0.9, 0.98), eps=1e-9, fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, noam_lambda(model.d_model, warmup))
-    start, accuracy, training_seconds, history = time.perf_counter(), 0.0, 0.0, []
-    with stop_on_ctrl_c() as stop:
-        for epoch in range(1, epochs + 1):
-            model.train()
-            epoch_start = time.perf_counter()
-            loss_sum, count = 0.0, 0
-            for batch in loader:
-                *inputs, target = [t.to(device) for t in batch]            # [B, S], [B, T], [B, T]
-                logits = model(*inputs)                                    # [B, T, V]
-                loss = criterion(logits.reshape(-1, logits.size(-1)), target.reshape(-1))  # []
-                optimizer.zero_grad()
-                loss.backward()
-                # clip the gradient norm so one bad batch cannot throw the weights far
-                nn.utils.clip_grad_norm_(model.parameters(), clip)
-                optimizer.step()
-                scheduler.step()
-                if router_bias_rate:  # from this batch's load: busy experts down, idle ones up
-                    update_router_bias(model, router_bias_rate)
-                # .item() copies the loss to the host, which waits for the device: on a GPU
-                # too, the epoch's clock below reads finished work
-                loss_sum, count = loss_sum + loss.item(), count + 1
-                if stop:
-                    break
-            training_seconds += time.perf_counter() - epoch_start
-            accuracy = evaluate_fn()
-            history.append((epoch, training_seconds, accuracy))
-            log(f"epoch {epoch:2d}  loss {loss_sum / max(count, 1):.3f}  held-out accuracy "
-                f"{100 * accuracy:5.1f}%  {time.perf_counter() - start:5.1f}s")
-            if stop:
-                log(f"interrupted (Ctrl-C): stopped after step {scheduler.last_epoch}")
-                break
-    return {"loss": loss_sum / max(count, 1), "accuracy": accuracy,
-            "seconds": time.perf_counter() - start, "interrupted": bool(stop), "history": history}
-
-
-# ===========================================================================
-# 37. The KV cache, measured (键值缓存实测)
-# ===========================================================================
-# Without a cache, generating token t reruns the whole prefix: t tokens through
-# every layer, so n tokens cost about n^2 / 2 token-passes. With the KVCache of
-# section 3 each step runs one token and reads the earlier keys and values:
-# n token-passes, plus attention over a growing cache. Same tokens, less work.
-# A GPU runs asynchronously: a call returns once its work is queued, so a clock
-# read right after it times the queueing. Every timing waits for the device first.
-
-def synchronize(device):
-    """Wait until the device has finished all the work queued on it (CUDA, MPS;
-    a CPU computes before returning, so there is nothing to wait for)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def time_generation(model, prompt, max_new_tokens):
-    """Seconds to generate with and without the cache, and whether the tokens agree."""
-    seconds, tokens = {}, {}
-    for use_cache in (True, False):
-        synchronize(prompt.device)
-        start = time.perf_counter()
-        tokens[use_cache] = model.generate(prompt, max_new_tokens, use_cache=use_cache)  # [B, T+n]
-        synchronize(prompt.device)
-        seconds[use_cache] = time.perf_counter() - start
-    return seconds[True], seconds[False], torch.equal(tokens[True], tokens[False])  # same [B, T+n]?
-
-
-# ===========================================================================
-# 38. Decoder-only models on the task (仅解码器模型做同一任务)
-# ===========================================================================
-# The decoder-only models, the GPT of section 9, the Llama of section 15 and the
-# DeepSeek-V3-style model of section 20, have no encoder to read the pinyin, so
-# the pinyin goes in front as a prompt:
-# "wo ai xue xi <sep> 我 爱 学 习 <eos>", one sequence. They learn to continue
-# after <sep>; the prompt itself is given, not predicted, so its positions are
-# left out of the loss (target = pad, ignore_index). They answer through the
-# same beam_search and masks as the encoder-decoder (section 35).
-
-SEP = "<sep>"
-
-
-def build_gpt_vocab(pairs):
-    """One vocabulary for the whole sequence: syllables, characters and <sep>."""
-    src_vocab, tgt_vocab = build_vocabs(pairs)
-    return Vocab(src_vocab.itos + tgt_vocab.itos + [SEP])
-
-
-class PromptDataset(torch.utils.data.Dataset):
-    """Items (input ids, target): pinyin <sep> hanzi <eos> shifted by one, the
-    target padded over the prompt so that only the hanzi part is learned."""
-
-    def __init__(self, pairs, vocab):
-        check_list("pairs", pairs, "(pinyin, hanzi) pairs")
-        self.pairs, self.vocab = pairs, vocab
-
-    def __len__(self):
-        return len(self.pairs)
-
-    def __getitem__(self, i):
-        pinyin, hanzi = self.pairs[i]
-        prompt = self.vocab.encode(pinyin.split() + [SEP])                # ids of ['wo', 'ai', '<sep>']
-        ids = torch.tensor(prompt + self.vocab.encode(list(hanzi)) + [Vocab.EOS])  # [S+T+2]
-        target = ids[1:].clone()                                           # [S+T+1]
-        target[:len(prompt) - 1] = Vocab.PAD  # positions that would predict the prompt
-        return ids[:-1], target                                            # [S+T+1] each
-
-
-def gpt_translate(model, sentences, vocab, readings=None, beam_size=1, batch_size=256):
-    """Pinyin strings -> hanzi with a decoder-only model: its continuation of the
-    prompt "pinyin <sep>", constrained and searched as translate() does. Sentences
-    of one length share a batch (of batch_size // beam_size at most), so no prompt
-    needs padding."""
-    check_list("sentences", sentences, "pinyin strings")
-    check(beam_size=beam_size, batch_size=batch_size)
-    device = next(model.parameters()).device
-    by_length, out = {}, [""] * len(sentences)
-    for i, sentence in enumerate(sentences):
-        by_length.setdefault(len(sentence.split()), []).append(i)
-    size = {S: rows_per_batch(batch_size // beam_size, 2 * S + 2, len(vocab)) for S in by_length}
-    batches = [(S, rows[j:j + size[S]]) for S, rows in by_length.items() for j in range(0, len(rows), size[S])]
-    for S, rows in batches:
-        syllables = [sentences[i].split() for i in rows]                   # B lists of S syllables
-        prompt = torch.tensor([vocab.encode(s + [SEP]) for s in syllables], device=device)  # [B, S+1]
-        allowed = answer_masks(syllables, vocab, readings).to(device)      # [B, S+1, V]
-        with eval_mode(model):
-            answer, _ = beam_search(lambda ids, cache: model(ids, cache)[:, -1], prompt, S + 1, beam_size,
-                                    allowed, model.new_cache())            # [B, S+1]: S characters, eos
-        for i, row in zip(rows, answer.tolist()):
-            out[i] = "".join(vocab.decode(row))
-    return out
-
-
-def translator(kind, model, src_vocab, tgt_vocab, readings=None, beam_size=1):
-    """pinyin list -> hanzi list with the encoder-decoder ("encdec") or a
-    decoder-only model (any other kind)."""
-    if kind == "encdec":
-        return lambda sentences: translate(model, sentences, src_vocab, tgt_vocab, readings, beam_size)
-    return lambda sentences: gpt_translate(model, sentences, tgt_vocab, readings, beam_size)
-
-
-@torch.no_grad()
-def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, batch_size=256):
-    """Exact match of greedy decoding (constrained by readings, if given) in one
-    forward pass. Greedy writes the right sentence exactly when, fed the right
-    prefix, the model's top allowed choice is right at every step: that is what
-    one teacher-forced pass checks, at every step at once. Used after each
-    training epoch: it is the same number as decoding, at a fraction of the cost.
-    batch_size sentences a pass: all held-out logits [B, T, V] at once could be gigabytes."""
-    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
-    longest = max((len(pinyin.split()) for pinyin, _ in pairs), default=0)
-    batch_size = rows_per_batch(batch_size, 2 * longest + 2, len(tgt_vocab))
-    if len(pairs) > batch_size:
-        right = sum(round(len(chunk) * teacher_forced_accuracy(kind, model, chunk, src_vocab, tgt_vocab, readings,
-                                                               len(chunk)))
-                    for chunk in (pairs[i:i + batch_size] for i in range(0, len(pairs), batch_size)))
-        return right / len(pairs)
-    if kind == "encdec":
-        items = PinyinDataset(pairs, src_vocab, tgt_vocab)                 # (src, tgt in, tgt out)
-    else:
-        items = PromptDataset(pairs, tgt_vocab)                            # (ids, target)
-    device = next(model.parameters()).device
-    *inputs, target = (t.to(device) for t in collate([items[i] for i in range(len(pairs))]))  # [B, S], ..., [B, T]
-    with eval_mode(model):
-        logits = model(*inputs)                                            # [B, T, V]
-    syllables = [pinyin.split() for pinyin, _ in pairs]
-    masks = answer_masks(syllables, tgt_vocab, readings).to(logits.device)  # [B, S+1, V]
-    allowed = torch.zeros_like(logits, dtype=torch.bool)                   # [B, T, V]
-    for b, row in enumerate(syllables):  # a decoder-only target starts after the prompt
-        start = 0 if kind == "encdec" else len(row)
-        allowed[b, start:start + len(row) + 1] = masks[b, :len(row) + 1]
-    predicted = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min).argmax(dim=-1)  # [B, T]
-    right = (predicted == target) | (target == Vocab.PAD)                  # [B, T]
-    return right.all(dim=1).sum().item() / len(pairs)                     # [B] -> sentences all right / B
-
-
-# ===========================================================================
-# 39. The attention heatmap and the experts' load (注意力热力图)
-# ===========================================================================
-# Which syllables did each character read? The last decoder layer's
-# cross-attention weights [H, T, S], averaged over heads or for one head, drawn
-# as shades in the terminal: no plotting library needed.
-
-SHADES = " ░▒▓█"
-
-
-def render_heatmap(weights, col_labels, row_labels):
-    """weights [rows, cols] in [0, 1] -> a text grid, one shade per cell, with a legend."""
-    check_list("col_labels", col_labels, "labels")
-    check_list("row_labels", row_labels, "labels")
-    widths = [max(2, len(label)) for label in col_labels]
-    # a hanzi is two columns wide in a terminal; row labels get a common width
-    columns = [sum(1 if c.isascii() else 2 for c in label) for label in row_labels]
-    label_width = max([3] + columns) + 1
-    lines = [" " * label_width + " ".join(label.ljust(w) for label, w in zip(col_labels, widths))]
-    for label, n, row in zip(row_labels, columns, weights.tolist()):
-        cells = [SHADES[min(int(w * len(SHADES)), len(SHADES) - 1)] * width for w, width in zip(row, widths)]
-        lines.append(label + " " * (label_width - n) + " ".join(cells))
-    step = 1 / len(SHADES)
-    lines.append("legend: " + "  ".join(f"'{s}' {i * step:.1f}-{(i + 1) * step:.1f}" for i, s in enumerate(SHADES)))
-    return "\n".join(lines)
-
-
-@torch.no_grad()
-def cross_attention_map(model, src, out, head=None):
-    """src [1, S] and the decoded out [1, T] -> the last decoder layer's
-    cross-attention [T, S]: row t is what the query predicting out[t] read. The
-    weights are section 2's, caught by an attend() set on that one module for the
-    call (an instance attribute shadows the class's method, the fused one too)."""
-    tgt = torch.cat([torch.full_like(out[:, :1], Vocab.BOS), out[:, :-1]], dim=1)  # [1, T]
-    attn, seen = model.decoder_layers[-1].cross_attn, []
-
-    def attend(q, k, v, mask):
-        out, weights = scaled_dot_product_attention(q, k, v, mask)         # [1, H, T, dk], [1, H, T, S]
-        seen.append(weights[0])                                            # [H, T, S]
-        return out
-
-    attn.attend = attend
-    try:
-        with eval_mode(model):
-            model.decode(tgt, model.encode(src), src)                      # [1, T, V]
-    finally:
-        del attn.attend
-    return seen[0].mean(dim=0) if head is None else seen[0][head]          # [T, S]
-
-
-# A model with experts (section 18) shows where its tokens went instead: each MoE
-# layer's share of the routed slots per expert, one bar each. Uniform is 1 / E; a
-# router left unbalanced sends most tokens to a few experts and leaves others idle.
-
-@torch.no_grad()
-def expert_load(model, pairs, vocab):
-    """Share of the routed slots each expert took, per MoE layer, over the sequences
-    "pinyin <sep> hanzi <eos>" of pairs: {layer index: [E] summing to 1}. Sequences of
-    one length share a batch, so no padding is routed."""
-    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
-    device = next(model.parameters()).device
-    by_length = {}
-    for pinyin, hanzi in pairs:
-        ids = vocab.encode(pinyin.split() + [SEP]) + vocab.encode(list(hanzi)) + [Vocab.EOS]
-        by_length.setdefault(len(ids), []).append(ids)
-    moes = {i: layer.ffn for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoE)}
-    totals = {i: torch.zeros(moe.n_experts) for i, moe in moes.items()}  # [E] each
-    with eval_mode(model):
-        for rows in by_length.values():
-            model(torch.tensor(rows, device=device))                       # [B, L, V]; fills tokens_per_expert
-            for i, moe in moes.items():
-                totals[i] += moe.tokens_per_expert.cpu()                   # [E]
-    return {i: total / total.sum() for i, total in totals.items()}         # [E] each
-
-
-def render_expert_load(loads, uniform=10):
-    """{layer: shares [E]} -> text bars, `uniform` blocks for a share of exactly 1 / E."""
-    lines = []
-    for i, load in loads.items():
-        E = len(load)
-        lines.append(f"layer {i}, {E} experts (uniform: {1 / E:.1%} each, {uniform} blocks)")
-        for e, share in enumerate(load.tolist()):
-            lines.append(f"  expert {e:2d} {'█' * round(share * E * uniform):{3 * uniform}s} {share:6.1%}")
-    return "\n".join(lines)
-
-# Try it: a layer of 4 experts, one of them idle.
-#   >>> print(render_expert_load({1: torch.tensor([0.5, 0.25, 0.25, 0.0])}, uniform=4))
-#   layer 1, 4 experts (uniform: 25.0% each, 4 blocks)
-#     expert  0 ████████      50.0%
-#     expert  1 ████          25.0%
-#     expert  2 ████          25.0%
-#     expert  3                0.0%
-
-
-# ===========================================================================
 # Part VII: after pretraining (第七部分：预训练之后)
 # ===========================================================================
 # What is done with a model once it is trained: answer faster without changing the
 # answer (speculative decoding), score whole sequences, and train on preferences (DPO)
-# and on a reward a program checks (GRPO), on the toy task of Part VI.
+# and on a reward a program checks (GRPO), on the toy task of Part II.
 
 # ===========================================================================
 # 40. Speculative decoding (投机解码)
@@ -3961,7 +3989,7 @@ def render_expert_load(loads, uniform=10):
 # top_p, so the law is next_token's; at temperature 0 they are one-hot, and x is kept
 # exactly when it is the target's argmax.
 # The pitfall: after a rejection both caches still hold the rejected tokens' keys; cut
-# back, they hold only the kept ones. A rolling cache (section 23) that has let old
+# back, they hold only the kept ones. A rolling cache (section 30) that has let old
 # tokens go cannot take them back: here it holds k tokens more than its window, so cutting
 # at most k leaves it the whole window the next query reads.
 
@@ -4072,7 +4100,7 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 # ===========================================================================
 # 41. Sequence log-probabilities (序列对数概率)
 # ===========================================================================
-# Pretraining and section 36 raise the probability of given text. What comes after
+# Pretraining and section 13 raise the probability of given text. What comes after
 # compares answers: DPO (section 42) weighs two answers to one prompt, GRPO (section 43)
 # several. Both need log p(answer | prompt), the sum over the answer's tokens of the log-
 # probability the model gave each one, from one teacher-forced pass; GRPO wants it token by
@@ -4506,7 +4534,7 @@ def check_model_config(kind, config):
     """A checkpoint's kind and configuration, before anything is computed from them:
     exactly the keywords the kind's class takes (the required ones present), each of
     the type and range ARGUMENTS (section 0) gives it, and for a RoPE model perhaps a
-    rope_scaling (section 25). -> (the class's keywords, the scaling or None); or ValueError."""
+    rope_scaling (section 32). -> (the class's keywords, the scaling or None); or ValueError."""
     if not isinstance(kind, str) or kind not in MODEL_CLASSES:
         raise ValueError(f"kind {quote(str(kind))}: expected one of {', '.join(MODEL_CLASSES)}")
     if not isinstance(config, dict):
@@ -4814,7 +4842,7 @@ def show_training_costs(seq_len=4096, lora_rank=16, n_devices=(8, 64)):
     models = {name: ("llama", config, total, total) for name, config, total in LLAMA_CONFIGS}
     models.update({name: (kind, config, total, active) for name, kind, config, total, active, _ in FRONTIER_CONFIGS})
 
-    def per_token(name, T):  # training FLOPs a token: 3 forwards of 2 W + 2 T A (section 29)
+    def per_token(name, T):  # training FLOPs a token: 3 forwards of 2 W + 2 T A (section 36)
         W, A = matmul_widths(models[name][0], models[name][1])
         return 6 * (W + T * A)
 
@@ -4826,7 +4854,7 @@ def show_training_costs(seq_len=4096, lora_rank=16, n_devices=(8, 64)):
         print(f"  {name:15} {active / 1e9:10.2f}B {6 * active / 1e9:8.1f} {per_token(name, seq_len) / 1e9:8.1f}"
               f" {seq_len * A / (W + seq_len * A):9.0%}")
 
-    print("\nThe model FLOPs utilization published budgets imply (section 29's sources):")
+    print("\nThe model FLOPs utilization published budgets imply (section 36's sources):")
     print(f"  {'model':12} {'tokens':>7} {'GPU hours':>10} {'GPU':10} {'T':>5} {'GFLOPs/token':>12} {'MFU':>5}"
           f" {'(6N)':>5}")
     for name, tokens, hours, gpu, peak, T in TRAINING_BUDGETS:
@@ -4858,8 +4886,8 @@ def show_training_costs(seq_len=4096, lora_rank=16, n_devices=(8, 64)):
           "  + a 2-byte bf16 copy of each matrix it multiplies; bf16 weights with float32 master copies\n"
           "  2 + 2 + 8 + 4 = 16. ZeRO-3 splits all of it over the devices (ZeRO-1: the states, ZeRO-2: and the grads).")
 
-    print("\nActivations of one sequence (batch 1), GB, by section 31's formula for this file's code, which saves\n"
-          "the [T, T] attention weights (a fused kernel, section 22, saves neither them nor the masks), and\n"
+    print("\nActivations of one sequence (batch 1), GB, by section 38's formula for this file's code, which saves\n"
+          "the [T, T] attention weights (a fused kernel, section 29, saves neither them nor the masks), and\n"
           "for autocast as on a CPU (CUDA's keeps softmax in float32):")
     for label, kind, config, lengths in [(name, "llama", config, (2048, 8192)),
                                          ("DeepSeek-V3", "deepseek", ds_config, (1024, 4096))]:
@@ -4952,6 +4980,13 @@ def show_lora(device, seed=0):
           f" ({time.perf_counter() - start:.0f} s in all)")
 
 
+def recipe_update(model, spec):
+    """A recipe's update step: adam_noam at its lr_factor and warmup, the router bias moved after
+    every step where it names a rate (section 25)."""
+    update = adam_noam(model, spec["lr_factor"], spec["warmup"])
+    return with_router_bias(update, model, spec["router_bias_rate"]) if "router_bias_rate" in spec else update
+
+
 def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed, log=print, size="small"):
     """Build one model of a recipe in SIZES for the data, train it;
     -> (model, src_vocab, tgt_vocab, result)."""
@@ -4974,9 +5009,8 @@ def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed, log=pri
     model.to(device)
     print(f"\n{spec['name']}: {count_parameters(model):,} parameters, {spec['config']}")
     held_out = lambda: teacher_forced_accuracy(kind, model, test_pairs, src_vocab, tgt_vocab, readings)  # noqa: E731
-    result = train(model, dataset, held_out,
-                   epochs=epochs or spec["epochs"], batch_size=spec["batch_size"], lr_factor=spec["lr_factor"],
-                   warmup=spec["warmup"], seed=seed, log=log, router_bias_rate=spec.get("router_bias_rate", 0.0))
+    result = train(model, dataset, held_out, epochs=epochs or spec["epochs"], batch_size=spec["batch_size"],
+                   seed=seed, log=log, update=recipe_update(model, spec))
     return model, src_vocab, tgt_vocab, result
 
 
@@ -5115,7 +5149,7 @@ def run(args, device, pairs, loaded):
                 elif any(isinstance(m, MoE) for m in model.modules()):
                     print("\nexpert load on the held-out sentences (share of each MoE layer's routed slots):")
                     print(render_expert_load(expert_load(model, fits, tgt_vocab)))
-                if kind == "deepseek":  # the trained model's latent cache, measured against section 21's formula
+                if kind == "deepseek":  # the trained model's latent cache, measured against section 28's formula
                     cache, cfg = model.new_cache(), model.config
                     pinyin, hanzi = fits[0]
                     ids = tgt_vocab.encode(pinyin.split() + [SEP]) + tgt_vocab.encode(list(hanzi))
@@ -5219,7 +5253,7 @@ TRAINING_BENCH_SIZES = [  # name, the model's widths, batch, length, steps a rou
 
 
 def bench_training(device, rounds=3, sizes=TRAINING_BENCH_SIZES):
-    """Ours as written and with fused kernels (section 22) against nn.Transformer, same
+    """Ours as written and with fused kernels (section 29) against nn.Transformer, same
     configuration and weights, alternating. No dropout, as the demo trains (with it,
     PyTorch's attention on a CPU falls back to the unfused formula)."""
     print("training throughput, forward + backward + Adam, no dropout, target tokens/s (median of "
@@ -5317,11 +5351,11 @@ def attention_peak_bytes(kind, T, H, dk):
 
 def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64, window=256, n_new=8192,
                          requests=(12, 40, 90, 300, 700, 1500), block_size=16):
-    """Part IV measured: FlashAttention's tiles against section 2 at each of lengths,
+    """Part V measured: FlashAttention's tiles against section 2 at each of lengths,
     the rolling cache against the full one (n_new tokens through a window), the
     paged cache against a padded one (a batch of requests of these lengths)."""
     print(f"\nattention, causal, batch 1, {heads} heads of {dk}: section 2 against flash_attention "
-          f"(block 64, section 22)")
+          f"(block 64, section 29)")
     print(f"  {'tokens':>6s} {'threads':>7s} {'section 2':>10s} {'flash':>8s} {'peak memory: section 2':>23s}"
           f" {'flash':>9s}  {'[T, T] scores alone':>20s}  max |diff|")
     threads = torch.get_num_threads()                                      # []: the caller's, restored after
@@ -5366,7 +5400,7 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64, window=25
         held[kind] = (sum(c.k.nbytes + c.v.nbytes for c in cache), time.perf_counter() - start)
         tokens[kind] = ids
     torch.set_num_threads(threads)
-    print(f"\nsliding window {window} (section 23): Mistral d64, 2 layers, 2 kv heads of 16, float32, "
+    print(f"\nsliding window {window} (section 30): Mistral d64, 2 layers, 2 kv heads of 16, float32, "
           f"{n_new} tokens generated, 1 thread")
     for kind, (nbytes, seconds) in held.items():
         print(f"  {kind:8s} cache: {nbytes / 1024:8.0f} KiB held after {n_new + 8} tokens ({seconds:.1f} s)")
@@ -5384,7 +5418,7 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64, window=25
     block_bytes = pool.k[0].nbytes + pool.v[0].nbytes                      # one block's keys and values
     paged = (pool.n_blocks - pool.n_free) * block_bytes
     padded = 2 * len(model.layers) * len(requests) * max(requests) * pool.k[0, :, 0].nbytes  # [B, Hkv, max, dk] x2
-    print(f"\npaged KV cache (section 24): a batch of {len(requests)} requests of {', '.join(map(str, requests))} "
+    print(f"\npaged KV cache (section 31): a batch of {len(requests)} requests of {', '.join(map(str, requests))} "
           f"tokens, the same Llama without a window")
     print(f"  padded [B, {max(requests)}] cache: {padded / 1024:6.0f} KiB reserved; paged, blocks of {block_size}: "
           f"{paged / 1024:4.0f} KiB in {pool.n_blocks - pool.n_free} blocks "
@@ -5431,9 +5465,8 @@ def train_decoder_recipe(kind, spec, train_pairs, test_pairs, seed, device):
     model = cls(vocab_size=len(vocab), max_len=max_len, **spec["config"]).to(device)
     dataset = PromptDataset(with_pieces(train_pairs, spec.get("spans", 0), seed), vocab)
     result = train(model, dataset, lambda: teacher_forced_accuracy(kind, model, test_pairs, vocab, vocab, readings),
-                   epochs=spec["epochs"], batch_size=spec["batch_size"], lr_factor=spec["lr_factor"],
-                   warmup=spec["warmup"], seed=seed, log=lambda line: None,
-                   router_bias_rate=spec.get("router_bias_rate", 0.0))
+                   epochs=spec["epochs"], batch_size=spec["batch_size"], seed=seed, log=lambda line: None,
+                   update=recipe_update(model, spec))
     return model, vocab, result["accuracy"]
 
 
