@@ -1478,6 +1478,48 @@ def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=N
     return right.all(dim=1).sum().item() / len(pairs)                     # [B] -> sentences all right / B
 
 
+# Both models of Part I on the task, each by a recipe: small enough to train in seconds on
+# two CPU cores. Chosen by measurement: two epochs, after which greedy decoding alone (the
+# epoch lines' held-out accuracy) is at 97.9-100% and the demo's beam of 4 at 99.2-100% on
+# seeds 0, 1 and 2; batches of 32 (more updates for the same work), a short warmup, no
+# dropout (the data has no noise to overfit to in 2 epochs). Later parts add their models.
+TOY_MODELS = {
+    "encdec": dict(name="encoder-decoder", model=Transformer, epochs=2, lr_factor=0.25, warmup=50, batch_size=32,
+                   config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=2, dropout=0.0)),
+    "gpt": dict(name="decoder-only (GPT)", model=DecoderOnlyTransformer, epochs=2, lr_factor=0.35, warmup=30,
+                batch_size=32, config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=3, dropout=0.0)),
+}
+
+
+def train_toy_model(kind, train_pairs, test_pairs, device="cpu", epochs=None, seed=0, log=print, recipes=None):
+    """Build the model of recipe (recipes or TOY_MODELS)[kind] for the data and train it, the
+    held-out accuracy after each epoch; -> (model, src_vocab, tgt_vocab, train's result)."""
+    check_list("train_pairs", train_pairs, "(pinyin, hanzi) pairs")
+    check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
+    spec = (recipes or TOY_MODELS)[kind]
+    # room for the longest sentence twice (a decoder-only sequence holds pinyin and hanzi) + <sep> + <eos>
+    max_len = 2 * max(len(pinyin.split()) for pinyin, _ in train_pairs + test_pairs) + 2
+    torch.manual_seed(seed)
+    readings = syllable_readings(train_pairs)
+    if spec["model"] is Transformer:
+        src_vocab, tgt_vocab = build_vocabs(train_pairs)
+        model = Transformer(src_vocab_size=len(src_vocab), tgt_vocab_size=len(tgt_vocab), max_len=max_len,
+                            **spec["config"])
+        dataset = PinyinDataset(train_pairs, src_vocab, tgt_vocab)
+    else:
+        src_vocab = tgt_vocab = build_gpt_vocab(train_pairs)
+        model = spec["model"](vocab_size=len(tgt_vocab), max_len=max_len, **spec["config"])
+        dataset = PromptDataset(train_pairs, tgt_vocab)
+    model.to(device)
+    log(f"\n{spec['name']}: {count_parameters(model):,} parameters, {spec['config']}")
+    held_out = lambda: teacher_forced_accuracy(kind, model, test_pairs, src_vocab, tgt_vocab, readings)  # noqa: E731
+    # a recipe may bring its own update step (section 27's balances its experts)
+    update = spec["update"](model) if "update" in spec else adam_noam(model, spec["lr_factor"], spec["warmup"])
+    result = train(model, dataset, held_out, epochs=epochs or spec["epochs"], batch_size=spec["batch_size"],
+                   seed=seed, log=log, update=update)
+    return model, src_vocab, tgt_vocab, result
+
+
 # ===========================================================================
 # 17. The attention heatmap (注意力热力图)
 # ===========================================================================
@@ -1862,6 +1904,12 @@ class Llama(nn.Module):
 #   True
 #   >>> model.generate(ids[:, :3], max_new_tokens=5).shape
 #   torch.Size([1, 8])
+
+
+# The Llama on the toy task of Part II, by the GPT's recipe (section 16): two blocks of GQA
+# with RoPE and SwiGLU learn it as fast.
+TOY_MODELS["llama"] = dict(name="Llama-style", model=Llama, epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
+                           config=dict(d_model=64, n_heads=4, n_kv_heads=2, d_ff=256, n_layers=2))
 
 
 # ===========================================================================
@@ -2525,6 +2573,16 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
 #   torch.Size([2, 5, 100])
 #   >>> torch.equal(ds.generate(ids, max_new_tokens=6), ds.generate(ids, max_new_tokens=6, use_cache=False))
 #   True
+
+
+# On the toy task (section 16): MLA, a dense first block, then a block of 8 sigmoid-routed
+# experts (2 a token) and a shared one, balanced by the router bias after every step
+# (DeepSeek-V3's rate, 0.001, moves too little in 150 steps).
+TOY_MODELS["deepseek"] = dict(
+    name="DeepSeek-style", model=DeepSeekV3, epochs=2, batch_size=32,
+    update=lambda model: with_router_bias(adam_noam(model, lr_factor=0.35, warmup=50), model, rate=0.01),
+    config=dict(d_model=64, n_heads=4, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, d_ff=256,
+                expert_d_ff=32, n_experts=8, top_k=2, n_shared=1, n_layers=2, n_dense_layers=1))
 
 
 # ===========================================================================
@@ -4097,6 +4155,91 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 #   tensor([0.5000, 0.3000, 0.2000, 0.0000])
 
 
+# Measured on the toy task: speculative_report trains a target of section 16's recipe and a
+# draft one layer deep at half the width (a few seconds each), then answers held-out prompts
+# each way and prints one table: the tokens kept, target forwards, speed, the same tokens.
+
+# a draft for each decoder-only toy recipe: the target's kind and training, one layer at
+# half the width (the vocabulary is the target's: both are built from the same train pairs)
+DRAFT_MODELS = {
+    "gpt": dict(TOY_MODELS["gpt"], name="GPT, 1 layer of 32",
+                config=dict(d_model=32, n_heads=2, d_ff=128, n_layers=1, dropout=0.0)),
+    "llama": dict(TOY_MODELS["llama"], name="Llama-style, 1 layer of 32",
+                  config=dict(d_model=32, n_heads=2, n_kv_heads=1, d_ff=128, n_layers=1)),
+}
+
+
+@contextlib.contextmanager
+def count_forwards(*models):
+    """Within the block, {model: forwards run so far}, counted by forward pre-hooks."""
+    counts = {model: 0 for model in models}
+    hooks = [model.register_forward_pre_hook(lambda m, args: counts.__setitem__(m, counts[m] + 1))
+             for model in models]
+    try:
+        yield counts
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), device="cpu", log=print):
+    """Train the toy target (TOY_MODELS[kind]) and its draft (DRAFT_MODELS[kind]) on the
+    split of seed; answer n_prompts held-out prompts "pinyin <sep>" greedily (S + 1 tokens:
+    the answer and eos) with the target's generate, with speculative_generate for each k,
+    and with the draft alone (its cost); check the tokens are the target's, count the
+    drafted tokens kept, and time each way: every way answers each prompt in turn, in an
+    order that changes, so a busy moment of a shared machine falls on all of them; the
+    medians over repeats of their totals. -> {way: row of the table}."""
+    device = torch.device(device)
+    train_pairs, test_pairs = split_data(make_toy_data(), seed=seed)
+    quiet = lambda line: None  # noqa: E731
+    target, _, vocab, result = train_toy_model(kind, train_pairs, test_pairs, device, seed=seed, log=quiet)
+    draft, _, _, draft_result = train_toy_model(kind, train_pairs, test_pairs, device, seed=seed, log=quiet,
+                                                 recipes=DRAFT_MODELS)
+    target_accuracy, draft_accuracy = result["accuracy"], draft_result["accuracy"]
+    prompts = [(torch.tensor([vocab.encode(pinyin.split() + [SEP])], device=device), len(pinyin.split()) + 1)
+               for pinyin, _ in test_pairs[:n_prompts]]                    # ([1, S+1], S+1 new tokens) each
+    ways = {"target alone": lambda ids, n: target.generate(ids, n)}
+    ways.update({f"speculative k={k}": lambda ids, n, k=k: speculative_generate(target, draft, ids, n, k=k)
+                 for k in ks})
+    ways["draft alone"] = lambda ids, n: draft.generate(ids, n)
+    rows, new_tokens = {}, sum(n for _, n in prompts)
+    for way, answer in ways.items():  # once, counted: the tokens, and the forwards each model ran
+        with count_forwards(target, draft) as forwards:
+            outputs = [answer(ids, n) for ids, n in prompts]               # [1, S+1+S+1] each
+        rows[way] = dict(outputs=outputs, target_forwards=forwards[target], drafted=forwards[draft],
+                         seconds=[0.0] * repeats)
+    names = list(ways)
+    for r in range(repeats):
+        for i, (ids, n) in enumerate(prompts):
+            turn = (r + i) % len(names)
+            for way in names[turn:] + names[:turn]:
+                synchronize(device)
+                start = time.perf_counter()
+                ways[way](ids, n)
+                synchronize(device)
+                rows[way]["seconds"][r] += time.perf_counter() - start
+    median = {way: sorted(row["seconds"])[repeats // 2] for way, row in rows.items()}
+    log(f"\nspeculative decoding, seed {seed}: target {TOY_MODELS[kind]['name']}, {count_parameters(target):,}"
+        f" parameters; draft {DRAFT_MODELS[kind]['name']}, {count_parameters(draft):,} (held-out exact match,"
+        f" constrained as in training: {100 * target_accuracy:.1f}% and {100 * draft_accuracy:.1f}%)")
+    log(f"{len(prompts)} held-out prompts, {new_tokens} tokens written by plain greedy decoding (unconstrained),"
+        f" medians of {repeats} runs")
+    log(f"  {'way':18s} {'kept':>6s} {'tokens/target forward':>22s} {'tokens/s':>9s} {'speed-up':>8s}"
+        f"  same tokens as the target")
+    for way, row in rows.items():
+        same = all(torch.equal(a, b) for a, b in zip(row["outputs"], rows["target alone"]["outputs"]))  # [1, T] each
+        drafting = way.startswith("speculative")  # each round: 1 target forward, the kept tokens + 1 written
+        row.update(median_seconds=median[way], speedup=median["target alone"] / median[way],
+                   tokens_per_second=new_tokens / median[way], same=same,
+                   acceptance=(new_tokens - row["target_forwards"]) / row["drafted"] if drafting else None)
+        kept = f"{100 * row['acceptance']:5.1f}%" if row["acceptance"] is not None else f"{'-':>6s}"
+        per_forward = f"{new_tokens / row['target_forwards']:22.2f}" if row["target_forwards"] else f"{'-':>22s}"
+        log(f"  {way:18s} {kept} {per_forward} {row['tokens_per_second']:9.0f} {row['speedup']:7.2f}x"
+            f"  {'yes' if same else 'no' if way == 'draft alone' else 'NO'}")
+    return rows
+
+
 # ===========================================================================
 # 41. Sequence log-probabilities (序列对数概率)
 # ===========================================================================
@@ -4145,6 +4288,21 @@ def sequence_logprobs(model, input_ids, response_mask):
 #   (True, torch.Size([1, 6]))
 
 
+# The runs of this part on the toy task build their batches this way: prompt, then answer.
+
+def answer_batch(vocab, prompts, answers):
+    """Prompts (id lists) and hanzi answers -> "prompt answer <eos>" ids [N, L], padded on the
+    right, and the response mask [N, L], True on the answer and its eos."""
+    rows = [(p, vocab.encode(list(a)) + [Vocab.EOS]) for p, a in zip(prompts, answers)]
+    L = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((len(rows), L), Vocab.PAD)                                # [N, L]
+    mask = torch.zeros(len(rows), L, dtype=torch.bool)                        # [N, L]
+    for n, (p, a) in enumerate(rows):
+        ids[n, :len(p) + len(a)] = torch.tensor(p + a)                        # [len(p) + len(a)]
+        mask[n, len(p):len(p) + len(a)] = True
+    return ids, mask
+
+
 # ===========================================================================
 # 42. DPO (直接偏好优化)
 # ===========================================================================
@@ -4190,6 +4348,31 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1)
 #   (tensor([ 1.5000, -2.0000]), tensor([-0.5000,  1.0000]))
 #   >>> loss.backward(); pi_c.grad                                         # -0.5 * sigmoid(-margin) / 2
 #   tensor([-0.0298, -0.2381])
+
+
+# DPO on the toy task (section 43 runs it beside GRPO and plain supervised steps).
+
+def run_dpo(model, vocab, train_pairs, seed, p):
+    """Pairs from the model's own mistakes: the right answer (chosen) against its wrong free
+    greedy answer (rejected) on the training sentences it gets wrong; the model before DPO as
+    the reference. Each step p["prompts"] pairs."""
+    reference = copy.deepcopy(model).requires_grad_(False)
+    greedy = gpt_translate(model, [pinyin for pinyin, _ in train_pairs], vocab)
+    wrong = [(pinyin, hanzi, g) for (pinyin, hanzi), g in zip(train_pairs, greedy) if g != hanzi]
+    optimizer = AdamW(model.parameters(), weight_decay=0.0, lr=p["dpo_lr"])
+    rng = random.Random(seed)
+    for _ in range(p["steps"]):
+        batch = rng.sample(wrong, min(p["prompts"], len(wrong)))
+        prompts = [vocab.encode(pinyin.split() + [SEP]) for pinyin, _, _ in batch]
+        ids, mask = answer_batch(vocab, prompts * 2, [h for _, h, _ in batch] + [g for _, _, g in batch])  # [2P, L]
+        with torch.no_grad():
+            ref_chosen, ref_rejected = sequence_logprobs(reference, ids, mask).chunk(2)  # [P] each
+        chosen, rejected = sequence_logprobs(model, ids, mask).chunk(2)        # [P] each
+        loss, _, _ = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, p["beta"])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return f"{len(wrong)} pairs"
 
 
 # ===========================================================================
@@ -4268,6 +4451,155 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
 #   >>> loss.backward(); logp.grad                                         # -A / (tokens * N); not 0
 #   tensor([[-0.1667, -0.1667, -0.1667],
 #           [ 0.2500,  0.2500, ...0.0000]])
+
+
+# After pretraining (sections 41-43), measured on the toy. The demo's GPT trained for 60
+# batches (0.9 of an epoch) gets 30-31% of the held-out sentences right on seeds 0-2 when it
+# decodes freely (no syllable readings), and each method starts from it for 40 steps of 16
+# prompts. The reward is verifiable: the fraction of characters right, position by position,
+# over the longer of answer and reference (evaluate's character accuracy). Learning rates:
+# each method's best on seed 3 (Adam, no schedule; GRPO's 3e-4 and 1e-3 a sentence apart,
+# DPO's beta the best of 0.1, 0.5 and 1). GRPO samples at temperature 1, and at 0.5 beside it.
+# Held-out sentences gained (of 240) on seeds 0, 1, 2: SFT +46, +68, +71; DPO +19, +31, +26;
+# GRPO at temperature 0.5 +18, +37, +11; GRPO at temperature 1 -6, -1, -7, while the mean
+# reward of answers drawn at temperature 1 rises from 0.38-0.41 to 0.50-0.54: it sharpens
+# the samples toward what greedy decoding already answers, and greedy loses a few sentences.
+PREFERENCE = dict(start_steps=60, steps=40, prompts=16, group=8, grpo_lr=1e-3, clip_eps=0.2, kl_beta=0.04,
+                  dpo_lr=2e-4, beta=0.5, sft_lr=3e-3)
+
+
+def char_reward(answer, reference):
+    """Fraction of characters right, position by position, over max(len): 1 for the reference only."""
+    return sum(a == r for a, r in zip(answer, reference)) / max(len(answer), len(reference), 1)
+
+
+@torch.no_grad()
+def sample_answers(model, prompt, allowed, generator, temperature=1.0):
+    """prompt [B, S+1] ("pinyin <sep>", one length), allowed [B, S+1, V] (answer_masks)
+    -> answers [B, S+1], drawn token by token with the cache; pad after eos."""
+    ids, cache = prompt, model.new_cache()
+    done = torch.zeros(prompt.size(0), dtype=torch.bool, device=prompt.device)  # [B]
+    with eval_mode(model):
+        for i in range(allowed.size(1)):
+            logits = model(ids, cache)[:, -1]                                  # [B, V]
+            # -1e9, not -inf or float32's lowest: next_token refuses either once divided by a temperature
+            logits = logits.masked_fill(~allowed[:, i], -1e9)                  # [B, V]
+            token = next_token(logits, temperature, generator=generator)[:, 0]  # [B]
+            token = token.masked_fill(done, Vocab.PAD)                         # [B]
+            done |= token == Vocab.EOS
+            ids = torch.cat([ids, token[:, None]], dim=1)                      # [B, t+1]
+    return ids[:, prompt.size(1):]                                             # [B, S+1]
+
+
+def pairs_by_length(pairs):
+    """{syllable count: pairs}: prompts of one length share a batch with no padding."""
+    buckets = {}
+    for pair in pairs:
+        buckets.setdefault(len(pair[0].split()), []).append(pair)
+    return buckets
+
+
+def sampled_answers(model, vocab, pairs, group, generator, temperature=1.0):
+    """group answers drawn for each pair (pairs of one length) -> (ids [N, L], response mask
+    [N, L], rewards [len(pairs), group]), N = len(pairs) * group, a prompt's answers consecutive."""
+    syllables = [pinyin.split() for pinyin, _ in pairs for _ in range(group)]  # N lists of S
+    prompt = torch.tensor([vocab.encode(s + [SEP]) for s in syllables])       # [N, S+1]
+    drawn = sample_answers(model, prompt, answer_masks(syllables, vocab), generator, temperature)  # [N, S+1]
+    texts = ["".join(vocab.decode(row)) for row in drawn.tolist()]
+    references = [hanzi for _, hanzi in pairs for _ in range(group)]
+    rewards = torch.tensor([char_reward(text, hanzi) for text, hanzi in zip(texts, references)])  # [N]
+    ids, mask = answer_batch(vocab, prompt.tolist(), texts)                   # [N, L] each
+    return ids, mask, rewards.view(len(pairs), group)                          # ..., [len(pairs), group]
+
+
+def sampled_reward(model, vocab, pairs, seed=0, group=2):
+    """Mean reward of answers drawn at temperature 1 (what GRPO raises), over the pairs."""
+    generator, rewards = torch.Generator().manual_seed(seed), []
+    for bucket in pairs_by_length(pairs).values():
+        rewards.append(sampled_answers(model, vocab, bucket, group, generator)[2].flatten())  # [n * group]
+    return torch.cat(rewards).mean().item()                                   # [all] -> a float
+
+
+def run_grpo(model, vocab, train_pairs, seed, p, temperature=1.0):
+    """Each step: p["prompts"] prompts of one length (that of a prompt drawn at random), G
+    answers each, one gradient step on grpo_loss with old = the sampling model (on-policy)
+    and the model before GRPO as the reference. The policy is the model at `temperature`:
+    its log-probabilities are those of logits / temperature, the distribution sampled."""
+    reference = copy.deepcopy(model).requires_grad_(False)
+    policy = lambda ids: model(ids) / temperature                              # noqa: E731; [N, L, V]
+    optimizer = AdamW(model.parameters(), weight_decay=0.0, lr=p["grpo_lr"])
+    rng, generator, buckets = random.Random(seed), torch.Generator().manual_seed(seed), pairs_by_length(train_pairs)
+    for _ in range(p["steps"]):
+        bucket = buckets[len(rng.choice(train_pairs)[0].split())]
+        batch = rng.sample(bucket, min(p["prompts"], len(bucket)))
+        ids, mask, rewards = sampled_answers(model, vocab, batch, p["group"], generator, temperature)
+        with torch.no_grad():
+            ref_logprobs = token_logprobs(lambda ids: reference(ids) / temperature, ids)  # [N, L-1]
+        logprobs = token_logprobs(policy, ids)                                 # [N, L-1]
+        advantages = group_advantages(rewards).flatten()                       # [N]
+        loss = grpo_loss(logprobs, logprobs.detach(), ref_logprobs, advantages, mask[:, 1:], p["clip_eps"],
+                         p["kl_beta"])                                         # []
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return f"{p['steps'] * p['prompts'] * p['group']} answers drawn"
+
+
+def run_sft(model, vocab, train_pairs, seed, p):
+    """Plain supervised steps: cross-entropy on the right answers of p["prompts"] sentences."""
+    optimizer = AdamW(model.parameters(), weight_decay=0.0, lr=p["sft_lr"])
+    rng, data = random.Random(seed), PromptDataset(train_pairs, vocab)
+    for _ in range(p["steps"]):
+        ids, target = collate([data[i] for i in rng.sample(range(len(data)), p["prompts"])])  # [B, T] each
+        logits = model(ids)                                                    # [B, T, V]
+        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=Vocab.PAD)  # []
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return f"{p['steps'] * p['prompts']} sentences"
+
+
+def preference_start(seed, steps):
+    """The toy data of seed and the demo's GPT (TOY_MODELS["gpt"]) trained by train() for `steps`
+    batches of its recipe, one epoch over the first steps * batch_size training pairs
+    -> (model, vocab, train_pairs, test_pairs)."""
+    pairs = make_toy_data(seed=seed)
+    train_pairs, test_pairs = split_data(pairs, seed=seed)
+    vocab, spec = build_gpt_vocab(train_pairs), TOY_MODELS["gpt"]
+    torch.manual_seed(seed)
+    model = DecoderOnlyTransformer(vocab_size=len(vocab), max_len=2 * max(len(p.split()) for p, _ in pairs) + 2,
+                                   **spec["config"])
+    train(model, PromptDataset(train_pairs[:steps * spec["batch_size"]], vocab), lambda: 0.0, epochs=1,
+          batch_size=spec["batch_size"], lr_factor=spec["lr_factor"], warmup=spec["warmup"], seed=seed,
+          log=lambda line: None)
+    return model, vocab, train_pairs, test_pairs
+
+
+def preference_report(seed=0, **changes):
+    """One table for one seed: held-out free greedy exact match (and the mean reward of
+    answers drawn at temperature 1) before and after GRPO, DPO and supervised steps, each
+    from the same start, with the seconds each took. -> {method: (exact, reward, seconds)}."""
+    p = {**PREFERENCE, **changes}
+    clock = time.perf_counter()
+    base, vocab, train_pairs, test_pairs = preference_start(seed, p["start_steps"])
+    exact = lambda model: evaluate(lambda s: gpt_translate(model, s, vocab), test_pairs)["accuracy"]  # noqa: E731
+    before = (exact(base), sampled_reward(base, vocab, test_pairs, seed))
+    print(f"seed {seed}: the GPT after {p['start_steps']} batches ({time.perf_counter() - clock:.1f} s); "
+          f"{p['steps']} steps of each method, {p['prompts']} prompts a step, {len(test_pairs)} held-out sentences")
+    print(f"  {'method':16s} {'exact match (greedy, free)':>27s} {'sampled reward':>17s} {'seconds':>8s}  data")
+    methods = [("GRPO", run_grpo), ("GRPO, T = 0.5", lambda *a: run_grpo(*a, temperature=0.5)),
+               ("DPO", run_dpo), ("SFT", run_sft)]
+    rows = {}
+    for name, method in methods:
+        model = copy.deepcopy(base)
+        torch.manual_seed(seed)
+        clock = time.perf_counter()
+        data = method(model, vocab, train_pairs, seed, p)
+        seconds = time.perf_counter() - clock
+        rows[name] = (exact(model), sampled_reward(model, vocab, test_pairs, seed), seconds)
+        print(f"  {name:16s} {100 * before[0]:12.1f}% -> {100 * rows[name][0]:5.1f}%"
+              f" {before[1]:8.3f} -> {rows[name][1]:.3f} {seconds:8.1f}  {data}")
+    return {"before": before, **rows}
 
 
 # ===========================================================================
@@ -4701,41 +5033,21 @@ CLASSIC_CONFIGS = [
         tie_weights=True), "117M in the paper, 124M corrected"),
     ("GPT of the decoder-only tutorial", "gpt", TUTORIAL_GPT_CONFIG, "3000多万 (30-odd M)"),
 ]
-# the toy models, small enough to train in seconds on two CPU cores. Recipes chosen by
-# measurement (README, "Performance"): two epochs, after which greedy decoding alone
-# (the epoch lines' held-out accuracy) is at 97.9-100% and the demo's beam of 4 at
-# 99.2-100% on seeds 0, 1 and 2; batches of 32 (more updates for the same work), a
-# short warmup, no dropout (the data has no noise to overfit to in 2 epochs)
-TOY_MODELS = {
-    "encdec": dict(name="encoder-decoder", epochs=2, lr_factor=0.25, warmup=50, batch_size=32,
-                   config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=2, dropout=0.0)),
-    "gpt": dict(name="decoder-only (GPT)", epochs=2, lr_factor=0.35, warmup=30, batch_size=32,
-                config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=3, dropout=0.0)),
-    "llama": dict(name="Llama-style", epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
-                  config=dict(d_model=64, n_heads=4, n_kv_heads=2, d_ff=256, n_layers=2)),
-    # MLA, a dense first block, then a block of 8 sigmoid-routed experts (2 a token) and a
-    # shared one, balanced by the router bias after every step (DeepSeek-V3's 0.001 moves
-    # too little in 150 steps)
-    "deepseek": dict(name="DeepSeek-style", epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
-                     router_bias_rate=0.01,
-                     config=dict(d_model=64, n_heads=4, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8,
-                                 v_head_dim=16, d_ff=256, expert_d_ff=32, n_experts=8, top_k=2, n_shared=1,
-                                 n_layers=2, n_dense_layers=1)),
-}
 # --size base, the default for --data: real sentences need more than the toy's 90
 # words. Measured on 2,500 everyday sentences (README, "Decoding"): twice the width,
 # a third layer, dropout against overfitting, each sentence plus one random piece of
 # it (drawn once, before training); 12 epochs to stay within 5 minutes on 2 cores
 BASE_MODELS = {
-    "encdec": dict(name="encoder-decoder", epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1,
-                   config=dict(d_model=128, n_heads=4, d_ff=512, n_layers=3, dropout=0.1)),
-    "gpt": dict(name="decoder-only (GPT)", epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1,
-                config=dict(d_model=128, n_heads=4, d_ff=512, n_layers=4, dropout=0.1)),
-    "llama": dict(name="Llama-style", epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1,
-                  config=dict(d_model=128, n_heads=4, n_kv_heads=2, d_ff=344, n_layers=4)),
+    "encdec": dict(name="encoder-decoder", model=Transformer, epochs=12, lr_factor=0.25, warmup=150,
+                   batch_size=32, spans=1, config=dict(d_model=128, n_heads=4, d_ff=512, n_layers=3, dropout=0.1)),
+    "gpt": dict(name="decoder-only (GPT)", model=DecoderOnlyTransformer, epochs=12, lr_factor=0.25, warmup=150,
+                batch_size=32, spans=1, config=dict(d_model=128, n_heads=4, d_ff=512, n_layers=4, dropout=0.1)),
+    "llama": dict(name="Llama-style", model=Llama, epochs=12, lr_factor=0.25, warmup=150, batch_size=32,
+                  spans=1, config=dict(d_model=128, n_heads=4, n_kv_heads=2, d_ff=344, n_layers=4)),
     # not yet measured on real sentences: the Llama-style recipe's width and depth, MLA and experts
-    "deepseek": dict(name="DeepSeek-style", epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1,
-                     router_bias_rate=0.001,
+    "deepseek": dict(name="DeepSeek-style", model=DeepSeekV3, epochs=12, lr_factor=0.25, warmup=150,
+                     batch_size=32, spans=1, update=lambda model: with_router_bias(adam_noam(model, 0.25, 150), model,
+                                                                                  0.001),
                      config=dict(d_model=128, n_heads=4, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16,
                                  v_head_dim=32, d_ff=344, expert_d_ff=64, n_experts=8, top_k=2, n_shared=1,
                                  n_layers=4, n_dense_layers=1)),
@@ -4980,40 +5292,6 @@ def show_lora(device, seed=0):
           f" ({time.perf_counter() - start:.0f} s in all)")
 
 
-def recipe_update(model, spec):
-    """A recipe's update step: adam_noam at its lr_factor and warmup, the router bias moved after
-    every step where it names a rate (section 25)."""
-    update = adam_noam(model, spec["lr_factor"], spec["warmup"])
-    return with_router_bias(update, model, spec["router_bias_rate"]) if "router_bias_rate" in spec else update
-
-
-def train_toy_model(kind, train_pairs, test_pairs, device, epochs, seed, log=print, size="small"):
-    """Build one model of a recipe in SIZES for the data, train it;
-    -> (model, src_vocab, tgt_vocab, result)."""
-    check_list("train_pairs", train_pairs, "(pinyin, hanzi) pairs")
-    check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
-    spec = SIZES[size][kind]
-    # room for the longest sentence twice (a decoder-only sequence holds pinyin and hanzi) + <sep> + <eos>
-    max_len = 2 * max(len(pinyin.split()) for pinyin, _ in train_pairs + test_pairs) + 2
-    torch.manual_seed(seed)
-    readings = syllable_readings(train_pairs)
-    if kind == "encdec":
-        src_vocab, tgt_vocab = build_vocabs(train_pairs)
-        model = Transformer(src_vocab_size=len(src_vocab), tgt_vocab_size=len(tgt_vocab), max_len=max_len,
-                            **spec["config"])
-        dataset = PinyinDataset(with_pieces(train_pairs, spec.get("spans", 0), seed), src_vocab, tgt_vocab)
-    else:
-        src_vocab = tgt_vocab = build_gpt_vocab(train_pairs)
-        model = MODEL_CLASSES[kind](vocab_size=len(tgt_vocab), max_len=max_len, **spec["config"])
-        dataset = PromptDataset(with_pieces(train_pairs, spec.get("spans", 0), seed), tgt_vocab)
-    model.to(device)
-    print(f"\n{spec['name']}: {count_parameters(model):,} parameters, {spec['config']}")
-    held_out = lambda: teacher_forced_accuracy(kind, model, test_pairs, src_vocab, tgt_vocab, readings)  # noqa: E731
-    result = train(model, dataset, held_out, epochs=epochs or spec["epochs"], batch_size=spec["batch_size"],
-                   seed=seed, log=log, update=recipe_update(model, spec))
-    return model, src_vocab, tgt_vocab, result
-
-
 def longest_sentence(kind, model):
     """The most syllables the model can answer, 0 for none: the encoder-decoder needs
     S + 1 decoder positions after bos (max_len 3 for one syllable), a decoder-only model
@@ -5127,9 +5405,10 @@ def run(args, device, pairs, loaded):
         if loaded:
             model, src_vocab, tgt_vocab, readings, result = *loaded[1:], {}
         else:
+            spans = SIZES[args.size][kind].get("spans", 0)  # a piece of a sentence is one more: the vocabulary stays
             model, src_vocab, tgt_vocab, result = train_toy_model(  # each epoch shown as it ends, even | tee
-                kind, train_pairs, test_pairs, device, args.epochs, args.seed, size=args.size,
-                log=lambda line: print(line, flush=True))
+                kind, with_pieces(train_pairs, spans, args.seed), test_pairs, device, args.epochs, args.seed,
+                log=lambda line: print(line, flush=True), recipes=SIZES[args.size])
             readings = syllable_readings(train_pairs)
         if not answering:
             longest = longest_sentence(kind, model)
@@ -5438,290 +5717,6 @@ def bench_time_to_99(device, seed=0, epochs=6, n_sentences=2400):
         reached = next(((epoch, seconds) for epoch, seconds, accuracy in result["history"] if accuracy >= 0.99), None)
         print(f"  {spec['name']:20s} " + (f"{reached[1]:5.1f} s (epoch {reached[0]})" if reached else
                                            f"not within {epochs} epochs"))
-
-
-# Speculative decoding on the toy task (section 40), measured: for the tools part, beside
-# the benchmark (it trains two toy models with the demo's recipe, so it cannot live in the
-# article). speculative_report(seed) trains both (seconds) and prints one table.
-
-# a draft for each decoder-only toy recipe: the target's kind and training, one layer at
-# half the width (the vocabulary is the target's: both are built from the same train pairs)
-DRAFT_MODELS = {
-    "gpt": dict(TOY_MODELS["gpt"], name="GPT, 1 layer of 32",
-                config=dict(d_model=32, n_heads=2, d_ff=128, n_layers=1, dropout=0.0)),
-    "llama": dict(TOY_MODELS["llama"], name="Llama-style, 1 layer of 32",
-                  config=dict(d_model=32, n_heads=2, n_kv_heads=1, d_ff=128, n_layers=1)),
-}
-
-
-def train_decoder_recipe(kind, spec, train_pairs, test_pairs, seed, device):
-    """train_toy_model's decoder-only path for a recipe given as a dict, quiet: for
-    TOY_MODELS[kind], train_toy_model's model weight for weight (checked on seed 0);
-    -> (model, vocab, held-out accuracy)."""
-    max_len = 2 * max(len(pinyin.split()) for pinyin, _ in train_pairs + test_pairs) + 2
-    torch.manual_seed(seed)
-    vocab, readings = build_gpt_vocab(train_pairs), syllable_readings(train_pairs)
-    cls = MODEL_CLASSES[kind]
-    model = cls(vocab_size=len(vocab), max_len=max_len, **spec["config"]).to(device)
-    dataset = PromptDataset(with_pieces(train_pairs, spec.get("spans", 0), seed), vocab)
-    result = train(model, dataset, lambda: teacher_forced_accuracy(kind, model, test_pairs, vocab, vocab, readings),
-                   epochs=spec["epochs"], batch_size=spec["batch_size"], seed=seed, log=lambda line: None,
-                   update=recipe_update(model, spec))
-    return model, vocab, result["accuracy"]
-
-
-@contextlib.contextmanager
-def count_forwards(*models):
-    """Within the block, {model: forwards run so far}, counted by forward pre-hooks."""
-    counts = {model: 0 for model in models}
-    hooks = [model.register_forward_pre_hook(lambda m, args: counts.__setitem__(m, counts[m] + 1))
-             for model in models]
-    try:
-        yield counts
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
-def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), device="cpu", log=print):
-    """Train the toy target (TOY_MODELS[kind]) and its draft (DRAFT_MODELS[kind]) on the
-    split of seed; answer n_prompts held-out prompts "pinyin <sep>" greedily (S + 1 tokens:
-    the answer and eos) with the target's generate, with speculative_generate for each k,
-    and with the draft alone (its cost); check the tokens are the target's, count the
-    drafted tokens kept, and time each way: every way answers each prompt in turn, in an
-    order that changes, so a busy moment of a shared machine falls on all of them; the
-    medians over repeats of their totals. -> {way: row of the table}."""
-    device = torch.device(device)
-    train_pairs, test_pairs = split_data(make_toy_data(), seed=seed)
-    target, vocab, target_accuracy = train_decoder_recipe(kind, TOY_MODELS[kind], train_pairs, test_pairs, seed,
-                                                          device)
-    draft, _, draft_accuracy = train_decoder_recipe(kind, DRAFT_MODELS[kind], train_pairs, test_pairs, seed, device)
-    prompts = [(torch.tensor([vocab.encode(pinyin.split() + [SEP])], device=device), len(pinyin.split()) + 1)
-               for pinyin, _ in test_pairs[:n_prompts]]                    # ([1, S+1], S+1 new tokens) each
-    ways = {"target alone": lambda ids, n: target.generate(ids, n)}
-    ways.update({f"speculative k={k}": lambda ids, n, k=k: speculative_generate(target, draft, ids, n, k=k)
-                 for k in ks})
-    ways["draft alone"] = lambda ids, n: draft.generate(ids, n)
-    rows, new_tokens = {}, sum(n for _, n in prompts)
-    for way, answer in ways.items():  # once, counted: the tokens, and the forwards each model ran
-        with count_forwards(target, draft) as forwards:
-            outputs = [answer(ids, n) for ids, n in prompts]               # [1, S+1+S+1] each
-        rows[way] = dict(outputs=outputs, target_forwards=forwards[target], drafted=forwards[draft],
-                         seconds=[0.0] * repeats)
-    names = list(ways)
-    for r in range(repeats):
-        for i, (ids, n) in enumerate(prompts):
-            turn = (r + i) % len(names)
-            for way in names[turn:] + names[:turn]:
-                synchronize(device)
-                start = time.perf_counter()
-                ways[way](ids, n)
-                synchronize(device)
-                rows[way]["seconds"][r] += time.perf_counter() - start
-    median = {way: sorted(row["seconds"])[repeats // 2] for way, row in rows.items()}
-    log(f"\nspeculative decoding, seed {seed}: target {TOY_MODELS[kind]['name']}, {count_parameters(target):,}"
-        f" parameters; draft {DRAFT_MODELS[kind]['name']}, {count_parameters(draft):,} (held-out exact match,"
-        f" constrained as in training: {100 * target_accuracy:.1f}% and {100 * draft_accuracy:.1f}%)")
-    log(f"{len(prompts)} held-out prompts, {new_tokens} tokens written by plain greedy decoding (unconstrained),"
-        f" medians of {repeats} runs")
-    log(f"  {'way':18s} {'kept':>6s} {'tokens/target forward':>22s} {'tokens/s':>9s} {'speed-up':>8s}"
-        f"  same tokens as the target")
-    for way, row in rows.items():
-        same = all(torch.equal(a, b) for a, b in zip(row["outputs"], rows["target alone"]["outputs"]))  # [1, T] each
-        drafting = way.startswith("speculative")  # each round: 1 target forward, the kept tokens + 1 written
-        row.update(median_seconds=median[way], speedup=median["target alone"] / median[way],
-                   tokens_per_second=new_tokens / median[way], same=same,
-                   acceptance=(new_tokens - row["target_forwards"]) / row["drafted"] if drafting else None)
-        kept = f"{100 * row['acceptance']:5.1f}%" if row["acceptance"] is not None else f"{'-':>6s}"
-        per_forward = f"{new_tokens / row['target_forwards']:22.2f}" if row["target_forwards"] else f"{'-':>22s}"
-        log(f"  {way:18s} {kept} {per_forward} {row['tokens_per_second']:9.0f} {row['speedup']:7.2f}x"
-            f"  {'yes' if same else 'no' if way == 'draft alone' else 'NO'}")
-    return rows
-
-
-# After pretraining (sections 41-43), measured on the toy. The demo's GPT trained for 60
-# batches (0.9 of an epoch) gets 30-31% of the held-out sentences right on seeds 0-2 when it
-# decodes freely (no syllable readings), and each method starts from it for 40 steps of 16
-# prompts. The reward is verifiable: the fraction of characters right, position by position,
-# over the longer of answer and reference (evaluate's character accuracy). Learning rates:
-# each method's best on seed 3 (Adam, no schedule; GRPO's 3e-4 and 1e-3 a sentence apart,
-# DPO's beta the best of 0.1, 0.5 and 1). GRPO samples at temperature 1, and at 0.5 beside it.
-# Held-out sentences gained (of 240) on seeds 0, 1, 2: SFT +46, +68, +71; DPO +19, +31, +26;
-# GRPO at temperature 0.5 +18, +37, +11; GRPO at temperature 1 -6, -1, -7, while the mean
-# reward of answers drawn at temperature 1 rises from 0.38-0.41 to 0.50-0.54: it sharpens
-# the samples toward what greedy decoding already answers, and greedy loses a few sentences.
-PREFERENCE = dict(start_steps=60, steps=40, prompts=16, group=8, grpo_lr=1e-3, clip_eps=0.2, kl_beta=0.04,
-                  dpo_lr=2e-4, beta=0.5, sft_lr=3e-3)
-
-
-def char_reward(answer, reference):
-    """Fraction of characters right, position by position, over max(len): 1 for the reference only."""
-    return sum(a == r for a, r in zip(answer, reference)) / max(len(answer), len(reference), 1)
-
-
-@torch.no_grad()
-def sample_answers(model, prompt, allowed, generator, temperature=1.0):
-    """prompt [B, S+1] ("pinyin <sep>", one length), allowed [B, S+1, V] (answer_masks)
-    -> answers [B, S+1], drawn token by token with the cache; pad after eos."""
-    ids, cache = prompt, model.new_cache()
-    done = torch.zeros(prompt.size(0), dtype=torch.bool, device=prompt.device)  # [B]
-    with eval_mode(model):
-        for i in range(allowed.size(1)):
-            logits = model(ids, cache)[:, -1]                                  # [B, V]
-            # -1e9, not -inf or float32's lowest: next_token refuses either once divided by a temperature
-            logits = logits.masked_fill(~allowed[:, i], -1e9)                  # [B, V]
-            token = next_token(logits, temperature, generator=generator)[:, 0]  # [B]
-            token = token.masked_fill(done, Vocab.PAD)                         # [B]
-            done |= token == Vocab.EOS
-            ids = torch.cat([ids, token[:, None]], dim=1)                      # [B, t+1]
-    return ids[:, prompt.size(1):]                                             # [B, S+1]
-
-
-def answer_batch(vocab, prompts, answers):
-    """Prompts (id lists) and hanzi answers -> "prompt answer <eos>" ids [N, L], padded on the
-    right, and the response mask [N, L], True on the answer and its eos."""
-    rows = [(p, vocab.encode(list(a)) + [Vocab.EOS]) for p, a in zip(prompts, answers)]
-    L = max(len(p) + len(a) for p, a in rows)
-    ids = torch.full((len(rows), L), Vocab.PAD)                                # [N, L]
-    mask = torch.zeros(len(rows), L, dtype=torch.bool)                        # [N, L]
-    for n, (p, a) in enumerate(rows):
-        ids[n, :len(p) + len(a)] = torch.tensor(p + a)                        # [len(p) + len(a)]
-        mask[n, len(p):len(p) + len(a)] = True
-    return ids, mask
-
-
-def pairs_by_length(pairs):
-    """{syllable count: pairs}: prompts of one length share a batch with no padding."""
-    buckets = {}
-    for pair in pairs:
-        buckets.setdefault(len(pair[0].split()), []).append(pair)
-    return buckets
-
-
-def preference_start(seed, steps):
-    """The toy data of seed and the demo's GPT (TOY_MODELS["gpt"]) trained by train() for `steps`
-    batches of its recipe, one epoch over the first steps * batch_size training pairs
-    -> (model, vocab, train_pairs, test_pairs)."""
-    pairs = make_toy_data(seed=seed)
-    train_pairs, test_pairs = split_data(pairs, seed=seed)
-    vocab, spec = build_gpt_vocab(train_pairs), TOY_MODELS["gpt"]
-    torch.manual_seed(seed)
-    model = DecoderOnlyTransformer(vocab_size=len(vocab), max_len=2 * max(len(p.split()) for p, _ in pairs) + 2,
-                                   **spec["config"])
-    train(model, PromptDataset(train_pairs[:steps * spec["batch_size"]], vocab), lambda: 0.0, epochs=1,
-          batch_size=spec["batch_size"], lr_factor=spec["lr_factor"], warmup=spec["warmup"], seed=seed,
-          log=lambda line: None)
-    return model, vocab, train_pairs, test_pairs
-
-
-def sampled_answers(model, vocab, pairs, group, generator, temperature=1.0):
-    """group answers drawn for each pair (pairs of one length) -> (ids [N, L], response mask
-    [N, L], rewards [len(pairs), group]), N = len(pairs) * group, a prompt's answers consecutive."""
-    syllables = [pinyin.split() for pinyin, _ in pairs for _ in range(group)]  # N lists of S
-    prompt = torch.tensor([vocab.encode(s + [SEP]) for s in syllables])       # [N, S+1]
-    drawn = sample_answers(model, prompt, answer_masks(syllables, vocab), generator, temperature)  # [N, S+1]
-    texts = ["".join(vocab.decode(row)) for row in drawn.tolist()]
-    references = [hanzi for _, hanzi in pairs for _ in range(group)]
-    rewards = torch.tensor([char_reward(text, hanzi) for text, hanzi in zip(texts, references)])  # [N]
-    ids, mask = answer_batch(vocab, prompt.tolist(), texts)                   # [N, L] each
-    return ids, mask, rewards.view(len(pairs), group)                          # ..., [len(pairs), group]
-
-
-def sampled_reward(model, vocab, pairs, seed=0, group=2):
-    """Mean reward of answers drawn at temperature 1 (what GRPO raises), over the pairs."""
-    generator, rewards = torch.Generator().manual_seed(seed), []
-    for bucket in pairs_by_length(pairs).values():
-        rewards.append(sampled_answers(model, vocab, bucket, group, generator)[2].flatten())  # [n * group]
-    return torch.cat(rewards).mean().item()                                   # [all] -> a float
-
-
-def run_grpo(model, vocab, train_pairs, seed, p, temperature=1.0):
-    """Each step: p["prompts"] prompts of one length (that of a prompt drawn at random), G
-    answers each, one gradient step on grpo_loss with old = the sampling model (on-policy)
-    and the model before GRPO as the reference. The policy is the model at `temperature`:
-    its log-probabilities are those of logits / temperature, the distribution sampled."""
-    reference = copy.deepcopy(model).requires_grad_(False)
-    policy = lambda ids: model(ids) / temperature                              # noqa: E731; [N, L, V]
-    optimizer = torch.optim.Adam(model.parameters(), lr=p["grpo_lr"])
-    rng, generator, buckets = random.Random(seed), torch.Generator().manual_seed(seed), pairs_by_length(train_pairs)
-    for _ in range(p["steps"]):
-        bucket = buckets[len(rng.choice(train_pairs)[0].split())]
-        batch = rng.sample(bucket, min(p["prompts"], len(bucket)))
-        ids, mask, rewards = sampled_answers(model, vocab, batch, p["group"], generator, temperature)
-        with torch.no_grad():
-            ref_logprobs = token_logprobs(lambda ids: reference(ids) / temperature, ids)  # [N, L-1]
-        logprobs = token_logprobs(policy, ids)                                 # [N, L-1]
-        advantages = group_advantages(rewards).flatten()                       # [N]
-        loss = grpo_loss(logprobs, logprobs.detach(), ref_logprobs, advantages, mask[:, 1:], p["clip_eps"],
-                         p["kl_beta"])                                         # []
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return f"{p['steps'] * p['prompts'] * p['group']} answers drawn"
-
-
-def run_dpo(model, vocab, train_pairs, seed, p):
-    """Pairs from the model's own mistakes: the right answer (chosen) against its wrong free
-    greedy answer (rejected) on the training sentences it gets wrong; the model before DPO as
-    the reference. Each step p["prompts"] pairs."""
-    reference = copy.deepcopy(model).requires_grad_(False)
-    greedy = gpt_translate(model, [pinyin for pinyin, _ in train_pairs], vocab)
-    wrong = [(pinyin, hanzi, g) for (pinyin, hanzi), g in zip(train_pairs, greedy) if g != hanzi]
-    optimizer = torch.optim.Adam(model.parameters(), lr=p["dpo_lr"])
-    rng = random.Random(seed)
-    for _ in range(p["steps"]):
-        batch = rng.sample(wrong, min(p["prompts"], len(wrong)))
-        prompts = [vocab.encode(pinyin.split() + [SEP]) for pinyin, _, _ in batch]
-        ids, mask = answer_batch(vocab, prompts * 2, [h for _, h, _ in batch] + [g for _, _, g in batch])  # [2P, L]
-        with torch.no_grad():
-            ref_chosen, ref_rejected = sequence_logprobs(reference, ids, mask).chunk(2)  # [P] each
-        chosen, rejected = sequence_logprobs(model, ids, mask).chunk(2)        # [P] each
-        loss, _, _ = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, p["beta"])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return f"{len(wrong)} pairs"
-
-
-def run_sft(model, vocab, train_pairs, seed, p):
-    """Plain supervised steps: cross-entropy on the right answers of p["prompts"] sentences."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=p["sft_lr"])
-    rng, data = random.Random(seed), PromptDataset(train_pairs, vocab)
-    for _ in range(p["steps"]):
-        ids, target = collate([data[i] for i in rng.sample(range(len(data)), p["prompts"])])  # [B, T] each
-        logits = model(ids)                                                    # [B, T, V]
-        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=Vocab.PAD)  # []
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return f"{p['steps'] * p['prompts']} sentences"
-
-
-def preference_report(seed=0, **changes):
-    """One table for one seed: held-out free greedy exact match (and the mean reward of
-    answers drawn at temperature 1) before and after GRPO, DPO and supervised steps, each
-    from the same start, with the seconds each took. -> {method: (exact, reward, seconds)}."""
-    p = {**PREFERENCE, **changes}
-    clock = time.perf_counter()
-    base, vocab, train_pairs, test_pairs = preference_start(seed, p["start_steps"])
-    exact = lambda model: evaluate(lambda s: gpt_translate(model, s, vocab), test_pairs)["accuracy"]  # noqa: E731
-    before = (exact(base), sampled_reward(base, vocab, test_pairs, seed))
-    print(f"seed {seed}: the GPT after {p['start_steps']} batches ({time.perf_counter() - clock:.1f} s); "
-          f"{p['steps']} steps of each method, {p['prompts']} prompts a step, {len(test_pairs)} held-out sentences")
-    print(f"  {'method':16s} {'exact match (greedy, free)':>27s} {'sampled reward':>17s} {'seconds':>8s}  data")
-    methods = [("GRPO", run_grpo), ("GRPO, T = 0.5", lambda *a: run_grpo(*a, temperature=0.5)),
-               ("DPO", run_dpo), ("SFT", run_sft)]
-    rows = {}
-    for name, run in methods:
-        model = copy.deepcopy(base)
-        torch.manual_seed(seed)
-        clock = time.perf_counter()
-        data = run(model, vocab, train_pairs, seed, p)
-        seconds = time.perf_counter() - clock
-        rows[name] = (exact(model), sampled_reward(model, vocab, test_pairs, seed), seconds)
-        print(f"  {name:16s} {100 * before[0]:12.1f}% -> {100 * rows[name][0]:5.1f}%"
-              f" {before[1]:8.3f} -> {rows[name][1]:.3f} {seconds:8.1f}  {data}")
-    return {"before": before, **rows}
 
 
 # ===========================================================================
