@@ -787,9 +787,11 @@ def decoder_only_param_formula(vocab_size, d_model, n_layers, d_ff, tie_weights=
 # ===========================================================================
 # A task small enough to learn in seconds on a CPU, the ways to decode an answer,
 # the training loop, and what the models learned. Python's standard library
-# supplies the rest: random for the toy data, time and signal for training.
+# supplies the rest: random for the toy data, time and signal for training, copy for
+# the later parts' runs, which start from a copy of a trained model.
 
 import contextlib
+import copy
 import random
 import signal
 import threading
@@ -2561,8 +2563,7 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
     return embeddings + layers + n_layers * 2 * d_model + d_model          # + two RMSNorms a block, final_norm
 
 # Try it: a DeepSeek-V3 in miniature, whose cache changes the speed, not the tokens.
-#   >>> torch.manual_seed(0)
-#   <torch._C.Generator object at ...>
+#   >>> _ = torch.manual_seed(0)
 #   >>> ds = DeepSeekV3(vocab_size=100, d_model=32, n_layers=3, n_heads=4, kv_lora_rank=16, qk_nope_dim=8,
 #   ...                 qk_rope_dim=4, v_head_dim=8, d_ff=64, expert_d_ff=16, n_experts=8, top_k=2,
 #   ...                 q_lora_rank=24, n_groups=4, topk_groups=2, routed_scale=2.5, max_len=32)
@@ -2906,6 +2907,14 @@ class RollingKVCache(KVCache):
             self.v = v[:, :, -self.window:].clone()                        # [B, Hkv, window, dk]
         return k, v
 
+    def crop(self, length):
+        """Keep the first `length` tokens seen (section 40 takes back rejected ones); not below those let go."""
+        length = min(length, len(self))
+        if length < self.dropped:
+            raise ValueError(f"cannot cut a rolling cache back to {length} tokens: it let {self.dropped} go")
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length - self.dropped], self.v[:, :, :length - self.dropped]  # [B, Hkv, held, dk]
+
 
 class SlidingWindowAttention(GroupedQueryAttention):
     """GQA whose queries see only the last `window` keys."""
@@ -3048,6 +3057,14 @@ class PagedKVCache:
         keys = store_k[self.blocks].transpose(0, 1).reshape(Hkv, nb * bs, -1)[None, :, :self.n]  # [1, Hkv, t, dk]
         values = store_v[self.blocks].transpose(0, 1).reshape(Hkv, nb * bs, -1)[None, :, :self.n]  # [1, Hkv, t, dv]
         return keys, values
+
+    def crop(self, length):
+        """Keep the first `length` tokens (section 40 takes back rejected ones): the blocks past
+        them go back to the pool; the next append writes over the slots after them."""
+        self.n = min(length, self.n)
+        used = -(-self.n // self.pool.block_size)                          # ceil: the blocks still needed
+        self.pool.give_back(self.blocks[used:])
+        self.blocks = self.blocks[:used]
 
     def free(self):
         """The sequence is done: its blocks go back to the pool."""
@@ -3459,6 +3476,26 @@ def accumulate_gradients(model, micro_batches, ignore_index=-100):
 #   >>> big = F.cross_entropy(gpt(ids).flatten(0, 1), targets.flatten())  # one batch, mean over 8
 #   >>> abs(loss - big.item()) < 1e-6
 #   True
+
+
+# The pieces of this part so far make section 13's update step, written out: the later runs
+# on the toy (LoRA's, section 39) train with it.
+
+def adamw_update(model, lr, warmup_steps, total_steps, weight_decay=0.01, max_norm=1.0):
+    """After each backward: clip_grad_norm to max_norm, a step of AdamW on decay_groups(model)
+    at lr * warmup_cosine(step, warmup_steps, total_steps), then the gradients cleared.
+    Only trained parameters take part (a frozen one has no gradient). -> update()."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = AdamW(decay_groups(model, weight_decay), lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, warmup_steps,
+                                                                                        total_steps))
+
+    def update():
+        clip_grad_norm(params, max_norm)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+    return update
 
 
 # ===========================================================================
@@ -4019,6 +4056,95 @@ def merge_lora(model, merge=True):
 #   (4194304, 4194304, '75.3 GiB saved')
 
 
+# LoRA on the toy task: a base model that never saw five predicates, adapted to them.
+# Five predicates the base model never sees, each a new character for a syllable it already
+# reads otherwise (xi 洗, shi 视, qi 气, ji 鸡, yi 意): the adapted model must learn when.
+LORA_NEW_PREDICATES = [("xi yi fu", "洗衣服"), ("kan dian shi", "看电视"), ("sheng qi", "生气"),
+                       ("chi ji dan", "吃鸡蛋"), ("hen you yi si", "很有意思")]
+# adapting: half the ~250 new sentences, 12 epochs of 4 batches of 32, with section 35's
+# adamw_update (AdamW, a warmup of 5 steps, then the cosine); each method's lr the best of a
+# sweep on seed 3 (mean of new and old accuracy)
+LORA_RECIPE = dict(epochs=12, batch_size=32, warmup_steps=5)
+LORA_LR, FULL_LR = 2e-2, 1e-3
+
+
+def lora_task(seed):
+    """The toy sentences split in four: old (without LORA_NEW_PREDICATES) for training and
+    held out, new ones for adapting and held out; vocabularies of all of them (each new
+    character has its rows from the start, untrained) and the readings of what is trained on."""
+    pairs = make_toy_data(seed=seed)
+    is_new = lambda p, h: any(p.endswith(" " + q) and h.endswith(g) for q, g in LORA_NEW_PREDICATES)  # noqa: E731
+    new = [pair for pair in pairs if is_new(*pair)]
+    old_train, old_test = split_data([pair for pair in pairs if not is_new(*pair)], seed=seed)
+    new_train, new_test = split_data(new, held_out=0.5, seed=seed)
+    src_vocab, tgt_vocab = build_vocabs(pairs)
+    return dict(old_train=old_train, old_test=old_test, new_train=new_train, new_test=new_test, src_vocab=src_vocab,
+                tgt_vocab=tgt_vocab, readings=syllable_readings(old_train + new_train), max_len=max(
+                    2 * len(p.split()) + 2 for p, _ in pairs))
+
+
+def lora_train(model, task, part, seed, update=None, epochs=2, batch_size=32):
+    """train() on task[part + "_train"], the epoch lines on task[part + "_test"]; -> seconds."""
+    data = PinyinDataset(task[part + "_train"], task["src_vocab"], task["tgt_vocab"])
+    held_out = lambda: teacher_forced_accuracy("encdec", model, task[part + "_test"], task["src_vocab"],  # noqa: E731
+                                               task["tgt_vocab"], task["readings"])
+    return train(model, data, held_out, epochs, batch_size, seed=seed, log=lambda line: None,
+                 update=update)["history"][-1][1]
+
+
+def lora_base(task, device, seed):
+    """Section 16's encoder-decoder recipe, trained on the old sentences; -> (model, seconds)."""
+    spec = TOY_MODELS["encdec"]
+    torch.manual_seed(seed)
+    model = Transformer(src_vocab_size=len(task["src_vocab"]), tgt_vocab_size=len(task["tgt_vocab"]),
+                        max_len=task["max_len"], **spec["config"]).to(device)
+    update = adam_noam(model, spec["lr_factor"], spec["warmup"])
+    return model, lora_train(model, task, "old", seed, update, spec["epochs"], spec["batch_size"])
+
+
+def lora_adapt(base, task, seed, lr, r=None, alpha=16, targets=("w_q", "w_v")):
+    """A copy of base trained on the new sentences with section 35's adamw_update: LoRA of
+    rank r, or every weight (r None). -> (model, seconds)."""
+    model = copy.deepcopy(base)
+    if r is not None:
+        add_lora(model, r=r, alpha=alpha, targets=targets)
+    recipe = LORA_RECIPE
+    steps = recipe["epochs"] * -(-len(task["new_train"]) // recipe["batch_size"])  # ceil: batches an epoch
+    update = adamw_update(model, lr, recipe["warmup_steps"], steps)
+    return model, lora_train(model, task, "new", seed, update, recipe["epochs"], recipe["batch_size"])
+
+
+def lora_report(device="cpu", seed=0):
+    """Print, before and after adapting, held-out exact match on new and old sentences (one
+    teacher-forced pass each: greedy constrained decoding's score), and LoRA merged. -> the rows."""
+    start, task = time.perf_counter(), lora_task(seed)
+    base, seconds = lora_base(task, device, seed)
+    rows = [("base model", base, seconds)]
+    rows += [(name, *lora_adapt(base, task, seed, lr, r)) for name, lr, r in (
+        ("LoRA r=8 on w_q, w_v", LORA_LR, 8), ("full fine-tuning", FULL_LR, None))]
+    score = lambda model, part: teacher_forced_accuracy(  # noqa: E731
+        "encdec", model, task[part + "_test"], task["src_vocab"], task["tgt_vocab"], task["readings"])
+    print(f"\nLoRA against full fine-tuning: the encoder-decoder trained on {len(task['old_train']):,} sentences"
+          f" without {len(LORA_NEW_PREDICATES)} predicates ({' '.join(h for _, h in LORA_NEW_PREDICATES)}),"
+          f" then adapted on {len(task['new_train'])} that hold them")
+    print(f"  {'':22s} {'trainable':>10s} {'train s':>8s}  {'new sentences':>13s}  {'old sentences':>13s}")
+    for name, model, seconds in rows:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        print(f"  {name:22s} {trainable:10,d} {seconds:8.1f}  {100 * score(model, 'new'):12.1f}%"
+              f"  {100 * score(model, 'old'):12.1f}%")
+    lora = rows[1][1]
+    with torch.no_grad(), eval_mode(lora):
+        src, tgt, _ = collate([PinyinDataset(task["new_test"], task["src_vocab"], task["tgt_vocab"])[i]
+                               for i in range(len(task["new_test"]))])  # [B, S], [B, T], [B, T]
+        src, tgt = src.to(device), tgt.to(device)                          # [B, S], [B, T]
+        unmerged = lora(src, tgt)                                          # [B, T, V]
+        merged = merge_lora(lora)(src, tgt)                                # [B, T, V]
+    print(f"  held out: {len(task['new_test'])} new and {len(task['old_test'])} old sentences; LoRA merged into"
+          f" the weights: logits within {(merged - unmerged).abs().max().item():.1e} of unmerged"
+          f" ({time.perf_counter() - start:.0f} s in all)")
+    return rows
+
+
 # ===========================================================================
 # Part VII: after pretraining (第七部分：预训练之后)
 # ===========================================================================
@@ -4047,8 +4173,8 @@ def merge_lora(model, merge=True):
 # top_p, so the law is next_token's; at temperature 0 they are one-hot, and x is kept
 # exactly when it is the target's argmax.
 # The pitfall: after a rejection both caches still hold the rejected tokens' keys; cut
-# back, they hold only the kept ones. A rolling cache (section 30) that has let old
-# tokens go cannot take them back: here it holds k tokens more than its window, so cutting
+# back (crop_cache), they hold only the kept ones. A rolling cache (section 30) that has let
+# old tokens go cannot take them back: here it holds k tokens more than its window, so cutting
 # at most k leaves it the whole window the next query reads.
 
 ARGUMENTS.update(k=(int, 1, MAX_SIZE), target=(type,), draft=(type,), draft_vocab_size=(int, 1, MAX_SIZE))
@@ -4064,27 +4190,23 @@ RELATIONS.update({
 
 
 def crop_cache(cache, length):
-    """Cut every layer's cache back to its first `length` tokens (all, if it holds fewer)."""
+    """Every layer's cache cut back to its first `length` tokens: by its own crop (the rolling and
+    the paged cache's), else each tensor cut along time, dim -2 ([B, H, t, dk], [B, t, r])."""
     for c in cache:
-        t = min(length, len(c))                                            # this layer's tokens to keep
-        if isinstance(c, PagedKVCache):  # only its end moves: the next append writes over the slots past it
-            used = -(-t // c.pool.block_size)                              # ceil: the blocks still needed
-            c.pool.give_back(c.blocks[used:])
-            c.blocks, c.n = c.blocks[:used], t
+        if hasattr(c, "crop"):
+            c.crop(length)
             continue
-        held = t - getattr(c, "dropped", 0)  # a rolling cache holds tokens dropped .. len - 1
-        if held < 0:
-            raise ValueError(f"cannot cut a rolling cache back to {t} tokens: it let {c.dropped} go")
-        for name, value in vars(c).items():  # KVCache's k, v [B, H, t, dk]; LatentCache's [B, t, r], [B, t, rope]
+        for name, value in vars(c).items():
             if isinstance(value, torch.Tensor):
-                setattr(c, name, value[..., :held, :])                     # [.., held, ..]: time is dim -2
+                setattr(c, name, value[..., :length, :])                   # [.., length, ..]
 
 
 def speculation_cache(model, k):
-    """model.new_cache(), with each rolling cache holding k tokens more than its window."""
+    """model.new_cache(), each rolling cache keeping k tokens beyond its window: a round takes
+    back at most k, and the next query must still find a whole window."""
     cache = model.new_cache()
     for c in cache:
-        if isinstance(c, RollingKVCache):
+        if hasattr(c, "window"):
             c.window += k
     return cache
 
@@ -4117,31 +4239,34 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
     with eval_mode(target), eval_mode(draft):
         target_cache, draft_cache = speculation_cache(target, k), speculation_cache(draft, k)
         while ids.size(1) < end:
-            n, kr = ids.size(1), min(k, end - ids.size(1) - 1)  # a round writes kr + 1 tokens at most
-            q = []  # 1. the draft proposes kr tokens, one at a time
-            for i in range(kr):
+            n, n_draft = ids.size(1), min(k, end - ids.size(1) - 1)  # a round writes n_draft + 1 tokens at most
+            q = []  # 1. the draft proposes n_draft tokens, one at a time
+            for i in range(n_draft):
                 q.append(next_token_probs(draft(ids, draft_cache)[:, -1], temperature, top_k, top_p))  # [1, V]
                 ids = torch.cat([ids, draw(q[-1])], dim=1)                 # [1, n+i+1]
-            # 2. one forward of the target: its distributions after each of the kr + 1 prefixes
-            p = next_token_probs(target(ids, target_cache)[0, -(kr + 1):], temperature, top_k, top_p)  # [kr+1, V]
+            # 2. one forward of the target: its distributions after each of the n_draft + 1 prefixes
+            logits = target(ids, target_cache)[0, -(n_draft + 1):]        # [n_draft+1, V]
+            p = next_token_probs(logits, temperature, top_k, top_p)        # [n_draft+1, V]
             # 3. the drafted tokens up to the first rejection, then one token of the target's
-            for i in range(kr):
-                keep, residual = rejection_rule(p[i], q[i][0])             # [V] each
+            kept = 0
+            while kept < n_draft:
+                keep, residual = rejection_rule(p[kept], q[kept][0])       # [V] each
                 u = torch.rand((), generator=generator, device=p.device) if temperature else 0.0  # []
-                if u >= keep[ids[0, n + i]]:  # rejected: redraw; from p if p = q (float noise can reject then)
-                    redraw = draw(residual[None] if residual.sum() > 0 else p[i:i + 1])  # [1, 1]
-                    ids = torch.cat([ids[:, :n + i], redraw], dim=1)       # [1, n+i+1]
+                if u >= keep[ids[0, n + kept]]:
                     break
-            else:  # every drafted token kept: the last distribution gives one more
-                ids = torch.cat([ids, draw(p[kr:])], dim=1)                # [1, n+kr+1]
+                kept += 1
+            if kept < n_draft:  # rejected: redraw from the residual (from p if p = q: float noise)
+                last = draw(residual[None] if residual.sum() > 0 else p[kept:kept + 1])  # [1, 1]
+            else:               # every drafted token kept: the last distribution gives one more
+                last = draw(p[n_draft:])                                   # [1, 1]
+            ids = torch.cat([ids[:, :n + kept], last], dim=1)              # [1, n+kept+1]
             # 4. both caches forget the rejected tokens (the newest token is run next round)
             crop_cache(target_cache, ids.size(1) - 1)
             crop_cache(draft_cache, ids.size(1) - 1)
     return ids                                                             # [1, T + max_new_tokens]
 
 # Try it: the target's own greedy tokens, with a draft a quarter of its size.
-#   >>> torch.manual_seed(0)
-#   <torch._C.Generator object at ...>
+#   >>> _ = torch.manual_seed(0)
 #   >>> target = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=32)
 #   >>> draft = Llama(vocab_size=50, d_model=16, n_layers=1, n_heads=2, max_len=32)
 #   >>> ids = torch.randint(0, 50, (1, 5))                                 # [1, 5]
@@ -4609,7 +4734,6 @@ def preference_report(seed=0, **changes):
 # loading a model, the demo and the command line. Nothing above depends on them.
 
 import argparse
-import copy
 import inspect
 import io
 import os
@@ -5210,88 +5334,6 @@ def show_training_costs(seq_len=4096, lora_rank=16, n_devices=(8, 64)):
                   f" autocast {cells[2]:7.1f} (checkpointed {cells[3]:5.1f})")
 
 
-# Five predicates the base model never sees, each a new character for a syllable it already
-# reads otherwise (xi 洗, shi 视, qi 气, ji 鸡, yi 意): the adapted model must learn when.
-LORA_NEW_PREDICATES = [("xi yi fu", "洗衣服"), ("kan dian shi", "看电视"), ("sheng qi", "生气"),
-                       ("chi ji dan", "吃鸡蛋"), ("hen you yi si", "很有意思")]
-# adapting: half the ~250 new sentences, 12 epochs of 4 batches, the training loop's warmup cut
-# to 10 steps; each method's lr_factor the best of 0.01 to 2 on seed 3 (mean of new and old accuracy)
-LORA_RECIPE = dict(epochs=12, batch_size=32, warmup=10)
-LORA_LR, FULL_LR = 0.5, 0.02
-
-
-def lora_task(seed):
-    """The toy sentences split in four: old (without LORA_NEW_PREDICATES) for training and
-    held out, new ones for adapting and held out; vocabularies of all of them (each new
-    character has its rows from the start, untrained) and the readings of what is trained on."""
-    pairs = make_toy_data(seed=seed)
-    is_new = lambda p, h: any(p.endswith(" " + q) and h.endswith(g) for q, g in LORA_NEW_PREDICATES)  # noqa: E731
-    new = [pair for pair in pairs if is_new(*pair)]
-    old_train, old_test = split_data([pair for pair in pairs if not is_new(*pair)], seed=seed)
-    new_train, new_test = split_data(new, held_out=0.5, seed=seed)
-    src_vocab, tgt_vocab = build_vocabs(pairs)
-    return dict(old_train=old_train, old_test=old_test, new_train=new_train, new_test=new_test, src_vocab=src_vocab,
-                tgt_vocab=tgt_vocab, readings=syllable_readings(old_train + new_train), max_len=max(
-                    2 * len(p.split()) + 2 for p, _ in pairs))
-
-
-def lora_train(model, task, part, seed, log=lambda line: None, **recipe):
-    """train() on task[part + "_train"], the epoch lines on task[part + "_test"]; -> seconds."""
-    data = PinyinDataset(task[part + "_train"], task["src_vocab"], task["tgt_vocab"])
-    held_out = lambda: teacher_forced_accuracy("encdec", model, task[part + "_test"], task["src_vocab"],  # noqa: E731
-                                               task["tgt_vocab"], task["readings"])
-    return train(model, data, held_out, seed=seed, log=log, **recipe)["history"][-1][1]
-
-
-def lora_base(task, device, seed, epochs=2):
-    """The demo's encoder-decoder trained on the old sentences; -> (model, seconds)."""
-    spec = TOY_MODELS["encdec"]
-    torch.manual_seed(seed)
-    model = Transformer(src_vocab_size=len(task["src_vocab"]), tgt_vocab_size=len(task["tgt_vocab"]),
-                        max_len=task["max_len"], **spec["config"]).to(device)
-    return model, lora_train(model, task, "old", seed, epochs=epochs, batch_size=spec["batch_size"],
-                             lr_factor=spec["lr_factor"], warmup=spec["warmup"])
-
-
-def lora_adapt(base, task, seed, lr_factor, r=None, alpha=16, targets=("w_q", "w_v")):
-    """A copy of base trained on the new sentences: LoRA of rank r, or every weight (r None).
-    -> (model, seconds)."""
-    model = copy.deepcopy(base)
-    if r is not None:
-        add_lora(model, r=r, alpha=alpha, targets=targets)
-    return model, lora_train(model, task, "new", seed, lr_factor=lr_factor, **LORA_RECIPE)
-
-
-def show_lora(device, seed=0):
-    """Before and after adapting, held-out exact match on new and old sentences (one
-    teacher-forced pass each: greedy constrained decoding's score), and LoRA merged."""
-    start, task = time.perf_counter(), lora_task(seed)
-    base, seconds = lora_base(task, device, seed)
-    rows = [("base model", base, seconds)]
-    rows += [(name, *lora_adapt(base, task, seed, lr, r)) for name, lr, r in (
-        ("LoRA r=8 on w_q, w_v", LORA_LR, 8), ("full fine-tuning", FULL_LR, None))]
-    score = lambda model, part: teacher_forced_accuracy(  # noqa: E731
-        "encdec", model, task[part + "_test"], task["src_vocab"], task["tgt_vocab"], task["readings"])
-    print(f"\nLoRA against full fine-tuning: the encoder-decoder trained on {len(task['old_train']):,} sentences"
-          f" without {len(LORA_NEW_PREDICATES)} predicates ({' '.join(h for _, h in LORA_NEW_PREDICATES)}),"
-          f" then adapted on {len(task['new_train'])} that hold them")
-    print(f"  {'':22s} {'trainable':>10s} {'train s':>8s}  {'new sentences':>13s}  {'old sentences':>13s}")
-    for name, model, seconds in rows:
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        print(f"  {name:22s} {trainable:10,d} {seconds:8.1f}  {100 * score(model, 'new'):12.1f}%"
-              f"  {100 * score(model, 'old'):12.1f}%")
-    lora = rows[1][1]
-    with torch.no_grad(), eval_mode(lora):
-        src, tgt, _ = collate([PinyinDataset(task["new_test"], task["src_vocab"], task["tgt_vocab"])[i]
-                               for i in range(len(task["new_test"]))])  # [B, S], [B, T], [B, T]
-        src, tgt = src.to(device), tgt.to(device)                          # [B, S], [B, T]
-        unmerged = lora(src, tgt)                                          # [B, T, V]
-        merged = merge_lora(lora)(src, tgt)                                # [B, T, V]
-    print(f"  held out: {len(task['new_test'])} new and {len(task['old_test'])} old sentences; LoRA merged into"
-          f" the weights: logits within {(merged - unmerged).abs().max().item():.1e} of unmerged"
-          f" ({time.perf_counter() - start:.0f} s in all)")
-
-
 def longest_sentence(kind, model):
     """The most syllables the model can answer, 0 for none: the encoder-decoder needs
     S + 1 decoder positions after bos (max_len 3 for one syllable), a decoder-only model
@@ -5456,6 +5498,9 @@ def run(args, device, pairs, loaded):
             raise SystemExit(2) from None
         print(f"saved the {SIZES[args.size][kind]['name']} model to {shown(args.save)}")
     return kind, model, src_vocab, tgt_vocab, readings
+
+
+show_lora = lora_report  # TEMPORARY: the command line's piece calls it by its old name
 
 
 # ===========================================================================
