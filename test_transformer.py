@@ -7593,7 +7593,7 @@ def test_main_short_run(monkeypatch, capsys):
         assert row.split()[1:4] == [f"{published:,}"] * 3, row
     assert re.search(r"Llama-3-8B .* 128 KiB +512 KiB", out)        # GQA: a quarter of full MHA
     caches = re.findall(r"holds ([\d,]+) bytes a token in float32 = ([\d,]+) by the formula", out)
-    assert len(caches) == 3 and all(measured == formula for measured, formula in caches)  # GQA's, MLA's, trained MLA's
+    assert len(caches) == 2 and all(measured == formula for measured, formula in caches)  # GQA's, MLA's
     for name, kind, cfg, total, active, _ in tf.FRONTIER_CONFIGS:   # counted, formula, active
         row = next(line for line in lines if line.strip().startswith(name + " "))
         assert row.split()[1:4] == [f"{total:,}", f"{total:,}", f"{active:,}"], row
@@ -7756,24 +7756,20 @@ def test_bench_defaults_are_the_sizes_the_readme_reports():
     """--bench calls each benchmark with its defaults: the sizes the README's numbers are for."""
     defaults = {name: {key: p.default for key, p in inspect.signature(getattr(tf, name)).parameters.items()
                        if p.default is not inspect.Parameter.empty}
-                for name in ("bench_training", "bench_kv_cache", "bench_long_sequences", "bench_time_to_99")}
+                for name in ("bench_training", "bench_kv_cache", "bench_long_sequences")}
     assert defaults["bench_training"] == dict(rounds=3, sizes=tf.TRAINING_BENCH_SIZES)
     assert [(config["d_model"], batch, length, steps) for _, config, batch, length, steps in tf.TRAINING_BENCH_SIZES
             ] == [(64, 64, 14, 30), (512, 32, 32, 6)]
     assert defaults["bench_kv_cache"] == dict(lengths=(64, 256, 1024), d_model=512, n_heads=8, d_ff=2048,
                                               n_layers=2, megabytes=256)
-    assert defaults["bench_long_sequences"] == dict(lengths=(1024, 4096), heads=4, dk=64, window=256, n_new=8192,
-                                                    requests=(12, 40, 90, 300, 700, 1500), block_size=16)
-    assert defaults["bench_time_to_99"] == dict(seed=0, epochs=6, n_sentences=2400)
+    assert defaults["bench_long_sequences"] == dict(lengths=(1024, 4096), heads=4, dk=64)
 
 
 TINY_BENCH = {  # each benchmark at a size that takes a fraction of a second
     "bench_training": dict(rounds=1, sizes=[("tiny: d16, 2 heads, d_ff 32, 1+1 layers, batch 4",
                                              dict(d_model=16, n_heads=2, d_ff=32, n_layers=1), 4, 6, 2)]),
     "bench_kv_cache": dict(lengths=(4, 12), d_model=32, n_heads=2, d_ff=64, n_layers=1, megabytes=8),
-    "bench_long_sequences": dict(lengths=(64, 512), heads=2, dk=16, window=16, n_new=25, requests=(3, 17, 40),
-                                 block_size=8),
-    "bench_time_to_99": dict(epochs=1, n_sentences=20),
+    "bench_long_sequences": dict(lengths=(64, 512), heads=2, dk=16),
 }
 
 
@@ -7799,8 +7795,7 @@ def test_bench_runs_every_benchmark_in_order(bench_run):
     status, out, err, _ = bench_run
     assert (status, err) == (0, "")
     assert out.startswith(f"device: cpu, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    titles = ["training throughput", "KV cache: decoder-only", "attention, causal", "sliding window 16",
-              "paged KV cache", "time to 99% held-out"]
+    titles = ["training throughput", "KV cache: decoder-only", "attention, causal"]
     starts = [out.find("\n" + title) for title in titles]
     assert -1 not in starts and starts == sorted(starts), starts
 
@@ -7831,14 +7826,12 @@ def test_bench_kv_cache_gives_the_same_tokens_with_and_without_the_cache(bench_r
     assert f"reads every weight but the embedding table once, {weights / 1e6:.1f} MB in float32" in out
 
 
-def test_bench_long_sequences_flash_equals_section_2_and_the_caches_agree(bench_run):
-    """Part V measured, tiny: flash_attention's output equals section 2's, the rolling
-    cache holds its window and the full one every token with the same tokens generated,
-    and the paged cache takes the blocks padded_and_paged_slots counts."""
+def test_bench_long_sequences_flash_equals_section_2(bench_run):
+    """Part V measured, tiny: flash_attention's output equals section 2's; the peak memory
+    column shows what attention_peak_bytes measured."""
     _, out, _, peak_calls = bench_run
     sizes = TINY_BENCH["bench_long_sequences"]
-    heads, dk, window, n_new, requests, block_size = (sizes[key] for key in (
-        "heads", "dk", "window", "n_new", "requests", "block_size"))
+    heads, dk = sizes["heads"], sizes["dk"]
     assert peak_calls == [(kind, T, heads, dk) for T in sizes["lengths"] for kind in ("plain", "flash")]
     rows = re.findall(r"^ +(\d+) +1 +[\d.]+s +[\d.]+s +(\S+ MiB) +(\S+ MiB) +(\d+) MiB  (\S+)$", out, re.M)
     assert [int(T) for T, *_ in rows] == list(sizes["lengths"])        # one thread here: one row a length
@@ -7847,16 +7840,6 @@ def test_bench_long_sequences_flash_equals_section_2_and_the_caches_agree(bench_
         assert (plain, flash) == tuple(f"{fake_peak_bytes(kind, T, heads, dk) / 2 ** 20:.1f} MiB"
                                        for kind in ("plain", "flash"))
         assert scores == f"{heads * T * T * 4 / 2 ** 20:.0f}" and float(diff) < 1e-5
-    # the bench's Llama: 2 layers, 2 kv heads of 16, float32: 2 x 2 x 2 x 16 x 4 = 512 bytes a token; the
-    # full cache holds the prompt of 8 and every token generated but the last (never run through the model)
-    assert re.search(rf"^  rolling  cache: +{window * 512 // 1024} KiB held", out, re.M)
-    assert re.search(rf"^  full     cache: +{(8 + n_new - 1) * 512 // 1024} KiB held", out, re.M)
-    assert f"the same tokens: True; the rolling cache stays at {window} tokens" in out
-    padded, paged = tf.padded_and_paged_slots(requests, block_size)    # token slots, per layer
-    slot = 2 * 2 * 16 * 4                                              # a token's keys and values in one layer
-    assert (f"  padded [B, {max(requests)}] cache: {2 * padded * slot / 1024:6.0f} KiB reserved; paged, blocks of"
-            f" {block_size}: {2 * paged * slot / 1024:4.0f} KiB in {2 * paged // block_size} blocks"
-            f" ({2 * sum(requests) * slot / 1024:.0f} KiB of tokens): {padded / paged:.1f}x less\n") in out
 
 
 def test_after_runs_speculative_decoding_then_the_preference_methods_on_the_toy(monkeypatch, capsys):
@@ -7887,33 +7870,6 @@ def test_main_after_calls_both_reports(monkeypatch):
     status, out, err = _main(["--after", "--seed", "3", "--device", "cpu"])
     assert (status, err) == (0, "") and out.startswith("device: cpu")
     assert calls == [("speculative", 3, "cpu"), ("preference", 3)]
-
-
-def test_bench_time_to_99_reports_each_toy_model(bench_run):
-    lines = bench_run[1].splitlines()
-    first = next(i for i, line in enumerate(lines) if line.startswith("time to 99% held-out")) + 2
-    rows = [re.fullmatch(r"  (.{20}) (?: *[\d.]+ s \(epoch 1\)|not within 1 epochs)", line)
-            for line in lines[first:first + 4]]
-    assert all(rows), lines[first:]
-    assert [row[1].strip() for row in rows] == [spec["name"] for spec in tf.TOY_MODELS.values()]
-
-
-def test_bench_time_to_99_reports_the_first_epoch_at_99_percent(monkeypatch, capsys):
-    """Each model's line: the training seconds of the first epoch whose held-out accuracy
-    reaches 0.99, or that none did within the epochs."""
-    histories = {"encdec": [(1, 0.8, 0.5), (2, 1.6, 0.99), (3, 2.4, 1.0)],  # (epoch, seconds, accuracy)
-                 "gpt": [(1, 0.7, 0.985), (2, 1.5, 0.989)], "llama": [(1, 0.9, 1.0)], "deepseek": []}
-    calls = []
-
-    def trained(kind, train_pairs, test_pairs, device, epochs, seed, log):
-        calls.append((kind, len(train_pairs), len(test_pairs), epochs, seed))
-        return None, None, None, {"history": histories[kind]}
-    monkeypatch.setattr(tf, "train_toy_model", trained)
-    tf.bench_time_to_99(torch.device("cpu"), seed=3, epochs=2, n_sentences=20)
-    assert calls == [(kind, 18, 2, 2, 3) for kind in histories]
-    assert capsys.readouterr().out.splitlines()[-4:] == [
-        "  encoder-decoder        1.6 s (epoch 2)", "  decoder-only (GPT)   not within 2 epochs",
-        "  Llama-style            0.9 s (epoch 1)", "  DeepSeek-style       not within 2 epochs"]
 
 
 def test_attention_peak_bytes_runs_the_program_in_a_fresh_process(monkeypatch):
@@ -9667,10 +9623,9 @@ README_COMMANDS = {  # each command line the README shows -> the tests that run 
     "python transformer.py --bench": ["test_bench_runs_every_benchmark_in_order",
                                       "test_bench_training_reports_its_rates_and_their_ratios",
                                       "test_bench_kv_cache_gives_the_same_tokens_with_and_without_the_cache",
-                                      "test_bench_long_sequences_flash_equals_section_2_and_the_caches_agree",
-                                      "test_bench_time_to_99_reports_each_toy_model"],
+                                      "test_bench_long_sequences_flash_equals_section_2"],
     'python -c "import torch, transformer as tf; tf.bench_long_sequences(torch.device(\'cpu\'))"': [
-        "test_bench_long_sequences_flash_equals_section_2_and_the_caches_agree"],
+        "test_bench_long_sequences_flash_equals_section_2"],
 }
 
 
