@@ -6481,6 +6481,26 @@ def test_sequence_logprobs_bad_input():
         tf.sequence_logprobs(model, torch.ones(2, 5, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool))
 
 
+
+
+def test_answer_batch_masks_the_answer_and_its_eos_only():
+    """The response mask the Part VII runs build: True on the answer and its eos, never on the
+    prompt or the padding; the log-probability it gives is the answer's alone, and a mask that
+    also covered the prompt would give another number (the planted bug it catches)."""
+    vocab = tf.Vocab(["wo", "ai", "我", "爱", tf.SEP])
+    prompts = [vocab.encode(["wo", "ai", tf.SEP]), vocab.encode(["wo", tf.SEP])]
+    ids, mask = tf.answer_batch(vocab, prompts, ["我爱", "我"])
+    assert ids.tolist() == [prompts[0] + vocab.encode(["我", "爱"]) + [tf.Vocab.EOS],
+                            prompts[1] + vocab.encode(["我"]) + [tf.Vocab.EOS, tf.Vocab.PAD, tf.Vocab.PAD]]
+    assert mask.tolist() == [[False] * 3 + [True] * 3, [False] * 2 + [True] * 2 + [False] * 2]
+    gpt = tf.DecoderOnlyTransformer(vocab_size=len(vocab), d_model=16, n_layers=1, n_heads=2, d_ff=32,
+                                    dropout=0.0).eval()
+    with torch.no_grad():
+        token = tf.token_logprobs(gpt, ids)                             # [2, 5]
+        answer = tf.sequence_logprobs(gpt, ids, mask)                   # [2]
+        with_prompt = tf.sequence_logprobs(gpt, ids, mask | (ids != tf.Vocab.PAD))  # the planted bug
+    assert torch.allclose(answer, torch.stack([token[0, 2:5].sum(), token[1, 1:3].sum()]))
+    assert (answer - with_prompt).abs().min() > 1e-3
 # ===========================================================================
 # 42. DPO
 # ===========================================================================

@@ -60,13 +60,14 @@ encoder-decoder), fixes their mistakes, and proves each piece in test_transforme
 # ===========================================================================
 # The models need nothing but torch. One legend for every shape comment:
 #   B batch, S source length, T target length, D d_model, H heads,
-#   dk = D // H (one head's width; section 24 lets it differ), dv a value's width,
-#   Dff the feed-forward width, V vocabulary size; generating with a cache, t tokens
-#   are cached and Tn are new.
+#   dk one head's width, D // H (the code's head_dim from Part III on: the same
+#   number; section 24 frees it from D / H), dv a value's width, Dff the feed-forward
+#   width, V vocabulary size; generating with a cache, t tokens are cached and Tn are new.
 #   Part III adds Hkv, the key/value heads of grouped-query attention.
-#   Part IV adds N = B * T tokens, E experts, k = top_k, G expert groups, r the
-#   latent's width, nope / rope / v the widths of an MLA head's parts.
+#   Part IV adds N = B * T tokens, E experts, k = top_k, G expert groups, r the width of
+#   MLA's latent (kv_lora_rank), nope / rope / v the widths of an MLA head's parts.
 #   Part V adds bq, bk the query and key blocks of a tile, bs a cache block's tokens.
+#   Part VI's r is another number: LoRA's rank (its A is [r, in]).
 # Attention scores are [B, H, Tq, Tk]: one row per query, one column per key.
 
 import math
@@ -3501,24 +3502,22 @@ def adamw_update(model, lr, warmup_steps, total_steps, weight_decay=0.01, max_no
 # ===========================================================================
 # 36. FLOPs, by formula and counted (计算量)
 # ===========================================================================
-# A matrix product [M, K] @ [K, N] is 2 M N K floating-point operations (a multiply and an
-# add per term), and products are nearly all of a Transformer's work. FlopCounterMode
-# (torch.utils.flop_counter) counts exactly those, nothing for norms, softmax, RoPE or the
-# embedding lookup (a gather); the formulas below meet its count to the FLOP.
+# A product [M, K] @ [K, N] is 2 M N K FLOPs (a multiply and an add a term), and products
+# are nearly all of a Transformer's work: FlopCounterMode (torch.utils.flop_counter) counts
+# exactly those, not norms, softmax or RoPE, and the formulas below meet its count exactly.
 
 MODEL_KINDS = {DecoderOnlyTransformer: "gpt", Llama: "llama", Mistral: "mistral", Qwen3: "qwen3",
                Mixtral: "mixtral", Qwen3MoE: "qwen3moe", DeepSeekV3: "deepseek"}  # exact classes
 MODEL_PARTS = (nn.Embedding, nn.Linear, nn.ModuleList, nn.Dropout, PositionalEncoding, EncoderLayer, LayerNorm,
                MultiHeadAttention, FeedForward, RMSNorm, LlamaBlock, GroupedQueryAttention, SlidingWindowAttention,
-               QKNormAttention, SwiGLU, MoE, MultiHeadLatentAttention)  # what the formulas model, exactly
+               QKNormAttention, SwiGLU, MoE, MultiHeadLatentAttention)  # the modules the formulas model
 ARGUMENTS.update(batch_size=(int, 1, MAX_SIZE), seq_len=(int, 1, MAX_SIZE), kind=("one of", *MODEL_KINDS.values()),
                  config=(dict,), memory=(dict,))
-RELATIONS["seq_len <= max_len"] = (("seq_len", "max_len"), lambda t, most: t <= most,
-                                   "seq_len must be at most max_len")
+RELATIONS["seq_len <= max_len"] = (("seq_len", "max_len"), lambda t, most: t <= most, "seq_len must be at most max_len")
 
 
 class Keys(dict):
-    """A copy of the dict argument name (config, memory) whose missing key is a ValueError naming it."""
+    """A copy of the dict argument called name; a key it lacks is a ValueError that names it."""
 
     def __init__(self, name, mapping):
         check(**{name: mapping})
@@ -3529,24 +3528,24 @@ class Keys(dict):
         raise ValueError(f"{self.name} lacks the key {key!r}")
 
 
-def model_kind(model, formula="model_kind"):
-    """The formulas' name for model's class; ValueError for another class, or for a module
-    inside that they do not model (an adapter, a fused kernel), named with its place."""
+def model_kind(model, formula="model_kind", trains=False):
+    """The formulas' name for model's class; ValueError for another class, for a module inside that
+    they do not model (an adapter, a fused kernel: it changes the count), named with its place, and
+    (trains) for a frozen parameter: its product computes no dW, and saves no input for one."""
     if type(model) not in MODEL_KINDS:
         raise ValueError(f"model must be one of {', '.join(c.__name__ for c in MODEL_KINDS)}, got"
                          f" {type(model).__name__}")
-    for name, module in model.named_modules():
-        if name and type(module) not in MODEL_PARTS:
-            raise ValueError(f"{formula}: model holds a {type(module).__name__} at {name}, which the formula"
-                             f" does not count")
+    odd = [f" holds a {type(m).__name__} at {name}" for name, m in model.named_modules() if type(m) not in MODEL_PARTS
+           and name] + [f"'s {name} is frozen" for name, p in model.named_parameters() if trains and not p.requires_grad]
+    if odd:
+        raise ValueError(f"{formula}: model{odd[0]}, which the formula does not count")
     return MODEL_KINDS[type(model)]
 
 
 def matmul_widths(kind, config, active=True):
-    """(W, A) for a configuration (a model's, or a published one without the keys that default
-    to None): W the weights a token's forward multiplies by, every nn.Linear's (lm_head, a MoE's
-    router, the top_k experts a token runs and the shared ones; active=False: all experts), not
-    the embedding table, which is read; A = sum over layers of heads x (q.k + v widths)."""
+    """(W, A) for a model's config or a published one: W the weights a token's forward multiplies
+    by, every nn.Linear's (lm_head, a MoE's router, the experts a token runs; active=False: all),
+    not the embedding table, which is read; A = sum over layers of heads x (q.k + v widths)."""
     check(kind=kind)
     c = Keys("config", config)
     D, V, L, H = c["d_model"], c["vocab_size"], c["n_layers"], c["n_heads"]
@@ -3560,9 +3559,8 @@ def matmul_widths(kind, config, active=True):
         dense = c["n_dense_layers"]
         W = L * attention + dense * 3 * D * c["d_ff"] + (L - dense) * moe + V * D
         return W, L * H * (c["qk_nope_dim"] + c["qk_rope_dim"] + c["v_head_dim"])
-    head_dim = c.get("head_dim") or D // H                                 # Llama and its families
+    head_dim, d_ff = c.get("head_dim") or D // H, c.get("d_ff") or llama_ffn_dim(D)  # Llama and its families
     attention = gqa_params(D, H, c.get("n_kv_heads") or H, head_dim, bias=False)
-    d_ff = c.get("d_ff") or llama_ffn_dim(D)
     if kind in ("mixtral", "qwen3moe"):
         ffn = moe_params(D, c.get("expert_d_ff") or d_ff, c["n_experts"], c["top_k"], active=active)
     else:
@@ -3571,8 +3569,8 @@ def matmul_widths(kind, config, active=True):
 
 
 def forward_flops(model, batch_size, seq_len):
-    """FLOPs of model(ids) for ids [batch_size, seq_len], as FlopCounterMode counts them:
-    2 W a token for the weights, 2 T A a token for the scores q k^T and their sum over v."""
+    """FLOPs of model(ids) for ids [batch_size, seq_len]: 2 W a token for the weights, 2 T A
+    a token for the scores q k^T and their sum over v."""
     kind = model_kind(model, "forward_flops")
     check("seq_len <= max_len", batch_size=batch_size, seq_len=seq_len, max_len=model.max_len)
     W, A = matmul_widths(kind, model.config)
@@ -3581,34 +3579,28 @@ def forward_flops(model, batch_size, seq_len):
 
 def training_flops(model, batch_size, seq_len):
     """FLOPs of a forward and loss.backward(): 3 forwards, as Y = X W needs dX = dY W^T and
-    dW = X^T dY, each as large as the product. So every weight must train and every block
-    run its forward once: ValueError naming a frozen one, or a block with a forward of its own."""
-    flops = forward_flops(model, batch_size, seq_len)
-    odd = [f"{name} is frozen" for name, p in model.named_parameters() if not p.requires_grad] + [
-        f"layers.{i} has a forward of its own" for i, block in enumerate(model.layers) if "forward" in vars(block)]
-    if odd:
-        raise ValueError(f"training_flops counts every weight's gradient and one forward a block: model's {odd[0]}")
-    return 3 * flops
+    dW = X^T dY, each as large as the product; ValueError for a block with its own forward."""
+    model_kind(model, "training_flops", trains=True)
+    rerun = [i for i, block in enumerate(model.layers) if "forward" in vars(block)]  # checkpointed, say
+    if rerun:
+        raise ValueError(f"training_flops: model's layers.{rerun[0]} has a forward of its own, which the formula"
+                         f" does not count")
+    return 3 * forward_flops(model, batch_size, seq_len)
 
-# What is counted is what is computed: section 2 computes all [T, T] scores and masks the
-# upper half (FlashAttention's causal kernel skips it: half the attention FLOPs; Mistral's
-# band would need T * window). A MoE's count depends on the routing only through n_e, the
-# tokens expert e gets, and sum_e n_e = N * top_k whatever the router chose: exact too.
-# "6N" (Kaplan et al., 2020, "Scaling Laws for Neural Language Models": training costs 6
-# FLOPs a parameter a token, C_forward = 2N + 2 n_layer n_ctx d_model, N without the
-# embeddings) is here 6 W + 6 T A a token: W is N less what no product reads (the table
-# unless tied to lm_head, norms, biases), and 6 T A, what 6N leaves out, grows with the
-# context: 29% on top of 6 W for Llama-3-8B at T = 8192. Kaplan's context term is half of it
-# (one [T, T] product of two); PaLM's appendix B (Chowdhery et al., 2022; nanoGPT's
-# estimate_mfu) counts 6N + 12 L H Q T, Q the head width: 6 T A when q.k and v are Q wide.
-# For a MoE, N is the active parameters. Model FLOPs utilization (MFU): the FLOPs a run
-# needed over what its GPUs could do at peak in the time, here of published pretraining runs:
+# The count is of what is computed: all [T, T] scores, the upper half masked (a causal kernel
+# skips it: half the attention FLOPs), and a MoE's experts on N * top_k (token, expert) pairs
+# whatever the router chose. "6N" (Kaplan et al., 2020: C_forward = 2N + 2 n_layer n_ctx
+# d_model, N without the embeddings) is 6 W + 6 T A a token here: W is N less what no product
+# reads (the table unless tied to lm_head, norms, biases), and 6 T A, what 6N leaves out, grows
+# with the context: 29% on top of 6 W for Llama-3-8B at T = 8192 (Kaplan's term is half of it;
+# PaLM's appendix B and nanoGPT's estimate_mfu count 6N + 12 L H Q T, Q the head width: all of
+# it). For a MoE, N is the active parameters. The model FLOPs utilization (MFU) of a run: the
+# FLOPs it needed over what its GPUs could do at peak (dense bf16) in the time. Published runs:
 
-TRAINING_BUDGETS = [  # (model, tokens, GPU hours, GPU, peak FLOP/s of one GPU, dense bf16, sequence length)
+TRAINING_BUDGETS = [  # (model, tokens, GPU hours, GPU, peak FLOP/s of one GPU, sequence length)
     ("Llama-2-7B", 2.0e12, 184_320, "A100-80GB", 312e12, 4096),  # Llama 2 paper, Tables 1, 2; A100 datasheet
-    ("Llama-3-8B", 15e12, 1.3e6, "H100-80GB", 989.4e12, 8192),   # Llama 3 model card; Hopper whitepaper (SXM)
-    # DeepSeek-V3 report: 14.8T tokens at 4K, Table 1: 2,664K H800 hours of pretraining. The H800
-    # taken at the H100 SXM's peak (its chip); most products ran in FP8 (twice that), MTP's uncounted
+    ("Llama-3-8B", 15e12, 1.3e6, "H100-80GB", 989.4e12, 8192),   # Llama 3 model card; Hopper whitepaper, SXM
+    # V3 report, Table 1: pretraining's 2,664K H800 hours; peak: the H100 SXM's (one chip); FP8 would double it
     ("DeepSeek-V3", 14.8e12, 2.664e6, "H800", 989.4e12, 4096),
 ]
 
@@ -3617,88 +3609,72 @@ def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
     """The MFU a published budget implies: FLOPs needed over FLOPs available at peak."""
     return flops_per_token * tokens / (gpu_hours * 3600 * peak_flops)
 
-# Try it: the formulas against PyTorch's own count, for a Llama and a MoE; 6N at 8K.
+# Try it: the formula against PyTorch's own count; 6N at 8K; a module the formulas do not know.
 #   >>> from torch.utils.flop_counter import FlopCounterMode
 #   >>> _ = torch.manual_seed(0)
-#   >>> config = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_len=16)
-#   >>> llama, mixtral = Llama(**config), Mixtral(**config, n_experts=4, top_k=2)
-#   >>> ids = torch.randint(0, 50, (2, 7))                                 # [2, 7]
-#   >>> for model in llama, mixtral:
-#   ...     with FlopCounterMode(display=False) as counter:
-#   ...         model(ids).logsumexp(-1).mean().backward()
-#   ...     print(counter.get_total_flops(), training_flops(model, batch_size=2, seq_len=7))
-#   1757952 1757952
-#   2811648 2811648
-#   >>> W, A = matmul_widths("llama", LLAMA_CONFIGS[1][1])                 # Llama-3-8B
-#   >>> round(6 * (W + 8192 * A) / 1e9, 1), round(6 * LLAMA_CONFIGS[1][2] / 1e9, 1)  # GFLOPs a token
+#   >>> llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_len=16)
+#   >>> with FlopCounterMode(display=False) as counter:
+#   ...     llama(torch.randint(0, 50, (2, 7))).logsumexp(-1).mean().backward()
+#   >>> counter.get_total_flops(), training_flops(llama, batch_size=2, seq_len=7)
+#   (1757952, 1757952)
+#   >>> W, A = matmul_widths("llama", LLAMA_CONFIGS[1][1])                 # Llama-3-8B, GFLOPs a token
+#   >>> round(6 * (W + 8192 * A) / 1e9, 1), round(6 * LLAMA_CONFIGS[1][2] / 1e9, 1)
 #   (57.9, 48.2)
-#   >>> llama.layers[0].attn.w_q = nn.Sequential(llama.layers[0].attn.w_q)  # a module the formulas do not know
+#   >>> llama.layers[0].attn.w_q = nn.Sequential(llama.layers[0].attn.w_q)
 #   >>> forward_flops(llama, batch_size=1, seq_len=1)
 #   Traceback (most recent call last):
 #   ValueError: forward_flops: model holds a Sequential at layers.0.attn.w_q, which the formula does not count
 # ===========================================================================
 # 37. Mixed precision and loss scaling (混合精度与损失缩放)
 # ===========================================================================
-# 16-bit numbers take half the memory and memory traffic of float32, and recent GPUs (and
-# CPUs with AVX512-BF16 or AMX) multiply them on faster units. Mixed precision (Micikevicius
-# et al., 2018, "Mixed Precision Training") keeps the weights, their updates and the sums in
-# float32 and runs the matrix products in 16 bits. In float16 that needs one more piece, loss
-# scaling, or small gradients round to zero; in bfloat16 it does not.
+# 16-bit numbers halve memory and traffic, and recent chips multiply them faster. Mixed
+# precision (Micikevicius et al., 2018) keeps weights, updates and sums in float32 and runs
+# the products in 16 bits: float16 (5 exponent bits, 11 significant: largest 65504, normal
+# down to 2^-14, subnormal to 2^-24, 2^-25 rounds to 0) or bfloat16 (float32's 8 exponent
+# bits, to 3.4e38 and 1.2e-38, 8 significant: 1 + 0.001 is 1, so weights stay float32).
+# torch.autocast("cpu", dtype=torch.bfloat16) casts per operation: linear, matmul, bmm and
+# scaled_dot_product_attention run in bf16, the losses in float32, the rest in its inputs'
+# dtype (softmax of bf16 scores: bf16; float32 + bf16: float32, so the residual stream stays
+# float32). CUDA's runs softmax and layer_norm in float32 too (torch's Autocast Op Reference).
 
-# The two 16-bit formats, beside float32's 8 exponent bits and 24 significant bits:
-#   float16   5 exponent bits, 11 significant: a step of 2^-10 near 1, largest 65504, smallest
-#             normal 2^-14 = 6.1e-5, then subnormals with fewer bits down to 2^-24 = 6.0e-8
-#   bfloat16  float32's 8 exponent bits (to 3.4e38, normal down to 1.2e-38), 8 significant:
-#             a step of 2^-7 near 1, so 1 + 0.001 rounds to 1, and weights that took updates
-#             of lr * gradient in bfloat16 would stop moving: they stay float32
-# torch.autocast("cpu", dtype=torch.bfloat16) casts per operation, never the weights: linear,
-# matmul, bmm and scaled_dot_product_attention run in bfloat16, the losses (cross_entropy,
-# nll_loss, mse_loss...) in float32, everything else in the dtype of its inputs (a softmax of
-# bfloat16 scores is bfloat16; float32 + bfloat16 is float32, so the residual stream stays
-# float32). On CUDA softmax and layer_norm go to float32 as well (torch's Autocast Op Reference).
-
-ARGUMENTS.update(init_scale=(float, 0.0, torch.finfo(torch.float32).max), growth_factor=(float, 1.0, math.inf),
+FLOAT32 = torch.finfo(torch.float32)
+ARGUMENTS.update(init_scale=(float, FLOAT32.tiny, FLOAT32.max), growth_factor=(float, 1.0, math.inf),
                  backoff_factor=(float, 0.0, 1.0), growth_interval=(int, 1, MAX_SIZE))
 RELATIONS.update({
-    "init_scale > 0": (("init_scale",), lambda s: s > 0, "init_scale must be > 0"),
     "growth_factor > 1": (("growth_factor",), lambda g: g > 1, "growth_factor must be > 1 (the scale must grow)"),
     "0 < backoff_factor < 1": (("backoff_factor",), lambda b: 0 < b < 1,
-                               "backoff_factor must be between 0 and 1, both excluded (the scale must shrink)"),
-})
+                               "backoff_factor must be between 0 and 1, both excluded (the scale must shrink)")})
 
 
 def to_float32(x):
     """x rounded to the nearest float32 (inf past its range), as a Python number."""
     return torch.tensor(x, dtype=torch.float32).item()                   # a [] tensor's one number
 
-
-# float16's trap: a gradient of 2^-25 = 3e-8 or less rounds to 0 (1e-8 does) and stops its weight.
-# Gradients are linear in the loss, so a loss times S gives gradients times S, up into float16's
-# range; they are divided by S in float32 before the step. An S too large overflows to inf or
-# NaN: that step is skipped and S shrinks; after growth_interval good steps in a row it grows.
-# So S hovers near the largest that fits, without anyone choosing it. Clipping (section 35)
-# must not cut the S-times-larger gradients at max_norm: GradScaler has unscale_() to call
-# before it; here, clip at max_norm * get_scale(), the same cut on the scaled gradients.
+# float16's trap: a gradient of 1e-8 is 0. A loss times S gives gradients times S, up into
+# float16's range, divided by S in float32 before the step. An S too large overflows to inf or
+# NaN: that step is skipped and S shrinks; after growth_interval good steps in a row it grows,
+# so S hovers near the largest that fits. Clip (section 35) the scaled gradients at max_norm * S.
 
 class LossScaler:
-    """torch.amp.GradScaler's dynamic loss scaling, written out. Each step:
+    """torch.amp.GradScaler's dynamic loss scaling, written out: each step,
     scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()."""
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
-        check("init_scale > 0", "growth_factor > 1", "0 < backoff_factor < 1", init_scale=init_scale,
-              growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval)
-        # a float32 number, as GradScaler keeps it (a float32 tensor): the same scales, bit for bit
+        check("growth_factor > 1", "0 < backoff_factor < 1", init_scale=init_scale, growth_factor=growth_factor,
+              backoff_factor=backoff_factor, growth_interval=growth_interval)
+        # a float32 number, as GradScaler keeps it (a [] float32 tensor): the same scales, bit for bit
         self.loss_scale, self.good_steps, self.found_inf = to_float32(init_scale), 0, False
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
 
     def scale(self, loss):
-        """loss * the scale, in float32 as GradScaler multiplies (by a float32 tensor): a float16
-        loss of 1 times 2^16 is 65536, not the inf of float16 times a Python number."""
+        """loss times the scale, a [] float32 tensor as GradScaler's: a [] float16 loss becomes float32
+        (1 x 2^16 = 65536, where float16 overflows to inf), while a float16 tensor with dimensions stays
+        float16 (a [] tensor sets the dtype only against another [] tensor)."""
         return loss * torch.tensor(self.loss_scale, device=loss.device)    # as loss, [] for a loss
 
     def step(self, optimizer):
-        """Divide every gradient by the scale (times its float32 inverse), then step, unless
-        a gradient holds inf or NaN: then the weights and the optimizer's state stay as they are."""
+        """Each gradient times the scale's float32 inverse, then a step, unless a gradient held
+        inf or NaN: then the weights and the optimizer's state stay as they are."""
         inverse = to_float32(1.0 / self.loss_scale)  # GradScaler's reciprocal, in float64 then float32
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         self.found_inf = not all(torch.isfinite(g).all() for g in grads)  # bool, from a [] test a gradient
@@ -3708,46 +3684,33 @@ class LossScaler:
             optimizer.step()
 
     def update(self):
-        """After a skipped step: scale * backoff_factor, and the good steps counted from 0 again.
-        After growth_interval good steps in a row: scale * growth_factor (unless float32
-        overflows), counted from 0 again."""
-        if self.found_inf:
-            self.loss_scale, self.good_steps = to_float32(self.loss_scale * self.backoff_factor), 0
-            return
-        self.good_steps += 1
-        if self.good_steps == self.growth_interval:
-            grown = to_float32(self.loss_scale * self.growth_factor)
-            self.loss_scale = grown if math.isfinite(grown) else self.loss_scale
-            self.good_steps = 0
+        """The scale times backoff_factor after a skipped step, times growth_factor after
+        growth_interval good ones in a row, in float32 (torch's _amp_update_scale_); the count
+        starts again. A scale of inf is not taken, as in torch, nor one below float32's smallest
+        normal, 2^-126, where torch's goes on: below 2^-128 its inverse is inf, from 2^-150 the
+        scale is 0, and a finite gradient times the inverse puts inf or NaN in the weights."""
+        self.good_steps = 0 if self.found_inf else self.good_steps + 1
+        if self.found_inf or self.good_steps == self.growth_interval:
+            new = to_float32(self.loss_scale * (self.backoff_factor if self.found_inf else self.growth_factor))
+            self.loss_scale, self.good_steps = new if FLOAT32.tiny <= new < math.inf else self.loss_scale, 0
 
     def get_scale(self):
         return self.loss_scale
 
 # Try it: a gradient of 1e-4 * 1e-4 = 1e-8 through a float16 product, lost, then kept by the scale.
-#   >>> w = nn.Parameter(torch.zeros(1))                                   # [1], a float32 master weight
-#   >>> x = torch.full((1,), 1e-4, dtype=torch.float16)                    # [1], a float16 activation
+#   >>> w, x = nn.Parameter(torch.zeros(1)), torch.full((1,), 1e-4, dtype=torch.float16)  # [1] each
 #   >>> ((w.half() * x).float().sum() * 1e-4).backward(); w.grad.item()
 #   0.0
 #   >>> w.grad, scaler, opt = None, LossScaler(), torch.optim.SGD([w], lr=1.0)
 #   >>> scaler.scale((w.half() * x).float().sum() * 1e-4).backward()      # gradients 2^16 times larger
 #   >>> scaler.step(opt); scaler.update(); f"{w.grad.item():.3e}", f"{w.item():.3e}"  # unscaled; stepped
 #   ('1.000e-08', '-1.000e-08')
-#   >>> w.grad = torch.full((1,), float("inf")); scaler.step(opt); scaler.update()  # an overflow
-#   >>> scaler.get_scale(), f"{w.item():.3e}"                             # skipped, and S halved
-#   (32768.0, '-1.000e-08')
-#   >>> torch.tensor(1e-8).bfloat16().item() > 0, torch.tensor(1.0).bfloat16() + 0.001 == 1  # range, not steps
-#   (True, tensor(True))
-
-
 # ===========================================================================
 # 38. Memory, by formula and measured (显存)
 # ===========================================================================
-# A training step holds four things: the weights, their gradients, the optimizer's
-# state (AdamW's m and v, section 33) and the activations, what the forward saves for
-# the backward. The first three grow with the parameters, the last with batch x length,
-# and it is measured here: saved_tensors_hooks sees every tensor autograd saves, and a
-# formula for each model family meets the count. Checkpointing trades activations for
-# a second forward; ZeRO splits the rest over devices.
+# A training step holds the weights, their gradients, AdamW's m and v (section 33) and the
+# activations, what the forward saves for the backward (saved_tensors_hooks sees each one).
+# Checkpointing trades activations for a second forward; ZeRO splits the rest over devices.
 
 ARGUMENTS.update(mixed_precision=(bool,), checkpointing=(bool,), precision=("one of", "float32", "autocast", "bf16"),
                  n_devices=(int, 1, MAX_SIZE), zero_stage=(int, 0, 3))
@@ -3757,6 +3720,8 @@ def checkpoint_blocks(model, checkpointing=True):
     """Activation checkpointing on (or off): each block of model keeps only its inputs for the
     backward and runs its forward again there (torch.utils.checkpoint, a block at a time). -> model"""
     check(checkpointing=checkpointing)
+    if not isinstance(getattr(model, "layers", None), nn.ModuleList):
+        raise ValueError(f"model must keep its blocks in model.layers, an nn.ModuleList, got {type(model).__name__}")
     for block in model.layers:
         if checkpointing:  # an instance attribute: nn.Module's __call__ finds it before the class's forward
             block.forward = lambda *inputs, block=block: torch.utils.checkpoint.checkpoint(
@@ -3767,181 +3732,121 @@ def checkpoint_blocks(model, checkpointing=True):
 
 
 def saved_bytes(model, input_ids, targets, mixed_precision=False):
-    """Measured: the bytes autograd keeps for the backward of cross_entropy(model(input_ids),
-    targets), each storage once (views share one), the model's parameters and buffers not
-    counted. Under autocast, the bf16 copies of the weights it multiplies are counted."""
-    saved = []  # weak references: a tensor counts only while the graph still holds it
+    """Measured: the bytes autograd keeps for the backward of cross_entropy(model(input_ids), targets),
+    each storage once (views share one), less the parameters, buffers and autocast's copies of them."""
+    saved = []  # weak references: a branch that leads nowhere near the loss (section 25's choice of
+    # groups) is freed, its saved tensors with it, as the forward leaves it
 
-    def pack(tensor):
-        saved.append(torch.utils.weak.TensorWeakRef(tensor))
-        return tensor
+    def copied_parameter(tensor):  # grad_fn leads through casts and transposes to a parameter
+        node = tensor.grad_fn
+        while type(node).__name__ in ("ToCopyBackward0", "TBackward0"):
+            node = node.next_functions[0][0]
+        return type(node).__name__ == "AccumulateGrad"
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(torch.utils.weak.TensorWeakRef(t)) or t,
+                                                  lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision):
             loss = F.cross_entropy(model(input_ids).flatten(0, 1), targets.flatten())  # []
-    # a branch that leads nowhere near the loss (section 25's choice of groups) is freed, its
-    # saved tensors with it, as the forward leaves it, and a later tensor may reuse the address
-    live = [tensor for tensor in (ref() for ref in saved) if tensor is not None]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live}
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (ref() for ref in saved)
+                if t is not None and not copied_parameter(t)}
     del loss  # the graph, and all it saved, lives until here
     return sum(size for address, size in storages.items() if address not in own)
 
-
-# What autograd saves, a token, is what the formula below adds up (float32: 4 bytes a value):
-#   a norm of the residual stream: its input (LayerNorm: centered), the normed values and
-#   1/rms, 8 D + 4 bytes; a linear: its input; q k^T: q and k, H heads each (after
-#   repeat_kv); softmax: its output, H T; weights @ v: the masked weights and v; SwiGLU:
-#   w1's and w3's outputs, silu's and the product, 4 Dff (GELU: fc1's output and its own);
-#   the loss: the log-softmax, V; ids and targets, 8 bytes each. A layer: two bool masks.
-# Under autocast the products run in bf16 (2 bytes), norms, the residual stream and the
-# log-softmax stay float32, and each projection casts its OWN bf16 copy of a float32
-# input: q, k and v save three copies of the normed x where float32 saves x once (a
-# fused qkv projection would cast once); RoPE casts cos and sin for q and for k. That is
-# CPU autocast; CUDA's also runs softmax, pow and rsqrt in float32 (torch's autocast op
-# reference), so there the attention weights stay float32: not measured here.
-# A MoE saves, for each of the N top_k (token, expert) pairs, the gathered input, the
-# expert's SwiGLU, its weight and output, the weighted output and two int64 indices:
-# routing decides which experts, never how much, so this too is exact. DeepSeek's MLA
-# saves its latent's and its query's norms and each head's [nope | rope] query and key.
-# Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer
-# Models") count 34 s b h + 5 a s^2 b bytes a GPT layer, 16-bit throughout, dropout
-# included: 34 D + 5 H T a token. This file's GPT layer under autocast, without dropout
-# and with Dff = 4 D, saves 48 D + 8 + 4 H T: float32 norms and separate casts.
+# Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models")
+# count a GPT layer's activations at 34 D + 5 H T bytes a token, 16-bit, dropout included.
+# Here, s the bytes of a product's output (float32 4, bf16 under autocast 2), a layer saves
+# 16 D for its norms' inputs and outputs (float32), 8 D for its projections' inputs, s for
+# each of q, k, v and the attention's output (4 s D when heads x head width = D), 2 s H T
+# for the [T, T] weights (softmax's output, and weights @ v's input), 2 s Dff for a GELU's
+# hidden tensors or 4 s Dff for SwiGLU's (a MoE: top_k experts', plus (8 + s) D each for
+# moving a token there and back); Qwen3's q_norm, k_norm, DeepSeek's latent norms. So a GPT
+# layer (Dff = 4 D) saves 72 D + 8 H T in float32, 48 D + 4 H T under autocast; with dropout,
+# 96 D + 12 H T and 60 D + 6 H T (CPU masks of the input's dtype). Once: (8 + s) D, the final
+# norm and lm_head's input, and 4 V, the float32 log-softmax. Left out: 1/rms, the [T, T]
+# masks, RoPE's bf16 cos and sin, the router's scores, and under autocast the bf16 copy of the
+# normed input that each projection makes (q, k, v: three): 1% to 8% of saved_bytes here.
+# Checkpointed, a block keeps its float32 input, 4 D a token; the backward then reruns one
+# block at a time, stopping before its last product: 3.72 forwards for Llama-3-8B at 4K.
 
 
 def activation_bytes(kind, config, batch_size, seq_len, mixed_precision=False, checkpointing=False):
-    """Bytes saved for the backward of a training step, as saved_bytes counts them for
-    ids and targets [batch_size, seq_len]: by formula, from the configuration. Under
-    autocast (mixed_precision) the weights' bf16 copies are left to memory_bytes."""
-    check("seq_len <= max_len", kind=kind, batch_size=batch_size, seq_len=seq_len, max_len=config["max_len"],
+    """Bytes a training step on [batch_size, seq_len] saves for the backward, by the formula above."""
+    c = Keys("config", config)
+    check("seq_len <= max_len", kind=kind, batch_size=batch_size, seq_len=seq_len, max_len=c["max_len"],
           mixed_precision=mixed_precision, checkpointing=checkpointing)
-    c, B, T = config, batch_size, seq_len
-    N, D, V, L, H = B * T, c["d_model"], c["vocab_size"], c["n_layers"], c["n_heads"]
-    a = 2 if mixed_precision else 4                                        # a product's output
-    copies = (lambda n: 2 * n) if mixed_precision else (lambda n: 4)       # a float32 input n products read
-    norm = 8 * D + 4                                                       # on the float32 residual stream
-    rest = 16 * N + N * (norm + copies(1) * D + 4 * V) + 4                 # final norm, lm_head, loss, ids
-    if kind == "gpt" and c["dropout"] > 0:  # on a CPU dropout keeps a mask of its input's dtype (CUDA: bool)
-        rest += 4 * N * D                                                  # the embedding's
-    if checkpointing:  # a block keeps its float32 input; the one causal mask serves every block
-        return rest + L * 4 * N * D + T * T
-    per_layer = 2 * T * T                                                  # the two ~mask of section 2
-    if kind == "gpt":
-        ffn = norm + copies(1) * D + 2 * a * c["d_ff"]
-        attention = norm + copies(3) * D + 4 * a * D + 2 * a * H * T
-        if c["dropout"] > 0:
-            attention, ffn = attention + a * (H * T + D), ffn + a * (c["d_ff"] + D)
-        return rest + L * (N * (attention + ffn) + per_layer)
+    s, D, V, L, H, T = 2 if mixed_precision else 4, c["d_model"], c["vocab_size"], c["n_layers"], c["n_heads"], seq_len
+    dropout = c.get("dropout", 0.0) > 0                                    # the GPT's: the embedding's mask too
+    head = (8 + s) * D + 4 * V + 16 + dropout * 4 * D                      # 16: ids and targets, int64
+    if checkpointing:
+        return batch_size * T * (head + L * 4 * D)
+    head_dim, d_ff = c.get("head_dim") or D // H, c.get("d_ff") or llama_ffn_dim(D)
+    qkvo = 2 * H * (c["qk_nope_dim"] + c["qk_rope_dim"] + c["v_head_dim"]) if kind == "deepseek" else 4 * H * head_dim
+    layer = 24 * D + s * qkvo + 2 * s * H * T + (2 * s * d_ff + dropout * s * (H * T + 2 * D + d_ff) if kind == "gpt"
+                                                 else 0)
+    if kind in ("qwen3", "qwen3moe"):
+        layer += (4 + s) * (H + (c.get("n_kv_heads") or H)) * head_dim
     if kind == "deepseek":
-        r, rope, qr = c["kv_lora_rank"], c["qk_rope_dim"], c.get("q_lora_rank")
-        attention = norm + copies(2) * D + 2 * a * H * (c["qk_nope_dim"] + rope + c["v_head_dim"]) + 2 * a * H * T
-        # kv_norm reads the latent, a view of w_dkv's output (all of it kept) or, under autocast, its float32 copy
-        attention += (4 * r if mixed_precision else 4 * (r + rope)) + 4 + a * r + copies(1) * r
-        attention += 0 if qr is None else 4 * qr + 4 + a * qr + copies(1) * qr  # q_norm
-        per_layer += 8 * T * rope if mixed_precision else 0                # RoPE's cos and sin in bf16
-        moe = moe_activation(D, a, copies, c["n_experts"], c["top_k"], c["expert_d_ff"],
-                             c["n_shared"] * c["expert_d_ff"], a, c.get("norm_topk", True))
-        dense = c["n_dense_layers"]
-        ffn = dense * (norm + copies(2) * D + 4 * a * c["d_ff"]) + (L - dense) * (norm + moe)
-        return rest + L * (N * attention + per_layer) + N * ffn
-    head_dim, Hkv = c.get("head_dim") or D // H, c.get("n_kv_heads") or H  # Llama and its families
-    attention = norm + copies(3) * D + 4 * a * H * head_dim + 2 * a * H * T
-    if kind in ("qwen3", "qwen3moe"):  # q_norm and k_norm; their float32 output leaves RoPE nothing to cast
-        attention += (H + Hkv) * ((4 + a) * head_dim + 4)
-    elif mixed_precision:
-        per_layer += 8 * T * head_dim                                      # RoPE's cos and sin in bf16
-    d_ff = c.get("d_ff") or llama_ffn_dim(D)
-    if kind in ("mixtral", "qwen3moe"):
-        ffn = norm + moe_activation(D, a, copies, c["n_experts"], c["top_k"], c.get("expert_d_ff") or d_ff, 0, 4,
-                                    c.get("norm_topk", True))
-    else:
-        ffn = norm + copies(2) * D + 4 * a * d_ff
-    return rest + L * (N * (attention + ffn) + per_layer)
+        layer += (4 + 2 * s) * (c["kv_lora_rank"] + (c.get("q_lora_rank") or 0))
+    moe_layers, expert = L - c.get("n_dense_layers", 0) if kind in ("mixtral", "qwen3moe", "deepseek") else 0, c.get("expert_d_ff") or d_ff
+    moe = c["top_k"] * (4 * s * expert + (8 + s) * D) + 4 * s * c.get("n_shared", 0) * expert if moe_layers else 0
+    dense = 0 if kind == "gpt" else 4 * s * d_ff                          # SwiGLU
+    return batch_size * T * (head + L * layer + (L - moe_layers) * dense + moe_layers * moe)
 
-
-def moe_activation(D, a, copies, n_experts, top_k, expert_d_ff, shared_d_ff, score_bytes, norm_topk):
-    """A MoE's saved bytes a token (section 25's forward): the router's input and scores
-    (float32 after a softmax, the product's dtype after a sigmoid), the indices, and per
-    chosen expert its gathered input, SwiGLU, weight, output and weighted output."""
-    E, k = n_experts, top_k
-    routing = copies(1 + 2 * (shared_d_ff > 0)) * D + score_bytes * E + 8 * k  # + the shared expert's reads
-    routing += score_bytes * (k + 1) if norm_topk else 0                   # chosen weights over their sum
-    per_pair = 16 + copies(2) * D + 4 * a * expert_d_ff + 4 + a * D + 4 * D  # two int64 indices
-    return routing + k * per_pair + 4 * a * shared_d_ff
-
-# Checkpointing: the forward runs each block but drops what it would save, keeping the
-# block's inputs (4 D bytes a token, and the mask); the backward runs the block's forward
-# again, then its backward, holding one block's activations at a time on top. The rerun
-# stops once the last tensor the backward needs is back (torch's early stop), before the
-# block's last product (w2, fc2; a shared expert's w2), and lm_head is outside the blocks:
-# Llama-3-8B at T = 4096 trains in 3.72 forwards instead of 3.
 
 PRECISIONS = {  # bytes a parameter: weights, gradients, AdamW's m and v, float32 master copy
-    "float32": (4, 4, 8, 0),
-    "autocast": (4, 4, 8, 0),  # float32 weights under torch.autocast, as this file trains; + the bf16 copies
-    "bf16": (2, 2, 8, 4),      # bf16 weights and gradients, float32 master and states: large runs' 16 bytes
-}
+    "float32": (4, 4, 8, 0), "autocast": (4, 4, 8, 0),  # autocast: float32 weights, + bf16 copies, as here
+    "bf16": (2, 2, 8, 4)}  # bf16 weights and gradients, float32 master and states: large runs' 16 bytes
 
 
 def memory_bytes(params, trainable, activations, precision="float32", matrices=0):
-    """A training step's memory with AdamW, in bytes, by kind: params parameters as weights,
-    the trainable ones with gradients, AdamW's two states and master copies, and the
-    activations. Under autocast, matrices: the parameters products read, of which it keeps
-    a bf16 copy through the forward (its cache) and, where a product saved it, the backward."""
+    """A training step's memory with AdamW, in bytes: params as weights (autocast: and a bf16 copy
+    of the matrices, the parameters products read), the trainable ones' gradients, AdamW's states
+    and master copies, and the activations."""
     check(precision=precision)
     w, g, o, m = PRECISIONS[precision]
     memory = dict(weights=w * params + (2 * matrices if precision == "autocast" else 0), gradients=g * trainable,
                   optimizer=o * trainable, master_weights=m * trainable, activations=activations)
-    memory["total"] = sum(memory.values())
-    return memory
+    return dict(memory, total=sum(memory.values()))
 
 
-def training_memory(model, batch_size, seq_len, mixed_precision=False, checkpointing=False):
-    """memory_bytes of model training on [batch_size, seq_len] with AdamW, in float32 or
-    (mixed_precision) under bf16 autocast over float32 weights, as this file trains."""
-    kind = model_kind(model)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    activations = activation_bytes(kind, model.config, batch_size, seq_len, mixed_precision, checkpointing)
-    return memory_bytes(count_parameters(model), trainable, activations, "autocast" if mixed_precision else
-                        "float32", matmul_widths(kind, model.config, active=False)[0])
+def training_memory(model, batch_size, seq_len, mixed_precision=False):
+    """memory_bytes of model training on [batch_size, seq_len] with AdamW, in float32 or (mixed_precision)
+    under bf16 autocast over float32 weights, checkpointed if its blocks are (checkpoint_blocks)."""
+    kind = model_kind(model, "training_memory", trains=True)
+    config = model.config if model.training else dict(model.config, dropout=0.0)  # eval(): no dropout
+    activations = activation_bytes(kind, config, batch_size, seq_len, mixed_precision,
+                                   any("forward" in vars(block) for block in model.layers))
+    return memory_bytes(count_parameters(model), count_parameters(model), activations,
+                        "autocast" if mixed_precision else "float32", matmul_widths(kind, config, active=False)[0])
 
 
 def zero_memory_per_device(memory, n_devices, zero_stage):
-    """memory_bytes on each of n_devices data-parallel devices under ZeRO (Rajbhandari et al.,
-    2020): stage 1 splits the optimizer states and master weights, 2 the gradients too,
-    3 the weights too; activations stay whole, each device's own batch's."""
+    """memory_bytes on each of n_devices data-parallel devices under ZeRO (Rajbhandari et al., 2020):
+    stage 1 splits AdamW's states and the master weights, 2 the gradients too, 3 the weights too;
+    activations stay whole, each device's own batch's."""
+    memory = Keys("memory", memory)
     check(n_devices=n_devices, zero_stage=zero_stage)
-    split_from = dict(optimizer=1, master_weights=1, gradients=2, weights=3, activations=4)
-    per_device = {key: -(-memory[key] // n_devices) if zero_stage >= stage else memory[key]
-                  for key, stage in split_from.items()}                   # a device holds its share, rounded up
-    per_device["total"] = sum(per_device.values())
-    return per_device
+    per_device = {key: -(-memory[key] // n_devices) if zero_stage >= stage else memory[key]  # shares, rounded up
+                  for key, stage in dict(optimizer=1, master_weights=1, gradients=2, weights=3, activations=4).items()}
+    return dict(per_device, total=sum(per_device.values()))
 
-# The rules people quote, from PRECISIONS: AdamW in mixed precision costs 16 bytes a
-# parameter (2 + 2 + 8 + 4; ZeRO's paper: 2 + 2 + K with K = 12), before activations, so
-# a 7.5B model needs 120 GB on every device of plain data parallelism; ZeRO-1, 2, 3 on
-# 64 devices leave 31.4, 16.6 and 1.9 GB (the paper's Figure 1). Autocast over float32
-# weights, as here, costs 18 (Hugging Face's "6 bytes" for weights: 4 + a 2-byte copy).
+# Bytes a parameter, N devices:  none  ZeRO-1       ZeRO-2        ZeRO-3   (the ZeRO paper: K = 12)
+#   bf16, float32 master         16    4 + 12 / N   2 + 14 / N    16 / N   7.5B on 64 devices: 120,
+#   float32                      16    8 + 8 / N    4 + 12 / N    16 / N   31.4, 16.6, 1.9 GB (its
+#   autocast over float32        18    10 + 8 / N   6 + 12 / N    18 / N   Figure 1); activations on top
 
-# Try it: a Llama's activations, by formula and measured, with and without checkpointing.
-#   >>> torch.manual_seed(0)
-#   <torch._C.Generator object at ...>
+# Try it: a Llama's activations, measured and by formula, with and without checkpointing.
+#   >>> _ = torch.manual_seed(0)
 #   >>> llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_len=16)
 #   >>> ids, targets = torch.randint(0, 50, (2, 2, 8)).unbind(0)          # [2, 8] each
-#   >>> saved_bytes(llama, ids, targets), activation_bytes("llama", llama.config, 2, 8)
-#   (92100, 92100)
-#   >>> saved_bytes(checkpoint_blocks(llama), ids, targets), activation_bytes("llama", llama.config, 2, 8,
-#   ...                                                                     checkpointing=True)
-#   (13828, 13828)
-#   >>> memory = training_memory(checkpoint_blocks(llama, False), batch_size=2, seq_len=8)
-#   >>> memory["weights"] == 4 * count_parameters(llama), memory["optimizer"] == 2 * memory["weights"]
-#   (True, True)
-#   >>> zero = zero_memory_per_device(memory_bytes(7_500_000_000, 7_500_000_000, 0, "bf16"), 64, zero_stage=3)
-#   >>> round(zero["total"] / 1e9, 1)                                      # ZeRO's Figure 1: 1.9 GB
+#   >>> for checkpointing in False, True:
+#   ...     measured = saved_bytes(checkpoint_blocks(llama, checkpointing), ids, targets)
+#   ...     print(measured, training_memory(llama, batch_size=2, seq_len=8)["activations"])
+#   92100 91264
+#   13828 13696
+#   >>> round(zero_memory_per_device(memory_bytes(7.5e9, 7.5e9, 0, "bf16"), 64, zero_stage=3)["total"] / 1e9, 1)
 #   1.9
-
-
 # ===========================================================================
 # 39. LoRA (低秩适配)
 # ===========================================================================
@@ -5056,14 +4961,15 @@ def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
     if problem:
         raise ValueError(f"{shown(path)}: {problem}")
     checkpoint = {"format": CHECKPOINT_FORMAT, "kind": kind, "config": model.config,
-                  "state_dict": merged_state_dict(model), "src_vocab": src_vocab.itos, "tgt_vocab": tgt_vocab.itos}
+                  "src_vocab": src_vocab.itos, "tgt_vocab": tgt_vocab.itos}
     if readings is not None:
         checkpoint["readings"] = {syllable: "".join(sorted(chars)) for syllable, chars in readings.items()}
-    try:  # built on the CPU, as load_checkpoint would build it
+    try:  # checked as load_checkpoint checks it, on the CPU
+        checkpoint["state_dict"] = merged_state_dict(model)
         checked_checkpoint(checkpoint, "cpu")
     except CHECK_ERRORS as e:
-        raise ValueError(f"{shown(path)}: not saved, it would not load back ({' '.join(str(e).split())[:100]});"
-                         f" the previous file is unchanged") from None
+        raise ValueError(f"{shown(path)}: not saved ({' '.join(str(e).split())[:100]}); the previous file is"
+                         f" unchanged") from None
     target = os.path.realpath(path)
     old = os.stat(target) if os.path.exists(target) else None
     fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", dir=os.path.dirname(target))
@@ -5095,7 +5001,8 @@ def load_checkpoint(path, device="cpu"):
         device = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device {device!r} is not a device name (cpu, cuda, mps, ...)") from None
-    if not {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}.get(device.type, bool)(1):
+    available = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}.get(device.type)
+    if available and not available():
         raise ValueError(f"device {str(device)!r} is not available here")
     with open_for_reading(path, MAX_PIPED_CHECKPOINT_BYTES, "a checkpoint file, or a pipe of at most that"
                           " (a pipe is held in memory)", any_size=True) as f, warnings.catch_warnings():
@@ -5660,34 +5567,32 @@ def bench_time_to_99(device, seed):  # TEMPORARY: the command line's piece still
 
 MAX_LINE = 2 ** 20  # characters in one --translate - line; a sentence takes at most MAX_SYLLABLES syllables
 MAX_BEAM = 64       # --beam: wider beams cost memory and time and, on this task, gain nothing
+RUNS_ALONE = ("data", "load", "save", "translate", "epochs", "model", "size", "beam", "free", "head")
+IGNORED_BY = {  # options that one makes meaningless are refused, never silently ignored
+    "load": ("skips training", ("save", "epochs", "model", "size")),
+    "after": ("trains and measures its own models, then exits", RUNS_ALONE + ("bench",)),
+    "bench": ("trains and measures its own models, then exits", RUNS_ALONE)}
 
 
 def read_lines(stream, limit=MAX_LINE):
-    """The lines of a text stream (standard input), each read at most limit + 1
-    characters at a time: a longer line, /dev/zero (one endless line), bytes that
-    are not UTF-8 or a stream that cannot be read raise ValueError, and reading stops."""
-    number = 0
-    while True:
-        try:
-            line = stream.readline(limit + 1)
-        except UnicodeDecodeError as e:
-            encoding = getattr(stream, "encoding", None) or "UTF-8"
-            raise ValueError(f"standard input is not {encoding} text ({e.reason}); stopped reading") from None
-        except OSError as e:
-            raise ValueError(f"cannot read standard input ({e.strerror or e})") from None
-        if not line:
-            return
-        number += 1
-        if len(line) > limit and not line.endswith("\n"):
-            raise ValueError(f"standard input, line {number}: longer than {limit:,} characters;"
-                             f" stopped reading")
-        yield line
+    """The lines of a text stream (standard input), read at most limit + 1 characters at a time: a longer
+    line, /dev/zero (one endless line), text that is not UTF-8 or a stream that cannot be read raise
+    ValueError, and reading stops."""
+    try:
+        for number, line in enumerate(iter(lambda: stream.readline(limit + 1), ""), 1):
+            if len(line) > limit and not line.endswith("\n"):
+                raise ValueError(f"standard input, line {number}: longer than {limit:,} characters; stopped reading")
+            yield line
+    except UnicodeDecodeError as e:
+        encoding = getattr(stream, "encoding", None) or "UTF-8"
+        raise ValueError(f"standard input is not {encoding} text ({e.reason}); stopped reading") from None
+    except OSError as e:
+        raise ValueError(f"cannot read standard input ({e.strerror or e})") from None
 
 
 def answer_lines(answer, src_vocab, longest, lines):
-    """Print one hanzi line per pinyin line; a line the model cannot take gets one
-    error line on stderr and the rest still answer; input that cannot be read
-    (read_lines) ends the answers with one error line. -> exit status."""
+    """One hanzi line per pinyin line; a line the model cannot take gets one error line on stderr and the
+    rest still answer; input that cannot be read (read_lines) ends them with one. -> exit status."""
     check_list("lines", lines, "lines of pinyin")
     status = 0
     try:
@@ -5699,99 +5604,63 @@ def answer_lines(answer, src_vocab, longest, lines):
                            f"{len(syllables)} syllables, this model takes at most {longest}")
                 print(f"transformer.py: error: {problem} in {quote(line.strip())}", file=sys.stderr)
                 status = 2
-                continue
-            print(answer([" ".join(syllables)])[0] if syllables else "", flush=True)
+            else:
+                print(answer([" ".join(syllables)])[0] if syllables else "", flush=True)
     except ValueError as e:  # from read_lines
         print(f"transformer.py: error: --translate -: {e}", file=sys.stderr)
-        status = 2
+        return 2
     return status
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """A usage error is one line on stderr and exit status 2, no usage dump."""
+    """A usage error is one line on stderr and exit status 2, no usage dump; a path can be a megabyte."""
 
     def error(self, message):
-        message = message if len(message) <= 300 else message[:300] + "..."  # a path can be a megabyte too
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message if len(message) <= 300 else message[:300] + '...'}\n")
 
 
 def int_at_least(low):
-    """An argparse type: an integer from low to 2^64 - 1. The seed goes to
-    torch.manual_seed and torch.Generator().manual_seed, which take at most 2^64 - 1
-    (random.Random, the data's, takes any integer); epochs stop far below it."""
+    """An argparse type: an integer from low to 2^64 - 1, the most torch.manual_seed takes."""
     def parse(text):
-        value = int(text) if re.fullmatch(r"-?\d+", text) else None
-        if value is None or not low <= value < 2 ** 64:
+        if not re.fullmatch(r"-?\d+", text) or not low <= int(text) < 2 ** 64:
             raise argparse.ArgumentTypeError(f"expected an integer from {low} to 2^64 - 1, got {quote(text)}")
-        return value
+        return int(text)
     return parse
 
 
-def check_save_target(path, data):
-    """--save's PATH, checked before any training: -> an error message or None.
-    What save_checkpoint would refuse, the --data file, a name too long for its
-    folder, and a folder where no file can be made are all found now, not after."""
-    target = os.path.realpath(path)
-    if not os.path.basename(path) or not os.path.isdir(os.path.dirname(target)):
-        return f"--save {quote(path)}: expected a file name in an existing folder"
-    problem = save_target_problem(path)
-    if problem:
-        return f"--save {quote(path)}: {problem}"
-    if data and os.path.exists(target) and os.path.exists(data) and os.path.samefile(target, data):
-        return f"--save {quote(path)}: that is the --data file; the checkpoint would overwrite your data"
-    folder, name = os.path.dirname(target), os.path.basename(target)
+def stream_problem(args):
+    """What keeps the standard streams from this run, or None: stdout must write hanzi and the report's
+    marks (ascii, latin-1 or gbk cannot) and, for answers, be open; for --translate -, stdin must be open
+    and readable."""
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
     try:
-        name_max = os.pathconf(folder, "PC_NAME_MAX")
-    except (OSError, ValueError, AttributeError):  # no pathconf (Windows): the usual limit
-        name_max = 255
-    if len(os.fsencode(name)) > name_max:
-        return f"--save {quote(path)}: a name of {len(os.fsencode(name))} bytes; this folder takes {name_max}"
-    try:  # the one sure test of a folder (read-only, full, not a real file system): make a file there
-        fd, probe = tempfile.mkstemp(prefix=".checkpoint-", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        return f"--save {quote(path)}: cannot write in its folder ({e.strerror or e})"
+        ("我爱学习多万ü✗" + SHADES).encode(encoding)
+    except (UnicodeEncodeError, LookupError) as e:
+        char = e.object[e.start] if isinstance(e, UnicodeEncodeError) else "我"
+        what = "hanzi" if "\u4e00" <= char <= "\u9fff" else repr(char)
+        return f"standard output's encoding ({encoding}) cannot write {what}; set PYTHONIOENCODING=utf-8 or use a UTF-8 locale"
+    if sys.stdout is None and args.translate is not None:
+        return "--translate: standard output is closed; the answers would be lost"
+    if args.translate == "-" and sys.stdin is None:
+        return "--translate -: standard input is closed"
+    if args.translate == "-":
+        try:
+            os.read(sys.stdin.fileno(), 0)  # reads nothing, but fails on a stream opened write-only (0>file)
+        except (AttributeError, ValueError):  # a stream without a file (in tests): nothing to check
+            pass
+        except OSError as e:
+            return f"--translate -: cannot read standard input ({e.strerror or e})"
     return None
 
 
-def check_standard_streams(parser, args):
-    """What the standard streams must do for this run, checked before it starts:
-    stdout can write hanzi and the report's marks (an ascii, latin-1 or gbk one
-    cannot) and, for answers, is open;
-    stdin, for --translate -, is open and readable (not opened write-only)."""
-    if sys.stdout is not None:
-        encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
-        try:  # hanzi, and the marks the report and the heatmap draw with
-            ("我爱学习多万ü✗" + SHADES).encode(encoding)
-        except (UnicodeEncodeError, LookupError) as e:
-            char = e.object[e.start] if isinstance(e, UnicodeEncodeError) else "我"
-            what = "hanzi" if "\u4e00" <= char <= "\u9fff" else repr(char)
-            parser.error(f"standard output's encoding ({encoding}) cannot write {what};"
-                         f" set PYTHONIOENCODING=utf-8 or use a UTF-8 locale")
-    elif args.translate is not None:
-        parser.error("--translate: standard output is closed; the answers would be lost")
-    if args.translate == "-":
-        if sys.stdin is None:
-            parser.error("--translate -: standard input is closed")
-        try:
-            fd = sys.stdin.fileno()
-        except (AttributeError, ValueError, OSError):  # a stream without a file (in tests): nothing to check
-            return
-        try:
-            os.read(fd, 0)  # reads nothing, but fails on a stream opened write-only (0>file) or a folder
-        except OSError as e:
-            parser.error(f"--translate -: cannot read standard input ({e.strerror or e})")
-
-
 class GuardedStream:
-    """A standard output or error whose reader may leave (| head -1). Once the pipe is
-    broken, what is written is dropped while keep_going is set (main sets it while a
-    --save is still to come, so training finishes and saves), and raises
+    """A standard output or error whose reader may leave (| head -1). Once the pipe is broken, what is
+    written is dropped while keep_going is set (main sets it while a --save is to come) and raises
     BrokenPipeError otherwise, as the stream itself would."""
+    keep_going = False
 
     def __init__(self, stream):
-        self.stream, self.broken, self.keep_going = stream, False, False
+        self.stream, self.broken = stream, False
 
     def _guard(self, method, *args):
         if not self.broken:
@@ -5799,7 +5668,7 @@ class GuardedStream:
                 return method(*args)
             except BrokenPipeError:
                 self.broken = True
-        if not self.keep_going:
+        if not GuardedStream.keep_going:
             raise BrokenPipeError(32, "Broken pipe")
         return None
 
@@ -5817,46 +5686,44 @@ class GuardedStream:
 
 def main(argv=None):
     parser = OneLineParser(prog="transformer.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or mps")
-    parser.add_argument("--epochs", type=int_at_least(1), help="training epochs (default: each model's own)")
-    parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed for the data, split, weights, batches")
-    parser.add_argument("--model", choices=list(TOY_MODELS) + ["all"],
-                        help="which model to train (default: all on the toy task, encdec with --data;"
-                             " --save and --translate use the first)")
-    parser.add_argument("--size", choices=list(SIZES),
-                        help="model size and recipe (default: small on the toy task, base with --data)")
-    parser.add_argument("--data", metavar="FILE.tsv", help="train on your own pinyin<TAB>hanzi lines")
-    parser.add_argument("--save", metavar="PATH", help="after training, save the model and its vocabularies")
-    parser.add_argument("--load", metavar="PATH", help="load a saved model instead of training")
-    parser.add_argument("--translate", metavar="PINYIN", help="answer this pinyin sentence ('-': one per stdin line)")
-    parser.add_argument("--beam", type=int_at_least(1), default=4,
-                        help="beam size for answers (default 4; 1 is greedy)")
-    parser.add_argument("--free", action="store_true",
-                        help="decode unconstrained: any character at any step, not only the syllable's readings")
-    parser.add_argument("--head", type=int_at_least(0), help="draw this head's attention in the heatmap, not the mean")
-    parser.add_argument("--bench", action="store_true", help="measure where the time goes (a few minutes), then exit")
-    parser.add_argument("--after", action="store_true",
-                        help="after pretraining, on the toy task and --seed: speculative decoding's acceptance and"
-                             " speed-up, DPO and GRPO against plain fine-tuning (under a minute), then exit")
+    option = parser.add_argument
+    option("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or mps")
+    option("--epochs", type=int_at_least(1), help="training epochs (default: each model's own)")
+    option("--seed", type=int_at_least(0), default=0, help="seed for the data, split, weights, batches")
+    option("--model", choices=list(TOY_MODELS) + ["all"],
+           help="which model to train (default: all on the toy task, encdec with --data; --save and --translate"
+                " use the first)")
+    option("--size", choices=list(SIZES), help="model size and recipe (default: small on the toy task, base with --data)")
+    option("--data", metavar="FILE.tsv", help="train on your own pinyin<TAB>hanzi lines")
+    option("--save", metavar="PATH", help="after training, save the model and its vocabularies")
+    option("--load", metavar="PATH", help="load a saved model instead of training")
+    option("--translate", metavar="PINYIN", help="answer this pinyin sentence ('-': one per stdin line)")
+    option("--beam", type=int_at_least(1), default=4, help="beam size for answers (default 4; 1 is greedy)")
+    option("--free", action="store_true",
+           help="decode unconstrained: any character at any step, not only the syllable's readings")
+    option("--head", type=int_at_least(0), help="draw this head's attention in the heatmap, not the mean")
+    option("--bench", action="store_true", help="measure where the time goes (a few minutes), then exit")
+    option("--after", action="store_true",
+           help="after pretraining, on the toy task and --seed: speculative decoding's acceptance and speed-up,"
+                " DPO and GRPO against plain fine-tuning (under a minute), then exit")
     args = parser.parse_args(argv)
+    GuardedStream.keep_going = args.save is not None  # the reader of the output may leave: the model is saved
     # every problem that can be seen before the work starts is reported before it starts
-    empty = next((option for option in ("data", "load", "save") if getattr(args, option) == ""), None)
+    empty = next((name for name in ("data", "load", "save") if getattr(args, name) == ""), None)
     if empty:
         parser.error(f"--{empty}: expected a file name, got an empty one")
     if args.beam > MAX_BEAM:
         parser.error(f"--beam {args.beam}: expected 1 to {MAX_BEAM}")
-    check_standard_streams(parser, args)
-    for stream in (sys.stdout, sys.stderr):  # the reader of the output may leave: a checkpoint is still saved
-        if isinstance(stream, GuardedStream):
-            stream.keep_going = args.save is not None
-    if args.load and (args.save or args.epochs or args.model or args.size):
-        parser.error("--load skips training, so --save, --epochs, --model and --size do not apply")
+    if stream_problem(args):
+        parser.error(stream_problem(args))
+    ignored = next(((name, why, other) for name, (why, others) in IGNORED_BY.items() for other in others
+                    if getattr(args, name) and getattr(args, other) != parser.get_default(other)), None)
+    if ignored:
+        parser.error("--{} {}, so --{} does not apply".format(*ignored))
     args.size = args.size or ("base" if args.data else "small")
     args.model = args.model or ("encdec" if args.data else "all")
-    if args.save is not None and check_save_target(args.save, args.data):
-        parser.error(check_save_target(args.save, args.data))
-    if args.translate == "-" and sys.stdin is None:
-        parser.error("--translate -: standard input is closed")
+    if args.save is not None and save_target_problem(args.save, args.data):
+        parser.error(f"--save {quote(args.save)}: {save_target_problem(args.save, args.data)}")
     try:
         device = pick_device(args.device)
     except ValueError as e:
@@ -5867,25 +5734,27 @@ def main(argv=None):
     except ValueError as e:
         parser.error(str(e))
     if loaded and not longest_sentence(loaded[0], loaded[1]):  # not "takes at most -1 syllables", later
-        need = ("3 (bos, its character, eos)" if loaded[0] == "encdec"
-                else f"4 (the syllable, {SEP}, its character, eos)")
+        need = "3 (bos, its character, eos)" if loaded[0] == "encdec" else f"4 (the syllable, {SEP}, its character, eos)"
         parser.error(f"--load {shown(args.load)}: a model of max_len {loaded[1].max_len} can answer no sentence"
                      f" at all; one syllable needs max_len {need}")
-    n_heads = loaded[1].config["n_heads"] if loaded else TOY_MODELS["encdec"]["config"]["n_heads"]
+    n_heads = (loaded[1].config if loaded else SIZES[args.size]["encdec"]["config"])["n_heads"]
     if args.head is not None and args.head >= n_heads:
-        heads = "only head 0" if n_heads == 1 else f"heads 0 to {n_heads - 1}"
-        parser.error(f"--head {args.head}: the model has {heads}")
-    if args.after:
-        print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-        speculative_report(args.seed, device=device)
-        preference_report(args.seed)
-        return 0
-    if args.bench:
-        print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-        bench_training(device)
-        bench_kv_cache(device)
-        bench_long_sequences(device)
-        bench_time_to_99(device, args.seed)
+        parser.error(f"--head {args.head}: the model has {'only head 0' if n_heads == 1 else f'heads 0 to {n_heads - 1}'}")
+    if args.after or args.bench:
+        print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads" + "\n" * args.bench)
+        global stop_on_ctrl_c  # Ctrl-C stops all of the run, not only the train() it falls in (section 13)
+        kept, stop_on_ctrl_c = stop_on_ctrl_c, lambda: contextlib.nullcontext([])
+        try:
+            if args.after:
+                speculative_report(args.seed, device=device)
+                preference_report(args.seed)
+            else:
+                bench_training(device)
+                bench_kv_cache(device)
+                bench_long_sequences(device)
+                bench_time_to_99(device, args.seed)
+        finally:
+            stop_on_ctrl_c = kept
         return 0
     if args.translate is None:
         print(f"device: {device}, torch {torch.__version__}\n")
@@ -5900,43 +5769,37 @@ def main(argv=None):
     # answering: the answers alone go to stdout, the training progress to stderr
     with contextlib.redirect_stdout(sys.stderr):
         kind, model, src_vocab, tgt_vocab, readings = run(args, device, pairs, loaded)
-    for stream in (sys.stdout, sys.stderr):  # the model is saved: from here on, a reader leaving ends it
-        if isinstance(stream, GuardedStream):
-            stream.keep_going = False
+    GuardedStream.keep_going = False  # the model is saved: from here on, a reader leaving ends it
     lines = read_lines(sys.stdin) if args.translate == "-" else [args.translate]
     answer = translator(kind, model, src_vocab, tgt_vocab, None if args.free else readings, args.beam)
     return answer_lines(answer, src_vocab, longest_sentence(kind, model), lines)
 
 
 def command_line():
-    """main() as a program: every failure one line on stderr, never a traceback,
-    whichever standard stream is closed, broken or unable to encode."""
+    """main() as a program: every failure one line on stderr, never a traceback, whichever standard
+    stream is closed, broken or unable to encode."""
     if sys.stderr is not None:
         with contextlib.suppress(AttributeError, ValueError, OSError):  # a message never fails on a character
             sys.stderr.reconfigure(errors="backslashreplace")
     sys.stdout, sys.stderr = (None if s is None else GuardedStream(s) for s in (sys.stdout, sys.stderr))
-
-    def say(line):  # on stderr, if anyone still reads it
-        with contextlib.suppress(OSError):
-            print(f"transformer.py: {line}", file=sys.stderr)
     try:
-        status = main()
+        status, line = main(), None
         if sys.stdout is not None:
             sys.stdout.flush()  # a full disk shows here, not at exit
-    except KeyboardInterrupt:  # Ctrl-C outside training (training stops cleanly by itself)
-        status = 130
-        say("interrupted")
+    except KeyboardInterrupt:  # Ctrl-C where no training stops by itself to report and save
+        status, line = 130, "interrupted"
     except BrokenPipeError:  # the reader left early (| head): not an error of ours
-        status = 1
+        status, line = 1, None
     except OSError as e:  # stdout on a full disk, a closed terminal
-        status = 2
-        say(f"error: writing the output: {e.strerror or e}")
+        status, line = 2, f"error: writing the output: {e.strerror or e}"
     except UnicodeEncodeError as e:  # a character the output's encoding lacks (checked before; a last guard)
-        status = 2
-        say(f"error: writing the output: {e.encoding} cannot write {e.object[e.start:e.end]!r}")
+        status, line = 2, f"error: writing the output: {e.encoding} cannot write {e.object[e.start:e.end]!r}"
     if status == 0 and sys.stdout is not None and sys.stdout.broken:
-        say("note: the reader of standard output left early (broken pipe); the rest of the output"
-            " was dropped, the work was done")
+        line = ("note: the reader of standard output left early (broken pipe); the rest of the output was"
+                " dropped, the work was done")
+    if line and sys.stderr is not None:
+        with contextlib.suppress(OSError):
+            print(f"transformer.py: {line}", file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         if stream is not None and (stream.broken or (status and stream is sys.stdout)):
             # what could not be written is dropped, so that exiting does not try again
