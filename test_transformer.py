@@ -410,6 +410,13 @@ def test_make_causal_mask_with_past_is_bottom_right_aligned():
     assert max_diff(ours, F.scaled_dot_product_attention(q, k, v, is_causal=True)) > 1e-3
 
 
+
+
+@pytest.mark.parametrize("past", [-1, 1.5, True, None])
+def test_causal_mask_refuses_a_past_that_is_not_a_count(past):
+    """past = -1 used to give a [1, 1, 3, 2] mask: fewer keys than queries, silently."""
+    with pytest.raises(ValueError, match=r"past must be an integer >= 0"):
+        tf.make_causal_mask(3, past=past)
 # ===========================================================================
 # 3. Multi-head attention and the KV cache
 # ===========================================================================
@@ -2860,6 +2867,18 @@ def test_rope_preserves_norms():
     assert_close(tf.apply_rope(x[:, :, :1], cos[:1], sin[:1]), x[:, :, :1])   # position 0 is not turned
 
 
+
+
+def test_apply_rope_refuses_tables_that_would_broadcast():
+    """cos and sin of one position against x of five turned every position by the same angle
+    (broadcasting), and x of one position against five tables grew to five: both refused."""
+    cos, sin = tf.rope_cos_sin(8, 16)                                          # [16, 8] each
+    x = torch.randn(1, 2, 5, 8)                                                # [B, H, T, dk]
+    for c, s, y in [(cos[:1], sin[:1], x), (cos[:5], sin[:5], x[:, :, :1]), (cos[:5], sin[:4], x),
+                    (cos[:5, :4], sin[:5, :4], x)]:
+        with pytest.raises(ValueError, match=r"cos and sin must be \[T, dk\], the last two dims of x, got \{'x'"):
+            tf.apply_rope(y, c, s)
+    assert tf.apply_rope(x, cos[:5], sin[:5]).shape == x.shape
 # ===========================================================================
 # 20. SwiGLU feed-forward
 # ===========================================================================
@@ -2990,6 +3009,18 @@ def test_grouped_query_attention_refuses_a_mask_that_is_not_4d():
             attn(x, cos, sin, mask)
 
 
+
+
+@pytest.mark.parametrize("n_rep", [0, -1, 1.0, None])
+def test_repeat_kv_refuses_a_count_that_is_not_one_or_more(n_rep):
+    """n_rep=0 returned [B, 0, T, dk]: attention over no heads, without an error."""
+    with pytest.raises(ValueError, match=f"n_rep must be an integer >= 1, got {n_rep!r}"):
+        tf.repeat_kv(torch.randn(1, 2, 3, 4), n_rep)
+
+
+def test_gqa_refuses_n_kv_heads_none_with_a_message():
+    with pytest.raises(ValueError, match=r"n_heads must be divisible by n_kv_heads \(n_kv_heads=None\)"):
+        tf.GroupedQueryAttention(16, 4, None)
 # ===========================================================================
 # 22. The Llama block and model
 # ===========================================================================
@@ -3128,6 +3159,30 @@ def test_llama_bad_ids_raise(ids):
         _llama()(ids)
 
 
+
+
+def test_a_model_says_which_cache_it_needs_before_changing_anything():
+    """One KVCache for a 2-layer Llama, too few caches, LatentCaches for a Llama: each ran
+    layer 0 into its cache, then failed with an IndexError or a RuntimeError (or, for the
+    LatentCaches, on the second call). Now a ValueError names the cache given and new_cache()'s
+    kind, and no cache was touched."""
+    model = _llama()
+    ids = torch.randint(0, 50, (1, 6))                                         # [1, 6]
+    one = tf.KVCache()
+    for cache, given in [(one, "got <transformer.KVCache object"), ([one], "got [<transformer.KVCache object"),
+                         ([tf.LatentCache(), tf.LatentCache()], "got [<transformer.LatentCache object"), ([], "got []")]:
+        with pytest.raises(ValueError) as info:
+            model(ids, cache)
+        message = str(info.value)
+        assert message.startswith("cache must be None or what new_cache() gives: a list of n_layers caches")
+        assert "(n_layers=2, cache_kind=<class 'transformer.KVCache'>)" in message and given in message, message
+    assert len(one) == 0
+    assert model(ids, (tf.KVCache(), tf.KVCache())).shape == (1, 6, 50)       # a tuple holds them as well
+    grown, fresh = model.new_cache(), model.new_cache()                        # caches of unequal lengths
+    model(ids[:, :3], grown)
+    with pytest.raises(ValueError, match="all as long"):
+        model(ids, [grown[0], fresh[1]])
+    assert len(grown[0]) == 3 and len(fresh[1]) == 0
 # ===========================================================================
 # 23. Counting a modern model: parameters and KV-cache memory
 # ===========================================================================
@@ -3189,8 +3244,8 @@ def test_claim_gqa_came_with_llama_2_large_and_llama_3():
     configs = {name: config for name, config, _ in tf.LLAMA_CONFIGS}
     assert configs["Llama-2-7B"]["n_kv_heads"] == configs["Llama-2-7B"]["n_heads"] == 32  # plain MHA
     assert (configs["Llama-3-8B"]["n_kv_heads"], configs["Llama-3-8B"]["n_heads"]) == (8, 32)
-    assert "Llama (Touvron et\n# al., 2023) put three together" in SOURCE
-    assert "came with Llama 2 in its\n# 34B and 70B models only" in SOURCE
+    assert "Llama (Touvron et al., 2023)\n# put three together" in SOURCE
+    assert "came with Llama 2 in\n# its 34B and 70B models only" in SOURCE
 
 
 def test_claim_feed_forward_share_and_when_the_cache_outgrows_the_weights():
@@ -3569,6 +3624,26 @@ def test_expert_load_counts_every_routed_slot_without_padding():
     assert text.count("expert ") == 16 and "uniform: 12.5% each" in text
 
 
+
+
+def test_the_router_and_its_helpers_refuse_what_would_run_wrong():
+    """A rate of inf was accepted (router_bias became inf), a string for a model failed deep
+    inside, and logits [N, 1] broadcast against the [E] bias into a choice among E experts."""
+    moe = tf.MoE(d_model=8, d_ff=8, n_experts=4, top_k=2, router="sigmoid")
+    moe(torch.randn(2, 3, 8))
+    for rate, message in [(float("inf"), "rate must be a finite number >= 0, got inf"),
+                          (float("nan"), "rate must be a number >= 0, got nan"), (-1e-3, "rate must be")]:
+        with pytest.raises(ValueError, match=message):
+            tf.update_router_bias(moe, rate)
+    assert moe.router_bias.abs().sum() == 0
+    for call in (lambda: tf.update_router_bias("llama"), lambda: tf.with_router_bias(lambda: None, "llama", 0.01),
+                 lambda: tf.expert_load("llama", [("wo", "我")], None)):
+        with pytest.raises(ValueError, match="model must be a Module, got 'llama'"):
+            call()
+    with pytest.raises(ValueError, match=r"rate must be a finite number >= 0, got inf"):
+        tf.with_router_bias(lambda: None, moe, float("inf"))                 # at once, not at the first step
+    with pytest.raises(ValueError, match=r"logits must be \[N, E\], a score per expert"):
+        moe.route(torch.randn(6, 1))
 # ===========================================================================
 # 26. Multi-head latent attention
 # ===========================================================================
@@ -3705,6 +3780,17 @@ def test_mla_bad_arguments_raise_value_errors_naming_them():
             tf.MultiHeadLatentAttention(**{**base, **kwargs})
 
 
+
+
+def test_latent_cache_refuses_a_latent_and_rope_key_that_disagree_and_keeps_what_it_held():
+    """A latent of 3 tokens with a rope key of 2 was stored: the cache then held two lengths."""
+    cache = tf.LatentCache()
+    cache.append(torch.randn(1, 2, 8), torch.randn(1, 2, 4))
+    for latent, k_rope in [(torch.randn(1, 3, 8), torch.randn(1, 2, 4)), (torch.randn(2, 1, 8), torch.randn(1, 1, 4)),
+                           (torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 4))]:
+        with pytest.raises(ValueError, match=r"latent \[B, Tn, r\] and k_rope \[B, Tn, rope\] must share B and Tn"):
+            cache.append(latent, k_rope)
+    assert len(cache) == 2 and cache.k_rope.shape == (1, 2, 4)
 # ===========================================================================
 # 27. The DeepSeek-V3 model
 # ===========================================================================
@@ -3780,6 +3866,25 @@ def test_deepseek_bad_arguments_raise_value_errors_naming_them():
         tiny_deepseek()(torch.tensor([[1, 50]]))
 
 
+
+
+def test_deepseek_refuses_a_llamas_caches_naming_its_own():
+    """KVCaches (or paged ones) given to DeepSeek-V3 stored its latents as keys, and the second
+    call failed; its cache is one LatentCache (or PagedLatentCache) a layer, and it says so."""
+    model = tiny_deepseek()                                                    # 3 layers
+    ids = torch.randint(0, 50, (1, 5))                                         # [1, 5]
+    pool = tf.KVPool(n_blocks=8, block_size=4)
+    for cache in ([tf.KVCache() for _ in range(3)], [tf.PagedKVCache(pool) for _ in range(3)],
+                  [tf.LatentCache(), tf.LatentCache()]):
+        with pytest.raises(ValueError, match=r"what new_cache\(\) gives.*n_layers=3, cache_kind=<class "
+                                             r"'transformer.LatentCache'>"):
+            model(ids, cache)
+        assert all(len(c) == 0 for c in cache) and pool.n_free == 8
+    paged = [tf.PagedLatentCache(pool) for _ in range(3)]
+    assert torch.allclose(model(ids, paged)[:, -1], model(ids)[:, -1], atol=1e-5)
+    llama = tf.Llama(vocab_size=50, d_model=16, n_layers=3, n_heads=2)
+    with pytest.raises(ValueError, match="cache_kind=<class 'transformer.KVCache'>"):
+        llama(ids, [tf.PagedLatentCache(tf.KVPool(8, 4)) for _ in range(3)])
 # ===========================================================================
 # 28. Total and active parameters, the latent cache
 # ===========================================================================
@@ -3896,6 +4001,51 @@ def test_cache_bytes_per_token_of_the_three_and_measured():
     assert stored / 30 == tf.mla_cache_bytes_per_token(n_layers=3, kv_lora_rank=16, qk_rope_dim=4, bytes_per_value=4)
 
 
+
+
+BAD_CONFIGS = [  # (kind, what differs from a good configuration); each breaks one rule of its class
+    ("llama", dict(n_heads=0)), ("llama", dict(vocab_size=-5)), ("llama", dict(d_model=30, n_heads=4)),
+    ("llama", dict(d_model=36, n_heads=4)), ("llama", dict(n_kv_heads=3)), ("llama", dict(d_ff=0)),
+    ("llama", dict(norm_eps=0.0)), ("llama", dict(rope_theta=float("nan"))), ("llama", dict(tie_weights="no")),
+    ("qwen3", dict(head_dim=0)), ("qwen3", dict(head_dim=5)), ("qwen3", dict(n_kv_heads=3)),
+    ("mixtral", dict(n_experts=0)), ("mixtral", dict(n_experts=4, top_k=5)), ("mixtral", dict(expert_d_ff=0)),
+    ("mixtral", dict(n_heads=3)), ("qwen3moe", dict(n_experts=2, top_k=3)), ("qwen3moe", dict(norm_topk="yes")),
+    ("mistral", dict(window=0)), ("mistral", dict(n_layers=-1)),
+    ("deepseek", dict(n_dense_layers=4)), ("deepseek", dict(qk_rope_dim=3)), ("deepseek", dict(n_groups=3)),
+    ("deepseek", dict(topk_groups=5)), ("deepseek", dict(n_heads=0)), ("deepseek", dict(expert_d_ff=None)),
+]
+
+
+@pytest.mark.parametrize("kind, bad", BAD_CONFIGS, ids=[f"{k}-{next(iter(b))}" for k, b in BAD_CONFIGS])
+def test_each_formula_refuses_what_its_class_refuses_with_the_same_message(kind, bad):
+    """The formulas checked nothing: 0 heads divided by zero, negative sizes gave negative
+    counts, more dense layers than layers an answer. Now each runs its class's rules."""
+    if kind == "deepseek":
+        config = {**dict(vocab_size=30, d_model=16, n_layers=3, n_heads=2, kv_lora_rank=6, qk_nope_dim=4,
+                         qk_rope_dim=2, v_head_dim=3, d_ff=20, expert_d_ff=5, n_experts=8, top_k=2, n_groups=4,
+                         topk_groups=2), **bad}
+    else:
+        config = {**dict(vocab_size=30, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=20), **bad}
+    with pytest.raises(ValueError) as by_formula:
+        tf.PARAMETER_FORMULAS[kind](**config)
+    with pytest.raises(ValueError) as by_class, torch.device("meta"):
+        tf.MODEL_CLASSES[kind](**config)
+    assert str(by_formula.value) == str(by_class.value)
+
+
+def test_the_cache_and_width_formulas_check_their_arguments():
+    for call, message in [
+            (lambda: tf.kv_cache_bytes_per_token(32, None, 128), "n_kv_heads and head_dim must be integers >= 1"),
+            (lambda: tf.kv_cache_bytes_per_token(32, 8, 128, bytes_per_value=0), "bytes_per_value must be"),
+            (lambda: tf.kv_cache_bytes_per_token(-32, 8, 128), "n_layers must be an integer from 1"),
+            (lambda: tf.mla_cache_bytes_per_token(61, -512, 64), "kv_lora_rank must be an integer >= 1, got -512"),
+            (lambda: tf.llama_ffn_dim(0), "d_model must be an integer >= 1, got 0"),
+            (lambda: tf.llama_ffn_dim(4096, 0), "multiple_of must be an integer >= 1, got 0"),     # was 0 / 0
+            (lambda: tf.llama_ffn_dim(4096, 256, 0.0), "ffn_dim_multiplier must be a number from 1e-30"),
+            (lambda: tf.llama_ffn_dim(4096, 256, float("inf")), r"ffn_dim_multiplier must be .*, got inf")]:
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert tf.llama_ffn_dim(1, 256, 1e-6) == 256                      # a width is never 0
 # ===========================================================================
 # Part V: long sequences
 # ===========================================================================
@@ -4051,7 +4201,7 @@ def test_flash_attention_refuses_a_bad_block_size(block_size):
 
 
 def test_flash_attention_refuses_causal_with_more_queries_than_keys():
-    with pytest.raises(ValueError, match=r"causal needs Tq <= Tk.*Tq 5 > Tk 3"):
+    with pytest.raises(ValueError, match=r"Tq <= Tk \(causal: .*got q \[1, 1, 5, 8\], k \[1, 1, 3, 8\]"):
         tf.flash_attention(*qkv(1, 1, 5, 3, 8), causal=True)
     tf.flash_attention(*qkv(1, 1, 5, 3, 8), causal=False)  # without causal any lengths go
 
@@ -4062,6 +4212,59 @@ def test_flash_attention_refuses_mismatched_shapes():
         tf.flash_attention(q, k[..., :4], v)
 
 
+@pytest.mark.parametrize("case", ["batch", "heads", "v batch", "no keys"])
+def test_flash_attention_refuses_shapes_that_would_broadcast(case):
+    """Queries of batch 2 against keys of batch 1 ran forward (q @ k^T broadcasts) and failed
+    only in the backward; so did 2 query heads against 1 key head. Refused before anything runs."""
+    q, k, v = qkv(2, 2, 4, 6, 8)
+    k, v = {"batch": (k[:1], v[:1]), "heads": (k[:, :1], v[:, :1]), "v batch": (k, v[:1]),
+            "no keys": (k[:, :, :0], v[:, :, :0])}[case]
+    with pytest.raises(ValueError, match=r"expected q \[B, H, Tq, dk\], k \[B, H, Tk, dk\]"):
+        tf.flash_attention(q.requires_grad_(), k, v)
+
+
+def test_flash_attention_refuses_what_is_not_a_floating_tensor_of_one_dtype_naming_it():
+    import numpy
+    q, k, v = qkv(1, 1, 4, 4, 8)
+    for args, name, got in [((1.0, k, v), "q", "got float"), ((q.numpy(), k, v), "q", "got ndarray"),
+                            ((q, k.long(), v), "k", r"got torch.int64 \[1, 1, 4, 8\]"),
+                            ((q, k, v.double()), "v", r"got torch.float64"),
+                            ((q.double(), k, v), "k", r"got torch.float32"), ((q, k[0], v), "k", r"got torch.float32 \[1, 4, 8\]"),
+                            ((q, k, numpy.ones((1, 1, 4, 8))), "v", "got ndarray")]:
+        with pytest.raises(TypeError, match=rf"^{name} must be a 4-D floating-point tensor, of q's dtype, {got}"):
+            tf.flash_attention(*args)
+
+
+
+
+@pytest.mark.parametrize("past", [-1, -5, 1.5, True, None])
+def test_window_mask_refuses_a_past_that_is_not_a_count(past):
+    """past=-1 made a [1, 1, 3, 2] mask: keys for a sequence one token shorter than the queries."""
+    with pytest.raises(ValueError, match=f"past must be an integer >= 0, got {past!r}"):
+        tf.make_window_mask(3, 2, past=past)
+    assert tf.make_window_mask(3, 2, past=0).shape == (1, 1, 3, 3)
+
+
+def test_rolling_cache_refuses_keys_and_values_that_disagree_and_keeps_what_it_held():
+    cache = tf.RollingKVCache(window=4)
+    k = torch.randn(1, 2, 3, 8)                                           # [1, 2, 3, 8]
+    cache.append(k, k)
+    for v in (torch.randn(1, 2, 2, 8), torch.randn(2, 2, 3, 8), torch.randn(1, 1, 3, 8), torch.randn(2, 3, 8)):
+        with pytest.raises(ValueError, match=r"k \[B, H, Tn, dk\] and v \[B, H, Tn, dv\] must share B, H and Tn"):
+            cache.append(torch.randn(1, 2, 3, 8), v)
+    assert len(cache) == 3 and torch.equal(cache.k, k) and torch.equal(cache.v, k)
+
+
+@pytest.mark.parametrize("length", [-1, 2.0, None])
+def test_a_cut_length_must_be_a_count(length):
+    """A rolling cache cut to -1 kept all but its last token (a negative slice); a paged one
+    counted -1 tokens, and len() of it raised."""
+    rolling, paged = tf.RollingKVCache(window=4), tf.PagedKVCache(tf.KVPool(4, 2))
+    for cache in (rolling, paged):
+        cache.append(torch.randn(1, 1, 3, 2), torch.randn(1, 1, 3, 2))
+        with pytest.raises(ValueError, match=f"length must be an integer >= 0, got {length!r}"):
+            cache.crop(length)
+        assert len(cache) == 3
 # ===========================================================================
 # 30. Sliding windows and the rolling cache
 # ===========================================================================
@@ -4252,6 +4455,88 @@ def test_padded_and_paged_slots():
     assert tf.padded_and_paged_slots([16, 16], 16) == (32, 32)
 
 
+
+
+def test_a_pool_takes_back_only_blocks_it_handed_out_each_once():
+    """A block given back while free (or twice) was accepted: two sequences then shared it."""
+    pool = tf.KVPool(n_blocks=4, block_size=2)
+    first, second = tf.PagedKVCache(pool), tf.PagedKVCache(pool)
+    first.append(torch.randn(1, 1, 3, 2), torch.randn(1, 1, 3, 2))        # blocks 0 and 1
+    for blocks in ([2], [1, 1], [7], [-1], [0.0], ["0"]):                  # free, twice, none, not ints
+        with pytest.raises(ValueError, match="a KVPool takes back only blocks it handed out, each once"):
+            pool.give_back(blocks)
+        assert pool.n_free == 2 and first.blocks == [0, 1]                 # nothing changed
+    first.free()
+    with pytest.raises(ValueError, match=r"handed out, each once: \[0, 1\] \(\[0, 1\]\)"):
+        first.pool.give_back([0, 1])                                      # the same blocks again
+    second.append(torch.randn(1, 1, 8, 2), torch.randn(1, 1, 8, 2))       # all 4, none shared
+    assert sorted(second.blocks) == [0, 1, 2, 3] and pool.n_free == 0
+
+
+@torch.no_grad()
+def test_a_pool_too_small_for_every_layer_leaves_each_cache_as_it_was():
+    """Layer 0 took its blocks and wrote, then layer 1 found the pool full: the caches held 5
+    and 0 tokens. Now the forward is all or nothing, and the blocks layer 0 took stay in its
+    table for the next try; with room freed, the retry gives the uncached model's logits."""
+    model = tiny_llama()                                                  # 2 layers
+    pool = tf.KVPool(n_blocks=6, block_size=4)
+    other = [tf.PagedKVCache(pool) for _ in model.layers]
+    ids = torch.randint(0, 40, (1, 9), generator=torch.Generator().manual_seed(5))
+    model(ids[:, :4], other)                                             # another sequence: a block a layer
+    cache = [tf.PagedKVCache(pool) for _ in model.layers]
+    model(ids[:, :4], cache)                                             # a block a layer: 2 of 6 left
+    with pytest.raises(ValueError, match="the KVPool is full"):
+        model(ids, cache)                                                # 9 tokens: 2 more blocks a layer
+    assert [len(c) for c in cache] == [4, 4] and [len(c.blocks) for c in cache] == [3, 1] and pool.n_free == 0
+    for c in other:
+        c.free()
+    assert torch.allclose(model(ids, cache)[:, -1], model(ids)[:, -1], atol=1e-5)
+    assert [len(c) for c in cache] == [9, 9] and pool.n_free == 0
+
+
+@torch.no_grad()
+def test_a_failing_layer_puts_every_kind_of_cache_back(monkeypatch):
+    """Not only a full pool: whatever fails in layer 1 (here a RuntimeError), the caches of
+    layers before it are put back, KVCache, RollingKVCache and LatentCache alike."""
+    for model in (tiny_llama(), tiny_llama(window=3), tiny_deepseek_2_layers()):
+        cache = model.new_cache()
+        ids = torch.randint(0, 40, (1, 7), generator=torch.Generator().manual_seed(6))
+        model(ids[:, :5], cache)
+        before = [dict(vars(c)) for c in cache]
+        monkeypatch.setattr(model.layers[1], "forward", lambda *args: (_ for _ in ()).throw(RuntimeError("out")))
+        with pytest.raises(RuntimeError, match="out"):
+            model(ids, cache)
+        assert [vars(c) for c in cache] == before and len({len(c) for c in cache}) == 1
+        monkeypatch.undo()
+        assert torch.allclose(model(ids, cache)[:, -1], model(ids)[:, -1], atol=1e-5)
+
+
+def test_a_paged_append_checks_everything_before_it_takes_or_writes():
+    pool = tf.KVPool(n_blocks=4, block_size=2)
+    cache = tf.PagedKVCache(pool)
+    k = torch.randn(1, 2, 3, 4)                                           # [1, 2, 3, 4]
+    cache.append(k, k)
+    stored = pool.k.clone()
+    for new_k, new_v, message in [
+            (torch.randn(1, 2, 2, 4), torch.randn(1, 2, 1, 4), "must share B, H and Tn"),
+            (torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4), "one sequence"),
+            (torch.randn(1, 2, 1, 4).double(), torch.randn(1, 2, 1, 4).double(), "this KVPool holds"),
+            (torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4), "this KVPool holds")]:
+        with pytest.raises(ValueError, match=message):
+            cache.append(new_k, new_v)
+        assert len(cache) == 3 and cache.blocks == [0, 1] and pool.n_free == 2 and torch.equal(pool.k, stored)
+    latent = tf.PagedLatentCache(tf.KVPool(n_blocks=4, block_size=2))
+    with pytest.raises(ValueError, match=r"latent \[B, Tn, r\] and k_rope \[B, Tn, rope\] must share B and Tn"):
+        latent.append(torch.randn(1, 3, 8), torch.randn(1, 2, 4))
+    assert len(latent) == 0 and not latent.blocks and latent.pool.n_free == 4
+
+
+@pytest.mark.parametrize("lengths, block_size, message", [
+    ([], 16, "lengths must be a non-empty list of token counts"), ([30, -4], 16, "lengths must be"),
+    ([3.5], 16, "lengths must be"), ((30, 4), 16, "lengths must be a list"), ([30], 0, "block_size must be")])
+def test_padded_and_paged_slots_refuses_what_is_not_token_counts(lengths, block_size, message):
+    with pytest.raises(ValueError, match=message):
+        tf.padded_and_paged_slots(lengths, block_size)
 # ===========================================================================
 # 32. RoPE for long context
 # ===========================================================================
@@ -4328,14 +4613,18 @@ def test_rope_linear_divides_every_frequency():
 
 
 @pytest.mark.parametrize("scaling, named", [
-    ({"type": "ntk", "factor": 2.0}, "scaling type"), ({"factor": 2.0}, "scaling type"), ("linear", "scaling type"),
-    ({"type": "linear"}, r"missing \['factor'\]"),
-    ({"type": "yarn", "factor": 4.0}, r"missing \['original_max_len'\]"),
-    (dict(LLAMA31, low=1), r"unknown \[.low.\]"),
-    ({k: v for k, v in LLAMA31.items() if k != "low_freq_factor"}, r"missing \['low_freq_factor'\]"),
-    ({"type": "linear", "factor": 0.5}, "factor"),
-    (dict(LLAMA31, low_freq_factor=4.0), "low_freq_factor < high_freq_factor"),
-    ({"type": "yarn", "factor": 2.0, "original_max_len": 0}, "original_max_len")])
+    ({"type": "ntk", "factor": 2.0}, "scaling type must be 'linear', 'llama3' or 'yarn'"),
+    ({"factor": 2.0}, "scaling type must be"), ("linear", "scaling must be a dict, got 'linear'"),
+    ({"type": "linear"}, r"scaling 'linear' needs the keys \['factor'\] .*, got \{'type': 'linear'\}"),
+    ({"type": "yarn", "factor": 4.0}, r"scaling 'yarn' needs the keys \['factor', 'original_max_len'\]"),
+    (dict(LLAMA31, low=1), r"scaling 'llama3' needs the keys .* and no others"),   # an unknown key
+    ({k: v for k, v in LLAMA31.items() if k != "low_freq_factor"}, r"scaling 'llama3' needs the keys"),
+    ({"type": "linear", "factor": 0.5}, "factor must be a number >= 1, got 0.5"),
+    ({"type": "linear", "factor": float("inf")}, "factor must be a finite number >= 1, got inf"),
+    ({"type": "linear", "factor": float("nan")}, "factor must be a number >= 1, got nan"),
+    ({"type": "linear", "factor": True}, "factor must be a number >= 1, got True"),
+    (dict(LLAMA31, low_freq_factor=4.0), r"low_freq_factor must be below high_freq_factor \(high_freq_factor=4.0\)"),
+    ({"type": "yarn", "factor": 2.0, "original_max_len": 0}, "original_max_len must be an integer >= 1, got 0")])
 def test_rope_scaling_refuses_bad_arguments(scaling, named):
     with pytest.raises(ValueError, match=named):
         tf.scaled_rope_cos_sin(16, 32, 10000.0, scaling)
@@ -4404,15 +4693,30 @@ def test_llama_3_1_8b_is_llama_3_8b_with_llama3_scaling():
 
 def test_rope_scaling_refuses_betas_and_factors_naming_them():
     for scaling, message in [
-            (dict(beta_fast=1, beta_slow=32), "scaling yarn needs beta_fast > beta_slow, got 1 and 32"),
-            (dict(beta_fast=0), "scaling 'yarn' beta_fast must be a finite number > 0, got 0")]:
+            (dict(beta_fast=1, beta_slow=32), r"beta_fast must be above beta_slow \(beta_slow=32\), got 1"),
+            (dict(beta_slow=40), r"beta_fast must be above beta_slow \(beta_slow=40\), got 32"),  # beta_fast's 32
+            (dict(beta_fast=0), r"beta_fast must be a number >= 1.17549e-38, got 0")]:
         with pytest.raises(ValueError, match=message):
             tf.scaled_rope_cos_sin(8, 16, 10000.0, {"type": "yarn", "factor": 4.0, "original_max_len": 16, **scaling})
-    with pytest.raises(ValueError, match="scaling 'llama3' low_freq_factor must be a finite number > 0, got 0"):
+    with pytest.raises(ValueError, match="low_freq_factor must be a number >= 1.17549e-38, got 0"):
         tf.scaled_rope_cos_sin(8, 16, 10000.0, {"type": "llama3", "factor": 8.0, "low_freq_factor": 0,
                                                 "high_freq_factor": 4.0, "original_max_len": 8192})
 
 
+
+
+def test_with_rope_scaling_and_the_fused_kernels_refuse_what_is_not_their_model():
+    scaling = {"type": "linear", "factor": 2.0}
+    for model in ("llama", tiny_gpt(), torch.nn.Linear(2, 2)):
+        with pytest.raises(ValueError, match=r"model must be a RoPE model of this file: a Llama or a family of it"
+                                             r", got <class '"):
+            tf.with_rope_scaling(model, scaling)
+    with pytest.raises(ValueError, match="model must be a Module, got 'gpt'"):
+        tf.use_fused_kernels("gpt")
+    with pytest.raises(ValueError, match="fused must be True or False, got 'no'"):
+        tf.use_fused_kernels(tiny_gpt(), "no")
+    with pytest.raises(ValueError, match="head_dim must be even, got 7"):
+        tf.scaled_rope_frequencies(7, 10000.0, scaling)
 # ===========================================================================
 # Parts III-V against transformers' classes: run where transformers is installed
 # ===========================================================================
@@ -4917,6 +5221,53 @@ def test_decay_groups_bad_input():
         tf.decay_groups(small_llama(), -1)
 
 
+
+
+@pytest.mark.parametrize("group, message", [
+    (dict(betas=(0.9, 1.0)), "betas must be two numbers"), (dict(lr=-0.1), "lr must be a number >= 0"),
+    (dict(lr=math.inf), "lr must be a finite number"), (dict(weight_decay=math.inf), "weight_decay must be a finite"),
+    (dict(eps=math.nan), "eps must be a number")])
+def test_adamw_checks_every_group_before_any_weight_moves(group, message):
+    """A second group changed after construction (as a scheduler or a user may): step() refuses it
+    before the first group's weights were decayed or moved, as torch's optimizers validate first."""
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    opt = tf.AdamW([{"params": [a]}, {"params": [b]}], lr=0.1, weight_decay=0.5)
+    opt.param_groups[1].update(group)
+    a.grad, b.grad = torch.ones(3), torch.ones(3)
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    assert torch.equal(a, torch.ones(3)) and torch.equal(b, torch.ones(3)) and not opt.state
+
+
+def test_adamw_refuses_a_sparse_gradient_before_any_weight_moves():
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    opt = tf.AdamW([a, b], lr=0.1)
+    a.grad, b.grad = torch.ones(3), torch.ones(3).to_sparse()
+    with pytest.raises(ValueError, match="AdamW takes dense gradients"):
+        opt.step()
+    assert torch.equal(a, torch.ones(3)) and not opt.state
+
+
+def test_adamw_refuses_torch_adamw_state_and_loads_its_own():
+    w = nn.Parameter(torch.ones(3))
+    theirs = torch.optim.AdamW([w], lr=0.1)
+    w.grad = torch.ones(3)
+    theirs.step()
+    ours = tf.AdamW([w], lr=0.1)
+    with pytest.raises(ValueError, match=r"this AdamW's state_dict\(\).*\['exp_avg', 'exp_avg_sq', 'step'\]"):
+        ours.load_state_dict(theirs.state_dict())
+    with pytest.raises(ValueError, match="got list"):
+        ours.load_state_dict([])
+    ours.step()
+    again = tf.AdamW([w], lr=0.1)
+    again.load_state_dict(ours.state_dict())
+    assert again.state[w]["t"] == 1 and torch.equal(again.state[w]["m"], ours.state[w]["m"])
+
+
+@pytest.mark.parametrize("model", ["w_q", None, 3, {"w": 1}])
+def test_decay_groups_refuses_what_is_not_a_model(model):
+    with pytest.raises(ValueError, match=r"model must be a Module, got"):
+        tf.decay_groups(model, 0.1)
 # ===========================================================================
 # 34. Learning-rate schedules
 # ===========================================================================
@@ -5147,6 +5498,40 @@ def counted(run):
     return counter.get_total_flops()
 
 
+
+
+@pytest.mark.parametrize("parameters", [{"w": torch.zeros(1)}, "w", None, 3, [torch.zeros(1), "w"]])
+def test_clip_grad_norm_refuses_what_is_not_parameters(parameters):
+    with pytest.raises(ValueError, match="parameters must be"):
+        tf.clip_grad_norm(parameters, 1.0)
+
+
+def _micro(vocab=20):
+    ids = torch.randint(0, vocab, (2, 6))                                # [2, 6]
+    return ids, torch.randint(0, vocab, (2, 6))                        # inputs, targets
+
+
+@pytest.mark.parametrize("bad", ["shape", "id outside", "float", "not a tensor", "negative"])
+def test_accumulate_gradients_checks_every_micro_batch_before_the_first_backward(bad):
+    """A bad second micro-batch used to fail after the first one's gradient was in .grad:
+    now nothing is added, whichever way the second is wrong."""
+    gpt = tf.DecoderOnlyTransformer(vocab_size=20, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0)
+    good, (ids, targets) = _micro(), _micro()
+    targets = {"shape": targets[:, :5], "id outside": targets.masked_fill(targets == targets[0, 0], 20),
+               "float": targets.float(), "not a tensor": targets.tolist(),
+               "negative": targets.masked_fill(targets == targets[0, 0], -1)}[bad]
+    with pytest.raises(ValueError, match=r"micro_batches\[1\]: targets must be integer ids \[B, T\]"):
+        tf.accumulate_gradients(gpt, [good, (ids, targets)])
+    assert all(p.grad is None for p in gpt.parameters())
+
+
+def test_accumulate_gradients_keeps_ignore_index_and_refuses_a_non_list():
+    gpt = tf.DecoderOnlyTransformer(vocab_size=20, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0)
+    ids, targets = _micro()
+    targets[0, :3] = -100                                              # ignored, not an id outside
+    assert math.isfinite(tf.accumulate_gradients(gpt, [(ids, targets)]))
+    with pytest.raises(ValueError, match="micro_batches must be a list"):
+        tf.accumulate_gradients(gpt, "ids and targets")
 # ===========================================================================
 # 36. FLOPs, by formula and counted
 # ===========================================================================
@@ -5252,6 +5637,7 @@ def test_published_budgets_and_the_mfu_they_imply():
 @pytest.mark.parametrize("model, words", [
     (lambda: tf.Transformer(30, 30, d_model=16, n_heads=2, d_ff=32, n_layers=1), "got Transformer"),
     (lambda: torch.nn.Linear(4, 4), "got Linear"),
+    (lambda: "llama", "got str"),
     (lambda: type("MyLlama", (tf.Llama,), {})(CV, 32, 1, 4, max_len=16), "got MyLlama"),
 ])
 def test_a_model_the_formulas_do_not_know_is_refused_by_name(model, words):
@@ -5271,6 +5657,53 @@ def test_bad_sizes_are_refused_naming_the_argument(call):
         call(model, 1, 17)
 
 
+def test_a_model_with_adapters_is_refused_where_the_formulas_would_be_wrong():
+    """LoRA (section 39) adds products the formulas do not count, and saves their inputs: each
+    formula that takes a model names the module it does not know, and where it is."""
+    model, (ids, targets) = tf.add_lora(tiny("llama"), r=4), batch()
+    W, A = tf.matmul_widths("llama", model.config)
+    assert counted(lambda: model(ids)) == 525_056 != 2 * CB * CT * (W + CT * A) == 499_968
+    for call in (tf.forward_flops, tf.training_flops, tf.training_memory):
+        with pytest.raises(ValueError, match=rf"^{call.__name__}: model holds a LoRALinear at layers.0.attn.w_q,"
+                                             r" which the formula does not count$"):
+            call(model, CB, CT)
+    fused = tf.use_fused_kernels(tiny("gpt"))                              # section 29's kernels: another count
+    with pytest.raises(ValueError, match=r"^forward_flops: model holds a FusedAttention at layers.0.self_attn"):
+        tf.forward_flops(fused, CB, CT)
+    assert tf.forward_flops(tf.use_fused_kernels(fused, False), CB, CT) > 0  # as written again: counted
+
+
+def test_training_flops_refuses_a_frozen_weight_and_a_checkpointed_model():
+    """Either changes the count of a training step (a frozen weight: no dW; checkpointing: a second
+    forward of each block), so the formula does not answer for them."""
+    model, (ids, targets) = tiny("llama"), batch()
+    model.layers[0].attn.w_q.weight.requires_grad_(False)
+    assert counted(lambda: loss_of(model, ids, targets).backward()) < 3 * tf.forward_flops(model, CB, CT)
+    with pytest.raises(ValueError, match=r"^training_flops: model's layers.0.attn.w_q.weight is frozen \(no dW\),"
+                                         r" which the formula does not count$"):
+        tf.training_flops(model, CB, CT)
+    model = tf.checkpoint_blocks(tiny("llama"))
+    assert counted(lambda: loss_of(model, ids, targets).backward()) > 3 * tf.forward_flops(model, CB, CT)
+    with pytest.raises(ValueError, match=r"^training_flops counts one forward a block: model's blocks have forwards"):
+        tf.training_flops(model, CB, CT)
+    assert tf.training_flops(tf.checkpoint_blocks(model, False), CB, CT) == 3 * tf.forward_flops(model, CB, CT)
+
+
+@pytest.mark.parametrize("kind, key", [("gpt", "d_ff"), ("llama", "d_model"), ("mixtral", "top_k"),
+                                       ("deepseek", "kv_lora_rank")])
+def test_a_config_without_a_key_the_formula_reads_is_a_value_error_naming_it(kind, key):
+    config = {k: v for k, v in tiny(kind).config.items() if k != key}
+    with pytest.raises(ValueError, match=rf"^the formula reads the key '{key}', which its dict argument lacks$"):
+        tf.matmul_widths(kind, config)
+    with pytest.raises(ValueError, match=rf"^the formula reads the key '{key}', which its dict argument lacks$"):
+        tf.activation_bytes(kind, config, CB, CT)
+    with pytest.raises(ValueError, match=r"^config must be a dict, got 'llama'$"):
+        tf.matmul_widths(kind, "llama")
+    published = {k: v for k, v in tf.LLAMA_CONFIGS[1][1].items() if k not in ("n_kv_heads", "d_ff")}
+    assert tf.matmul_widths("llama", published) == tf.matmul_widths("llama", dict(published, n_kv_heads=None,
+                                                                                 d_ff=None))  # missing is None
+
+
 # ===========================================================================
 # 37. Mixed precision and loss scaling
 # ===========================================================================
@@ -5286,6 +5719,11 @@ def gradient(kind, i):
     return g
 
 
+def scale_of(scaler):
+    """The scale as a Python number: GradScaler's get_scale(), LossScaler's [] float32 loss_scale."""
+    return scaler.get_scale() if isinstance(scaler, torch.amp.GradScaler) else scaler.loss_scale.item()
+
+
 def run_scaler(scaler, steps):
     """Train p [5] with SGD and momentum through scaler on the given gradients; per step the
     scale after update(), whether the step was skipped (p unchanged), p and its gradient."""
@@ -5299,7 +5737,7 @@ def run_scaler(scaler, steps):
         scaler.scale((p * gradient(kind, i)).sum()).backward()            # p.grad = S * gradient
         scaler.step(optimizer)
         scaler.update()
-        out.append((scaler.get_scale(), torch.equal(before, p.detach()), p.detach().clone(), p.grad.clone()))
+        out.append((scale_of(scaler), torch.equal(before, p.detach()), p.detach().clone(), p.grad.clone()))
     return out
 
 
@@ -5343,7 +5781,7 @@ def test_clipping_at_max_norm_times_the_scale_is_clipping_the_unscaled_gradients
             scaler.scale((p * gradient("ok", i) * 1e3).sum()).backward()   # gradient norms 1.6 to 6.3
             if clip == "torch":
                 scaler.unscale_(optimizer)
-            nn.utils.clip_grad_norm_([p], {"torch": 1.0, "times S": scaler.get_scale(), "at 1": 1.0}[clip])
+            nn.utils.clip_grad_norm_([p], {"torch": 1.0, "times S": scale_of(scaler), "at 1": 1.0}[clip])
             scaler.step(optimizer)
             scaler.update()
         return p.detach()
@@ -5360,14 +5798,53 @@ def test_scale_stops_growing_at_float32s_largest():
         assert [(scale, skipped) for scale, skipped, *_ in steps] == [(2.0 ** 127, False)] * 2
 
 
-def test_a_float16_loss_is_scaled_in_float32():
-    """GradScaler multiplies by a float32 tensor: a float16 loss of 1 becomes 65536 in float32.
-    Times a Python number it would stay float16 and overflow (65504 is float16's largest)."""
-    loss = torch.tensor(1.0, dtype=torch.float16)                          # []
+def test_a_float16_loss_is_scaled_in_float32_a_float16_vector_is_not():
+    """GradScaler multiplies by a [] float32 tensor: a [] float16 loss of 1 becomes 65536 in float32
+    (times a Python number it would stay float16 and overflow: 65504 is float16's largest). A float16
+    tensor with dimensions stays float16 (a [] tensor does not promote it) and overflows, in both."""
+    loss, vector = torch.tensor(1.0, dtype=torch.float16), torch.ones(3, dtype=torch.float16)  # [], [3]
     for scaler in (tf.LossScaler(), torch.amp.GradScaler("cpu")):
         scaled = scaler.scale(loss)                                        # []
         assert scaled.dtype == torch.float32 and scaled.item() == 65536.0
+        assert scaler.scale(vector).dtype == torch.float16 and scaler.scale(vector).isinf().all()
     assert (loss * 65536.0).item() == float("inf")
+
+
+def nan_steps_then_one_good(scaler, n_bad):
+    """p = [1, 2, 4] through SGD (lr 0.5) and scaler: n_bad steps of NaN gradients, then one of
+    gradient 1 -> (the scale after each update, p at the end)."""
+    p = nn.Parameter(torch.tensor([1.0, 2.0, 4.0]))
+    optimizer, scales = torch.optim.SGD([p], lr=0.5), []
+    for bad in [True] * n_bad + [False]:
+        optimizer.zero_grad()
+        scaler.scale((p * (float("nan") if bad else 1.0)).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scale_of(scaler))
+    return scales, p.detach()
+
+
+def test_the_scale_stops_at_float32s_smallest_normal_where_grad_scalers_goes_on_to_0():
+    """From a scale of 1, halved at each of 151 NaN steps: GradScaler's and ours agree down to 2^-126;
+    then ours stays, while GradScaler's goes on to 2^-149 and 0 (2^-150 rounds to even), so that the
+    next finite gradient, times its inverse (inf), makes the weights NaN. Ours steps as it should."""
+    ours, ours_p = nan_steps_then_one_good(tf.LossScaler(init_scale=1.0), 151)
+    theirs, theirs_p = nan_steps_then_one_good(torch.amp.GradScaler("cpu", init_scale=1.0), 151)
+    assert ours[:126] == theirs[:126] == [2.0 ** -k for k in range(1, 127)]
+    assert ours[126:] == [2.0 ** -126] * 26 and theirs[148:] == [2.0 ** -149, 0.0, 0.0, 0.0]
+    assert torch.equal(ours_p, torch.tensor([0.5, 1.5, 3.5])) and theirs_p.isnan().all()
+    # at 2^-128 GradScaler's inverse (2^128) is already inf in float32: inf weights; at 2^-127 still right
+    assert nan_steps_then_one_good(torch.amp.GradScaler("cpu", init_scale=1.0), 128)[1].isinf().all()
+    assert torch.equal(nan_steps_then_one_good(torch.amp.GradScaler("cpu", init_scale=1.0), 127)[1], ours_p)
+
+
+def test_an_init_scale_that_float32_cannot_invert_is_refused():
+    """1e-50 is 0 in float32: GradScaler takes it, and its first step makes the weights NaN."""
+    with pytest.raises(ValueError, match=r"^init_scale must be a number from 1.17549e-38 to 3.40282e\+38, got 1e-50$"):
+        tf.LossScaler(init_scale=1e-50)
+    assert nan_steps_then_one_good(torch.amp.GradScaler("cpu", init_scale=1e-50), 0)[1].isnan().all()
+    scales, p = nan_steps_then_one_good(tf.LossScaler(init_scale=2.0 ** -126), 0)
+    assert scales == [2.0 ** -126] and torch.equal(p, torch.tensor([0.5, 1.5, 3.5]))
 
 
 def test_float16_flushes_a_small_gradient_to_zero_and_the_scale_keeps_it():
@@ -5420,15 +5897,12 @@ def test_autocast_on_the_cpu_casts_what_the_comment_says():
     assert layer.weight.dtype == layer.weight.grad.dtype == torch.float32
 
 
-BACKOFF = "backoff_factor must be between 0 and 1, both excluded (the scale must shrink)"
-
-
 @pytest.mark.parametrize("bad, message", [
-    (dict(init_scale=0.0), "init_scale must be > 0, got 0.0"),
-    (dict(init_scale=1e39), "init_scale must be a number from 0 to 3.40282e+38, got 1e+39"),
-    (dict(growth_factor=1.0), "growth_factor must be > 1 (the scale must grow), got 1.0"),
-    (dict(backoff_factor=1.0), BACKOFF + ", got 1.0"),
-    (dict(backoff_factor=0.0), BACKOFF + ", got 0.0"),
+    (dict(init_scale=0.0), "init_scale must be a number from 1.17549e-38 to 3.40282e+38, got 0.0"),
+    (dict(init_scale=1e39), "init_scale must be a number from 1.17549e-38 to 3.40282e+38, got 1e+39"),
+    (dict(growth_factor=1.0), "growth_factor must be > 1, got 1.0"),
+    (dict(backoff_factor=1.0), "backoff_factor must be in (0, 1), got 1.0"),
+    (dict(backoff_factor=0.0), "backoff_factor must be in (0, 1), got 0.0"),
     (dict(growth_interval=0), "growth_interval must be an integer >= 1, got 0"),
 ])
 def test_loss_scaler_bad_arguments(bad, message):
@@ -5442,8 +5916,8 @@ def test_loss_scaler_bad_arguments(bad, message):
 # ===========================================================================
 
 def _saved_split(model, ids, targets, mixed_precision):
-    """saved_bytes, counted apart: autocast's copies of parameters (found through the graph:
-    a transpose or cast back to an AccumulateGrad) and the rest."""
+    """What autograd saves, counted apart: autocast's copies of parameters (found through the graph:
+    a transpose or cast back to an AccumulateGrad) and the rest, each storage once."""
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(torch.utils.weak.TensorWeakRef(t)) or t,
                                                   lambda t: t):
@@ -5462,46 +5936,73 @@ def _saved_split(model, ids, targets, mixed_precision):
     return sum(copies.values()), sum(rest.values())
 
 
+@pytest.mark.parametrize("shape", [(CB, CT), (1, 16)], ids=["2x7", "1x16"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("mixed_precision", [False, True], ids=["float32", "bf16"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_activation_formula_equals_measurement(kind, mixed_precision):
-    model = tiny(kind)
-    ids, targets = batch()
+def test_activation_formula_is_within_10_percent_of_what_autograd_saves(kind, mixed_precision, checkpointing, shape):
+    """The Korthikanti-form formula against saved_bytes' measurement, every family and setting. It
+    leaves out 1/rms, the masks, RoPE's bf16 cos and sin, the router's scores and autocast's copy of
+    a normed input for each projection that reads it, and so falls short by 0.7% to 8.2%."""
+    model = tf.checkpoint_blocks(tiny(kind), checkpointing)
+    g = torch.Generator().manual_seed(2)
+    ids, targets = torch.randint(0, CV, (2, *shape), generator=g).unbind(0)
     if kind in ("mixtral", "qwen3moe", "deepseek"):                        # every expert receives tokens here
         model(ids)
         assert all((layer.ffn.tokens_per_expert > 0).all() for layer in model.layers if hasattr(layer.ffn, "router"))
-    copies, rest = _saved_split(model, ids, targets, mixed_precision)
-    formula = tf.activation_bytes(kind, model.config, CB, CT, mixed_precision)
-    assert rest == formula                                                 # exact, hence within 2%
-    matrices = tf.matmul_widths(kind, model.config, active=False)[0]       # every nn.Linear's weight
-    assert copies == (2 * matrices if mixed_precision else 0)
-    assert tf.saved_bytes(model, ids, targets, mixed_precision) == formula + copies
-    memory = tf.training_memory(model, CB, CT, mixed_precision)
-    assert memory["activations"] == formula and memory["weights"] == 4 * tf.count_parameters(model) + copies
-
-
-@pytest.mark.parametrize("mixed_precision", [False, True], ids=["float32", "bf16"])
-@pytest.mark.parametrize("kind", KINDS)
-def test_checkpointing_keeps_the_blocks_inputs_and_what_lies_outside(kind, mixed_precision):
-    model = tf.checkpoint_blocks(tiny(kind))
-    ids, targets = batch()
-    lm_head_copy = 2 * CV * model.d_model if mixed_precision else 0         # the one product outside the blocks
     measured = tf.saved_bytes(model, ids, targets, mixed_precision)
-    formula = tf.activation_bytes(kind, model.config, CB, CT, mixed_precision, checkpointing=True)
-    assert measured == formula + lm_head_copy
-    assert formula < tf.activation_bytes(kind, model.config, CB, CT, mixed_precision) / 4
+    formula = tf.activation_bytes(kind, model.config, *shape, mixed_precision, checkpointing)
+    assert tf.training_memory(model, *shape, mixed_precision)["activations"] == formula
+    # measured 0.918 to 0.993; each family's lowest (bf16, 1x16): gpt 0.975, llama and mistral 0.919, qwen3
+    # 0.955, mixtral 0.940, qwen3moe 0.958, deepseek 0.918; the same under ATEN_CPU_CAPABILITY=default (sizes only)
+    assert 0.9 <= formula / measured <= 1.1, formula / measured
 
 
-def test_gpt_dropout_masks_are_counted():
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_gpt_with_dropout_is_within_10_percent_too(mode):
+    """Training, dropout keeps a mask of its input's dtype a layer (CPU) and the attention saves the
+    dropped weights: 6 s D + s H T more a layer; in eval() none, and training_memory counts none."""
     torch.manual_seed(0)
     model, (ids, targets) = tf.DecoderOnlyTransformer(CV, 32, 2, 4, 64, max_len=16, dropout=0.1), batch()
-    for mixed, checkpointing in [(False, False), (True, False), (False, True)]:
-        tf.checkpoint_blocks(model, checkpointing)
-        copies = 2 * (CV * 32 if checkpointing else tf.matmul_widths("gpt", model.config, active=False)[0])
-        assert tf.saved_bytes(model, ids, targets, mixed) == tf.activation_bytes(
-            "gpt", model.config, CB, CT, mixed, checkpointing) + (copies if mixed else 0)
-    assert tf.activation_bytes("gpt", model.config, CB, CT) > tf.activation_bytes("gpt", dict(model.config, dropout=0.0),
-                                                                                CB, CT)
+    getattr(model, mode)()
+    for mixed_precision in (False, True):
+        for checkpointing in (False, True):
+            measured = tf.saved_bytes(tf.checkpoint_blocks(model, checkpointing), ids, targets, mixed_precision)
+            formula = tf.training_memory(model, CB, CT, mixed_precision)["activations"]
+            assert 0.9 <= formula / measured <= 1.1                        # measured 0.990 to 0.994
+    with_dropout = tf.activation_bytes("gpt", model.config, CB, CT)       # D 32, H 4, Dff 64, 2 layers
+    assert with_dropout - tf.activation_bytes("gpt", dict(model.config, dropout=0.0), CB, CT) == \
+        CB * CT * (2 * 4 * (4 * CT + 2 * 32 + 64) + 4 * 32)                 # and the embedding's mask
+
+
+@pytest.mark.parametrize("mixed_precision, per_layer, dropout_adds", [(False, (72, 8), (24, 4)),
+                                                                      (True, (48, 4), (12, 2))])
+def test_a_gpt_layer_saves_a_d_plus_b_h_t_bytes_a_token(mixed_precision, per_layer, dropout_adds):
+    """Korthikanti et al.'s form, a D + b H T, with this file's constants (theirs: 34 D + 5 H T, 16-bit,
+    dropout included): one layer more adds exactly that, for any width, heads and length."""
+    for D, H, T in [(32, 4, 7), (64, 8, 16), (48, 2, 3)]:
+        config = dict(vocab_size=CV, d_model=D, n_heads=H, d_ff=4 * D, n_layers=1, max_len=16, dropout=0.0)
+        with_dropout = (per_layer[0] + dropout_adds[0], per_layer[1] + dropout_adds[1])
+        for dropout, (a, b) in [(0.0, per_layer), (0.1, with_dropout)]:
+            one, two = (tf.activation_bytes("gpt", dict(config, n_layers=n, dropout=dropout), CB, T, mixed_precision)
+                        for n in (1, 2))
+            assert two - one == CB * T * (a * D + b * H * T)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama", "deepseek"])
+def test_saved_bytes_leaves_autocasts_copies_of_the_weights_to_memory_bytes(kind):
+    """Under autocast each product saves a bf16 copy of its weight, 2 bytes for each parameter of
+    a matrix (all of them; checkpointed: lm_head's only): weights' memory, not activations."""
+    ids, targets = batch()
+    for checkpointing in (False, True):
+        model = tf.checkpoint_blocks(tiny(kind), checkpointing)
+        copies, rest = _saved_split(model, ids, targets, mixed_precision=True)
+        matrices = tf.matmul_widths(kind, model.config, active=False)[0] if not checkpointing else CV * 32
+        assert copies == 2 * matrices and tf.saved_bytes(model, ids, targets, True) == rest
+        assert _saved_split(model, ids, targets, mixed_precision=False)[0] == 0   # float32: the parameters
+    memory = tf.training_memory(tiny(kind), CB, CT, mixed_precision=True)
+    assert memory["weights"] == 4 * tf.count_parameters(tiny(kind)) + 2 * tf.matmul_widths(kind, tiny(kind).config,
+                                                                                            active=False)[0]
 
 
 def test_a_storage_is_counted_once_and_a_freed_branch_not_at_all():
@@ -5513,7 +6014,7 @@ def test_a_storage_is_counted_once_and_a_freed_branch_not_at_all():
                                                   lambda t: t):
         loss_of(model, ids, targets)
     assert sum(per_tensor) > 1.5 * tf.saved_bytes(model, ids, targets)
-    assert tf.saved_bytes(model, ids, targets) == tf.activation_bytes("deepseek", model.config, CB, CT)
+    assert tf.saved_bytes(model, ids, targets) == _saved_split(model, ids, targets, False)[1]
 
 
 def _last_products(kind, model, tokens):
@@ -5535,7 +6036,7 @@ def test_checkpointing_costs_one_more_forward_of_the_blocks(kind):
     ids, targets = batch()
     training = counted(lambda: loss_of(model, ids, targets).backward())
     forward, lm_head = tf.forward_flops(model, CB, CT), 2 * CB * CT * model.d_model * CV
-    assert training == tf.training_flops(model, CB, CT) + forward - lm_head - _last_products(kind, model, CB * CT)
+    assert training == 3 * forward + forward - lm_head - _last_products(kind, model, CB * CT)
     assert 3.6 < training / forward < 4                                   # measured 3.70 (gpt) to 3.94 (mixtral)
 
 
@@ -5545,12 +6046,6 @@ def test_checkpointed_llama_3_8b_trains_in_3_72_forwards():
     forward = 2 * (W + 4096 * A)                                           # a token at CT = 4096
     rerun = forward - 2 * 128256 * 4096 - 32 * 2 * 4096 * 14336            # less lm_head and each w2
     assert round((3 * forward + rerun) / forward, 2) == 3.72
-
-
-def test_gpt_layer_under_autocast_saves_48_d_plus_8_plus_4_h_t_a_token():
-    config = dict(vocab_size=CV, d_model=32, n_heads=4, d_ff=128, n_layers=1, max_len=16, dropout=0.0)
-    one, two = (tf.activation_bytes("gpt", dict(config, n_layers=n), CB, CT, mixed_precision=True) for n in (1, 2))
-    assert two - one == CB * CT * (48 * 32 + 8 + 4 * 4 * CT) + 2 * CT * CT     # and the layer's two masks
 
 
 def test_checkpointing_changes_the_memory_not_the_gradients():
@@ -5565,17 +6060,35 @@ def test_checkpointing_changes_the_memory_not_the_gradients():
     assert "forward" not in vars(tf.checkpoint_blocks(model, False).layers[0])  # switched off again
 
 
-def test_trainable_parameters_only_carry_gradients_states_and_master_copies():
+def test_training_memory_reads_checkpointing_from_the_model():
     model = tiny("llama")
-    full = tf.training_memory(model, CB, CT)
-    P = tf.count_parameters(model)
-    assert (full["weights"], full["gradients"], full["optimizer"], full["master_weights"]) == (4 * P, 4 * P, 8 * P, 0)
-    for p in model.parameters():
-        p.requires_grad_(p.dim() == 1)                                     # only the norms train
-    frozen = tf.training_memory(model, CB, CT)
-    trainable = sum(p.numel() for p in model.parameters() if p.dim() == 1)
-    assert frozen["weights"] == 4 * P and frozen["gradients"] == 4 * trainable and frozen["optimizer"] == 8 * trainable
-    assert frozen["total"] == sum(v for k, v in frozen.items() if k != "total")
+    plain = tf.training_memory(model, CB, CT)
+    checkpointed = tf.training_memory(tf.checkpoint_blocks(model), CB, CT)
+    assert checkpointed["activations"] == tf.activation_bytes("llama", model.config, CB, CT, checkpointing=True)
+    assert checkpointed["activations"] < plain["activations"] / 4
+    assert {k: v for k, v in checkpointed.items() if k not in ("activations", "total")} == \
+        {k: v for k, v in plain.items() if k not in ("activations", "total")}
+
+
+def test_training_memory_keys_and_bytes_a_parameter():
+    model = tiny("llama")
+    memory, P = tf.training_memory(model, CB, CT), tf.count_parameters(model)
+    assert list(memory) == ["weights", "gradients", "optimizer", "master_weights", "activations", "total"]
+    assert (memory["weights"], memory["gradients"], memory["optimizer"], memory["master_weights"]) == (4 * P, 4 * P,
+                                                                                                         8 * P, 0)
+    assert memory["total"] == sum(v for k, v in memory.items() if k != "total")
+
+
+def test_training_memory_refuses_a_frozen_parameter_whose_product_then_saves_less():
+    """A frozen weight's product needs no dW, so it saves no input: the formula would count too
+    much (LoRA's frozen base, section 39, is refused as a module the formula does not know)."""
+    model, (ids, targets) = tiny("llama"), batch()
+    full = tf.saved_bytes(model, ids, targets)
+    for name, p in model.named_parameters():
+        p.requires_grad_("norm" in name)                                   # only the norms train
+    assert tf.saved_bytes(model, ids, targets) < 0.8 * full
+    with pytest.raises(ValueError, match=r"^training_memory: model's token_embedding.weight is frozen \(no dW\)"):
+        tf.training_memory(model, CB, CT)
 
 
 def test_bytes_a_parameter_of_the_three_schemes():
@@ -5584,6 +6097,17 @@ def test_bytes_a_parameter_of_the_three_schemes():
     assert tf.memory_bytes(P, P, 0, "float32")["total"] == 16 * P          # 4 + 4 + 8
     assert tf.memory_bytes(P, P, 0, "autocast", matrices=P)["total"] == 18 * P  # + the bf16 copies
     assert tf.memory_bytes(P, P, 0, "bf16")["master_weights"] == 4 * P
+    assert tf.memory_bytes(P, P // 10, 0, "bf16")["total"] == 2 * P + 14 * P // 10  # only the trainable: 14
+
+
+@pytest.mark.parametrize("precision, per_stage", [("bf16", [(16, 0), (4, 12), (2, 14), (0, 16)]),
+                                                  ("float32", [(16, 0), (8, 8), (4, 12), (0, 16)])])
+def test_zero_bytes_a_parameter_as_the_docstring_gives_them(precision, per_stage):
+    """Bytes a parameter on each of N devices: whole + split / N, for ZeRO stages 0 to 3."""
+    P, N = 6400, 64
+    for stage, (whole, split) in enumerate(per_stage):
+        per_device = tf.zero_memory_per_device(tf.memory_bytes(P, P, 0, precision), N, stage)
+        assert per_device["total"] == whole * P + split * P // N
 
 
 def test_zero_stages_reproduce_the_zero_papers_figure_1():
@@ -5599,13 +6123,21 @@ def test_zero_stages_reproduce_the_zero_papers_figure_1():
     (lambda m: tf.training_memory(m, 1, 17), r"^seq_len must be at most max_len \(max_len=16\), got 17$"),
     (lambda m: tf.training_memory(m, 1, 4, mixed_precision=1), r"^mixed_precision must be True or False, got 1$"),
     (lambda m: tf.activation_bytes("t5", m.config, 1, 4), r"^kind must be 'gpt' or .* or 'deepseek', got 't5'$"),
+    (lambda m: tf.activation_bytes("llama", "config", 1, 4), r"^config must be a dict, got 'config'$"),
+    (lambda m: tf.activation_bytes("llama", {k: v for k, v in m.config.items() if k != "max_len"}, 1, 4),
+     r"^the formula reads the key 'max_len', which its dict argument lacks$"),
     (lambda m: tf.memory_bytes(1, 1, 0, "fp8"), r"^precision must be 'float32' or 'autocast' or 'bf16', got 'fp8'$"),
     (lambda m: tf.zero_memory_per_device(tf.training_memory(m, 1, 4), 0, 3),
      r"^n_devices must be an integer >= 1, got 0$"),
     (lambda m: tf.zero_memory_per_device(tf.training_memory(m, 1, 4), 8, 4),
      r"^zero_stage must be an integer from 0 to 3, got 4$"),
+    (lambda m: tf.zero_memory_per_device({"weights": 1, "gradients": 1}, 8, 3),
+     r"^the formula reads the key 'optimizer', which its dict argument lacks$"),
+    (lambda m: tf.zero_memory_per_device(7, 8, 3), r"^memory must be a dict, got 7$"),
     (lambda m: tf.checkpoint_blocks(m, "yes"), r"^checkpointing must be True or False, got 'yes'$"),
-], ids=["batch-0", "seq-past-max", "mixed-1", "kind", "precision", "devices-0", "stage-4", "enabled-str"])
+    (lambda m: tf.checkpoint_blocks("llama"), r"^model must be a Module, got 'llama'$"),
+], ids=["batch-0", "seq-past-max", "mixed-1", "kind", "config-str", "config-key", "precision", "devices-0",
+        "stage-4", "memory-key", "memory-int", "enabled-str", "model-str"])
 def test_memory_bad_input_names_the_argument(call, words):
     with pytest.raises(ValueError, match=words):
         call(tiny("llama"))
@@ -6477,7 +7009,7 @@ def test_a_mean_ranks_answers_of_different_lengths_wrongly():
 
 def test_sequence_logprobs_bad_input():
     model = prefs_gpt()
-    with pytest.raises(ValueError, match=r"one shape.*'input_ids': \[2, 5\], 'response_mask': \[2, 4\]"):
+    with pytest.raises(ValueError, match=r"one shape .*input_ids \[2, 5\], response_mask \[2, 4\]"):
         tf.sequence_logprobs(model, torch.ones(2, 5, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool))
 
 
@@ -6573,8 +7105,8 @@ def test_dpo_step_moves_the_policy_and_never_the_reference():
 
 @pytest.mark.parametrize("bad, message", [
     (dict(beta=0.0), "beta must be > 0"), (dict(beta=-0.1), "beta must be a number >= 0, got -0.1"),
-    (dict(beta=1), None), (dict(ref_rejected=torch.zeros(3)), r"one shape.*'ref_rejected': \[3\]"),
-    (dict(policy_chosen=torch.zeros(4, 1)), r"one shape.*'policy_chosen': \[4, 1\]")])
+    (dict(beta=1), None), (dict(ref_rejected=torch.zeros(3)), r"one shape .*ref_rejected \[3\]"),
+    (dict(policy_chosen=torch.zeros(4, 1)), r"policy_chosen must be a 1-D floating-point tensor, got torch.float32 \[4, 1\]")])
 def test_dpo_loss_bad_input(bad, message):
     args = dict(policy_chosen=torch.zeros(4), policy_rejected=torch.zeros(4), ref_chosen=torch.zeros(4),
                 ref_rejected=torch.zeros(4), beta=0.1)
@@ -6585,6 +7117,18 @@ def test_dpo_loss_bad_input(bad, message):
         tf.dpo_loss(**{**args, **bad})
 
 
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(beta=math.inf), "beta must be a finite number"), (dict(policy_chosen=[-1.0, -2.0]), "got list"),
+    (dict(policy_chosen=torch.tensor([1, 2])), "floating-point"),
+    (dict(policy_chosen=torch.zeros(0), policy_rejected=torch.zeros(0), ref_chosen=torch.zeros(0),
+          ref_rejected=torch.zeros(0)), "at least one row")])
+def test_dpo_loss_refuses_infinite_untyped_and_empty_input(change, message):
+    args = dict(policy_chosen=torch.zeros(2), policy_rejected=torch.zeros(2), ref_chosen=torch.zeros(2),
+                ref_rejected=torch.zeros(2))
+    with pytest.raises(ValueError, match=message):
+        tf.dpo_loss(**{**args, **change})
 # ===========================================================================
 # 43. GRPO
 # ===========================================================================
@@ -6757,9 +7301,9 @@ def test_padding_is_out_of_every_mean():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(mask=torch.ones(4, 4, dtype=torch.bool)), r"one shape.*'mask': \[4, 4\]"),
-    (dict(ref_logprobs=torch.zeros(4, 6)), r"one shape.*'ref_logprobs': \[4, 6\]"),
-    (dict(advantages=torch.zeros(3)), r"one shape.*'advantages': \[3\], 'logprobs\[:, 0\]': \[4\]"),
+    (dict(mask=torch.ones(4, 4, dtype=torch.bool)), r"one shape .*mask \[4, 4\]"),
+    (dict(ref_logprobs=torch.zeros(4, 6)), r"one shape .*ref_logprobs \[4, 6\]"),
+    (dict(advantages=torch.zeros(3)), r"one shape .*advantages \[3\], logprobs_rows \[4\]"),
     (dict(clip_eps=-0.1), "clip_eps must be a number from 0 to 1, got -0.1"),
     (dict(kl_beta=-0.04), "kl_beta must be a number >= 0, got -0.04")])
 def test_grpo_loss_bad_input(bad, message):
@@ -6769,6 +7313,41 @@ def test_grpo_loss_bad_input(bad, message):
         tf.grpo_loss(**{**args, **bad})
 
 
+
+
+def test_grpo_loss_refuses_one_dimensional_answers_that_would_broadcast():
+    """[N] log-probabilities against [N] advantages broadcast to [N, N] inside; refused."""
+    logp = torch.randn(4)
+    with pytest.raises(ValueError, match="logprobs must be a 2-D floating-point tensor"):
+        tf.grpo_loss(logp, logp, logp, torch.randn(4), torch.ones(4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(kl_beta=math.inf), "kl_beta must be a finite number"), (dict(logprobs=[[0.0, 1.0]]), "got list"),
+    (dict(advantages=torch.zeros(4, 1)), "advantages must be a 1-D"),
+    (dict(logprobs=torch.zeros(0, 3), old_logprobs=torch.zeros(0, 3), ref_logprobs=torch.zeros(0, 3),
+          mask=torch.ones(0, 3, dtype=torch.bool), advantages=torch.zeros(0)), "at least one row")])
+def test_grpo_loss_refuses_infinite_untyped_misshaped_and_empty_input(change, message):
+    args = dict(logprobs=torch.zeros(4, 3), old_logprobs=torch.zeros(4, 3), ref_logprobs=torch.zeros(4, 3),
+                advantages=torch.zeros(4), mask=torch.ones(4, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=message):
+        tf.grpo_loss(**{**args, **change})
+
+
+@pytest.mark.parametrize("rewards, message", [
+    (torch.tensor([[1, 0, 1]]), "floating-point"), (torch.tensor(1.0), "2-D"), ([[1.0, 0.0]], "got list"),
+    (torch.zeros(0, 4), "at least one row")])
+def test_group_advantages_refuses_integer_scalar_untyped_and_empty_rewards(rewards, message):
+    with pytest.raises(ValueError, match=message):
+        tf.group_advantages(rewards)
+
+
+def test_run_grpo_refuses_temperature_zero_before_training():
+    gpt = tf.DecoderOnlyTransformer(vocab_size=10, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0)
+    before = copy.deepcopy(gpt.state_dict())
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        tf.run_grpo(gpt, None, [], 0, tf.PREFERENCE, temperature=0.0)
+    assert all(torch.equal(before[k], v) for k, v in gpt.state_dict().items())
 # ===========================================================================
 # Tools: your own data, checkpoints, the demo, the benchmark, the command line
 # ===========================================================================
@@ -7164,10 +7743,12 @@ def _bad_checkpoint(tmp_path, what):
     elif what == "vocab-non-str-token":
         torch.save(dict(checkpoint, tgt_vocab=checkpoint["tgt_vocab"][:-1] + [5]), path)
     elif what in ("gpt-without-sep", "llama-without-sep"):  # a decoder-only prompt ends with <sep>
-        v = tf.Vocab(["wo", "ai", "我", "爱"])
+        v, forged = tf.Vocab(["wo", "ai", "我", "爱", tf.SEP]), tf.Vocab(["wo", "ai", "我", "爱", "ta"])
         model = (tf.DecoderOnlyTransformer(len(v), 16, 1, 2, 32, max_len=8) if what.startswith("gpt")
                  else tf.Llama(len(v), 16, 1, 2, max_len=8))
-        tf.save_checkpoint(str(path), what.split("-")[0], model, v, v, _GOOD_READINGS)
+        tf.save_checkpoint(str(path), what.split("-")[0], model, v, v, _GOOD_READINGS)  # saving refuses one without
+        checkpoint = torch.load(path, weights_only=True)
+        torch.save(dict(checkpoint, src_vocab=forged.itos, tgt_vocab=forged.itos), path)  # as many tokens, no <sep>
     # the readings: syllable -> one or more characters of the vocabulary
     elif what.startswith("readings-"):
         readings = {"not-a-dict": [["wo", "我"]], "empty": {"wo": ""}, "unknown-char": {"wo": "龘"},
@@ -7206,7 +7787,8 @@ def test_load_checkpoint_damaged_fields_raise_value_error_naming_the_path(tmp_pa
 def test_load_checkpoint_refuses_a_forged_layer_count_without_building_it(tmp_path):
     model = tf.DecoderOnlyTransformer(20, 16, 1, 2, 32, max_len=16)
     path = str(tmp_path / "m.pt")
-    tf.save_checkpoint(path, "gpt", model, tf.Vocab([]), tf.Vocab(list("abcdefghijklmnop")))
+    vocab = tf.Vocab(list("abcdefghijklmno") + [tf.SEP])                # 20 tokens with the specials
+    tf.save_checkpoint(path, "gpt", model, vocab, vocab)
     checkpoint = torch.load(path, weights_only=True)
     checkpoint["config"]["n_layers"] = 10 ** 6
     torch.save(checkpoint, path)
@@ -7220,7 +7802,8 @@ def test_load_checkpoint_names_a_layer_count_that_does_not_fit_the_weights(tmp_p
     # "(n_layers 1)", not "(1 layers)": a 2-layer file that says 1
     model = tf.DecoderOnlyTransformer(20, 16, 2, 2, 32, max_len=16)
     path = str(tmp_path / "m.pt")
-    tf.save_checkpoint(path, "gpt", model, tf.Vocab([]), tf.Vocab(list("abcdefghijklmnop")))
+    vocab = tf.Vocab(list("abcdefghijklmno") + [tf.SEP])                # 20 tokens with the specials
+    tf.save_checkpoint(path, "gpt", model, vocab, vocab)
     checkpoint = torch.load(path, weights_only=True)
     torch.save(dict(checkpoint, config=dict(checkpoint["config"], n_layers=1)), path)
     needed = tf.decoder_only_param_formula(20, 16, 1, 32)
@@ -7565,6 +8148,96 @@ def test_qwen3_moe_checkpoint_round_trip(tmp_path):
         tf.save_checkpoint(str(tmp_path / "other.pt"), "llama", model, vocab, vocab)  # a Llama, but not one
 
 
+def _lora_llama(tie_weights=False, targets=("w_q", "w_v")):
+    """A tiny Llama with LoRA adapters whose B is not zero (as after fine-tuning), its vocabulary and ids."""
+    vocab = tf.Vocab(["wo", "ai", "我", "爱", tf.SEP])
+    model = randomize(tf.Llama(len(vocab), 16, 2, 4, n_kv_heads=2, max_len=16, tie_weights=tie_weights))
+    randomize_b(tf.add_lora(model, r=2, alpha=4, targets=targets))
+    return model.eval(), vocab, torch.randint(0, len(vocab), (2, 7))
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_a_model_with_lora_adapters_saves_merged_as_a_plain_model_that_answers_the_same(tmp_path, merged):
+    # a user's fine-tuning (section 39), merged or not, is saved as the plain model of its kind it amounts to
+    model, vocab, ids = _lora_llama()
+    if merged:
+        tf.merge_lora(model)
+    with torch.no_grad():
+        expected = model(ids)                                               # [2, 7, V]
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    path = tmp_path / "tuned.pt"
+    tf.save_checkpoint(str(path), "llama", model, vocab, vocab, _GOOD_READINGS)
+    assert all(torch.equal(t, before[name]) for name, t in model.state_dict().items())   # the model untouched
+    assert any(isinstance(m, tf.LoRALinear) for m in model.modules()) and all(
+        m.merged == merged for m in model.modules() if isinstance(m, tf.LoRALinear))
+    kind, loaded, *_, readings = tf.load_checkpoint(str(path))
+    assert kind == "llama" and type(loaded) is tf.Llama and readings == _GOOD_READINGS
+    assert not any(isinstance(m, tf.LoRALinear) for m in loaded.modules())
+    assert loaded.state_dict().keys() == tf.Llama(**model.config).state_dict().keys()   # no lora_A, no base.
+    with torch.no_grad():
+        assert_close(loaded(ids), expected)
+
+
+def test_a_lora_adapter_on_a_tied_weight_is_saved_only_once_merged(tmp_path):
+    # merged, the adapter on a tied lm_head changes the embedding too: saved unmerged, the file
+    # would answer otherwise than the model; so it is refused, and the old file stays
+    model, vocab, ids = _lora_llama(tie_weights=True, targets=("lm_head",))
+    path = tmp_path / "tuned.pt"
+    path.write_bytes(b"the previous checkpoint")
+    with pytest.raises(ValueError) as info:
+        tf.save_checkpoint(str(path), "llama", model, vocab, vocab)
+    assert str(info.value) == (f"{path}: not saved (LoRA adapter lm_head is on a weight shared as"
+                               f" token_embedding.weight and lm_head.base.weight; merge_lora() the model first"
+                               f" (both uses change) or untie them); the previous file is unchanged")
+    assert path.read_bytes() == b"the previous checkpoint" and sorted(os.listdir(tmp_path)) == ["tuned.pt"]
+    tf.merge_lora(model)
+    with torch.no_grad():
+        expected = model(ids)                                               # [2, 7, V]
+    tf.save_checkpoint(str(path), "llama", model, vocab, vocab)
+    _, loaded, *_ = tf.load_checkpoint(str(path))
+    assert loaded.lm_head.weight.data_ptr() == loaded.token_embedding.weight.data_ptr()   # still tied
+    with torch.no_grad():
+        assert_close(loaded(ids), expected)
+
+
+@pytest.mark.parametrize("what", ["nan-weight", "inf-in-the-models-dtype", "vocab-without-sep", "vocab-too-small",
+                                  "readings-not-in-the-vocab"])
+def test_save_refuses_what_load_would_refuse_before_touching_the_file(tmp_path, what):
+    # a training run that diverged (NaN) saved over a good checkpoint would have replaced it with one
+    # --load refuses: what loading refuses, saving refuses, and the old file stays as it was
+    vocab = tf.Vocab(["wo", "ai", "我", "爱", tf.SEP])
+    model = tf.DecoderOnlyTransformer(len(vocab), 16, 1, 2, 32, max_len=8)
+    path = tmp_path / "model.pt"
+    tf.save_checkpoint(str(path), "gpt", model, vocab, vocab, _GOOD_READINGS)
+    before = path.read_bytes()
+    readings, words = _GOOD_READINGS, None
+    if what == "nan-weight":
+        with torch.no_grad():
+            model.lm_head.weight[3, 5] = math.nan
+        words = "'lm_head.weight' holds float32 nan: not a number in float32, the model's dtype"
+    elif what == "inf-in-the-models-dtype":                               # finite in float64, not in float32
+        model = model.double()
+        with torch.no_grad():
+            model.lm_head.weight[3, 5] = 1e39
+        words = "'lm_head.weight' holds float64 1e+39: infinite in float32, the model's dtype"
+    elif what == "vocab-without-sep":
+        vocab = tf.Vocab(["wo", "ai", "我", "爱", "ta"])
+        words = "a decoder-only vocabulary needs <sep>"
+    elif what == "vocab-too-small":
+        vocab = tf.Vocab(["wo", "ai", "我", "爱"])
+        words = "vocabularies of [8, 8] tokens for a model of [9, 9]"
+    else:
+        readings = {"wo": {"我"}, "ta": {"他"}}
+        words = "readings must map syllables to characters of the vocabulary"
+    with pytest.raises(ValueError) as info:
+        tf.save_checkpoint(str(path), "gpt", model, vocab, vocab, readings)
+    assert str(info.value) == f"{path}: not saved ({words}); the previous file is unchanged"
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["model.pt"]
+    with pytest.raises(ValueError, match="not saved"):
+        tf.save_checkpoint(str(tmp_path / "new.pt"), "gpt", model, vocab, vocab, readings)
+    assert os.listdir(tmp_path) == ["model.pt"]                             # nothing new either
+
+
 # ===========================================================================
 # 46. The demo
 # ===========================================================================
@@ -7790,6 +8463,7 @@ TINY_BENCH = {  # each benchmark at a size that takes a fraction of a second
                                              dict(d_model=16, n_heads=2, d_ff=32, n_layers=1), 4, 6, 2)]),
     "bench_kv_cache": dict(lengths=(4, 12), d_model=32, n_heads=2, d_ff=64, n_layers=1, megabytes=8),
     "bench_long_sequences": dict(lengths=(64, 512), heads=2, dk=16),
+    "mixed_precision_report": dict(n_sentences=40, epochs=1),
 }
 
 
@@ -7815,7 +8489,7 @@ def test_bench_runs_every_benchmark_in_order(bench_run):
     status, out, err, _ = bench_run
     assert (status, err) == (0, "")
     assert out.startswith(f"device: cpu, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    titles = ["training throughput", "KV cache: decoder-only", "attention, causal"]
+    titles = ["training throughput", "KV cache: decoder-only", "attention, causal", "mixed precision on the toy task"]
     starts = [out.find("\n" + title) for title in titles]
     assert -1 not in starts and starts == sorted(starts), starts
 
@@ -7922,6 +8596,26 @@ def test_peak_memory_program_sees_section_2s_scores(processes):
     assert status == 0, err
     assert 4 * 1024 * 1024 * 4 <= int(out.split()[-1]) < 2 ** 30
 
+
+def test_bench_mixed_precision_trains_the_toy_gpt_in_float32_and_under_bf16_autocast(bench_run):
+    """--bench's last table: the same GPT recipe trained with adamw_update, in float32 and with its
+    forward under bf16 autocast; each row an accuracy and the training seconds."""
+    out = bench_run[1]
+    rows = re.findall(r"^  (float32|bf16 autocast) +held-out exact match +([\d.]+)%, +([\d.]+) s of training$", out, re.M)
+    assert [name for name, *_ in rows] == ["float32", "bf16 autocast"]
+    assert all(0 <= float(accuracy) <= 100 and float(seconds) > 0 for _, accuracy, seconds in rows)
+
+
+def test_autocast_runs_the_products_in_bf16_and_keeps_the_weights_float32():
+    gpt = tf.DecoderOnlyTransformer(vocab_size=20, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0)
+    wrapped, ids = tf.Autocast(gpt), torch.randint(0, 20, (2, 5))
+    seen = []
+    hook = gpt.lm_head.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    logits = wrapped(ids)                                              # [2, 5, 20]
+    hook.remove()
+    assert seen == [torch.bfloat16] and logits.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in wrapped.parameters())
+    assert_close(logits, gpt(ids), tol=0.1)                            # bf16's 8 significant bits
 
 # ===========================================================================
 # 48. The command line
@@ -9166,6 +9860,51 @@ def test_list_arguments_still_take_tuples_and_one_pass_iterables(list_arguments,
     assert tv.encode(list("我爱")) == [tv.stoi["我"], tv.stoi["爱"]]  # a hanzi string, as a list of characters
 
 
+_IGNORED = [["--after", "--save", "m.pt"], ["--after", "--translate", "wo ai"], ["--after", "--load", "m.pt"],
+            ["--after", "--bench"], ["--after", "--data", "p.tsv"], ["--after", "--epochs", "3"], ["--after", "--free"],
+            ["--bench", "--save", "m.pt"], ["--bench", "--translate", "-"], ["--bench", "--load", "m.pt"],
+            ["--bench", "--data", "p.tsv"], ["--bench", "--head", "0"], ["--load", "m.pt", "--model", "gpt"]]
+
+
+@pytest.mark.parametrize("argv", _IGNORED, ids=" ".join)
+def test_an_option_that_another_makes_meaningless_is_refused_not_ignored(monkeypatch, tmp_path, argv):
+    # --after --save m.pt once ran --after, then saved nothing, without a word
+    _no_training(monkeypatch)
+    for name in ("speculative_report", "preference_report", "bench_training", "mixed_precision_report"):
+        monkeypatch.setattr(tf, name, lambda *args, **kwargs: pytest.fail("the work started"))
+    monkeypatch.chdir(tmp_path)
+    status, out, err = _main(argv + ["--device", "cpu"], stdin="wo ai\n")
+    assert (status, out, os.listdir(tmp_path)) == (2, "", [])
+    option, ignored = (argv[0], argv[1]) if argv[0] != "--load" else (argv[0], argv[2])
+    why = "skips training" if option == "--load" else "runs models of its own, then exits"
+    assert _one_error_line(err) == f"transformer.py: error: {option} {why}, so {ignored} does not apply"
+
+
+@pytest.mark.parametrize("option, first", [("--after", "speculative_report"), ("--bench", "bench_training")])
+def test_ctrl_c_in_a_training_inside_after_or_bench_stops_the_whole_run(monkeypatch, option, first):
+    # train() takes Ctrl-C as "stop this training" (section 13): inside --after, the run then went on
+    # half-trained without a word. Ctrl-C stops what the user asked for, and says so
+    went_on = []
+
+    def trains_then_ctrl_c(*args, **kwargs):
+        pairs = tf.make_toy_data(n_sentences=20, seed=0)
+        sv, tv = tf.build_vocabs(pairs)
+        model = tf.Transformer(len(sv), len(tv), d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=32)
+        tf.train(model, tf.PinyinDataset(pairs, sv, tv), lambda: 0.0, epochs=3, batch_size=4, log=went_on.append,
+                 update=lambda: os.kill(os.getpid(), signal.SIGINT))       # Ctrl-C during the first step
+        went_on.append("after the training")
+    monkeypatch.setattr(tf, first, trains_then_ctrl_c)
+    for name in ("preference_report", "bench_kv_cache", "bench_long_sequences", "mixed_precision_report"):
+        monkeypatch.setattr(tf, name, lambda *args, name=name, **kwargs: went_on.append(name))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)   # as Python starts a program
+    try:
+        status, out, err = _command_line([option, "--device", "cpu"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert (status, err, went_on) == (130, "transformer.py: interrupted\n", [])
+    assert out.startswith(b"device: cpu") and tf.stop_on_ctrl_c.__name__ == "stop_on_ctrl_c"   # restored
+
+
 # ===========================================================================
 # Late refusals and unclear messages
 # ===========================================================================
@@ -9199,7 +9938,7 @@ def test_a_read_only_save_folder_is_refused_before_training(tmp_path, monkeypatc
 
 
 def test_save_folder_probe_leaves_nothing_behind(tmp_path, hard):
-    assert tf.check_save_target(str(tmp_path / "m.pt"), None) is None
+    assert tf.save_target_problem(str(tmp_path / "m.pt"), None) is None
     assert list(tmp_path.iterdir()) == []
 
 
@@ -9565,7 +10304,7 @@ def test_no_definition_uses_a_name_defined_in_a_later_section():
                                        "PagedKVCache", "with_rope_scaling")} == {22, 24, 25, 27, 30, 31, 32}
 
 
-ARGUMENT_CHECKS = {"check", "check_mask", "check_ids", "check_qkv", "check_scaling"}  # a line the reader drops
+ARGUMENT_CHECKS = {"check", "check_mask", "check_ids", "check_qkv", "check_scaling", "check_batch", "check_list"}  # a line the reader drops
 
 
 def copy_size(*roots):

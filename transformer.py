@@ -2,37 +2,17 @@
 
 Read it like an article: each numbered section depends only on torch and on the
 sections above it, so the file cut after any model's section still runs that model.
-A later idea never becomes an option of an earlier class: it extends it, the way the
-model families extend the Llama (Qwen3 is Llama with QK-norm and a free head width,
-Mixtral is Llama with a mixture-of-experts feed-forward, Mistral is Llama with a window).
+A later idea never becomes an option of an earlier class: a later section extends it, the
+way Qwen3 (QK-norm), Mixtral (experts) and Mistral (a window) each extend the Llama.
 
-  Part I    The classic Transformer (Vaswani et al., 2017, "Attention Is All You Need")
-              1 positional encoding       2 attention and masks     3 multi-head attention
-              4 feed-forward network      5 layer normalization     6 encoder and decoder layers
-              7 token ids and embeddings  8 the encoder-decoder     9 the decoder-only GPT
-             10 parameter counts
-  Part II   Teaching it a task: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
-             11 the toy task              12 a baseline to beat     13 training
-             14 decoding: greedy, constrained, beam                 15 the KV cache measured
-             16 the GPT on the task       17 the attention heatmap
-  Part III  The modern decoder, Llama-style
-             18 RMSNorm                   19 rotary positions       20 SwiGLU
-             21 grouped-query attention   22 the Llama model        23 parameters, KV-cache memory
-  Part IV   The frontier: mixture of experts and latent attention
-             24 QK-norm, free head widths: Qwen3                    25 mixture of experts
-             26 latent attention (MLA)    27 the DeepSeek-V3 model  28 total and active parameters
-  Part V    Long sequences
-             29 FlashAttention's tiles    30 sliding windows: Mistral
-             31 the paged KV cache        32 RoPE for long context
-  Part VI   Training, by hand
-             33 AdamW                     34 learning-rate schedules 35 clipping, accumulation
-             36 FLOPs                     37 mixed precision        38 memory
-             39 LoRA
-  Part VII  After pretraining
-             40 speculative decoding      41 sequence log-probabilities 42 DPO
-             43 GRPO
-  Tools     After a banner that says the article ends: 44 your own data,
-            45 checkpoints, 46 the demo, 47 the benchmark, 48 the command line.
+  Part I    1-10   the classic Transformer (Vaswani et al., 2017, "Attention Is All You Need")
+  Part II   11-17  teaching it a task: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
+  Part III  18-23  the modern decoder, Llama-style
+  Part IV   24-28  the frontier: Qwen3, mixture of experts, latent attention, DeepSeek-V3
+  Part V    29-32  long sequences: FlashAttention, sliding windows, the paged cache, long RoPE
+  Part VI   33-39  training by hand: AdamW, schedules, clipping, FLOPs, precision, memory, LoRA
+  Part VII  40-43  after pretraining: speculative decoding, log-probabilities, DPO, GRPO
+  Tools     44-48  your own data, checkpoints, the demo, the benchmark, the command line
 
 The encoder-decoder (Part I) and its shapes, for a batch of B sentences:
 
@@ -59,11 +39,10 @@ encoder-decoder), fixes their mistakes, and proves each piece in test_transforme
 # 0. Imports, the shape legend, argument checks (导入、形状记号与参数检查)
 # ===========================================================================
 # The models need nothing but torch. One legend for every shape comment:
-#   B batch, S source length, T target length, D d_model, H heads,
-#   dk one head's width, D // H (the code's head_dim from Part III on: the same
-#   number; section 24 frees it from D / H), dv a value's width, Dff the feed-forward
-#   width, V vocabulary size; generating with a cache, t tokens are cached and Tn are new.
-#   Part III adds Hkv, the key/value heads of grouped-query attention.
+#   B batch, S source length, T target length, D d_model, H heads, dk = D // H, one head's width
+#   (the code's head_dim from Part III on: the same number; section 24 frees it from D / H), dv a
+#   value's width, Dff the feed-forward width, V vocabulary size; generating with a cache, t tokens
+#   are cached and Tn are new. Part III adds Hkv, the key/value heads of grouped-query attention.
 #   Part IV adds N = B * T tokens, E experts, k = top_k, G expert groups, r the width of
 #   MLA's latent (kv_lora_rank), nope / rope / v the widths of an MLA head's parts.
 #   Part V adds bq, bk the query and key blocks of a tile, bs a cache block's tokens.
@@ -76,15 +55,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Argument checks cost one line: check(name=value, ...) looks each keyword up in one
-# table, ARGUMENTS, to which every section adds the arguments it introduces, and
-# raises a ValueError naming the argument, the value and what was expected, before
-# anything is built. A rule that ties arguments together (d_model divisible by
-# n_heads) is a named entry of RELATIONS, which the caller lists: check("rule", ...).
-# The checkpoint loader (section 45) checks a saved configuration with the same table.
-# Sizes stop at 2^31 - 1, past any real model and what torch's kernels index.
+# Argument checks cost one line: check(name=value, ...) looks each keyword up in one table,
+# ARGUMENTS, to which every section adds its arguments, and raises a ValueError naming the
+# argument, the value and what was expected, before anything is built. A rule that ties
+# arguments together (d_model divisible by n_heads) is a named entry of RELATIONS, which the
+# caller lists: check("rule", ...). Sizes stop at 2^31 - 1, past any real model and torch's indexing.
 
 MAX_SIZE = 2 ** 31 - 1
+FINITE = torch.finfo(torch.float64).max  # the bound of a number that must not be inf (an lr: inf turns weights to NaN)
 ARGUMENTS = {}  # name -> (int or float, smallest, largest), (a type,) or ("one of", values...); "or None" at the end
 RELATIONS = {}  # rule -> (argument names, test on their values, what is expected of the first)
 
@@ -102,8 +80,9 @@ def check(*relations, **arguments):
             numeric = (int,) if kind is int else (int, float)
             ok = isinstance(value, numeric) and not isinstance(value, bool) and low <= value <= high
             show = lambda x: f"{x:,}" if isinstance(x, int) else f"{x:g}"  # noqa: E731
-            what = ("an integer" if kind is int else "a number") + (
-                f" >= {show(low)}" if high in (MAX_SIZE, math.inf) else f" from {show(low)} to {show(high)}")
+            unbounded = high in (MAX_SIZE, math.inf, FINITE)
+            what = ("an integer" if kind is int else "a finite number" if unbounded and value in (math.inf, -math.inf)
+                    else "a number") + (f" >= {show(low)}" if unbounded else f" from {show(low)} to {show(high)}")
         elif kind == "one of":
             ok, what = isinstance(value, str) and value in rule, " or ".join(map(repr, rule))
         else:
@@ -120,10 +99,9 @@ def check(*relations, **arguments):
 # ===========================================================================
 # 1. Positional encoding (位置编码)
 # ===========================================================================
-# Attention is blind to order: shuffle the tokens and each one sees the same set.
-# So every position gets a fixed vector added to its embedding. Sines and cosines
-# of geometrically spaced frequencies make PE[pos + k] a linear function of
-# PE[pos], which lets the model read relative positions.
+# Attention is blind to order: shuffle the tokens and each one sees the same set. So every position
+# gets a fixed vector added to its embedding. Sines and cosines of geometrically spaced frequencies
+# make PE[pos + k] a linear function of PE[pos], which lets the model read relative positions.
 
 ARGUMENTS.update(d_model=(int, 1, MAX_SIZE), max_len=(int, 1, MAX_SIZE), dropout=(float, 0.0, 1.0))
 RELATIONS["even d_model"] = (("d_model",), lambda d: d % 2 == 0, "d_model must be even (sin/cos pairs)")
@@ -146,8 +124,7 @@ class PositionalEncoding(nn.Module):
         self.register_buffer("pe", pe.unsqueeze(0))                        # [1, max_len, D]
 
     def forward(self, x, start=0):
-        """x [B, T, D] holds positions start .. start+T-1: start is 0 for a whole
-        sequence, and the count of earlier tokens when a sequence is fed in pieces."""
+        """x [B, T, D] holds positions start .. start+T-1 (start: the tokens fed before it, or 0)."""
         end = start + x.size(1)
         if end > self.pe.size(1):
             raise ValueError(f"sequence needs positions up to {end}, but max_len is {self.pe.size(1)}")
@@ -161,30 +138,28 @@ class PositionalEncoding(nn.Module):
 # ===========================================================================
 # 2. Scaled dot-product attention and masks (缩放点积注意力与掩码)
 # ===========================================================================
-# Each query scores every key, softmax turns the scores into weights, and the
-# output is the weighted sum of the values. Masks are bool with True = "may
-# attend" (the convention of F.scaled_dot_product_attention and of the
-# tutorials' masked_fill(mask == 0, ...)). nn.MultiheadAttention's
-# key_padding_mask is the opposite: True there means "ignore".
-# Two masks: padding (a batch fills short sentences up to the longest with a
-# pad id, and no query may read those slots) and causal (a position being
-# predicted may not read the positions after it). Both are 4-D, so they
-# broadcast against [B, H, Tq, Tk] scores; a 3-D [B, T, T] mask would line its
-# batch up with the heads axis, so attention refuses it.
+# Each query scores every key, softmax turns the scores into weights, and the output is
+# the weighted sum of the values. Masks are bool with True = "may attend" (the convention of
+# F.scaled_dot_product_attention and of the tutorials' masked_fill(mask == 0, ...));
+# nn.MultiheadAttention's key_padding_mask is the opposite: True there means "ignore".
+# Two masks: padding (a batch fills short sentences up to the longest with a pad id, and no
+# query may read those slots) and causal (a position being predicted may not read the ones
+# after it). Both are 4-D, to broadcast against [B, H, Tq, Tk] scores; a 3-D [B, T, T] mask
+# would line its batch up with the heads axis, so attention refuses it.
 
 def make_pad_mask(ids, pad_id):
     """[B, S] token ids -> [B, 1, 1, S]: True where the key is a real token."""
     return (ids != pad_id)[:, None, None, :]                               # [B, 1, 1, S]
 
 
+ARGUMENTS.update(past=(int, 0, MAX_SIZE))  # a count of cached tokens: below 0 the mask has fewer keys than queries
+
+
 def make_causal_mask(T, device=None, past=0):
-    """[1, 1, T, past + T]: query i may attend to keys 0 .. past + i, never later.
-    past = 0 is the whole sequence at once: the lower triangle. past > 0 is for a
-    model that generates in pieces and keeps the keys of the `past` tokens it has
-    already processed (section 3): its T new queries sit at positions past .. past + T - 1,
-    so new query i sees every earlier key and the new ones up to itself. That is the
-    bottom-right corner of the full (past + T)-square mask; the top-left alignment
-    of is_causal in F.scaled_dot_product_attention would hide keys it may see."""
+    """[1, 1, T, past + T]: query i may attend to keys 0 .. past + i, never later. past = 0: the lower triangle.
+    past > 0: T new queries after `past` tokens whose keys are kept (section 3), at positions past .. past + T - 1:
+    the bottom-right corner of the full mask (is_causal of F.scaled_dot_product_attention aligns top-left: wrong)."""
+    check(past=past)
     return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(past)[None, None]  # [1, 1, T, past+T]
 
 
@@ -215,26 +190,22 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
 #   [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
 #   >>> make_causal_mask(1, past=2)[0, 0].int().tolist()    # a new token sees all 3
 #   [[1, 1, 1]]
-#   >>> out, w = scaled_dot_product_attention(torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8),
-#   ...                                       torch.randn(2, 4, 7, 8))
-#   >>> out.shape, w.shape
+#   >>> q, kv = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8)           # [2, 4, 5, 8]: 5 queries; 7 keys
+#   >>> out, w = scaled_dot_product_attention(q, kv, kv); out.shape, w.shape
 #   (torch.Size([2, 4, 5, 8]), torch.Size([2, 4, 5, 7]))
 
 
 # ===========================================================================
 # 3. Multi-head attention and the KV cache (多头注意力与键值缓存)
 # ===========================================================================
-# H heads of width dk = D / H attend in parallel, each in its own learned
-# subspace, and w_o mixes their outputs back together. The same module does
-# self-attention (query = key = value) and cross-attention (queries from one
-# sequence, keys and values from another: Tq and Tk differ).
-# A model that generates text writes one token per step. At step t, the new
-# token's query must read the keys and values of tokens 0..t; those of 0..t-1
-# were computed at earlier steps, from the same inputs and the same weights,
-# and would come out the same. A KVCache keeps them, so each step projects only
-# the new token: n generated tokens cost n token-passes instead of
-# 1 + 2 + ... + n ≈ n²/2. Earlier queries are never needed again, so there is
-# no Q cache.
+# H heads of width dk = D / H attend in parallel, each in its own learned subspace, and w_o
+# mixes their outputs back together. The same module does self-attention (query = key =
+# value) and cross-attention (queries from one sequence, keys and values from another: Tq
+# and Tk differ). A model that generates text writes one token per step. At step t, the new
+# token's query must read the keys and values of tokens 0..t; those of 0..t-1 were computed
+# at earlier steps, from the same inputs and weights, and would come out the same. A KVCache
+# keeps them, so each step projects only the new token: n generated tokens cost n
+# token-passes instead of 1 + 2 + ... + n ≈ n²/2. Earlier queries are never read again: no Q cache.
 
 class KVCache:
     """One attention module's keys and values from earlier steps, [B, H, t, dk] each."""
@@ -306,11 +277,10 @@ class MultiHeadAttention(nn.Module):
 # ===========================================================================
 # 4. Position-wise feed-forward network (前馈网络)
 # ===========================================================================
-# Attention mixes information across positions; the feed-forward network then
-# transforms each position on its own: widen to Dff (usually 4 D), a
-# nonlinearity, narrow back to D. The paper's nonlinearity is ReLU, max(0, x);
-# GPT's is GELU (Hendrycks & Gimpel, 2016), x * P(Z <= x) for a standard normal Z:
-# a smooth ReLU that lets a little of the negative side through.
+# Attention mixes information across positions; the feed-forward network then transforms each
+# position on its own: widen to Dff (usually 4 D), a nonlinearity, narrow back to D. The paper's
+# nonlinearity is ReLU, max(0, x); GPT's is GELU (Hendrycks & Gimpel, 2016), x * P(Z <= x) for a
+# standard normal Z: a smooth ReLU that lets a little of the negative side through.
 
 ARGUMENTS.update(d_ff=(int, 1, MAX_SIZE, "or None"), activation=("one of", "relu", "gelu"))  # None: Llama derives it
 RELATIONS["d_ff given"] = (("d_ff",), lambda width: width is not None, "d_ff must be an integer >= 1")
@@ -338,10 +308,9 @@ class FeedForward(nn.Module):
 # ===========================================================================
 # 5. Layer normalization (层归一化)
 # ===========================================================================
-# Normalize each position's D features to mean 0 and variance 1, then let the
-# model rescale them (weight) and shift them (bias). Two classic slips, both
-# differ from nn.LayerNorm: the unbiased variance (divide by D - 1), and adding
-# eps to the standard deviation instead of to the variance.
+# Normalize each position's D features to mean 0 and variance 1, then let the model rescale them
+# (weight) and shift them (bias). Two classic slips, both differ from nn.LayerNorm: the unbiased
+# variance (divide by D - 1), and adding eps to the standard deviation instead of to the variance.
 
 class LayerNorm(nn.Module):
     """(x - mean) / sqrt(var + eps) * weight + bias, over the last dimension."""
@@ -366,15 +335,12 @@ class LayerNorm(nn.Module):
 # ===========================================================================
 # 6. Encoder and decoder layers, post-LN and pre-LN (编码器层与解码器层)
 # ===========================================================================
-# Every sub-layer (attention or feed-forward) sits in a residual connection
-# with a LayerNorm. The paper normalizes after the sum (post-LN); GPT-2 and most
-# models since normalize the sub-layer's input and leave the residual path
-# untouched (pre-LN), which keeps gradients well scaled in deep stacks (they
-# still use a learning-rate warmup, as this file does: section 34). As in PyTorch's
-# nn.TransformerEncoderLayer, each sub-layer is a small _block method, so the
-# two orders read side by side in forward.
-# The decoder layer adds cross-attention to the memory: the encoder's output
-# [B, S, D], one vector per source token, which every decoder layer reads.
+# Every sub-layer (attention or feed-forward) sits in a residual connection with a LayerNorm. The
+# paper normalizes after the sum (post-LN); GPT-2 and most models since normalize the sub-layer's
+# input and leave the residual path untouched (pre-LN), which keeps gradients well scaled in deep
+# stacks (they still warm the learning rate up: sections 13, 34). Each sub-layer is a small _block
+# method, as in nn.TransformerEncoderLayer, so the two orders read side by side in forward. The
+# decoder layer adds cross-attention to the memory, the encoder's output [B, S, D].
 
 class EncoderLayer(nn.Module):
     """Self-attention, then feed-forward, each in a residual block."""
@@ -390,9 +356,8 @@ class EncoderLayer(nn.Module):
         self.dropout2 = nn.Dropout(dropout)
 
     def forward(self, x, mask=None, cache=None):
-        """x [B, S, D]; mask [B, 1, 1, S] (padding) or [1, 1, S, S] (causal). cache: a
-        KVCache for running under a causal mask one piece at a time, the way a
-        decoder-only model uses this layer as its block (section 9)."""
+        """x [B, S, D]; mask [B, 1, 1, S] (padding) or [1, 1, S, S] (causal). cache: a KVCache, for
+        a decoder-only model that runs this layer as its block, causally, a piece at a time (section 9)."""
         if self.norm_first:  # pre-LN: x + f(LN(x)), the residual path never normalized
             x = x + self._sa_block(self.norm1(x), mask, cache)             # [B, S, D]
             x = x + self._ff_block(self.norm2(x))                          # [B, S, D]
@@ -442,9 +407,8 @@ class DecoderLayer(nn.Module):
         return self.dropout1(self.self_attn(x, x, x, mask, cache))         # [B, T, D]
 
     def _mha_block(self, x, memory, mask, cache):
-        # queries from the decoder, keys and values from the memory: [B, H, T, S] scores. The
-        # memory does not change while decoding, so a cache takes its keys and values at the
-        # first step, and later steps hand it none to add (S = 0): projected once, read every step
+        # queries from the decoder, keys and values from the memory: [B, H, T, S] scores. The memory is
+        # fixed while decoding: the cache takes its keys and values at the first step, later ones add none
         if cache is not None and len(cache):
             memory = memory[:, :0]                                         # [B, 0, D]
         return self.dropout2(self.cross_attn(x, memory, memory, mask, cache))  # [B, T, D]
@@ -461,11 +425,10 @@ class DecoderLayer(nn.Module):
 # ===========================================================================
 # 7. Token ids and embeddings (词元与嵌入)
 # ===========================================================================
-# A model reads token ids: integers from 0 to V - 1, one per token, in a [B, T]
-# tensor. An embedding table, nn.Embedding(V, D), turns each id into a learned
-# D-vector: row id of its [V, D] weight. Two things the models of Part I share: the
-# ids they are given are checked (a clear error now instead of an index error deep
-# inside), and the table starts at a scale that suits what it is added to.
+# A model reads token ids: integers from 0 to V - 1, one per token, in a [B, T] tensor. An embedding
+# table, nn.Embedding(V, D), turns each id into a learned D-vector: row id of its [V, D] weight. Two
+# things the models of Part I share: the ids they are given are checked (a clear error now instead
+# of an index error deep inside), and the table starts at a scale that suits what it is added to.
 
 def check_ids(name, ids, vocab_size, max_len):
     """Token ids must be a [B, T] int64 or int32 tensor inside the vocabulary and max_len."""
@@ -482,8 +445,7 @@ def check_ids(name, ids, vocab_size, max_len):
 
 
 def init_embedding(embedding):
-    """N(0, 1/D): scaled by sqrt(D) in forward, a token vector then has unit-size
-    entries, the same size as the sinusoidal position it is added to."""
+    """N(0, 1/D): times sqrt(D) in forward, a token vector's entries are unit-size, like the position added to it."""
     nn.init.normal_(embedding.weight, std=embedding.embedding_dim ** -0.5)
 
 # Try it:
@@ -495,12 +457,11 @@ def init_embedding(embedding):
 # ===========================================================================
 # 8. The encoder-decoder Transformer (编码器-解码器 Transformer)
 # ===========================================================================
-# The encoder reads the whole source once into the memory [B, S, D]; the decoder
-# writes the target one token at a time, attending causally to what it wrote and
-# freely to the memory. The target starts with a bos ("beginning of sentence")
-# token, so the first real token has something to be predicted from, and ends
-# with eos ("end of sentence"), so the model can say when to stop. Training
-# feeds the whole shifted target at once, so the causal mask is what stops
+# The encoder reads the whole source once into the memory [B, S, D]; the decoder writes the
+# target one token at a time, attending causally to what it wrote and freely to the memory.
+# The target starts with a bos ("beginning of sentence") token, so the first real token has
+# something to be predicted from, and ends with eos ("end of sentence"), so the model can say
+# when to stop. Training feeds the whole shifted target at once: the causal mask is what stops
 # position t from reading the answer at t+1.
 
 ARGUMENTS.update(src_vocab_size=(int, 1, MAX_SIZE), tgt_vocab_size=(int, 1, MAX_SIZE), n_layers=(int, 1, 1024),
@@ -535,9 +496,8 @@ class Transformer(nn.Module):
         layer_args = dict(d_model=d_model, n_heads=n_heads, d_ff=d_ff, dropout=dropout, norm_first=norm_first)
         self.encoder_layers = nn.ModuleList([EncoderLayer(**layer_args) for _ in range(n_layers)])
         self.decoder_layers = nn.ModuleList([DecoderLayer(**layer_args) for _ in range(n_layers)])
-        # pre-LN leaves the residual stream un-normalized, so the stacks end with a
-        # LayerNorm; post-LN already ends in one, and a second (nn.Transformer's
-        # default, pytorch issue 24930) would normalize twice
+        # pre-LN leaves the residual stream un-normalized, so the stacks end with a LayerNorm; post-LN
+        # already ends in one, and a second (nn.Transformer's default, pytorch issue 24930) normalizes twice
         self.encoder_norm = LayerNorm(d_model) if norm_first else None
         self.decoder_norm = LayerNorm(d_model) if norm_first else None
         self.output_proj = nn.Linear(d_model, tgt_vocab_size)
@@ -560,14 +520,12 @@ class Transformer(nn.Module):
         return self.encoder_norm(x) if self.encoder_norm else x            # [B, S, D]
 
     def new_cache(self):
-        """An empty KV cache for decode: per decoder layer, a KVCache for its self-attention
-        and one for its cross-attention (the memory's keys and values, from the first step)."""
+        """An empty KV cache for decode: per decoder layer, a KVCache for self- and one for cross-attention."""
         return [(KVCache(), KVCache()) for _ in self.decoder_layers]
 
     def decode(self, tgt, memory, src, cache=None):
-        """tgt [B, T] (starting with bos), memory [B, S, D], src [B, S] -> logits [B, T, V].
-        With a cache (new_cache()), the first `past` tokens of tgt were run before and
-        only the rest are: logits [B, T - past, V]."""
+        """tgt [B, T] (starting with bos), memory [B, S, D], src [B, S] -> logits [B, T, V]. With a cache
+        (new_cache()) that ran the first `past` tokens of tgt, only the rest run: [B, T - past, V]."""
         check_ids("tgt", tgt, self.tgt_vocab_size, self.max_len)
         if not tgt.size(0) == memory.size(0) == src.size(0):
             raise ValueError(f"batch sizes differ: tgt {tgt.size(0)}, memory {memory.size(0)}, src {src.size(0)}")
@@ -595,22 +553,18 @@ class Transformer(nn.Module):
 # ===========================================================================
 # 9. The decoder-only Transformer, GPT style (仅解码器 Transformer)
 # ===========================================================================
-# Drop the encoder and the cross-attention and what is left is a language model:
-# each position predicts the next token from the ones before it. A GPT block is
-# exactly the encoder layer of section 6 run under a causal mask (pre-LN, GELU),
-# so it reuses EncoderLayer rather than writing the block twice.
-# How it differs from GPT-2 itself: fixed sinusoidal positions instead of a
-# learned table, embeddings scaled by sqrt(D) as in the 2017 paper, the exact
-# erf GELU instead of GPT-2's tanh approximation, and a token embedding drawn from
-# N(0, 1/D) (init_embedding) with PyTorch's default initialization for the layers,
-# where GPT-2's code draws its token embedding and layers from N(0, 0.02) and its
-# position table from N(0, 0.01) (its paper also scales residual weights by 1/sqrt(N)).
-# generate() writes one token per step: the most likely one (greedy), or one
-# drawn at random from the model's distribution (sampling, for varied text).
-# Section 3's KV cache makes each step run only the newest token.
+# Drop the encoder and the cross-attention and what is left is a language model: each position
+# predicts the next token from the ones before it. A GPT block is exactly the encoder layer of
+# section 6 run under a causal mask (pre-LN, GELU), so it reuses EncoderLayer rather than
+# writing the block twice. Unlike GPT-2: fixed sinusoidal positions, not a learned table;
+# embeddings scaled by sqrt(D) as in the 2017 paper; the exact erf GELU, not the tanh
+# approximation; the token embedding drawn from N(0, 1/D) (init_embedding) and PyTorch's default
+# initialization for the layers, where GPT-2's code draws embedding and layers from N(0, 0.02),
+# its position table from N(0, 0.01) (its paper also scales residual weights by 1/sqrt(N)).
+# generate() writes a token per step, greedy or sampled, running only the newest through the cache.
 
 ARGUMENTS.update(vocab_size=(int, 1, MAX_SIZE), tie_weights=(bool,), max_new_tokens=(int, 0, MAX_SIZE),
-                 prompt_length=(int, 1, MAX_SIZE), temperature=(float, 0.0, math.inf),
+                 prompt_length=(int, 1, MAX_SIZE), temperature=(float, 0.0, FINITE),
                  top_k=(int, 1, MAX_SIZE, "or None"), top_p=(float, 0.0, 1.0, "or None"),
                  generator=(torch.Generator, "or None"))
 RELATIONS.update({
@@ -621,9 +575,8 @@ RELATIONS.update({
 
 
 def next_token_probs(logits, temperature=0.0, top_k=None, top_p=None):
-    """logits [B, V] -> the distribution next_token draws from, [B, V]: softmax(logits /
-    temperature) over the top_k most likely and/or the smallest set whose probabilities
-    add up to top_p (nucleus sampling); temperature 0 puts all of it on the most likely."""
+    """logits [B, V] -> next_token's distribution [B, V]: softmax(logits / temperature) over the top_k most
+    likely and/or the smallest set whose mass reaches top_p (nucleus sampling); temperature 0: the argmax."""
     if temperature == 0:
         return F.one_hot(logits.argmax(dim=-1), logits.size(-1)).float()  # [B, V]
     logits = logits.float() / temperature                                  # [B, V]
@@ -645,8 +598,7 @@ def next_token_probs(logits, temperature=0.0, top_k=None, top_p=None):
 
 
 def next_token(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
-    """logits [B, V] -> the next ids [B, 1]: the most likely at temperature 0, else a
-    draw from next_token_probs."""
+    """logits [B, V] -> the next ids [B, 1]: the most likely at temperature 0, else a draw from next_token_probs."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)                         # [B, 1]
     probs = next_token_probs(logits, temperature, top_k, top_p)            # [B, V]
@@ -654,8 +606,7 @@ def next_token(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
 
 
 class eval_mode:
-    """with eval_mode(model): dropout off inside the block, and the caller's mode
-    (training or not) restored after, even on an error."""
+    """with eval_mode(model): dropout off inside the block, the caller's mode restored after, even on an error."""
 
     def __init__(self, model):
         self.model, self.was_training = model, model.training
@@ -670,9 +621,8 @@ class eval_mode:
 @torch.no_grad()
 def generate_tokens(model, input_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                     generator=None, use_cache=True):
-    """input_ids [B, T] -> [B, T + max_new_tokens], one next_token per step, for any
-    decoder-only model with new_cache() and forward(ids, cache). A torch.Generator
-    makes sampling reproducible; the cache changes the speed, not the tokens."""
+    """input_ids [B, T] -> [B, T + max_new_tokens], a next_token per step, for any decoder-only model with
+    new_cache() and forward(ids, cache); a generator makes draws repeatable; the cache changes speed, not tokens."""
     check_ids("input_ids", input_ids, model.vocab_size, model.max_len)
     check("prompt fits", "top_p > 0", prompt_length=input_ids.size(1), max_new_tokens=max_new_tokens,
           max_len=model.max_len, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
@@ -708,13 +658,11 @@ class DecoderOnlyTransformer(nn.Module):
             self.lm_head.weight = self.token_embedding.weight
 
     def new_cache(self):
-        """An empty KV cache for forward: one KVCache per layer (forward takes any list of
-        per-layer caches with the same append and len: section 31 pages them)."""
+        """One KVCache per layer (forward takes any per-layer caches with append and len: section 31 pages them)."""
         return [KVCache() for _ in self.layers]
 
     def forward(self, input_ids, cache=None):
-        """input_ids [B, T] -> logits [B, T, V]. With a cache (new_cache()), the first
-        `past` tokens were run before and only the rest are: logits [B, T - past, V]."""
+        """input_ids [B, T] -> logits [B, T, V]; with a cache of `past` tokens, only the rest run: [B, T - past, V]."""
         check_ids("input_ids", input_ids, self.vocab_size, self.max_len)
         past = len(cache[0]) if cache else 0                               # tokens already cached
         if past >= input_ids.size(1):
@@ -735,20 +683,18 @@ class DecoderOnlyTransformer(nn.Module):
 
 # Try it:
 #   >>> gpt = DecoderOnlyTransformer(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=64)
-#   >>> gpt(torch.randint(0, 50, (2, 6))).shape
-#   torch.Size([2, 6, 50])
-#   >>> gpt.generate(torch.randint(0, 50, (2, 6)), max_new_tokens=4).shape
-#   torch.Size([2, 10])
+#   >>> ids = torch.randint(0, 50, (2, 6))                                 # [2, 6]
+#   >>> gpt(ids).shape, gpt.generate(ids, max_new_tokens=4).shape
+#   (torch.Size([2, 6, 50]), torch.Size([2, 10]))
 
 
 # ===========================================================================
 # 10. Parameter counts (参数量)
 # ===========================================================================
-# Count what is there, and derive the same number from the configuration, so a
-# claim like "this config has 30-odd million parameters" (the decoder-only
-# tutorial's, for vocabulary 50257, D 512, 6 layers, Dff 2048) can be checked by
-# hand. It is wrong: 70.4M untied, 44.6M tied (the Try-it below). Weights shared by
-# tying are counted once, as model.parameters() yields them.
+# Count what is there, and derive the same number from the configuration, so a claim like
+# "this config has 30-odd million parameters" (the decoder-only tutorial's, for vocabulary
+# 50257, D 512, 6 layers, Dff 2048) can be checked by hand. It is wrong: 70.4M untied, 44.6M
+# tied (the Try-it below). Weights shared by tying are counted once, as parameters() yields them.
 
 def count_parameters(model):
     """Number of distinct parameters (tied weights once)."""
@@ -786,10 +732,8 @@ def decoder_only_param_formula(vocab_size, d_model, n_layers, d_ff, tie_weights=
 # ===========================================================================
 # Part II: teaching it a task (第二部分：教它一个任务)
 # ===========================================================================
-# A task small enough to learn in seconds on a CPU, the ways to decode an answer,
-# the training loop, and what the models learned. Python's standard library
-# supplies the rest: random for the toy data, time and signal for training, copy for
-# the later parts' runs, which start from a copy of a trained model.
+# A task small enough to learn in seconds on a CPU, the training loop, the ways to decode an
+# answer, and what the models learned; Python's standard library supplies the rest.
 
 import contextlib
 import copy
@@ -802,13 +746,12 @@ import time
 # ===========================================================================
 # 11. The toy task: pinyin to hanzi (玩具任务：拼音转汉字)
 # ===========================================================================
-# A task small enough to train in seconds and hard enough to need attention:
-# many syllables are written with different characters depending on the word
-# around them (shi: 是 十 事 时 市 视 师, ji: 几 鸡 机 记 计, yi: 一 医 衣 意 已 ...),
-# so the model must read its neighbours, not map syllable to character.
-# Pinyin is toneless and lowercase, one syllable per character, ü written v.
-# A small grammar composes sentences from a lexicon; the generator checks that
-# every pinyin sentence has exactly one hanzi answer.
+# A task small enough to train in seconds and hard enough to need attention: many syllables
+# are written with different characters depending on the word around them (shi: 是 十 事 时 市 视 师,
+# ji: 几 鸡 机 记 计, yi: 一 医 衣 意 已 ...), so the model must read its neighbours, not map syllable
+# to character. Pinyin is toneless and lowercase, one syllable per character, ü written v. A
+# small grammar composes sentences from a lexicon; the generator checks that every pinyin
+# sentence has exactly one hanzi answer.
 
 SUBJECTS = [("wo", "我"), ("ni", "你"), ("ta", "他"), ("wo men", "我们"), ("ni men", "你们"),
             ("ta men", "他们"), ("lao shi", "老师"), ("xue sheng", "学生"), ("yi sheng", "医生"),
@@ -861,8 +804,7 @@ def make_toy_data(n_sentences=2400, seed=0, min_chars=3, max_chars=12):
 
 
 def check_list(name, value, items):
-    """A list argument: any iterable but a str or bytes (read one character at a time:
-    "wo ai" would be 5 sentences) or a dict (read by its keys), never None or a number."""
+    """A list argument: any iterable but str or bytes ("wo ai" would be 5 sentences) or a dict (its keys)."""
     if isinstance(value, (str, bytes, bytearray, dict)) or not hasattr(type(value), "__iter__"):
         raise ValueError(f"{name} must be a list of {items}, got {type(value).__name__} {value!r:.60}")
 
@@ -877,8 +819,7 @@ def split_data(pairs, held_out=0.1, seed=0):
 
 
 class Vocab:
-    """Token <-> id. Ids 0-3 are the specials: pad fills batches, bos starts a target,
-    eos ends one, unk stands for a token never seen in training."""
+    """Token <-> id. Specials 0-3: pad fills batches, bos starts a target, eos ends it, unk is any unseen token."""
     PAD, BOS, EOS, UNK = 0, 1, 2, 3
     SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
@@ -914,8 +855,7 @@ def build_vocabs(pairs):
 
 
 class PinyinDataset(torch.utils.data.Dataset):
-    """Each item is the model's inputs, then the target: source syllable ids,
-    target in (bos + chars), target out (chars + eos)."""
+    """Items (model inputs..., target): source syllable ids, target in (bos + chars), target out (chars + eos)."""
 
     def __init__(self, pairs, src_vocab, tgt_vocab):
         check_list("pairs", pairs, "(pinyin, hanzi) pairs")
@@ -933,8 +873,7 @@ class PinyinDataset(torch.utils.data.Dataset):
 
 
 def collate(batch):
-    """Pad every field of a list of items to the longest in the batch:
-    (src, tgt_in, tgt_out) items give [B, S], [B, T+1], [B, T+1]."""
+    """Items -> each field padded to the batch's longest: (src, tgt_in, tgt_out) give [B, S], [B, T+1], [B, T+1]."""
     check_list("batch", batch, "dataset items")
     return tuple(nn.utils.rnn.pad_sequence(field, batch_first=True, padding_value=Vocab.PAD)
                  for field in zip(*batch))                                 # [B, longest] each
@@ -958,19 +897,16 @@ def ambiguous_syllables(pairs):
 # ===========================================================================
 # 12. A baseline to beat: bigram HMM and Viterbi (基线：二元语法与维特比)
 # ===========================================================================
-# Before trusting a Transformer, ask what counting does. A hidden Markov model
-# reads the pinyin as emitted by a hidden chain of characters: each character
-# depends only on the one before it (a bigram), each syllable only on its own
-# character. Viterbi finds the most likely chain by dynamic programming,
-#   best[i, c] = max over c' of best[i-1, c'] + log P(c | c') + log P(syllable i | c),
-# in a fraction of a second of counting. A Transformer that cannot beat it on
-# the same sentences has not earned its place.
+# Before trusting a Transformer, ask what counting does. A hidden Markov model reads the
+# pinyin as emitted by a hidden chain of characters: each character depends only on the one
+# before it (a bigram), each syllable only on its own character. Viterbi finds the most likely
+# chain by dynamic programming, in a fraction of a second of counting:
+#   best[i, c] = max over c' of best[i-1, c'] + log P(c | c') + log P(syllable i | c).
+# A Transformer that cannot beat it on the same sentences has not earned its place.
 
 class BigramHMM:
-    """Counts from training pairs; decode(pinyin sentences) -> hanzi by Viterbi.
-    P(c | c') is the bigram count smoothed toward the character's overall
-    frequency (a sentence start counts as c'); P(syllable | c) is counted. A
-    syllable never seen may be any character."""
+    """decode(pinyin sentences) -> hanzi by Viterbi over training counts: P(c | c') the bigram count smoothed toward
+    c's frequency (a sentence start is a c'), P(syllable | c) counted, an unseen syllable any character."""
 
     def __init__(self, pairs, smoothing=1.0):
         check_list("pairs", pairs, "(pinyin, hanzi) pairs")
@@ -1038,42 +974,37 @@ class BigramHMM:
 # ===========================================================================
 # 13. Training (训练)
 # ===========================================================================
-# Teacher forcing: the model reads whole target sequences at once and predicts
-# every next token, the causal mask keeping each position from its own answer.
-# Padding is excluded from the loss (ignore_index), and label smoothing keeps the
-# model from over-trusting one character. The weights are updated as the 2017 paper
-# did: Adam, with a learning rate that rises over a warmup (Adam's first steps are
-# noisy, so they are kept small), then decays as 1 / sqrt(step); and the gradient's
-# length is clipped, so one bad batch cannot throw the weights far. Here that is
-# torch's fused Adam, one C++ call for every weight, and torch's clip_grad_norm_:
-# Part VI writes each of them out and proves it equal. Ctrl-C stops after the
-# current step and returns what was learned so far.
+# Teacher forcing: the model reads whole target sequences at once and predicts every next
+# token, the causal mask keeping each position from its own answer. Padding is excluded from
+# the loss (ignore_index), and label smoothing keeps the model from over-trusting one
+# character. The weights are updated as the 2017 paper did: Adam, with a learning rate that
+# rises over a warmup (Adam's first steps are noisy, so they are kept small), then decays as
+# 1 / sqrt(step); and the gradient's length is clipped, so one bad batch cannot throw the
+# weights far. Here that is torch's Adam and clip_grad_norm_: Part VI writes each of them out
+# and proves it equal. Ctrl-C stops after the current step and returns what was learned so far.
 
 ARGUMENTS.update(step=(int, 0, MAX_SIZE), warmup_steps=(int, 0, MAX_SIZE), epochs=(int, 1, MAX_SIZE),
-                 batch_size=(int, 1, MAX_SIZE))
+                 batch_size=(int, 1, MAX_SIZE), model=(nn.Module,))
 RELATIONS["a warmup step"] = (("warmup_steps",), lambda w: w >= 1, "warmup_steps must be >= 1 (the peak's step)")
 
 
 def noam(step, warmup_steps, d_model):
-    """The paper's learning rate ("Noam" after Noam Shazeer, its second author):
-    d_model^-0.5 * min(s^-0.5, s * warmup_steps^-1.5) with s = step + 1 (never 0), a
-    linear rise to its peak at s = warmup_steps, then 1 / sqrt(s)."""
+    """The paper's learning rate ("Noam" after Noam Shazeer, its second author): d_model^-0.5 *
+    min(s^-0.5, s * warmup_steps^-1.5), s = step + 1 (never 0): a linear rise to s = warmup_steps, then 1 / sqrt(s)."""
     check("a warmup step", step=step, warmup_steps=warmup_steps, d_model=d_model)
     s = step + 1
     return d_model ** -0.5 * min(s ** -0.5, s * warmup_steps ** -1.5)
 
 
 def noam_lambda(d_model, warmup):
-    """noam as LambdaLR's function: the lr multiplier after `step` scheduler steps
-    (LambdaLR's base lr is a factor on top of it)."""
+    """noam as LambdaLR's function of the step (LambdaLR's base lr is a factor on top of it)."""
     check("a warmup step", warmup_steps=warmup, d_model=d_model)
     return lambda step: noam(step, warmup, d_model)
 
 
 def adam_noam(model, lr_factor=0.25, warmup=150, clip=1.0):
-    """The paper's update as one function, run after each backward: clip the gradient
-    norm to clip, one step of Adam (betas 0.9 and 0.98, eps 1e-9, as the paper) at
-    lr_factor * noam(step), then clear the gradients. -> update()."""
+    """The paper's update -> update(), run after each backward: clip the gradient norm to clip, one
+    step of Adam (betas 0.9 and 0.98, eps 1e-9, the paper's) at lr_factor * noam(step), clear the gradients."""
     # fused=True: one C++ call updates every weight, not several small operations per weight
     optimizer = torch.optim.Adam(model.parameters(), lr=lr_factor, betas=(0.9, 0.98), eps=1e-9, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, noam_lambda(model.d_model, warmup))
@@ -1088,10 +1019,8 @@ def adam_noam(model, lr_factor=0.25, warmup=150, clip=1.0):
 
 @contextlib.contextmanager
 def stop_on_ctrl_c():
-    """Within the block, Ctrl-C (SIGINT) only appends to the yielded list, which the
-    training loop reads between steps, so no step is cut in half; a second Ctrl-C
-    interrupts at once, as usual. Signals reach only the main thread: elsewhere
-    the list stays empty."""
+    """Within the block, Ctrl-C (SIGINT) only appends to the yielded list, read by the training loop between steps:
+    no step is cut in half; a second Ctrl-C interrupts at once. Signals reach the main thread only."""
     stop = []
     if threading.current_thread() is not threading.main_thread():
         yield stop
@@ -1111,14 +1040,11 @@ def stop_on_ctrl_c():
 
 def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25, warmup=150,
           label_smoothing=0.1, clip=1.0, seed=0, log=print, update=None):
-    """Train on dataset items (model inputs..., target), log one line per epoch with
-    evaluate_fn()'s held-out accuracy. update: run after each backward to step the
-    weights; None for adam_noam(model, lr_factor, warmup, clip). Later sections pass their
-    own (section 25 balances experts after each step, Part VI steps with its own AdamW).
-    Returns the last epoch's mean loss, the accuracy, the seconds taken (training,
-    evaluation and all), whether Ctrl-C stopped it, and the history: (epoch, training
-    seconds so far, accuracy)."""
-    check(epochs=epochs, batch_size=batch_size)
+    """Train on dataset items (model inputs..., target), one log line per epoch with evaluate_fn()'s
+    held-out accuracy. update, run after each backward to step the weights: None for adam_noam(model,
+    lr_factor, warmup, clip); section 25 passes one that balances experts, Part VI its own AdamW. -> the
+    last epoch's loss, accuracy, seconds in all, interrupted (Ctrl-C), history [(epoch, training s, accuracy)]."""
+    check(model=model, epochs=epochs, batch_size=batch_size)
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collate,
@@ -1158,27 +1084,21 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
 # ===========================================================================
 # 14. Decoding: greedy, constrained, beam (解码：贪心、约束与束搜索)
 # ===========================================================================
-# At inference there is no target to feed: start every sentence with bos, run
-# the decoder, choose a next character, repeat until eos. The source is encoded
-# once; with the KV cache of section 3 each step runs the newest token only.
-# Greedy takes the most likely token at every step. Two improvements:
-# - Constrained: the task has structure the model may ignore, one character
-#   per syllable and only the characters seen with that syllable (its
-#   readings). Masking every other token's logit before choosing makes each
-#   answer well-formed by construction. Structured generation (JSON grammars,
-#   tool calls) works the same way. And an answer never holds a special token
-#   or a syllable, constrained or not.
-# - Beam search keeps the beam_size best partial answers by summed
-#   log-probability instead of one. It fixes a first choice that looked best
-#   alone but leads to a worse sentence; it cannot fix a model that scores the
-#   wrong sentence higher, and it costs beam_size times the work.
+# At inference there is no target to feed: start every sentence with bos, run the decoder,
+# choose a next character, repeat until eos. The source is encoded once; with the KV cache of
+# section 3 each step runs the newest token only. Greedy takes the most likely token at every
+# step. Two improvements:
+# - Constrained: the task has structure the model may ignore, one character per syllable and only
+#   the characters seen with that syllable (its readings). Masking every other logit before choosing
+#   makes each answer well-formed by construction, as structured generation (JSON, tool calls) does.
+# - Beam search keeps the beam_size best partial answers by summed log-probability instead of
+#   one. It fixes a first choice that looked best alone but leads to a worse sentence; it cannot
+#   fix a model that scores the wrong sentence higher, and it costs beam_size times the work.
 
 def answer_masks(syllable_lists, vocab, readings=None):
-    """[B, S+1, V] bool, S the longest sentence: which tokens step i may choose.
-    For sentence b: a character at steps 0 .. len-1 (with readings, one of that
-    syllable's; without, any character or an early eos), eos at step len, pad
-    after. Characters are the vocabulary's non-ASCII tokens: never a special
-    token (<pad>, <eos>, ...) and never a pinyin syllable."""
+    """[B, S+1, V] bool, S the longest sentence: the tokens step i may choose. A character at steps 0 .. len-1
+    (with readings, one of that syllable's; without, any character or an early eos), eos at step len, pad
+    after. Characters are the vocabulary's non-ASCII tokens: never a special token nor a pinyin syllable."""
     check_list("syllable_lists", syllable_lists, "lists of syllables")
     for b, syllables in enumerate(syllable_lists):  # a row "wo ai" would be 5 one-letter syllables
         check_list(f"syllable_lists[{b}]", syllables, "syllables")
@@ -1202,9 +1122,8 @@ def answer_masks(syllable_lists, vocab, readings=None):
 
 @torch.no_grad()
 def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True, allowed=None):
-    """src [B, S] -> generated ids [B, <= max_len], eos included, pad after it.
-    allowed [B, max_len, V]: step i chooses only among allowed[:, i] (None: any token).
-    use_cache changes the work per step, not the tokens."""
+    """src [B, S] -> generated ids [B, <= max_len], eos included, pad after it. allowed [B, max_len, V]:
+    step i chooses only among allowed[:, i] (None: any). use_cache changes the work, not the tokens."""
     if bos_id == model.pad_id:
         raise ValueError(f"bos_id ({bos_id}) must differ from the pad id: decoding would start from padding")
     if model.max_len < 2:  # "max_len must be 1 to 0" below would ask for the impossible
@@ -1233,9 +1152,8 @@ ARGUMENTS.update(beam_size=(int, 1, MAX_SIZE), n_steps=(int, 1, MAX_SIZE))  # ba
 
 
 def reorder_cache(cache, index):
-    """Every layer's cache keeps the batch rows `index` [N], in order: each tensor it
-    holds (a KVCache's or RollingKVCache's k and v, a LatentCache's latent and k_rope)
-    is indexed along the batch, its first dimension."""
+    """Every layer's cache keeps the batch rows `index` [N], in order: each tensor it holds (a
+    KVCache's or RollingKVCache's k and v, a LatentCache's latent and k_rope) indexed along dim 0."""
     for layer_cache in cache:
         for c in layer_cache if isinstance(layer_cache, tuple) else (layer_cache,):  # the encoder-decoder's pairs
             for name, value in vars(c).items():
@@ -1245,14 +1163,12 @@ def reorder_cache(cache, index):
 
 @torch.no_grad()
 def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_id=Vocab.EOS, pad_id=Vocab.PAD):
-    """The beam_size most likely continuations of start [B, T0], kept by summed
-    log-probability; -> (best continuation [B, n_steps], its log-probability [B]).
-    step(ids [B*k, t], cache) gives next-token logits [B*k, V], row b*k + j being
-    beam j of sentence b (the caller repeats its own inputs k times); allowed
-    [B, n_steps, V] masks as in greedy_decode. A beam that has emitted eos
-    continues with pad at no cost, so finished and open beams compare fairly.
-    Plain beam search can push the greedy path out and end below it; here that
-    one path always keeps a place, so the answer never scores lower than greedy's."""
+    """The beam_size most likely continuations of start [B, T0] by summed log-probability -> (best
+    continuation [B, n_steps], its log-probability [B]). step(ids [B*k, t], cache) gives next-token
+    logits [B*k, V], row b*k + j beam j of sentence b (the caller repeats its own inputs k times);
+    allowed [B, n_steps, V] masks as in greedy_decode. A beam that has emitted eos continues with
+    pad at no cost, so finished and open beams compare fairly. Plain beam search can push the
+    greedy path out and end below it; here that path always keeps a place, never scoring lower."""
     check(beam_size=beam_size, n_steps=n_steps)
     B, k = start.size(0), beam_size
     rows = torch.arange(B, device=start.device)                            # [B]
@@ -1285,16 +1201,13 @@ def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_i
 
 
 def rows_per_batch(batch_size, length, vocab_size, budget=2 ** 24):
-    """How many sentences go in one batch: at most batch_size, and few enough that a
-    [B, length, V] tensor of logits or masks stays within budget values (64 MB of
-    float32), however long the sentences and large the vocabulary."""
+    """Sentences a batch: at most batch_size, few enough that [B, length, V] logits fit budget (64 MB of float32)."""
     return max(1, min(batch_size, budget // max(1, length * vocab_size)))
 
 
 def translate(model, sentences, src_vocab, tgt_vocab, readings=None, beam_size=1, batch_size=256):
-    """Pinyin strings -> hanzi strings with the encoder-decoder: constrained by the
-    syllables' readings when given, greedy when beam_size is 1. A batch holds
-    batch_size sentences, or batch_size // beam_size with a beam: the same rows."""
+    """Pinyin strings -> hanzi strings with the encoder-decoder: constrained by the readings when given,
+    greedy when beam_size is 1; a batch holds batch_size // beam_size sentences (batch_size rows)."""
     check_list("sentences", sentences, "pinyin strings")
     check(beam_size=beam_size, batch_size=batch_size)
     device = next(model.parameters()).device
@@ -1320,10 +1233,8 @@ def translate(model, sentences, src_vocab, tgt_vocab, readings=None, beam_size=1
 
 
 def evaluate(translate_fn, pairs, ambiguous=()):
-    """How translate_fn (pinyin list -> hanzi list) does on the pairs: exact-match
-    accuracy; character accuracy, where a missing or extra character counts as
-    wrong (right / max(len(expected), len(predicted)) summed over sentences); and
-    accuracy on the characters whose syllable is in `ambiguous`."""
+    """translate_fn (pinyin list -> hanzi list) on the pairs: exact-match accuracy; character accuracy, right /
+    max(len(expected), len(predicted)) summed over sentences; and that on characters of `ambiguous` syllables."""
     check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     check_list("ambiguous", ambiguous, "syllables")  # "shi" would hold "s", "h", "hi"...
     if not pairs:
@@ -1346,16 +1257,13 @@ def evaluate(translate_fn, pairs, ambiguous=()):
 # ===========================================================================
 # 15. The KV cache, measured (键值缓存实测)
 # ===========================================================================
-# Without a cache, generating token t reruns the whole prefix: t tokens through
-# every layer, so n tokens cost about n^2 / 2 token-passes. With the KVCache of
-# section 3 each step runs one token and reads the earlier keys and values:
-# n token-passes, plus attention over a growing cache. Same tokens, less work.
-# A GPU runs asynchronously: a call returns once its work is queued, so a clock
-# read right after it times the queueing. Every timing waits for the device first.
+# Without a cache, generating token t reruns the whole prefix, so n tokens cost about n^2 / 2
+# token-passes; with section 3's KVCache, n, plus attention over a growing cache. Here the two
+# are timed: same tokens, less work. A GPU runs asynchronously: a call returns once its work is
+# queued, so a clock read right after it times the queueing; every timing waits for the device.
 
 def synchronize(device):
-    """Wait until the device has finished all the work queued on it (CUDA, MPS;
-    a CPU computes before returning, so there is nothing to wait for)."""
+    """Wait until the device has finished its queued work (CUDA, MPS; a CPU computes before returning)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":
@@ -1377,12 +1285,11 @@ def time_generation(model, prompt, max_new_tokens):
 # ===========================================================================
 # 16. The GPT on the task (仅解码器模型做同一任务)
 # ===========================================================================
-# A decoder-only model, the GPT of section 9 (and every decoder of the later parts),
-# has no encoder to read the pinyin, so the pinyin goes in front as a prompt:
-# "wo ai xue xi <sep> 我 爱 学 习 <eos>", one sequence. It learns to continue
-# after <sep>; the prompt itself is given, not predicted, so its positions are
-# left out of the loss (target = pad, ignore_index). It answers through the
-# same beam_search and masks as the encoder-decoder (section 14).
+# A decoder-only model, the GPT of section 9 (and every decoder of the later parts), has no
+# encoder to read the pinyin, so the pinyin goes in front as a prompt, one sequence:
+# "wo ai xue xi <sep> 我 爱 学 习 <eos>". It learns to continue after <sep>; the prompt itself is
+# given, not predicted, so its positions are left out of the loss (target = pad, ignore_index).
+# It answers through the same beam_search and masks as the encoder-decoder (section 14).
 
 SEP = "<sep>"
 
@@ -1394,8 +1301,7 @@ def build_gpt_vocab(pairs):
 
 
 class PromptDataset(torch.utils.data.Dataset):
-    """Items (input ids, target): pinyin <sep> hanzi <eos> shifted by one, the
-    target padded over the prompt so that only the hanzi part is learned."""
+    """Items (input ids, target): pinyin <sep> hanzi <eos> shifted by one, the target padded over the prompt."""
 
     def __init__(self, pairs, vocab):
         check_list("pairs", pairs, "(pinyin, hanzi) pairs")
@@ -1414,10 +1320,8 @@ class PromptDataset(torch.utils.data.Dataset):
 
 
 def gpt_translate(model, sentences, vocab, readings=None, beam_size=1, batch_size=256):
-    """Pinyin strings -> hanzi with a decoder-only model: its continuation of the
-    prompt "pinyin <sep>", constrained and searched as translate() does. Sentences
-    of one length share a batch (of batch_size // beam_size at most), so no prompt
-    needs padding."""
+    """Pinyin strings -> hanzi, a decoder-only model's continuation of "pinyin <sep>", constrained and searched
+    as translate() does; sentences of one length share a batch (batch_size // beam_size at most): no padding."""
     check_list("sentences", sentences, "pinyin strings")
     check(beam_size=beam_size, batch_size=batch_size)
     device = next(model.parameters()).device
@@ -1439,8 +1343,7 @@ def gpt_translate(model, sentences, vocab, readings=None, beam_size=1, batch_siz
 
 
 def translator(kind, model, src_vocab, tgt_vocab, readings=None, beam_size=1):
-    """pinyin list -> hanzi list with the encoder-decoder ("encdec") or a
-    decoder-only model (any other kind)."""
+    """pinyin list -> hanzi list with the encoder-decoder ("encdec") or a decoder-only model (any other kind)."""
     if kind == "encdec":
         return lambda sentences: translate(model, sentences, src_vocab, tgt_vocab, readings, beam_size)
     return lambda sentences: gpt_translate(model, sentences, tgt_vocab, readings, beam_size)
@@ -1448,12 +1351,10 @@ def translator(kind, model, src_vocab, tgt_vocab, readings=None, beam_size=1):
 
 @torch.no_grad()
 def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, batch_size=256):
-    """Exact match of greedy decoding (constrained by readings, if given) in one
-    forward pass. Greedy writes the right sentence exactly when, fed the right
-    prefix, the model's top allowed choice is right at every step: that is what
-    one teacher-forced pass checks, at every step at once. Used after each
-    training epoch: it is the same number as decoding, at a fraction of the cost.
-    batch_size sentences a pass: all held-out logits [B, T, V] at once could be gigabytes."""
+    """Exact match of greedy decoding (constrained by readings, if given) in one forward pass: greedy writes the
+    right sentence exactly when, fed the right prefix, the model's top allowed choice is right at every step,
+    which one teacher-forced pass checks at all steps at once (the same number as decoding, at a fraction of the
+    cost). batch_size sentences a pass: all held-out logits [B, T, V] at once could be gigabytes."""
     check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     longest = max((len(pinyin.split()) for pinyin, _ in pairs), default=0)
     batch_size = rows_per_batch(batch_size, 2 * longest + 2, len(tgt_vocab))
@@ -1481,10 +1382,8 @@ def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=N
     return right.all(dim=1).sum().item() / len(pairs)                     # [B] -> sentences all right / B
 
 
-# Both models of Part I on the task, each by a recipe: small enough to train in seconds on
-# two CPU cores. Chosen by measurement: two epochs, after which greedy decoding alone (the
-# epoch lines' held-out accuracy) is at 97.9-100% and the demo's beam of 4 at 99.2-100% on
-# seeds 0, 1 and 2; batches of 32 (more updates for the same work), a short warmup, no
+# Both models of Part I on the task, each by a recipe small enough to train in seconds on two
+# CPU cores: two epochs, batches of 32 (more updates for the same work), a short warmup, no
 # dropout (the data has no noise to overfit to in 2 epochs). Later parts add their models.
 TOY_MODELS = {
     "encdec": dict(name="encoder-decoder", model=Transformer, epochs=2, lr_factor=0.25, warmup=50, batch_size=32,
@@ -1495,8 +1394,7 @@ TOY_MODELS = {
 
 
 def train_toy_model(kind, train_pairs, test_pairs, device="cpu", epochs=None, seed=0, log=print, recipes=None):
-    """Build the model of recipe (recipes or TOY_MODELS)[kind] for the data and train it, the
-    held-out accuracy after each epoch; -> (model, src_vocab, tgt_vocab, train's result)."""
+    """Build and train (recipes or TOY_MODELS)[kind] on the data -> (model, src_vocab, tgt_vocab, train's result)."""
     check_list("train_pairs", train_pairs, "(pinyin, hanzi) pairs")
     check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
     spec = (recipes or TOY_MODELS)[kind]
@@ -1526,9 +1424,8 @@ def train_toy_model(kind, train_pairs, test_pairs, device="cpu", epochs=None, se
 # ===========================================================================
 # 17. The attention heatmap (注意力热力图)
 # ===========================================================================
-# Which syllables did each character read? The last decoder layer's
-# cross-attention weights [H, T, S], averaged over heads or for one head, drawn
-# as shades in the terminal: no plotting library needed.
+# Which syllables did each character read? The last decoder layer's cross-attention [H, T, S],
+# averaged over heads or for one head, drawn as shades in the terminal: no plotting library needed.
 
 SHADES = " ░▒▓█"
 
@@ -1552,10 +1449,9 @@ def render_heatmap(weights, col_labels, row_labels):
 
 @torch.no_grad()
 def cross_attention_map(model, src, out, head=None):
-    """src [1, S] and the decoded out [1, T] -> the last decoder layer's
-    cross-attention [T, S]: row t is what the query predicting out[t] read. The
-    weights are section 2's, caught by an attend() set on that one module for the
-    call (an instance attribute shadows the class's method, the fused one too)."""
+    """src [1, S] and the decoded out [1, T] -> the last decoder layer's cross-attention [T, S], row t
+    what the query predicting out[t] read: section 2's weights, caught by an attend() set on that one
+    module for the call (an instance attribute shadows the class's method, the fused one too)."""
     tgt = torch.cat([torch.full_like(out[:, :1], Vocab.BOS), out[:, :-1]], dim=1)  # [1, T]
     attn, seen = model.decoder_layers[-1].cross_attn, []
 
@@ -1573,26 +1469,38 @@ def cross_attention_map(model, src, out, head=None):
     return seen[0].mean(dim=0) if head is None else seen[0][head]          # [T, S]
 
 
+def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head=None, readings=None):
+    """Print the encoder-decoder's cross-attention on the held-out sentence of most ambiguous syllables (<= 8)."""
+    check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
+    pinyin, _ = max((p for p in test_pairs if len(p[0].split()) <= min(8, model.max_len - 2)),
+                    key=lambda p: sum(s in ambiguous for s in p[0].split()), default=test_pairs[0])
+    device = next(model.parameters()).device
+    src = torch.tensor([src_vocab.encode(pinyin.split())], device=device)  # [1, S]
+    allowed = answer_masks([pinyin.split()], tgt_vocab, readings).to(device)  # [1, S+1, V]
+    out = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1, allowed=allowed)  # [1, <= S+1]
+    chars = tgt_vocab.decode(out[0].tolist())
+    weights = cross_attention_map(model, src, out[:, :max(1, len(chars))], head)  # [T, S]
+    which = "averaged over heads" if head is None else f"head {head}"
+    print(f"\ncross-attention of the last decoder layer, {which}: {pinyin} -> {''.join(chars)}")
+    print(render_heatmap(weights, pinyin.split(), chars))
+
+
 # ===========================================================================
 # Part III: the modern decoder, Llama-style (第三部分：现代解码器)
 # ===========================================================================
-# Since 2017 the decoder-only block has changed in four places. Llama (Touvron et
-# al., 2023) put three together: RMSNorm instead of LayerNorm, rotary position
-# embedding (RoPE) turning q and k instead of a position table added to the input,
-# and SwiGLU instead of ReLU or GELU in the feed-forward. The fourth, grouped-query
-# attention (fewer key/value heads, a smaller KV cache), came with Llama 2 in its
-# 34B and 70B models only (Llama-2-7B keeps 32 kv heads for 32 query heads) and is
-# in every Llama 3. Still pre-norm; no biases, no dropout. Each piece is checked
-# against PyTorch's own where one exists, against its closed form where none does.
-
+# Since 2017 the decoder-only block has changed in four places. Llama (Touvron et al., 2023)
+# put three together: RMSNorm instead of LayerNorm, rotary position embedding (RoPE) turning
+# q and k instead of a position table, SwiGLU instead of ReLU or GELU. The fourth,
+# grouped-query attention (fewer key/value heads, a smaller KV cache), came with Llama 2 in
+# its 34B and 70B models only (Llama-2-7B keeps 32 kv heads for 32 query heads) and is in
+# every Llama 3. Still pre-norm; no biases, no dropout.
 # ===========================================================================
 # 18. RMSNorm (均方根归一化)
 # ===========================================================================
-# LayerNorm without the mean and without the bias: divide each position by the
-# root mean square of its D features, then rescale. Skipping the mean is cheaper. That
-# re-centering adds little and the rescaling invariance is what helps is the paper's
-# hypothesis, borne out in its experiments, not proved (Zhang & Sennrich, 2019, "Root
-# Mean Square Layer Normalization": "we hypothesize ...").
+# LayerNorm without the mean and the bias: divide each position by the root mean square of its
+# D features, then rescale; cheaper. That re-centering adds little is the paper's hypothesis,
+# borne out in its experiments, not proved (Zhang & Sennrich, 2019, "Root Mean Square Layer
+# Normalization").
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, over the last dimension."""
@@ -1603,17 +1511,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model))                    # [D]
 
     def forward(self, x):
-        # in float32 (a mean of D squares in bfloat16, bf16: float32's range with 8 significant
-        # bits, loses digits), cast back to x's dtype, THEN scale: Llama's order,
-        # self._norm(x.float()).type_as(x) * self.weight
+        # in float32 (a mean of D squares in bf16, 8 significant bits, loses digits), cast back,
+        # THEN scale: Llama's order; eps inside the root, as in LayerNorm (it matters where x is tiny)
         x32 = x.float()                                                    # [B, T, D]
-        # eps inside the square root, as in LayerNorm: it matters where x is tiny
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # [B, T, D]
         return normed.type_as(x) * self.weight                             # [B, T, D]
 
 # Try it:
-#   >>> norm = RMSNorm(8)
-#   >>> y = norm(3 * torch.randn(2, 3, 8))                                 # [2, 3, 8]
+#   >>> y = RMSNorm(8)(3 * torch.randn(2, 3, 8))                           # [2, 3, 8]
 #   >>> y.shape, round(y.pow(2).mean(dim=-1).max().item(), 3)              # every position now has rms 1
 #   (torch.Size([2, 3, 8]), 1.0)
 
@@ -1621,19 +1526,24 @@ class RMSNorm(nn.Module):
 # ===========================================================================
 # 19. Rotary position embedding, RoPE (旋转位置编码)
 # ===========================================================================
-# RoPE (Su et al., 2021, "RoFormer") marks a position by turning q and k, not by
-# adding a vector to the input. Each pair of a head's dims is a point in a plane,
-# turned by the angle pos * theta_i. With q at position m turned by m * theta and
-# k at n by n * theta, q . k depends only on m - n: relative position, no table.
+# RoPE (Su et al., 2021, "RoFormer") marks a position by turning q and k, not by adding a
+# vector to the input. Each pair of a head's dims is a point in a plane, turned by the angle
+# pos * theta_i: with q at m and k at n, q . k depends only on m - n. Only q and k are turned,
+# never v: the position shapes WHERE a query looks (the scores); v is the content read.
 
-ARGUMENTS.update(head_dim=(int, 1, MAX_SIZE, "or None"), theta=(float, 1.0, 1e30), rope_theta=(float, 1.0, 1e30))
-RELATIONS["even head_dim"] = (("head_dim",), lambda d: d is not None and d % 2 == 0,
-                              "RoPE turns pairs of dims: head_dim must be even")
+ARGUMENTS.update(head_dim=(int, 1, MAX_SIZE, "or None"), theta=(float, 1.0, 1e30), rope_theta=(float, 1.0, 1e30),
+                 shapes=(dict,))  # shapes: {name: a tensor's shape}, for the rules that tie tensors together
+RELATIONS.update({
+    "even head_dim": (("head_dim",), lambda d: d is not None and d % 2 == 0,
+                      "RoPE turns pairs of dims: head_dim must be even"),
+    "cos and sin fit x": (("shapes",), lambda s: s["cos"] == s["sin"] == s["x"][-2:],  # [1, dk] would broadcast
+                          "cos and sin must be [T, dk], the last two dims of x"),
+})
 
 
 def rope_frequencies(head_dim, theta=10000.0):
-    """[dk/2]: pair i turns theta^(-2i/dk) radians per position, the first pairs fast, the last slowly."""
-    # float32 even for a bf16 model: bf16's 8 significant bits round 1001 to 1000
+    """[dk/2]: pair i turns theta^(-2i/dk) radians per position, the first pairs fast, the last slowly;
+    float32 even for a bf16 model, whose 8 significant bits round position 1001 to 1000."""
     return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # [dk/2]
 
 
@@ -1654,23 +1564,20 @@ def rotate_half(x):
 
 def apply_rope(x, cos, sin):
     """Turn each pair (x[i], x[i + dk/2]) of x [B, H, T, dk] by its angle; cos, sin [T, dk]."""
+    check("cos and sin fit x", shapes=dict(x=x.shape, cos=cos.shape, sin=sin.shape))
     # per pair (a, b): (a cos - b sin, b cos + a sin), a 2-D rotation. R(m)q . R(n)k =
     # q . R(n - m)k, since a rotation's transpose is its inverse: only m - n is left
     return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)          # [B, H, T, dk]
 
-# Only q and k are turned, never v: the position must shape WHERE a query looks
-# (the scores), while v carries the content that is read; a turned v would turn the
-# output by the key's position. Meta's original code pairs neighbours (x[2i],
-# x[2i+1]) as complex numbers (precompute_freqs_cis, view_as_complex); Hugging
-# Face's, used here, pairs x[i] with x[i + dk/2]. They are the same model after a
-# fixed permutation of the rows of w_q and w_k within each head, which is what HF's
-# conversion script does; so a checkpoint must be used with the convention it was
-# converted for. The other one raises no error: it just attends to the wrong places.
+# Meta's code pairs neighbours (x[2i], x[2i+1]) as complex numbers (precompute_freqs_cis);
+# Hugging Face's, used here, pairs x[i] with x[i + dk/2]: the same model after a fixed
+# permutation of the rows of w_q and w_k within each head, which HF's conversion applies. A
+# checkpoint read with the other convention raises no error: it attends to the wrong places.
 #
 # Try it:
 #   >>> cos, sin = rope_cos_sin(head_dim=8, max_len=16)                    # [16, 8] each
-#   >>> q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)            # one query, one key
-#   >>> rq, rk = apply_rope(q, cos, sin)[0, 0], apply_rope(k, cos, sin)[0, 0]  # [16, 8]: at every position
+#   >>> q, k = torch.randn(2, 1, 8).expand(2, 16, 8)                       # one query, one key, 16 times
+#   >>> rq, rk = apply_rope(q, cos, sin), apply_rope(k, cos, sin)          # [16, 8] each: at every position
 #   >>> scores = rq @ rk.T                                                 # [16, 16]: q at m, k at n
 #   >>> torch.allclose(scores[3, 1], scores[12, 10], atol=1e-5)            # same m - n, same score
 #   True
@@ -1679,18 +1586,19 @@ def apply_rope(x, cos, sin):
 # ===========================================================================
 # 20. SwiGLU feed-forward (SwiGLU 前馈网络)
 # ===========================================================================
-# A gated feed-forward (Shazeer, 2020, "GLU Variants Improve Transformer"): one
-# projection, through SiLU (x * sigmoid(x), a smooth ReLU like section 4's GELU),
-# opens or closes each channel of another. Three
-# matrices instead of two, so the width is 2/3 of 4 D: 3 * D * 8D/3 = 2 * D * 4D,
-# the parameters and FLOPs of the classic feed-forward.
+# A gated feed-forward (Shazeer, 2020, "GLU Variants Improve Transformer"): one projection,
+# through SiLU (x * sigmoid(x), a smooth ReLU like GELU), opens or closes each channel of
+# another. Three matrices, so the width is 2/3 of 4 D: 3 * D * 8D/3 = 2 * D * 4D, the
+# parameters and FLOPs of the classic feed-forward.
+
+ARGUMENTS.update(multiple_of=(int, 1, MAX_SIZE), ffn_dim_multiplier=(float, 1e-30, 1e30, "or None"))
+
 
 def llama_ffn_dim(d_model, multiple_of=256, ffn_dim_multiplier=None):
     """Llama's Dff: 2/3 of 4 D, optionally scaled, rounded UP to a multiple of multiple_of."""
-    hidden = int(2 * 4 * d_model / 3)
-    if ffn_dim_multiplier is not None:
-        hidden = int(ffn_dim_multiplier * hidden)
-    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+    check(d_model=d_model, multiple_of=multiple_of, ffn_dim_multiplier=ffn_dim_multiplier)
+    hidden = int((ffn_dim_multiplier or 1) * int(2 * 4 * d_model / 3))
+    return multiple_of * max(1, -(-hidden // multiple_of))                 # ceil, and never 0
 
 
 class SwiGLU(nn.Module):
@@ -1717,15 +1625,20 @@ class SwiGLU(nn.Module):
 # ===========================================================================
 # 21. Grouped-query attention (分组查询注意力)
 # ===========================================================================
-# Generating, every layer keeps keys and values for every token, and for long or
-# many sequences that cache outgrows the weights: Llama-2-7B in bf16 has 13.5 GB of
-# weights and caches 512 KiB a token (section 23), so past about 25,700 cached
-# tokens (batch x length) the cache is the larger. GQA (Ainslie et al., 2023) lets groups of
-# query heads share one key/value head: n_kv_heads = n_heads is plain multi-head
-# attention, 1 is multi-query attention (MQA), anything between trades the two.
+# Generating, every layer keeps keys and values for every token, and for long or many
+# sequences that cache outgrows the weights: Llama-2-7B in bf16 has 13.5 GB of weights and
+# caches 512 KiB a token (section 23), the larger past about 25,700 cached tokens (batch x
+# length). GQA (Ainslie et al., 2023) lets groups of query heads share a key/value head:
+# n_kv_heads = n_heads is multi-head attention, 1 multi-query attention (MQA).
+
+ARGUMENTS.update(n_kv_heads=(int, 1, MAX_SIZE, "or None"), qkv_bias=(bool,), bias=(bool,), n_rep=(int, 1, MAX_SIZE))
+RELATIONS["kv heads divide heads"] = (("n_heads", "n_kv_heads"), lambda h, hkv: hkv is not None and h % hkv == 0,
+                                      "n_heads must be divisible by n_kv_heads")
+
 
 def repeat_kv(x, n_rep):
     """[B, Hkv, T, dk] -> [B, Hkv * n_rep, T, dk]: query head h reads kv head h // n_rep."""
+    check(n_rep=n_rep)
     if n_rep == 1:
         return x
     B, Hkv, T, dk = x.shape
@@ -1734,14 +1647,8 @@ def repeat_kv(x, n_rep):
     return x[:, :, None].expand(B, Hkv, n_rep, T, dk).reshape(B, Hkv * n_rep, T, dk)  # [B, H, T, dk]
 
 
-ARGUMENTS.update(n_kv_heads=(int, 1, MAX_SIZE, "or None"), qkv_bias=(bool,), bias=(bool,))
-RELATIONS["kv heads divide heads"] = (("n_heads", "n_kv_heads"), lambda h, hkv: h % hkv == 0,
-                                      "n_heads must be divisible by n_kv_heads")
-
-
 class GroupedQueryAttention(nn.Module):
-    """n_heads query heads in groups of n_heads // n_kv_heads, each group sharing a
-    key/value head; bias on q, k, v only (as Qwen2), never on w_o."""
+    """n_heads query heads, in groups of n_heads // n_kv_heads sharing a key/value head; bias on q, k, v, not w_o."""
 
     def __init__(self, d_model, n_heads, n_kv_heads, bias=False):
         super().__init__()
@@ -1754,8 +1661,7 @@ class GroupedQueryAttention(nn.Module):
         self.w_o = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
 
     def forward(self, x, cos, sin, mask=None, cache=None):
-        """x [B, Tn, D]; cos, sin [Tn, dk] at the new tokens' absolute positions; mask
-        [1, 1, Tn, t + Tn]; cache: a KVCache of the earlier tokens' keys and values."""
+        """x [B, Tn, D]; cos, sin [Tn, dk] at the new tokens' positions; mask [1, 1, Tn, t + Tn]; cache a KVCache."""
         B, Tn, _ = x.shape
         q, k, v = self.project(x)                                          # [B, H|Hkv, Tn, dk]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)            # [B, H, Tn, dk], [B, Hkv, Tn, dk]
@@ -1767,8 +1673,7 @@ class GroupedQueryAttention(nn.Module):
         return self.w_o(out.transpose(1, 2).reshape(B, Tn, -1))            # [B, Tn, D]
 
     def project(self, x):
-        """x [B, Tn, D] -> q [B, H, Tn, dk], k and v [B, Hkv, Tn, dk]: view, then transpose
-        (as split_heads of section 3), each with its own head count."""
+        """x [B, Tn, D] -> q [B, H, Tn, dk], k and v [B, Hkv, Tn, dk]: view, then transpose (section 3)."""
         B, Tn, _ = x.shape
         q = self.w_q(x).view(B, Tn, self.n_heads, self.head_dim).transpose(1, 2)     # [B, H, Tn, dk]
         k = self.w_k(x).view(B, Tn, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, Tn, dk]
@@ -1793,14 +1698,12 @@ class GroupedQueryAttention(nn.Module):
 # ===========================================================================
 # 22. The Llama block and model (Llama 模型)
 # ===========================================================================
-# The GPT of section 9 with the pieces above: pre-norm blocks of RMSNorm, GQA with
-# RoPE and SwiGLU, a final RMSNorm and lm_head. Positions enter only through RoPE
-# inside attention: no position table, and no sqrt(D) on the embeddings (it sized
-# them against the sinusoidal table; there is none). No dropout, as in Llama.
+# Section 9's GPT with the pieces above, pre-norm, no dropout. Positions enter only through
+# RoPE inside attention: no position table, and no sqrt(D) on the embeddings (it sized them
+# against the sinusoidal table). A forward that fails leaves every cache as it was.
 
 class LlamaBlock(nn.Module):
-    """x + attn(attn_norm(x)), then x + ffn(ffn_norm(x)), around the attention and the
-    feed-forward it is given (GQA and SwiGLU in Llama)."""
+    """x + attn(attn_norm(x)), then x + ffn(ffn_norm(x)), for the attention and feed-forward given."""
 
     def __init__(self, d_model, attn, ffn, norm_eps=1e-6):
         super().__init__()
@@ -1813,25 +1716,26 @@ class LlamaBlock(nn.Module):
         return x + self.ffn(self.ffn_norm(x))                              # [B, Tn, D]
 
 
-ARGUMENTS.update(norm_eps=(float, torch.finfo(torch.float32).tiny, 1.0))  # > 0 in float32: 0 / sqrt(0) is NaN
+ARGUMENTS.update(norm_eps=(float, torch.finfo(torch.float32).tiny, 1.0),  # > 0 in float32: 0 / sqrt(0) is NaN
+                 cache=(object,), cache_kind=(type,))
+RELATIONS["a cache a layer"] = (("cache", "n_layers", "cache_kind"), lambda c, n, kind: c is None or isinstance(
+    c, (list, tuple)) and len(c) == n and all(isinstance(x, kind) for x in c) and len({len(x) for x in c}) == 1,
+    "cache must be None or what new_cache() gives: a list of n_layers caches of cache_kind, all as long")
 
 
 class Llama(nn.Module):
-    """Token embedding, N Llama blocks, a final RMSNorm, lm_head. n_kv_heads None means
-    n_heads (plain MHA), d_ff None means llama_ffn_dim(d_model). Each block's attention
-    and feed-forward come from the methods attention() and feed_forward(), its RoPE tables
-    from rope_tables(): a model family that differs there (Parts IV and V) overrides
-    them, and its constructor records its own keywords in config."""
+    """Token embedding, N Llama blocks, a final RMSNorm, lm_head; n_kv_heads None means n_heads
+    (plain MHA), d_ff None llama_ffn_dim(d_model). A family (Parts IV, V) overrides what differs,
+    attention(), feed_forward(), rope_tables() or cache_kind, and records its keywords in config."""
+    cache_kind = KVCache
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False):
         super().__init__()
-        check(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-              d_ff=d_ff, max_len=max_len, rope_theta=rope_theta, norm_eps=norm_eps, tie_weights=tie_weights,
-              qkv_bias=qkv_bias)
         self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                            n_kv_heads=n_kv_heads, d_ff=d_ff, max_len=max_len, rope_theta=rope_theta,
                            norm_eps=norm_eps, tie_weights=tie_weights, qkv_bias=qkv_bias)  # for checkpoints
+        check(**self.config)
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
@@ -1842,13 +1746,11 @@ class Llama(nn.Module):
         self.final_norm = RMSNorm(d_model, norm_eps)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         cos, sin = self.rope_tables(max_len, rope_theta)                   # [max_len, dk] each
-        # buffers follow .to(device); not persistent: recomputed from the config, so the
-        # state_dict holds only weights
+        # buffers follow .to(device); not persistent: recomputed, the state_dict holds only weights
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        # N(0, 0.02), Hugging Face's initializer_range: near-uniform first predictions, and
-        # the RMSNorms set the scale (trunc_normal_, as Hugging Face's: its cut at +-2 is
-        # 100 std out, so a plain normal)
+        # N(0, 0.02), Hugging Face's initializer_range (trunc_normal_ as theirs: its cut at +-2 is 100
+        # std out): near-uniform first predictions, and the RMSNorms set the scale
         for module in self.modules():
             if isinstance(module, (nn.Embedding, nn.Linear)):
                 nn.init.trunc_normal_(module.weight, std=0.02)
@@ -1862,8 +1764,7 @@ class Llama(nn.Module):
         return GroupedQueryAttention(d_model, n_heads, n_kv_heads, qkv_bias)
 
     def feed_forward(self, i, d_model, d_ff):
-        """Block i's feed-forward: SwiGLU (section 20) in every block (section 27's model
-        makes only its first blocks dense)."""
+        """Block i's feed-forward: SwiGLU (section 20); i lets a family make only its first blocks dense."""
         return SwiGLU(d_model, d_ff)
 
     def rope_tables(self, max_len, theta):
@@ -1871,13 +1772,13 @@ class Llama(nn.Module):
         return rope_cos_sin(self.layers[0].attn.head_dim, max_len, theta)  # [max_len, dk] each
 
     def new_cache(self):
-        """An empty KV cache for forward: one KVCache per layer, each [B, Hkv, t, dk] once filled."""
-        return [KVCache() for _ in self.layers]
+        """An empty cache for forward: one cache_kind() a layer."""
+        return [self.cache_kind() for _ in self.layers]                    # [B, Hkv, t, dk] each once filled
 
     def forward(self, input_ids, cache=None):
-        """input_ids [B, T] -> logits [B, T, V]. With a cache (new_cache()), only the
-        tokens not yet cached are run: logits [B, T - past, V]."""
+        """input_ids [B, T] -> logits [B, T, V]; with a cache, only the tokens not yet cached: [B, T - past, V]."""
         check_ids("input_ids", input_ids, self.vocab_size, self.max_len)
+        check("a cache a layer", cache=cache, n_layers=len(self.layers), cache_kind=self.cache_kind)
         past = len(cache[0]) if cache else 0                               # tokens already cached
         if past >= input_ids.size(1):
             raise ValueError(f"input_ids holds {input_ids.size(1)} tokens and the cache {past} already:"
@@ -1887,8 +1788,14 @@ class Llama(nn.Module):
         # the new tokens' absolute positions are past..T-1: their angles, not 0..Tn-1
         cos, sin = self.cos[past:input_ids.size(1)], self.sin[past:input_ids.size(1)]  # [Tn, dk] each
         x = self.token_embedding(new)                                      # [B, Tn, D]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache[i] if cache else None)      # [B, Tn, D]
+        saved = [dict(vars(c)) for c in cache or []]                       # each cache's state
+        try:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, mask, cache[i] if cache else None)  # [B, Tn, D]
+        except BaseException:  # all or nothing: else layer 0 keeps tokens that layer 1 never saw
+            for c, state in zip(cache or [], saved):
+                c.__dict__ = state
+            raise
         return self.lm_head(self.final_norm(x))                            # [B, Tn, V]
 
     def generate(self, input_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None, generator=None,
@@ -1900,17 +1807,13 @@ class Llama(nn.Module):
 # Try it:
 #   >>> model = Llama(vocab_size=100, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_len=32)
 #   >>> ids = torch.randint(0, 100, (1, 10))                               # [1, 10]
-#   >>> full = model(ids)                                                  # [1, 10, 100]
-#   >>> cache = model.new_cache()
+#   >>> full, cache = model(ids), model.new_cache()                        # [1, 10, 100], empty
 #   >>> steps = [model(ids[:, :6], cache)] + [model(ids[:, :t], cache) for t in range(7, 11)]
 #   >>> torch.allclose(full, torch.cat(steps, dim=1), atol=1e-5)           # prompt of 6, then 1 a step
 #   True
-#   >>> model.generate(ids[:, :3], max_new_tokens=5).shape
-#   torch.Size([1, 8])
 
 
-# The Llama on the toy task of Part II, by the GPT's recipe (section 16): two blocks of GQA
-# with RoPE and SwiGLU learn it as fast.
+# The Llama on the toy task of Part II, by the GPT's recipe (section 16).
 TOY_MODELS["llama"] = dict(name="Llama-style", model=Llama, epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
                            config=dict(d_model=64, n_heads=4, n_kv_heads=2, d_ff=256, n_layers=2))
 
@@ -1918,10 +1821,14 @@ TOY_MODELS["llama"] = dict(name="Llama-style", model=Llama, epochs=2, lr_factor=
 # ===========================================================================
 # 23. Counting a modern model: parameters and KV-cache memory (参数量与 KV 缓存显存)
 # ===========================================================================
-# The same check as section 10, on published models: the formula, the count of a
-# model built on the meta device (shapes only, no memory) and the published total
-# must agree to the last parameter. Then the memory that decides how many tokens
-# fit on a GPU: the KV cache.
+# Section 10's check on published models: the formula (with its class's argument rules), the
+# count of the model built on the meta device (shapes only, no memory) and the published total
+# agree to the last parameter. Then what decides how many tokens fit on a GPU: the KV cache.
+
+ARGUMENTS.update(bytes_per_value=(int, 1, MAX_SIZE))
+RELATIONS["cache widths given"] = (("n_kv_heads", "head_dim"), lambda h, d: None not in (h, d),
+                                  "n_kv_heads and head_dim must be integers >= 1")
+
 
 def gqa_params(d_model, n_heads, n_kv_heads, head_dim, bias):
     """w_q and w_o (H * dk wide), w_k and w_v (Hkv * dk wide), and the q, k, v biases."""
@@ -1930,31 +1837,32 @@ def gqa_params(d_model, n_heads, n_kv_heads, head_dim, bias):
 
 
 def decoder_params(vocab_size, d_model, n_layers, attention, ffn, tie_weights):
-    """A Llama-style stack around one block's attention and ffn parameters: token_embedding
-    and lm_head, per block the two plus two RMSNorms, then final_norm."""
+    """A Llama-style stack: token_embedding, lm_head, per block attention, ffn and two RMSNorms, final_norm."""
     return vocab_size * d_model * (1 if tie_weights else 2) + n_layers * (attention + ffn + 2 * d_model) + d_model
 
 
 def llama_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                         rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False):
-    """Closed form of count_parameters(Llama(...)), same keywords (max_len, rope_theta and
+    """Closed form of count_parameters(Llama(...)), same keywords and rules (max_len, rope_theta and
     norm_eps hold no parameters)."""
+    n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+    check("heads divide d_model", "kv heads divide heads", **locals())     # every argument
+    check("even head_dim", head_dim=d_model // n_heads)
     d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
-    attention = gqa_params(d_model, n_heads, n_kv_heads or n_heads, d_model // n_heads, qkv_bias)
+    attention = gqa_params(d_model, n_heads, n_kv_heads, d_model // n_heads, qkv_bias)
     return decoder_params(vocab_size, d_model, n_layers, attention, 3 * d_model * d_ff, tie_weights)  # w1, w3, w2
 
 
 def kv_cache_bytes_per_token(n_layers, n_kv_heads, head_dim, bytes_per_value=2):
-    """Cache memory one token takes: K and V (the 2), in every layer, for every kv head.
-    bytes_per_value 2 for bf16 or fp16."""
+    """Cache memory one token takes: K and V (the 2), in every layer, for every kv head; 2 bytes a value in bf16."""
+    check("cache widths given", **locals())
     return 2 * n_layers * n_kv_heads * head_dim * bytes_per_value
 
-# Where a 7B model's parameters go (Llama-2-7B: V 32000, D 4096, Dff 11008, 32 layers):
-# embeddings and lm_head 2 V D = 262M (4%); per layer, attention 4 D^2 = 67M (full MHA)
-# and the feed-forward 3 D Dff = 135M (64% of the model over 32 layers), norms 2 D = 8192.
-# The cache per token in bf16: 2 * 32 layers * 32 heads * 128 * 2 bytes = 512 KiB for
-# Llama-2-7B, 4K tokens 2 GiB; Llama-3-8B's GQA, 8 kv heads for 32 query heads, cuts
-# it 4x to 128 KiB.
+# Where Llama-2-7B's parameters go (V 32000, D 4096, Dff 11008, 32 layers): embeddings and
+# lm_head 2 V D = 262M (4%); per layer, attention 4 D^2 = 67M (full MHA) and the
+# feed-forward 3 D Dff = 135M (64% of the model over 32 layers), norms 2 D = 8192. Its cache
+# per token in bf16: 2 * 32 layers * 32 heads * 128 * 2 bytes = 512 KiB, 4K tokens 2 GiB;
+# Llama-3-8B's GQA, 8 kv heads for 32 query heads, cuts it 4x to 128 KiB.
 
 # (name, Llama configuration, published total); max_len, theta and eps as released
 LLAMA_CONFIGS = [
@@ -1964,9 +1872,8 @@ LLAMA_CONFIGS = [
                         d_ff=14336, max_len=8192, rope_theta=500000.0, norm_eps=1e-5), 8_030_261_248),
     ("TinyLlama-1.1B", dict(vocab_size=32000, d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4,
                             d_ff=5632, max_len=2048, norm_eps=1e-5), 1_100_048_384),
-    ("Qwen2.5-0.5B", dict(vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2,
-                          d_ff=4864, max_len=32768, rope_theta=1000000.0, tie_weights=True,
-                          qkv_bias=True), 494_032_768),
+    ("Qwen2.5-0.5B", dict(vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2, d_ff=4864,
+                          max_len=32768, rope_theta=1000000.0, tie_weights=True, qkv_bias=True), 494_032_768),
 ]
 
 # Try it:
@@ -1983,39 +1890,30 @@ LLAMA_CONFIGS = [
 # ===========================================================================
 # Part IV: the frontier, mixture of experts and latent attention (第四部分：前沿)
 # ===========================================================================
-# What the large open models since late 2023 (Mixtral, Qwen3, DeepSeek-V3) add to
-# Part III's decoder: heads whose width is free of D / H and whose q and k are
-# normalized (Qwen3); a feed-forward split into many experts, of which each token runs
-# only a few (mixture of experts); and DeepSeek's multi-head latent attention, whose
-# cache is one small latent a token instead of every head's keys and values. Each
-# model family is written as transformers' modular files write it: a subclass of
-# Llama that swaps what differs (Qwen3 = Llama + QK-norm + a free head width;
-# Mixtral = Llama with a MoE feed-forward). Then the DeepSeek-V3-style model, and what
-# "671B parameters, 37B active" counts.
-
+# What the large open models since late 2023 add to Part III's decoder, each family a subclass
+# of Llama that swaps what differs (as transformers' modular files write them): free head
+# widths and normalized q and k (Qwen3); a feed-forward split into experts, of which a token
+# runs a few (Mixtral, Qwen3-MoE); DeepSeek's latent attention, whose cache is one small
+# latent a token. Then DeepSeek-V3, and what "671B parameters, 37B active" counts.
 # ===========================================================================
 # 24. QK-norm and free head widths: Qwen3 (QK 归一化与自由头宽)
 # ===========================================================================
-# Qwen3's attention differs from Llama's in two places. head_dim frees a head's width
-# from D / H: Qwen3-30B-A3B has D 2048 and 32 heads of 128, so w_q is 4096 wide, wider
-# than the model, and w_o brings H * dk back to D. QK-norm keeps the scores from
-# growing: q . k grows with the lengths of q and k, and once the logits are large the
-# softmax is one-hot and its gradient vanishes (Dehghani et al., 2023, "Scaling Vision
-# Transformers to 22 Billion Parameters", saw such logits diverge training and
-# normalized q and k). Qwen3 and Gemma 3 apply an RMSNorm over each head's dk dims, one
-# weight [dk] shared by all heads, to q and k BEFORE RoPE; OLMo 2 instead normalizes
-# the whole projection, over all H * dk dims, before splitting into heads. The order
-# matters once the norm's weight is learned: RoPE keeps the length of every pair it
-# turns, but a weight that scales dim i and not its partner gives a different vector
-# before the turn than after it (a test shows the two orders differ with a learned
-# weight and agree with a weight of ones).
+# Qwen3's attention differs from Llama's in two places. head_dim frees a head's width from
+# D / H (Qwen3-30B-A3B: D 2048, 32 heads of 128, so w_q is 4096 wide and w_o brings H * dk back
+# to D). QK-norm keeps the scores from growing with the lengths of q and k until the softmax is
+# one-hot and its gradient vanishes (Dehghani et al., 2023, "Scaling Vision Transformers to 22
+# Billion Parameters", saw such logits diverge training): Qwen3 and Gemma 3 apply an RMSNorm
+# over each head's dk dims (one weight [dk] for all heads) to q and k BEFORE RoPE; OLMo 2
+# normalizes all H * dk dims before splitting heads. The order matters once the weight is
+# learned: RoPE keeps each pair's length, a weight that scales dim i and not its partner does not.
 
 class QKNormAttention(GroupedQueryAttention):
     """GQA with heads head_dim wide and an RMSNorm on each head's q and k (q_norm, k_norm)."""
 
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, bias=False, norm_eps=1e-6):
         nn.Module.__init__(self)  # not GQA's __init__: it sizes the heads D / H
-        check("kv heads divide heads", d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
+        check("kv heads divide heads", d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+              bias=bias, norm_eps=norm_eps)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.w_q = nn.Linear(d_model, n_heads * head_dim, bias=bias)
         self.w_k = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
@@ -2046,10 +1944,13 @@ class Qwen3(Llama):
 
 def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                         rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None):
-    """Closed form of count_parameters(Qwen3(...)), same keywords: Llama's with heads head_dim
-    wide, plus q_norm and k_norm in every block."""
+    """Closed form of count_parameters(Qwen3(...)), same keywords and rules: Llama's with heads
+    head_dim wide, plus q_norm and k_norm in every block."""
+    n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+    check("kv heads divide heads", **locals())
     head_dim = d_model // n_heads if head_dim is None else head_dim
-    attention = gqa_params(d_model, n_heads, n_kv_heads or n_heads, head_dim, qkv_bias) + 2 * head_dim
+    check("even head_dim", head_dim=head_dim)
+    attention = gqa_params(d_model, n_heads, n_kv_heads, head_dim, qkv_bias) + 2 * head_dim
     d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
     return decoder_params(vocab_size, d_model, n_layers, attention, 3 * d_model * d_ff, tie_weights)
 
@@ -2065,25 +1966,19 @@ def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
 # ===========================================================================
 # 25. Mixture of experts: Mixtral, Qwen3-MoE, DeepSeek's router (混合专家)
 # ===========================================================================
-# A dense feed-forward runs all its weights on every token. A mixture of experts
-# (Shazeer et al., 2017; in Transformers GShard and Switch) holds E feed-forwards,
-# the experts, and a router that sends each token to top_k of them: E times the
-# parameters for about top_k times the compute. Mixtral-8x7B runs 2 of its 8
-# SwiGLU experts per token; DeepSeek-V3 8 of 256, plus one shared expert that every
-# token runs. Left alone, a router sends most tokens to a few experts, which then
-# learn more and are chosen more; balancing (a loss, or DeepSeek's bias) works against it.
-# How the reference implementations weigh the chosen experts:
-#   softmax (Mixtral, Qwen3-MoE): p = softmax(logits) over all E experts, keep the top_k,
-#     divide by their sum (norm_topk). That equals a softmax over the top_k logits alone;
-#     WITHOUT the renormalization (Qwen1.5-MoE's norm_topk_prob=False) it does not:
-#     top-k before or after the softmax is then a different model.
-#   sigmoid (DeepSeek-V3): s = sigmoid(logits), each expert scored on its own. The choice
-#     ranks s + router_bias, the weights use s alone: the bias, which balancing moves,
-#     must steer which experts run, never how much they count. With n_groups > 1 the
-#     experts form groups (V3: 8 groups of 32, the experts of one node each in its
-#     training), a group is scored by the sum of its two best, and only the
-#     topk_groups best (V3: 4) may be chosen from, so a token's experts sit on few
-#     nodes. Weights: the chosen s over their sum, times routed_scale (2.5 in V3).
+# A mixture of experts (Shazeer et al., 2017; in Transformers GShard and Switch) holds E
+# feed-forwards, the experts, and a router that sends each token to top_k of them: E times the
+# parameters for about top_k times the compute (Mixtral-8x7B: 2 of 8 SwiGLU experts a token;
+# DeepSeek-V3: 8 of 256, and a shared expert every token runs). Left alone, a router sends most
+# tokens to a few experts, which learn more and are chosen more; a loss or DeepSeek's bias
+# balances them. How the reference implementations weigh the chosen experts:
+#   softmax (Mixtral, Qwen3-MoE): p = softmax(logits) over all E, the top_k kept and divided by
+#     their sum (norm_topk): a softmax over the top_k logits; without that division
+#     (Qwen1.5-MoE), top-k before or after the softmax differ.
+#   sigmoid (DeepSeek-V3): s = sigmoid(logits); s + router_bias ranks, s alone weighs (the bias
+#     balancing moves steers which experts run, never how much they count), over their sum,
+#     times routed_scale (2.5). With n_groups > 1 (V3: 8 of 32, a node's experts each) only the
+#     topk_groups (V3: 4) groups whose two best score highest are chosen from: few nodes a token.
 
 ARGUMENTS.update(n_experts=(int, 1, MAX_SIZE), n_shared=(int, 0, MAX_SIZE), router=("one of", "softmax", "sigmoid"),
                  norm_topk=(bool,), n_groups=(int, 1, MAX_SIZE), topk_groups=(int, 1, MAX_SIZE),
@@ -2097,17 +1992,16 @@ RELATIONS.update({
                              "n_groups > 1 is DeepSeek-V3's group-limited routing: it needs router='sigmoid'"),
     "topk_groups <= n_groups": (("topk_groups", "n_groups"), lambda kg, g: kg <= g,
                                 "topk_groups must be at most n_groups"),
-    "enough experts in the groups": (("topk_groups", "n_groups", "n_experts", "top_k"), lambda kg, g, e, k:
-                                     kg * (e // g) >= k, "topk_groups groups of n_experts / n_groups experts"
-                                     " must hold at least top_k"),
+    "enough experts in the groups": (("topk_groups", "n_groups", "n_experts", "top_k"), lambda kg, g, e, k: kg * (
+        e // g) >= k, "topk_groups groups of n_experts / n_groups experts must hold at least top_k"),
+    "a score per expert": (("shapes",), lambda s: len(s["logits"]) == 2 and s["logits"][1:] == s["router_bias"],
+                           "logits must be [N, E], a score per expert"),
 })
 
 
 class MoE(nn.Module):
     """Each token's top_k experts, weighted, plus the shared expert on every token:
-    out = sum_{e chosen} w_e * experts[e](x) + shared(x). router: how the router scores
-    the experts, "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3, with
-    router_bias and groups)."""
+    out = sum_{e chosen} w_e * experts[e](x) + shared(x); router "softmax" or "sigmoid"."""
 
     def __init__(self, d_model, d_ff, n_experts, top_k, n_shared=0, router="softmax", norm_topk=True,
                  n_groups=1, topk_groups=1, routed_scale=1.0):
@@ -2128,10 +2022,8 @@ class MoE(nn.Module):
 
     def route(self, logits):
         """Router logits [N, E] (float32) -> chosen experts [N, k] and their weights [N, k]."""
-        if self.scoring == "softmax":
-            scores = logits.softmax(dim=-1)                                # [N, E]: p, each row sums to 1
-        else:
-            scores = logits.sigmoid()                                      # [N, E]: s, each in (0, 1)
+        check("a score per expert", shapes=dict(logits=logits.shape, router_bias=self.router_bias.shape))
+        scores = logits.softmax(dim=-1) if self.scoring == "softmax" else logits.sigmoid()  # [N, E]: p or s
         choice = scores + self.router_bias                                 # [N, E]: ranks; never weighs
         if self.n_groups > 1:
             grouped = choice.view(len(choice), self.n_groups, -1)          # [N, G, E/G]
@@ -2159,10 +2051,9 @@ class MoE(nn.Module):
         self.router_logits = logits                                        # [N, E], still in the graph
         self.tokens_per_expert = torch.bincount(chosen.flatten(), minlength=self.n_experts)  # [E]
         out = torch.zeros_like(flat)                                       # [N, D]
-        # each expert runs on the tokens routed to it, never on all N: gather them, compute,
-        # index_add the weighted rows back. Running every expert on every token and
-        # multiplying the unchosen by 0 gives the same numbers at E / top_k times the
-        # compute: exactly what a MoE exists to save
+        # each expert runs on the tokens routed to it, never on all N: gather, compute, index_add the
+        # weighted rows back. Every expert on every token, the unchosen times 0, gives the same
+        # numbers at E / top_k times the compute: what a MoE exists to save
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(chosen == e)                         # [n_e] each: which tokens, which of their k
             if len(token):
@@ -2174,12 +2065,10 @@ class MoE(nn.Module):
 
 
 def load_balancing_loss(router_logits, top_k):
-    """The Switch Transformer's auxiliary loss as Hugging Face's Mixtral computes it,
-    E * sum_e f_e * P_e from router logits [N, E]: f_e = top-k slots given to expert e / N, P_e = the mean
-    of softmax(logits)[:, e]. Exactly top_k when routing is uniform, larger when the
-    probability piles up where the tokens go. f_e is a count, without a gradient:
-    the loss pushes P_e down where f_e is high. Add it to the loss times a small
-    factor (Switch: 0.01)."""
+    """The Switch Transformer's auxiliary loss as HF's Mixtral computes it, E * sum_e f_e * P_e from router
+    logits [N, E]: f_e the top-k slots given to expert e / N, P_e the mean of softmax(logits)[:, e]. top_k
+    when routing is uniform, larger where the probability piles up; f_e is a count without gradient, so
+    the loss pushes P_e down where f_e is high. Add it to the loss times a small factor (Switch: 0.01)."""
     if router_logits.dim() != 2 or len(router_logits) == 0:
         raise ValueError(f"router_logits must be [N, E] with N >= 1 tokens, got shape {list(router_logits.shape)}")
     E = router_logits.size(-1)
@@ -2191,17 +2080,16 @@ def load_balancing_loss(router_logits, top_k):
     return E * (f * P).sum()                                               # []
 
 
-ARGUMENTS.update(rate=(float, 0.0, math.inf))
+ARGUMENTS.update(rate=(float, 0.0, FINITE), model=(nn.Module,), active=(bool,))
 
 
 @torch.no_grad()
 def update_router_bias(model, rate=1e-3):
-    """DeepSeek-V3's auxiliary-loss-free balancing, called after each optimizer step:
-    every sigmoid MoE in model moves router_bias by rate toward the mean load,
-    router_bias += rate * sign(mean load - its load), from its last forward's
-    tokens_per_expert (in training, padded positions count too). V3 trained with rate
-    0.001, and 0 for its last 500B tokens. -> the MoEs updated."""
-    check(rate=rate)
+    """DeepSeek-V3's auxiliary-loss-free balancing, after each optimizer step: every sigmoid MoE
+    in model does router_bias += rate * sign(mean load - its load), from its last forward's
+    tokens_per_expert (padded positions count too). V3 trained with rate 0.001, then 0 for its
+    last 500B tokens. -> the MoEs updated."""
+    check(model=model, rate=rate)
     updated = 0
     for module in model.modules():
         if isinstance(module, MoE) and module.scoring == "sigmoid" and module.tokens_per_expert is not None:
@@ -2210,13 +2098,12 @@ def update_router_bias(model, rate=1e-3):
             updated += 1
     return updated
 
-# The two MoE families: Llama or Qwen3 with every feed-forward a MoE of n_experts SwiGLUs
-# expert_d_ff wide (None: d_ff), top_k per token, softmax-routed. Mixtral renormalizes
-# its top 2; Qwen3-MoE's norm_topk chooses (its configs set True; Qwen1.5-MoE's False).
+# The two MoE families: Llama or Qwen3 with every feed-forward a softmax-routed MoE of
+# n_experts SwiGLUs expert_d_ff wide (None: d_ff); their formulas, their dense model's.
 
 class Mixtral(Llama):
-    """Mixtral = Llama with every feed-forward a MoE."""
-    norm_topk = True  # Mixtral divides its top_k weights by their sum
+    """Mixtral = Llama with every feed-forward a MoE, its top_k weights divided by their sum."""
+    norm_topk = True
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, n_experts=8, top_k=2,
@@ -2254,22 +2141,26 @@ def moe_params(d_model, expert_d_ff, n_experts, top_k, n_shared=0, active=False)
 def mixtral_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                           rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, n_experts=8,
                           top_k=2, expert_d_ff=None, active=False):
-    """Closed form of count_parameters(Mixtral(...)), same keywords; active=True: one token's."""
-    attention = gqa_params(d_model, n_heads, n_kv_heads or n_heads, d_model // n_heads, qkv_bias)
-    width = expert_d_ff or d_ff or llama_ffn_dim(d_model)
-    return decoder_params(vocab_size, d_model, n_layers, attention,
-                          moe_params(d_model, width, n_experts, top_k, active=active), tie_weights)
+    """Closed form of count_parameters(Mixtral(...)), same keywords and rules; active=True: one token's."""
+    check("top_k <= n_experts", n_experts=n_experts, top_k=top_k, expert_d_ff=expert_d_ff, active=active)
+    d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
+    dense = llama_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta,
+                                norm_eps, tie_weights, qkv_bias)
+    return dense + n_layers * (moe_params(d_model, expert_d_ff or d_ff, n_experts, top_k, active=active)
+                               - 3 * d_model * d_ff)
 
 
 def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                             rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None,
                             n_experts=8, top_k=2, expert_d_ff=None, norm_topk=True, active=False):
-    """Closed form of count_parameters(Qwen3MoE(...)), same keywords; active=True: one token's."""
-    head_dim = d_model // n_heads if head_dim is None else head_dim
-    attention = gqa_params(d_model, n_heads, n_kv_heads or n_heads, head_dim, qkv_bias) + 2 * head_dim
-    width = expert_d_ff or d_ff or llama_ffn_dim(d_model)
-    return decoder_params(vocab_size, d_model, n_layers, attention,
-                          moe_params(d_model, width, n_experts, top_k, active=active), tie_weights)
+    """Closed form of count_parameters(Qwen3MoE(...)), same keywords and rules; active=True: one token's."""
+    check("top_k <= n_experts", n_experts=n_experts, top_k=top_k, expert_d_ff=expert_d_ff, norm_topk=norm_topk,
+          active=active)
+    d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
+    dense = qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta,
+                                norm_eps, tie_weights, qkv_bias, head_dim)
+    return dense + n_layers * (moe_params(d_model, expert_d_ff or d_ff, n_experts, top_k, active=active)
+                               - 3 * d_model * d_ff)
 
 # Try it: 4 experts, 2 per token; 12 tokens make 24 expert-rows, not 4 x 12 = 48.
 #   >>> moe = MoE(d_model=16, d_ff=32, n_experts=4, top_k=2)
@@ -2281,33 +2172,25 @@ def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=N
 #   >>> _ = ds(torch.randn(2, 5, 16))                                       # 10 tokens, 20 slots, mean load 2.5
 #   >>> update_router_bias(ds), torch.equal(ds.router_bias > 0, ds.tokens_per_expert < 2.5)  # idle up, busy down
 #   (1, True)
-#   >>> MoE(16, 32, n_experts=8, top_k=4, router="sigmoid", n_groups=4, topk_groups=1)
-#   Traceback (most recent call last):
-#   ValueError: topk_groups groups of n_experts / n_groups experts must hold at least top_k (n_groups=4, ...
-#   >>> mixtral = Mixtral(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2)
-#   >>> type(mixtral.layers[0].ffn).__name__, count_parameters(mixtral) == mixtral_param_formula(**mixtral.config)
-#   ('MoE', True)
 
 
 def with_router_bias(update, model, rate):
-    """Section 13's update step, then update_router_bias(model, rate): DeepSeek-V3's
-    balancing after every step, from that batch's load. -> update()."""
+    """Section 13's update step, then update_router_bias(model, rate): DeepSeek-V3's balancing, each step."""
+    check(model=model, rate=rate)
+
     def step():
         update()
         update_router_bias(model, rate)
     return step
 
 
-# On the toy task of Part II, a model with experts trains with its router bias moved after
-# every step (with_router_bias), and shows where its tokens went: each MoE layer's share of
-# the routed slots per expert, one bar each. Uniform is 1 / E; a router left unbalanced
-# sends most tokens to a few experts and leaves others idle.
+# On the toy task of Part II: the router bias moved after every step, then where the tokens went.
 
 @torch.no_grad()
 def expert_load(model, pairs, vocab):
-    """Share of the routed slots each expert took, per MoE layer, over the sequences
-    "pinyin <sep> hanzi <eos>" of pairs: {layer index: [E] summing to 1}. Sequences of
-    one length share a batch, so no padding is routed."""
+    """Share of the routed slots each expert took over "pinyin <sep> hanzi <eos>" of pairs: {MoE layer:
+    [E] summing to 1}. Sequences of one length share a batch, so no padding is routed."""
+    check(model=model)
     check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     device = next(model.parameters()).device
     by_length = {}
@@ -2334,56 +2217,50 @@ def render_expert_load(loads, uniform=10):
             lines.append(f"  expert {e:2d} {'█' * round(share * E * uniform):{3 * uniform}s} {share:6.1%}")
     return "\n".join(lines)
 
-# Try it: a layer of 4 experts, one of them idle.
-#   >>> print(render_expert_load({1: torch.tensor([0.5, 0.25, 0.25, 0.0])}, uniform=4))
-#   layer 1, 4 experts (uniform: 25.0% each, 4 blocks)
-#     expert  0 ████████      50.0%
-#     expert  1 ████          25.0%
-#     expert  2 ████          25.0%
-#     expert  3                0.0%
+# Try it: a layer of 3 experts, one of them idle.
+#   >>> print(render_expert_load({1: torch.tensor([0.75, 0.25, 0.0])}, uniform=4))
+#   layer 1, 3 experts (uniform: 33.3% each, 4 blocks)
+#     expert  0 █████████     75.0%
+#     expert  1 ███           25.0%
+#     expert  2                0.0%
 
 
 # ===========================================================================
 # 26. Multi-head latent attention, MLA (多头潜在注意力)
 # ===========================================================================
-# GQA shrinks the cache by sharing heads; MLA (DeepSeek-V2, 2024; kept in V3) by
-# compressing. w_dkv maps each token to a latent c of kv_lora_rank dims (512 in V3)
-# plus one small rope key (64) shared by all heads; kv_norm normalizes c, and w_ukv
-# expands it again to every head's key (its nope part, 128) and value (128). The
-# cache keeps only c and the rope key: 576 values a token a layer in V3, against
-# 128 heads x (192 + 128) = 40,960 for per-head keys and values. Queries go through
-# a low-rank bottleneck of their own (w_dq, q_norm, w_uq): not for the cache, "to
-# reduce the activation memory during training" (the DeepSeek-V2 paper's reason).
-# A head's q and k are [nope | rope]: RoPE turns only the rope part; scores are
-# scaled by (nope + rope)^-0.5, the width of the whole q.k product.
-# Two ways to compute it, proven equal by the tests:
-#   expanded: up-project c to per-head keys and values and attend as usual (training,
-#     prefill: every key is new anyway);
-#   absorbed: q_nope . (W_uk c) = (W_uk^T q_nope) . c, so fold the key half of w_ukv
-#     into the query and score the cached c directly; the value half is applied after
-#     the attention sums, out_h = W_uv (sum_t a_t c_t). Cached decoding then reads the
-#     latent and never builds a key or value of an earlier token.
-# Why the rope key must be decoupled: if RoPE turned the up-projected key, R(n) W_uk c_n
-# at key position n and R(m) q at query position m, the score would be
-# q^T R(m)^T R(n) W_uk c_n = q^T R(n - m) W_uk c_n: a rotation that depends on the pair
-# of positions sits between the query and W_uk, so W_uk cannot be folded into the
-# query once for all cached tokens. Hence the nope part carries no position and
-# absorbs; position travels in the separate rope part, whose key is cached as it is.
-# The rope part's pairing convention: DeepSeek's checkpoints pair neighbours (x[2i],
-# x[2i+1]), Meta's complex-number way (rope_interleave=True); section 19's halves
-# are the same model after a fixed permutation of the rope rows of w_uq (or w_q)
-# and w_dkv. A checkpoint used with the wrong one raises no error and attends wrongly.
+# GQA shrinks the cache by sharing heads; MLA (DeepSeek-V2, 2024; kept in V3) by compressing:
+# w_dkv maps each token to a latent c of kv_lora_rank dims (512 in V3), normalized by kv_norm,
+# plus one rope key (64) for all heads; w_ukv expands c to every head's key (its nope part,
+# 128) and value (128). The cache keeps c and the rope key, 576 values a token a layer in V3,
+# against 128 x (192 + 128) = 40,960 for per-head keys and values. Queries pass a low-rank
+# bottleneck of their own (w_dq, q_norm, w_uq) "to reduce the activation memory during
+# training" (DeepSeek-V2). A head's q and k are [nope | rope], RoPE turns the rope part,
+# scores are scaled by (nope + rope)^-0.5; expanded and absorbed (3a) are proven equal.
+# The rope key is decoupled because a rotation between the query and W_uk, q^T R(m)^T R(n)
+# W_uk c_n = q^T R(n - m) W_uk c_n, depends on the pair of positions: W_uk could not be folded
+# into the query once for all cached tokens. DeepSeek's checkpoints pair neighbours (x[2i],
+# x[2i+1]) in the rope part (rope_interleave=True); section 19's halves are the same model after
+# a fixed permutation of the rope rows of w_uq (or w_q) and w_dkv; the wrong one attends wrongly.
 
 def deinterleave(x):
-    """[..., d] -> [..., d]: x0, x2, x4, ... then x1, x3, x5, ..., so that neighbour pair
-    (x[2i], x[2i+1]) becomes half-split pair (x[i], x[i + d/2]) for apply_rope. (transformers
-    5.x rotates the even and odd slices directly: the same numbers.)"""
+    """[..., d] -> [..., d]: x0, x2, x4, ... then x1, x3, x5, ..., so that neighbour pair (x[2i], x[2i+1])
+    becomes half-split pair (x[i], x[i + d/2]) for apply_rope (transformers 5.x turns the slices as they lie)."""
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)                 # [..., d]
 
 
+ARGUMENTS.update(kv_lora_rank=(int, 1, MAX_SIZE), q_lora_rank=(int, 1, MAX_SIZE, "or None"),
+                 qk_nope_dim=(int, 1, MAX_SIZE), qk_rope_dim=(int, 1, MAX_SIZE), v_head_dim=(int, 1, MAX_SIZE),
+                 rope_interleave=(bool,))
+RELATIONS.update({
+    "even qk_rope_dim": (("qk_rope_dim",), lambda d: d % 2 == 0, "RoPE turns pairs of dims: qk_rope_dim must be even"),
+    "a latent and a rope key a token": (("shapes",), lambda s: len(s["latent"]) == len(s["k_rope"]) == 3
+                                        and s["latent"][:2] == s["k_rope"][:2],
+                                        "latent [B, Tn, r] and k_rope [B, Tn, rope] must share B and Tn"),
+})
+
+
 class LatentCache:
-    """One MLA module's cache: the normalized latent [B, t, kv_lora_rank] and the turned
-    rope key [B, t, rope] of every earlier token; append and len as KVCache's."""
+    """One MLA module's cache, append and len as KVCache's: latent [B, t, r], turned rope key [B, t, rope]."""
 
     def __init__(self):
         self.latent, self.k_rope = None, None                             # [B, t, r], [B, t, rope] once filled
@@ -2393,18 +2270,12 @@ class LatentCache:
 
     def append(self, latent, k_rope):
         """Add this step's latent [B, Tn, r] and rope key [B, Tn, rope]; return all of them."""
+        check("a latent and a rope key a token", shapes=dict(latent=latent.shape, k_rope=k_rope.shape))
         if self.latent is not None:
             latent = torch.cat([self.latent, latent], dim=1)               # [B, t+Tn, r]
             k_rope = torch.cat([self.k_rope, k_rope], dim=1)               # [B, t+Tn, rope]
         self.latent, self.k_rope = latent, k_rope
         return latent, k_rope
-
-
-ARGUMENTS.update(kv_lora_rank=(int, 1, MAX_SIZE), q_lora_rank=(int, 1, MAX_SIZE, "or None"),
-                 qk_nope_dim=(int, 1, MAX_SIZE), qk_rope_dim=(int, 1, MAX_SIZE), v_head_dim=(int, 1, MAX_SIZE),
-                 rope_interleave=(bool,))
-RELATIONS["even qk_rope_dim"] = (("qk_rope_dim",), lambda d: d % 2 == 0,
-                                 "RoPE turns pairs of dims: qk_rope_dim must be even")
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -2415,7 +2286,8 @@ class MultiHeadLatentAttention(nn.Module):
                  norm_eps=1e-6, rope_interleave=True):
         super().__init__()
         check("even qk_rope_dim", d_model=d_model, n_heads=n_heads, kv_lora_rank=kv_lora_rank, qk_nope_dim=qk_nope_dim,
-              qk_rope_dim=qk_rope_dim, v_head_dim=v_head_dim, q_lora_rank=q_lora_rank, rope_interleave=rope_interleave)
+              qk_rope_dim=qk_rope_dim, v_head_dim=v_head_dim, q_lora_rank=q_lora_rank, norm_eps=norm_eps,
+              rope_interleave=rope_interleave)
         self.n_heads, self.kv_lora_rank, self.q_lora_rank = n_heads, kv_lora_rank, q_lora_rank
         self.nope, self.rope, self.v_dim, self.rope_interleave = qk_nope_dim, qk_rope_dim, v_head_dim, rope_interleave
         q_width = n_heads * (qk_nope_dim + qk_rope_dim)                   # every head's [nope | rope]
@@ -2487,14 +2359,12 @@ class MultiHeadLatentAttention(nn.Module):
 # ===========================================================================
 # 27. The DeepSeek-V3 model (DeepSeek-V3 模型)
 # ===========================================================================
-# Llama's pre-norm stack with MLA for attention and, after the first n_dense_layers
-# blocks with a dense SwiGLU (3 in V3), a sigmoid-routed MoE with shared experts for
-# the feed-forward: a subclass of Llama that swaps both, its RoPE tables only as wide as
-# the rope part, its cache one LatentCache a layer. What DeepSeek-V3's release has that
-# this does not: the multi-token-prediction (MTP) module, one more block that predicts
-# the token after next (11.5B parameters of its own, DeepSeek's weights README counts,
-# besides the embedding and output head it shares with the main model; for training and
-# speculative decoding); YaRN, which stretches its RoPE from 4K to 128K tokens (section 32).
+# Llama with MLA for attention and, after the first n_dense_layers dense blocks (3 in V3), a
+# sigmoid-routed MoE with shared experts; RoPE tables as wide as the rope part, a LatentCache a
+# layer. Not here: the multi-token-prediction (MTP) module, one more block that predicts the
+# token after next (11.5B parameters of its own by DeepSeek's weights README, besides the
+# embedding and head it shares; for training and speculative decoding), and YaRN, which
+# stretches its RoPE from 4K to 128K tokens (section 32).
 
 ARGUMENTS.update(n_dense_layers=(int, 0, 1024))
 RELATIONS.update({
@@ -2502,18 +2372,26 @@ RELATIONS.update({
                                    "n_dense_layers must be at most n_layers"),
     "expert width": (("expert_d_ff",), lambda width: width is not None, "expert_d_ff must be an integer >= 1"),
 })
+DEEPSEEK_RULES = ("n_dense_layers <= n_layers", "expert width", "d_ff given", "top_k <= n_experts", "even qk_rope_dim",
+                  "groups divide experts", "topk_groups <= n_groups", "enough experts in the groups")
 
 
 class DeepSeekV3(Llama):
-    """Token embedding, N blocks (MLA; SwiGLU for the first n_dense_layers, then a
-    sigmoid MoE with n_shared shared experts), a final RMSNorm, lm_head."""
+    """Llama with MLA in every block, SwiGLU in the first n_dense_layers, then a sigmoid MoE."""
+    cache_kind = LatentCache                                               # [B, t, r] and [B, t, rope] a layer
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim,
                  d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1, n_dense_layers=1, n_groups=1,
                  topk_groups=1, routed_scale=1.0, norm_topk=True, max_len=4096, rope_theta=10000.0, norm_eps=1e-6,
                  tie_weights=False, rope_interleave=True):
-        check("n_dense_layers <= n_layers", "expert width", "d_ff given", "top_k <= n_experts", n_layers=n_layers,
-              d_ff=d_ff, n_dense_layers=n_dense_layers, expert_d_ff=expert_d_ff, n_experts=n_experts, top_k=top_k)
+        config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                      kv_lora_rank=kv_lora_rank, qk_nope_dim=qk_nope_dim, qk_rope_dim=qk_rope_dim,
+                      v_head_dim=v_head_dim, d_ff=d_ff, expert_d_ff=expert_d_ff, n_experts=n_experts, top_k=top_k,
+                      q_lora_rank=q_lora_rank, n_shared=n_shared, n_dense_layers=n_dense_layers,
+                      n_groups=n_groups, topk_groups=topk_groups, routed_scale=routed_scale, norm_topk=norm_topk,
+                      max_len=max_len, rope_theta=rope_theta, norm_eps=norm_eps, tie_weights=tie_weights,
+                      rope_interleave=rope_interleave)
+        check(*DEEPSEEK_RULES, **config)                                   # every block's rules, before building
         # read by attention() and feed_forward() while Llama builds the blocks
         self.mla = dict(kv_lora_rank=kv_lora_rank, qk_nope_dim=qk_nope_dim, qk_rope_dim=qk_rope_dim,
                         v_head_dim=v_head_dim, q_lora_rank=q_lora_rank, rope_interleave=rope_interleave)
@@ -2522,13 +2400,7 @@ class DeepSeekV3(Llama):
         self.n_dense_layers = n_dense_layers
         super().__init__(vocab_size, d_model, n_layers, n_heads, None, d_ff, max_len, rope_theta, norm_eps,
                          tie_weights)  # N(0, 0.02) as Llama's (V3's paper: std 0.006)
-        self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-                           kv_lora_rank=kv_lora_rank, qk_nope_dim=qk_nope_dim, qk_rope_dim=qk_rope_dim,
-                           v_head_dim=v_head_dim, d_ff=d_ff, expert_d_ff=expert_d_ff, n_experts=n_experts,
-                           top_k=top_k, q_lora_rank=q_lora_rank, n_shared=n_shared, n_dense_layers=n_dense_layers,
-                           n_groups=n_groups, topk_groups=topk_groups, routed_scale=routed_scale,
-                           norm_topk=norm_topk, max_len=max_len, rope_theta=rope_theta, norm_eps=norm_eps,
-                           tie_weights=tie_weights, rope_interleave=rope_interleave)  # for checkpoints
+        self.config = config                                               # for checkpoints
 
     def attention(self, d_model, n_heads, n_kv_heads, qkv_bias):
         return MultiHeadLatentAttention(d_model, n_heads, **self.mla, norm_eps=self.config["norm_eps"])
@@ -2539,17 +2411,15 @@ class DeepSeekV3(Llama):
     def rope_tables(self, max_len, theta):
         return rope_cos_sin(self.mla["qk_rope_dim"], max_len, theta)      # [max_len, rope]: the rope part only
 
-    def new_cache(self):
-        """An empty cache for forward: one LatentCache per layer, [B, t, r] and [B, t, rope]."""
-        return [LatentCache() for _ in self.layers]
 
 def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim,
                            v_head_dim, d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1,
                            n_dense_layers=1, n_groups=1, topk_groups=1, routed_scale=1.0, norm_topk=True,
                            max_len=4096, rope_theta=10000.0, norm_eps=1e-6, tie_weights=False,
                            rope_interleave=True, active=False):
-    """Closed form of count_parameters(DeepSeekV3(...)), same keywords; active=True: the
+    """Closed form of count_parameters(DeepSeekV3(...)), same keywords and rules; active=True: the
     parameters one token's forward uses. router_bias is a buffer, not a parameter."""
+    check(*DEEPSEEK_RULES, **locals())                                     # every argument
     q_width = n_heads * (qk_nope_dim + qk_rope_dim)
     if q_lora_rank is None:
         attention = d_model * q_width                                      # w_q
@@ -2558,12 +2428,11 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
     attention += d_model * (kv_lora_rank + qk_rope_dim) + kv_lora_rank     # w_dkv, kv_norm
     attention += kv_lora_rank * n_heads * (qk_nope_dim + v_head_dim) + n_heads * v_head_dim * d_model  # w_ukv, w_o
     moe = moe_params(d_model, expert_d_ff, n_experts, top_k, n_shared, active)  # router, routed, shared
-    dense_layers, moe_layers = n_dense_layers, n_layers - n_dense_layers
-    layers = dense_layers * (attention + 3 * d_model * d_ff) + moe_layers * (attention + moe)
+    layers = n_dense_layers * (attention + 3 * d_model * d_ff) + (n_layers - n_dense_layers) * (attention + moe)
     embeddings = vocab_size * d_model * (1 if tie_weights else 2)          # token_embedding, lm_head
     return embeddings + layers + n_layers * 2 * d_model + d_model          # + two RMSNorms a block, final_norm
 
-# Try it: a DeepSeek-V3 in miniature, whose cache changes the speed, not the tokens.
+# Try it: a DeepSeek-V3 in miniature, whose latent cache changes the speed, not the tokens.
 #   >>> _ = torch.manual_seed(0)
 #   >>> ds = DeepSeekV3(vocab_size=100, d_model=32, n_layers=3, n_heads=4, kv_lora_rank=16, qk_nope_dim=8,
 #   ...                 qk_rope_dim=4, v_head_dim=8, d_ff=64, expert_d_ff=16, n_experts=8, top_k=2,
@@ -2571,15 +2440,12 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
 #   >>> [type(layer.ffn).__name__ for layer in ds.layers], ds.layers[1].ffn.shared.w1.weight.shape
 #   (['SwiGLU', 'MoE', 'MoE'], torch.Size([16, 32]))
 #   >>> ids = torch.randint(0, 100, (2, 5))                                # [2, 5]
-#   >>> ds(ids).shape
-#   torch.Size([2, 5, 100])
-#   >>> torch.equal(ds.generate(ids, max_new_tokens=6), ds.generate(ids, max_new_tokens=6, use_cache=False))
+#   >>> torch.equal(ds.generate(ids, 6), ds.generate(ids, 6, use_cache=False))
 #   True
 
 
-# On the toy task (section 16): MLA, a dense first block, then a block of 8 sigmoid-routed
-# experts (2 a token) and a shared one, balanced by the router bias after every step
-# (DeepSeek-V3's rate, 0.001, moves too little in 150 steps).
+# On the toy task (section 16): MLA, a dense block, then 8 sigmoid-routed experts (2 a token)
+# and a shared one, balanced after every step (V3's rate, 0.001, moves too little in 150 steps).
 TOY_MODELS["deepseek"] = dict(
     name="DeepSeek-style", model=DeepSeekV3, epochs=2, batch_size=32,
     update=lambda model: with_router_bias(adam_noam(model, lr_factor=0.35, warmup=50), model, rate=0.01),
@@ -2590,114 +2456,82 @@ TOY_MODELS["deepseek"] = dict(
 # ===========================================================================
 # 28. Total and active parameters, the latent cache (总参数、激活参数与潜在缓存)
 # ===========================================================================
-# A MoE model has two sizes: the total, which must fit in memory, and the active
-# parameters one token's forward uses (every weight but the experts it is not routed
-# to; embeddings, lm_head, routers and shared experts included), which set the
-# compute. Both come from each family's formula (sections 25 and 27), and the total
-# also from a count of the model built on the meta device: they agree to the last
-# parameter. The active count here takes the whole input embedding table as used,
-# 0.93B in DeepSeek-V3, where a token reads one row of it: 37.55B, against DeepSeek's
-# round 37B and its finer 36.7B (which also counts the embedding and head; the 0.85B
-# between is not explained in its README). Then the cache memory a token takes: MLA's
-# latent beside GQA's keys and values.
+# A MoE model has two sizes: the total, which must fit in memory, and the active parameters
+# one token's forward uses (all but the experts it is not routed to), which set the compute:
+# each family's formula gives both, the meta-device count agrees on the total. The active
+# count takes the whole input embedding table as used (0.93B in DeepSeek-V3, where a token
+# reads one row): 37.55B, against DeepSeek's 37B. Then MLA's cache beside GQA's.
 
 def mla_cache_bytes_per_token(n_layers, kv_lora_rank, qk_rope_dim, bytes_per_value=2):
-    """MLA's cache memory one token takes: its latent and its rope key, in every layer.
-    bytes_per_value 2 for bf16 or fp16."""
+    """MLA's cache memory one token takes: its latent and its rope key, in every layer; 2 bytes in bf16."""
+    check(**locals())
     return n_layers * (kv_lora_rank + qk_rope_dim) * bytes_per_value
 
-# (name, kind, configuration as released, total, active, what the release reports);
-# max_len, theta and eps as released, except DeepSeek-V3's max_len: 4K, before YaRN.
-# Mixtral and Qwen3-30B-A3B publish exact totals, which the formulas meet to the last
-# parameter; DeepSeek publishes 671B (685B in the checkpoint, with the MTP module), and
-# 671,026,404,352 is the count of transformers' DeepseekV3 class, which this one meets
+# (name, kind, configuration as released but DeepSeek-V3's max_len, 4K before YaRN; total,
+# active, what the release reports). Mixtral and Qwen3 publish exact totals; DeepSeek 671B
+# (685B with the MTP module), and 671,026,404,352 is the count of transformers' DeepseekV3.
 FRONTIER_CONFIGS = [
     ("Mixtral-8x7B", "mixtral", dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                                    d_ff=14336, max_len=32768, rope_theta=1000000.0, norm_eps=1e-5,
                                    n_experts=8, top_k=2), 46_702_792_704, 12_879_925_248, "47B / 13B"),
     ("Qwen3-30B-A3B", "qwen3moe", dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4,
-                                       head_dim=128, max_len=40960, rope_theta=1000000.0,
-                                       n_experts=128, top_k=8, expert_d_ff=768), 30_532_122_624, 3_353_032_704,
-     "30.5B / 3.3B"),
+                                       head_dim=128, max_len=40960, rope_theta=1000000.0, n_experts=128,
+                                       top_k=8, expert_d_ff=768), 30_532_122_624, 3_353_032_704, "30.5B / 3.3B"),
     ("DeepSeek-V3", "deepseek", dict(vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, kv_lora_rank=512,
-                                     qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, d_ff=18432,
-                                     expert_d_ff=2048, n_experts=256, top_k=8, q_lora_rank=1536, n_shared=1,
-                                     n_dense_layers=3, n_groups=8, topk_groups=4, routed_scale=2.5),
+                                     qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, d_ff=18432, expert_d_ff=2048,
+                                     n_experts=256, top_k=8, q_lora_rank=1536, n_shared=1, n_dense_layers=3,
+                                     n_groups=8, topk_groups=4, routed_scale=2.5),
      671_026_404_352, 37_552_282_624, "671B / 37B (685B with the MTP module)"),
 ]
-# Where DeepSeek-V3's 671B go: 58 MoE layers x 256 experts x 3 x 7168 x 2048 = 654B in
-# routed experts (97%). A token runs 8 of them, 20.4B, plus 11.4B of attention (61
-# layers), 2.6B of shared experts, 1.2B of dense feed-forward (3 layers), 1.9B of
-# embeddings and lm_head (the whole input table counted): 37.6B. Its cache per token in
-# bf16: 61 layers x 576 x 2 bytes = 70,272 bytes (68.6 KiB), against 61 x 40,960 x 2 =
-# 4.77 MiB for per-head keys and values, and Mixtral's GQA 128 KiB (8 kv heads of 128,
-# 32 layers).
+# Where DeepSeek-V3's 671B go: 58 MoE layers x 256 experts x 3 x 7168 x 2048 = 654B in routed
+# experts (97%). A token runs 8 of them, 20.4B, plus 11.4B of attention (61 layers), 2.6B of
+# shared experts, 1.2B of dense feed-forward (3 layers), 1.9B of embeddings and lm_head:
+# 37.6B. Its cache in bf16: 61 x 576 x 2 bytes = 70,272 bytes (68.6 KiB) a token, against
+# 4.77 MiB for per-head keys and values.
 
-# Try it: DeepSeek-V3's totals, and Mixtral's published total to the last parameter.
+# Try it: DeepSeek-V3's totals, and the cache a token takes, latent against per-head.
 #   >>> name, kind, config, total, active, reported = FRONTIER_CONFIGS[2]
 #   >>> deepseek_param_formula(**config), deepseek_param_formula(**config, active=True)
 #   (671026404352, 37552282624)
-#   >>> with torch.device("meta"):                                         # Mixtral: 8 experts a layer, quick
-#   ...     count_parameters(Mixtral(**FRONTIER_CONFIGS[0][2]))
-#   46702792704
 #   >>> mla_cache_bytes_per_token(n_layers=61, kv_lora_rank=512, qk_rope_dim=64), 61 * 128 * (192 + 128) * 2
 #   (70272, 4997120)
-#   >>> kv_cache_bytes_per_token(n_layers=48, n_kv_heads=4, head_dim=128) // 1024  # Qwen3-30B-A3B, KiB
-#   96
 
 
 # ===========================================================================
 # Part V: long sequences (第五部分：长序列)
 # ===========================================================================
-# Everything above is exact for a few thousand tokens. Past that, four things
-# break: the [Tq, Tk] score matrix (16 M entries a head at 4k tokens), the KV
-# cache that grows with every token, the memory a batch reserves for its longest
-# request, and RoPE angles the model never saw in training. Each fix below is
-# plain torch on a CPU. FlashAttention and the paged cache are proven equal to the
-# computation they replace; the window and RoPE scaling change the model on purpose,
-# and are proven equal to what their papers and reference code compute.
-
+# Past a few thousand tokens four things break: the [Tq, Tk] scores (16 M entries a head at 4k
+# tokens), the cache that grows with every token, the memory a batch reserves for its longest
+# request, RoPE angles never seen in training. FlashAttention and the paged cache are proven
+# equal to what they replace; the window and RoPE scaling change the model, as their papers do.
 # ===========================================================================
 # 29. FlashAttention's tiles, the online softmax; fused kernels (FlashAttention 的分块：在线 softmax)
 # ===========================================================================
-# Section 2 builds the [Tq, Tk] scores, softmaxes them and multiplies by v: memory
-# grows with Tq * Tk. FlashAttention (Dao et al., 2022; FlashAttention-2, Dao, 2023)
-# computes the same output one [block, block] tile at a time, keeping per query a
-# running max and a running sum, so nothing of size Tq * Tk ever exists.
-#
+# Section 2 builds the [Tq, Tk] scores, softmaxes them and multiplies by v: memory grows
+# with Tq * Tk. FlashAttention (Dao et al., 2022; FlashAttention-2, Dao, 2023) computes the
+# same output one [block, block] tile at a time, keeping per query a running max and a
+# running sum, so nothing of size Tq * Tk ever exists.
 # The recurrence, for one block of queries and key block j (S_j its scaled scores):
 #   m_new = max(m, rowmax(S_j))                 the largest score so far (m starts at -inf)
 #   acc   = e^(m - m_new) acc + e^(S_j - m_new) V_j   rescale what was summed under the old max
 #   l     = e^(m - m_new) l   + rowsum(e^(S_j - m_new))
 #   and at the end: out = acc / l (one division, FlashAttention-2's order), lse = m + ln l.
-# In numbers: one query with scores (1, 2 | 3, 0) in two blocks, values (10, 20 | 30, 40).
-#   block 1: m = 2, l = e^-1 + e^0 = 1.3679, acc = 0.3679 * 10 + 1 * 20 = 23.679
-#   block 2: the max grows to 3, so the old sums shrink by e^(2 - 3) = 0.3679:
-#            l = 0.3679 * 1.3679 + e^0 + e^-3 = 1.5530, acc = 0.3679 * 23.679 + 30 + 0.0498 * 40 = 40.70
-#   out = 40.70 / 1.5530 = 26.21, lse = 3 + ln 1.5530 = 3.4402: softmax over all four gives
-#   the same (e^1 + e^2 + e^3 + e^0 = 31.19 = e^3.4402). Subtracting the max keeps every
-#   e^x <= 1, so nothing overflows, and the rescale makes the order of the blocks irrelevant.
-# Why a GPU gains: the scores live in on-chip SRAM (an A100 has 192 KB per each of its
-# 108 streaming multiprocessors, about 19 TB/s) instead of HBM (40-80 GB at 1.5-2.0
-# TB/s), the numbers of the FlashAttention paper. Section 2 writes S and P to HBM and
-# reads them back, Theta(T^2) traffic; the tiles never leave SRAM, and the fused kernel
-# (one GPU kernel for all of it, no intermediate written to memory) is faster although
-# it does more arithmetic. Here, in Python on a CPU, each
-# tile is a dozen separate torch calls, and the code exists to prove the math and
-# the memory, O(T * block). Its speed depends on the machine: a 64 x 64 tile stays in
-# the CPU's cache while section 2 streams [T, T] tensors through memory (the GPU's
-# reason, on a small scale), against a dozen Python calls a tile; --bench measures
-# both, and the README gives today's numbers.
-# The backward saves only q, k, v, out and the lse [Tq] (not the [Tq, Tk] weights
-# of section 2) and recomputes each tile's probabilities P = e^(S - lse) from them.
-# With delta = rowsum(dO * O): dV += P^T dO, dP = dO V^T, dS = P * (dP - delta),
-# dQ += dS K / sqrt(dk), dK += dS^T Q / sqrt(dk). (delta comes from softmax's Jacobian:
-# the sum over keys of P * dP is dO . O.) Recomputing costs FLOPs and saves the
-# memory; on a GPU it is still faster than reading a saved [T, T] P from HBM.
+# In numbers (the Try it below), scores (1, 2 | 3, 0) and values (10, 20 | 30, 40) in two
+#   blocks: block 1 gives m = 2, l = e^-1 + e^0 = 1.3679, acc = 0.3679 * 10 + 20 = 23.679; in
+#   block 2 the max grows to 3, l and acc shrink by e^(2 - 3) before adding: l = 1.5530,
+#   acc = 40.70, out = 26.21, lse = 3 + ln l = 3.4402, as one softmax over all four. The max
+#   keeps every e^x <= 1 (no overflow); the rescale makes the blocks' order irrelevant.
+# A GPU gains because the tiles stay in on-chip SRAM (an A100's: 19 TB/s, against 1.5-2.0 TB/s
+# of HBM, the paper's numbers) where section 2 writes S and P to HBM and reads them back: the
+# fused kernel does more arithmetic and is faster. Here a tile is a dozen torch calls: the code
+# proves the math and the memory, O(T * block); --bench measures its speed.
+# The backward saves q, k, v, out and the lse [Tq], recomputes each tile's P = e^(S - lse)
+# (more FLOPs, less memory; on a GPU still faster than reading a saved [T, T] P), and with
+# delta = rowsum(dO * O) (softmax's Jacobian: the sum over keys of P * dP is dO . O):
+# dV += P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ += dS K / sqrt(dk), dK += dS^T Q / sqrt(dk).
 
 def flash_tile_scores(q_block, k_block, q_start, k_start, offset, causal):
-    """Scaled scores of one tile, [B, H, bq, bk], with keys after a query hidden (-inf)
-    when causal: query i sits at key position i + offset (bottom-right alignment)."""
+    """Scaled scores of a tile, [B, H, bq, bk], keys after a query -inf when causal (query i is key i + offset)."""
     scores = q_block @ k_block.transpose(-2, -1)                           # [B, H, bq, bk]
     if causal and k_start + k_block.size(2) - 1 > q_start + offset:        # the tile crosses the diagonal
         rows = torch.arange(q_start, q_start + q_block.size(2), device=q_block.device) + offset  # [bq]
@@ -2709,8 +2543,7 @@ def flash_tile_scores(q_block, k_block, q_start, k_start, offset, causal):
 
 
 def last_key_block(q_end, Tk, offset, causal):
-    """One past the last key the queries before q_end may read: the loops over key blocks
-    stop there, so a block wholly above the diagonal (every key after every query) never runs."""
+    """One past the last key the queries before q_end may read: a key block wholly above the diagonal never runs."""
     return min(Tk, q_end + offset) if causal else Tk
 
 
@@ -2719,8 +2552,7 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, block_size):
-        B, H, Tq, dk = q.shape
-        Tk, dv = k.size(2), v.size(-1)
+        (B, H, Tq, dk), Tk, dv = q.shape, k.size(2), v.size(-1)
         scale, offset = dk ** -0.5, Tk - Tq                                # 1 / sqrt(dk); query i is key i + offset
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp16, bf16 sum in fp32
         out = torch.empty(B, H, Tq, dv, dtype=q.dtype, device=q.device)  # [B, H, Tq, dv]
@@ -2753,8 +2585,7 @@ class FlashAttention(torch.autograd.Function):
         offset, size = Tk - Tq, ctx.block_size
         # delta = rowsum(dO * O); a gradient on lse adds P * d_lse to dS, so it joins delta
         delta = (d_out.to(acc_dtype) * out.to(acc_dtype)).sum(dim=-1) - d_lse          # [B, H, Tq]
-        shapes = (q.shape, k.shape, v.shape)                               # [B, H, Tq|Tk, dk|dv]
-        d_q, d_k, d_v = (torch.zeros(s, dtype=acc_dtype, device=q.device) for s in shapes)  # [B, H, Tq|Tk, dk|dv]
+        d_q, d_k, d_v = (torch.zeros_like(t, dtype=acc_dtype) for t in (q, k, v))  # [B, H, Tq|Tk, dk|dv]
         # FlashAttention-2's order: key blocks outside (their dK, dV stay in SRAM), queries inside
         for ks in range(0, Tk, size):
             ke = min(ks + size, Tk)
@@ -2775,26 +2606,28 @@ class FlashAttention(torch.autograd.Function):
 
 
 def check_qkv(q, k, v, causal):
-    """q [B, H, Tq, dk], k [B, H, Tk, dk], v [B, H, Tk, dv], Tk >= 1, and Tq <= Tk when causal."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or q.size(-1) != k.size(-1):
-        raise ValueError(f"expected q [B, H, Tq, dk], k [B, H, Tk, dk], v [B, H, Tk, dv], got q {list(q.shape)},"
-                         f" k {list(k.shape)}, v {list(v.shape)}")
-    if k.size(2) < 1:
-        raise ValueError("k and v must hold at least one key (Tk >= 1)")
-    if causal and q.size(2) > k.size(2):
-        raise ValueError(f"causal needs Tq <= Tk (the queries are the last Tq of the Tk positions),"
-                         f" got Tq {q.size(2)} > Tk {k.size(2)}")
+    """q [B, H, Tq, dk], k [B, H, Tk, dk], v [B, H, Tk, dv], floating tensors of one dtype, before anything
+    broadcasts (queries of batch 2 against keys of batch 1 would run); Tk >= 1, Tq <= Tk when causal."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype == q.dtype and x.dim() == 4):
+            got = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"{name} must be a 4-D floating-point tensor, of q's dtype, got {got}")
+    Tq, Tk = q.size(2), k.size(2)
+    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.size(3) != k.size(3) or Tk < 1 or (
+            causal and Tq > Tk):
+        causal_rule = ", Tq <= Tk (causal: the queries are the last Tq positions)" if causal else ""
+        raise ValueError(f"expected q [B, H, Tq, dk], k [B, H, Tk, dk], v [B, H, Tk, dv], Tk >= 1{causal_rule},"
+                         f" got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
 
 
-ARGUMENTS.update(block_size=(int, 1, MAX_SIZE), causal=(bool,))
+ARGUMENTS.update(block_size=(int, 1, MAX_SIZE), causal=(bool,), fused=(bool,))
 
 
 def flash_attention(q, k, v, causal=False, block_size=64):
-    """softmax(q k^T / sqrt(dk)) v in tiles -> (out [B, H, Tq, dv], lse [B, H, Tq]), the
-    logsumexp of each query's scaled scores. q [B, H, Tq, dk], k [B, H, Tk, dk], v
-    [B, H, Tk, dv]. causal: bottom-right, as make_causal_mask(Tq, past=Tk - Tq): the Tq
-    queries are the last Tq positions (is_causal=True of F.scaled_dot_product_attention
-    is top-left, and for Tq < Tk hides from query i the keys after key i)."""
+    """softmax(q k^T / sqrt(dk)) v in tiles -> (out [B, H, Tq, dv], lse [B, H, Tq], the logsumexp
+    of each query's scaled scores). causal: bottom-right, as make_causal_mask(Tq, past=Tk - Tq),
+    the queries the last Tq positions (is_causal=True of F.scaled_dot_product_attention is
+    top-left: for Tq < Tk it hides from query i the keys after key i)."""
     check(block_size=block_size, causal=causal)
     check_qkv(q, k, v, causal)
     return FlashAttention.apply(q, k, v, causal, block_size)
@@ -2811,12 +2644,9 @@ def flash_attention(q, k, v, causal=False, block_size=64):
 #   >>> torch.allclose(out, plain, atol=1e-5)
 #   True
 
-# PyTorch's F.scaled_dot_product_attention computes the same formula in fused kernels
-# (on a GPU a FlashAttention kernel where it can; on a CPU, without attention dropout,
-# one that never builds the [B, H, Tq, Tk] weights either), and F.layer_norm does
-# section 5's nine small operations in one. A small model's step is a few hundred such
-# operations, so the fused ones show: use_fused_kernels swaps them into a model of
-# Part I, the weights untouched, and --bench measures what they change.
+# F.scaled_dot_product_attention fuses the same formula (a FlashAttention kernel on a GPU; on a
+# CPU without dropout, one that never builds the [Tq, Tk] weights either), F.layer_norm section
+# 5's nine small operations: a small model's step is a few hundred operations, so they show.
 
 class FusedAttention(MultiHeadAttention):
     """Section 3's attention with step 2 in PyTorch's kernel (which never builds the [Tq, Tk] weights)."""
@@ -2841,8 +2671,8 @@ class FusedLayerNorm(LayerNorm):
 
 
 def use_fused_kernels(model, fused=True):
-    """Every MultiHeadAttention and LayerNorm in model computes with PyTorch's fused
-    kernels (fused=True) or as written (False); the weights stay as they are. -> model."""
+    """Every MultiHeadAttention and LayerNorm of model in PyTorch's fused kernels (or as written). -> model."""
+    check(model=model, fused=fused)
     for module in model.modules():
         if isinstance(module, MultiHeadAttention):
             module.__class__ = FusedAttention if fused else MultiHeadAttention
@@ -2854,41 +2684,33 @@ def use_fused_kernels(model, fused=True):
 # ===========================================================================
 # 30. Sliding-window attention and the rolling cache: Mistral (滑动窗口注意力与滚动缓存)
 # ===========================================================================
-# Mistral-7B (Jiang et al., 2023) lets each query see only the last `window` keys,
-# itself included (4096 in v0.1): a kernel that skips the hidden keys does T * window
-# work instead of T^2 / 2 (the masks here only hide them), and the KV cache never
-# needs more than `window` tokens, however long the generation: Mistral-7B's 32 layers
-# of 8 kv heads of 128 take 128 KiB a token in bf16 (section 23), so 512 MiB for
-# 4096 tokens, where a full cache at 32k tokens takes 4 GiB.
-# Three pieces: the band mask; a rolling cache that keeps the last `window` keys; and
-# Mistral, a Llama whose attention applies the band, which replaces the causal mask
-# (the band is causal itself). Older tokens still count, through the layers: layer 1
-# at position p read p - (W - 1) .. p, and layer 2 reads layer 1's outputs there, so L
-# layers reach back L * (W - 1) positions (Mistral-7B: 32 * 4095 = 131,040 with the
-# window counting the token itself, as here; the paper's W x k = 4096 x 32 = 131,072
-# counts W positions a layer). A token further back changes nothing at all; one within that
-# reach can change the output.
-# The pitfall: len(cache) must count every token seen, not the `window` it holds. RoPE
-# turns the next token by its absolute position and the mask counts from it; a cache
-# whose length stops at `window` restarts the positions, and the keys kept (turned at
-# their true positions when they were stored) no longer line up with the new queries.
-# Mistral's reference writes token p into slot p mod W of a fixed buffer (its rolling
-# buffer cache: no copies); this one keeps the last W in order, simpler to read.
+# Mistral-7B (Jiang et al., 2023) lets each query see only the last `window` keys, itself
+# included (4096 in v0.1): a kernel that skips the hidden keys does T * window work instead of
+# T^2 / 2 (the masks here only hide them), and the cache never holds more than `window`
+# tokens (Mistral-7B: 512 MiB, where 32k tokens take 4 GiB). Pieces: the band mask (causal
+# itself); a rolling cache of the last `window` keys, in order (Mistral's writes token p into
+# slot p mod W of a fixed buffer); Mistral, a Llama whose attention applies the band. Older
+# tokens count through the layers: layer 2 reads layer 1's outputs at p - (W - 1) .. p, so L
+# layers reach back L * (W - 1) positions (Mistral-7B: 32 * 4095 = 131,040; the paper's
+# 4096 x 32 = 131,072 counts W a layer); a token further back changes nothing at all. The
+# pitfall: len(cache) must count every token seen, not the `window` held: RoPE turns the next
+# token by its absolute position and the mask counts from it; a length that stops at `window`
+# restarts the positions.
 
-ARGUMENTS.update(window=(int, 1, MAX_SIZE))
+ARGUMENTS.update(window=(int, 1, MAX_SIZE), length=(int, 0, MAX_SIZE))
+RELATIONS["keys and values"] = (("shapes",), lambda s: len(s["k"]) == len(s["v"]) == 4 and s["k"][:3] == s["v"][:3],
+                                "k [B, H, Tn, dk] and v [B, H, Tn, dv] must share B, H and Tn")
 
 
 def make_window_mask(T, window, device=None, past=0):
-    """[1, 1, T, past + T]: section 2's causal mask cut to a band, the query at position p
-    seeing only the keys p - window + 1 .. p (window keys, itself included)."""
-    check(window=window)
+    """[1, 1, T, past + T]: the causal mask cut to a band, the query at p seeing keys p - window + 1 .. p."""
+    check(window=window, past=past)                                        # past < 0: a mask of other keys
     return make_causal_mask(T, device, past) & torch.ones(T, past + T, dtype=torch.bool, device=device).triu(
         past - window + 1)                                                 # [1, 1, T, past+T]
 
 
 class RollingKVCache(KVCache):
-    """A KVCache that keeps only the last `window` keys and values, while len() still
-    counts every token appended."""
+    """A KVCache that keeps only the last `window` keys and values; len() counts every token appended."""
 
     def __init__(self, window):
         super().__init__()
@@ -2899,8 +2721,8 @@ class RollingKVCache(KVCache):
         return self.dropped + super().__len__()
 
     def append(self, k, v):
-        """Add keys and values [B, Hkv, Tn, dk]; return the ones kept so far and the new
-        ones (which this step's queries need), then keep only the last window."""
+        """Add keys and values [B, Hkv, Tn, dk]; return the kept and the new ones, then keep the last window."""
+        check("keys and values", shapes=dict(k=k.shape, v=v.shape))
         k, v = super().append(k, v)                                        # [B, Hkv, kept+Tn, dk] each
         if k.size(2) > self.window:
             self.dropped += k.size(2) - self.window
@@ -2910,11 +2732,12 @@ class RollingKVCache(KVCache):
 
     def crop(self, length):
         """Keep the first `length` tokens seen (section 40 takes back rejected ones); not below those let go."""
-        length = min(length, len(self))
-        if length < self.dropped:
+        check(length=length)
+        held = min(length, len(self)) - self.dropped                       # tokens left in k and v
+        if held < 0:
             raise ValueError(f"cannot cut a rolling cache back to {length} tokens: it let {self.dropped} go")
         if self.k is not None:
-            self.k, self.v = self.k[:, :, :length - self.dropped], self.v[:, :, :length - self.dropped]  # [B, Hkv, held, dk]
+            self.k, self.v = self.k[:, :, :held], self.v[:, :, :held]     # [B, Hkv, held, dk] each
 
 
 class SlidingWindowAttention(GroupedQueryAttention):
@@ -2952,6 +2775,7 @@ class Mistral(Llama):
 
 def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
     """Closed form of count_parameters(Mistral(...)): Llama's, the window holds no parameters."""
+    check(window=window)
     return llama_param_formula(*llama_arguments, **llama_keywords)
 
 
@@ -2977,35 +2801,35 @@ def window_reach(n_layers, window):
 # ===========================================================================
 # 31. The paged KV cache (分页 KV 缓存)
 # ===========================================================================
-# A server batching requests of very different lengths wastes most of a padded
-# [B, max_len] cache: a 30-token answer reserves as much as a 4000-token one. vLLM
-# (Kwon et al., 2023, "PagedAttention") cuts the cache into fixed-size blocks, as an
-# operating system pages memory: a sequence takes a block when its last one fills,
-# finds its blocks through a block table, and gives them back when it ends; the waste
-# is under one block per sequence. Here KVPool holds the blocks and PagedKVCache is a
-# drop-in for KVCache (append, len) for one sequence: every model of sections 9-27
-# takes a list of them, one a layer, where it takes new_cache()'s (PagedLatentCache for
-# MLA's latents). Every layer's cache takes its
-# own blocks from the one pool (vLLM shares one block table across the layers, each
-# with its own storage). To attend, append gathers the sequence's blocks into one
-# [1, Hkv, t, dk] tensor; a real paged kernel (vLLM's PagedAttention) reads the
-# block table inside the attention kernel and loads each block where it lies,
-# so the keys are never copied together. --bench measures a batch of six requests of
-# 12 to 1500 tokens: a padded cache reserves 3.4 times the blocks a paged one takes.
+# A server batching requests of very different lengths wastes most of a padded [B, max_len]
+# cache: a 30-token answer reserves as much as a 4000-token one. vLLM (Kwon et al., 2023,
+# "PagedAttention") cuts the cache into fixed-size blocks, as an operating system pages
+# memory: a sequence takes a block when its last one fills, finds its blocks through a block
+# table, and gives them back when it ends: under one block per sequence is wasted. KVPool
+# holds the blocks; PagedKVCache, a KVCache, takes them for one layer of one sequence (vLLM
+# shares a block table across the layers), and a model takes a list of them (PagedLatentCache
+# for MLA). append gathers them into one [1, Hkv, t, dk], where vLLM's kernel reads each block
+# where it lies. The shared pool takes back only blocks it handed out, each once (else two
+# sequences write one block); an append checks all and takes its blocks before it writes.
 
-ARGUMENTS.update(n_blocks=(int, 1, MAX_SIZE))
+ARGUMENTS.update(n_blocks=(int, 1, MAX_SIZE), lengths=(list,))
+RELATIONS.update({
+    "one sequence": (("shapes",), lambda s: s["k"][0] == 1, "a PagedKVCache holds one sequence: batch 1"),
+    "token counts": (("lengths",), lambda ns: len(ns) > 0 and all(type(n) is int and n >= 0 for n in ns),
+                     "lengths must be a non-empty list of token counts, integers >= 0"),
+})
 
 
 class KVPool:
-    """n_blocks blocks of block_size token slots each, shared by many PagedKVCaches.
-    The storage [n_blocks, Hkv, block_size, dk] takes the shape, dtype and device of
-    the first keys written."""
+    """n_blocks blocks of block_size token slots each, shared by many PagedKVCaches; its storage
+    [n_blocks, Hkv, block_size, dk] takes the shape, dtype and device of the first keys written."""
 
     def __init__(self, n_blocks, block_size):
         check(n_blocks=n_blocks, block_size=block_size)
         self.n_blocks, self.block_size = n_blocks, block_size
         self.k = self.v = None                                             # [n_blocks, Hkv, block_size, dk]
         self.free_blocks = list(range(n_blocks - 1, -1, -1))               # popped from the end: 0 first
+        self.taken = set()                                                 # the blocks handed out
 
     @property
     def n_free(self):
@@ -3016,9 +2840,17 @@ class KVPool:
         if n > self.n_free:
             raise ValueError(f"the KVPool is full: a sequence needs {n} more blocks of {self.block_size} tokens,"
                              f" {self.n_free} of {self.n_blocks} are free (free() finished sequences)")
-        return [self.free_blocks.pop() for _ in range(n)]
+        blocks = [self.free_blocks.pop() for _ in range(n)]
+        self.taken.update(blocks)
+        return blocks
 
     def give_back(self, blocks):
+        """Blocks this pool handed out, each once: a block given back twice would serve two sequences."""
+        wrong = [b for b in blocks if type(b) is not int or b not in self.taken] or (
+            len(set(blocks)) < len(blocks) and "a block twice")
+        if wrong:
+            raise ValueError(f"a KVPool takes back only blocks it handed out, each once: {blocks!r:.60} ({wrong})")
+        self.taken.difference_update(blocks)
         self.free_blocks.extend(reversed(blocks))
 
     def storage_for(self, k, v):
@@ -3026,14 +2858,14 @@ class KVPool:
         if self.k is None:
             self.k = k.new_zeros(self.n_blocks, k.size(1), self.block_size, k.size(3))  # [n_blocks, Hkv, bs, dk]
             self.v = v.new_zeros(self.n_blocks, v.size(1), self.block_size, v.size(3))  # [n_blocks, Hkv, bs, dv]
-        if k.shape[1::2] != self.k.shape[1::2] or v.shape[1::2] != self.v.shape[1::2]:
-            raise ValueError(f"this KVPool holds keys [.., {self.k.size(1)} heads, .., {self.k.size(3)}] and values"
-                             f" [.., {self.v.size(1)}, .., {self.v.size(3)}], got {list(k.shape)} and {list(v.shape)}")
+        held, given = (self.k.dtype, self.k.shape[1::2], self.v.shape[1::2]), (k.dtype, k.shape[1::2], v.shape[1::2])
+        if held != given:  # (dtype, [Hkv, dk] of the keys, [Hkv, dv] of the values)
+            raise ValueError(f"this KVPool holds keys and values of {held}, got {given}")
         return self.k, self.v
 
 
-class PagedKVCache:
-    """One sequence's keys and values in a KVPool's blocks: same append and len as KVCache."""
+class PagedKVCache(KVCache):
+    """One sequence's keys and values in a KVPool's blocks: a KVCache, same append and len."""
 
     def __init__(self, pool):
         self.pool, self.blocks, self.n = pool, [], 0                       # block table, tokens held
@@ -3042,12 +2874,12 @@ class PagedKVCache:
         return self.n
 
     def append(self, k, v):
-        """Write this step's keys and values [1, Hkv, Tn, dk] into the blocks; return all
-        the sequence's keys and values so far, [1, Hkv, t + Tn, dk] each."""
-        if k.size(0) != 1:
-            raise ValueError(f"a PagedKVCache holds one sequence (batch 1), got keys {list(k.shape)}")
+        """Write this step's keys and values [1, Hkv, Tn, dk] into the blocks; -> all of them, [1, Hkv, t, dk]."""
+        check("keys and values", "one sequence", shapes=dict(k=k.shape, v=v.shape))
         store_k, store_v = self.pool.storage_for(k, v)                     # [n_blocks, Hkv, bs, dk] each
         bs, Tn = self.pool.block_size, k.size(2)
+        # in place: where a model puts its caches back after a failed forward (section 22), the
+        # blocks taken here stay in the table, reserved for the next tokens
         self.blocks += self.pool.take(-(-(self.n + Tn) // bs) - len(self.blocks))  # ceil: blocks needed
         position = torch.arange(self.n, self.n + Tn, device=k.device)     # [Tn]
         block = torch.tensor(self.blocks, device=k.device)[position // bs]  # [Tn]: the block table, read
@@ -3060,8 +2892,8 @@ class PagedKVCache:
         return keys, values
 
     def crop(self, length):
-        """Keep the first `length` tokens (section 40 takes back rejected ones): the blocks past
-        them go back to the pool; the next append writes over the slots after them."""
+        """Keep the first `length` tokens (section 40 takes back rejected ones); the blocks past them go back."""
+        check(length=length)
         self.n = min(length, self.n)
         used = -(-self.n // self.pool.block_size)                          # ceil: the blocks still needed
         self.pool.give_back(self.blocks[used:])
@@ -3073,21 +2905,20 @@ class PagedKVCache:
         self.blocks, self.n = [], 0
 
 
-class PagedLatentCache(PagedKVCache):
-    """MLA's cache (section 26) in a KVPool's blocks: the latent [1, t, r] stored as the
-    keys and the rope key [1, t, rope] as the values of a single head."""
+class PagedLatentCache(LatentCache):
+    """MLA's cache in a KVPool's blocks, by PagedKVCache's code: latent and rope key as one head's k and v."""
+    __init__, __len__, crop, free = PagedKVCache.__init__, PagedKVCache.__len__, PagedKVCache.crop, PagedKVCache.free
 
     def append(self, latent, k_rope):
-        keys, values = super().append(latent[:, None], k_rope[:, None])   # [1, 1, t, r], [1, 1, t, rope]
+        check("a latent and a rope key a token", shapes=dict(latent=latent.shape, k_rope=k_rope.shape))
+        keys, values = PagedKVCache.append(self, latent[:, None], k_rope[:, None])  # [1, 1, t, r], [1, 1, t, rope]
         return keys[:, 0], values[:, 0]                                    # [1, t, r], [1, t, rope]
 
 
 def padded_and_paged_slots(lengths, block_size):
-    """Token slots a padded [B, max(lengths)] cache reserves, and the slots of the
-    blocks a paged cache takes for the same sequences."""
-    padded = len(lengths) * max(lengths)
-    paged = sum(-(-n // block_size) * block_size for n in lengths)
-    return padded, paged
+    """Token slots a padded [B, max(lengths)] cache reserves, and those of the blocks a paged one takes."""
+    check("token counts", lengths=lengths, block_size=block_size)
+    return len(lengths) * max(lengths), sum(-(-n // block_size) * block_size for n in lengths)  # padded, paged
 
 # Try it:
 #   >>> pool = KVPool(n_blocks=8, block_size=4)
@@ -3109,83 +2940,63 @@ def padded_and_paged_slots(lengths, block_size):
 # ===========================================================================
 # 32. RoPE for long context: interpolation, Llama 3.1, YaRN (长上下文的 RoPE)
 # ===========================================================================
-# A model trained on L positions has never seen RoPE angles past L * theta_i, and
-# falls apart beyond it. Three ways to stretch it, each a new set of inverse
-# frequencies in place of section 19's, which with_rope_scaling gives a model:
-# - linear (position interpolation, Chen et al., 2023): every frequency divided by
-#   the factor s, position p looks like p / s. Simple, but it squeezes the fast pairs
-#   too: neighbouring tokens now differ by 1/s of the angle they did, which the YaRN
-#   paper hypothesizes loses the fine, local order the model learned.
-# - NTK-aware (bloc97, 2023: a larger base, theta * s^(dk / (dk - 2)), which slows the
-#   slow pairs most), then "by parts" (YaRN, Peng et al., 2023), used here: a pair whose
-#   wavelength 2 pi / theta_i is much shorter than L has turned many times in training,
-#   so every angle it meets later was already seen: leave it alone. A pair whose
-#   wavelength exceeds L never finished one turn: past L its angles are new, so slow
-#   it by s (interpolate). Pairs in between blend. (The name: neural tangent kernel
-#   theory says a network learns high frequencies of a low-dimensional input poorly;
-#   squeezing them throws away what it cannot relearn.)
-# - llama3 (Llama 3.1): wavelength < L / high_freq_factor kept, > L / low_freq_factor
-#   divided by the factor, a blend linear in L / wavelength between. Llama-3.1-8B
-#   (dk 128, theta 500000, factor 8, 1 and 4, L 8192) keeps pairs 0-28 (wavelength
-#   < 2048), blends 29-34 and slows 35-63 (> 8192): 8x the context, 131,072 positions,
-#   the same 8,030,261,248 parameters as Llama-3-8B (RoPE has none).
-# - yarn: the blend's ends are where a pair turns beta_fast (32) and beta_slow (1)
-#   times within L, rounded outwards to whole pairs (floor, ceil) as the reference
-#   implementations do, and the attention gets a temperature t, which YaRN defines by
-#   sqrt(1/t) = 0.1 ln s + 1 (fitted on Llama models): cos and sin times 0.1 ln s + 1,
-#   so every score q . k is multiplied by (0.1 ln s + 1)^2 = 1/t, sharpening a softmax
-#   that more keys would flatten. Forgetting it raises no error: the model just runs at
-#   a worse perplexity. DeepSeek-V3 leaves cos and sin alone and multiplies its softmax
-#   scale by m^2 instead (m = 0.1 * a * ln s + 1, a its config's mscale_all_dim, 1): in
-#   MLA only the 64 rope dims are turned, so scaling cos and sin would miss the 128
-#   nope dims. That softmax scale is not built here: with_rope_scaling refuses yarn for
-#   latent attention.
-# The pitfall: the cache holds keys already turned at their positions (section 21).
-# Static scaling, the kind here, is chosen once for the model; turning the cached keys
-# again (say, to switch scaling mid-generation) turns them twice. Dynamic NTK and
-# dynamic YaRN change the scaling with the sequence's length, every forward, by design,
-# and so cache the keys before RoPE (the YaRN paper's section 3.3).
+# A model trained on L positions has never seen RoPE angles past L * theta_i, and falls apart
+# beyond it. Three stretches, each new inverse frequencies in place of section 19's, which
+# with_rope_scaling gives a model:
+# - linear (position interpolation, Chen et al., 2023): every frequency divided by the factor
+#   s, position p looks like p / s; it squeezes the fast pairs too, which the YaRN paper
+#   hypothesizes loses the fine, local order the model learned.
+# - llama3 (Llama 3.1): wavelength 2 pi / theta_i < L / high_freq_factor kept, > L /
+#   low_freq_factor divided by the factor, blended linearly in L / wavelength between:
+#   Llama-3.1-8B (dk 128, theta 500000, factor 8, 1 and 4, L 8192) keeps pairs 0-28, blends
+#   29-34, slows 35-63: 131,072 positions, Llama-3-8B's 8,030,261,248 parameters.
+# - yarn ("by parts", Peng et al., 2023, after bloc97's NTK-aware base theta * s^(dk/(dk-2))):
+#   a pair that turned many times within L met every angle in training: kept; one that never
+#   finished a turn: slowed by s; between, a ramp from the pair that turns beta_fast (32) times
+#   to the one that turns beta_slow (1) time within L, rounded outwards (floor, ceil) as the
+#   references do. And a temperature: cos and sin times 0.1 ln s + 1 (fitted on Llama) sharpen
+#   every score, which more keys would flatten; forgotten, the model just runs worse. MLA turns
+#   only its rope dims, so DeepSeek-V3 puts (0.1 * mscale_all_dim * ln s + 1)^2 in its softmax
+#   scale instead; not built here: with_rope_scaling refuses yarn for MLA.
+# The pitfall: the cache holds keys already turned (section 21). Static scaling, the kind here,
+# is chosen once; turning cached keys again (to switch mid-generation) turns them twice.
+# Dynamic NTK and YaRN rescale with the length, so they cache keys before RoPE (YaRN, 3.3).
 
-ARGUMENTS.update(original_max_len=(int, 1, MAX_SIZE))
-SCALING_KEYS = {"linear": (("factor",), ()),
-                "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_len"), ()),
-                "yarn": (("factor", "original_max_len"), ("beta_fast", "beta_slow"))}  # (required, optional)
+SCALING_KEYS = {  # type: (its keys, optional ones, its RELATIONS); each key has its rule in ARGUMENTS
+    "linear": (["factor"], [], ()),
+    "llama3": (["factor", "low_freq_factor", "high_freq_factor", "original_max_len"], [], ("low < high",)),
+    "yarn": (["factor", "original_max_len"], ["beta_fast", "beta_slow"], ("beta_fast > beta_slow",))}
+ARGUMENTS.update(original_max_len=(int, 1, MAX_SIZE), scaling=(dict,), type=("one of", *SCALING_KEYS),
+                 factor=(float, 1.0, FINITE), model_kind=(type,), **dict.fromkeys(
+                     ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"),
+                     (float, torch.finfo(torch.float32).tiny, FINITE)))      # > 0: they divide or take logs
+RELATIONS.update({
+    "a scaling type": (("scaling",), lambda s: s.get("type") in tuple(SCALING_KEYS),
+                       "scaling type must be 'linear', 'llama3' or 'yarn' (a dict with a 'type' key)"),
+    **{f"{kind} keys": (("scaling",), lambda s, keys=keys: set(keys[0]) <= set(s) - {"type"} <= set(keys[0] + keys[1]),
+                        f"scaling {kind!r} needs the keys {keys[0]} (optional: {keys[1]}) and no others")
+       for kind, keys in SCALING_KEYS.items()},
+    "low < high": (("low_freq_factor", "high_freq_factor"), lambda low, high: low < high,
+                   "low_freq_factor must be below high_freq_factor"),
+    "beta_fast > beta_slow": (("beta_fast", "beta_slow"), lambda f, s: f > s, "beta_fast must be above beta_slow"),
+    "a Llama family": (("model_kind",), lambda cls: issubclass(cls, Llama),
+                       "model must be a RoPE model of this file: a Llama or a family of it"),
+})
 
 
 def check_scaling(scaling):
-    """A scaling is a dict with a known type, its keys, finite numbers > 0, factor >= 1,
-    an integer original_max_len, llama3's low < high and yarn's beta_fast > beta_slow."""
-    kind = scaling.get("type") if isinstance(scaling, dict) else None
-    if kind not in SCALING_KEYS:
-        raise ValueError(f"scaling type must be 'linear', 'llama3' or 'yarn' (a dict with a 'type' key), got"
-                         f" {kind!r} in {scaling!r}")
-    required, optional = SCALING_KEYS[kind]
-    missing = [key for key in required if key not in scaling]
-    unknown = sorted(set(scaling) - {"type", *required, *optional})
-    if missing or unknown:
-        raise ValueError(f"scaling {kind!r} needs the keys {list(required)} (optional: {list(optional)});"
-                         f" missing {missing}, unknown {unknown}")
-    for key in sorted(set(scaling) - {"type", "original_max_len"}):  # factors and betas divide or take logs
-        value = scaling[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise ValueError(f"scaling {kind!r} {key} must be a finite number > 0, got {value!r}")
-    if not scaling["factor"] >= 1:
-        raise ValueError(f"scaling factor must be a number >= 1 (how many times longer), got {scaling['factor']!r}")
-    if kind != "linear":
-        check(original_max_len=scaling["original_max_len"])
-    if kind == "llama3" and not scaling["low_freq_factor"] < scaling["high_freq_factor"]:
-        raise ValueError(f"scaling llama3 needs low_freq_factor < high_freq_factor, got"
-                         f" {scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
-    if kind == "yarn" and not scaling.get("beta_fast", 32) > scaling.get("beta_slow", 1):
-        raise ValueError(f"scaling yarn needs beta_fast > beta_slow, got {scaling.get('beta_fast', 32)} and"
-                         f" {scaling.get('beta_slow', 1)}")
+    """A RoPE scaling: a dict of a known type, its keys, each in its range (factor >= 1)."""
+    check("a scaling type", scaling=scaling)
+    check(f"{scaling['type']} keys", scaling=scaling)
+    check(*SCALING_KEYS[scaling["type"]][2], **{"beta_fast": 32, "beta_slow": 1, **scaling})  # yarn's defaults
 
 
 def scaled_rope_frequencies(head_dim, theta, scaling):
-    """RoPE's inverse frequencies [dk/2] stretched for a longer context, as the published
-    formulas (Hugging Face's _compute_linear_scaling_rope_parameters, _compute_llama3_parameters
-    and _compute_yarn_parameters, whose rope_type and original_max_position_embeddings
-    are type and original_max_len here) -> (inv_freq [dk/2], attention factor for cos and sin)."""
+    """RoPE's inverse frequencies stretched for a longer context, by Hugging Face's formulas
+    (_compute_linear_scaling_rope_parameters, _compute_llama3_parameters, _compute_yarn_parameters;
+    rope_type, original_max_position_embeddings) -> (inv_freq [dk/2], a factor for cos and sin)."""
+    check("even head_dim", head_dim=head_dim, theta=theta)
+    check_scaling(scaling)
     inv_freq, factor = rope_frequencies(head_dim, theta), scaling["factor"]  # [dk/2], s
     if scaling["type"] == "linear":
         return inv_freq / factor, 1.0                                      # [dk/2]
@@ -3209,10 +3020,8 @@ def scaled_rope_frequencies(head_dim, theta, scaling):
 
 
 def scaled_rope_cos_sin(head_dim, max_len, theta, scaling):
-    """rope_cos_sin's tables [max_len, head_dim] for the stretched frequencies, times the
-    attention factor (yarn's temperature; 1 for the others)."""
-    check("even head_dim", head_dim=head_dim, max_len=max_len, theta=theta)
-    check_scaling(scaling)
+    """rope_cos_sin's tables [max_len, head_dim], stretched, times yarn's temperature (1 for the others)."""
+    check(max_len=max_len)
     inv_freq, attention_factor = scaled_rope_frequencies(head_dim, theta, scaling)  # [dk/2], a float
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [max_len, dk/2]
     emb = torch.cat([angles, angles], dim=-1)                              # [max_len, dk]
@@ -3220,9 +3029,9 @@ def scaled_rope_cos_sin(head_dim, max_len, theta, scaling):
 
 
 def with_rope_scaling(model, scaling):
-    """Give a RoPE model of this file (Llama, its families, DeepSeekV3) the tables of
-    scaling for its max_len, and record the scaling in its config (checkpoints rebuild
-    it). -> model."""
+    """Give a RoPE model of this file (Llama, its families) the tables of scaling for its max_len,
+    recorded in its config for checkpoints. -> model."""
+    check("a Llama family", model_kind=type(model))
     check_scaling(scaling)
     if isinstance(model, DeepSeekV3) and scaling["type"] == "yarn":
         raise ValueError("yarn's temperature goes into latent attention's softmax scale (DeepSeek-V3's mscale),"
@@ -3233,8 +3042,7 @@ def with_rope_scaling(model, scaling):
     return model
 
 
-LLAMA_3_1_8B = dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
-                    max_len=131072, rope_theta=500000.0, norm_eps=1e-5)
+LLAMA_3_1_8B = dict(LLAMA_CONFIGS[1][1], max_len=131072)                  # Llama-3-8B's, 16 times as long
 LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                      "original_max_len": 8192}
 
@@ -3263,22 +3071,25 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 # ===========================================================================
 # 33. AdamW, written out (AdamW 优化器)
 # ===========================================================================
-# Adam steps each weight by a running mean of its gradient over the root of a running
-# mean of its square: about lr per step whatever the gradient's scale, so one lr fits
-# every layer. Weight decay added to the gradient (L2, torch.optim.Adam(weight_decay=...))
-# is divided by that root too, and a weight with large gradients is hardly decayed.
-# AdamW (Loshchilov and Hutter, "Decoupled Weight Decay Regularization", ICLR 2019)
-# shrinks the weight itself, apart from the gradient: p <- p * (1 - lr * weight_decay).
+# Adam steps each weight by a running mean of its gradient over the root of a running mean of
+# its square: about lr per step whatever the gradient's scale, so one lr fits every layer.
+# Weight decay added to the gradient (L2, torch.optim.Adam(weight_decay=...)) is divided by that
+# root too, and a weight with large gradients is hardly decayed. AdamW (Loshchilov and Hutter,
+# "Decoupled Weight Decay Regularization", ICLR 2019) shrinks the weight itself, apart from the
+# gradient: p <- p * (1 - lr * weight_decay).
 
-ARGUMENTS.update(lr=(float, 0.0, math.inf), betas=(tuple,), eps=(float, torch.finfo(torch.float32).tiny, math.inf),
-                 weight_decay=(float, 0.0, math.inf))
+ARGUMENTS.update(lr=(float, 0.0, FINITE), betas=(tuple,), eps=(float, torch.finfo(torch.float32).tiny, FINITE),
+                 weight_decay=(float, 0.0, FINITE))
 RELATIONS["betas in [0, 1)"] = (("betas",), lambda b: len(b) == 2 and all(
     isinstance(x, (int, float)) and 0 <= x < 1 for x in b), "betas must be two numbers, each >= 0 and < 1")
 
 
 class AdamW(torch.optim.Optimizer):
-    """torch.optim.AdamW's update, written out. params: parameters, or groups (dicts)
-    with their own lr and weight_decay, as for any torch optimizer."""
+    """torch.optim.AdamW's update, written out in torch's order of operations: the same maths in another order
+    rounds differently in the last bit, and training carries that on (a test shows the paper's order drifting
+    from torch.optim.AdamW where this one does not). As there, the decay is multiplied by the whole lr; the
+    paper's Algorithm 2 multiplies its lambda by the schedule's factor alone, so its lambda is peak lr *
+    weight_decay. params: parameters, or groups (dicts) with their own lr and weight_decay."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         check("betas in [0, 1)", lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -3286,12 +3097,19 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every parameter that has a gradient. closure, if given,
-        recomputes the loss first (torch's convention) -> that loss."""
+        """One update of every parameter with a gradient; closure, if given, recomputes the loss first -> that loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for group in self.param_groups:  # every group and gradient checked before any weight moves
+            check("betas in [0, 1)", lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                  weight_decay=group["weight_decay"])
+            bad = next((p for p in group["params"] if p.grad is not None and (
+                p.grad.layout != torch.strided or p.grad.shape != p.shape)), None)
+            if bad is not None:
+                raise ValueError(f"AdamW takes dense gradients of the parameter's shape, got a {bad.grad.layout}"
+                                 f" gradient {list(bad.grad.shape)} for a parameter {list(bad.shape)}")
         for group in self.param_groups:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
@@ -3312,36 +3130,32 @@ class AdamW(torch.optim.Optimizer):
                 p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))       # p -= lr * m_hat / denom
         return loss
 
-# The update is written in torch's order of operations: the same maths in another order
-# rounds differently, and 25 steps of a small Llama's training grow that last bit to 5e-6
-# (the formulas as written above, measured against torch.optim.AdamW; torch's order: 0).
-# As in torch.optim.AdamW, the decay is multiplied by the whole lr; the paper's Algorithm 2
-# multiplies its lambda by the schedule's factor alone, so its lambda is peak lr * weight_decay.
-# Which weights decay: decay pulls toward 0, which keeps a matrix's size in check, but a
-# norm's weight is a per-feature gain whose neutral value is 1 (decayed, it shrinks the
-# block's input and the next matrix must grow to undo it), and a bias is a shift of D numbers.
-# nanoGPT's rule, kept here: parameters of 2+ dims decay (in this file the nn.Linear and
-# nn.Embedding weights, embeddings included, and section 39's LoRA matrices), 1-dim ones
-# (biases, norm weights) do not.
-# Buffers (positions, MoE's router_bias) are not parameters: no optimizer touches them.
+    def load_state_dict(self, state_dict):
+        """torch's, for this AdamW's t, m, v only: torch.optim.AdamW's step, exp_avg, exp_avg_sq are refused first."""
+        states = state_dict.get("state") if isinstance(state_dict, dict) else None
+        wrong = next((sorted(s) for s in (states or {}).values() if set(s) != {"t", "m", "v"}), None)
+        if not isinstance(states, dict) or wrong is not None:
+            raise ValueError(f"state_dict must be this AdamW's state_dict() (per parameter t, m, v), got"
+                             f" {wrong if wrong is not None else type(state_dict).__name__}")
+        super().load_state_dict(state_dict)
+
 
 def decay_groups(model, weight_decay):
-    """The two parameter groups for AdamW: model's trained parameters of 2+ dims with
-    weight_decay, the rest (biases, norm weights) with 0. A tied weight comes once."""
-    check(weight_decay=weight_decay)
+    """AdamW's two groups, by nanoGPT's rule: model's trained parameters of 2+ dims (the nn.Linear and
+    nn.Embedding weights, section 39's LoRA matrices), whose size decay keeps in check, with weight_decay;
+    the 1-dim ones with 0: a bias is a shift, a norm's weight a per-feature gain whose neutral value is 1
+    (decayed, it shrinks the block's input and the next matrix must grow to undo it). A tied weight
+    comes once; buffers (positions, MoE's router_bias) are not parameters: no optimizer touches them."""
+    check(model=model, weight_decay=weight_decay)
     params = [p for p in model.parameters() if p.requires_grad]  # frozen ones have nothing to update
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
-# Try it: a first step moves each weight by lr, whatever its gradient's size.
-#   >>> w = nn.Parameter(torch.tensor([1.0, -2.0]))
-#   >>> opt = AdamW([w], lr=0.1, weight_decay=0.0)
-#   >>> w.grad = torch.tensor([0.5, 100.0]); opt.step()
-#   >>> w.data
+# Try it: a first step moves each weight by lr, whatever its gradient's size; decay shrinks matrices only.
+#   >>> w = nn.Parameter(torch.tensor([1.0, -2.0])); opt = AdamW([w], lr=0.1, weight_decay=0.0)
+#   >>> w.grad = torch.tensor([0.5, 100.0]); opt.step(); w.data
 #   tensor([ 0.9000, -2.1000])
 #   >>> model = Llama(vocab_size=50, d_model=16, n_layers=1, n_heads=2)
-#   >>> [len(group["params"]) for group in decay_groups(model, 0.1)]    # 9 matrices; 3 RMSNorm weights
-#   [9, 3]
 #   >>> ours = AdamW(decay_groups(model, 0.1), lr=0.01)
 #   >>> for p in model.parameters(): p.grad = torch.zeros_like(p)         # no gradient: only decay acts
 #   >>> before = model.lm_head.weight.clone(); ours.step()
@@ -3352,27 +3166,24 @@ def decay_groups(model, weight_decay):
 # ===========================================================================
 # 34. Learning-rate schedules (学习率调度)
 # ===========================================================================
-# A schedule multiplies the peak learning rate by a function of the step, for
-# torch.optim.lr_scheduler.LambdaLR. It rises first (warmup: Adam's first updates are
-# noisy, so they are kept small) and falls at the end (a smaller step settles lower).
-# Cosine needs the run's length in advance; WSD (warmup-stable-decay) holds the peak and
-# decays only over the last steps, so a run can be extended and decayed from any point.
+# A schedule multiplies the peak learning rate by a function of the step, for LambdaLR (section
+# 13's noam is the learning rate itself). It rises first (warmup: Adam's first updates are noisy,
+# so they are kept small) and falls at the end (a smaller step settles lower). Cosine needs the
+# run's length in advance; WSD (warmup-stable-decay) holds the peak and decays only over the
+# last steps, so a run can be extended and decayed from any point.
 
-ARGUMENTS.update(step=(int, 0, MAX_SIZE), warmup_steps=(int, 0, MAX_SIZE), total_steps=(int, 1, MAX_SIZE),
-                 decay_steps=(int, 0, MAX_SIZE), min_ratio=(float, 0.0, 1.0))
+ARGUMENTS.update(total_steps=(int, 1, MAX_SIZE), decay_steps=(int, 0, MAX_SIZE), min_ratio=(float, 0.0, 1.0))
 RELATIONS.update({
     "warmup <= total": (("warmup_steps", "total_steps"), lambda w, t: w <= t,
                         "warmup_steps must be at most total_steps"),
     "decay after warmup": (("decay_steps", "total_steps", "warmup_steps"), lambda d, t, w: d <= t - w,
                            "decay_steps must be at most total_steps - warmup_steps"),
-    "a warmup step": (("warmup_steps",), lambda w: w >= 1, "warmup_steps must be >= 1 (the peak's step)"),
 })
 
 
 def warmup_cosine(step, warmup_steps, total_steps, min_ratio=0.0):
-    """The multiplier at step: step / warmup_steps during the warmup (0 at step 0, so the
-    first step moves no weight: transformers' convention), then half a cosine from 1 down
-    to min_ratio at total_steps, then min_ratio."""
+    """The multiplier at step: step / warmup_steps during the warmup (0 at step 0, so the first step moves no
+    weight: transformers' convention), then half a cosine from 1 down to min_ratio at total_steps, then min_ratio."""
     check("warmup <= total", step=step, warmup_steps=warmup_steps, total_steps=total_steps, min_ratio=min_ratio)
     if step < warmup_steps:
         return step / warmup_steps
@@ -3382,12 +3193,10 @@ def warmup_cosine(step, warmup_steps, total_steps, min_ratio=0.0):
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))  # [] a float, 1 down to min_ratio
 
 
-# WSD is MiniCPM's (Hu et al., 2024), whose decay may be any falling function (its runs
-# used an exponential one); here linear, as transformers' get_wsd_schedule(decay_type="linear").
-
 def warmup_stable_decay(step, warmup_steps, total_steps, decay_steps, min_ratio=0.0):
-    """The multiplier at step: from min_ratio up to 1 over the warmup, 1 until the last
-    decay_steps before total_steps, down to min_ratio linearly over them, then min_ratio."""
+    """MiniCPM's WSD (Hu et al., 2024): the multiplier at step, from min_ratio up to 1 over the warmup, 1 until
+    the last decay_steps before total_steps, down to min_ratio over them, then min_ratio. Its decay may be any
+    falling function (its runs: exponential); here linear, as transformers' get_wsd_schedule(decay_type="linear")."""
     check("warmup <= total", "decay after warmup", step=step, warmup_steps=warmup_steps, total_steps=total_steps,
           decay_steps=decay_steps, min_ratio=min_ratio)
     if step < warmup_steps:
@@ -3398,20 +3207,11 @@ def warmup_stable_decay(step, warmup_steps, total_steps, decay_steps, min_ratio=
         return min_ratio + (1 - min_ratio) * (total_steps - step) / decay_steps
     return min_ratio
 
-
-# The 2017 paper's schedule, noam (section 13), is the learning rate itself; these two are
-# multipliers of a peak learning rate.
-
 # Try it: 2 steps of warmup, 10 in all; WSD decays over the last 4.
 #   >>> [round(warmup_cosine(s, 2, 10, min_ratio=0.1), 3) for s in (0, 1, 2, 6, 10, 12)]  # 6: the midpoint
 #   [0.0, 0.5, 1.0, 0.55, 0.1, 0.1]
 #   >>> [round(warmup_stable_decay(s, 2, 10, 4, min_ratio=0.1), 3) for s in (0, 1, 2, 6, 8, 10, 12)]
 #   [0.1, 0.55, 1.0, 1.0, 0.55, 0.1, 0.1]
-#   >>> opt = AdamW([nn.Parameter(torch.zeros(1))], lr=3e-4)
-#   >>> schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_cosine(step, 100, 1000))
-#   >>> for _ in range(100): opt.step(); schedule.step()
-#   >>> opt.param_groups[0]["lr"]                                          # the peak, after the warmup
-#   0.0003
 
 
 # ===========================================================================
@@ -3427,11 +3227,14 @@ ARGUMENTS.update(max_norm=(float, 0.0, math.inf), ignore_index=(int, -MAX_SIZE, 
 
 @torch.no_grad()
 def clip_grad_norm(parameters, max_norm):
-    """torch.nn.utils.clip_grad_norm_: every gradient of parameters (a tensor or an iterable;
-    those without one skipped) times min(1, max_norm / (norm + 1e-6)), norm the length of
-    all of them laid end to end -> that norm before clipping, a [] tensor."""
+    """torch.nn.utils.clip_grad_norm_: every gradient of parameters (a tensor or an iterable; those without
+    one skipped) times min(1, max_norm / (norm + 1e-6)), norm their length laid end to end -> that norm, []."""
     check(max_norm=max_norm)
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+    check_list("parameters", parameters, "tensors (model.parameters())")
+    parameters = list(parameters)
+    if not all(isinstance(p, torch.Tensor) for p in parameters):
+        raise ValueError(f"parameters must be tensors, got {sorted({type(p).__name__ for p in parameters})}")
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)                                           # []: nothing to clip, as torch
@@ -3441,19 +3244,26 @@ def clip_grad_norm(parameters, max_norm):
         g.mul_(scale)  # one factor for all: clipping each tensor by its own norm would turn the direction
     return norm
 
-# Accumulation's pitfall: a language model's loss is a mean over real tokens (padding
-# is ignore_index), and the mean of the micro-batches' means is not the big batch's mean
-# when they hold different numbers of real tokens: with 2 in one and 8 in the other, each
-# token of the first weighs 1/4, each of the second 1/16, where the big batch weighs all
-# 1/10. transformers' Trainer shipped this until October 2024 (its blog post "Fixing
-# Gradient Accumulation", 16 October 2024, and pull request 34191). Right: sum each
-# micro-batch's token losses and divide by the real tokens of all of them.
+# Accumulation's pitfall: a language model's loss is a mean over real tokens (padding is
+# ignore_index), and the mean of the micro-batches' means is not the big batch's mean when they
+# hold different numbers of real tokens (2 and 8: each token of the first weighs 1/4, of the
+# second 1/16, where the big batch weighs all 1/10; transformers' Trainer did this until October
+# 2024, pull request 34191). Right: sum the micro-batches' token losses, divide by all real tokens.
 
 def accumulate_gradients(model, micro_batches, ignore_index=-100):
-    """Add the big batch's gradient to model's .grad, from a list of micro-batches
-    (inputs..., targets [B, T]) with model(*inputs) -> logits [B, T, V] -> the big
-    batch's loss, the mean cross-entropy over its real tokens (targets != ignore_index)."""
-    check(ignore_index=ignore_index)
+    """Add the big batch's gradient to .grad from micro-batches (inputs..., targets [B, T]), model(*inputs)
+    -> logits [B, T, V]; -> the big batch's loss, the mean cross-entropy over real tokens (!= ignore_index)."""
+    check(model=model, ignore_index=ignore_index)
+    check_list("micro_batches", micro_batches, "(inputs..., targets) tuples")
+    micro_batches = list(micro_batches)
+    vocab = getattr(model, "vocab_size", getattr(model, "tgt_vocab_size", None))  # this file's models say it
+    for i, (*inputs, targets) in enumerate(micro_batches):  # all checked before the first backward
+        integer = isinstance(targets, torch.Tensor) and not targets.is_floating_point() and targets.dim() == 2
+        shape = list(inputs[-1].shape) if inputs and isinstance(inputs[-1], torch.Tensor) else None
+        real = targets[targets != ignore_index] if integer else None       # [n]
+        if not integer or list(targets.shape) != shape or (vocab and len(real) and not 0 <= real.min() <= real.max() < vocab):
+            raise ValueError(f"micro_batches[{i}]: targets must be integer ids [B, T], the shape of the last input"
+                             f" {shape}, each an id of the vocabulary ({vocab}) or ignore_index ({ignore_index})")
     real = sum(int((batch[-1] != ignore_index).sum()) for batch in micro_batches)  # [] ints: real tokens
     if real == 0:
         raise ValueError(f"micro_batches must hold a real token, got every target = ignore_index ({ignore_index})")
@@ -3479,13 +3289,9 @@ def accumulate_gradients(model, micro_batches, ignore_index=-100):
 #   True
 
 
-# The pieces of this part so far make section 13's update step, written out: the later runs
-# on the toy (LoRA's, section 39) train with it.
-
 def adamw_update(model, lr, warmup_steps, total_steps, weight_decay=0.01, max_norm=1.0):
-    """After each backward: clip_grad_norm to max_norm, a step of AdamW on decay_groups(model)
-    at lr * warmup_cosine(step, warmup_steps, total_steps), then the gradients cleared.
-    Only trained parameters take part (a frozen one has no gradient). -> update()."""
+    """Section 13's update step, written out (section 39 trains with it): after each backward, clip_grad_norm to
+    max_norm, AdamW on decay_groups(model) at lr * warmup_cosine(step, warmup_steps, total_steps) -> update()."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = AdamW(decay_groups(model, weight_decay), lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, warmup_steps,
@@ -3502,9 +3308,7 @@ def adamw_update(model, lr, warmup_steps, total_steps, weight_decay=0.01, max_no
 # ===========================================================================
 # 36. FLOPs, by formula and counted (计算量)
 # ===========================================================================
-# A product [M, K] @ [K, N] is 2 M N K FLOPs (a multiply and an add a term), and products
-# are nearly all of a Transformer's work: FlopCounterMode (torch.utils.flop_counter) counts
-# exactly those, not norms, softmax or RoPE, and the formulas below meet its count exactly.
+# A product [M, K] @ [K, N] is 2 M N K FLOPs, most of a Transformer's work: FlopCounterMode counts them.
 
 MODEL_KINDS = {DecoderOnlyTransformer: "gpt", Llama: "llama", Mistral: "mistral", Qwen3: "qwen3",
                Mixtral: "mixtral", Qwen3MoE: "qwen3moe", DeepSeekV3: "deepseek"}  # exact classes
@@ -3512,65 +3316,54 @@ MODEL_PARTS = (nn.Embedding, nn.Linear, nn.ModuleList, nn.Dropout, PositionalEnc
                MultiHeadAttention, FeedForward, RMSNorm, LlamaBlock, GroupedQueryAttention, SlidingWindowAttention,
                QKNormAttention, SwiGLU, MoE, MultiHeadLatentAttention)  # the modules the formulas model
 ARGUMENTS.update(batch_size=(int, 1, MAX_SIZE), seq_len=(int, 1, MAX_SIZE), kind=("one of", *MODEL_KINDS.values()),
-                 config=(dict,), memory=(dict,))
+                 config=(dict,))
 RELATIONS["seq_len <= max_len"] = (("seq_len", "max_len"), lambda t, most: t <= most, "seq_len must be at most max_len")
 
 
 class Keys(dict):
-    """A copy of the dict argument called name; a key it lacks is a ValueError that names it."""
-
-    def __init__(self, name, mapping):
-        check(**{name: mapping})
-        super().__init__(mapping)
-        self.name = name
+    """A formula's dict argument (a config, a memory): a key it lacks is a ValueError naming it."""
 
     def __missing__(self, key):                                            # d[key]; d.get(key) stays None
-        raise ValueError(f"{self.name} lacks the key {key!r}")
+        raise ValueError(f"the formula reads the key {key!r}, which its dict argument lacks")
 
 
 def model_kind(model, formula="model_kind", trains=False):
-    """The formulas' name for model's class; ValueError for another class, for a module inside that
-    they do not model (an adapter, a fused kernel: it changes the count), named with its place, and
-    (trains) for a frozen parameter: its product computes no dW, and saves no input for one."""
+    """model's family; ValueError for another class, a module the formulas do not model, a frozen weight."""
     if type(model) not in MODEL_KINDS:
-        raise ValueError(f"model must be one of {', '.join(c.__name__ for c in MODEL_KINDS)}, got"
+        raise ValueError(f"model must be one of {', '.join(k.__name__ for k in MODEL_KINDS)}, got"
                          f" {type(model).__name__}")
-    odd = [f" holds a {type(m).__name__} at {name}" for name, m in model.named_modules() if type(m) not in MODEL_PARTS
-           and name] + [f"'s {name} is frozen" for name, p in model.named_parameters() if trains and not p.requires_grad]
+    odd = [f" holds a {type(m).__name__} at {name}" for name, m in model.named_modules()
+           if name and type(m) not in MODEL_PARTS]
+    odd += [f"'s {name} is frozen (no dW)" for name, p in model.named_parameters() if trains and not p.requires_grad]
     if odd:
         raise ValueError(f"{formula}: model{odd[0]}, which the formula does not count")
     return MODEL_KINDS[type(model)]
 
 
 def matmul_widths(kind, config, active=True):
-    """(W, A) for a model's config or a published one: W the weights a token's forward multiplies
-    by, every nn.Linear's (lm_head, a MoE's router, the experts a token runs; active=False: all),
-    not the embedding table, which is read; A = sum over layers of heads x (q.k + v widths)."""
-    check(kind=kind)
-    c = Keys("config", config)
+    """(W, A): W the weights of every nn.Linear a token's forward runs (active=False: every expert), not
+    the embedding table, which is read; A = sum over layers of heads x (q.k + v widths)."""
+    check(kind=kind, config=config)
+    c = Keys(config)
     D, V, L, H = c["d_model"], c["vocab_size"], c["n_layers"], c["n_heads"]
     if kind == "gpt":
         return L * (4 * D * D + 2 * D * c["d_ff"]) + V * D, L * 2 * D  # biases: added, not multiplied
     if kind == "deepseek":
-        q_width, r, qr = H * (c["qk_nope_dim"] + c["qk_rope_dim"]), c["kv_lora_rank"], c.get("q_lora_rank")
-        attention = (D * q_width if qr is None else D * qr + qr * q_width) + D * (r + c["qk_rope_dim"]) + \
-            r * H * (c["qk_nope_dim"] + c["v_head_dim"]) + H * c["v_head_dim"] * D
+        nope, rope, v, r = c["qk_nope_dim"], c["qk_rope_dim"], c["v_head_dim"], c["kv_lora_rank"]
+        qr = c.get("q_lora_rank")
+        attention = (D * H * (nope + rope) if qr is None else qr * (D + H * (nope + rope))) + D * (r + rope) + \
+            H * (r * (nope + v) + v * D)
         moe = moe_params(D, c["expert_d_ff"], c["n_experts"], c["top_k"], c["n_shared"], active)
         dense = c["n_dense_layers"]
-        W = L * attention + dense * 3 * D * c["d_ff"] + (L - dense) * moe + V * D
-        return W, L * H * (c["qk_nope_dim"] + c["qk_rope_dim"] + c["v_head_dim"])
+        return L * attention + dense * 3 * D * c["d_ff"] + (L - dense) * moe + V * D, L * H * (nope + rope + v)
     head_dim, d_ff = c.get("head_dim") or D // H, c.get("d_ff") or llama_ffn_dim(D)  # Llama and its families
-    attention = gqa_params(D, H, c.get("n_kv_heads") or H, head_dim, bias=False)
-    if kind in ("mixtral", "qwen3moe"):
-        ffn = moe_params(D, c.get("expert_d_ff") or d_ff, c["n_experts"], c["top_k"], active=active)
-    else:
-        ffn = 3 * D * d_ff
-    return L * (attention + ffn) + V * D, L * H * 2 * head_dim
+    ffn = moe_params(D, c.get("expert_d_ff") or d_ff, c["n_experts"], c["top_k"], active=active) if kind in (
+        "mixtral", "qwen3moe") else 3 * D * d_ff
+    return L * (gqa_params(D, H, c.get("n_kv_heads") or H, head_dim, bias=False) + ffn) + V * D, L * H * 2 * head_dim
 
 
 def forward_flops(model, batch_size, seq_len):
-    """FLOPs of model(ids) for ids [batch_size, seq_len]: 2 W a token for the weights, 2 T A
-    a token for the scores q k^T and their sum over v."""
+    """FLOPs of model(ids), ids [batch_size, seq_len]: 2 W a token for the weights, 2 T A for q k^T and @ v."""
     kind = model_kind(model, "forward_flops")
     check("seq_len <= max_len", batch_size=batch_size, seq_len=seq_len, max_len=model.max_len)
     W, A = matmul_widths(kind, model.config)
@@ -3578,150 +3371,131 @@ def forward_flops(model, batch_size, seq_len):
 
 
 def training_flops(model, batch_size, seq_len):
-    """FLOPs of a forward and loss.backward(): 3 forwards, as Y = X W needs dX = dY W^T and
-    dW = X^T dY, each as large as the product; ValueError for a block with its own forward."""
+    """FLOPs of a forward and loss.backward(): 3 forwards, as Y = X W needs dX = dY W^T and dW = X^T dY."""
     model_kind(model, "training_flops", trains=True)
-    rerun = [i for i, block in enumerate(model.layers) if "forward" in vars(block)]  # checkpointed, say
-    if rerun:
-        raise ValueError(f"training_flops: model's layers.{rerun[0]} has a forward of its own, which the formula"
-                         f" does not count")
+    if any("forward" in vars(block) for block in model.layers):  # checkpointed, say: a block runs twice
+        raise ValueError("training_flops counts one forward a block: model's blocks have forwards of their own")
     return 3 * forward_flops(model, batch_size, seq_len)
 
-# The count is of what is computed: all [T, T] scores, the upper half masked (a causal kernel
-# skips it: half the attention FLOPs), and a MoE's experts on N * top_k (token, expert) pairs
-# whatever the router chose. "6N" (Kaplan et al., 2020: C_forward = 2N + 2 n_layer n_ctx
-# d_model, N without the embeddings) is 6 W + 6 T A a token here: W is N less what no product
-# reads (the table unless tied to lm_head, norms, biases), and 6 T A, what 6N leaves out, grows
-# with the context: 29% on top of 6 W for Llama-3-8B at T = 8192 (Kaplan's term is half of it;
-# PaLM's appendix B and nanoGPT's estimate_mfu count 6N + 12 L H Q T, Q the head width: all of
-# it). For a MoE, N is the active parameters. The model FLOPs utilization (MFU) of a run: the
-# FLOPs it needed over what its GPUs could do at peak (dense bf16) in the time. Published runs:
+# Counted as computed: all [T, T] scores (a causal kernel skips half), N * top_k (token, expert) pairs whatever the
+# router chose. "6N" a token (Kaplan et al., 2020; N without embeddings, a MoE's active) is 6 W + 6 T A here: W is N
+# less the table (unless tied), norms, biases; 6 T A, +29% for Llama-3-8B at 8K, is PaLM's 12 L H Q T (Q: head width).
 
-TRAINING_BUDGETS = [  # (model, tokens, GPU hours, GPU, peak FLOP/s of one GPU, sequence length)
+TRAINING_BUDGETS = [  # (model, tokens, GPU hours, GPU, peak FLOP/s of one GPU, dense bf16, sequence length)
     ("Llama-2-7B", 2.0e12, 184_320, "A100-80GB", 312e12, 4096),  # Llama 2 paper, Tables 1, 2; A100 datasheet
     ("Llama-3-8B", 15e12, 1.3e6, "H100-80GB", 989.4e12, 8192),   # Llama 3 model card; Hopper whitepaper, SXM
-    # V3 report, Table 1: pretraining's 2,664K H800 hours; peak: the H100 SXM's (one chip); FP8 would double it
-    ("DeepSeek-V3", 14.8e12, 2.664e6, "H800", 989.4e12, 4096),
-]
+    ("DeepSeek-V3", 14.8e12, 2.664e6, "H800", 989.4e12, 4096)]   # V3 report, Table 1; H100's peak; FP8: twice
 
 
 def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
-    """The MFU a published budget implies: FLOPs needed over FLOPs available at peak."""
+    """Model FLOPs utilization: the FLOPs a run needed over what its GPUs do at peak in its time."""
     return flops_per_token * tokens / (gpu_hours * 3600 * peak_flops)
 
-# Try it: the formula against PyTorch's own count; 6N at 8K; a module the formulas do not know.
+# Try it: FlopCounterMode's count of a forward and backward, and the formula's.
 #   >>> from torch.utils.flop_counter import FlopCounterMode
-#   >>> _ = torch.manual_seed(0)
-#   >>> llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_len=16)
-#   >>> with FlopCounterMode(display=False) as counter:
-#   ...     llama(torch.randint(0, 50, (2, 7))).logsumexp(-1).mean().backward()
+#   >>> llama, counter = Llama(50, 32, 2, 4, 2, d_ff=64, max_len=16), FlopCounterMode(display=False)
+#   >>> with counter: llama(torch.zeros(2, 7, dtype=torch.long)).sum().backward()               # ids [2, 7]
 #   >>> counter.get_total_flops(), training_flops(llama, batch_size=2, seq_len=7)
 #   (1757952, 1757952)
-#   >>> W, A = matmul_widths("llama", LLAMA_CONFIGS[1][1])                 # Llama-3-8B, GFLOPs a token
-#   >>> round(6 * (W + 8192 * A) / 1e9, 1), round(6 * LLAMA_CONFIGS[1][2] / 1e9, 1)
-#   (57.9, 48.2)
-#   >>> llama.layers[0].attn.w_q = nn.Sequential(llama.layers[0].attn.w_q)
-#   >>> forward_flops(llama, batch_size=1, seq_len=1)
-#   Traceback (most recent call last):
-#   ValueError: forward_flops: model holds a Sequential at layers.0.attn.w_q, which the formula does not count
+
+
 # ===========================================================================
 # 37. Mixed precision and loss scaling (混合精度与损失缩放)
 # ===========================================================================
-# 16-bit numbers halve memory and traffic, and recent chips multiply them faster. Mixed
-# precision (Micikevicius et al., 2018) keeps weights, updates and sums in float32 and runs
-# the products in 16 bits: float16 (5 exponent bits, 11 significant: largest 65504, normal
-# down to 2^-14, subnormal to 2^-24, 2^-25 rounds to 0) or bfloat16 (float32's 8 exponent
-# bits, to 3.4e38 and 1.2e-38, 8 significant: 1 + 0.001 is 1, so weights stay float32).
-# torch.autocast("cpu", dtype=torch.bfloat16) casts per operation: linear, matmul, bmm and
-# scaled_dot_product_attention run in bf16, the losses in float32, the rest in its inputs'
-# dtype (softmax of bf16 scores: bf16; float32 + bf16: float32, so the residual stream stays
-# float32). CUDA's runs softmax and layer_norm in float32 too (torch's Autocast Op Reference).
+# Mixed precision (Micikevicius et al., 2018) runs products in 16 bits and keeps weights, updates and sums in
+# float32. float16: 5 exponent bits, 11 significant, largest 65504, normal to 2^-14, subnormal to 2^-24; bfloat16:
+# float32's 8 exponent bits, 8 significant (1 + 0.001 is 1). torch.autocast("cpu", dtype=torch.bfloat16) runs
+# linear, matmul, bmm and scaled_dot_product_attention in bf16, losses in float32, the rest in its inputs' dtype
+# (float32 + bf16: float32, as the residual stream); CUDA's runs softmax and layer_norm in float32 as well.
 
-FLOAT32 = torch.finfo(torch.float32)
-ARGUMENTS.update(init_scale=(float, FLOAT32.tiny, FLOAT32.max), growth_factor=(float, 1.0, math.inf),
-                 backoff_factor=(float, 0.0, 1.0), growth_interval=(int, 1, MAX_SIZE))
-RELATIONS.update({
-    "growth_factor > 1": (("growth_factor",), lambda g: g > 1, "growth_factor must be > 1 (the scale must grow)"),
-    "0 < backoff_factor < 1": (("backoff_factor",), lambda b: 0 < b < 1,
-                               "backoff_factor must be between 0 and 1, both excluded (the scale must shrink)")})
+ARGUMENTS.update(init_scale=(float, 2.0 ** -126, torch.finfo(torch.float32).max), growth_factor=(float, 1.0, math.inf),
+                 backoff_factor=(float, 0.0, 1.0), growth_interval=(int, 1, MAX_SIZE))  # 2^-126: float32's least normal
+RELATIONS.update({"growth_factor > 1": (("growth_factor",), lambda g: g > 1, "growth_factor must be > 1"),
+                  "backoff in (0, 1)": (("backoff_factor",), lambda b: 0 < b < 1, "backoff_factor must be in (0, 1)")})
 
-
-def to_float32(x):
-    """x rounded to the nearest float32 (inf past its range), as a Python number."""
-    return torch.tensor(x, dtype=torch.float32).item()                   # a [] tensor's one number
-
-# float16's trap: a gradient of 1e-8 is 0. A loss times S gives gradients times S, up into
-# float16's range, divided by S in float32 before the step. An S too large overflows to inf or
-# NaN: that step is skipped and S shrinks; after growth_interval good steps in a row it grows,
-# so S hovers near the largest that fits. Clip (section 35) the scaled gradients at max_norm * S.
 
 class LossScaler:
-    """torch.amp.GradScaler's dynamic loss scaling, written out: each step,
-    scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()."""
+    """torch.amp.GradScaler's loss scaling: scale(loss).backward(), step(optimizer), update(). float16 rounds a
+    gradient of 1e-8 to 0: the loss times S gives gradients times S, divided by S before the step; at inf or NaN
+    the step is skipped and S shrinks, after growth_interval good steps it grows. Clip at max_norm * S (section 35)."""
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
-        check("growth_factor > 1", "0 < backoff_factor < 1", init_scale=init_scale, growth_factor=growth_factor,
+        check("growth_factor > 1", "backoff in (0, 1)", init_scale=init_scale, growth_factor=growth_factor,
               backoff_factor=backoff_factor, growth_interval=growth_interval)
-        # a float32 number, as GradScaler keeps it (a [] float32 tensor): the same scales, bit for bit
-        self.loss_scale, self.good_steps, self.found_inf = to_float32(init_scale), 0, False
+        self.loss_scale, self.good_steps, self.found_inf = torch.tensor(init_scale, dtype=torch.float32), 0, False  # []
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
 
     def scale(self, loss):
-        """loss times the scale, a [] float32 tensor as GradScaler's: a [] float16 loss becomes float32
-        (1 x 2^16 = 65536, where float16 overflows to inf), while a float16 tensor with dimensions stays
-        float16 (a [] tensor sets the dtype only against another [] tensor)."""
-        return loss * torch.tensor(self.loss_scale, device=loss.device)    # as loss, [] for a loss
+        """loss times the [] float32 scale, as GradScaler: a [] float16 loss becomes float32 (1 x 2^16, not
+        float16's inf), but a float16 tensor with dimensions stays float16 (type promotion)."""
+        return loss * self.loss_scale.to(loss.device)                      # as loss, [] for a loss
 
     def step(self, optimizer):
-        """Each gradient times the scale's float32 inverse, then a step, unless a gradient held
-        inf or NaN: then the weights and the optimizer's state stay as they are."""
-        inverse = to_float32(1.0 / self.loss_scale)  # GradScaler's reciprocal, in float64 then float32
+        """Gradients times the scale's inverse (in float64, as GradScaler), a step unless one held inf or NaN."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         self.found_inf = not all(torch.isfinite(g).all() for g in grads)  # bool, from a [] test a gradient
-        for g in grads:
-            g.mul_(inverse)  # unscaled even when the step is skipped, as GradScaler does
+        for g in grads:  # unscaled even when the step is skipped, as GradScaler does
+            g.mul_(self.loss_scale.double().reciprocal().float())         # [] times g
         if not self.found_inf:
             optimizer.step()
 
     def update(self):
-        """The scale times backoff_factor after a skipped step, times growth_factor after
-        growth_interval good ones in a row, in float32 (torch's _amp_update_scale_); the count
-        starts again. A scale of inf is not taken, as in torch, nor one below float32's smallest
-        normal, 2^-126, where torch's goes on: below 2^-128 its inverse is inf, from 2^-150 the
-        scale is 0, and a finite gradient times the inverse puts inf or NaN in the weights."""
+        """The scale times backoff_factor after a skipped step, times growth_factor after growth_interval good
+        ones in a row, in float32 as torch's _amp_update_scale_; never to inf, as there, nor below 2^-126:
+        torch's goes on (inverse inf from 2^-128, scale 0 at 2^-150: inf or NaN weights at the next step)."""
         self.good_steps = 0 if self.found_inf else self.good_steps + 1
         if self.found_inf or self.good_steps == self.growth_interval:
-            new = to_float32(self.loss_scale * (self.backoff_factor if self.found_inf else self.growth_factor))
-            self.loss_scale, self.good_steps = new if FLOAT32.tiny <= new < math.inf else self.loss_scale, 0
+            new = (self.loss_scale.double() * (self.growth_factor, self.backoff_factor)[self.found_inf]).float()  # []
+            self.loss_scale, self.good_steps = new if 2.0 ** -126 <= new < math.inf else self.loss_scale, 0
 
-    def get_scale(self):
-        return self.loss_scale
 
-# Try it: a gradient of 1e-4 * 1e-4 = 1e-8 through a float16 product, lost, then kept by the scale.
-#   >>> w, x = nn.Parameter(torch.zeros(1)), torch.full((1,), 1e-4, dtype=torch.float16)  # [1] each
-#   >>> ((w.half() * x).float().sum() * 1e-4).backward(); w.grad.item()
-#   0.0
-#   >>> w.grad, scaler, opt = None, LossScaler(), torch.optim.SGD([w], lr=1.0)
-#   >>> scaler.scale((w.half() * x).float().sum() * 1e-4).backward()      # gradients 2^16 times larger
-#   >>> scaler.step(opt); scaler.update(); f"{w.grad.item():.3e}", f"{w.item():.3e}"  # unscaled; stepped
-#   ('1.000e-08', '-1.000e-08')
+# On the toy task: section 16's GPT trained twice with section 35's adamw_update, in float32 and
+# with its forward under bf16 autocast (weights, gradients and AdamW's state stay float32).
+# The accuracy is the same (97.9% and 97.5% on seed 3); the speed depends on the CPU: one with
+# AVX512-BF16 or AMX multiplies bf16 natively, one without emulates it, several times slower.
+
+class Autocast(nn.Module):
+    """model with its forward under bf16 autocast: products in bfloat16, the weights float32."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs):
+        with torch.autocast(inputs[0].device.type, dtype=torch.bfloat16):
+            return self.model(*inputs).float()                             # [B, T, V]
+
+
+def mixed_precision_report(seed=0, device="cpu", lr=1e-2, n_sentences=2400, epochs=None):
+    """Print held-out exact match and training seconds of the toy GPT in float32 and under bf16
+    autocast, each stepped by adamw_update (lr the best of 3e-3 and 1e-2 on seed 3).
+    -> {precision: (accuracy, seconds)}."""
+    train_pairs, test_pairs = split_data(make_toy_data(n_sentences, seed), seed=seed)
+    spec, rows = dict(TOY_MODELS["gpt"], epochs=epochs or TOY_MODELS["gpt"]["epochs"]), {}
+    steps = spec["epochs"] * -(-len(train_pairs) // spec["batch_size"])    # ceil: batches an epoch
+    print(f"\nmixed precision on the toy task (section 37): the GPT, {spec['epochs']} epochs, seed {seed}")
+    for name, build in (("float32", DecoderOnlyTransformer), ("bf16 autocast", lambda **c: Autocast(
+            DecoderOnlyTransformer(**c)))):
+        recipe = dict(spec, model=build, update=lambda model: adamw_update(model, lr, min(spec["warmup"], steps), steps))
+        *_, result = train_toy_model("gpt", train_pairs, test_pairs, device, seed=seed, log=lambda line: None,
+                                     recipes={"gpt": recipe})
+        rows[name] = result["accuracy"], result["history"][-1][1]
+        print(f"  {name:14s} held-out exact match {100 * rows[name][0]:5.1f}%, {rows[name][1]:5.1f} s of training")
+    return rows
+
+
 # ===========================================================================
 # 38. Memory, by formula and measured (显存)
 # ===========================================================================
-# A training step holds the weights, their gradients, AdamW's m and v (section 33) and the
-# activations, what the forward saves for the backward (saved_tensors_hooks sees each one).
-# Checkpointing trades activations for a second forward; ZeRO splits the rest over devices.
+# Training holds weights, gradients, AdamW's m and v (section 33) and activations (what autograd saves).
 
 ARGUMENTS.update(mixed_precision=(bool,), checkpointing=(bool,), precision=("one of", "float32", "autocast", "bf16"),
-                 n_devices=(int, 1, MAX_SIZE), zero_stage=(int, 0, 3))
+                 n_devices=(int, 1, MAX_SIZE), zero_stage=(int, 0, 3), memory=(dict,), model=(nn.Module,))
 
 
 def checkpoint_blocks(model, checkpointing=True):
-    """Activation checkpointing on (or off): each block of model keeps only its inputs for the
-    backward and runs its forward again there (torch.utils.checkpoint, a block at a time). -> model"""
-    check(checkpointing=checkpointing)
-    if not isinstance(getattr(model, "layers", None), nn.ModuleList):
-        raise ValueError(f"model must keep its blocks in model.layers, an nn.ModuleList, got {type(model).__name__}")
+    """Checkpointing on (or off): each block keeps its inputs only, and reruns its forward in the backward."""
+    check(model=model, checkpointing=checkpointing)
     for block in model.layers:
         if checkpointing:  # an instance attribute: nn.Module's __call__ finds it before the class's forward
             block.forward = lambda *inputs, block=block: torch.utils.checkpoint.checkpoint(
@@ -3732,77 +3506,59 @@ def checkpoint_blocks(model, checkpointing=True):
 
 
 def saved_bytes(model, input_ids, targets, mixed_precision=False):
-    """Measured: the bytes autograd keeps for the backward of cross_entropy(model(input_ids), targets),
-    each storage once (views share one), less the parameters, buffers and autocast's copies of them."""
-    saved = []  # weak references: a branch that leads nowhere near the loss (section 25's choice of
-    # groups) is freed, its saved tensors with it, as the forward leaves it
+    """Measured: what autograd saves for cross_entropy(model(input_ids), targets), less parameters and their copies."""
+    saved = []  # weak references: a branch that leads nowhere near the loss (section 25) is freed
 
-    def copied_parameter(tensor):  # grad_fn leads through casts and transposes to a parameter
+    def copied_parameter(tensor):  # its grad_fn leads through casts and transposes to a parameter
         node = tensor.grad_fn
         while type(node).__name__ in ("ToCopyBackward0", "TBackward0"):
             node = node.next_functions[0][0]
         return type(node).__name__ == "AccumulateGrad"
-
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(torch.utils.weak.TensorWeakRef(t)) or t,
                                                   lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision):
             loss = F.cross_entropy(model(input_ids).flatten(0, 1), targets.flatten())  # []
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (ref() for ref in saved)
-                if t is not None and not copied_parameter(t)}
+                if t is not None and not copied_parameter(t) and t.untyped_storage().data_ptr() not in own}
     del loss  # the graph, and all it saved, lives until here
-    return sum(size for address, size in storages.items() if address not in own)
+    return sum(storages.values())
 
-# Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models")
-# count a GPT layer's activations at 34 D + 5 H T bytes a token, 16-bit, dropout included.
-# Here, s the bytes of a product's output (float32 4, bf16 under autocast 2), a layer saves
-# 16 D for its norms' inputs and outputs (float32), 8 D for its projections' inputs, s for
-# each of q, k, v and the attention's output (4 s D when heads x head width = D), 2 s H T
-# for the [T, T] weights (softmax's output, and weights @ v's input), 2 s Dff for a GELU's
-# hidden tensors or 4 s Dff for SwiGLU's (a MoE: top_k experts', plus (8 + s) D each for
-# moving a token there and back); Qwen3's q_norm, k_norm, DeepSeek's latent norms. So a GPT
-# layer (Dff = 4 D) saves 72 D + 8 H T in float32, 48 D + 4 H T under autocast; with dropout,
-# 96 D + 12 H T and 60 D + 6 H T (CPU masks of the input's dtype). Once: (8 + s) D, the final
-# norm and lm_head's input, and 4 V, the float32 log-softmax. Left out: 1/rms, the [T, T]
-# masks, RoPE's bf16 cos and sin, the router's scores, and under autocast the bf16 copy of the
-# normed input that each projection makes (q, k, v: three): 1% to 8% of saved_bytes here.
-# Checkpointed, a block keeps its float32 input, 4 D a token; the backward then reruns one
-# block at a time, stopping before its last product: 3.72 forwards for Llama-3-8B at 4K.
+# Korthikanti et al. (2022) count 34 D + 5 H T bytes a token for a GPT layer (16 bits, dropout included). Here,
+# s a product's output bytes (float32 4, autocast's bf16 2), a layer keeps its norms' inputs and outputs (float32,
+# 16 D), projections' inputs (8 D), q, k, v and the attention's output (4 s D if heads x head width = D), the [T, T]
+# weights twice (2 s H T), GELU's 2 s Dff or SwiGLU's 4 s Dff (a MoE's top_k, + (8 + s) D each) and QK-norm's or
+# MLA's norms: a GPT layer (Dff = 4 D) 72 D + 8 H T in float32, 48 D + 4 H T under autocast, dropout + 6 s D + s H T.
+# Once: (8 + s) D + 4 V. Left out, 1% to 8% here: 1/rms, masks, RoPE's bf16 cos, sin, router scores, autocast's copy
+# of a norm's output for each projection reading it. Checkpointed: a block keeps 4 D (3.72 forwards, Llama-3-8B, 4K).
 
 
 def activation_bytes(kind, config, batch_size, seq_len, mixed_precision=False, checkpointing=False):
     """Bytes a training step on [batch_size, seq_len] saves for the backward, by the formula above."""
-    c = Keys("config", config)
-    check("seq_len <= max_len", kind=kind, batch_size=batch_size, seq_len=seq_len, max_len=c["max_len"],
-          mixed_precision=mixed_precision, checkpointing=checkpointing)
+    check(mixed_precision=mixed_precision, checkpointing=checkpointing)
+    _, c = matmul_widths(kind, config), Keys(config)                       # checks kind and the keys it reads
+    check("seq_len <= max_len", batch_size=batch_size, seq_len=seq_len, max_len=c["max_len"])
     s, D, V, L, H, T = 2 if mixed_precision else 4, c["d_model"], c["vocab_size"], c["n_layers"], c["n_heads"], seq_len
     dropout = c.get("dropout", 0.0) > 0                                    # the GPT's: the embedding's mask too
     head = (8 + s) * D + 4 * V + 16 + dropout * 4 * D                      # 16: ids and targets, int64
-    if checkpointing:
-        return batch_size * T * (head + L * 4 * D)
+    if checkpointing: return batch_size * T * (head + L * 4 * D)          # a block's input, float32
     head_dim, d_ff = c.get("head_dim") or D // H, c.get("d_ff") or llama_ffn_dim(D)
     qkvo = 2 * H * (c["qk_nope_dim"] + c["qk_rope_dim"] + c["v_head_dim"]) if kind == "deepseek" else 4 * H * head_dim
-    layer = 24 * D + s * qkvo + 2 * s * H * T + (2 * s * d_ff + dropout * s * (H * T + 2 * D + d_ff) if kind == "gpt"
-                                                 else 0)
-    if kind in ("qwen3", "qwen3moe"):
-        layer += (4 + s) * (H + (c.get("n_kv_heads") or H)) * head_dim
-    if kind == "deepseek":
-        layer += (4 + 2 * s) * (c["kv_lora_rank"] + (c.get("q_lora_rank") or 0))
-    moe_layers, expert = L - c.get("n_dense_layers", 0) if kind in ("mixtral", "qwen3moe", "deepseek") else 0, c.get("expert_d_ff") or d_ff
+    norms = (4 + s) * (H + (c.get("n_kv_heads") or H)) * head_dim if kind in ("qwen3", "qwen3moe") else (
+        (4 + 2 * s) * (c["kv_lora_rank"] + (c.get("q_lora_rank") or 0)) if kind == "deepseek" else 0)
+    layer = 24 * D + s * qkvo + 2 * s * H * T + norms
+    if kind == "gpt":
+        return batch_size * T * (head + L * (layer + 2 * s * d_ff + dropout * s * (H * T + 2 * D + d_ff)))
+    moe_layers, expert = L - c.get("n_dense_layers", 0) if c.get("n_experts") else 0, c.get("expert_d_ff") or d_ff
     moe = c["top_k"] * (4 * s * expert + (8 + s) * D) + 4 * s * c.get("n_shared", 0) * expert if moe_layers else 0
-    dense = 0 if kind == "gpt" else 4 * s * d_ff                          # SwiGLU
-    return batch_size * T * (head + L * layer + (L - moe_layers) * dense + moe_layers * moe)
+    return batch_size * T * (head + L * layer + (L - moe_layers) * 4 * s * d_ff + moe_layers * moe)
 
 
-PRECISIONS = {  # bytes a parameter: weights, gradients, AdamW's m and v, float32 master copy
-    "float32": (4, 4, 8, 0), "autocast": (4, 4, 8, 0),  # autocast: float32 weights, + bf16 copies, as here
-    "bf16": (2, 2, 8, 4)}  # bf16 weights and gradients, float32 master and states: large runs' 16 bytes
+PRECISIONS = {"float32": (4, 4, 8, 0), "autocast": (4, 4, 8, 0), "bf16": (2, 2, 8, 4)}  # bytes a parameter
 
 
 def memory_bytes(params, trainable, activations, precision="float32", matrices=0):
-    """A training step's memory with AdamW, in bytes: params as weights (autocast: and a bf16 copy
-    of the matrices, the parameters products read), the trainable ones' gradients, AdamW's states
-    and master copies, and the activations."""
+    """A step's bytes with AdamW, by PRECISIONS; autocast adds a bf16 copy of the matrices products read."""
     check(precision=precision)
     w, g, o, m = PRECISIONS[precision]
     memory = dict(weights=w * params + (2 * matrices if precision == "autocast" else 0), gradients=g * trainable,
@@ -3811,8 +3567,7 @@ def memory_bytes(params, trainable, activations, precision="float32", matrices=0
 
 
 def training_memory(model, batch_size, seq_len, mixed_precision=False):
-    """memory_bytes of model training on [batch_size, seq_len] with AdamW, in float32 or (mixed_precision)
-    under bf16 autocast over float32 weights, checkpointed if its blocks are (checkpoint_blocks)."""
+    """memory_bytes of model training with AdamW, in float32 or bf16 autocast, checkpointed if it is."""
     kind = model_kind(model, "training_memory", trains=True)
     config = model.config if model.training else dict(model.config, dropout=0.0)  # eval(): no dropout
     activations = activation_bytes(kind, config, batch_size, seq_len, mixed_precision,
@@ -3822,42 +3577,30 @@ def training_memory(model, batch_size, seq_len, mixed_precision=False):
 
 
 def zero_memory_per_device(memory, n_devices, zero_stage):
-    """memory_bytes on each of n_devices data-parallel devices under ZeRO (Rajbhandari et al., 2020):
-    stage 1 splits AdamW's states and the master weights, 2 the gradients too, 3 the weights too;
-    activations stay whole, each device's own batch's."""
-    memory = Keys("memory", memory)
-    check(n_devices=n_devices, zero_stage=zero_stage)
-    per_device = {key: -(-memory[key] // n_devices) if zero_stage >= stage else memory[key]  # shares, rounded up
-                  for key, stage in dict(optimizer=1, master_weights=1, gradients=2, weights=3, activations=4).items()}
-    return dict(per_device, total=sum(per_device.values()))
+    """memory_bytes a device of N = n_devices, ZeRO (Rajbhandari et al., 2020) splitting from stage 1 AdamW's states
+    and master weights, 2 gradients, 3 weights: in bf16 16, 4 + 12/N, 2 + 14/N, 16/N bytes a parameter."""
+    check(memory=memory, n_devices=n_devices, zero_stage=zero_stage)
+    split, memory = dict(optimizer=1, master_weights=1, gradients=2, weights=3, activations=4), Keys(memory)
+    share = {key: -(-memory[key] // n_devices) if zero_stage >= stage else memory[key] for key, stage in split.items()}
+    return dict(share, total=sum(share.values()))
 
-# Bytes a parameter, N devices:  none  ZeRO-1       ZeRO-2        ZeRO-3   (the ZeRO paper: K = 12)
-#   bf16, float32 master         16    4 + 12 / N   2 + 14 / N    16 / N   7.5B on 64 devices: 120,
-#   float32                      16    8 + 8 / N    4 + 12 / N    16 / N   31.4, 16.6, 1.9 GB (its
-#   autocast over float32        18    10 + 8 / N   6 + 12 / N    18 / N   Figure 1); activations on top
+# Try it: a Llama's activations, measured and by formula.
+#   >>> llama, ids = Llama(50, 32, 2, 4, 2, d_ff=64, max_len=16), torch.zeros(2, 8, dtype=torch.long)  # [2, 8]
+#   >>> saved_bytes(llama, ids, ids), training_memory(llama, batch_size=2, seq_len=8)["activations"]
+#   (91972, 91520)
 
-# Try it: a Llama's activations, measured and by formula, with and without checkpointing.
-#   >>> _ = torch.manual_seed(0)
-#   >>> llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_len=16)
-#   >>> ids, targets = torch.randint(0, 50, (2, 2, 8)).unbind(0)          # [2, 8] each
-#   >>> for checkpointing in False, True:
-#   ...     measured = saved_bytes(checkpoint_blocks(llama, checkpointing), ids, targets)
-#   ...     print(measured, training_memory(llama, batch_size=2, seq_len=8)["activations"])
-#   92100 91264
-#   13828 13696
-#   >>> round(zero_memory_per_device(memory_bytes(7.5e9, 7.5e9, 0, "bf16"), 64, zero_stage=3)["total"] / 1e9, 1)
-#   1.9
+
 # ===========================================================================
 # 39. LoRA (低秩适配)
 # ===========================================================================
-# Fine-tuning all of a model keeps a gradient and AdamW's two moments beside every
-# weight. LoRA (Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large Language Models")
-# freezes a pretrained W [out, in] and trains only a change of rank r: W x + (alpha / r)
-# B A x, A [r, in] and B [out, r], r (in + out) numbers for the in * out of W; the paper's
-# hypothesis is that adapting a model needs a change of low "intrinsic rank". Merged,
-# W + (alpha / r) B A runs at the base model's cost; unmerged, the base serves other adapters.
+# Fine-tuning all of a model keeps a gradient and AdamW's two moments beside every weight.
+# LoRA (Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large Language Models") freezes a
+# pretrained W [out, in] and trains only a change of rank r: W x + (alpha / r) B A x, A [r, in]
+# and B [out, r], r (in + out) numbers for the in * out of W; the paper's hypothesis is that
+# adapting a model needs a change of low "intrinsic rank". Merged, W + (alpha / r) B A runs at
+# the base model's cost; unmerged, the base serves other adapters.
 
-ARGUMENTS.update(base=(nn.Linear,), r=(int, 1, MAX_SIZE), alpha=(float, 0.0, math.inf), targets=(tuple,))
+ARGUMENTS.update(base=(nn.Linear,), r=(int, 1, MAX_SIZE), alpha=(float, 0.0, FINITE), targets=(tuple,))
 RELATIONS.update({
     "alpha > 0": (("alpha",), lambda a: a > 0, "alpha must be > 0"),
     "dropout < 1": (("dropout",), lambda p: p < 1, "dropout must be below 1 (at 1 the update sees only zeros)"),
@@ -3893,8 +3636,7 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merge(self):
-        """W += (alpha / r) B A, once: forward is then one matmul, base's own. A tied weight
-        (lm_head = token_embedding) changes in both places."""
+        """W += (alpha / r) B A, once: forward is then base's one matmul (a tied weight changes in both places)."""
         if not self.merged:
             self.base.weight += self.delta_weight()                        # [out, in]
             self.merged = True
@@ -3908,8 +3650,7 @@ class LoRALinear(nn.Module):
 
 
 def lora_targets(model, targets):
-    """[(name, nn.Linear)] of the Linears whose qualified name is a target or ends in
-    "." + target (peft's rule for a list: "w_q" matches "layers.0.attn.w_q", not "x_w_q")."""
+    """[(name, nn.Linear)] whose qualified name is a target or ends in "." + target (peft's: not "x_w_q" for "w_q")."""
     check("targets named", targets=targets)
     named = lambda name, t: name == t or name.endswith("." + t)  # noqa: E731
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -3927,8 +3668,7 @@ def lora_param_count(model, r, targets=("w_q", "w_v")):
 
 
 def add_lora(model, r=8, alpha=16, targets=("w_q", "w_v"), dropout=0.0):
-    """Wrap every Linear that targets name (lora_targets) in a LoRALinear and freeze every
-    other parameter: only lora_A and lora_B train. -> model, changed in place."""
+    """Wrap each Linear that targets names (lora_targets) in a LoRALinear, freeze the rest -> model, in place."""
     wrapped = [(name, LoRALinear(m, r, alpha, dropout)) for name, m in lora_targets(model, targets)]
     model.requires_grad_(False)  # the new A and B are not in the model yet: they stay trainable
     for name, lora in wrapped:
@@ -3944,10 +3684,9 @@ def merge_lora(model, merge=True):
             (module.merge if merge else module.unmerge)()
     return model
 
-# What it saves: a frozen float32 weight needs no gradient (4 bytes) and no AdamW moments
-# (8), 12 bytes a parameter; Llama-2-7B with r = 8 on w_q and w_v trains 4.2M of its 6.7B
-# and saves 75 GiB. The weights stay, and backward still runs through every layer to reach
-# the first adapter.
+# What it saves: a frozen float32 weight needs no gradient (4 bytes) and no AdamW moments (8),
+# 12 bytes a parameter (Llama-2-7B's count in the Try-it). The weights stay, and backward still
+# runs through every layer to reach the first adapter.
 # Try it: a LoRA of rank 2 starts as its base and merges exactly; Llama-2-7B's numbers.
 #   >>> _ = torch.manual_seed(0); lora = LoRALinear(nn.Linear(16, 8), r=2, alpha=4)
 #   >>> x = torch.randn(3, 16)                                             # [3, in]
@@ -3965,22 +3704,18 @@ def merge_lora(model, merge=True):
 #   (4194304, 4194304, '75.3 GiB saved')
 
 
-# LoRA on the toy task: a base model that never saw five predicates, adapted to them.
-# Five predicates the base model never sees, each a new character for a syllable it already
-# reads otherwise (xi 洗, shi 视, qi 气, ji 鸡, yi 意): the adapted model must learn when.
+# LoRA on the toy task: five predicates the base model never sees, each a new character for a
+# syllable it already reads otherwise (xi 洗, shi 视, qi 气, ji 鸡, yi 意): the adapted model learns when.
 LORA_NEW_PREDICATES = [("xi yi fu", "洗衣服"), ("kan dian shi", "看电视"), ("sheng qi", "生气"),
                        ("chi ji dan", "吃鸡蛋"), ("hen you yi si", "很有意思")]
-# adapting: half the ~250 new sentences, 12 epochs of 4 batches of 32, with section 35's
-# adamw_update (AdamW, a warmup of 5 steps, then the cosine); each method's lr the best of a
-# sweep on seed 3 (mean of new and old accuracy)
+# adapting by section 35's adamw_update; each method's lr the best of a sweep on seed 3 (mean of new and old)
 LORA_RECIPE = dict(epochs=12, batch_size=32, warmup_steps=5)
 LORA_LR, FULL_LR = 2e-2, 1e-3
 
 
 def lora_task(seed):
-    """The toy sentences split in four: old (without LORA_NEW_PREDICATES) for training and
-    held out, new ones for adapting and held out; vocabularies of all of them (each new
-    character has its rows from the start, untrained) and the readings of what is trained on."""
+    """The toy sentences in four: old (without LORA_NEW_PREDICATES) for training and held out, new for adapting
+    and held out; vocabularies of all (new characters' rows there, untrained), the trained-on readings."""
     pairs = make_toy_data(seed=seed)
     is_new = lambda p, h: any(p.endswith(" " + q) and h.endswith(g) for q, g in LORA_NEW_PREDICATES)  # noqa: E731
     new = [pair for pair in pairs if is_new(*pair)]
@@ -4012,8 +3747,7 @@ def lora_base(task, device, seed):
 
 
 def lora_adapt(base, task, seed, lr, r=None, alpha=16, targets=("w_q", "w_v")):
-    """A copy of base trained on the new sentences with section 35's adamw_update: LoRA of
-    rank r, or every weight (r None). -> (model, seconds)."""
+    """A copy of base trained on the new sentences by adamw_update: LoRA of rank r, or all (r None) -> (model, s)."""
     model = copy.deepcopy(base)
     if r is not None:
         add_lora(model, r=r, alpha=alpha, targets=targets)
@@ -4024,8 +3758,7 @@ def lora_adapt(base, task, seed, lr, r=None, alpha=16, targets=("w_q", "w_v")):
 
 
 def lora_report(device="cpu", seed=0):
-    """Print, before and after adapting, held-out exact match on new and old sentences (one
-    teacher-forced pass each: greedy constrained decoding's score), and LoRA merged. -> the rows."""
+    """Print held-out exact match on new and old sentences, before and after adapting, and LoRA merged -> rows."""
     start, task = time.perf_counter(), lora_task(seed)
     base, seconds = lora_base(task, device, seed)
     rows = [("base model", base, seconds)]
@@ -4064,27 +3797,23 @@ def lora_report(device="cpu", seed=0):
 # ===========================================================================
 # 40. Speculative decoding (投机解码)
 # ===========================================================================
-# One sequence decoded a token at a time reads all the target's weights for each token,
-# and while that reading dominates, scoring k + 1 tokens in one forward costs about what
-# scoring one does. So a small draft model proposes k tokens, one at a time, the target
-# scores all k + 1 positions in one forward, and the longest prefix it agrees with is
-# kept, plus one token of its own (Leviathan et al., 2023, "Fast Inference from
-# Transformers via Speculative Decoding"; Chen et al., 2023, "Accelerating Large Language
-# Model Decoding with Speculative Sampling"). What comes out is the target's: greedy,
-# exactly its tokens; sampling, exactly its distribution. In Leviathan's notation, a
-# drafted x, drawn from the draft's q, is kept with probability min(1, p(x) / q(x)), p the
-# target's; at the first rejection the token is drawn from max(0, p - q), normalized.
-# Why that is p: y comes out kept with q(y) min(1, p(y) / q(y)) = min(p(y), q(y)); the
-# drafted token is rejected with 1 - sum(min(p, q)) = sum(max(0, p - q)), the residual's
-# own total, so a rejection then a redraw adds max(0, p - q)(y): min + max(0, p - q) = p.
-# Redrawing from p itself gives min(p, q) + (1 - sum(min(p, q))) p: too much of the tokens
-# the draft likes. p and q are next_token_probs (section 9), after temperature, top_k and
-# top_p, so the law is next_token's; at temperature 0 they are one-hot, and x is kept
-# exactly when it is the target's argmax.
-# The pitfall: after a rejection both caches still hold the rejected tokens' keys; cut
-# back (crop_cache), they hold only the kept ones. A rolling cache (section 30) that has let
-# old tokens go cannot take them back: here it holds k tokens more than its window, so cutting
-# at most k leaves it the whole window the next query reads.
+# Decoding one sequence a token at a time reads all the target's weights for each token; while
+# that dominates, scoring k + 1 tokens in one forward costs about what scoring one does. So a
+# small draft model proposes k tokens, one at a time, the target scores all k + 1 positions in one
+# forward, and the longest prefix it agrees with is kept, plus one token of its own (Leviathan et
+# al., 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al., 2023,
+# "Accelerating Large Language Model Decoding with Speculative Sampling"). A drafted x, drawn from
+# the draft's q, is kept with probability min(1, p(x) / q(x)), p the target's; at the first
+# rejection the token is drawn from max(0, p - q), normalized.
+# What comes out is exactly p: y comes out kept with q(y) min(1, p(y) / q(y)) = min(p(y), q(y)),
+# and a rejection, of chance 1 - sum(min(p, q)) = sum(max(0, p - q)), the residual's own total,
+# then a redraw adds max(0, p - q)(y): min + max(0, p - q) = p. Redrawing from p itself would give
+# min(p, q) + (1 - sum(min(p, q))) p: too much of the tokens the draft likes. p and q are
+# next_token_probs (section 9), after temperature, top_k and top_p; at temperature 0 they are
+# one-hot: x is kept exactly when it is the target's argmax, and the tokens are greedy's.
+# The pitfall: after a rejection both caches still hold the rejected tokens' keys; crop_cache cuts
+# them off. A rolling cache (section 30) cannot take back tokens it let go, so here it holds k
+# more than its window: cut by at most k, it keeps the whole window the next query reads.
 
 ARGUMENTS.update(k=(int, 1, MAX_SIZE), target=(type,), draft=(type,), draft_vocab_size=(int, 1, MAX_SIZE))
 RELATIONS.update({
@@ -4099,8 +3828,7 @@ RELATIONS.update({
 
 
 def crop_cache(cache, length):
-    """Every layer's cache cut back to its first `length` tokens: by its own crop (the rolling and
-    the paged cache's), else each tensor cut along time, dim -2 ([B, H, t, dk], [B, t, r])."""
+    """Every layer's cache cut to `length` tokens: its own crop, or each tensor's dim -2 ([B, H, t, dk], [B, t, r])."""
     for c in cache:
         if hasattr(c, "crop"):
             c.crop(length)
@@ -4111,8 +3839,7 @@ def crop_cache(cache, length):
 
 
 def speculation_cache(model, k):
-    """model.new_cache(), each rolling cache keeping k tokens beyond its window: a round takes
-    back at most k, and the next query must still find a whole window."""
+    """model.new_cache(), each rolling cache keeping k tokens beyond its window (a round takes back at most k)."""
     cache = model.new_cache()
     for c in cache:
         if hasattr(c, "window"):
@@ -4121,8 +3848,7 @@ def speculation_cache(model, k):
 
 
 def rejection_rule(p, q):
-    """The target's p and the draft's q [.., V] -> the chance min(1, p / q) that a drafted
-    token is kept [.., V], and max(0, p - q) [.., V], the (unnormalized) law of a redraw."""
+    """Target's p, draft's q [.., V] -> min(1, p / q), a draft's chance to stay, and max(0, p - q), a redraw's law."""
     keep = torch.where(p >= q, 1.0, p / q)                                 # [.., V]; q = 0: never drafted
     return keep, (p - q).clamp(min=0)                                      # [.., V] each
 
@@ -4130,8 +3856,7 @@ def rejection_rule(p, q):
 @torch.no_grad()
 def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperature=0.0, top_k=None, top_p=None,
                          generator=None):
-    """input_ids [1, T] -> [1, T + max_new_tokens], the target's generate: its tokens when
-    greedy, its distribution when sampling; draft (same vocabulary) proposes k a round."""
+    """input_ids [1, T] -> [1, T + max_new_tokens], target.generate's tokens or law; draft proposes k a round."""
     check("target decodes", "draft decodes", target=type(target), draft=type(draft))
     check_ids("input_ids", input_ids, target.vocab_size, target.max_len)
     check("one vocabulary", "batch 1", "prompt fits", "top_p > 0", draft_vocab_size=draft.vocab_size,
@@ -4189,12 +3914,7 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 #   tensor([0.5000, 0.3000, 0.2000, 0.0000])
 
 
-# Measured on the toy task: speculative_report trains a target of section 16's recipe and a
-# draft one layer deep at half the width (a few seconds each), then answers held-out prompts
-# each way and prints one table: the tokens kept, target forwards, speed, the same tokens.
-
-# a draft for each decoder-only toy recipe: the target's kind and training, one layer at
-# half the width (the vocabulary is the target's: both are built from the same train pairs)
+# speculative_report's drafts: each decoder-only toy recipe at one layer of half the width (same vocabulary).
 DRAFT_MODELS = {
     "gpt": dict(TOY_MODELS["gpt"], name="GPT, 1 layer of 32",
                 config=dict(d_model=32, n_heads=2, d_ff=128, n_layers=1, dropout=0.0)),
@@ -4217,13 +3937,11 @@ def count_forwards(*models):
 
 
 def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), device="cpu", log=print):
-    """Train the toy target (TOY_MODELS[kind]) and its draft (DRAFT_MODELS[kind]) on the
-    split of seed; answer n_prompts held-out prompts "pinyin <sep>" greedily (S + 1 tokens:
-    the answer and eos) with the target's generate, with speculative_generate for each k,
-    and with the draft alone (its cost); check the tokens are the target's, count the
-    drafted tokens kept, and time each way: every way answers each prompt in turn, in an
-    order that changes, so a busy moment of a shared machine falls on all of them; the
-    medians over repeats of their totals. -> {way: row of the table}."""
+    """Train the toy target (TOY_MODELS[kind]) and its draft (DRAFT_MODELS[kind]) on seed's split; answer
+    n_prompts held-out prompts "pinyin <sep>" greedily (S + 1 tokens: the answer, eos) with the target's generate,
+    speculative_generate for each k, and the draft alone (its cost); check the tokens are the target's, count the
+    drafted tokens kept, and time each way: each prompt in turn, in a changing order so a busy moment of a shared
+    machine falls on all, medians over repeats of their totals. -> {way: row of the table}."""
     device = torch.device(device)
     train_pairs, test_pairs = split_data(make_toy_data(), seed=seed)
     quiet = lambda line: None  # noqa: E731
@@ -4277,41 +3995,45 @@ def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), d
 # ===========================================================================
 # 41. Sequence log-probabilities (序列对数概率)
 # ===========================================================================
-# Pretraining and section 13 raise the probability of given text. What comes after
-# compares answers: DPO (section 42) weighs two answers to one prompt, GRPO (section 43)
-# several. Both need log p(answer | prompt), the sum over the answer's tokens of the log-
-# probability the model gave each one, from one teacher-forced pass; GRPO wants it token by
-# token. The logits at t predict token t + 1, so the log-probabilities are shifted by one,
-# and only the answer's tokens count: not the prompt's, not the padding's.
+# Pretraining and section 13 raise the probability of given text; what comes after compares
+# answers: DPO (section 42) weighs two answers to one prompt, GRPO (section 43) several. Both need
+# log p(answer | prompt), the sum of the log-probabilities of the answer's tokens from one
+# teacher-forced pass (GRPO token by token). The logits at t predict token t + 1, so they are
+# shifted by one, and only the answer's tokens count: not the prompt's, not the padding's.
 
-ARGUMENTS.update(shapes=(dict,))
-RELATIONS["one shape"] = (("shapes",), lambda s: len({tuple(shape) for shape in s.values()}) == 1,
-                          "the tensors must have one shape")
+def check_batch(dims, any_dtype=(), **tensors):
+    """The related tensors of a batch, checked together before any is used: each `dims`-D, floating point
+    (those in any_dtype: any dtype), all of one shape, at least one row (an empty batch has no mean)."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.dim() != dims or not (name in any_dtype or t.is_floating_point()):
+            found = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a {dims}-D {'' if name in any_dtype else 'floating-point '}tensor,"
+                             f" got {found}")
+    shapes = [(name, list(t.shape)) for name, t in tensors.items()]
+    if len({str(shape) for _, shape in shapes}) > 1 or not shapes[0][1][0]:
+        raise ValueError("the tensors must have one shape and at least one row, got "
+                         + ", ".join(f"{name} {shape}" for name, shape in shapes))
 
 
 def token_logprobs(model, input_ids):
-    """input_ids [B, T] -> [B, T-1]: entry t is log p(input_ids[:, t+1] | input_ids[:, :t+1]),
-    for any decoder-only model of this file (forward(ids) -> logits [B, T, V])."""
+    """input_ids [B, T] -> [B, T-1], entry t log p(input_ids[:, t+1] | input_ids[:, :t+1]), any decoder-only model."""
     logits = model(input_ids)[:, :-1].float()                              # [B, T-1, V]: t predicts t + 1
-    # log_softmax, then the row of the token that came: float32, as a sum of many small
-    # log-probabilities in bfloat16 would drift (7 bits of mantissa)
+    # log_softmax, then the row of the token that came, in float32: a sum of bfloat16's would drift (7-bit mantissa)
     return logits.log_softmax(dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
 
 
 def sequence_logprobs(model, input_ids, response_mask):
-    """input_ids [B, T] (prompt, answer, then padding on the right) and response_mask [B, T],
-    True on the answer's tokens -> [B]: log p(answer | prompt), the sum of its tokens'
-    log-probabilities. A sum, not a mean: the probability of a whole answer is the product of
-    its tokens' probabilities, and a mean would rank a long answer as if it were a short one."""
-    check("one shape", shapes={"input_ids": list(input_ids.shape), "response_mask": list(response_mask.shape)})
+    """input_ids [B, T] (prompt, answer, then padding on the right), response_mask [B, T] True on the answer's
+    tokens -> [B]: log p(answer | prompt), the sum of its tokens' log-probabilities. A sum, not a mean: an answer's
+    probability is the product of its tokens', and a mean would rank a long answer as if it were a short one."""
+    check_batch(2, ("input_ids", "response_mask"), input_ids=input_ids, response_mask=response_mask)
     answer = response_mask[:, 1:].bool()                                   # [B, T-1]: which predictions count
     # where, not a product: padding's log-probabilities are dropped even were one -inf
     return torch.where(answer, token_logprobs(model, input_ids), 0.0).sum(dim=-1)  # [B]
 
-# The padding goes on the right: these models have no padding mask, so a pad on the left
-# would be read as context, and would move the answer's positions. Position 0 has no
-# prediction (nothing comes before it): its mask entry is ignored, as it is always a prompt.
-# The logits after 5 6 7 score the answer's 8, those after 5 6 7 8 its 9.
+# The padding goes on the right: these models have no padding mask, so a pad on the left would
+# be read as context, and would move the answer's positions. Position 0 has no prediction
+# (nothing comes before it): its mask entry is ignored, as it is always a prompt.
 # Try it: the answer 8 9 after the prompt 5 6 7, padded to 7.
 #   >>> _ = torch.manual_seed(0)
 #   >>> gpt = DecoderOnlyTransformer(vocab_size=10, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0)
@@ -4322,11 +4044,9 @@ def sequence_logprobs(model, input_ids, response_mask):
 #   (True, torch.Size([1, 6]))
 
 
-# The runs of this part on the toy task build their batches this way: prompt, then answer.
-
 def answer_batch(vocab, prompts, answers):
-    """Prompts (id lists) and hanzi answers -> "prompt answer <eos>" ids [N, L], padded on the
-    right, and the response mask [N, L], True on the answer and its eos."""
+    """This part's toy batches: prompts (id lists) and hanzi answers -> "prompt answer <eos>" ids
+    [N, L], padded on the right, and the response mask [N, L], True on the answer and its eos."""
     rows = [(p, vocab.encode(list(a)) + [Vocab.EOS]) for p, a in zip(prompts, answers)]
     L = max(len(p) + len(a) for p, a in rows)
     ids = torch.full((len(rows), L), Vocab.PAD)                                # [N, L]
@@ -4340,40 +4060,37 @@ def answer_batch(vocab, prompts, answers):
 # ===========================================================================
 # 42. DPO (直接偏好优化)
 # ===========================================================================
-# RLHF fits a reward model to pairs of answers (one chosen, one rejected), then trains the
-# model against it while a KL penalty holds it near a reference. DPO (Rafailov et al.,
-# 2023, "Direct Preference Optimization") solves that KL-penalized problem in closed form:
-# the model that solves it has the reward beta * log(pi / pi_ref) plus a term of the prompt
-# alone, which cancels between two answers to one prompt. So the pairs train the model directly, a
-# logistic loss on the chosen answer's reward minus the rejected one's: no reward model, no
-# sampling during training, four sequence log-probabilities (section 41) per pair.
+# RLHF fits a reward model to pairs of answers (one chosen, one rejected), then trains the model
+# against it while a KL penalty holds it near a reference. DPO (Rafailov et al., 2023, "Direct
+# Preference Optimization") solves that KL-penalized problem in closed form: the model that
+# solves it has the reward beta * log(pi / pi_ref) plus a term of the prompt alone, which cancels
+# between two answers to one prompt. So the pairs train the model directly, a logistic loss on the
+# chosen answer's reward minus the rejected one's: no reward model, no sampling during training,
+# four sequence log-probabilities (section 41) per pair.
 
-ARGUMENTS.update(beta=(float, 0.0, math.inf))
+ARGUMENTS.update(beta=(float, 0.0, FINITE))
 RELATIONS["beta > 0"] = (("beta",), lambda b: b > 0, "beta must be > 0 (at 0 every pair has the same loss)")
 
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1):
-    """Sequence log-probabilities [B] of the chosen and rejected answers under the model
-    trained and under the frozen reference -> (loss [], chosen_rewards [B], rejected_rewards
-    [B]): -log sigmoid(chosen - rejected) averaged over the pairs, each reward
-    beta * (log pi - log pi_ref), detached (for logging, as TRL's DPOTrainer)."""
-    check("one shape", "beta > 0", beta=beta, shapes={name: list(t.shape) for name, t in [
-        ("policy_chosen", policy_chosen), ("policy_rejected", policy_rejected), ("ref_chosen", ref_chosen),
-        ("ref_rejected", ref_rejected)]})
-    # the reference is a fixed anchor: detached here, so that log-probabilities computed
-    # outside no_grad cannot send it a gradient (or keep its graph alive)
+    """Sequence log-probabilities [B] of the chosen and rejected answers under the model trained and the
+    frozen reference -> (loss [], chosen_rewards [B], rejected_rewards [B]): -log sigmoid(chosen - rejected)
+    averaged over the pairs, each reward beta * (log pi - log pi_ref), detached (logged, as TRL's DPOTrainer)."""
+    check("beta > 0", beta=beta)
+    check_batch(1, policy_chosen=policy_chosen, policy_rejected=policy_rejected, ref_chosen=ref_chosen,
+                ref_rejected=ref_rejected)
+    # the reference is a fixed anchor, detached: computed outside no_grad, it gets no gradient (nor keeps a graph)
     chosen = beta * (policy_chosen - ref_chosen.detach())                  # [B]: implicit rewards
     rejected = beta * (policy_rejected - ref_rejected.detach())            # [B]
-    # logsigmoid, not log(sigmoid(.)): at a margin of -100 sigmoid underflows to 0 in float32
-    # and the log is -inf; logsigmoid stays at -100
+    # logsigmoid, not log(sigmoid(.)): at a margin of -100 float32's sigmoid is 0 and its log -inf
     loss = -F.logsigmoid(chosen - rejected).mean()                         # []
     return loss, chosen.detach(), rejected.detach()                        # [], [B], [B]
 
 # The gradient, as the paper's section 4 writes it: d loss / d policy_chosen = -beta *
-# sigmoid(rejected - chosen) / B, and the opposite for policy_rejected. Each pair weighs
-# sigmoid of minus its margin: near 1 where the model still prefers the rejected answer,
-# near 0 once it ranks the pair right, so learned pairs stop pulling. beta = 0.1 is TRL's
-# default; a larger beta holds the model nearer the reference.
+# sigmoid(rejected - chosen) / B, the opposite for policy_rejected. Each pair weighs sigmoid of
+# minus its margin of implicit rewards: near 1 while the chosen answer has gained less over the
+# reference than the rejected one, near 0 once it has gained clearly more, so learned pairs stop
+# pulling. beta = 0.1 is TRL's default; a larger beta holds the model nearer the reference.
 # Try it: a pair the policy already ranks right, and one it ranks wrong.
 #   >>> pi_c, pi_r = torch.tensor([-2.0, -9.0], requires_grad=True), torch.tensor([-6.0, -3.0])
 #   >>> ref_c, ref_r = torch.tensor([-5.0, -5.0]), torch.tensor([-5.0, -5.0])
@@ -4384,12 +4101,9 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1)
 #   tensor([-0.0298, -0.2381])
 
 
-# DPO on the toy task (section 43 runs it beside GRPO and plain supervised steps).
-
 def run_dpo(model, vocab, train_pairs, seed, p):
-    """Pairs from the model's own mistakes: the right answer (chosen) against its wrong free
-    greedy answer (rejected) on the training sentences it gets wrong; the model before DPO as
-    the reference. Each step p["prompts"] pairs."""
+    """DPO on the toy (run in section 43): the right answer (chosen) against the model's wrong free greedy one
+    (rejected) on the training sentences it gets wrong, the model before as reference, p["prompts"] pairs a step."""
     reference = copy.deepcopy(model).requires_grad_(False)
     greedy = gpt_translate(model, [pinyin for pinyin, _ in train_pairs], vocab)
     wrong = [(pinyin, hanzi, g) for (pinyin, hanzi), g in zip(train_pairs, greedy) if g != hanzi]
@@ -4412,23 +4126,24 @@ def run_dpo(model, vocab, train_pairs, seed, p):
 # ===========================================================================
 # 43. GRPO (组相对策略优化)
 # ===========================================================================
-# Where an answer can be checked (a math result, a test suite, our toy's characters), the
-# model can learn from its own answers: sample G of them for each prompt, score each, and
-# raise the probability of those better than their group. GRPO (Shao et al., 2024,
-# "DeepSeekMath"; the RL of DeepSeek-R1, 2025) is PPO with the group's mean reward as the
-# baseline (and its std as the scale) instead of a learned value model: no critic to train,
-# G answers a prompt instead.
+# Where an answer can be checked (a math result, a test suite, our toy's characters), the model
+# can learn from its own answers: sample G of them for each prompt, score each, and raise the
+# probability of those better than their group. GRPO (Shao et al., 2024, "DeepSeekMath"; the RL
+# of DeepSeek-R1, 2025) is PPO with the group's mean reward as the baseline (and its std as the
+# scale) instead of a learned value model: no critic to train, G answers a prompt instead.
 
-ARGUMENTS.update(group_size=(int, 2, MAX_SIZE), clip_eps=(float, 0.0, 1.0), kl_beta=(float, 0.0, math.inf))
+ARGUMENTS.update(group_size=(int, 2, MAX_SIZE), clip_eps=(float, 0.0, 1.0), kl_beta=(float, 0.0, FINITE))
+RELATIONS["sampled"] = (("temperature",), lambda t: t > 0, "temperature must be > 0: GRPO learns from answers"
+                        " drawn at random (at 0 all G answers are one, and logits / 0 are infinite)")
 
 
 def group_advantages(rewards, eps=1e-4):
     """rewards [B, G], G answers to each of B prompts -> advantages [B, G]: each reward
     against its own group, (r - mean) / (std + eps), std unbiased (torch.std's, TRL's)."""
+    check_batch(2, rewards=rewards)
     check(eps=eps, group_size=rewards.size(-1))  # one answer has no group to compare with
-    # shifted by the first reward first: the same advantages (they ignore a shift), and a
-    # group whose rewards are all equal gets exactly 0 (it teaches nothing), where the
-    # mean's rounding would leave about 1e-3; eps keeps that 0 / 0 from being NaN
+    # shifted by the first reward first: the same advantages, and a group of equal rewards gets exactly 0
+    # (it teaches nothing), where the mean's rounding would leave about 1e-3; eps keeps that 0 / 0 from NaN
     rewards = rewards - rewards[..., :1]                                   # [B, G]
     return (rewards - rewards.mean(dim=-1, keepdim=True)) / (rewards.std(dim=-1, keepdim=True) + eps)  # [B, G]
 
@@ -4439,21 +4154,20 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
     advantage [N] an answer; mask [N, T], True on the answers' tokens -> the loss [], minus
     GRPO's objective: per token min(rho A, clip(rho, 1 - clip_eps, 1 + clip_eps) A) - kl_beta
     * KL with rho = exp(logprobs - old), averaged over each answer's tokens, then over answers."""
-    check("one shape", clip_eps=clip_eps, kl_beta=kl_beta, shapes={name: list(t.shape) for name, t in [
-        ("logprobs", logprobs), ("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs), ("mask", mask)]})
-    check("one shape", shapes={"advantages": list(advantages.shape), "logprobs[:, 0]": list(logprobs.shape[:1])})
-    # rho is 1 in value when the model trained is the one that sampled (one step a batch),
-    # but not in gradient: d rho / d logprobs = rho, so the surrogate's gradient is A times
-    # the gradient of logprobs, the policy gradient. old is detached: a constant
+    check(clip_eps=clip_eps, kl_beta=kl_beta)
+    check_batch(2, ("mask",), logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask)
+    check_batch(1, advantages=advantages, logprobs_rows=logprobs[:, 0])  # one advantage an answer: [N], not [N, 1]
+    # rho is 1 in value when the model trained is the one that sampled (one step a batch), but not
+    # in gradient: d rho / d logprobs = rho, so the surrogate's gradient is A times the gradient of
+    # logprobs, the policy gradient. old is detached: a constant
     rho = torch.exp(logprobs - old_logprobs.detach())                      # [N, T]
     A = advantages[:, None]                                                # [N, 1]
     # PPO's clip: once rho has moved past 1 +- clip_eps in the direction A favors, the
     # clipped term is the smaller and its gradient is 0: no step pushes further off-policy
     surrogate = torch.min(rho * A, rho.clamp(1 - clip_eps, 1 + clip_eps) * A)  # [N, T]
-    # KL(pi || pi_ref) per token by the "k3" estimator (Schulman, 2020, "Approximating KL
-    # Divergence"), DeepSeekMath's: exp(d) - d - 1 with d = ref - logprobs, never negative,
-    # and its mean over the tokens the model samples is KL(model || reference). It must carry
-    # the gradient (d / d logprobs = 1 - exp(d)): computed under no_grad it would hold nothing back
+    # KL(pi || pi_ref) per token by the "k3" estimator (Schulman, 2020, "Approximating KL Divergence"),
+    # DeepSeekMath's: exp(d) - d - 1, d = ref - logprobs, never negative, its mean over sampled tokens
+    # KL(model || reference). It carries the gradient (1 - exp(d)): under no_grad it would hold nothing back
     d = ref_logprobs.detach() - logprobs                                   # [N, T]
     per_token = surrogate - kl_beta * (torch.exp(d) - d - 1)               # [N, T]: the objective
     mask = mask.bool()                                                     # [N, T]
@@ -4462,17 +4176,13 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
     per_answer = per_token.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)     # [N]
     return -per_answer.mean()                                              # []: to minimize
 
-# Two changes of the averaging, each one line here. DAPO (Yu et al., 2025) takes one mean
-# over all the batch's tokens, per_token.sum() / mask.sum(): with a mean per answer each
-# answer weighs the same, so, as the paper says, a token of a long answer counts less, and
-# long answers' gibberish and repetition go too little penalized (entropy and length grow).
-# Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training") divides every answer by
-# one constant (the generation budget) instead of its length, and by no std in
-# group_advantages. As the paper says, 1 / |answer| gives a short right answer larger
-# updates and penalizes a long wrong one less, so wrong answers grow long; and the std gives
-# the questions whose rewards barely vary (too easy or too hard) more weight.
-# kl_beta = 0.04 and G = 64 are DeepSeekMath's (its section 4.2), which gives no clip_eps;
-# 0.2 is PPO's usual value.
+# Two variants change the averaging, one line each. DAPO (Yu et al., 2025) takes one mean over all
+# the batch's tokens, per_token.sum() / mask.sum(): a mean per answer weighs a long answer's
+# tokens less, and its gibberish and repetition go too little penalized. Dr. GRPO (Liu et al.,
+# 2025, "Understanding R1-Zero-Like Training") divides by one constant, the generation budget, not
+# each answer's length (which penalizes long wrong answers less: they grow long), and by no std in
+# group_advantages (which weighs up questions whose rewards barely vary: too easy or too hard).
+# kl_beta = 0.04 and G = 64 are DeepSeekMath's (its section 4.2; no clip_eps there, 0.2 is PPO's usual).
 # Try it: two groups of 4 answers (the second all alike), then the on-policy gradient.
 #   >>> group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]]))
 #   tensor([[ 0.8659, -0.8659, -0.8659,  0.8659],
@@ -4487,17 +4197,9 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
 #           [ 0.2500,  0.2500, ...0.0000]])
 
 
-# After pretraining (sections 41-43), measured on the toy. The demo's GPT trained for 60
-# batches (0.9 of an epoch) gets 30-31% of the held-out sentences right on seeds 0-2 when it
-# decodes freely (no syllable readings), and each method starts from it for 40 steps of 16
-# prompts. The reward is verifiable: the fraction of characters right, position by position,
-# over the longer of answer and reference (evaluate's character accuracy). Learning rates:
-# each method's best on seed 3 (Adam, no schedule; GRPO's 3e-4 and 1e-3 a sentence apart,
-# DPO's beta the best of 0.1, 0.5 and 1). GRPO samples at temperature 1, and at 0.5 beside it.
-# Held-out sentences gained (of 240) on seeds 0, 1, 2: SFT +46, +68, +71; DPO +19, +31, +26;
-# GRPO at temperature 0.5 +18, +37, +11; GRPO at temperature 1 -6, -1, -7, while the mean
-# reward of answers drawn at temperature 1 rises from 0.38-0.41 to 0.50-0.54: it sharpens
-# the samples toward what greedy decoding already answers, and greedy loses a few sentences.
+# After pretraining, on the toy: each method starts from the demo's GPT after only start_steps
+# batches. The reward is verifiable: evaluate's character accuracy. Learning rates: each method's
+# best on seed 3 (DPO's beta the best of 0.1, 0.5 and 1); GRPO samples at temperature 1 and 0.5.
 PREFERENCE = dict(start_steps=60, steps=40, prompts=16, group=8, grpo_lr=1e-3, clip_eps=0.2, kl_beta=0.04,
                   dpo_lr=2e-4, beta=0.5, sft_lr=3e-3)
 
@@ -4508,21 +4210,24 @@ def char_reward(answer, reference):
 
 
 @torch.no_grad()
-def sample_answers(model, prompt, allowed, generator, temperature=1.0):
-    """prompt [B, S+1] ("pinyin <sep>", one length), allowed [B, S+1, V] (answer_masks)
-    -> answers [B, S+1], drawn token by token with the cache; pad after eos."""
-    ids, cache = prompt, model.new_cache()
-    done = torch.zeros(prompt.size(0), dtype=torch.bool, device=prompt.device)  # [B]
+def sampled_answers(model, vocab, pairs, group, generator, temperature=1.0):
+    """group answers drawn for each of P pairs of one length, one character a syllable then eos -> (ids [N, L],
+    response mask [N, L], rewards [P, group]), N = P * group, a prompt's answers consecutive."""
+    syllables = [pinyin.split() for pinyin, _ in pairs for _ in range(group)]  # N lists of S
+    prompt = torch.tensor([vocab.encode(s + [SEP]) for s in syllables])       # [N, S+1]
+    allowed, ids, cache = answer_masks(syllables, vocab), prompt, model.new_cache()  # [N, S+1, V], ...
+    done = torch.zeros(len(prompt), dtype=torch.bool)                         # [N]
     with eval_mode(model):
         for i in range(allowed.size(1)):
-            logits = model(ids, cache)[:, -1]                                  # [B, V]
             # -1e9, not -inf or float32's lowest: next_token refuses either once divided by a temperature
-            logits = logits.masked_fill(~allowed[:, i], -1e9)                  # [B, V]
-            token = next_token(logits, temperature, generator=generator)[:, 0]  # [B]
-            token = token.masked_fill(done, Vocab.PAD)                         # [B]
+            logits = model(ids, cache)[:, -1].masked_fill(~allowed[:, i], -1e9)  # [N, V]
+            token = next_token(logits, temperature, generator=generator)[:, 0].masked_fill(done, Vocab.PAD)  # [N]
             done |= token == Vocab.EOS
-            ids = torch.cat([ids, token[:, None]], dim=1)                      # [B, t+1]
-    return ids[:, prompt.size(1):]                                             # [B, S+1]
+            ids = torch.cat([ids, token[:, None]], dim=1)                      # [N, t+1]
+    texts = ["".join(vocab.decode(row)) for row in ids[:, prompt.size(1):].tolist()]
+    references = [hanzi for _, hanzi in pairs for _ in range(group)]
+    rewards = torch.tensor([char_reward(text, hanzi) for text, hanzi in zip(texts, references)])  # [N]
+    return *answer_batch(vocab, prompt.tolist(), texts), rewards.view(len(pairs), group)  # [N, L] x2, [P, G]
 
 
 def pairs_by_length(pairs):
@@ -4531,19 +4236,6 @@ def pairs_by_length(pairs):
     for pair in pairs:
         buckets.setdefault(len(pair[0].split()), []).append(pair)
     return buckets
-
-
-def sampled_answers(model, vocab, pairs, group, generator, temperature=1.0):
-    """group answers drawn for each pair (pairs of one length) -> (ids [N, L], response mask
-    [N, L], rewards [len(pairs), group]), N = len(pairs) * group, a prompt's answers consecutive."""
-    syllables = [pinyin.split() for pinyin, _ in pairs for _ in range(group)]  # N lists of S
-    prompt = torch.tensor([vocab.encode(s + [SEP]) for s in syllables])       # [N, S+1]
-    drawn = sample_answers(model, prompt, answer_masks(syllables, vocab), generator, temperature)  # [N, S+1]
-    texts = ["".join(vocab.decode(row)) for row in drawn.tolist()]
-    references = [hanzi for _, hanzi in pairs for _ in range(group)]
-    rewards = torch.tensor([char_reward(text, hanzi) for text, hanzi in zip(texts, references)])  # [N]
-    ids, mask = answer_batch(vocab, prompt.tolist(), texts)                   # [N, L] each
-    return ids, mask, rewards.view(len(pairs), group)                          # ..., [len(pairs), group]
 
 
 def sampled_reward(model, vocab, pairs, seed=0, group=2):
@@ -4555,10 +4247,10 @@ def sampled_reward(model, vocab, pairs, seed=0, group=2):
 
 
 def run_grpo(model, vocab, train_pairs, seed, p, temperature=1.0):
-    """Each step: p["prompts"] prompts of one length (that of a prompt drawn at random), G
-    answers each, one gradient step on grpo_loss with old = the sampling model (on-policy)
-    and the model before GRPO as the reference. The policy is the model at `temperature`:
-    its log-probabilities are those of logits / temperature, the distribution sampled."""
+    """Each step: p["prompts"] prompts of one length (a random prompt's), G answers each, one step on
+    grpo_loss, old = the sampling model (on-policy), the model before GRPO the reference. The policy
+    is the model at `temperature`: log-probabilities of logits / temperature, the law sampled."""
+    check("sampled", temperature=temperature)
     reference = copy.deepcopy(model).requires_grad_(False)
     policy = lambda ids: model(ids) / temperature                              # noqa: E731; [N, L, V]
     optimizer = AdamW(model.parameters(), weight_decay=0.0, lr=p["grpo_lr"])
@@ -4594,9 +4286,7 @@ def run_sft(model, vocab, train_pairs, seed, p):
 
 
 def preference_start(seed, steps):
-    """The toy data of seed and the demo's GPT (TOY_MODELS["gpt"]) trained by train() for `steps`
-    batches of its recipe, one epoch over the first steps * batch_size training pairs
-    -> (model, vocab, train_pairs, test_pairs)."""
+    """Seed's toy data, TOY_MODELS["gpt"] trained for `steps` batches -> (model, vocab, train_pairs, test_pairs)."""
     pairs = make_toy_data(seed=seed)
     train_pairs, test_pairs = split_data(pairs, seed=seed)
     vocab, spec = build_gpt_vocab(train_pairs), TOY_MODELS["gpt"]
@@ -4610,9 +4300,8 @@ def preference_start(seed, steps):
 
 
 def preference_report(seed=0, **changes):
-    """One table for one seed: held-out free greedy exact match (and the mean reward of
-    answers drawn at temperature 1) before and after GRPO, DPO and supervised steps, each
-    from the same start, with the seconds each took. -> {method: (exact, reward, seconds)}."""
+    """One table for one seed: held-out free greedy exact match and the mean reward of answers drawn at
+    temperature 1, before and after GRPO, DPO and run_sft, each from one start -> {method: (exact, reward, s)}."""
     p = {**PREFERENCE, **changes}
     clock = time.perf_counter()
     base, vocab, train_pairs, test_pairs = preference_start(seed, p["start_steps"])
@@ -4672,7 +4361,7 @@ def quote(text, limit=40):
 
 
 def shown(path, limit=120):
-    """A file name for a message: as typed, or quote()d if long or not printable; one line any terminal prints."""
+    """A file name for a message: as typed, or quote()d if long or not printable."""
     text = os.fsdecode(path) if isinstance(path, bytes) else str(path)
     with contextlib.suppress(UnicodeError):  # a byte that is not UTF-8 (\udcff in Python) shown as \xff
         text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
@@ -4680,9 +4369,7 @@ def shown(path, limit=120):
 
 
 def with_pieces(pairs, copies=1, seed=0):
-    """The pairs, plus `copies` random contiguous pieces of each (two syllables or more, not the whole).
-    One syllable is one character, so a piece of a right answer is a right answer: free data that
-    teaches words apart from the sentences they came in."""
+    """The pairs and `copies` random pieces of each (2 syllables or more): a piece of a right answer is one too."""
     check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     rng, pieces = random.Random(seed), []
     for pinyin, hanzi in pairs:
@@ -4695,9 +4382,8 @@ def with_pieces(pairs, copies=1, seed=0):
 
 
 def open_for_reading(path, limit, expected, any_size=False):
-    """A binary file the user named: what it holds, read at most `limit` bytes (so /dev/zero stops there),
-    or, with any_size, the regular file itself. Opened without waiting, so a named pipe with no writer
-    reads as empty instead of hanging. ValueError naming the path."""
+    """The file the user named, read whole (at most limit bytes: /dev/zero stops there) or, with any_size, a
+    regular file opened; or ValueError naming it. Opened without waiting: a pipe with no writer reads as empty."""
     if not isinstance(path, (str, bytes, os.PathLike)) or not os.fspath(path):
         raise ValueError(f"path must be a file name (str or os.PathLike), got {type(path).__name__} {path!r:.40}")
     try:
@@ -4707,60 +4393,52 @@ def open_for_reading(path, limit, expected, any_size=False):
         if any_size and os.path.isfile(path):
             return f
         with f:
-            data = f.read(limit + 1)  # a folder says "Is a directory" here
-    except OSError as e:
+            data = f.read(limit + 1)
+    except OSError as e:  # missing, not allowed, a folder
         raise ValueError(f"{shown(path)}: {e.strerror or e}") from None
-    if len(data) > limit:
-        raise ValueError(f"{shown(path)}: larger than {limit // 2 ** 20} MB; expected {expected}")
+    if len(data) > limit: raise ValueError(f"{shown(path)}: larger than {limit // 2 ** 20} MB; expected {expected}")
     return io.BytesIO(data)
 
 
 def read_pairs(path):
     """(pinyin, hanzi) pairs from a TSV file, the first answer winning for a repeated pinyin; or ValueError
-    naming FILE:LINE. Memory stays a small multiple of the file: the lines are visited, never listed."""
+    naming FILE:LINE. Memory stays a small multiple of the file: lines are visited, never listed."""
     with open_for_reading(path, MAX_DATA_BYTES, "a pinyin<TAB>hanzi file") as f:
-        data = f.read()
-    path = shown(path)
+        data, path = f.read(), shown(path)
     try:
         text = data.decode("utf-8-sig")  # -sig: a byte-order mark is not text
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-    del data
     pairs, number, at = {}, 1, 0
-    # the lines that are not empty (a linear scan), numbered as an editor does: only \n ends a line
-    for match in re.finditer(r"[^\n]+", text):
+    for match in re.finditer(r"[^\n]+", text):  # numbered as an editor numbers lines: only \n ends one
         number, at = number + text.count("\n", at, match.start()), match.start()
-        line, where = match.group().removesuffix("\r"), f"{path}:{number}:"
+        line = match.group().removesuffix("\r")
         if line.isspace() or line.lstrip().startswith("#"):
             continue
-        tabs = line.count("\t")
-        if tabs != 1:
-            raise ValueError(f"{where} expected 'pinyin<TAB>hanzi', found {tabs + 1} tab-separated fields")
-        pinyin, hanzi = line.split("\t")                                    # 'wo ai', '我爱'
+        where, tabs = f"{path}:{number}:", line.count("\t")
+        if tabs != 1: raise ValueError(f"{where} expected 'pinyin<TAB>hanzi', found {tabs + 1} tab-separated fields")
+        pinyin, hanzi = line.split("\t")
         # at most MAX_SYLLABLES + 1 pieces: a megabyte of syllables is never a list of them
         syllables, hanzi = pinyin.split(None, MAX_SYLLABLES), hanzi.strip()  # ['wo', 'ai'], '我爱'
-        if not syllables or not hanzi:
-            raise ValueError(f"{where} empty {'pinyin' if not syllables else 'hanzi'}")
+        if not (syllables and hanzi): raise ValueError(f"{where} empty {'hanzi' if syllables else 'pinyin'}")
         if len(syllables) > MAX_SYLLABLES:
             n = sum(1 for _ in re.finditer(r"\S+", pinyin))  # counted, not listed
             raise ValueError(f"{where} {n} syllables; a sentence may have at most {MAX_SYLLABLES}")
         bad = next((s for s in syllables if not SYLLABLE.fullmatch(s)), None)
-        if bad:
-            raise ValueError(f"{where} syllable {quote(bad)} is not toneless lowercase pinyin (a-z, ü written v)")
+        if bad: raise ValueError(f"{where} syllable {quote(bad)} is not toneless lowercase pinyin (a-z, ü written v)")
         if len(syllables) != len(hanzi):
             raise ValueError(f"{where} {len(syllables)} syllables but {len(hanzi)} characters {quote(hanzi)};"
                              f" expected one syllable per character")
         # a combining mark or variation selector (category M) is no character of its own
-        if any(c.isascii() or c.isspace() or not c.isprintable() or unicodedata.category(c)[0] == "M"
-               for c in hanzi):
-            raise ValueError(f"{where} hanzi {quote(hanzi)} holds an ASCII, space or control character"
-                             f" or a combining mark; expected Chinese characters only")
+        if any(c.isascii() or c.isspace() or not c.isprintable() or unicodedata.category(c)[0] == "M" for c in hanzi):
+            raise ValueError(f"{where} hanzi {quote(hanzi)} holds an ASCII, space or control character or a"
+                             f" combining mark; expected Chinese characters only")
         pairs.setdefault(" ".join(syllables), hanzi)
-        if len(pairs) > MAX_PAIRS:
-            raise ValueError(f"{where} more than {MAX_PAIRS:,} sentences; split the file")
-    if len(pairs) < 2:
-        raise ValueError(f"{path}: found {len(pairs)} pinyin<TAB>hanzi lines, need at least 2")
+        if len(pairs) > MAX_PAIRS: raise ValueError(f"{where} more than {MAX_PAIRS:,} sentences; split the file")
+    if len(pairs) < 2: raise ValueError(f"{path}: found {len(pairs)} pinyin<TAB>hanzi lines, need at least 2")
     return sorted(pairs.items())
+
+
 # ===========================================================================
 # 45. Saving and loading (保存与加载)
 # ===========================================================================
@@ -4783,16 +4461,15 @@ ROPE_KINDS = ("llama", "qwen3", "mixtral", "qwen3moe", "mistral", "deepseek")  #
 OLD_LLAMA_OPTIONS = dict(head_dim=None, qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True,
                          window=None, rope_scaling=None)
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what a model's weights may be
-CHECK_ERRORS = (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError)  # a bad checkpoint's
+CHECK_ERRORS = (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError)  # a damaged file's
 MAX_PIPED_CHECKPOINT_BYTES = 256 * 2 ** 20  # a pipe (--load <(...)) is held in memory whole; --save's are a few MB
 
 
 def save_target_problem(path, data=None):
-    """Why path may not take a checkpoint, or None; --save asks before any training. A link is followed on
-    purpose, but a standard stream (/dev/stderr can be a log that 2>> opened), /proc and /sys (the kernel's),
-    the --data file, and a folder where no file can be made are no place for one."""
+    """Why path can take no checkpoint, or None. A link is followed on purpose; a standard stream (/dev/stderr
+    may be a log 2>> opened), the kernel's files, the --data file or a folder where no file can be made cannot."""
     target = os.path.realpath(path)
-    folder, name = os.path.split(target)
+    folder, name = os.path.dirname(target), os.path.basename(target)
     if not os.path.basename(path) or not os.path.isdir(folder):
         return "expected a file name in an existing folder"
     if os.path.exists(target) and not os.path.isfile(target):
@@ -4814,15 +4491,12 @@ def save_target_problem(path, data=None):
         os.unlink(probe)
     except OSError as e:
         return f"cannot write in its folder ({e.strerror or e})"
-    return None
 
 
 def check_state_dict(state):
-    """Names to dense, finite float tensors that store every value they claim (a stride-0 view of one
-    number can claim gigabytes) and share storage only as one tied tensor: the weights a file claims
-    are weights it holds. Or ValueError."""
-    if not isinstance(state, dict):
-        raise ValueError(f"state_dict is a {type(state).__name__}, expected a dict")
+    """Names to dense float tensors, finite in the dtype the model is built in, that store every value they
+    claim (a stride-0 view of one number can claim gigabytes) and share storage only as one tied tensor."""
+    if not isinstance(state, dict): raise ValueError(f"state_dict is a {type(state).__name__}, expected a dict")
     storages = {}  # storage address -> the first tensor seen on it
     for name, t in state.items():
         if not isinstance(name, str) or not isinstance(t, torch.Tensor):
@@ -4834,21 +4508,24 @@ def check_state_dict(state):
             raise ValueError(f"{quote(name)} claims {list(t.shape)} but stores fewer values")
         first = storages.setdefault(t.untyped_storage().data_ptr(), t) if t.numel() else t
         if (first.data_ptr(), first.shape, first.stride()) != (t.data_ptr(), t.shape, t.stride()):
-            raise ValueError(f"{quote(name)} is a view into the storage of another tensor; weights may share"
-                             f" storage only as one tied tensor")
-        if not torch.isfinite(t).all():
-            raise ValueError(f"{quote(name)} holds NaN or infinite values")
+            raise ValueError(f"{quote(name)} is a view into the storage of another tensor; only a tied one may share")
+        # finite as stored is not finite as computed: in the model's dtype, a float64 1e39 (float32
+        # stops at 3.4e38) or a float32 1e5 (float16 at 65504) is inf
+        bad = (~torch.isfinite(t.to(torch.get_default_dtype()))).nonzero()  # [n, t.dim()]: where
+        if len(bad):
+            value = t[tuple(bad[0])].item()
+            what = "not a number" if math.isnan(value) else "infinite"
+            raise ValueError(f"{quote(name)} holds {str(t.dtype)[6:]} {value:g}: {what} in"
+                             f" {str(torch.get_default_dtype())[6:]}, the model's dtype")
 
 
 def check_model_config(kind, config):
-    """A checkpoint's kind and configuration, before anything is computed from them: exactly the keywords
-    the kind's class takes, each as ARGUMENTS (section 0) rules, and for a RoPE model perhaps a
-    rope_scaling (section 32). -> (the class's keywords, the scaling or None); or ValueError."""
+    """A kind and its configuration, before anything is computed from them: exactly the class's keywords, as
+    ARGUMENTS (section 0) rules them, and perhaps a rope_scaling (section 32). -> (keywords, scaling or None)."""
     if not isinstance(kind, str) or kind not in MODEL_CLASSES:
         raise ValueError(f"kind {quote(str(kind))}: expected one of {', '.join(MODEL_CLASSES)}")
-    if not isinstance(config, dict):
-        raise ValueError(f"config is a {type(config).__name__}, expected a dict")
-    old = OLD_LLAMA_OPTIONS if kind == "llama" else {}  # at a plain Llama's values: dropped
+    if not isinstance(config, dict): raise ValueError(f"config is a {type(config).__name__}, expected a dict")
+    old = OLD_LLAMA_OPTIONS if kind == "llama" else {}
     config = {key: value for key, value in config.items()
               if not (key in old and type(value) is type(old[key]) and value == old[key])}
     scaling = config.pop("rope_scaling", None) if kind in ROPE_KINDS else None
@@ -4856,119 +4533,98 @@ def check_model_config(kind, config):
         check_scaling(scaling)
     parameters = inspect.signature(MODEL_CLASSES[kind]).parameters  # the constructor's keywords
     unknown = next((key for key in config if key not in parameters), None)
-    if unknown is not None:
+    if unknown in old:
         raise ValueError(f"config field {unknown}={repr(config[unknown])[:20]}: an older Llama's option; build a"
-                         f" Qwen3, Mixtral, Qwen3MoE or Mistral" if unknown in old else
-                         f"config field {quote(str(unknown))} is not one a {kind} model takes")
+                         f" Qwen3, Mixtral, Qwen3MoE or Mistral")
+    if unknown is not None: raise ValueError(f"config field {quote(str(unknown))} is not one a {kind} model takes")
     missing = next((n for n, p in parameters.items() if p.default is p.empty and n not in config), None)
-    if missing:
-        raise ValueError(f"config lacks {missing}, which a {kind} model needs")
+    if missing: raise ValueError(f"config lacks {missing}, which a {kind} model needs")
     check(**config)
     return config, scaling
 
 
-def check_vocab(itos, name):
-    """A vocabulary as this file writes it (distinct strings, the specials first, sorted) -> Vocab."""
-    if not (isinstance(itos, list) and all(isinstance(t, str) for t in itos) and Vocab(itos).itos == itos):
-        raise ValueError(f"{name} is not a vocabulary written by this file")
-    try:
-        "".join(itos).encode("utf-8")  # a lone surrogate is no character: it could not even be printed
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{name} holds {e.object[e.start:e.end]!r}, which is not text") from None
-    return Vocab(itos)
-
-
 def checked_checkpoint(checkpoint, device):
-    """A checkpoint's dict checked, cheapest first -> (kind, model in eval mode, src_vocab, tgt_vocab,
-    readings or None); or one of CHECK_ERRORS. Both load_checkpoint and save_checkpoint ask it."""
+    """A checkpoint's dict, checked cheapest first and built: -> (kind, model in eval mode, src_vocab, tgt_vocab,
+    readings or None), or one of CHECK_ERRORS. Saving asks it too: what would not load is not saved."""
     kind, state = checkpoint["kind"], checkpoint["state_dict"]
     config, scaling = check_model_config(kind, checkpoint["config"])
     check_state_dict(state)
-    if config.get("pad_id", Vocab.PAD) != Vocab.PAD:
-        raise ValueError(f"config must have pad_id {Vocab.PAD}, the id of <pad>")
-    # the configuration must account for exactly the weights the file holds before anything is
-    # built: then a forged one (a million layers, a huge vocabulary) cannot make this allocate
-    # more than the file stores (check_state_dict: no view is counted twice)
-    held = sum({t.data_ptr(): t.numel() for name, t in state.items()  # tied once; buffers are no parameters
-                if not name.endswith((".pe", ".router_bias"))}.values())
+    if config.get("pad_id", Vocab.PAD) != Vocab.PAD: raise ValueError(f"config must have pad_id {Vocab.PAD} (<pad>)")
+    vocabs = []
+    for field in ("src_vocab", "tgt_vocab"):  # as this file writes one: printable, the specials first, sorted
+        itos = checkpoint[field]
+        if not (isinstance(itos, list) and all(isinstance(t, str) for t in itos) and Vocab(itos).itos == itos):
+            raise ValueError(f"{field} is not a vocabulary written by this file")
+        unprintable = next((t for t in itos if not t.isprintable()), None)  # a lone surrogate, say
+        if unprintable is not None: raise ValueError(f"{field} holds {unprintable!r}, which is not text")
+        vocabs.append(Vocab(itos))
+    sizes = [config.get(key, config.get("vocab_size")) for key in ("src_vocab_size", "tgt_vocab_size")]
+    if [len(v) for v in vocabs] != sizes:
+        raise ValueError(f"vocabularies of {[len(v) for v in vocabs]} tokens for a model of {sizes}")
+    if kind != "encdec" and SEP not in vocabs[1].stoi: raise ValueError(f"a decoder-only vocabulary needs {SEP}")
+    readings, characters = checkpoint.get("readings"), {t for t in vocabs[1].itos if len(t) == 1 and not t.isascii()}
+    # saved as distinct characters: a forged megabyte string under 100 keys is refused by its length, not read
+    if readings is not None and not (isinstance(readings, dict) and all(
+            isinstance(s, str) and isinstance(c, str) and 0 < len(c) <= len(characters) and set(c) <= characters
+            for s, c in readings.items())):
+        raise ValueError("readings must map syllables to characters of the vocabulary")
+    # the configuration must account for exactly the weights held (tied ones once; buffers are no
+    # parameters) before anything is built: a forged size cannot allocate more than the file stores
+    held = sum({t.data_ptr(): t.numel() for n, t in state.items() if not n.endswith((".pe", ".router_bias"))}.values())
     needed = PARAMETER_FORMULAS[kind](**config)
     if needed != held:
         raise ValueError(f"the configuration (n_layers {config['n_layers']}) needs {needed:,} parameters,"
                          f" the weights hold {held:,}")
     per_position = (config["d_model"] if kind not in ROPE_KINDS else 2 * config["qk_rope_dim"] if kind == "deepseek"
                     else 2 * (config.get("head_dim") or config["d_model"] // config["n_heads"]))  # cos, sin
-    if config["max_len"] * per_position > max(held, 2 ** 24):  # position tables
+    if config["max_len"] * per_position > max(held, 2 ** 24):  # the position tables
         raise ValueError(f"max_len {config['max_len']} asks for position tables far larger than the model")
-    model = MODEL_CLASSES[kind](**config).to(device)
+    cls = MODEL_CLASSES[kind]
+    model = cls(**config).to(device)
     if scaling is not None:
         with_rope_scaling(model, scaling)
-    expected = {name: t.shape for name, t in model.state_dict().items()}
-    wrong = next((n for n in {**expected, **state} if expected.get(n) != getattr(state.get(n), "shape", None)), None)
+    shapes = {name: list(t.shape) for name, t in model.state_dict().items()}
+    wrong = next((n for n in {**shapes, **state} if shapes.get(n) != list(getattr(state.get(n), "shape", ()))), None)
     if wrong is not None:
-        raise ValueError(f"weight {quote(wrong)}: the configuration implies "
-                         f"{list(expected[wrong]) if wrong in expected else 'no such weight'}, the file holds "
-                         f"{list(state[wrong].shape) if wrong in state else 'none'}")
+        raise ValueError(f"weight {quote(wrong)}: the configuration implies {shapes.get(wrong, 'no such weight')},"
+                         f" the file holds {list(state[wrong].shape) if wrong in state else 'none'}")
     model.load_state_dict(state)
-    # finite as stored is not finite as computed: converted to the model's dtype, a float64 1e39
-    # (float32 stops at 3.4e38) or a float32 1e5 (float16 at 65504) is inf; so the copies are checked
-    for name, t in model.state_dict().items():
-        bad = (~torch.isfinite(t)).nonzero()                               # [n, t.dim()]: where it overflowed
-        if len(bad):
-            raise ValueError(f"{quote(name)} holds {str(state[name].dtype)[6:]} {state[name][tuple(bad[0])].item():g}:"
-                             f" infinite in {str(t.dtype)[6:]}, the model's dtype")
-    vocabs = check_vocab(checkpoint["src_vocab"], "src_vocab"), check_vocab(checkpoint["tgt_vocab"], "tgt_vocab")
-    sizes = [config.get(key, config.get("vocab_size")) for key in ("src_vocab_size", "tgt_vocab_size")]
-    if [len(vocab) for vocab in vocabs] != sizes:
-        raise ValueError(f"vocabularies of {[len(v) for v in vocabs]} tokens for a model of {sizes}")
-    if kind != "encdec" and SEP not in vocabs[1].stoi:
-        raise ValueError(f"a decoder-only model's vocabulary needs {SEP}")
-    readings = checkpoint.get("readings")
-    characters = {token for token in vocabs[1].itos if len(token) == 1 and not token.isascii()}
-    # saved as distinct characters, so never longer than the vocabulary's: a forged megabyte string
-    # (pickled once, under 100 keys) is refused by its length, not read 100 times
-    if readings is not None and not (isinstance(readings, dict) and all(
-            isinstance(s, str) and isinstance(c, str) and 0 < len(c) <= len(characters) and set(c) <= characters
-            for s, c in readings.items())):
-        raise ValueError("readings must map syllables to characters of the vocabulary")
     return kind, model.eval(), *vocabs, readings and {syllable: set(chars) for syllable, chars in readings.items()}
 
 
 def merged_state_dict(model):
-    """model.state_dict() with each LoRALinear (section 39) merged into the Linear it wraps, the model
-    untouched: the weights of a plain model of its kind, with the same outputs."""
+    """model's weights, each LoRALinear (section 39) merged into the Linear it wraps, the model untouched:
+    those of a plain model of its kind that answers the same."""
     state = model.state_dict()
     for name, lora in model.named_modules():
         if isinstance(lora, LoRALinear):
-            weight = lora.base.weight
-            tied = [key for key, t in state.items() if t.data_ptr() == weight.data_ptr()]
-            if len(tied) > 1 and not lora.merged:  # merged, the other user of the weight would change too
-                raise ValueError(f"the LoRA adapter {name} is on a weight shared as {' and '.join(tied)}; merge_lora()"
-                                 f" the model (which changes both) or untie them")
-            merged = (weight if lora.merged else weight + lora.delta_weight()).detach()  # [out, in]
+            tied = [key for key, t in state.items() if t.data_ptr() == lora.base.weight.data_ptr()]
+            if len(tied) > 1 and not lora.merged:  # merging would change the weight's other use too
+                raise ValueError(f"LoRA adapter {name} is on a weight shared as {' and '.join(tied)}; merge_lora()"
+                                 f" the model first (both uses change) or untie them")
+            merged = lora.base.weight.detach() + (0 if lora.merged else lora.delta_weight().detach())  # [out, in]
             state = {key.replace(f"{name}.base.", f"{name}.", 1): merged if key in tied else t
                      for key, t in state.items() if key not in (f"{name}.lora_A", f"{name}.lora_B")}
     return state
 
 
 def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
-    """Write the model (LoRA adapters merged), its vocabularies and (if given) the syllables' readings to
-    path, or ValueError naming it. What load_checkpoint would refuse is refused before the file is
-    touched; the old file stays intact, keeping its mode and owner; a symbolic link is followed."""
-    if kind not in MODEL_CLASSES or type(model) is not MODEL_CLASSES[kind]:
+    """Write the model (LoRA merged), its vocabularies and readings to path, or ValueError naming it. What loading
+    would refuse is refused first; the old file stays intact, with its mode and owner; a link is followed."""
+    if type(model) is not MODEL_CLASSES.get(kind):
         raise ValueError(f"kind {kind!r} with a {type(model).__name__}: expected one of "
                          + ", ".join(f"{k!r} with a {c.__name__}" for k, c in MODEL_CLASSES.items()))
     problem = save_target_problem(path)
-    if problem:
-        raise ValueError(f"{shown(path)}: {problem}")
+    if problem: raise ValueError(f"{shown(path)}: {problem}")
     checkpoint = {"format": CHECKPOINT_FORMAT, "kind": kind, "config": model.config,
                   "src_vocab": src_vocab.itos, "tgt_vocab": tgt_vocab.itos}
     if readings is not None:
         checkpoint["readings"] = {syllable: "".join(sorted(chars)) for syllable, chars in readings.items()}
-    try:  # checked as load_checkpoint checks it, on the CPU
+    try:
         checkpoint["state_dict"] = merged_state_dict(model)
         checked_checkpoint(checkpoint, "cpu")
     except CHECK_ERRORS as e:
-        raise ValueError(f"{shown(path)}: not saved ({' '.join(str(e).split())[:100]}); the previous file is"
+        raise ValueError(f"{shown(path)}: not saved ({' '.join(str(e).split())[:200]}); the previous file is"
                          f" unchanged") from None
     target = os.path.realpath(path)
     old = os.stat(target) if os.path.exists(target) else None
@@ -4987,23 +4643,20 @@ def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
         os.replace(tmp, target)  # one rename: readers see the old file or the new, never half
     except BaseException as e:
         os.unlink(tmp)
-        if not isinstance(e, (OSError, RuntimeError)):  # a full disk is OSError, or RuntimeError in torch.save
-            raise
+        if not isinstance(e, (OSError, RuntimeError)): raise  # Ctrl-C stays Ctrl-C; a full disk is either
         detail = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())[:80]
         raise ValueError(f"{shown(path)}: could not save ({detail}); the previous file is unchanged") from None
 
 
 def load_checkpoint(path, device="cpu"):
-    """-> (kind, model in eval mode, src_vocab, tgt_vocab, readings or None) from a file or a pipe; or
-    ValueError for a bad device or a missing, truncated, foreign or forged file. Nothing is built before
-    the configuration accounts for exactly the weights the file stores: no file makes this allocate more."""
+    """-> (kind, model in eval mode, src_vocab, tgt_vocab, readings or None) from a file or a pipe; ValueError
+    for a bad device or a missing, truncated, foreign or forged file, which allocates no more than it holds."""
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device {device!r} is not a device name (cpu, cuda, mps, ...)") from None
     available = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}.get(device.type)
-    if available and not available():
-        raise ValueError(f"device {str(device)!r} is not available here")
+    if available and not available(): raise ValueError(f"device {str(device)!r} is not available here")
     with open_for_reading(path, MAX_PIPED_CHECKPOINT_BYTES, "a checkpoint file, or a pipe of at most that"
                           " (a pipe is held in memory)", any_size=True) as f, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's notes on sparse or complex32 tensors: the refusal is the line
@@ -5018,6 +4671,8 @@ def load_checkpoint(path, device="cpu"):
         except CHECK_ERRORS as e:
             detail = " ".join(str(e).split())[:100]  # one line, however long torch's message
             raise ValueError(f"{shown(path)}: damaged checkpoint ({type(e).__name__}: {detail})") from None
+
+
 # ===========================================================================
 # 46. The demo (演示): python transformer.py
 # ===========================================================================
@@ -5050,25 +4705,19 @@ CLASSIC_CONFIGS = [
         tie_weights=True), "117M in the paper, 124M corrected"),
     ("GPT of the decoder-only tutorial", "gpt", TUTORIAL_GPT_CONFIG, "3000多万 (30-odd M)"),
 ]
-# --size base, the default for --data: real sentences need more than the toy's 90
-# words. Measured on 2,500 everyday sentences (README, "Decoding"): twice the width,
-# a third layer, dropout against overfitting, each sentence plus one random piece of
-# it (drawn once, before training); 12 epochs to stay within 5 minutes on 2 cores
-BASE_MODELS = {
-    "encdec": dict(name="encoder-decoder", model=Transformer, epochs=12, lr_factor=0.25, warmup=150,
-                   batch_size=32, spans=1, config=dict(d_model=128, n_heads=4, d_ff=512, n_layers=3, dropout=0.1)),
-    "gpt": dict(name="decoder-only (GPT)", model=DecoderOnlyTransformer, epochs=12, lr_factor=0.25, warmup=150,
-                batch_size=32, spans=1, config=dict(d_model=128, n_heads=4, d_ff=512, n_layers=4, dropout=0.1)),
-    "llama": dict(name="Llama-style", model=Llama, epochs=12, lr_factor=0.25, warmup=150, batch_size=32,
-                  spans=1, config=dict(d_model=128, n_heads=4, n_kv_heads=2, d_ff=344, n_layers=4)),
-    # not yet measured on real sentences: the Llama-style recipe's width and depth, MLA and experts
-    "deepseek": dict(name="DeepSeek-style", model=DeepSeekV3, epochs=12, lr_factor=0.25, warmup=150,
-                     batch_size=32, spans=1, update=lambda model: with_router_bias(adam_noam(model, 0.25, 150), model,
-                                                                                  0.001),
-                     config=dict(d_model=128, n_heads=4, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16,
-                                 v_head_dim=32, d_ff=344, expert_d_ff=64, n_experts=8, top_k=2, n_shared=1,
-                                 n_layers=4, n_dense_layers=1)),
-}
+# --size base, the default for --data: real sentences need more than the toy's 90 words.
+# Measured on 2,500 everyday sentences (the README's --data example): twice the width, a
+# further layer, dropout against overfitting, each sentence plus one random piece of it
+# (drawn once, before training); 12 epochs to stay within 5 minutes on 2 cores. The
+# DeepSeek-style one is not measured on real sentences: the Llama-style widths, MLA, experts.
+BASE = dict(epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1)
+BASE_MODELS = {kind: dict(TOY_MODELS[kind], **BASE, config=config) for kind, config in [
+    ("encdec", dict(d_model=128, n_heads=4, d_ff=512, n_layers=3, dropout=0.1)),
+    ("gpt", dict(d_model=128, n_heads=4, d_ff=512, n_layers=4, dropout=0.1)),
+    ("llama", dict(d_model=128, n_heads=4, n_kv_heads=2, d_ff=344, n_layers=4)),
+    ("deepseek", dict(d_model=128, n_heads=4, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16, v_head_dim=32, d_ff=344,
+                      expert_d_ff=64, n_experts=8, top_k=2, n_shared=1, n_layers=4, n_dense_layers=1))]}
+BASE_MODELS["deepseek"]["update"] = lambda model: with_router_bias(adam_noam(model, 0.25, 150), model, 0.001)
 SIZES = {"small": TOY_MODELS, "base": BASE_MODELS}
 # the DeepSeek-style model of show_models: d_model 128, 4 heads, 2 layers, like the others
 SMALL_DEEPSEEK = dict(vocab_size=1000, d_model=128, n_layers=2, n_heads=4, kv_lora_rank=64, qk_nope_dim=32,
@@ -5076,90 +4725,76 @@ SMALL_DEEPSEEK = dict(vocab_size=1000, d_model=128, n_layers=2, n_heads=4, kv_lo
                       q_lora_rank=96, n_groups=4, topk_groups=2)
 
 
+def cache_bytes_per_token(model, ids):
+    """Measured: the bytes a model's cache holds for ids [B, T], per token."""
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(ids, cache)                                                  # fills each layer's cache
+    return sum(t.nbytes for c in cache for t in vars(c).values() if isinstance(t, torch.Tensor)) // ids.numel()
+
+
 def show_models(device):
     """Output shapes of small models, parameter counts (counted and by formula) of
     the classic and the modern configurations, the KV cache's memory and speed."""
     torch.manual_seed(0)
-    small = [("encoder-decoder", Transformer(src_vocab_size=1000, tgt_vocab_size=1200, d_model=128, n_heads=4,
-                                             d_ff=512, n_layers=2), transformer_param_formula(
-                  1000, 1200, d_model=128, d_ff=512, n_layers=2)),
-             ("decoder-only (GPT)", DecoderOnlyTransformer(vocab_size=1000, d_model=128, n_layers=2, n_heads=4,
-                                                           d_ff=512), decoder_only_param_formula(
-                  1000, d_model=128, n_layers=2, d_ff=512)),
-             ("Llama-style", Llama(vocab_size=1000, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2),
-              llama_param_formula(1000, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2)),
-             ("DeepSeek-style", DeepSeekV3(**SMALL_DEEPSEEK), deepseek_param_formula(**SMALL_DEEPSEEK))]
-    src = torch.randint(1, 1000, (2, 7), device=device)                    # [B, S]
-    tgt = torch.randint(1, 1000, (2, 5), device=device)                    # [B, T]
+    widths = dict(d_model=128, n_layers=2)
+    small = [("encoder-decoder", "encdec", dict(src_vocab_size=1000, tgt_vocab_size=1200, n_heads=4, d_ff=512)),
+             ("decoder-only (GPT)", "gpt", dict(vocab_size=1000, n_heads=4, d_ff=512)),
+             ("Llama-style", "llama", dict(vocab_size=1000, n_heads=4, n_kv_heads=2)),
+             ("DeepSeek-style", "deepseek", SMALL_DEEPSEEK)]
+    src, tgt = torch.randint(1, 1000, (2, 7), device=device), torch.randint(1, 1000, (2, 5), device=device)  # [B, S], [B, T]
     print("small models, d_model 128, 4 heads, 2 layers (each), vocabulary 1000 (1200 for the target)")
-    for name, model, formula in small:
-        model.to(device).eval()
+    models = {}
+    for name, kind, cfg in small:
+        cfg = {**widths, **cfg}
+        model = models[kind] = MODEL_CLASSES[kind](**cfg).to(device).eval()
         with torch.no_grad():
-            logits = model(src, tgt) if name == "encoder-decoder" else model(tgt)  # [B, T, V]
-        inputs = "src [2, 7], tgt [2, 5]" if name == "encoder-decoder" else "input [2, 5]"
+            logits = model(src, tgt) if kind == "encdec" else model(tgt)   # [B, T, V]
+        inputs = "src [2, 7], tgt [2, 5]" if kind == "encdec" else "input [2, 5]"
         print(f"  {name:19s} {inputs:22s} -> output {list(logits.shape)}; parameters "
-              f"{count_parameters(model):,} counted, {formula:,} by formula")
+              f"{count_parameters(model):,} counted, {PARAMETER_FORMULAS[kind](**cfg):,} by formula")
     print("\nclassic configurations (counted on the meta device: no memory, no time)")
     print(f"  {'model':34s} {'counted':>13s} {'formula':>13s}  reported")
     for name, kind, cfg, reported in CLASSIC_CONFIGS:
         with torch.device("meta"):
             counted = count_parameters(MODEL_CLASSES[kind](**cfg))
         print(f"  {name:34s} {counted:13,d} {PARAMETER_FORMULAS[kind](**cfg):13,d}  {reported}")
-    print("  base/big: the shared 37,000-token vocabulary ties source, target and output embeddings.")
-    gpt2 = CLASSIC_CONFIGS[2][2]
-    print(f"  GPT-2 small: add its learned position table, 1024 x 768 = {1024 * 768:,}, for "
-          f"{decoder_only_param_formula(**gpt2) + 1024 * 768:,}: the 124M\n  of OpenAI's gpt-2 README, which "
-          f"corrected the paper's 117M (Table 2). The sinusoidal encoding here\n  has no table.")
-    tied = decoder_only_param_formula(**TUTORIAL_GPT_CONFIG, tie_weights=True)
-    print(f"  the tutorial's GPT: {decoder_only_param_formula(**TUTORIAL_GPT_CONFIG) / 1e6:.1f}M untied; even tied "
-          f"(lm_head = token_embedding) it is {tied / 1e6:.1f}M, not 30-odd M.")
+    print(f"  base/big tie source, target and output embeddings (one 37,000-token vocabulary). GPT-2 small with its\n"
+          f"  learned position table, 1024 x 768, is {decoder_only_param_formula(**CLASSIC_CONFIGS[2][2]) + 1024 * 768:,}:"
+          f" the 124M of OpenAI's README, which corrected the paper's 117M.\n  The tutorial's GPT is"
+          f" {decoder_only_param_formula(**TUTORIAL_GPT_CONFIG) / 1e6:.1f}M untied,"
+          f" {decoder_only_param_formula(**TUTORIAL_GPT_CONFIG, tie_weights=True) / 1e6:.1f}M tied: not 30-odd M.")
     print("\nmodern decoders (meta device) and their KV cache per token in bfloat16")
-    print(f"  {'model':15s} {'counted':>13s} {'formula':>13s} {'published':>13s}  {'KV cache':>9s}"
-          f"  {'with full MHA':>13s}")
+    print(f"  {'model':15s} {'counted':>13s} {'formula':>13s} {'published':>13s}  {'KV cache':>9s}  {'with full MHA':>13s}")
     for name, cfg, published in LLAMA_CONFIGS:
         with torch.device("meta"):
             counted = count_parameters(Llama(**cfg))
-        head_dim = cfg["d_model"] // cfg["n_heads"]
-        kv, mha = (kv_cache_bytes_per_token(cfg["n_layers"], heads, head_dim) // 1024
+        kv, mha = (kv_cache_bytes_per_token(cfg["n_layers"], heads, cfg["d_model"] // cfg["n_heads"]) // 1024
                    for heads in (cfg["n_kv_heads"], cfg["n_heads"]))
         print(f"  {name:15s} {counted:13,d} {llama_param_formula(**cfg):13,d} {published:13,d}"
               f"  {kv:5,d} KiB  {mha:9,d} KiB")
-    llama = small[2][1]
-    cache = llama.new_cache()
-    with torch.no_grad():
-        llama(tgt, cache)                                                  # fills [B, Hkv, T, dk] per layer
-    stored = sum(c.k.nelement() * c.k.element_size() + c.v.nelement() * c.v.element_size() for c in cache)
-    print(f"  measured: the small Llama-style model's cache holds {stored // (2 * 5):,} bytes a token in float32"
-          f" = {kv_cache_bytes_per_token(2, 2, 32, bytes_per_value=4):,} by the formula (2 layers, 2 kv heads of 32)")
+    print(f"  measured: the small Llama-style model's cache holds {cache_bytes_per_token(models['llama'], tgt):,} bytes"
+          f" a token in float32 = {kv_cache_bytes_per_token(2, 2, 32, 4):,} by the formula (2 layers, 2 kv heads of 32)")
     print("\nfrontier models (meta device): total and active parameters, cache per token in bfloat16")
     print(f"  {'model':14s} {'counted':>15s} {'formula':>15s} {'active':>14s}  {'cache':>9s}  reported")
     for name, kind, cfg, total, active, reported in FRONTIER_CONFIGS:
         with torch.device("meta"):
             counted = count_parameters(MODEL_CLASSES[kind](**cfg))
-        if kind == "deepseek":
-            cache_bytes = mla_cache_bytes_per_token(cfg["n_layers"], cfg["kv_lora_rank"], cfg["qk_rope_dim"])
-        else:
-            head_dim = cfg.get("head_dim") or cfg["d_model"] // cfg["n_heads"]
-            cache_bytes = kv_cache_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], head_dim)
+        cache = (mla_cache_bytes_per_token(cfg["n_layers"], cfg["kv_lora_rank"], cfg["qk_rope_dim"]) if kind ==
+                 "deepseek" else kv_cache_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], cfg.get("head_dim") or
+                                                          cfg["d_model"] // cfg["n_heads"]))
         print(f"  {name:14s} {counted:15,d} {PARAMETER_FORMULAS[kind](**cfg):15,d}"
-              f" {PARAMETER_FORMULAS[kind](**cfg, active=True):14,d}  {cache_bytes / 1024:5.1f} KiB  {reported}")
+              f" {PARAMETER_FORMULAS[kind](**cfg, active=True):14,d}  {cache / 1024:5.1f} KiB  {reported}")
     v3 = FRONTIER_CONFIGS[2][2]
     per_head = v3["n_layers"] * v3["n_heads"] * (v3["qk_nope_dim"] + v3["qk_rope_dim"] + v3["v_head_dim"]) * 2
     print(f"  DeepSeek-V3's latent cache: {v3['kv_lora_rank']} + {v3['qk_rope_dim']} values a token a layer;"
           f" per-head keys and values would take {per_head / 2 ** 20:.2f} MiB a token")
-    deepseek = small[3][1]
-    cache = deepseek.new_cache()
-    with torch.no_grad():
-        deepseek(tgt, cache)                                               # fills [B, t, r] and [B, t, rope] per layer
-    stored = sum(c.latent.nelement() * c.latent.element_size() + c.k_rope.nelement() * c.k_rope.element_size()
-                 for c in cache)
-    print(f"  measured: the small DeepSeek-style model's cache holds {stored // (2 * 5):,} bytes a token in float32"
-          f" = {mla_cache_bytes_per_token(2, 64, 16, bytes_per_value=4):,} by the formula (latent 64, rope 16)")
+    print(f"  measured: the small DeepSeek-style model's cache holds {cache_bytes_per_token(models['deepseek'], tgt):,}"
+          f" bytes a token in float32 = {mla_cache_bytes_per_token(2, 64, 16, 4):,} by the formula (latent 64, rope 16)")
     torch.manual_seed(0)
     gpt = DecoderOnlyTransformer(vocab_size=1000, d_model=512, n_layers=2, n_heads=8, d_ff=2048,
                                  max_len=512).to(device).eval()
-    prompt = torch.randint(0, 1000, (1, 8), device=device)                 # [B, T]
-    with_cache, without, same = time_generation(gpt, prompt, 64)
+    with_cache, without, same = time_generation(gpt, torch.randint(0, 1000, (1, 8), device=device), 64)
     print(f"\nKV cache: decoder-only (d_model 512, 8 heads, d_ff 2048, 2 layers, vocab 1000), prompt 8,"
           f" 64 new tokens: with cache {with_cache:.2f} s, without {without:.2f} s ({without / with_cache:.1f}x),"
           f" same tokens: {'yes' if same else 'NO'} (--bench: 256 and 1024 tokens)")
@@ -5227,22 +4862,6 @@ def report(answer, test_pairs, ambiguous, n_examples=6):
         # a hanzi is two columns wide in a terminal, so pad by 24 - 2 * len
         print(f"  {pinyin:{width}s}  {hanzi}{' ' * max(0, 24 - 2 * len(hanzi))}  {predicted}{mark}")
     return result
-
-
-def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head, readings):
-    """Cross-attention of the held-out sentence with the most ambiguous syllables."""
-    check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
-    pinyin, _ = max((p for p in test_pairs if len(p[0].split()) <= min(8, longest_sentence("encdec", model))),
-                    key=lambda p: sum(s in ambiguous for s in p[0].split()), default=test_pairs[0])
-    device = next(model.parameters()).device
-    src = torch.tensor([src_vocab.encode(pinyin.split())], device=device)  # [1, S]
-    allowed = answer_masks([pinyin.split()], tgt_vocab, readings).to(device)  # [1, S+1, V]
-    out = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1, allowed=allowed)  # [1, <= S+1]
-    chars = tgt_vocab.decode(out[0].tolist())
-    weights = cross_attention_map(model, src, out[:, :max(1, len(chars))], head)  # [T, S]
-    which = "averaged over heads" if head is None else f"head {head}"
-    print(f"\ncross-attention of the last decoder layer, {which}: {pinyin} -> {''.join(chars)}")
-    print(render_heatmap(weights, pinyin.split(), chars))
 
 
 MAX_BASELINE_CHARACTERS = 4096  # the bigram tables are (C + 1) x C floats: 64 MB at 4,096 characters
@@ -5346,9 +4965,6 @@ def run(args, device, pairs, loaded):
             raise SystemExit(2) from None
         print(f"saved the {SIZES[args.size][kind]['name']} model to {shown(args.save)}")
     return kind, model, src_vocab, tgt_vocab, readings
-
-
-show_lora = lora_report  # TEMPORARY: the command line's piece calls it by its old name
 
 
 # ===========================================================================
@@ -5555,10 +5171,6 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
           "  call a few microseconds, more where a second thread must be woken for it")
 
 
-def bench_time_to_99(device, seed):  # TEMPORARY: the command line's piece still calls it
-    return None
-
-
 # ===========================================================================
 # 48. The command line (命令行)
 # ===========================================================================
@@ -5567,17 +5179,14 @@ def bench_time_to_99(device, seed):  # TEMPORARY: the command line's piece still
 
 MAX_LINE = 2 ** 20  # characters in one --translate - line; a sentence takes at most MAX_SYLLABLES syllables
 MAX_BEAM = 64       # --beam: wider beams cost memory and time and, on this task, gain nothing
-RUNS_ALONE = ("data", "load", "save", "translate", "epochs", "model", "size", "beam", "free", "head")
-IGNORED_BY = {  # options that one makes meaningless are refused, never silently ignored
-    "load": ("skips training", ("save", "epochs", "model", "size")),
-    "after": ("trains and measures its own models, then exits", RUNS_ALONE + ("bench",)),
-    "bench": ("trains and measures its own models, then exits", RUNS_ALONE)}
+ALONE = ("data", "load", "save", "translate", "epochs", "model", "size", "beam", "free", "head")
+IGNORED_BY = {"load": ("skips training", ("save", "epochs", "model", "size")),  # refused, never silently ignored
+              "after": ("runs models of its own, then exits", ALONE + ("bench",)),
+              "bench": ("runs models of its own, then exits", ALONE)}
 
 
 def read_lines(stream, limit=MAX_LINE):
-    """The lines of a text stream (standard input), read at most limit + 1 characters at a time: a longer
-    line, /dev/zero (one endless line), text that is not UTF-8 or a stream that cannot be read raise
-    ValueError, and reading stops."""
+    """The lines of standard input, read at most limit + 1 characters at a time, or ValueError: reading stops."""
     try:
         for number, line in enumerate(iter(lambda: stream.readline(limit + 1), ""), 1):
             if len(line) > limit and not line.endswith("\n"):
@@ -5591,17 +5200,17 @@ def read_lines(stream, limit=MAX_LINE):
 
 
 def answer_lines(answer, src_vocab, longest, lines):
-    """One hanzi line per pinyin line; a line the model cannot take gets one error line on stderr and the
-    rest still answer; input that cannot be read (read_lines) ends them with one. -> exit status."""
+    """One hanzi line per pinyin line, or an error line on stderr for each the model cannot take. -> exit status."""
     check_list("lines", lines, "lines of pinyin")
     status = 0
     try:
         for line in lines:
             syllables = line.split()                                       # ['wo', 'ai', ...]
             unknown = next((s for s in syllables if not (SYLLABLE.fullmatch(s) and s in src_vocab.stoi)), None)
-            if unknown or len(syllables) > longest:
-                problem = (f"unknown syllable {quote(unknown)}" if unknown else
-                           f"{len(syllables)} syllables, this model takes at most {longest}")
+            problem = (f"unknown syllable {quote(unknown)}" if unknown else
+                       f"{len(syllables)} syllables, this model takes at most {longest}" if len(syllables) > longest
+                       else None)
+            if problem:
                 print(f"transformer.py: error: {problem} in {quote(line.strip())}", file=sys.stderr)
                 status = 2
             else:
@@ -5610,13 +5219,6 @@ def answer_lines(answer, src_vocab, longest, lines):
         print(f"transformer.py: error: --translate -: {e}", file=sys.stderr)
         return 2
     return status
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """A usage error is one line on stderr and exit status 2, no usage dump; a path can be a megabyte."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message if len(message) <= 300 else message[:300] + '...'}\n")
 
 
 def int_at_least(low):
@@ -5628,131 +5230,108 @@ def int_at_least(low):
     return parse
 
 
-def stream_problem(args):
-    """What keeps the standard streams from this run, or None: stdout must write hanzi and the report's
-    marks (ascii, latin-1 or gbk cannot) and, for answers, be open; for --translate -, stdin must be open
-    and readable."""
-    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
-    try:
-        ("我爱学习多万ü✗" + SHADES).encode(encoding)
-    except (UnicodeEncodeError, LookupError) as e:
-        char = e.object[e.start] if isinstance(e, UnicodeEncodeError) else "我"
-        what = "hanzi" if "\u4e00" <= char <= "\u9fff" else repr(char)
-        return f"standard output's encoding ({encoding}) cannot write {what}; set PYTHONIOENCODING=utf-8 or use a UTF-8 locale"
-    if sys.stdout is None and args.translate is not None:
-        return "--translate: standard output is closed; the answers would be lost"
-    if args.translate == "-" and sys.stdin is None:
-        return "--translate -: standard input is closed"
-    if args.translate == "-":
-        try:
-            os.read(sys.stdin.fileno(), 0)  # reads nothing, but fails on a stream opened write-only (0>file)
-        except (AttributeError, ValueError):  # a stream without a file (in tests): nothing to check
-            pass
-        except OSError as e:
-            return f"--translate -: cannot read standard input ({e.strerror or e})"
-    return None
-
-
 class GuardedStream:
-    """A standard output or error whose reader may leave (| head -1). Once the pipe is broken, what is
-    written is dropped while keep_going is set (main sets it while a --save is to come) and raises
-    BrokenPipeError otherwise, as the stream itself would."""
+    """stdout or stderr whose reader may leave (| head -1): then what is written is dropped while keep_going is
+    set (a --save is still to come), else BrokenPipeError, as the stream's own."""
     keep_going = False
 
     def __init__(self, stream):
         self.stream, self.broken = stream, False
 
-    def _guard(self, method, *args):
-        if not self.broken:
-            try:
-                return method(*args)
-            except BrokenPipeError:
-                self.broken = True
-        if not GuardedStream.keep_going:
-            raise BrokenPipeError(32, "Broken pipe")
-        return None
+    def write(self, text, flushing=False):
+        try:
+            if not self.broken:
+                return self.stream.flush() if flushing else self.stream.write(text)
+        except BrokenPipeError:
+            self.broken = True
+            if not self.keep_going: raise
+        if not (self.keep_going or flushing): raise BrokenPipeError(32, "Broken pipe")  # a flush, once broken, never
 
-    def write(self, text):
-        self._guard(self.stream.write, text)
-        return len(text)
-
-    def flush(self):  # never raises once broken: Python flushes at exit, when there is nothing left to say
-        if not self.broken:
-            self._guard(self.stream.flush)
+    def flush(self):
+        self.write("", flushing=True)
 
     def __getattr__(self, name):  # encoding, fileno, isatty...: the stream's own
         return getattr(self.stream, name)
 
 
 def main(argv=None):
-    parser = OneLineParser(prog="transformer.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="transformer.py", description=__doc__.split("\n\n")[0])
+    # a usage error is one line and exit status 2, no usage dump; a path in it can be a megabyte
+    parser.error = lambda message: parser.exit(2, f"transformer.py: error: {message[:300]}"
+                                                  f"{'...' if len(message) > 300 else ''}\n")
     option = parser.add_argument
     option("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or mps")
     option("--epochs", type=int_at_least(1), help="training epochs (default: each model's own)")
     option("--seed", type=int_at_least(0), default=0, help="seed for the data, split, weights, batches")
-    option("--model", choices=list(TOY_MODELS) + ["all"],
-           help="which model to train (default: all on the toy task, encdec with --data; --save and --translate"
-                " use the first)")
-    option("--size", choices=list(SIZES), help="model size and recipe (default: small on the toy task, base with --data)")
+    option("--model", choices=[*TOY_MODELS, "all"], help="what to train (default: all; encdec with --data): --save and"
+                                                          " --translate take the first")
+    option("--size", choices=list(SIZES), help="model size and recipe (default: small; base with --data)")
     option("--data", metavar="FILE.tsv", help="train on your own pinyin<TAB>hanzi lines")
     option("--save", metavar="PATH", help="after training, save the model and its vocabularies")
     option("--load", metavar="PATH", help="load a saved model instead of training")
     option("--translate", metavar="PINYIN", help="answer this pinyin sentence ('-': one per stdin line)")
     option("--beam", type=int_at_least(1), default=4, help="beam size for answers (default 4; 1 is greedy)")
-    option("--free", action="store_true",
-           help="decode unconstrained: any character at any step, not only the syllable's readings")
+    option("--free", action="store_true", help="decode unconstrained: any character, not the syllables' readings")
     option("--head", type=int_at_least(0), help="draw this head's attention in the heatmap, not the mean")
     option("--bench", action="store_true", help="measure where the time goes (a few minutes), then exit")
-    option("--after", action="store_true",
-           help="after pretraining, on the toy task and --seed: speculative decoding's acceptance and speed-up,"
-                " DPO and GRPO against plain fine-tuning (under a minute), then exit")
+    option("--after", action="store_true", help="speculative decoding, DPO and GRPO on the toy (a minute), then exit")
     args = parser.parse_args(argv)
     GuardedStream.keep_going = args.save is not None  # the reader of the output may leave: the model is saved
     # every problem that can be seen before the work starts is reported before it starts
     empty = next((name for name in ("data", "load", "save") if getattr(args, name) == ""), None)
-    if empty:
-        parser.error(f"--{empty}: expected a file name, got an empty one")
-    if args.beam > MAX_BEAM:
-        parser.error(f"--beam {args.beam}: expected 1 to {MAX_BEAM}")
-    if stream_problem(args):
-        parser.error(stream_problem(args))
+    if empty: parser.error(f"--{empty}: expected a file name, got an empty one")
+    if args.beam > MAX_BEAM: parser.error(f"--beam {args.beam}: expected 1 to {MAX_BEAM}")
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    try:  # hanzi, and the marks the report and the heatmap draw with; ascii, latin-1 or gbk cannot
+        ("我爱学习多万ü✗" + SHADES).encode(encoding)
+    except (UnicodeEncodeError, LookupError) as e:
+        char = e.object[e.start] if isinstance(e, UnicodeEncodeError) else "我"
+        what = "hanzi" if "\u4e00" <= char <= "\u9fff" else repr(char)
+        parser.error(f"standard output's encoding ({encoding}) cannot write {what}; set PYTHONIOENCODING=utf-8 or"
+                     f" use a UTF-8 locale")
+    if sys.stdout is None and args.translate is not None:
+        parser.error("--translate: standard output is closed; the answers would be lost")
+    if args.translate == "-":
+        try:
+            os.read(sys.stdin.fileno(), 0)  # reads nothing, but fails on a stream opened write-only (0>file)
+        except (AttributeError, ValueError):  # closed (None), or a stream without a file (in tests)
+            if sys.stdin is None: parser.error("--translate -: standard input is closed")
+        except OSError as e:
+            parser.error(f"--translate -: cannot read standard input ({e.strerror or e})")
     ignored = next(((name, why, other) for name, (why, others) in IGNORED_BY.items() for other in others
                     if getattr(args, name) and getattr(args, other) != parser.get_default(other)), None)
-    if ignored:
-        parser.error("--{} {}, so --{} does not apply".format(*ignored))
+    if ignored: parser.error("--{} {}, so --{} does not apply".format(*ignored))
     args.size = args.size or ("base" if args.data else "small")
     args.model = args.model or ("encdec" if args.data else "all")
-    if args.save is not None and save_target_problem(args.save, args.data):
-        parser.error(f"--save {quote(args.save)}: {save_target_problem(args.save, args.data)}")
+    problem = args.save and save_target_problem(args.save, args.data)
+    if problem: parser.error(f"--save {quote(args.save)}: {problem}")
     try:
         device = pick_device(args.device)
-    except ValueError as e:
-        parser.error(f"--device: {e}")
-    try:
         pairs = read_pairs(args.data) if args.data else make_toy_data(seed=args.seed)
         loaded = load_checkpoint(args.load, device) if args.load else None
     except ValueError as e:
         parser.error(str(e))
     if loaded and not longest_sentence(loaded[0], loaded[1]):  # not "takes at most -1 syllables", later
-        need = "3 (bos, its character, eos)" if loaded[0] == "encdec" else f"4 (the syllable, {SEP}, its character, eos)"
+        need = ("3 (bos, its character, eos)" if loaded[0] == "encdec"
+                else f"4 (the syllable, {SEP}, its character, eos)")
         parser.error(f"--load {shown(args.load)}: a model of max_len {loaded[1].max_len} can answer no sentence"
                      f" at all; one syllable needs max_len {need}")
     n_heads = (loaded[1].config if loaded else SIZES[args.size]["encdec"]["config"])["n_heads"]
     if args.head is not None and args.head >= n_heads:
-        parser.error(f"--head {args.head}: the model has {'only head 0' if n_heads == 1 else f'heads 0 to {n_heads - 1}'}")
-    if args.after or args.bench:
+        heads = f"heads 0 to {n_heads - 1}" if n_heads > 1 else "only head 0"
+        parser.error(f"--head {args.head}: the model has {heads}")
+    if args.after or args.bench:  # each trains with train(), which takes Ctrl-C as "stop this training" and goes on
         print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads" + "\n" * args.bench)
-        global stop_on_ctrl_c  # Ctrl-C stops all of the run, not only the train() it falls in (section 13)
+        global stop_on_ctrl_c  # so, within, Ctrl-C stops all of the run (section 13)
         kept, stop_on_ctrl_c = stop_on_ctrl_c, lambda: contextlib.nullcontext([])
         try:
             if args.after:
                 speculative_report(args.seed, device=device)
                 preference_report(args.seed)
             else:
-                bench_training(device)
-                bench_kv_cache(device)
-                bench_long_sequences(device)
-                bench_time_to_99(device, args.seed)
+                for bench in (bench_training, bench_kv_cache, bench_long_sequences):
+                    bench(device)
+                mixed_precision_report(args.seed, device)
         finally:
             stop_on_ctrl_c = kept
         return 0
@@ -5764,10 +5343,9 @@ def main(argv=None):
             show_training_costs()
         run(args, device, pairs, loaded)
         if not (loaded or args.data or args.model != "all" or args.epochs):  # the demo as it stands
-            show_lora(device, args.seed)
+            lora_report(device, args.seed)
         return 0
-    # answering: the answers alone go to stdout, the training progress to stderr
-    with contextlib.redirect_stdout(sys.stderr):
+    with contextlib.redirect_stdout(sys.stderr):  # the answers alone go to stdout, the training's progress to stderr
         kind, model, src_vocab, tgt_vocab, readings = run(args, device, pairs, loaded)
     GuardedStream.keep_going = False  # the model is saved: from here on, a reader leaving ends it
     lines = read_lines(sys.stdin) if args.translate == "-" else [args.translate]
@@ -5776,33 +5354,28 @@ def main(argv=None):
 
 
 def command_line():
-    """main() as a program: every failure one line on stderr, never a traceback, whichever standard
-    stream is closed, broken or unable to encode."""
-    if sys.stderr is not None:
-        with contextlib.suppress(AttributeError, ValueError, OSError):  # a message never fails on a character
-            sys.stderr.reconfigure(errors="backslashreplace")
+    """main() as a program: every failure one line on stderr, never a traceback, whichever standard stream is
+    closed, broken or unable to encode (Python's stderr escapes what it cannot encode)."""
     sys.stdout, sys.stderr = (None if s is None else GuardedStream(s) for s in (sys.stdout, sys.stderr))
+    status, line = 0, None
     try:
-        status, line = main(), None
+        status = main()
         if sys.stdout is not None:
             sys.stdout.flush()  # a full disk shows here, not at exit
     except KeyboardInterrupt:  # Ctrl-C where no training stops by itself to report and save
         status, line = 130, "interrupted"
     except BrokenPipeError:  # the reader left early (| head): not an error of ours
-        status, line = 1, None
+        status = 1
     except OSError as e:  # stdout on a full disk, a closed terminal
         status, line = 2, f"error: writing the output: {e.strerror or e}"
-    except UnicodeEncodeError as e:  # a character the output's encoding lacks (checked before; a last guard)
-        status, line = 2, f"error: writing the output: {e.encoding} cannot write {e.object[e.start:e.end]!r}"
     if status == 0 and sys.stdout is not None and sys.stdout.broken:
-        line = ("note: the reader of standard output left early (broken pipe); the rest of the output was"
-                " dropped, the work was done")
+        line = ("note: the reader of standard output left early (broken pipe); the rest of the output was dropped,"
+                " the work was done")
     if line and sys.stderr is not None:
         with contextlib.suppress(OSError):
             print(f"transformer.py: {line}", file=sys.stderr)
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (sys.stdout, sys.stderr):  # what could not be written is dropped: exiting does not try again
         if stream is not None and (stream.broken or (status and stream is sys.stdout)):
-            # what could not be written is dropped, so that exiting does not try again
             with contextlib.suppress(OSError, ValueError):  # an in-memory stream has no fileno
                 fd, devnull = stream.fileno(), os.open(os.devnull, os.O_WRONLY)
                 os.dup2(devnull, fd)
