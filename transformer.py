@@ -5,14 +5,15 @@ sections above it, so the file cut after any model's section still runs that mod
 A later idea never becomes an option of an earlier class: a later section extends it, the
 way Qwen3 (QK-norm), Mixtral (experts) and Mistral (a window) each extend the Llama.
 
-  Part I    1-10   the classic Transformer (Vaswani et al., 2017, "Attention Is All You Need")
-  Part II   11-17  teaching it a task: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
-  Part III  18-23  the modern decoder, Llama-style
-  Part IV   24-28  the frontier: Qwen3, mixture of experts, latent attention, DeepSeek-V3
-  Part V    29-32  long sequences: FlashAttention, sliding windows, the paged cache, long RoPE
-  Part VI   33-39  training by hand: AdamW, schedules, clipping, FLOPs, precision, memory, LoRA
-  Part VII  40-43  after pretraining: speculative decoding, log-probabilities, DPO, GRPO
-  Tools     44-48  your own data, checkpoints, the demo, the benchmark, the command line
+  Part I     1-10   the classic Transformer (Vaswani et al., 2017, "Attention Is All You Need")
+  Part II    11-17  teaching it a task: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
+  Part III   18-23  the modern decoder, Llama-style
+  Part IV    24-27  a released model through this code: byte-level BPE, quantized blocks, GGUF
+  Part V     28-32  the frontier: Qwen3, mixture of experts, latent attention, DeepSeek-V3
+  Part VI    33-36  long sequences: FlashAttention, sliding windows, the paged cache, long RoPE
+  Part VII   37-43  training by hand: AdamW, schedules, clipping, FLOPs, precision, memory, LoRA
+  Part VIII  44-47  after pretraining: speculative decoding, log-probabilities, DPO, GRPO
+  Tools      48-52  your own data, checkpoints, the demo, the benchmark, the command line
 
 The encoder-decoder (Part I) and its shapes, for a batch of B sentences:
 
@@ -40,13 +41,13 @@ encoder-decoder), fixes their mistakes, and proves each piece in test_transforme
 # ===========================================================================
 # The models need nothing but torch. One legend for every shape comment:
 #   B batch, S source length, T target length, D d_model, H heads, dk = D // H, one head's width
-#   (the code's head_dim from Part III on: the same number; section 24 frees it from D / H), dv a
+#   (the code's head_dim from Part III on: the same number; section 28 frees it from D / H), dv a
 #   value's width, Dff the feed-forward width, V vocabulary size; generating with a cache, t tokens
 #   are cached and Tn are new. Part III adds Hkv, the key/value heads of grouped-query attention.
-#   Part IV adds N = B * T tokens, E experts, k = top_k, G expert groups, r the width of
+#   Part V adds N = B * T tokens, E experts, k = top_k, G expert groups, r the width of
 #   MLA's latent (kv_lora_rank), nope / rope / v the widths of an MLA head's parts.
-#   Part V adds bq, bk the query and key blocks of a tile, bs a cache block's tokens.
-#   Part VI's r is another number: LoRA's rank (its A is [r, in]).
+#   Part VI adds bq, bk the query and key blocks of a tile, bs a cache block's tokens.
+#   Part VII's r is another number: LoRA's rank (its A is [r, in]).
 # Attention scores are [B, H, Tq, Tk]: one row per query, one column per key.
 
 import math
@@ -263,7 +264,7 @@ class MultiHeadAttention(nn.Module):
         out = out.transpose(1, 2).contiguous().view(B, Tq, self.d_model)   # [B, Tq, D]
         return self.w_o(out)                                               # [B, Tq, D]
 
-    def attend(self, q, k, v, mask):  # step 2 alone: a variant swaps it (section 29's fused kernel)
+    def attend(self, q, k, v, mask):  # step 2 alone: a variant swaps it (section 33's fused kernel)
         return scaled_dot_product_attention(q, k, v, mask, self.dropout)[0]  # [B, H, Tq, dk]
 
 # Try it: self-attention keeps the query's shape; cross-attention reads 7 keys.
@@ -338,7 +339,7 @@ class LayerNorm(nn.Module):
 # Every sub-layer (attention or feed-forward) sits in a residual connection with a LayerNorm. The
 # paper normalizes after the sum (post-LN); GPT-2 and most models since normalize the sub-layer's
 # input and leave the residual path untouched (pre-LN), which keeps gradients well scaled in deep
-# stacks (they still warm the learning rate up: sections 13, 34). Each sub-layer is a small _block
+# stacks (they still warm the learning rate up: sections 13, 38). Each sub-layer is a small _block
 # method, as in nn.TransformerEncoderLayer, so the two orders read side by side in forward. The
 # decoder layer adds cross-attention to the memory, the encoder's output [B, S, D].
 
@@ -658,7 +659,7 @@ class DecoderOnlyTransformer(nn.Module):
             self.lm_head.weight = self.token_embedding.weight
 
     def new_cache(self):
-        """One KVCache per layer (forward takes any per-layer caches with append and len: section 31 pages them)."""
+        """One KVCache per layer (forward takes any per-layer caches with append and len: section 35 pages them)."""
         return [KVCache() for _ in self.layers]
 
     def forward(self, input_ids, cache=None):
@@ -980,7 +981,7 @@ class BigramHMM:
 # character. The weights are updated as the 2017 paper did: Adam, with a learning rate that
 # rises over a warmup (Adam's first steps are noisy, so they are kept small), then decays as
 # 1 / sqrt(step); and the gradient's length is clipped, so one bad batch cannot throw the
-# weights far. Here that is torch's Adam and clip_grad_norm_: Part VI writes each of them out
+# weights far. Here that is torch's Adam and clip_grad_norm_: Part VII writes each of them out
 # and proves it equal. Ctrl-C stops after the current step and returns what was learned so far.
 
 ARGUMENTS.update(step=(int, 0, MAX_SIZE), warmup_steps=(int, 0, MAX_SIZE), epochs=(int, 1, MAX_SIZE),
@@ -1042,7 +1043,7 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
           label_smoothing=0.1, clip=1.0, seed=0, log=print, update=None):
     """Train on dataset items (model inputs..., target), one log line per epoch with evaluate_fn()'s
     held-out accuracy. update, run after each backward to step the weights: None for adam_noam(model,
-    lr_factor, warmup, clip); section 25 passes one that balances experts, Part VI its own AdamW. -> the
+    lr_factor, warmup, clip); section 29 passes one that balances experts, Part VII its own AdamW. -> the
     last epoch's loss, accuracy, seconds in all, interrupted (Ctrl-C), history [(epoch, training s, accuracy)]."""
     check(model=model, epochs=epochs, batch_size=batch_size)
     torch.manual_seed(seed)
@@ -1414,7 +1415,7 @@ def train_toy_model(kind, train_pairs, test_pairs, device="cpu", epochs=None, se
     model.to(device)
     log(f"\n{spec['name']}: {count_parameters(model):,} parameters, {spec['config']}")
     held_out = lambda: teacher_forced_accuracy(kind, model, test_pairs, src_vocab, tgt_vocab, readings)  # noqa: E731
-    # a recipe may bring its own update step (section 27's balances its experts)
+    # a recipe may bring its own update step (section 31's balances its experts)
     update = spec["update"](model) if "update" in spec else adam_noam(model, spec["lr_factor"], spec["warmup"])
     result = train(model, dataset, held_out, epochs=epochs or spec["epochs"], batch_size=spec["batch_size"],
                    seed=seed, log=log, update=update)
@@ -1725,7 +1726,7 @@ RELATIONS["a cache a layer"] = (("cache", "n_layers", "cache_kind"), lambda c, n
 
 class Llama(nn.Module):
     """Token embedding, N Llama blocks, a final RMSNorm, lm_head; n_kv_heads None means n_heads
-    (plain MHA), d_ff None llama_ffn_dim(d_model). A family (Parts IV, V) overrides what differs,
+    (plain MHA), d_ff None llama_ffn_dim(d_model). A family (Parts V, VI) overrides what differs,
     attention(), feed_forward(), rope_tables() or cache_kind, and records its keywords in config."""
     cache_kind = KVCache
 
@@ -1888,7 +1889,699 @@ LLAMA_CONFIGS = [
 
 
 # ===========================================================================
-# Part IV: the frontier, mixture of experts and latent attention (第四部分：前沿)
+# Part IV: a released model through this code (第四部分：用这份代码运行一个发布的模型)
+# ===========================================================================
+# So far every model ran on weights it trained itself or on random ones. Here a
+# released model answers through section 22's Llama: SmolLM2-135M-Instruct, read from
+# the GGUF file llama.cpp users download, with its own tokenizer. Four pieces take it
+# there: byte-level BPE, the quantized blocks the file holds, reading the checkpoint
+# formats, and the chat loop. The standard library reads the files; torch does the rest.
+
+import codecs
+import json
+import os
+import re
+import struct
+import tempfile
+import unicodedata
+
+
+# ===========================================================================
+# 24. Byte-level BPE (字节级 BPE)
+# ===========================================================================
+# A model reads ids; people write text. Byte-pair encoding (Gage, 1994, a compression
+# scheme; Sennrich et al., 2016, for translation) starts from an alphabet and merges the
+# most frequent adjacent pair into a new token, again and again. GPT-2 (Radford et al.,
+# 2019) took the 256 bytes of UTF-8 as the alphabet: any string in any script encodes,
+# with no unknown token, and decodes back exactly (where the vocabulary holds all 256:
+# SmolLM2's lacks 21 its training text never had, control characters such as \x1d and
+# bytes UTF-8 never or hardly uses, and drops them). Around the merges, three steps:
+#   1. a special token's text inside the text (<|im_start|>) is cut out and becomes it;
+#   2. a pre-tokenizer splits the rest into pieces (words, numbers, runs of spaces) that
+#      merges never cross, so " dog" is one token whether "." or "!" follows it;
+#   3. each piece's bytes are spelled in GPT-2's 256 printable stand-ins (a space is Ġ),
+#      and the merges apply by rank: the earliest learned pair present merges first.
+
+def byte_to_char():
+    """GPT-2's stand-ins, {byte: character}: a printable byte stands for itself, each of the
+    other 68 (controls, space, ...) for chr(256 + n), n counting them in order, so that a
+    vocabulary is printable text (bytes_to_unicode in GPT-2's encoder.py)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+UNICODE_CLASSES = {}  # "L" letters, "N" numbers -> a character class's body for re, built on first use
+
+
+def unicode_classes():
+    """{"L": ..., "N": ...}: ranges of every code point whose Unicode category starts with L
+    (Lu, Ll, Lt, Lm, Lo) or N (Nd, Nl, No), the regex module's \\p{L} and \\p{N} that the
+    standard re lacks. Built once (a pass over the 1.1M code points), then kept."""
+    if not UNICODE_CLASSES:
+        spans = {"L": [], "N": []}
+        for code in range(0x110000):
+            runs = spans.get(unicodedata.category(chr(code))[0])
+            if runs is not None and runs and runs[-1][1] == code - 1:
+                runs[-1][1] = code
+            elif runs is not None:
+                runs.append([code, code])
+        UNICODE_CLASSES.update({major: "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in runs)
+                                for major, runs in spans.items()})
+    return UNICODE_CLASSES
+
+
+# \s as Unicode's White_Space property, which the reference tokenizers' regex engine
+# matches; Python's \s (str.isspace) also counts the separators \x1c-\x1f
+WHITESPACE = "\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+# GPT-2's split (its encoder.py): the contractions 's 't 're 've 'm 'll 'd; a word, a
+# number, a run of other symbols, each with at most one space before it; then spaces: a
+# run leaves its last space to the word after it, except at the end
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(?![^{S}])|[{S}]+"
+# tokenizer.ggml.pre -> the patterns that split in turn, each isolating its matches inside
+# the pieces the one before left. SmolLM2's "smollm" (llama.cpp's name; its tokenizer.json:
+# Digits(individual_digits=True), then ByteLevel) first makes every number character a
+# piece alone: Unicode Nd, Nl and No, so ½, Ⅷ and ² as well as 0-9, but not 三 (a
+# letter, Lo). transformers 5.24 builds this file's tokenizer without that step. No merge of
+# SmolLM2 joins a digit 0-9 to anything, so " 2024" comes out the same, but " ½" is two
+# pieces with the step and one without, and its ids differ ([Ġ, Â½] against [ĠÂ, ½]): the
+# kind of detail that makes hand-written tokenizers disagree.
+PRE_TOKENIZERS = {"gpt-2": [GPT2_SPLIT], "smollm": ["[{N}]", GPT2_SPLIT]}
+
+
+def merge_pair(symbols, pair):
+    """symbols with every occurrence of the adjacent pair, left to right, made one symbol."""
+    out, i = [], 0
+    while i < len(symbols):
+        if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == pair:
+            out.append(symbols[i] + symbols[i + 1])
+            i += 2
+        else:
+            out.append(symbols[i])
+            i += 1
+    return out
+
+
+ARGUMENTS.update(pre=("one of", *PRE_TOKENIZERS), text=(str,), token_ids=(list,))
+RELATIONS.update({
+    "ids in the vocabulary": (("token_ids", "vocab_size"), lambda ids, v: all(
+        type(i) is int and 0 <= i < v for i in ids), "token_ids must be integers from 0 to vocab_size - 1"),
+    "room for the bytes": (("vocab_size",), lambda v: v >= 256,
+                           "vocab_size must be at least 256: the bytes come first"),
+})
+
+
+class BPETokenizer:
+    """Byte-level BPE: tokens spelled in GPT-2's stand-ins (a token's id is its index), merges
+    as pairs of tokens, earliest first, pre the pre-tokenizer; specials: the ids of tokens
+    matched whole in the text before anything else (<|im_start|>)."""
+
+    def __init__(self, tokens, merges, pre="gpt-2", specials=(), eos_id=None, chat_template=""):
+        check(pre=pre)
+        self.tokens, self.eos_id, self.chat_template = list(tokens), eos_id, chat_template
+        self.ids = {token: i for i, token in enumerate(self.tokens)}
+        self.ranks = {tuple(pair): rank for rank, pair in enumerate(merges)}  # lower merges first
+        classes = unicode_classes()
+        self.splits = [re.compile(f"({p.format(L=classes['L'], N=classes['N'], S=WHITESPACE)})")
+                       for p in PRE_TOKENIZERS[pre]]
+        self.specials = {self.tokens[i]: i for i in specials}
+        # longest first: at one position re takes the first alternative that matches
+        longest = sorted(self.specials, key=len, reverse=True)
+        self.special_split = re.compile(f"({'|'.join(map(re.escape, longest))})") if longest else None
+        self.char = byte_to_char()                                         # byte -> its stand-in
+        self.byte = {c: b for b, c in self.char.items()}                   # stand-in -> byte
+
+    def pieces(self, text):
+        """The pre-tokenizer's pieces of text: each pattern's matches and the text between them."""
+        pieces = [text]
+        for split in self.splits:
+            pieces = [part for piece in pieces for part in split.split(piece) if part]  # [str, ...]
+        return pieces
+
+    def merge(self, piece):
+        """One piece -> its tokens: its bytes' stand-ins, then, while any adjacent pair is a
+        merge, the pair of lowest rank merged wherever it stands (minbpe's encode). A byte
+        the vocabulary lacks is dropped first, as transformers drops it (no unknown token)."""
+        symbols = [self.char[b] for b in piece.encode("utf-8") if self.char[b] in self.ids]
+        while len(symbols) > 1:
+            pair = min(zip(symbols, symbols[1:]), key=lambda p: self.ranks.get(p, math.inf))
+            if pair not in self.ranks:
+                break
+            symbols = merge_pair(symbols, pair)
+        return symbols
+
+    def encode(self, text):
+        """text -> ids: special tokens' text first, then the pieces, then the merges in each."""
+        check(text=text)
+        ids = []
+        for part in self.special_split.split(text) if self.special_split else [text]:
+            if part in self.specials:  # re.split hands back the matches themselves
+                ids.append(self.specials[part])
+            else:
+                ids += [self.ids[token] for piece in self.pieces(part) for token in self.merge(piece)]  # [int, ...]
+        return ids
+
+    def token_bytes(self, i):
+        """Token i's bytes: a special token's text as written, any other through the stand-ins."""
+        token = self.tokens[i]
+        return token.encode("utf-8") if self.specials.get(token) == i else bytes(self.byte[c] for c in token)
+
+    def decode(self, ids):
+        """ids -> text; bytes that end no character (a cut-off id list) read as U+FFFD, as transformers'."""
+        check("ids in the vocabulary", token_ids=ids, vocab_size=len(self.tokens))
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")  # [bytes, ...] -> str
+
+    @classmethod
+    def from_gguf(cls, metadata):
+        """The tokenizer a GGUF file's metadata describes, under llama.cpp's keys: tokens,
+        merges ("Ġ t": two tokens and a space), the pre-tokenizer's name, the token types
+        (3 control, 4 user-defined: both matched whole, as transformers and llama.cpp do)."""
+        kind, pre = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre", "gpt-2")
+        if kind != "gpt2" or pre not in PRE_TOKENIZERS:
+            raise ValueError(f"the file's tokenizer is {kind!r} split as {pre!r}: this file reads byte-level BPE"
+                             f" ('gpt2') split as {' or '.join(map(repr, PRE_TOKENIZERS))}")
+        types = metadata.get("tokenizer.ggml.token_type", [])
+        return cls(metadata["tokenizer.ggml.tokens"], [m.split(" ") for m in metadata["tokenizer.ggml.merges"]], pre,
+                   [i for i, t in enumerate(types) if t in (3, 4)], metadata.get("tokenizer.ggml.eos_token_id"),
+                   metadata.get("tokenizer.chat_template", ""))
+
+
+def train_bpe(text, vocab_size, pre="gpt-2"):
+    """A BPETokenizer with vocab_size - 256 merges learned from text: start from the 256
+    bytes, count every adjacent pair inside the pre-tokenizer's pieces, merge the most
+    frequent into a new token, repeat (minbpe's basic.py, by brute force; among equal
+    counts the pair counted first). Stops early when no pair is left."""
+    check("room for the bytes", text=text, vocab_size=vocab_size, pre=pre)
+    chars = byte_to_char()
+    tokenizer = BPETokenizer([chars[b] for b in range(256)], [], pre)
+    words = [tokenizer.merge(piece) for piece in tokenizer.pieces(text)]  # no merges yet: the stand-ins
+    merges = []
+    for _ in range(vocab_size - 256):
+        counts = {}
+        for word in words:
+            for pair in zip(word, word[1:]):
+                counts[pair] = counts.get(pair, 0) + 1
+        if not counts:
+            break
+        pair = max(counts, key=counts.get)
+        merges.append(pair)
+        words = [merge_pair(word, pair) for word in words]
+    return BPETokenizer(tokenizer.tokens + [a + b for a, b in merges], merges, pre)
+
+# Try it: three merges learned from three words, then the same encoder on new text.
+#   >>> tok = train_bpe("low lower lowest", vocab_size=259)
+#   >>> tok.tokens[256:]                                               # Ġ: a space
+#   ['lo', 'low', 'Ġlow']
+#   >>> tok.encode("lowest low")                                       # e, s, t: their bytes
+#   [257, 101, 115, 116, 258]
+#   >>> tok.decode(tok.encode("naïve 😀, 中文")) == "naïve 😀, 中文"   # any text, unknown bytes too
+#   True
+#   >>> BPETokenizer([], [], pre="smollm").pieces("I'm 2½ years old  ")
+#   ['I', "'m", ' ', '2', '½', ' years', ' old', '  ']
+
+
+# ===========================================================================
+# 25. Quantized blocks: Q8_0, Q4_0, Q4_1 (量化块)
+# ===========================================================================
+# Released weights are stored at fewer bits than they were trained in: SmolLM2's 135M
+# weights take 540 MB in float32 and 98 MB in its GGUF file. llama.cpp's formats cut the
+# weights, row by row, into blocks of 32 and store a float16 scale d per block (Q4_1 also a
+# float16 minimum m) beside small integers q:
+#   Q8_0  d, then 32 int8            x = d q          d = max |x| / 127
+#   Q4_0  d, then 16 bytes of 4 bits x = d (q - 8)    d = (the x of largest |x|) / -8
+#   Q4_1  d, m, then 16 bytes        x = d q + m      d = (max - min) / 15, m = min
+# Byte j of the 4-bit ones holds value j in its low nibble and value j + 16 in its high
+# one. Bits a weight, the scales counted: Q8_0 34 bytes / 32 = 8.5, Q4_0 18 / 32 = 4.5,
+# Q4_1 20 / 32 = 5.0. Q4_1 spends half a bit more on m: a block's values need not straddle
+# 0 evenly. The rounding is the gguf package's (llama.cpp's reference quantizer), bit for
+# bit: d is inverted once in float32 and each x multiplied by 1 / d (x / d differs in the
+# last bit now and then, and a q flips: 2 of 3.2 million Gaussian values); Q8_0 rounds
+# halves away from zero, the 4-bit ones take trunc(... + 0.5); Q4_0's d takes its sign
+# from the first of tied largest |x|.
+
+QUANT_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # bytes a block of 32 values takes, scales first
+ARGUMENTS.update(fmt=("one of", *QUANT_BYTES))
+
+
+def inverse(d):
+    """1 / d in float32, 0 where d is 0 (a block of zeros then stores q = 0; Q4_0's 8)."""
+    return torch.where(d == 0, 0.0, 1 / d)                                 # [n, 1]
+
+
+def as_bytes(*parts):
+    """Each block's parts ([n, 1] float16 scales, [n, k] integers) side by side, as bytes."""
+    row = torch.cat([part.view(torch.uint8) for part in parts], dim=1)     # [n, bytes a block]
+    out = bytearray(row.numel())
+    torch.frombuffer(out, dtype=torch.uint8).copy_(row.flatten())          # [n * bytes a block]
+    return bytes(out)
+
+
+def quantize(x, fmt):
+    """x (a multiple of 32 values, read in row-major order) -> the bytes of fmt's blocks."""
+    check(fmt=fmt)
+    if x.numel() == 0 or x.numel() % 32:
+        raise ValueError(f"x must hold a positive multiple of 32 values (blocks of 32), got {x.numel()}")
+    blocks = x.detach().float().reshape(-1, 32)                            # [n, 32]
+    if fmt == "Q8_0":
+        d = blocks.abs().amax(dim=1, keepdim=True) / 127                   # [n, 1]
+        v = blocks * inverse(d)                                            # [n, 32], within [-127, 127]
+        whole = v.abs().floor()                                            # [n, 32]
+        q = v.sign() * (whole + (2 * (v.abs() - whole)).floor())           # [n, 32]: halves away from 0
+        return as_bytes(d.half(), q.to(torch.int8))                        # [n, 2] and [n, 32] bytes
+    if fmt == "Q4_0":
+        d = blocks.gather(1, blocks.abs().argmax(dim=1, keepdim=True)) / -8  # [n, 1]: the extreme -> q = 0
+        q = torch.trunc(blocks * inverse(d) + 8.5).clamp(0, 15)            # [n, 32]
+        scales = [d]
+    else:
+        low = blocks.amin(dim=1, keepdim=True)                             # [n, 1]
+        d = (blocks.amax(dim=1, keepdim=True) - low) / 15                  # [n, 1]
+        q = torch.trunc((blocks - low) * inverse(d) + 0.5).clamp(0, 15)    # [n, 32]
+        scales = [d, low]
+    q = q.to(torch.uint8)                                                  # [n, 32]
+    return as_bytes(*(s.half() for s in scales), q[:, :16] | q[:, 16:] << 4)  # nibbles: [n, 16]
+
+
+def dequantize(data, fmt, shape):
+    """The bytes of fmt's blocks (bytes, or a uint8 tensor) -> a float32 tensor of shape."""
+    check(fmt=fmt)
+    n, size = math.prod(shape), data.numel() if isinstance(data, torch.Tensor) else len(data)
+    if n == 0 or n % 32 or size != n // 32 * QUANT_BYTES[fmt]:
+        raise ValueError(f"data holds {size} bytes: {fmt} blocks of a shape {tuple(shape)} hold"
+                         f" {n // 32 * QUANT_BYTES[fmt] if n % 32 == 0 else 'no whole number of'} bytes")
+    raw = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)  # [size]
+    blocks = raw.view(-1, QUANT_BYTES[fmt])                                # [n/32, bytes a block]
+    d = blocks[:, :2].view(torch.float16).float()                          # [n/32, 1]
+    if fmt == "Q8_0":
+        x = blocks[:, 2:].view(torch.int8).float() * d                     # [n/32, 32]
+    else:
+        nibbles = blocks[:, -16:]                                          # [n/32, 16]
+        q = torch.cat([nibbles & 15, nibbles >> 4], dim=1).float()         # [n/32, 32]: values 0-15, then 16-31
+        x = d * (q - 8) if fmt == "Q4_0" else d * q + blocks[:, 2:4].view(torch.float16).float()  # [n/32, 32]
+    return x.reshape(shape)                                                # [*shape]
+
+@torch.no_grad()
+def quantize_weights(model, fmt):
+    """Every weight matrix of model whose rows are whole blocks, in place, as fmt stores it
+    (quantized, then dequantized: the numbers a runtime reading fmt multiplies by) -> model."""
+    check(model=model, fmt=fmt)
+    for w in model.parameters():
+        if w.dim() == 2 and w.size(1) % 32 == 0:
+            w.copy_(dequantize(quantize(w, fmt), fmt, w.shape))              # [out, in]
+    return model
+
+# A Q4_1 block whose values need no rounding, byte by byte; then each format's error,
+# relative to the weights' norm, on Gaussian weights.
+# Try it:
+#   >>> x = torch.arange(32.0) % 16                                    # [32]: 0..15 twice
+#   >>> data = quantize(x, "Q4_1")
+#   >>> data.hex(" ")[:29], len(data)                # d = 1.0 (float16 3c00), m = 0, then j | j << 4
+#   ('00 3c 00 00 00 11 22 33 44 55', 20)
+#   >>> torch.equal(dequantize(data, "Q4_1", (32,)), x)
+#   True
+#   >>> w = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))  # [256, 256]
+#   >>> {fmt: round(((dequantize(quantize(w, fmt), fmt, w.shape) - w).norm() / w.norm()).item(), 3)
+#   ...  for fmt in QUANT_BYTES}
+#   {'Q8_0': 0.005, 'Q4_0': 0.086, 'Q4_1': 0.078}
+#   >>> {fmt: 8 * size / 32 for fmt, size in QUANT_BYTES.items()}     # bits a weight
+#   {'Q8_0': 8.5, 'Q4_0': 4.5, 'Q4_1': 5.0}
+
+
+# ===========================================================================
+# 26. Reading a checkpoint: GGUF, safetensors, transformers' names (读取检查点)
+# ===========================================================================
+# Two formats carry most released weights. safetensors (what transformers saves): an
+# 8-byte length, a JSON header {name: dtype, shape, byte offsets}, then the raw tensors.
+# GGUF (llama.cpp's): one file with all a runtime needs: the configuration and the
+# tokenizer as typed key-value metadata, a table of tensors (name, shape, type, offset),
+# then the data, each tensor at a multiple of general.alignment (32 bytes), most of them
+# in section 25's blocks. Each names the weights its own way: the query projection is
+# model.layers.0.self_attn.q_proj.weight in transformers, blk.0.attn_q.weight in
+# llama.cpp, layers.0.attn.w_q.weight here; tables of renamings copy them into the
+# file's classes, and each model family's section adds its entry (as the argument rules).
+# The pitfall of every hand-written GGUF loader: llama.cpp's converter reorders the rows
+# of w_q and w_k within each head. Its RoPE for "llama" files pairs neighbours (x[2i],
+# x[2i+1]), Meta's way, while transformers' checkpoints are laid out for section 19's
+# halves (x[i], x[i + dk/2]); so convert_hf_to_gguf.py permutes them to Meta's order, and a
+# half-split loader must permute them back (transformers' GGUF loader does). Left in,
+# nothing fails: the model turns the wrong pairs and attends to the wrong places.
+
+# GGUF's metadata types (8 a string, 9 an array) as struct codes; the ggml tensor types read here
+GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+GGML_TYPES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1"}
+FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def read_bytes(path):
+    """The whole file, in a bytearray (writable: torch.frombuffer shares it without a copy)."""
+    try:
+        with open(path, "rb") as f:
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            f.readinto(data)
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    return data
+
+
+def unpermute_rope_rows(w, n_heads):
+    """w_q or w_k [H * dk, D] from llama.cpp's row order back to transformers': in each head
+    the rows of pair i were placed at 2i and 2i + 1; they go back to i and i + dk/2."""
+    return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)  # [H * dk, D]
+
+
+def read_gguf(path):
+    """A GGUF file -> (metadata {key: value}, tensors {llama.cpp's name: float32 tensor in
+    torch's shape}): every tensor dequantized, a "llama" file's w_q and w_k rows reordered back."""
+    data, pos = read_bytes(path), 0
+
+    def take(code, count=1):  # count little-endian values of the struct code at pos
+        nonlocal pos
+        size = count * struct.calcsize(code)
+        if pos + size > len(data):
+            raise ValueError(f"{path} is truncated: its header runs past the file's end ({len(data):,} bytes)")
+        pos += size
+        return struct.unpack_from(f"<{count}{code}", data, pos - size)
+
+    def value(kind):  # one metadata value of GGUF type kind: 8 a string, 9 an array
+        if kind == 8:
+            return take("s", take("Q")[0])[0].decode("utf-8")
+        if kind == 9:
+            item, n = take("I")[0], take("Q")[0]
+            return list(take(GGUF_SCALARS[item], n)) if item in GGUF_SCALARS else [value(item) for _ in range(n)]
+        if kind not in GGUF_SCALARS:
+            raise ValueError(f"{path} holds a metadata value of type {kind}, which GGUF does not define")
+        return take(GGUF_SCALARS[kind])[0]
+
+    if data[:4] != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file: it starts with {bytes(data[:4])!r}, not b'GGUF'")
+    pos = 4
+    version, n_tensors, n_keys = take("I")[0], take("Q")[0], take("Q")[0]
+    if version not in (2, 3):  # version 1 counted in 32 bits
+        raise ValueError(f"{path} is GGUF version {version}: this file reads versions 2 and 3")
+    metadata = {value(8): value(take("I")[0]) for _ in range(n_keys)}
+    table = [(value(8), take("Q", take("I")[0])[::-1], *take("I"), *take("Q")) for _ in range(n_tensors)]
+    align = metadata.get("general.alignment", 32)
+    start = -(-pos // align) * align                                       # the data, after the padding
+    arch, tensors = metadata.get("general.architecture"), {}
+    for name, shape, kind, offset in table:  # shapes reversed: ggml lists the fastest-moving dim first
+        if kind not in GGML_TYPES:
+            raise ValueError(f"{path}: tensor {name} has ggml type {kind}, which this file does not read"
+                             f" (it reads {', '.join(GGML_TYPES.values())})")
+        fmt, n = GGML_TYPES[kind], math.prod(shape)
+        size = n * FLOATS[fmt].itemsize if fmt in FLOATS else n // 32 * QUANT_BYTES[fmt]
+        if start + offset + size > len(data):
+            raise ValueError(f"{path} is truncated: tensor {name} ends at byte {start + offset + size:,},"
+                             f" the file at {len(data):,}")
+        raw = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=start + offset)  # [size]
+        if fmt in FLOATS:
+            w = raw.view(FLOATS[fmt]).to(torch.float32, copy=True).reshape(shape)  # [*shape]
+        else:
+            w = dequantize(raw, fmt, shape)                                # [*shape]
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = metadata["llama.attention.head_count"]
+            w = unpermute_rope_rows(w, heads if "attn_q" in name else metadata.get(
+                "llama.attention.head_count_kv", heads))                   # [H * dk, D]
+        tensors[name] = w
+    return metadata, tensors
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def read_safetensors(path):
+    """A .safetensors file -> {name: tensor}, in the dtypes it stores."""
+    data = read_bytes(path)
+    n = struct.unpack_from("<Q", data)[0] if len(data) >= 8 else math.inf  # the JSON header's length
+    if 8 + n > len(data):
+        raise ValueError(f"{path} is not a safetensors file or is truncated: its header needs {n} bytes")
+    header, tensors = json.loads(data[8:8 + n]), {}
+    for name, info in header.items():
+        if name == "__metadata__":  # free-form strings, no tensor
+            continue
+        begin, end = info["data_offsets"]
+        if info["dtype"] not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: tensor {name} is {info['dtype']}; this file reads"
+                             f" {', '.join(SAFETENSORS_DTYPES)}")
+        if 8 + n + end > len(data):
+            raise ValueError(f"{path} is truncated: tensor {name} ends at byte {8 + n + end:,},"
+                             f" the file at {len(data):,}")
+        # the slice is a copy, so every tensor starts aligned for its dtype
+        raw = data[8 + n + begin:8 + n + end]
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        tensors[name] = (torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)).reshape(
+            info["shape"])                                                 # [*shape]
+    return tensors
+
+
+# transformers' names -> this file's, each pattern re.sub-ed in turn; the families below add
+# theirs. HF_CONVERSIONS: functions {name: tensor} -> {name: tensor} for tensors transformers
+# stores otherwise (experts fused in one tensor); HF_FAMILIES: model_type -> (the class, a
+# function from the configuration's dict to its keywords)
+HF_NAMES = [(r"^model\.embed_tokens\.", "token_embedding."), (r"^model\.norm\.", "final_norm."),
+            (r"^model\.layers\.", "layers."), (r"\.input_layernorm\.", ".attn_norm."),
+            (r"\.post_attention_layernorm\.", ".ffn_norm."), (r"\.self_attn\.([qkvo])_proj\.", r".attn.w_\1."),
+            (r"\.self_attn\.", ".attn."), (r"\.mlp\.", ".ffn."), (r"\.gate_proj\.", ".w1."), (r"\.up_proj\.", ".w3."),
+            (r"\.down_proj\.", ".w2.")]
+HF_CONVERSIONS = []
+HF_FAMILIES = {}
+ARGUMENTS.update(state_dict=(dict,), config=(dict,))
+
+
+def few(names):
+    """At most 8 of names, then how many more: an error message stays one readable line."""
+    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") if names else "none"
+
+
+def load_hf_state_dict(model, state_dict):
+    """Copy a transformers state dict (its names, any float dtype) into model, a family of
+    this file, in place -> model. Every tensor must have its place, every place its tensor
+    of the same shape; else a ValueError names them."""
+    check(model=model, state_dict=state_dict)
+    renamed, theirs = {}, {}                                               # ours -> tensor, ours -> their name
+    for name, tensor in state_dict.items():
+        ours = name
+        for pattern, replacement in HF_NAMES:
+            ours = re.sub(pattern, replacement, ours)
+        renamed[ours], theirs[ours] = tensor, name
+    for convert in HF_CONVERSIONS:
+        renamed = convert(renamed)
+    places = model.state_dict()
+    if model.lm_head.weight is model.token_embedding.weight:  # tied: one matrix, two names
+        del places["lm_head.weight"]
+        head = renamed.pop("lm_head.weight", None)
+        if head is not None and not torch.equal(head, renamed.get("token_embedding.weight", head)):
+            raise ValueError("state_dict's lm_head.weight differs from its embedding, which the model ties to it")
+    missing = [name for name in places if name not in renamed]
+    unexpected = [theirs.get(name, name) for name in renamed if name not in places]
+    if missing or unexpected:
+        raise ValueError(f"state_dict does not fit {type(model).__name__}: missing {few(missing)};"
+                         f" unexpected {few(unexpected)}")
+    wrong = [f"{theirs.get(k, k)} {list(renamed[k].shape)} (the model's {list(v.shape)})"
+             for k, v in places.items() if renamed[k].shape != v.shape]
+    if wrong:
+        raise ValueError(f"state_dict's shapes do not fit {type(model).__name__}: {few(wrong)}")
+    with torch.no_grad():
+        for name, place in places.items():
+            place.copy_(renamed[name])
+    return model
+
+
+def hf_field(config, key, *default):
+    """config[key], or default when it is missing or None; a ValueError names a missing key without one."""
+    if config.get(key) is not None:
+        return config[key]
+    if default:
+        return default[0]
+    raise ValueError(f"config has no {key!r}")
+
+
+def hf_refuse(config, **plain):
+    """A ValueError naming the first field of config whose value asks for what the family here
+    lacks; plain: the value each field must have (missing or None: transformers' default)."""
+    for key, value in plain.items():
+        if config.get(key) not in (value, None):
+            raise ValueError(f"config's {key} is {config[key]!r}: this file's {config.get('model_type')}"
+                             f" has only {key}={value!r}")
+
+
+def hf_rope_theta(config):
+    """RoPE's base (rope_parameters in transformers 5, rope_theta and rope_scaling in 4.x); a
+    stretched RoPE is refused."""
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    hf_refuse(dict(rope_type=rope.get("rope_type", rope.get("type")), model_type=config.get("model_type")),
+              rope_type="default")
+    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def hf_llama_keywords(config):
+    """The keywords of Llama's constructor from a LlamaConfig's (or Qwen2Config's) fields."""
+    hf_refuse(config, hidden_act="silu", attention_bias=False, mlp_bias=False, use_sliding_window=False)
+    n_heads = hf_field(config, "num_attention_heads")
+    return dict(vocab_size=hf_field(config, "vocab_size"), d_model=hf_field(config, "hidden_size"),
+                n_layers=hf_field(config, "num_hidden_layers"), n_heads=n_heads,
+                n_kv_heads=hf_field(config, "num_key_value_heads", n_heads), d_ff=hf_field(config, "intermediate_size"),
+                max_len=hf_field(config, "max_position_embeddings", 2048), rope_theta=hf_rope_theta(config),
+                norm_eps=float(hf_field(config, "rms_norm_eps", 1e-6)),
+                tie_weights=hf_field(config, "tie_word_embeddings", False),
+                qkv_bias=config.get("model_type") == "qwen2")  # Qwen2: biases on q, k and v
+
+
+def hf_llama(config):
+    """Llama's keywords, its heads d_model / n_heads wide."""
+    keywords = hf_llama_keywords(config)
+    hf_refuse(config, head_dim=keywords["d_model"] // keywords["n_heads"])
+    return keywords
+
+
+HF_FAMILIES.update(llama=(Llama, hf_llama), qwen2=(Llama, hf_llama))
+
+
+def from_hf_config(config):
+    """This file's model for a transformers configuration (the dict of its config.json),
+    the family chosen by model_type."""
+    check(config=config)
+    kind = config.get("model_type")
+    if kind not in HF_FAMILIES:
+        raise ValueError(f"config's model_type is {kind!r}, not a family this file has ({', '.join(HF_FAMILIES)})")
+    family, keywords = HF_FAMILIES[kind]
+    return family(**keywords(config))
+
+
+# llama.cpp's tensor names and configuration keys ("llama.block_count") -> transformers', so
+# that from_hf_config and load_hf_state_dict do the rest
+GGUF_NAMES = [(r"^token_embd\.", "model.embed_tokens."), (r"^output_norm\.", "model.norm."), (r"^output\.", "lm_head."),
+              (r"^blk\.", "model.layers."), (r"\.attn_norm\.", ".input_layernorm."),
+              (r"\.ffn_norm\.", ".post_attention_layernorm."), (r"\.attn_([qkv])\.", r".self_attn.\1_proj."),
+              (r"\.attn_output\.", ".self_attn.o_proj."), (r"\.ffn_(gate|up|down)\.", r".mlp.\1_proj.")]
+GGUF_CONFIG = {"vocab_size": "vocab_size", "embedding_length": "hidden_size", "block_count": "num_hidden_layers",
+               "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+               "feed_forward_length": "intermediate_size", "context_length": "max_position_embeddings",
+               "rope.freq_base": "rope_theta", "attention.layer_norm_rms_epsilon": "rms_norm_eps"}
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+
+def load_gguf(path):
+    """A GGUF file -> (this file's model of its family, float32, in eval mode, and its
+    BPETokenizer); the model's max_len is the file's context length."""
+    metadata, tensors = read_gguf(path)
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: architecture {arch!r} is not one this file runs ({', '.join(GGUF_ARCHITECTURES)})")
+    config = {field: metadata[f"{arch}.{key}"] for key, field in GGUF_CONFIG.items() if f"{arch}.{key}" in metadata}
+    config.update(model_type=arch, tie_word_embeddings="output.weight" not in tensors)
+    config.setdefault("vocab_size", len(metadata.get("tokenizer.ggml.tokens", ())))
+    state = {}
+    for name, tensor in tensors.items():
+        for pattern, replacement in GGUF_NAMES:
+            name = re.sub(pattern, replacement, name)
+        state[name] = tensor
+    with torch.device("meta"):  # shapes only: drawing 135M random weights to overwrite them costs seconds
+        model = from_hf_config(config)
+    # memory for every tensor, uninitialized: the weights come from the file, the RoPE tables
+    # (no weights) are computed again, and the embeddings tied again (to_empty parts them)
+    model = model.to_empty(device="cpu")
+    model.cos, model.sin = model.rope_tables(model.max_len, model.config["rope_theta"])  # [max_len, dk] each
+    if model.config["tie_weights"]:
+        model.lm_head.weight = model.token_embedding.weight
+    return load_hf_state_dict(model, state).eval(), BPETokenizer.from_gguf(metadata)
+
+# The released file is already 4-bit: its Q4_1 weights, dequantized and quantized to Q4_1
+# again, come back bit for bit (a block's min is one of its values and its max is d q + m
+# at q = 15), a check of both sections at once that a test makes.
+#
+# A GGUF file written by hand: the header, one metadata key, one tensor's entry, zeros up
+# to a multiple of 32 bytes, then the tensor, two float32 values.
+# Try it:
+#   >>> head = b"GGUF" + struct.pack("<IQQ", 3, 1, 1)                  # version 3, 1 tensor, 1 key
+#   >>> head += struct.pack("<Q12sIQ5s", 12, b"general.name", 8, 5, b"tiny!")  # the key, type 8 (a string), its value
+#   >>> head += struct.pack("<Q1sIQIQ", 1, b"w", 1, 2, 0, 0)           # tensor w: 1 dim of 2, type 0 (F32), offset 0
+#   >>> with tempfile.TemporaryDirectory() as folder:
+#   ...     path = os.path.join(folder, "tiny.gguf")
+#   ...     with open(path, "wb") as f:
+#   ...         _ = f.write(head + bytes(-len(head) % 32) + struct.pack("<2f", 0.5, -2.0))
+#   ...     read_gguf(path)
+#   ({'general.name': 'tiny!'}, {'w': tensor([ 0.5000, -2.0000])})
+#   >>> unpermute_rope_rows(torch.arange(8.0)[:, None], n_heads=2).flatten()  # rows 2i, 2i + 1 -> i, i + dk/2
+#   tensor([0., 2., 1., 3., 4., 6., 5., 7.])
+#   >>> llama = from_hf_config({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+#   ...                         "num_attention_heads": 2, "intermediate_size": 16})
+#   >>> load_hf_state_dict(llama, {"model.embed_tokens.weight": torch.zeros(10, 8)})
+#   Traceback (most recent call last):
+#   ValueError: state_dict does not fit Llama: missing layers.0.attn_norm.weight, ... and 3 more; unexpected none
+
+
+# ===========================================================================
+# 27. The released model answers (发布的模型来回答)
+# ===========================================================================
+# An instruct model was fine-tuned on conversations in one format and answers well only
+# in it. SmolLM2's is ChatML: each turn "<|im_start|>role\ntext<|im_end|>\n", the
+# answer after "<|im_start|>assistant\n", ended by the model itself writing <|im_end|>.
+# Its chat template (a Jinja program in the file's tokenizer.chat_template) puts a
+# default system turn first, "You are a helpful AI assistant named SmolLM, trained by
+# Hugging Face"; the line is read from the template, no template engine needed. The
+# answer is written token by token as the model makes it: but a token is bytes, and a
+# Chinese character or an emoji (3-4 bytes) can be cut between two tokens, so bytes are
+# printed only once their character is whole (an incremental UTF-8 decoder holds the rest).
+
+def chat_prompt(tokenizer, prompt):
+    """prompt in ChatML, with the template's own system line, where the tokenizer's chat
+    template uses <|im_start|>; else prompt itself, for plain completion."""
+    if "<|im_start|>" not in tokenizer.chat_template:
+        return prompt
+    system = re.search(r"<\|im_start\|>system(?:\n|\\n)(.*?)<\|im_end\|>", tokenizer.chat_template, re.S)
+    head = f"<|im_start|>system\n{system.group(1)}<|im_end|>\n" if system else ""
+    return f"{head}<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+ARGUMENTS.update(prompt=(str,))
+
+
+@torch.no_grad()
+def chat(path_or_loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=None, out=None):
+    """Answer prompt with a GGUF file's model (a path, or load_gguf's (model, tokenizer)),
+    printing the answer to out (None: standard output) as it is made, until the end-of-turn
+    token or max_new_tokens; greedy at temperature 0, else next_token's sampling. -> (the
+    answer, tokens a second: every token made, the end of turn too, over the whole time)."""
+    check("top_p > 0", prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    model, tokenizer = load_gguf(path_or_loaded) if isinstance(path_or_loaded, (str, os.PathLike)) else path_or_loaded
+    ids = torch.tensor([tokenizer.encode(chat_prompt(tokenizer, prompt))])  # [1, T]
+    check("prompt fits", prompt_length=ids.size(1), max_new_tokens=max_new_tokens, max_len=model.max_len)
+    stop = {tokenizer.eos_id, tokenizer.ids.get("<|im_end|>")} - {None}
+    utf8, answer, made = codecs.getincrementaldecoder("utf-8")(errors="replace"), [], 0
+    start = time.perf_counter()
+    with eval_mode(model):
+        cache = model.new_cache()
+        for made in range(1, max_new_tokens + 1):
+            token = next_token(model(ids, cache)[:, -1], temperature, top_k, top_p)  # [1, 1]
+            if token.item() in stop:
+                break
+            ids = torch.cat([ids, token], dim=1)                           # [1, T + made]
+            answer.append(utf8.decode(tokenizer.token_bytes(token.item())))  # '' until a character is whole
+            print(answer[-1], end="", file=out, flush=True)
+    answer.append(utf8.decode(b"", final=True))                            # a character cut off: U+FFFD
+    print(answer[-1], end="", file=out, flush=True)
+    return "".join(answer), made / (time.perf_counter() - start)
+
+# A character's bytes cut across three tokens come out once whole; then a model built to
+# repeat its last token (one-hot embeddings, tied to the output; blocks that add nothing).
+# Try it:
+#   >>> utf8 = codecs.getincrementaldecoder("utf-8")()
+#   >>> [utf8.decode(piece) for piece in (b"\xe4", b"\xb8", b"\xad!")]    # 中 is e4 b8 ad
+#   ['', '', '中!']
+#   >>> tok = train_bpe("hello hello", vocab_size=261)                 # he, hel, hell, hello, Ġhello
+#   >>> echo = Llama(vocab_size=261, d_model=264, n_layers=1, n_heads=4, max_len=32, tie_weights=True)
+#   >>> with torch.no_grad():
+#   ...     _ = echo.token_embedding.weight.copy_(torch.eye(261, 264))     # [V, D]: token i -> unit vector i
+#   ...     _ = echo.layers[0].attn.w_o.weight.zero_(), echo.layers[0].ffn.w2.weight.zero_()
+#   >>> answer, speed = chat((echo, tok), "say hello", max_new_tokens=3)
+#    hello hello hello
+#   >>> answer
+#   ' hello hello hello'
+
+
+# ===========================================================================
+# Part V: the frontier, mixture of experts and latent attention (第五部分：前沿)
 # ===========================================================================
 # What the large open models since late 2023 add to Part III's decoder, each family a subclass
 # of Llama that swaps what differs (as transformers' modular files write them): free head
@@ -1896,7 +2589,7 @@ LLAMA_CONFIGS = [
 # runs a few (Mixtral, Qwen3-MoE); DeepSeek's latent attention, whose cache is one small
 # latent a token. Then DeepSeek-V3, and what "671B parameters, 37B active" counts.
 # ===========================================================================
-# 24. QK-norm and free head widths: Qwen3 (QK 归一化与自由头宽)
+# 28. QK-norm and free head widths: Qwen3 (QK 归一化与自由头宽)
 # ===========================================================================
 # Qwen3's attention differs from Llama's in two places. head_dim frees a head's width from
 # D / H (Qwen3-30B-A3B: D 2048, 32 heads of 128, so w_q is 4096 wide and w_o brings H * dk back
@@ -1963,8 +2656,18 @@ def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
 #   (torch.Size([1, 6, 100]), True)
 
 
+# Section 26's table, for transformers' Qwen3 (its q_norm and k_norm keep their names here)
+
+def hf_qwen3(config):
+    """Qwen3's keywords from a Qwen3Config: Llama's, and heads head_dim wide."""
+    return dict(hf_llama_keywords(config), head_dim=hf_field(config, "head_dim", None))
+
+
+HF_FAMILIES["qwen3"] = (Qwen3, hf_qwen3)
+
+
 # ===========================================================================
-# 25. Mixture of experts: Mixtral, Qwen3-MoE, DeepSeek's router (混合专家)
+# 29. Mixture of experts: Mixtral, Qwen3-MoE, DeepSeek's router (混合专家)
 # ===========================================================================
 # A mixture of experts (Shazeer et al., 2017; in Transformers GShard and Switch) holds E
 # feed-forwards, the experts, and a router that sends each token to top_k of them: E times the
@@ -2134,7 +2837,7 @@ class Qwen3MoE(Qwen3):
 
 
 def moe_params(d_model, expert_d_ff, n_experts, top_k, n_shared=0, active=False):
-    """The router's [E, D] and the experts; active=True: only the top_k a token runs (section 28)."""
+    """The router's [E, D] and the experts; active=True: only the top_k a token runs (section 32)."""
     return n_experts * d_model + ((top_k if active else n_experts) + n_shared) * 3 * d_model * expert_d_ff
 
 
@@ -2225,8 +2928,54 @@ def render_expert_load(loads, uniform=10):
 #     expert  2                0.0%
 
 
+# Section 26's tables, for transformers' Mixtral and Qwen3-MoE. Their router is mlp.gate
+# (Mixtral's saved files: block_sparse_moe.gate, its experts named w1, w3, w2 as here).
+
+HF_NAMES.extend([(r"\.block_sparse_moe\.", ".ffn."), (r"\.ffn\.gate\.", ".ffn.router.")])
+
+
+def hf_unfuse_experts(state):
+    """transformers 5 keeps a layer's experts in two tensors, experts.gate_up_proj [E, 2 Dff, D]
+    (each expert's gate rows, then its up rows) and experts.down_proj [E, D, Dff]: one SwiGLU
+    each here. Its softmax routers have no bias: router_bias stays 0."""
+    out = {}
+    for name, w in state.items():
+        base, _, kind = name.rpartition(".")
+        if kind == "gate_up_proj":
+            for e, (gate, up) in enumerate(zip(*w.chunk(2, dim=1))):       # [Dff, D] each
+                out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = gate, up
+        elif kind == "down_proj" and base.endswith(".experts"):
+            out.update({f"{base}.{e}.w2.weight": down for e, down in enumerate(w)})  # [D, Dff] each
+        else:
+            out[name] = w
+        bias = name.replace(".router.weight", ".router_bias")
+        if name.endswith(".router.weight") and bias not in state:
+            out[bias] = torch.zeros(len(w))                                # [E]
+    return out
+
+
+def hf_mixtral(config):
+    """Mixtral's keywords: Llama's, and num_local_experts SwiGLUs, intermediate_size wide."""
+    hf_refuse(config, sliding_window=None)
+    return dict(hf_llama(config), n_experts=hf_field(config, "num_local_experts"),
+                top_k=hf_field(config, "num_experts_per_tok"))
+
+
+def hf_qwen3_moe(config):
+    """Qwen3-MoE's keywords: Qwen3's, and num_experts SwiGLUs (transformers 5 writes num_local_experts),
+    moe_intermediate_size wide, in every block."""
+    hf_refuse(config, decoder_sparse_step=1, mlp_only_layers=[])
+    return dict(hf_qwen3(config), n_experts=config.get("num_experts") or hf_field(config, "num_local_experts"),
+                top_k=hf_field(config, "num_experts_per_tok"), expert_d_ff=hf_field(config, "moe_intermediate_size"),
+                norm_topk=hf_field(config, "norm_topk_prob", False))
+
+
+HF_CONVERSIONS.append(hf_unfuse_experts)
+HF_FAMILIES.update(mixtral=(Mixtral, hf_mixtral), qwen3_moe=(Qwen3MoE, hf_qwen3_moe))
+
+
 # ===========================================================================
-# 26. Multi-head latent attention, MLA (多头潜在注意力)
+# 30. Multi-head latent attention, MLA (多头潜在注意力)
 # ===========================================================================
 # GQA shrinks the cache by sharing heads; MLA (DeepSeek-V2, 2024; kept in V3) by compressing:
 # w_dkv maps each token to a latent c of kv_lora_rank dims (512 in V3), normalized by kv_norm,
@@ -2357,14 +3106,14 @@ class MultiHeadLatentAttention(nn.Module):
 
 
 # ===========================================================================
-# 27. The DeepSeek-V3 model (DeepSeek-V3 模型)
+# 31. The DeepSeek-V3 model (DeepSeek-V3 模型)
 # ===========================================================================
 # Llama with MLA for attention and, after the first n_dense_layers dense blocks (3 in V3), a
 # sigmoid-routed MoE with shared experts; RoPE tables as wide as the rope part, a LatentCache a
 # layer. Not here: the multi-token-prediction (MTP) module, one more block that predicts the
 # token after next (11.5B parameters of its own by DeepSeek's weights README, besides the
 # embedding and head it shares; for training and speculative decoding), and YaRN, which
-# stretches its RoPE from 4K to 128K tokens (section 32).
+# stretches its RoPE from 4K to 128K tokens (section 36).
 
 ARGUMENTS.update(n_dense_layers=(int, 0, 1024))
 RELATIONS.update({
@@ -2453,8 +3202,39 @@ TOY_MODELS["deepseek"] = dict(
                 expert_d_ff=32, n_experts=8, top_k=2, n_shared=1, n_layers=2, n_dense_layers=1))
 
 
+# Section 26's tables, for transformers' DeepSeek-V3: MLA's projections under DeepSeek's
+# names (q_a_proj is w_dq, ...), the shared experts, the router's bias
+
+HF_NAMES.extend([(r"\.attn\.q_a_proj\.", ".attn.w_dq."), (r"\.attn\.q_a_layernorm\.", ".attn.q_norm."),
+                 (r"\.attn\.q_b_proj\.", ".attn.w_uq."), (r"\.attn\.kv_a_proj_with_mqa\.", ".attn.w_dkv."),
+                 (r"\.attn\.kv_a_layernorm\.", ".attn.kv_norm."), (r"\.attn\.kv_b_proj\.", ".attn.w_ukv."),
+                 (r"\.shared_experts\.", ".shared."), (r"\.router\.e_score_correction_bias$", ".router_bias")])
+# DeepSeekV3's keyword -> DeepseekV3Config's field
+HF_DEEPSEEK_FIELDS = dict(vocab_size="vocab_size", d_model="hidden_size", n_layers="num_hidden_layers",
+                          n_heads="num_attention_heads", kv_lora_rank="kv_lora_rank", qk_nope_dim="qk_nope_head_dim",
+                          qk_rope_dim="qk_rope_head_dim", v_head_dim="v_head_dim", d_ff="intermediate_size",
+                          expert_d_ff="moe_intermediate_size", n_experts="n_routed_experts",
+                          top_k="num_experts_per_tok", n_dense_layers="first_k_dense_replace", n_groups="n_group",
+                          topk_groups="topk_group", routed_scale="routed_scaling_factor", norm_topk="norm_topk_prob",
+                          max_len="max_position_embeddings", tie_weights="tie_word_embeddings")
+
+
+def hf_deepseek_v3(config):
+    """DeepSeekV3's keywords from a DeepseekV3Config. Its multi-token-prediction layers are
+    left out, as transformers leaves them; rms_norm_eps must be 1e-6, the eps transformers
+    gives q_a_layernorm and kv_a_layernorm whatever the config says."""
+    hf_refuse(config, hidden_act="silu", attention_bias=False, rms_norm_eps=1e-6)
+    keywords = {ours: hf_field(config, theirs) for ours, theirs in HF_DEEPSEEK_FIELDS.items()}
+    return dict(keywords, routed_scale=float(keywords["routed_scale"]), rope_theta=hf_rope_theta(config),
+                q_lora_rank=hf_field(config, "q_lora_rank", None), n_shared=hf_field(config, "n_shared_experts", 0),
+                rope_interleave=hf_field(config, "rope_interleave", True), norm_eps=1e-6)  # 4.x: always interleaved
+
+
+HF_FAMILIES["deepseek_v3"] = (DeepSeekV3, hf_deepseek_v3)
+
+
 # ===========================================================================
-# 28. Total and active parameters, the latent cache (总参数、激活参数与潜在缓存)
+# 32. Total and active parameters, the latent cache (总参数、激活参数与潜在缓存)
 # ===========================================================================
 # A MoE model has two sizes: the total, which must fit in memory, and the active parameters
 # one token's forward uses (all but the experts it is not routed to), which set the compute:
@@ -2498,14 +3278,14 @@ FRONTIER_CONFIGS = [
 
 
 # ===========================================================================
-# Part V: long sequences (第五部分：长序列)
+# Part VI: long sequences (第六部分：长序列)
 # ===========================================================================
 # Past a few thousand tokens four things break: the [Tq, Tk] scores (16 M entries a head at 4k
 # tokens), the cache that grows with every token, the memory a batch reserves for its longest
 # request, RoPE angles never seen in training. FlashAttention and the paged cache are proven
 # equal to what they replace; the window and RoPE scaling change the model, as their papers do.
 # ===========================================================================
-# 29. FlashAttention's tiles, the online softmax; fused kernels (FlashAttention 的分块：在线 softmax)
+# 33. FlashAttention's tiles, the online softmax; fused kernels (FlashAttention 的分块：在线 softmax)
 # ===========================================================================
 # Section 2 builds the [Tq, Tk] scores, softmaxes them and multiplies by v: memory grows
 # with Tq * Tk. FlashAttention (Dao et al., 2022; FlashAttention-2, Dao, 2023) computes the
@@ -2682,7 +3462,7 @@ def use_fused_kernels(model, fused=True):
 
 
 # ===========================================================================
-# 30. Sliding-window attention and the rolling cache: Mistral (滑动窗口注意力与滚动缓存)
+# 34. Sliding-window attention and the rolling cache: Mistral (滑动窗口注意力与滚动缓存)
 # ===========================================================================
 # Mistral-7B (Jiang et al., 2023) lets each query see only the last `window` keys, itself
 # included (4096 in v0.1): a kernel that skips the hidden keys does T * window work instead of
@@ -2731,7 +3511,7 @@ class RollingKVCache(KVCache):
         return k, v
 
     def crop(self, length):
-        """Keep the first `length` tokens seen (section 40 takes back rejected ones); not below those let go."""
+        """Keep the first `length` tokens seen (section 44 takes back rejected ones); not below those let go."""
         check(length=length)
         held = min(length, len(self)) - self.dropped                       # tokens left in k and v
         if held < 0:
@@ -2798,8 +3578,19 @@ def window_reach(n_layers, window):
 #   True
 
 
+# Section 26's table, for transformers' Mistral: Llama's names and fields, and the window
+
+def hf_mistral(config):
+    """Mistral's keywords: Llama's, and sliding_window (None: the whole context)."""
+    keywords = hf_llama(config)
+    return dict(keywords, window=hf_field(config, "sliding_window", keywords["max_len"]))
+
+
+HF_FAMILIES["mistral"] = (Mistral, hf_mistral)
+
+
 # ===========================================================================
-# 31. The paged KV cache (分页 KV 缓存)
+# 35. The paged KV cache (分页 KV 缓存)
 # ===========================================================================
 # A server batching requests of very different lengths wastes most of a padded [B, max_len]
 # cache: a 30-token answer reserves as much as a 4000-token one. vLLM (Kwon et al., 2023,
@@ -2892,7 +3683,7 @@ class PagedKVCache(KVCache):
         return keys, values
 
     def crop(self, length):
-        """Keep the first `length` tokens (section 40 takes back rejected ones); the blocks past them go back."""
+        """Keep the first `length` tokens (section 44 takes back rejected ones); the blocks past them go back."""
         check(length=length)
         self.n = min(length, self.n)
         used = -(-self.n // self.pool.block_size)                          # ceil: the blocks still needed
@@ -2938,7 +3729,7 @@ def padded_and_paged_slots(lengths, block_size):
 
 
 # ===========================================================================
-# 32. RoPE for long context: interpolation, Llama 3.1, YaRN (长上下文的 RoPE)
+# 36. RoPE for long context: interpolation, Llama 3.1, YaRN (长上下文的 RoPE)
 # ===========================================================================
 # A model trained on L positions has never seen RoPE angles past L * theta_i, and falls apart
 # beyond it. Three stretches, each new inverse frequencies in place of section 19's, which
@@ -3061,7 +3852,7 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 
 
 # ===========================================================================
-# Part VI: training, by hand (第六部分：手写训练)
+# Part VII: training, by hand (第七部分：手写训练)
 # ===========================================================================
 # What training a Transformer takes besides the model, each piece written out and
 # proven equal to the library it replaces: the optimizer, the schedule, clipping and
@@ -3069,7 +3860,7 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 # measured; mixed precision; and LoRA, which trains a few parameters instead of all.
 
 # ===========================================================================
-# 33. AdamW, written out (AdamW 优化器)
+# 37. AdamW, written out (AdamW 优化器)
 # ===========================================================================
 # Adam steps each weight by a running mean of its gradient over the root of a running mean of
 # its square: about lr per step whatever the gradient's scale, so one lr fits every layer.
@@ -3142,7 +3933,7 @@ class AdamW(torch.optim.Optimizer):
 
 def decay_groups(model, weight_decay):
     """AdamW's two groups, by nanoGPT's rule: model's trained parameters of 2+ dims (the nn.Linear and
-    nn.Embedding weights, section 39's LoRA matrices), whose size decay keeps in check, with weight_decay;
+    nn.Embedding weights, section 43's LoRA matrices), whose size decay keeps in check, with weight_decay;
     the 1-dim ones with 0: a bias is a shift, a norm's weight a per-feature gain whose neutral value is 1
     (decayed, it shrinks the block's input and the next matrix must grow to undo it). A tied weight
     comes once; buffers (positions, MoE's router_bias) are not parameters: no optimizer touches them."""
@@ -3164,7 +3955,7 @@ def decay_groups(model, weight_decay):
 
 
 # ===========================================================================
-# 34. Learning-rate schedules (学习率调度)
+# 38. Learning-rate schedules (学习率调度)
 # ===========================================================================
 # A schedule multiplies the peak learning rate by a function of the step, for LambdaLR (section
 # 13's noam is the learning rate itself). It rises first (warmup: Adam's first updates are noisy,
@@ -3215,7 +4006,7 @@ def warmup_stable_decay(step, warmup_steps, total_steps, decay_steps, min_ratio=
 
 
 # ===========================================================================
-# 35. Clipping and gradient accumulation (梯度裁剪与梯度累积)
+# 39. Clipping and gradient accumulation (梯度裁剪与梯度累积)
 # ===========================================================================
 # One bad batch can bring a gradient many times the usual size, and a step along it
 # throws the weights far: clipping scales the whole gradient down to max_norm when it is
@@ -3290,7 +4081,7 @@ def accumulate_gradients(model, micro_batches, ignore_index=-100):
 
 
 def adamw_update(model, lr, warmup_steps, total_steps, weight_decay=0.01, max_norm=1.0):
-    """Section 13's update step, written out (section 39 trains with it): after each backward, clip_grad_norm to
+    """Section 13's update step, written out (section 43 trains with it): after each backward, clip_grad_norm to
     max_norm, AdamW on decay_groups(model) at lr * warmup_cosine(step, warmup_steps, total_steps) -> update()."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = AdamW(decay_groups(model, weight_decay), lr=lr)
@@ -3306,7 +4097,7 @@ def adamw_update(model, lr, warmup_steps, total_steps, weight_decay=0.01, max_no
 
 
 # ===========================================================================
-# 36. FLOPs, by formula and counted (计算量)
+# 40. FLOPs, by formula and counted (计算量)
 # ===========================================================================
 # A product [M, K] @ [K, N] is 2 M N K FLOPs, most of a Transformer's work: FlopCounterMode counts them.
 
@@ -3400,7 +4191,7 @@ def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
 
 
 # ===========================================================================
-# 37. Mixed precision and loss scaling (混合精度与损失缩放)
+# 41. Mixed precision and loss scaling (混合精度与损失缩放)
 # ===========================================================================
 # Mixed precision (Micikevicius et al., 2018) runs products in 16 bits and keeps weights, updates and sums in
 # float32. float16: 5 exponent bits, 11 significant, largest 65504, normal to 2^-14, subnormal to 2^-24; bfloat16:
@@ -3417,7 +4208,7 @@ RELATIONS.update({"growth_factor > 1": (("growth_factor",), lambda g: g > 1, "gr
 class LossScaler:
     """torch.amp.GradScaler's loss scaling: scale(loss).backward(), step(optimizer), update(). float16 rounds a
     gradient of 1e-8 to 0: the loss times S gives gradients times S, divided by S before the step; at inf or NaN
-    the step is skipped and S shrinks, after growth_interval good steps it grows. Clip at max_norm * S (section 35)."""
+    the step is skipped and S shrinks, after growth_interval good steps it grows. Clip at max_norm * S (section 39)."""
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
         check("growth_factor > 1", "backoff in (0, 1)", init_scale=init_scale, growth_factor=growth_factor,
@@ -3449,7 +4240,7 @@ class LossScaler:
             self.loss_scale, self.good_steps = new if 2.0 ** -126 <= new < math.inf else self.loss_scale, 0
 
 
-# On the toy task: section 16's GPT trained twice with section 35's adamw_update, in float32 and
+# On the toy task: section 16's GPT trained twice with section 39's adamw_update, in float32 and
 # with its forward under bf16 autocast (weights, gradients and AdamW's state stay float32).
 # The accuracy is the same (97.9% and 97.5% on seed 3); the speed depends on the CPU: one with
 # AVX512-BF16 or AMX multiplies bf16 natively, one without emulates it, several times slower.
@@ -3473,7 +4264,7 @@ def mixed_precision_report(seed=0, device="cpu", lr=1e-2, n_sentences=2400, epoc
     train_pairs, test_pairs = split_data(make_toy_data(n_sentences, seed), seed=seed)
     spec, rows = dict(TOY_MODELS["gpt"], epochs=epochs or TOY_MODELS["gpt"]["epochs"]), {}
     steps = spec["epochs"] * -(-len(train_pairs) // spec["batch_size"])    # ceil: batches an epoch
-    print(f"\nmixed precision on the toy task (section 37): the GPT, {spec['epochs']} epochs, seed {seed}")
+    print(f"\nmixed precision on the toy task (section 41): the GPT, {spec['epochs']} epochs, seed {seed}")
     for name, build in (("float32", DecoderOnlyTransformer), ("bf16 autocast", lambda **c: Autocast(
             DecoderOnlyTransformer(**c)))):
         recipe = dict(spec, model=build, update=lambda model: adamw_update(model, lr, min(spec["warmup"], steps), steps))
@@ -3485,9 +4276,9 @@ def mixed_precision_report(seed=0, device="cpu", lr=1e-2, n_sentences=2400, epoc
 
 
 # ===========================================================================
-# 38. Memory, by formula and measured (显存)
+# 42. Memory, by formula and measured (显存)
 # ===========================================================================
-# Training holds weights, gradients, AdamW's m and v (section 33) and activations (what autograd saves).
+# Training holds weights, gradients, AdamW's m and v (section 37) and activations (what autograd saves).
 
 ARGUMENTS.update(mixed_precision=(bool,), checkpointing=(bool,), precision=("one of", "float32", "autocast", "bf16"),
                  n_devices=(int, 1, MAX_SIZE), zero_stage=(int, 0, 3), memory=(dict,), model=(nn.Module,))
@@ -3507,7 +4298,7 @@ def checkpoint_blocks(model, checkpointing=True):
 
 def saved_bytes(model, input_ids, targets, mixed_precision=False):
     """Measured: what autograd saves for cross_entropy(model(input_ids), targets), less parameters and their copies."""
-    saved = []  # weak references: a branch that leads nowhere near the loss (section 25) is freed
+    saved = []  # weak references: a branch that leads nowhere near the loss (section 29) is freed
 
     def copied_parameter(tensor):  # its grad_fn leads through casts and transposes to a parameter
         node = tensor.grad_fn
@@ -3591,7 +4382,7 @@ def zero_memory_per_device(memory, n_devices, zero_stage):
 
 
 # ===========================================================================
-# 39. LoRA (低秩适配)
+# 43. LoRA (低秩适配)
 # ===========================================================================
 # Fine-tuning all of a model keeps a gradient and AdamW's two moments beside every weight.
 # LoRA (Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large Language Models") freezes a
@@ -3708,7 +4499,7 @@ def merge_lora(model, merge=True):
 # syllable it already reads otherwise (xi 洗, shi 视, qi 气, ji 鸡, yi 意): the adapted model learns when.
 LORA_NEW_PREDICATES = [("xi yi fu", "洗衣服"), ("kan dian shi", "看电视"), ("sheng qi", "生气"),
                        ("chi ji dan", "吃鸡蛋"), ("hen you yi si", "很有意思")]
-# adapting by section 35's adamw_update; each method's lr the best of a sweep on seed 3 (mean of new and old)
+# adapting by section 39's adamw_update; each method's lr the best of a sweep on seed 3 (mean of new and old)
 LORA_RECIPE = dict(epochs=12, batch_size=32, warmup_steps=5)
 LORA_LR, FULL_LR = 2e-2, 1e-3
 
@@ -3788,14 +4579,14 @@ def lora_report(device="cpu", seed=0):
 
 
 # ===========================================================================
-# Part VII: after pretraining (第七部分：预训练之后)
+# Part VIII: after pretraining (第八部分：预训练之后)
 # ===========================================================================
 # What is done with a model once it is trained: answer faster without changing the
 # answer (speculative decoding), score whole sequences, and train on preferences (DPO)
 # and on a reward a program checks (GRPO), on the toy task of Part II.
 
 # ===========================================================================
-# 40. Speculative decoding (投机解码)
+# 44. Speculative decoding (投机解码)
 # ===========================================================================
 # Decoding one sequence a token at a time reads all the target's weights for each token; while
 # that dominates, scoring k + 1 tokens in one forward costs about what scoring one does. So a
@@ -3812,7 +4603,7 @@ def lora_report(device="cpu", seed=0):
 # next_token_probs (section 9), after temperature, top_k and top_p; at temperature 0 they are
 # one-hot: x is kept exactly when it is the target's argmax, and the tokens are greedy's.
 # The pitfall: after a rejection both caches still hold the rejected tokens' keys; crop_cache cuts
-# them off. A rolling cache (section 30) cannot take back tokens it let go, so here it holds k
+# them off. A rolling cache (section 34) cannot take back tokens it let go, so here it holds k
 # more than its window: cut by at most k, it keeps the whole window the next query reads.
 
 ARGUMENTS.update(k=(int, 1, MAX_SIZE), target=(type,), draft=(type,), draft_vocab_size=(int, 1, MAX_SIZE))
@@ -3993,10 +4784,10 @@ def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), d
 
 
 # ===========================================================================
-# 41. Sequence log-probabilities (序列对数概率)
+# 45. Sequence log-probabilities (序列对数概率)
 # ===========================================================================
 # Pretraining and section 13 raise the probability of given text; what comes after compares
-# answers: DPO (section 42) weighs two answers to one prompt, GRPO (section 43) several. Both need
+# answers: DPO (section 46) weighs two answers to one prompt, GRPO (section 47) several. Both need
 # log p(answer | prompt), the sum of the log-probabilities of the answer's tokens from one
 # teacher-forced pass (GRPO token by token). The logits at t predict token t + 1, so they are
 # shifted by one, and only the answer's tokens count: not the prompt's, not the padding's.
@@ -4058,7 +4849,7 @@ def answer_batch(vocab, prompts, answers):
 
 
 # ===========================================================================
-# 42. DPO (直接偏好优化)
+# 46. DPO (直接偏好优化)
 # ===========================================================================
 # RLHF fits a reward model to pairs of answers (one chosen, one rejected), then trains the model
 # against it while a KL penalty holds it near a reference. DPO (Rafailov et al., 2023, "Direct
@@ -4066,7 +4857,7 @@ def answer_batch(vocab, prompts, answers):
 # solves it has the reward beta * log(pi / pi_ref) plus a term of the prompt alone, which cancels
 # between two answers to one prompt. So the pairs train the model directly, a logistic loss on the
 # chosen answer's reward minus the rejected one's: no reward model, no sampling during training,
-# four sequence log-probabilities (section 41) per pair.
+# four sequence log-probabilities (section 45) per pair.
 
 ARGUMENTS.update(beta=(float, 0.0, FINITE))
 RELATIONS["beta > 0"] = (("beta",), lambda b: b > 0, "beta must be > 0 (at 0 every pair has the same loss)")
@@ -4102,7 +4893,7 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1)
 
 
 def run_dpo(model, vocab, train_pairs, seed, p):
-    """DPO on the toy (run in section 43): the right answer (chosen) against the model's wrong free greedy one
+    """DPO on the toy (run in section 47): the right answer (chosen) against the model's wrong free greedy one
     (rejected) on the training sentences it gets wrong, the model before as reference, p["prompts"] pairs a step."""
     reference = copy.deepcopy(model).requires_grad_(False)
     greedy = gpt_translate(model, [pinyin for pinyin, _ in train_pairs], vocab)
@@ -4124,7 +4915,7 @@ def run_dpo(model, vocab, train_pairs, seed, p):
 
 
 # ===========================================================================
-# 43. GRPO (组相对策略优化)
+# 47. GRPO (组相对策略优化)
 # ===========================================================================
 # Where an answer can be checked (a math result, a test suite, our toy's characters), the model
 # can learn from its own answers: sample G of them for each prompt, score each, and raise the
@@ -4334,16 +5125,12 @@ def preference_report(seed=0, **changes):
 import argparse
 import inspect
 import io
-import os
-import re
 import sys
-import tempfile
-import unicodedata
 import warnings
 
 
 # ===========================================================================
-# 44. Your own data (自己的数据)
+# 48. Your own data (自己的数据)
 # ===========================================================================
 # --data FILE.tsv trains on your pairs instead of the generated ones: UTF-8,
 # one "pinyin<TAB>hanzi" a line, one syllable per character, blank lines and
@@ -4440,7 +5227,7 @@ def read_pairs(path):
 
 
 # ===========================================================================
-# 45. Saving and loading (保存与加载)
+# 49. Saving and loading (保存与加载)
 # ===========================================================================
 # A checkpoint is data: the configuration, the weights and both vocabularies,
 # plain dicts, lists and tensors that torch.load(weights_only=True) reads
@@ -4521,7 +5308,7 @@ def check_state_dict(state):
 
 def check_model_config(kind, config):
     """A kind and its configuration, before anything is computed from them: exactly the class's keywords, as
-    ARGUMENTS (section 0) rules them, and perhaps a rope_scaling (section 32). -> (keywords, scaling or None)."""
+    ARGUMENTS (section 0) rules them, and perhaps a rope_scaling (section 36). -> (keywords, scaling or None)."""
     if not isinstance(kind, str) or kind not in MODEL_CLASSES:
         raise ValueError(f"kind {quote(str(kind))}: expected one of {', '.join(MODEL_CLASSES)}")
     if not isinstance(config, dict): raise ValueError(f"config is a {type(config).__name__}, expected a dict")
@@ -4593,7 +5380,7 @@ def checked_checkpoint(checkpoint, device):
 
 
 def merged_state_dict(model):
-    """model's weights, each LoRALinear (section 39) merged into the Linear it wraps, the model untouched:
+    """model's weights, each LoRALinear (section 43) merged into the Linear it wraps, the model untouched:
     those of a plain model of its kind that answers the same."""
     state = model.state_dict()
     for name, lora in model.named_modules():
@@ -4674,7 +5461,7 @@ def load_checkpoint(path, device="cpu"):
 
 
 # ===========================================================================
-# 46. The demo (演示): python transformer.py
+# 50. The demo (演示): python transformer.py
 # ===========================================================================
 # Shapes and parameter counts first (the tutorials' own configuration among
 # them) and the cache measured; then both toy models learn pinyin to hanzi,
@@ -4801,12 +5588,12 @@ def show_models(device):
 
 
 def show_training_costs(seq_len=4096, lora_rank=16, n_devices=64):
-    """FLOPs a token against 6N and the MFU published budgets imply (section 36); the memory of
-    training Llama-3-8B, whole or with LoRA, and DeepSeek-V3 with AdamW (section 38)."""
+    """FLOPs a token against 6N and the MFU published budgets imply (section 40); the memory of
+    training Llama-3-8B, whole or with LoRA, and DeepSeek-V3 with AdamW (section 42)."""
     models = {name: ("llama", config, total) for name, config, total in LLAMA_CONFIGS}
     models.update({name: (kind, config, active) for name, kind, config, _, active, _ in FRONTIER_CONFIGS})
 
-    def per_token(name, T):  # training FLOPs a token: 3 forwards of 2 W + 2 T A (section 36)
+    def per_token(name, T):  # training FLOPs a token: 3 forwards of 2 W + 2 T A (section 40)
         W, A = matmul_widths(*models[name][:2])
         return 6 * (W + T * A)
 
@@ -4968,7 +5755,7 @@ def run(args, device, pairs, loaded):
 
 
 # ===========================================================================
-# 47. The benchmark (基准测试): python transformer.py --bench
+# 51. The benchmark (基准测试): python transformer.py --bench
 # ===========================================================================
 # Where the time goes, measured in one run: training throughput of the
 # hand-written model against nn.Transformer with the same weights, the KV
@@ -5041,7 +5828,7 @@ TRAINING_BENCH_SIZES = [  # name, the model's widths, batch, length, steps a rou
 
 
 def bench_training(device, rounds=3, sizes=TRAINING_BENCH_SIZES):
-    """Ours as written and with fused kernels (section 29) against nn.Transformer, same
+    """Ours as written and with fused kernels (section 33) against nn.Transformer, same
     configuration and weights, alternating. No dropout, as the demo trains (with it,
     PyTorch's attention on a CPU falls back to the unfused formula)."""
     print("training throughput, forward + backward + Adam, no dropout, target tokens/s (median of "
@@ -5138,10 +5925,10 @@ def attention_peak_bytes(kind, T, H, dk):
 
 
 def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
-    """FlashAttention's tiles (section 29) against section 2 at each of lengths: time, peak
+    """FlashAttention's tiles (section 33) against section 2 at each of lengths: time, peak
     memory, and the largest difference between their outputs."""
     print(f"\nattention, causal, batch 1, {heads} heads of {dk}: section 2 against flash_attention "
-          f"(block 64, section 29)")
+          f"(block 64, section 33)")
     print(f"  {'tokens':>6s} {'threads':>7s} {'section 2':>10s} {'flash':>8s} {'peak memory: section 2':>23s}"
           f" {'flash':>9s}  {'[T, T] scores alone':>20s}  max |diff|")
     threads = torch.get_num_threads()                                      # []: the caller's, restored after
@@ -5172,7 +5959,7 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
 
 
 # ===========================================================================
-# 48. The command line (命令行)
+# 52. The command line (命令行)
 # ===========================================================================
 # Every mistake is one line on stderr and exit status 2, found before any work
 # starts where it can be; answers alone go to stdout.
@@ -5182,7 +5969,9 @@ MAX_BEAM = 64       # --beam: wider beams cost memory and time and, on this task
 ALONE = ("data", "load", "save", "translate", "epochs", "model", "size", "beam", "free", "head")
 IGNORED_BY = {"load": ("skips training", ("save", "epochs", "model", "size")),  # refused, never silently ignored
               "after": ("runs models of its own, then exits", ALONE + ("bench",)),
-              "bench": ("runs models of its own, then exits", ALONE)}
+              "bench": ("runs models of its own, then exits", ALONE),
+              "gguf": ("answers with a released model, then exits", ALONE + ("after", "bench"))}
+GGUF_OPTIONS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p")  # nothing without --gguf
 
 
 def read_lines(stream, limit=MAX_LINE):
@@ -5219,6 +6008,19 @@ def answer_lines(answer, src_vocab, longest, lines):
         print(f"transformer.py: error: --translate -: {e}", file=sys.stderr)
         return 2
     return status
+
+
+def number_in(low, high):
+    """An argparse type: a number from low to high (finite)."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected a number from {low:g} to {high:g}, got {quote(text)}")
+        return value
+    return parse
 
 
 def int_at_least(low):
@@ -5275,6 +6077,12 @@ def main(argv=None):
     option("--head", type=int_at_least(0), help="draw this head's attention in the heatmap, not the mean")
     option("--bench", action="store_true", help="measure where the time goes (a few minutes), then exit")
     option("--after", action="store_true", help="speculative decoding, DPO and GRPO on the toy (a minute), then exit")
+    option("--gguf", metavar="PATH", help="a released model's GGUF file (Part V): answer --prompt with it, then exit")
+    option("--prompt", metavar="TEXT", help="with --gguf: what to ask (a chat turn where the file's template is ChatML)")
+    option("--max-new-tokens", type=int_at_least(1), default=256, help="with --gguf: at most this many tokens (256)")
+    option("--temperature", type=number_in(0, 100), default=0.0, help="with --gguf: 0 is greedy (the default)")
+    option("--top-k", type=int_at_least(1), help="with --gguf: sample from the k most likely tokens only")
+    option("--top-p", type=number_in(1e-9, 1), help="with --gguf: sample from the smallest set holding p of the mass")
     args = parser.parse_args(argv)
     GuardedStream.keep_going = args.save is not None  # the reader of the output may leave: the model is saved
     # every problem that can be seen before the work starts is reported before it starts
@@ -5301,6 +6109,11 @@ def main(argv=None):
     ignored = next(((name, why, other) for name, (why, others) in IGNORED_BY.items() for other in others
                     if getattr(args, name) and getattr(args, other) != parser.get_default(other)), None)
     if ignored: parser.error("--{} {}, so --{} does not apply".format(*ignored))
+    lone = next((name for name in GGUF_OPTIONS if not args.gguf and getattr(args, name) != parser.get_default(name)),
+                None)
+    if lone: parser.error(f"--{lone.replace('_', '-')} applies to --gguf, which was not given")
+    if args.gguf is not None:
+        return answer_with_gguf(parser, args)
     args.size = args.size or ("base" if args.data else "small")
     args.model = args.model or ("encdec" if args.data else "all")
     problem = args.save and save_target_problem(args.save, args.data)
@@ -5351,6 +6164,21 @@ def main(argv=None):
     lines = read_lines(sys.stdin) if args.translate == "-" else [args.translate]
     answer = translator(kind, model, src_vocab, tgt_vocab, None if args.free else readings, args.beam)
     return answer_lines(answer, src_vocab, longest_sentence(kind, model), lines)
+
+
+def answer_with_gguf(parser, args):
+    """--gguf PATH --prompt TEXT: the answer on stdout as it is made, the speed on stderr."""
+    if not args.gguf or args.prompt is None:
+        parser.error("--gguf needs a file name and --prompt TEXT, the question to answer")
+    try:
+        loaded = load_gguf(args.gguf)
+        torch.manual_seed(args.seed)  # sampling draws from torch's generator: --seed repeats an answer
+        _, speed = chat(loaded, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        parser.error(f"--gguf {shown(args.gguf)}: {e}" if shown(args.gguf) not in str(e) else str(e))
+    print(flush=True)
+    print(f"({speed:.1f} tokens/s)", file=sys.stderr)
+    return 0
 
 
 def command_line():
