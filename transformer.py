@@ -4052,7 +4052,8 @@ def accumulate_gradients(model, micro_batches, ignore_index=-100):
         integer = isinstance(targets, torch.Tensor) and not targets.is_floating_point() and targets.dim() == 2
         shape = list(inputs[-1].shape) if inputs and isinstance(inputs[-1], torch.Tensor) else None
         real = targets[targets != ignore_index] if integer else None       # [n]
-        if not integer or list(targets.shape) != shape or (vocab and len(real) and not 0 <= real.min() <= real.max() < vocab):
+        outside = integer and vocab and len(real) and not 0 <= real.min() <= real.max() < vocab  # [] a bool
+        if not integer or list(targets.shape) != shape or outside:
             raise ValueError(f"micro_batches[{i}]: targets must be integer ids [B, T], the shape of the last input"
                              f" {shape}, each an id of the vocabulary ({vocab}) or ignore_index ({ignore_index})")
     real = sum(int((batch[-1] != ignore_index).sum()) for batch in micro_batches)  # [] ints: real tokens
@@ -4267,7 +4268,8 @@ def mixed_precision_report(seed=0, device="cpu", lr=1e-2, n_sentences=2400, epoc
     print(f"\nmixed precision on the toy task (section 41): the GPT, {spec['epochs']} epochs, seed {seed}")
     for name, build in (("float32", DecoderOnlyTransformer), ("bf16 autocast", lambda **c: Autocast(
             DecoderOnlyTransformer(**c)))):
-        recipe = dict(spec, model=build, update=lambda model: adamw_update(model, lr, min(spec["warmup"], steps), steps))
+        update = lambda model: adamw_update(model, lr, min(spec["warmup"], steps), steps)  # noqa: E731
+        recipe = dict(spec, model=build, update=update)
         *_, result = train_toy_model("gpt", train_pairs, test_pairs, device, seed=seed, log=lambda line: None,
                                      recipes={"gpt": recipe})
         rows[name] = result["accuracy"], result["history"][-1][1]
@@ -5529,12 +5531,14 @@ def show_models(device):
              ("decoder-only (GPT)", "gpt", dict(vocab_size=1000, n_heads=4, d_ff=512)),
              ("Llama-style", "llama", dict(vocab_size=1000, n_heads=4, n_kv_heads=2)),
              ("DeepSeek-style", "deepseek", SMALL_DEEPSEEK)]
-    src, tgt = torch.randint(1, 1000, (2, 7), device=device), torch.randint(1, 1000, (2, 5), device=device)  # [B, S], [B, T]
+    src = torch.randint(1, 1000, (2, 7), device=device)                    # [B, S]
+    tgt = torch.randint(1, 1000, (2, 5), device=device)                    # [B, T]
     print("small models, d_model 128, 4 heads, 2 layers (each), vocabulary 1000 (1200 for the target)")
     models = {}
     for name, kind, cfg in small:
         cfg = {**widths, **cfg}
-        model = models[kind] = MODEL_CLASSES[kind](**cfg).to(device).eval()
+        model = models[kind] = MODEL_CLASSES[kind](**cfg).eval()
+        model.to(device)
         with torch.no_grad():
             logits = model(src, tgt) if kind == "encdec" else model(tgt)   # [B, T, V]
         inputs = "src [2, 7], tgt [2, 5]" if kind == "encdec" else "input [2, 5]"
@@ -5547,12 +5551,14 @@ def show_models(device):
             counted = count_parameters(MODEL_CLASSES[kind](**cfg))
         print(f"  {name:34s} {counted:13,d} {PARAMETER_FORMULAS[kind](**cfg):13,d}  {reported}")
     print(f"  base/big tie source, target and output embeddings (one 37,000-token vocabulary). GPT-2 small with its\n"
-          f"  learned position table, 1024 x 768, is {decoder_only_param_formula(**CLASSIC_CONFIGS[2][2]) + 1024 * 768:,}:"
+          f"  learned position table, 1024 x 768, is"
+          f" {decoder_only_param_formula(**CLASSIC_CONFIGS[2][2]) + 1024 * 768:,}:"
           f" the 124M of OpenAI's README, which corrected the paper's 117M.\n  The tutorial's GPT is"
           f" {decoder_only_param_formula(**TUTORIAL_GPT_CONFIG) / 1e6:.1f}M untied,"
           f" {decoder_only_param_formula(**TUTORIAL_GPT_CONFIG, tie_weights=True) / 1e6:.1f}M tied: not 30-odd M.")
     print("\nmodern decoders (meta device) and their KV cache per token in bfloat16")
-    print(f"  {'model':15s} {'counted':>13s} {'formula':>13s} {'published':>13s}  {'KV cache':>9s}  {'with full MHA':>13s}")
+    print(f"  {'model':15s} {'counted':>13s} {'formula':>13s} {'published':>13s}  {'KV cache':>9s}"
+          f"  {'with full MHA':>13s}")
     for name, cfg, published in LLAMA_CONFIGS:
         with torch.device("meta"):
             counted = count_parameters(Llama(**cfg))
@@ -5561,7 +5567,8 @@ def show_models(device):
         print(f"  {name:15s} {counted:13,d} {llama_param_formula(**cfg):13,d} {published:13,d}"
               f"  {kv:5,d} KiB  {mha:9,d} KiB")
     print(f"  measured: the small Llama-style model's cache holds {cache_bytes_per_token(models['llama'], tgt):,} bytes"
-          f" a token in float32 = {kv_cache_bytes_per_token(2, 2, 32, 4):,} by the formula (2 layers, 2 kv heads of 32)")
+          f" a token in float32 = {kv_cache_bytes_per_token(2, 2, 32, 4):,} by the formula"
+          f" (2 layers, 2 kv heads of 32)")
     print("\nfrontier models (meta device): total and active parameters, cache per token in bfloat16")
     print(f"  {'model':14s} {'counted':>15s} {'formula':>15s} {'active':>14s}  {'cache':>9s}  reported")
     for name, kind, cfg, total, active, reported in FRONTIER_CONFIGS:
@@ -5577,11 +5584,13 @@ def show_models(device):
     print(f"  DeepSeek-V3's latent cache: {v3['kv_lora_rank']} + {v3['qk_rope_dim']} values a token a layer;"
           f" per-head keys and values would take {per_head / 2 ** 20:.2f} MiB a token")
     print(f"  measured: the small DeepSeek-style model's cache holds {cache_bytes_per_token(models['deepseek'], tgt):,}"
-          f" bytes a token in float32 = {mla_cache_bytes_per_token(2, 64, 16, 4):,} by the formula (latent 64, rope 16)")
+          f" bytes a token in float32 = {mla_cache_bytes_per_token(2, 64, 16, 4):,} by the formula"
+          f" (latent 64, rope 16)")
     torch.manual_seed(0)
     gpt = DecoderOnlyTransformer(vocab_size=1000, d_model=512, n_layers=2, n_heads=8, d_ff=2048,
                                  max_len=512).to(device).eval()
-    with_cache, without, same = time_generation(gpt, torch.randint(0, 1000, (1, 8), device=device), 64)
+    prompt = torch.randint(0, 1000, (1, 8), device=device)                 # [B, T]
+    with_cache, without, same = time_generation(gpt, prompt, 64)
     print(f"\nKV cache: decoder-only (d_model 512, 8 heads, d_ff 2048, 2 layers, vocab 1000), prompt 8,"
           f" 64 new tokens: with cache {with_cache:.2f} s, without {without:.2f} s ({without / with_cache:.1f}x),"
           f" same tokens: {'yes' if same else 'NO'} (--bench: 256 and 1024 tokens)")
@@ -5614,7 +5623,8 @@ def show_training_costs(seq_len=4096, lora_rank=16, n_devices=64):
     for label, total, trainable in [(f"{name} full", params, params), (f"{name} LoRA r={lora_rank}", params + lora,
                                                                         lora), ("DeepSeek-V3", ds, ds)]:
         memory = memory_bytes(total, trainable, 0, "bf16")
-        print(f"  {label:22} {memory['total'] / 1e9:8.1f} {zero_memory_per_device(memory, n_devices, 3)['total'] / 1e9:7.1f}")
+        zero = zero_memory_per_device(memory, n_devices, 3)
+        print(f"  {label:22} {memory['total'] / 1e9:8.1f} {zero['total'] / 1e9:7.1f}")
 
 
 def longest_sentence(kind, model):
@@ -6078,7 +6088,7 @@ def main(argv=None):
     option("--bench", action="store_true", help="measure where the time goes (a few minutes), then exit")
     option("--after", action="store_true", help="speculative decoding, DPO and GRPO on the toy (a minute), then exit")
     option("--gguf", metavar="PATH", help="a released model's GGUF file (Part V): answer --prompt with it, then exit")
-    option("--prompt", metavar="TEXT", help="with --gguf: what to ask (a chat turn where the file's template is ChatML)")
+    option("--prompt", metavar="TEXT", help="with --gguf: what to ask (a chat turn where its template is ChatML)")
     option("--max-new-tokens", type=int_at_least(1), default=256, help="with --gguf: at most this many tokens (256)")
     option("--temperature", type=number_in(0, 100), default=0.0, help="with --gguf: 0 is greedy (the default)")
     option("--top-k", type=int_at_least(1), help="with --gguf: sample from the k most likely tokens only")
