@@ -3420,13 +3420,15 @@ def test_quant_bits_a_weight_and_error_ordering():
 
 
 def test_quant_pitfall_dividing_by_d_instead_of_multiplying_by_its_inverse_flips_a_q_now_and_then():
-    """llama.cpp's q = round(x * (1 / d)); round(x / d) differs in 2 of 3.2 million values here."""
+    """llama.cpp's q = round(x * (1 / d)); round(x / d) differs now and then: in 2 of these 3.2 million
+    values on torch's AVX2 kernels, 4 on its plain ones (ATEN_CPU_CAPABILITY=default), which round
+    the division differently; the multiplication by the inverse is the same on both."""
     x = torch.randn(100_000, 32, generator=torch.Generator().manual_seed(0))
     d = x.abs().amax(dim=1, keepdim=True) / 127
     away = lambda v: v.sign() * (v.abs().floor() + (2 * (v.abs() - v.abs().floor())).floor())  # noqa: E731
     stored = torch.frombuffer(bytearray(tf.quantize(x, "Q8_0")), dtype=torch.int8).view(-1, 34)[:, 2:]
     assert torch.equal(stored.float(), away(x * (1 / d)))
-    assert (stored.float() != away(x / d)).sum() == 2
+    assert 1 <= (stored.float() != away(x / d)).sum() <= 8                # measured 2 and 4
 
 
 def test_quant_weights_of_a_model_become_what_the_format_stores():
@@ -6776,6 +6778,19 @@ def test_lora_linear_wants_a_linear():
         tf.LoRALinear(nn.Embedding(4, 2), r=2, alpha=4)
 
 
+
+
+@pytest.mark.parametrize("call", [lambda m: tf.add_lora(m), lambda m: tf.merge_lora(m), lambda m: tf.lora_param_count(m, 8),
+                                  lambda m: tf.lora_targets(m, ("w_q",))])
+@pytest.mark.parametrize("model", ["llama", None, {"w_q": 1}])
+def test_lora_functions_refuse_what_is_not_a_model_naming_it(call, model):
+    with pytest.raises(ValueError, match=r"model must be a Module, got"):
+        call(model)
+
+
+def test_merge_lora_refuses_a_merge_that_is_not_true_or_false():
+    with pytest.raises(ValueError, match=r"merge must be True or False, got 'no'"):
+        tf.merge_lora(nn.Linear(2, 2), "no")
 # ===========================================================================
 # Section 38's schedules against transformers' (run where transformers is installed)
 # ===========================================================================

@@ -4393,7 +4393,7 @@ def zero_memory_per_device(memory, n_devices, zero_stage):
 # adapting a model needs a change of low "intrinsic rank". Merged, W + (alpha / r) B A runs at
 # the base model's cost; unmerged, the base serves other adapters.
 
-ARGUMENTS.update(base=(nn.Linear,), r=(int, 1, MAX_SIZE), alpha=(float, 0.0, FINITE), targets=(tuple,))
+ARGUMENTS.update(merge=(bool,), base=(nn.Linear,), r=(int, 1, MAX_SIZE), alpha=(float, 0.0, FINITE), targets=(tuple,))
 RELATIONS.update({
     "alpha > 0": (("alpha",), lambda a: a > 0, "alpha must be > 0"),
     "dropout < 1": (("dropout",), lambda p: p < 1, "dropout must be below 1 (at 1 the update sees only zeros)"),
@@ -4444,7 +4444,7 @@ class LoRALinear(nn.Module):
 
 def lora_targets(model, targets):
     """[(name, nn.Linear)] whose qualified name is a target or ends in "." + target (peft's: not "x_w_q" for "w_q")."""
-    check("targets named", targets=targets)
+    check("targets named", model=model, targets=targets)  # lora_param_count and add_lora check through here
     named = lambda name, t: name == t or name.endswith("." + t)  # noqa: E731
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for t in targets:
@@ -4472,6 +4472,7 @@ def add_lora(model, r=8, alpha=16, targets=("w_q", "w_v"), dropout=0.0):
 
 def merge_lora(model, merge=True):
     """Merge every LoRALinear of model (merge=False: unmerge them). -> model."""
+    check(model=model, merge=merge)
     for module in model.modules():
         if isinstance(module, LoRALinear):
             (module.merge if merge else module.unmerge)()
