@@ -6088,7 +6088,7 @@ def main(argv=None):
     option("--head", type=int_at_least(0), help="draw this head's attention in the heatmap, not the mean")
     option("--bench", action="store_true", help="measure where the time goes (a few minutes), then exit")
     option("--after", action="store_true", help="speculative decoding, DPO and GRPO on the toy (a minute), then exit")
-    option("--gguf", metavar="PATH", help="a released model's GGUF file (Part V): answer --prompt with it, then exit")
+    option("--gguf", metavar="PATH", help="a released model's GGUF file (Part IV): answer --prompt with it, then exit")
     option("--prompt", metavar="TEXT", help="with --gguf: what to ask (a chat turn where its template is ChatML)")
     option("--max-new-tokens", type=int_at_least(1), default=256, help="with --gguf: at most this many tokens (256)")
     option("--temperature", type=number_in(0, 100), default=0.0, help="with --gguf: 0 is greedy (the default)")
