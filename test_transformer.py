@@ -1534,6 +1534,19 @@ def test_generate_draws_each_token_by_next_token(kw):
         assert not torch.equal(out, plain)
 
 
+
+
+@pytest.mark.parametrize("cache", ["one", "latent", "short", "uneven"])
+def test_gpt_says_which_cache_it_needs_before_changing_anything(cache):
+    """The GPT refuses a cache that is not one KVCache a layer, all as long, as the Llama does."""
+    gpt = tf.DecoderOnlyTransformer(vocab_size=20, d_model=16, n_layers=2, n_heads=2, d_ff=32, dropout=0.0).eval()
+    ids = torch.randint(0, 20, (1, 4))
+    uneven = gpt.new_cache()
+    uneven[0].append(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8))
+    given = {"one": tf.KVCache(), "latent": [tf.LatentCache(), tf.LatentCache()], "short": [tf.KVCache()],
+             "uneven": uneven}[cache]
+    with pytest.raises(ValueError, match="cache must be None or what new_cache"):
+        gpt(ids, given)
 # ===========================================================================
 # 10. Parameter counts
 # ===========================================================================

@@ -636,6 +636,12 @@ def generate_tokens(model, input_ids, max_new_tokens, temperature=0.0, top_k=Non
     return input_ids                                                       # [B, T + max_new_tokens]
 
 
+ARGUMENTS.update(cache=(object,), cache_kind=(type,))
+RELATIONS["a cache a layer"] = (("cache", "n_layers", "cache_kind"), lambda c, n, kind: c is None or isinstance(
+    c, (list, tuple)) and len(c) == n and all(isinstance(x, kind) for x in c) and len({len(x) for x in c}) == 1,
+    "cache must be None or what new_cache() gives: a list of n_layers caches of cache_kind, all as long")
+
+
 class DecoderOnlyTransformer(nn.Module):
     """Token embedding, positions, N causal pre-LN blocks, a final LayerNorm, lm_head."""
 
@@ -665,6 +671,7 @@ class DecoderOnlyTransformer(nn.Module):
     def forward(self, input_ids, cache=None):
         """input_ids [B, T] -> logits [B, T, V]; with a cache of `past` tokens, only the rest run: [B, T - past, V]."""
         check_ids("input_ids", input_ids, self.vocab_size, self.max_len)
+        check("a cache a layer", cache=cache, n_layers=len(self.layers), cache_kind=KVCache)
         past = len(cache[0]) if cache else 0                               # tokens already cached
         if past >= input_ids.size(1):
             raise ValueError(f"input_ids holds {input_ids.size(1)} tokens and the cache {past} already:"
@@ -1717,11 +1724,7 @@ class LlamaBlock(nn.Module):
         return x + self.ffn(self.ffn_norm(x))                              # [B, Tn, D]
 
 
-ARGUMENTS.update(norm_eps=(float, torch.finfo(torch.float32).tiny, 1.0),  # > 0 in float32: 0 / sqrt(0) is NaN
-                 cache=(object,), cache_kind=(type,))
-RELATIONS["a cache a layer"] = (("cache", "n_layers", "cache_kind"), lambda c, n, kind: c is None or isinstance(
-    c, (list, tuple)) and len(c) == n and all(isinstance(x, kind) for x in c) and len({len(x) for x in c}) == 1,
-    "cache must be None or what new_cache() gives: a list of n_layers caches of cache_kind, all as long")
+ARGUMENTS.update(norm_eps=(float, torch.finfo(torch.float32).tiny, 1.0))  # > 0 in float32: 0 / sqrt(0) is NaN
 
 
 class Llama(nn.Module):
