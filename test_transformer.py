@@ -6887,14 +6887,8 @@ PEFT_R, PEFT_ALPHA = 4, 8
 
 
 def peft_models():
-    """(name, model, inputs): a Llama-style model with GQA and the encoder-decoder, eval mode."""
-    torch.manual_seed(0)
-    llama = tf.Llama(vocab_size=40, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48).eval()
-    encdec = tf.Transformer(src_vocab_size=30, tgt_vocab_size=40, d_model=32, n_heads=4, d_ff=64, n_layers=2,
-                            dropout=0.0).eval()
-    ids = torch.randint(0, 40, (2, 7))                                     # [B, T]
-    src_ids = torch.randint(1, 30, (2, 5))                                 # [B, S]
-    return [("llama", llama, (ids,)), ("encdec", encdec, (src_ids, ids))]
+    """(name, model, inputs): section 43's small_models, named."""
+    return [(name, *pair) for name, pair in zip(("llama", "encdec"), small_models())]
 
 
 def peft_config(targets):
