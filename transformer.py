@@ -4246,8 +4246,8 @@ class LossScaler:
 
 # On the toy task: section 16's GPT trained twice with section 39's adamw_update, in float32 and
 # with its forward under bf16 autocast (weights, gradients and AdamW's state stay float32).
-# The accuracy is the same (97.9% and 97.5% on seed 3); the speed depends on the CPU: one with
-# AVX512-BF16 or AMX multiplies bf16 natively, one without emulates it, several times slower.
+# The held-out accuracy comes out about the same (bf16 rounds only the products); the speed depends
+# on the CPU: one with AVX512-BF16 or AMX multiplies bf16 natively, one without emulates it, slower.
 
 class Autocast(nn.Module):
     """model with its forward under bf16 autocast: products in bfloat16, the weights float32."""
