@@ -2253,7 +2253,7 @@ def _every_cache_kind():
 def test_every_cache_kind_gives_the_uncached_tokens_in_generate_and_in_beam_search():
     """generate extends each cache, beam search also reorders it (reorder_cache, every tensor
     a cache holds): cached = recomputed from scratch, for every kind. (The paged caches hold
-    one sequence, batch 1: section 35's test runs them through generation.)"""
+    one sequence, batch 1: section 36's test runs them through generation.)"""
     prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(7))  # [2, 5]
     for name, model in _every_cache_kind():
         assert torch.equal(model.generate(prompt, 6), model.generate(prompt, 6, use_cache=False)), name
@@ -3278,7 +3278,7 @@ def test_claim_feed_forward_share_and_when_the_cache_outgrows_the_weights():
 # 24-27 from first principles (hand-made blocks, files written byte by byte, tiny models),
 # then against the gguf package's blocks and transformers' tiny models where they are
 # installed. The released SmolLM2 file against transformers: with the other comparisons
-# against reference libraries, after section 36's LoRA against peft.
+# against reference libraries, after section 37's LoRA against peft.
 
 import collections
 import importlib.util
@@ -4498,7 +4498,7 @@ def test_deepseek_refuses_a_llamas_caches_naming_its_own():
     with pytest.raises(ValueError, match="cache_kind=<class 'transformer.KVCache'>"):
         llama(ids, [tf.PagedLatentCache(tf.KVPool(8, 4)) for _ in range(3)])
 # ===========================================================================
-# 32. Total and active parameters, the latent cache
+# 33. Total and active parameters, the latent cache
 # ===========================================================================
 
 def _meta_count(kind, config):
@@ -4675,7 +4675,7 @@ def bottom_right(Tq, Tk):
 
 
 # ===========================================================================
-# 33. FlashAttention's tiles
+# 34. FlashAttention's tiles
 # ===========================================================================
 
 CASES = [  # (Tq, Tk, causal, block_size): odd sizes, blocks of 1, 7 and larger than T
@@ -4878,7 +4878,7 @@ def test_a_cut_length_must_be_a_count(length):
             cache.crop(length)
         assert len(cache) == 3
 # ===========================================================================
-# 34. Sliding windows and the rolling cache
+# 35. Sliding windows and the rolling cache
 # ===========================================================================
 
 @pytest.mark.parametrize("T, past, window", [(7, 0, 1), (7, 0, 3), (7, 0, 7), (7, 0, 20), (4, 6, 3), (1, 9, 5)])
@@ -4984,7 +4984,7 @@ def test_a_cached_forward_needs_a_new_token():
 
 
 # ===========================================================================
-# 35. The paged KV cache
+# 36. The paged KV cache
 # ===========================================================================
 
 def tiny_gpt(seed=0):
@@ -5150,7 +5150,7 @@ def test_padded_and_paged_slots_refuses_what_is_not_token_counts(lengths, block_
     with pytest.raises(ValueError, match=message):
         tf.padded_and_paged_slots(lengths, block_size)
 # ===========================================================================
-# 36. RoPE for long context
+# 37. RoPE for long context
 # ===========================================================================
 
 LLAMA31 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -5522,7 +5522,7 @@ def test_hf_parity_deepseek_v3():
 # ===========================================================================
 
 # ===========================================================================
-# 37. AdamW, written out
+# 41. AdamW, written out
 # ===========================================================================
 
 def small_llama(seed=0):
@@ -5759,7 +5759,7 @@ def test_decay_groups_refuses_what_is_not_a_model(model):
     with pytest.raises(ValueError, match=r"model must be a Module, got"):
         tf.decay_groups(model, 0.1)
 # ===========================================================================
-# 38. Learning-rate schedules
+# 42. Learning-rate schedules
 # ===========================================================================
 
 @pytest.mark.parametrize("min_ratio", [0.0, 0.1])
@@ -5830,7 +5830,7 @@ def test_schedules_bad_input(call, message):
 
 
 # ===========================================================================
-# 39. Clipping and gradient accumulation
+# 43. Clipping and gradient accumulation
 # ===========================================================================
 
 def grads_of(params):
@@ -6023,7 +6023,7 @@ def test_accumulate_gradients_keeps_ignore_index_and_refuses_a_non_list():
     with pytest.raises(ValueError, match="micro_batches must be a list"):
         tf.accumulate_gradients(gpt, "ids and targets")
 # ===========================================================================
-# 40. FLOPs, by formula and counted
+# 44. FLOPs, by formula and counted
 # ===========================================================================
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -6148,7 +6148,7 @@ def test_bad_sizes_are_refused_naming_the_argument(call):
 
 
 def test_a_model_with_adapters_is_refused_where_the_formulas_would_be_wrong():
-    """LoRA (section 43) adds products the formulas do not count, and saves their inputs: each
+    """LoRA (section 47) adds products the formulas do not count, and saves their inputs: each
     formula that takes a model names the module it does not know, and where it is."""
     model, (ids, targets) = tf.add_lora(tiny("llama"), r=4), batch()
     W, A = tf.matmul_widths("llama", model.config)
@@ -6157,7 +6157,7 @@ def test_a_model_with_adapters_is_refused_where_the_formulas_would_be_wrong():
         with pytest.raises(ValueError, match=rf"^{call.__name__}: model holds a LoRALinear at layers.0.attn.w_q,"
                                              r" which the formula does not count$"):
             call(model, CB, CT)
-    fused = tf.use_fused_kernels(tiny("gpt"))                              # section 33's kernels: another count
+    fused = tf.use_fused_kernels(tiny("gpt"))                              # section 34's kernels: another count
     with pytest.raises(ValueError, match=r"^forward_flops: model holds a FusedAttention at layers.0.self_attn"):
         tf.forward_flops(fused, CB, CT)
     assert tf.forward_flops(tf.use_fused_kernels(fused, False), CB, CT) > 0  # as written again: counted
@@ -6195,7 +6195,7 @@ def test_a_config_without_a_key_the_formula_reads_is_a_value_error_naming_it(kin
 
 
 # ===========================================================================
-# 41. Mixed precision and loss scaling
+# 45. Mixed precision and loss scaling
 # ===========================================================================
 
 # per step, the gradient's kind: finite, inf, NaN, or finite but inf once scaled (1e36 * S)
@@ -6402,7 +6402,7 @@ def test_loss_scaler_bad_arguments(bad, message):
 
 
 # ===========================================================================
-# 42. Memory, by formula and measured
+# 46. Memory, by formula and measured
 # ===========================================================================
 
 def _saved_split(model, ids, targets, mixed_precision):
@@ -6571,7 +6571,7 @@ def test_training_memory_keys_and_bytes_a_parameter():
 
 def test_training_memory_refuses_a_frozen_parameter_whose_product_then_saves_less():
     """A frozen weight's product needs no dW, so it saves no input: the formula would count too
-    much (LoRA's frozen base, section 43, is refused as a module the formula does not know)."""
+    much (LoRA's frozen base, section 47, is refused as a module the formula does not know)."""
     model, (ids, targets) = tiny("llama"), batch()
     full = tf.saved_bytes(model, ids, targets)
     for name, p in model.named_parameters():
@@ -6634,7 +6634,7 @@ def test_memory_bad_input_names_the_argument(call, words):
 
 
 # ===========================================================================
-# 43. LoRA
+# 47. LoRA
 # ===========================================================================
 
 def small_models():
@@ -6805,7 +6805,7 @@ def test_merge_lora_refuses_a_merge_that_is_not_true_or_false():
     with pytest.raises(ValueError, match=r"merge must be True or False, got 'no'"):
         tf.merge_lora(nn.Linear(2, 2), "no")
 # ===========================================================================
-# Section 38's schedules against transformers' (run where transformers is installed)
+# Section 42's schedules against transformers' (run where transformers is installed)
 # ===========================================================================
 # warmup_cosine against get_cosine_with_min_lr_schedule_with_warmup(min_lr_rate=...) up to
 # total_steps, warmup_stable_decay against get_wsd_schedule(warmup_type="linear",
@@ -6869,7 +6869,7 @@ def test_hf_parity_warmup_as_long_as_the_run_ends_at_min_ratio_where_transformer
 
 
 # ===========================================================================
-# Section 43's LoRA against peft (run where peft is installed)
+# Section 47's LoRA against peft (run where peft is installed)
 # ===========================================================================
 # peft's inject_adapter_in_model on this file's own models, A and B copied into ours: the
 # same outputs, trainable count, frozen set and merged weights (measured: differences 0 on
@@ -6887,7 +6887,7 @@ PEFT_R, PEFT_ALPHA = 4, 8
 
 
 def peft_models():
-    """(name, model, inputs): section 43's small_models, named."""
+    """(name, model, inputs): section 47's small_models, named."""
     return [(name, *pair) for name, pair in zip(("llama", "encdec"), small_models())]
 
 
@@ -7173,9 +7173,9 @@ def test_released_chat_answers_the_capital_of_france_as_transformers(released):
 # ===========================================================================
 
 # ===========================================================================
-# 44. Speculative decoding
+# 48. Speculative decoding
 # ===========================================================================
-# The split of section 9's next_token that section 44 reads
+# The split of section 9's next_token that section 48 reads
 
 def test_next_token_probs_is_the_law_next_token_draws_from_and_one_hot_at_temperature_0(monkeypatch):
     logits = torch.tensor([[1.0, 3.0, 3.0, -2.0], [0.5, 0.1, 0.2, 0.3]])               # [2, 4], a tie in row 0
@@ -7580,7 +7580,7 @@ def prefs_llama(vocab_size=12, seed=0):
 
 
 # ===========================================================================
-# 45. Sequence log-probabilities
+# 49. Sequence log-probabilities
 # ===========================================================================
 
 @pytest.mark.parametrize("make", [prefs_gpt, prefs_llama])
@@ -7715,7 +7715,7 @@ def test_answer_batch_masks_the_answer_and_its_eos_only():
     assert torch.allclose(answer, torch.stack([token[0, 2:5].sum(), token[1, 1:3].sum()]))
     assert (answer - with_prompt).abs().min() > 1e-3
 # ===========================================================================
-# 46. DPO
+# 50. DPO
 # ===========================================================================
 
 def dpo_inputs(B=6, seed=0):
@@ -7811,7 +7811,7 @@ def test_dpo_loss_refuses_infinite_untyped_and_empty_input(change, message):
     with pytest.raises(ValueError, match=message):
         tf.dpo_loss(**{**args, **change})
 # ===========================================================================
-# 47. GRPO
+# 51. GRPO
 # ===========================================================================
 
 def test_group_advantages_closed_form():
@@ -8034,7 +8034,7 @@ def test_run_grpo_refuses_temperature_zero_before_training():
 # ===========================================================================
 
 # ===========================================================================
-# 48. Your own data
+# 52. Your own data
 # ===========================================================================
 
 
@@ -8175,7 +8175,7 @@ def test_read_pairs_counts_lines_as_an_editor_does(tmp_path):
 
 
 # ===========================================================================
-# 49. Saving and loading
+# 53. Saving and loading
 # ===========================================================================
 
 
@@ -8839,7 +8839,7 @@ def _lora_llama(tie_weights=False, targets=("w_q", "w_v")):
 
 @pytest.mark.parametrize("merged", [False, True])
 def test_a_model_with_lora_adapters_saves_merged_as_a_plain_model_that_answers_the_same(tmp_path, merged):
-    # a user's fine-tuning (section 43), merged or not, is saved as the plain model of its kind it amounts to
+    # a user's fine-tuning (section 47), merged or not, is saved as the plain model of its kind it amounts to
     model, vocab, ids = _lora_llama()
     if merged:
         tf.merge_lora(model)
@@ -8920,7 +8920,7 @@ def test_save_refuses_what_load_would_refuse_before_touching_the_file(tmp_path, 
 
 
 # ===========================================================================
-# 50. The demo
+# 54. The demo
 # ===========================================================================
 
 
@@ -9031,7 +9031,7 @@ def test_main_seed_and_free_greedy(monkeypatch, tmp_path):
 
 
 # ===========================================================================
-# 51. The benchmark
+# 55. The benchmark
 # ===========================================================================
 
 
@@ -9299,7 +9299,7 @@ def test_autocast_runs_the_products_in_bf16_and_keeps_the_weights_float32():
     assert_close(logits, gpt(ids), tol=0.1)                            # bf16's 8 significant bits
 
 # ===========================================================================
-# 52. The command line
+# 56. The command line
 # ===========================================================================
 
 
@@ -10497,7 +10497,7 @@ _PAIRS = "(pinyin, hanzi) pairs"
 @pytest.fixture(scope="module")
 def list_arguments(hard):
     """Every library argument that takes a list (of sentences, pairs, syllables, tokens,
-    ids, labels or lines) in sections 11-52: name -> (call(value), argument, its items)."""
+    ids, labels or lines) in sections 11-56: name -> (call(value), argument, its items)."""
     kind, model, sv, tv, readings = tf.load_checkpoint(hard["encdec"])
     _, gpt, _, vocab, _ = tf.load_checkpoint(hard["gpt"])
     pairs = tf.make_toy_data(n_sentences=10, seed=0)
@@ -11014,7 +11014,7 @@ def test_no_definition_uses_a_name_defined_in_a_later_section():
              if isinstance(sub, ast.Name) and defined.get(sub.id, -1) > n]
     assert not later, later
     assert {defined[name] for name in ("Llama", "Qwen3", "Mixtral", "Qwen3MoE", "DeepSeekV3", "Mistral",
-                                       "PagedKVCache", "with_rope_scaling")} == {22, 28, 29, 31, 34, 35, 36}
+                                       "PagedKVCache", "with_rope_scaling")} == {22, 28, 29, 31, 35, 36, 37}
 
 
 ARGUMENT_CHECKS = {"check", "check_mask", "check_ids", "check_qkv", "check_scaling", "check_batch", "check_list"}  # a line the reader drops
@@ -11154,19 +11154,19 @@ ids = torch.randint(0, 50, (2, 6))
 for model in (mixtral, qwen):
     assert torch.equal(model.generate(ids, max_new_tokens=5), model.generate(ids, max_new_tokens=5, use_cache=False))
 assert count_parameters(qwen) == qwen3_moe_param_formula(**qwen.config)""",
-    34: """mistral = Mistral(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_len=96, window=8)
+    35: """mistral = Mistral(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_len=96, window=8)
 ids = torch.randint(0, 50, (1, 40))
 cache = mistral.new_cache()
 generated = mistral.generate(ids, max_new_tokens=8)
 assert torch.equal(generated, mistral.generate(ids, max_new_tokens=8, use_cache=False))
 mistral(generated, cache)
 assert len(cache[0]) == 48 and cache[0].k.size(2) == 8""",
-    35: """llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=96)
+    36: """llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=96)
 ids = torch.randint(0, 50, (1, 40))
 pool = KVPool(n_blocks=24, block_size=4)
 cache = [PagedKVCache(pool) for _ in llama.layers]
 assert torch.allclose(llama(ids, cache), llama(ids), atol=1e-5) and pool.n_free == 24 - 2 * 10""",
-    36: """model = with_rope_scaling(Mistral(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_len=96,
+    37: """model = with_rope_scaling(Mistral(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_len=96,
                                    window=8), {"type": "yarn", "factor": 4.0, "original_max_len": 24})
 ids = torch.randint(0, 50, (1, 40))
 assert torch.equal(model.generate(ids, max_new_tokens=8), model.generate(ids, max_new_tokens=8, use_cache=False))

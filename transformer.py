@@ -264,7 +264,7 @@ class MultiHeadAttention(nn.Module):
         out = out.transpose(1, 2).contiguous().view(B, Tq, self.d_model)   # [B, Tq, D]
         return self.w_o(out)                                               # [B, Tq, D]
 
-    def attend(self, q, k, v, mask):  # step 2 alone: a variant swaps it (section 33's fused kernel)
+    def attend(self, q, k, v, mask):  # step 2 alone: a variant swaps it (section 34's fused kernel)
         return scaled_dot_product_attention(q, k, v, mask, self.dropout)[0]  # [B, H, Tq, dk]
 
 # Try it: self-attention keeps the query's shape; cross-attention reads 7 keys.
@@ -339,7 +339,7 @@ class LayerNorm(nn.Module):
 # Every sub-layer (attention or feed-forward) sits in a residual connection with a LayerNorm. The
 # paper normalizes after the sum (post-LN); GPT-2 and most models since normalize the sub-layer's
 # input and leave the residual path untouched (pre-LN), which keeps gradients well scaled in deep
-# stacks (they still warm the learning rate up: sections 13, 38). Each sub-layer is a small _block
+# stacks (they still warm the learning rate up: sections 13, 42). Each sub-layer is a small _block
 # method, as in nn.TransformerEncoderLayer, so the two orders read side by side in forward. The
 # decoder layer adds cross-attention to the memory, the encoder's output [B, S, D].
 
@@ -665,7 +665,7 @@ class DecoderOnlyTransformer(nn.Module):
             self.lm_head.weight = self.token_embedding.weight
 
     def new_cache(self):
-        """One KVCache per layer (forward takes any per-layer caches with append and len: section 35 pages them)."""
+        """One KVCache per layer (forward takes any per-layer caches with append and len: section 36 pages them)."""
         return [KVCache() for _ in self.layers]
 
     def forward(self, input_ids, cache=None):
@@ -2840,7 +2840,7 @@ class Qwen3MoE(Qwen3):
 
 
 def moe_params(d_model, expert_d_ff, n_experts, top_k, n_shared=0, active=False):
-    """The router's [E, D] and the experts; active=True: only the top_k a token runs (section 32)."""
+    """The router's [E, D] and the experts; active=True: only the top_k a token runs (section 33)."""
     return n_experts * d_model + ((top_k if active else n_experts) + n_shared) * 3 * d_model * expert_d_ff
 
 
@@ -3116,7 +3116,7 @@ class MultiHeadLatentAttention(nn.Module):
 # layer. Not here: the multi-token-prediction (MTP) module, one more block that predicts the
 # token after next (11.5B parameters of its own by DeepSeek's weights README, besides the
 # embedding and head it shares; for training and speculative decoding), and YaRN, which
-# stretches its RoPE from 4K to 128K tokens (section 36).
+# stretches its RoPE from 4K to 128K tokens (section 37).
 
 ARGUMENTS.update(n_dense_layers=(int, 0, 1024))
 RELATIONS.update({
@@ -3237,7 +3237,7 @@ HF_FAMILIES["deepseek_v3"] = (DeepSeekV3, hf_deepseek_v3)
 
 
 # ===========================================================================
-# 32. Total and active parameters, the latent cache (总参数、激活参数与潜在缓存)
+# 33. Total and active parameters, the latent cache (总参数、激活参数与潜在缓存)
 # ===========================================================================
 # A MoE model has two sizes: the total, which must fit in memory, and the active parameters
 # one token's forward uses (all but the experts it is not routed to), which set the compute:
@@ -3288,7 +3288,7 @@ FRONTIER_CONFIGS = [
 # request, RoPE angles never seen in training. FlashAttention and the paged cache are proven
 # equal to what they replace; the window and RoPE scaling change the model, as their papers do.
 # ===========================================================================
-# 33. FlashAttention's tiles, the online softmax; fused kernels (FlashAttention 的分块：在线 softmax)
+# 34. FlashAttention's tiles, the online softmax; fused kernels (FlashAttention 的分块：在线 softmax)
 # ===========================================================================
 # Section 2 builds the [Tq, Tk] scores, softmaxes them and multiplies by v: memory grows
 # with Tq * Tk. FlashAttention (Dao et al., 2022; FlashAttention-2, Dao, 2023) computes the
@@ -3465,7 +3465,7 @@ def use_fused_kernels(model, fused=True):
 
 
 # ===========================================================================
-# 34. Sliding-window attention and the rolling cache: Mistral (滑动窗口注意力与滚动缓存)
+# 35. Sliding-window attention and the rolling cache: Mistral (滑动窗口注意力与滚动缓存)
 # ===========================================================================
 # Mistral-7B (Jiang et al., 2023) lets each query see only the last `window` keys, itself
 # included (4096 in v0.1): a kernel that skips the hidden keys does T * window work instead of
@@ -3514,7 +3514,7 @@ class RollingKVCache(KVCache):
         return k, v
 
     def crop(self, length):
-        """Keep the first `length` tokens seen (section 44 takes back rejected ones); not below those let go."""
+        """Keep the first `length` tokens seen (section 48 takes back rejected ones); not below those let go."""
         check(length=length)
         held = min(length, len(self)) - self.dropped                       # tokens left in k and v
         if held < 0:
@@ -3593,7 +3593,7 @@ HF_FAMILIES["mistral"] = (Mistral, hf_mistral)
 
 
 # ===========================================================================
-# 35. The paged KV cache (分页 KV 缓存)
+# 36. The paged KV cache (分页 KV 缓存)
 # ===========================================================================
 # A server batching requests of very different lengths wastes most of a padded [B, max_len]
 # cache: a 30-token answer reserves as much as a 4000-token one. vLLM (Kwon et al., 2023,
@@ -3686,7 +3686,7 @@ class PagedKVCache(KVCache):
         return keys, values
 
     def crop(self, length):
-        """Keep the first `length` tokens (section 44 takes back rejected ones); the blocks past them go back."""
+        """Keep the first `length` tokens (section 48 takes back rejected ones); the blocks past them go back."""
         check(length=length)
         self.n = min(length, self.n)
         used = -(-self.n // self.pool.block_size)                          # ceil: the blocks still needed
@@ -3732,7 +3732,7 @@ def padded_and_paged_slots(lengths, block_size):
 
 
 # ===========================================================================
-# 36. RoPE for long context: interpolation, Llama 3.1, YaRN (长上下文的 RoPE)
+# 37. RoPE for long context: interpolation, Llama 3.1, YaRN (长上下文的 RoPE)
 # ===========================================================================
 # A model trained on L positions has never seen RoPE angles past L * theta_i, and falls apart
 # beyond it. Three stretches, each new inverse frequencies in place of section 19's, which
@@ -3863,7 +3863,7 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 # measured; mixed precision; and LoRA, which trains a few parameters instead of all.
 
 # ===========================================================================
-# 37. AdamW, written out (AdamW 优化器)
+# 41. AdamW, written out (AdamW 优化器)
 # ===========================================================================
 # Adam steps each weight by a running mean of its gradient over the root of a running mean of
 # its square: about lr per step whatever the gradient's scale, so one lr fits every layer.
@@ -3936,7 +3936,7 @@ class AdamW(torch.optim.Optimizer):
 
 def decay_groups(model, weight_decay):
     """AdamW's two groups, by nanoGPT's rule: model's trained parameters of 2+ dims (the nn.Linear and
-    nn.Embedding weights, section 43's LoRA matrices), whose size decay keeps in check, with weight_decay;
+    nn.Embedding weights, section 47's LoRA matrices), whose size decay keeps in check, with weight_decay;
     the 1-dim ones with 0: a bias is a shift, a norm's weight a per-feature gain whose neutral value is 1
     (decayed, it shrinks the block's input and the next matrix must grow to undo it). A tied weight
     comes once; buffers (positions, MoE's router_bias) are not parameters: no optimizer touches them."""
@@ -3958,7 +3958,7 @@ def decay_groups(model, weight_decay):
 
 
 # ===========================================================================
-# 38. Learning-rate schedules (学习率调度)
+# 42. Learning-rate schedules (学习率调度)
 # ===========================================================================
 # A schedule multiplies the peak learning rate by a function of the step, for LambdaLR (section
 # 13's noam is the learning rate itself). It rises first (warmup: Adam's first updates are noisy,
@@ -4009,7 +4009,7 @@ def warmup_stable_decay(step, warmup_steps, total_steps, decay_steps, min_ratio=
 
 
 # ===========================================================================
-# 39. Clipping and gradient accumulation (梯度裁剪与梯度累积)
+# 43. Clipping and gradient accumulation (梯度裁剪与梯度累积)
 # ===========================================================================
 # One bad batch can bring a gradient many times the usual size, and a step along it
 # throws the weights far: clipping scales the whole gradient down to max_norm when it is
@@ -4085,7 +4085,7 @@ def accumulate_gradients(model, micro_batches, ignore_index=-100):
 
 
 def adamw_update(model, lr, warmup_steps, total_steps, weight_decay=0.01, max_norm=1.0):
-    """Section 13's update step, written out (section 43 trains with it): after each backward, clip_grad_norm to
+    """Section 13's update step, written out (section 47 trains with it): after each backward, clip_grad_norm to
     max_norm, AdamW on decay_groups(model) at lr * warmup_cosine(step, warmup_steps, total_steps) -> update()."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = AdamW(decay_groups(model, weight_decay), lr=lr)
@@ -4101,7 +4101,7 @@ def adamw_update(model, lr, warmup_steps, total_steps, weight_decay=0.01, max_no
 
 
 # ===========================================================================
-# 40. FLOPs, by formula and counted (计算量)
+# 44. FLOPs, by formula and counted (计算量)
 # ===========================================================================
 # A product [M, K] @ [K, N] is 2 M N K FLOPs, most of a Transformer's work: FlopCounterMode counts them.
 
@@ -4195,7 +4195,7 @@ def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
 
 
 # ===========================================================================
-# 41. Mixed precision and loss scaling (混合精度与损失缩放)
+# 45. Mixed precision and loss scaling (混合精度与损失缩放)
 # ===========================================================================
 # Mixed precision (Micikevicius et al., 2018) runs products in 16 bits and keeps weights, updates and sums in
 # float32. float16: 5 exponent bits, 11 significant, largest 65504, normal to 2^-14, subnormal to 2^-24; bfloat16:
@@ -4212,7 +4212,7 @@ RELATIONS.update({"growth_factor > 1": (("growth_factor",), lambda g: g > 1, "gr
 class LossScaler:
     """torch.amp.GradScaler's loss scaling: scale(loss).backward(), step(optimizer), update(). float16 rounds a
     gradient of 1e-8 to 0: the loss times S gives gradients times S, divided by S before the step; at inf or NaN
-    the step is skipped and S shrinks, after growth_interval good steps it grows. Clip at max_norm * S (section 39)."""
+    the step is skipped and S shrinks, after growth_interval good steps it grows. Clip at max_norm * S (section 43)."""
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
         check("growth_factor > 1", "backoff in (0, 1)", init_scale=init_scale, growth_factor=growth_factor,
@@ -4244,7 +4244,7 @@ class LossScaler:
             self.loss_scale, self.good_steps = new if 2.0 ** -126 <= new < math.inf else self.loss_scale, 0
 
 
-# On the toy task: section 16's GPT trained twice with section 39's adamw_update, in float32 and
+# On the toy task: section 16's GPT trained twice with section 43's adamw_update, in float32 and
 # with its forward under bf16 autocast (weights, gradients and AdamW's state stay float32).
 # The held-out accuracy comes out about the same (bf16 rounds only the products); the speed depends
 # on the CPU: one with AVX512-BF16 or AMX multiplies bf16 natively, one without emulates it, slower.
@@ -4268,7 +4268,7 @@ def mixed_precision_report(seed=0, device="cpu", lr=1e-2, n_sentences=2400, epoc
     train_pairs, test_pairs = split_data(make_toy_data(n_sentences, seed), seed=seed)
     spec, rows = dict(TOY_MODELS["gpt"], epochs=epochs or TOY_MODELS["gpt"]["epochs"]), {}
     steps = spec["epochs"] * -(-len(train_pairs) // spec["batch_size"])    # ceil: batches an epoch
-    print(f"\nmixed precision on the toy task (section 41): the GPT, {spec['epochs']} epochs, seed {seed}")
+    print(f"\nmixed precision on the toy task (section 45): the GPT, {spec['epochs']} epochs, seed {seed}")
     for name, build in (("float32", DecoderOnlyTransformer), ("bf16 autocast", lambda **c: Autocast(
             DecoderOnlyTransformer(**c)))):
         update = lambda model: adamw_update(model, lr, min(spec["warmup"], steps), steps)  # noqa: E731
@@ -4281,9 +4281,9 @@ def mixed_precision_report(seed=0, device="cpu", lr=1e-2, n_sentences=2400, epoc
 
 
 # ===========================================================================
-# 42. Memory, by formula and measured (显存)
+# 46. Memory, by formula and measured (显存)
 # ===========================================================================
-# Training holds weights, gradients, AdamW's m and v (section 37) and activations (what autograd saves).
+# Training holds weights, gradients, AdamW's m and v (section 41) and activations (what autograd saves).
 
 ARGUMENTS.update(mixed_precision=(bool,), checkpointing=(bool,), precision=("one of", "float32", "autocast", "bf16"),
                  n_devices=(int, 1, MAX_SIZE), zero_stage=(int, 0, 3), memory=(dict,), model=(nn.Module,))
@@ -4387,7 +4387,7 @@ def zero_memory_per_device(memory, n_devices, zero_stage):
 
 
 # ===========================================================================
-# 43. LoRA (低秩适配)
+# 47. LoRA (低秩适配)
 # ===========================================================================
 # Fine-tuning all of a model keeps a gradient and AdamW's two moments beside every weight.
 # LoRA (Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large Language Models") freezes a
@@ -4505,7 +4505,7 @@ def merge_lora(model, merge=True):
 # syllable it already reads otherwise (xi 洗, shi 视, qi 气, ji 鸡, yi 意): the adapted model learns when.
 LORA_NEW_PREDICATES = [("xi yi fu", "洗衣服"), ("kan dian shi", "看电视"), ("sheng qi", "生气"),
                        ("chi ji dan", "吃鸡蛋"), ("hen you yi si", "很有意思")]
-# adapting by section 39's adamw_update; each method's lr the best of a sweep on seed 3 (mean of new and old)
+# adapting by section 43's adamw_update; each method's lr the best of a sweep on seed 3 (mean of new and old)
 LORA_RECIPE = dict(epochs=12, batch_size=32, warmup_steps=5)
 LORA_LR, FULL_LR = 2e-2, 1e-3
 
@@ -4592,7 +4592,7 @@ def lora_report(device="cpu", seed=0):
 # and on a reward a program checks (GRPO), on the toy task of Part II.
 
 # ===========================================================================
-# 44. Speculative decoding (投机解码)
+# 48. Speculative decoding (投机解码)
 # ===========================================================================
 # Decoding one sequence a token at a time reads all the target's weights for each token; while
 # that dominates, scoring k + 1 tokens in one forward costs about what scoring one does. So a
@@ -4609,7 +4609,7 @@ def lora_report(device="cpu", seed=0):
 # next_token_probs (section 9), after temperature, top_k and top_p; at temperature 0 they are
 # one-hot: x is kept exactly when it is the target's argmax, and the tokens are greedy's.
 # The pitfall: after a rejection both caches still hold the rejected tokens' keys; crop_cache cuts
-# them off. A rolling cache (section 34) cannot take back tokens it let go, so here it holds k
+# them off. A rolling cache (section 35) cannot take back tokens it let go, so here it holds k
 # more than its window: cut by at most k, it keeps the whole window the next query reads.
 
 ARGUMENTS.update(k=(int, 1, MAX_SIZE), target=(type,), draft=(type,), draft_vocab_size=(int, 1, MAX_SIZE))
@@ -4790,10 +4790,10 @@ def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), d
 
 
 # ===========================================================================
-# 45. Sequence log-probabilities (序列对数概率)
+# 49. Sequence log-probabilities (序列对数概率)
 # ===========================================================================
 # Pretraining and section 13 raise the probability of given text; what comes after compares
-# answers: DPO (section 46) weighs two answers to one prompt, GRPO (section 47) several. Both need
+# answers: DPO (section 50) weighs two answers to one prompt, GRPO (section 51) several. Both need
 # log p(answer | prompt), the sum of the log-probabilities of the answer's tokens from one
 # teacher-forced pass (GRPO token by token). The logits at t predict token t + 1, so they are
 # shifted by one, and only the answer's tokens count: not the prompt's, not the padding's.
@@ -4855,7 +4855,7 @@ def answer_batch(vocab, prompts, answers):
 
 
 # ===========================================================================
-# 46. DPO (直接偏好优化)
+# 50. DPO (直接偏好优化)
 # ===========================================================================
 # RLHF fits a reward model to pairs of answers (one chosen, one rejected), then trains the model
 # against it while a KL penalty holds it near a reference. DPO (Rafailov et al., 2023, "Direct
@@ -4863,7 +4863,7 @@ def answer_batch(vocab, prompts, answers):
 # solves it has the reward beta * log(pi / pi_ref) plus a term of the prompt alone, which cancels
 # between two answers to one prompt. So the pairs train the model directly, a logistic loss on the
 # chosen answer's reward minus the rejected one's: no reward model, no sampling during training,
-# four sequence log-probabilities (section 45) per pair.
+# four sequence log-probabilities (section 49) per pair.
 
 ARGUMENTS.update(beta=(float, 0.0, FINITE))
 RELATIONS["beta > 0"] = (("beta",), lambda b: b > 0, "beta must be > 0 (at 0 every pair has the same loss)")
@@ -4899,7 +4899,7 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1)
 
 
 def run_dpo(model, vocab, train_pairs, seed, p):
-    """DPO on the toy (run in section 47): the right answer (chosen) against the model's wrong free greedy one
+    """DPO on the toy (run in section 51): the right answer (chosen) against the model's wrong free greedy one
     (rejected) on the training sentences it gets wrong, the model before as reference, p["prompts"] pairs a step."""
     reference = copy.deepcopy(model).requires_grad_(False)
     greedy = gpt_translate(model, [pinyin for pinyin, _ in train_pairs], vocab)
@@ -4921,7 +4921,7 @@ def run_dpo(model, vocab, train_pairs, seed, p):
 
 
 # ===========================================================================
-# 47. GRPO (组相对策略优化)
+# 51. GRPO (组相对策略优化)
 # ===========================================================================
 # Where an answer can be checked (a math result, a test suite, our toy's characters), the model
 # can learn from its own answers: sample G of them for each prompt, score each, and raise the
@@ -5136,7 +5136,7 @@ import warnings
 
 
 # ===========================================================================
-# 48. Your own data (自己的数据)
+# 52. Your own data (自己的数据)
 # ===========================================================================
 # --data FILE.tsv trains on your pairs instead of the generated ones: UTF-8,
 # one "pinyin<TAB>hanzi" a line, one syllable per character, blank lines and
@@ -5233,7 +5233,7 @@ def read_pairs(path):
 
 
 # ===========================================================================
-# 49. Saving and loading (保存与加载)
+# 53. Saving and loading (保存与加载)
 # ===========================================================================
 # A checkpoint is data: the configuration, the weights and both vocabularies,
 # plain dicts, lists and tensors that torch.load(weights_only=True) reads
@@ -5314,7 +5314,7 @@ def check_state_dict(state):
 
 def check_model_config(kind, config):
     """A kind and its configuration, before anything is computed from them: exactly the class's keywords, as
-    ARGUMENTS (section 0) rules them, and perhaps a rope_scaling (section 36). -> (keywords, scaling or None)."""
+    ARGUMENTS (section 0) rules them, and perhaps a rope_scaling (section 37). -> (keywords, scaling or None)."""
     if not isinstance(kind, str) or kind not in MODEL_CLASSES:
         raise ValueError(f"kind {quote(str(kind))}: expected one of {', '.join(MODEL_CLASSES)}")
     if not isinstance(config, dict): raise ValueError(f"config is a {type(config).__name__}, expected a dict")
@@ -5386,7 +5386,7 @@ def checked_checkpoint(checkpoint, device):
 
 
 def merged_state_dict(model):
-    """model's weights, each LoRALinear (section 43) merged into the Linear it wraps, the model untouched:
+    """model's weights, each LoRALinear (section 47) merged into the Linear it wraps, the model untouched:
     those of a plain model of its kind that answers the same."""
     state = model.state_dict()
     for name, lora in model.named_modules():
@@ -5467,7 +5467,7 @@ def load_checkpoint(path, device="cpu"):
 
 
 # ===========================================================================
-# 50. The demo (演示): python transformer.py
+# 54. The demo (演示): python transformer.py
 # ===========================================================================
 # Shapes and parameter counts first (the tutorials' own configuration among
 # them) and the cache measured; then both toy models learn pinyin to hanzi,
@@ -5601,12 +5601,12 @@ def show_models(device):
 
 
 def show_training_costs(seq_len=4096, lora_rank=16, n_devices=64):
-    """FLOPs a token against 6N and the MFU published budgets imply (section 40); the memory of
-    training Llama-3-8B, whole or with LoRA, and DeepSeek-V3 with AdamW (section 42)."""
+    """FLOPs a token against 6N and the MFU published budgets imply (section 44); the memory of
+    training Llama-3-8B, whole or with LoRA, and DeepSeek-V3 with AdamW (section 46)."""
     models = {name: ("llama", config, total) for name, config, total in LLAMA_CONFIGS}
     models.update({name: (kind, config, active) for name, kind, config, _, active, _ in FRONTIER_CONFIGS})
 
-    def per_token(name, T):  # training FLOPs a token: 3 forwards of 2 W + 2 T A (section 40)
+    def per_token(name, T):  # training FLOPs a token: 3 forwards of 2 W + 2 T A (section 44)
         W, A = matmul_widths(*models[name][:2])
         return 6 * (W + T * A)
 
@@ -5769,7 +5769,7 @@ def run(args, device, pairs, loaded):
 
 
 # ===========================================================================
-# 51. The benchmark (基准测试): python transformer.py --bench
+# 55. The benchmark (基准测试): python transformer.py --bench
 # ===========================================================================
 # Where the time goes, measured in one run: training throughput of the
 # hand-written model against nn.Transformer with the same weights, the KV
@@ -5842,7 +5842,7 @@ TRAINING_BENCH_SIZES = [  # name, the model's widths, batch, length, steps a rou
 
 
 def bench_training(device, rounds=3, sizes=TRAINING_BENCH_SIZES):
-    """Ours as written and with fused kernels (section 33) against nn.Transformer, same
+    """Ours as written and with fused kernels (section 34) against nn.Transformer, same
     configuration and weights, alternating. No dropout, as the demo trains (with it,
     PyTorch's attention on a CPU falls back to the unfused formula)."""
     print("training throughput, forward + backward + Adam, no dropout, target tokens/s (median of "
@@ -5939,10 +5939,10 @@ def attention_peak_bytes(kind, T, H, dk):
 
 
 def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
-    """FlashAttention's tiles (section 33) against section 2 at each of lengths: time, peak
+    """FlashAttention's tiles (section 34) against section 2 at each of lengths: time, peak
     memory, and the largest difference between their outputs."""
     print(f"\nattention, causal, batch 1, {heads} heads of {dk}: section 2 against flash_attention "
-          f"(block 64, section 33)")
+          f"(block 64, section 34)")
     print(f"  {'tokens':>6s} {'threads':>7s} {'section 2':>10s} {'flash':>8s} {'peak memory: section 2':>23s}"
           f" {'flash':>9s}  {'[T, T] scores alone':>20s}  max |diff|")
     threads = torch.get_num_threads()                                      # []: the caller's, restored after
@@ -5973,7 +5973,7 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
 
 
 # ===========================================================================
-# 52. The command line (命令行)
+# 56. The command line (命令行)
 # ===========================================================================
 # Every mistake is one line on stderr and exit status 2, found before any work
 # starts where it can be; answers alone go to stdout.
