@@ -3456,6 +3456,17 @@ def test_quant_weights_of_a_model_become_what_the_format_stores():
     assert not torch.equal(model.layers[0].attn.w_q.weight, before["layers.0.attn.w_q.weight"])
 
 
+def test_quant_toy_accuracy_at_each_format_leaves_the_model_as_it_was(gpt_overfit10):
+    model, pairs, vocab = gpt_overfit10[:3]
+    before = copy.deepcopy(model.state_dict())
+    result = tf.quantized_accuracy("gpt", model, pairs, vocab, vocab)
+    assert list(result) == ["float32", "Q8_0", "Q4_1"]
+    assert result["float32"] == 1.0 and result["Q8_0"] == 1.0     # 10 sentences by heart; 8.5 bits keep them
+    four_bit = tf.quantize_weights(copy.deepcopy(model), "Q4_1")
+    assert result["Q4_1"] == tf.teacher_forced_accuracy("gpt", four_bit, pairs, vocab, vocab)
+    assert all(torch.equal(w, before[name]) for name, w in model.state_dict().items())
+
+
 def test_quant_bad_arguments_raise_value_errors_naming_them():
     with pytest.raises(ValueError, match="fmt must be 'Q8_0' or 'Q4_0' or 'Q4_1', got 'Q5_0'"):
         tf.quantize(torch.zeros(32), "Q5_0")
@@ -3667,7 +3678,7 @@ def test_hf_load_missing_unexpected_and_misshapen_tensors_are_named():
         tf.load_hf_state_dict(tied, state)
 
 
-def tiny_gguf_llama(tmp_path, permute=True):
+def tiny_gguf_llama(tmp_path, permute=True, change=None):
     """A tiny Llama and its tokenizer written as llama.cpp writes a GGUF (q and k rows reordered,
     the embedding in Q8_0) -> (path, the model with the embedding as the file holds it, tokenizer)."""
     tok = tf.train_bpe(BPE_TEXT, vocab_size=280)
@@ -3699,6 +3710,8 @@ def tiny_gguf_llama(tmp_path, permute=True):
                 "tokenizer.ggml.merges": (9, (8, [" ".join(pair) for pair in tok.ranks])),
                 "tokenizer.ggml.token_type": (9, (5, [1] * 280 + [3, 3])), "tokenizer.ggml.eos_token_id": (4, 281),
                 "tokenizer.chat_template": (8, "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}...")}
+    metadata.update(change or {})  # {key: (type, value)}, None a key dropped
+    metadata = {k: v for k, v in metadata.items() if v is not None}
     return write_gguf(tmp_path / "tiny.gguf", metadata, tensors), model, tok
 
 
@@ -3725,10 +3738,42 @@ def test_pitfall_gguf_rope_rows_left_in_llama_cpp_order_change_the_logits(tmp_pa
         assert max_diff(model(ids), written(ids)) > 1e-2
 
 
-def test_gguf_load_refuses_an_architecture_it_does_not_have(tmp_path):
-    path = write_gguf(tmp_path / "gemma.gguf", {"general.architecture": (8, "gemma2")}, {})
+def test_gguf_load_refuses_an_architecture_it_does_not_have_before_reading_a_tensor(tmp_path):
+    unreadable = {"w": (99, bytes(32), (8,))}  # a tensor type it cannot read: the architecture is named first
+    path = write_gguf(tmp_path / "gemma.gguf", {"general.architecture": (8, "gemma2")}, unreadable)
     with pytest.raises(ValueError, match=re.escape("architecture 'gemma2' is not one this file runs (llama, qwen2)")):
         tf.load_gguf(path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"tokenizer.ggml.tokens": (4, 7)}, "tokenizer.ggml.tokens is not a list of strs"),
+    ({"tokenizer.ggml.merges": (9, (4, [1, 2]))}, "tokenizer.ggml.merges is not a list of strs"),
+    ({"tokenizer.ggml.merges": None}, "tokenizer.ggml.merges is not a list of strs"),
+    ({"tokenizer.ggml.token_type": (9, (5, [1] * 280 + [3] * 3))}, "specials holds 282: expected ids of tokens, 0 to 281"),
+    ({"tokenizer.ggml.pre": (9, (8, ["gpt-2"]))}, "split as ['gpt-2']: this file reads byte-level BPE"),
+    ({"tokenizer.ggml.eos_token_id": (8, "2")}, "eos_token_id is '2' and its chat_template a str: expected an integer"),
+    ({"tokenizer.chat_template": (4, 1)}, "chat_template a int: expected an integer (or none) and text"),
+    ({"llama.embedding_length": (8, "64")}, "d_model must be an integer >= 1, got '64'"),
+    ({"llama.rope.freq_base": (9, (6, [1.0]))}, "config's rope_theta is [1.0], expected a number"),
+    ({"llama.attention.layer_norm_rms_epsilon": (8, "x")}, "config's rms_norm_eps is 'x', expected a number"),
+    ({"llama.attention.head_count": (4, 3)}, "llama.attention.head_count is 3, expected a count of heads that divides"),
+    ({"llama.attention.head_count_kv": None, "llama.attention.head_count": (4, 0)}, "head_count is 0, expected a count"),
+    ({"general.alignment": (4, 0)}, "general.alignment is 0, expected an integer >= 1"),
+    ({"general.name": (8, "café")}, "is not UTF-8 (invalid continuation byte)"),  # its é made Latin-1 below
+    ({"llama.embedding_length": (4, 10 ** 6)}, "state_dict's shapes do not fit Llama"),  # before a byte is taken
+])
+def test_gguf_metadata_of_the_wrong_kind_is_refused_naming_it(tmp_path, change, message):
+    path = tiny_gguf_llama(tmp_path, change=change)[0]
+    if "general.name" in change:  # GGUF strings are UTF-8: this one is not
+        path.write_bytes(path.read_bytes().replace("café".encode(), b"caf\xe9\xe9"))
+    with pytest.raises(ValueError) as error:
+        tf.load_gguf(path)
+    assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_gguf_quantized_rows_must_be_whole_blocks(tmp_path):
+    path = write_gguf(tmp_path / "q.gguf", {}, {"w": (8, bytes(34), (1, 32)), "v": (8, bytes(34), (2, 16))})
+    assert "tensor v [2, 16] is Q8_0, whose rows must be whole blocks of 32" in gguf_error(path)
 
 
 # --- 27. The released model answers -----------------------------------------

@@ -2007,6 +2007,9 @@ class BPETokenizer:
         classes = unicode_classes()
         self.splits = [re.compile(f"({p.format(L=classes['L'], N=classes['N'], S=WHITESPACE)})")
                        for p in PRE_TOKENIZERS[pre]]
+        if any(type(i) is not int or not 0 <= i < len(self.tokens) for i in specials):
+            bad = [i for i in specials if type(i) is not int or not 0 <= i < len(self.tokens)]
+            raise ValueError(f"specials holds {bad[0]!r}: expected ids of tokens, 0 to {len(self.tokens) - 1}")
         self.specials = {self.tokens[i]: i for i in specials}
         # longest first: at one position re takes the first alternative that matches
         longest = sorted(self.specials, key=len, reverse=True)
@@ -2060,13 +2063,20 @@ class BPETokenizer:
         merges ("Ġ t": two tokens and a space), the pre-tokenizer's name, the token types
         (3 control, 4 user-defined: both matched whole, as transformers and llama.cpp do)."""
         kind, pre = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre", "gpt-2")
-        if kind != "gpt2" or pre not in PRE_TOKENIZERS:
+        if kind != "gpt2" or str(pre) not in PRE_TOKENIZERS:
             raise ValueError(f"the file's tokenizer is {kind!r} split as {pre!r}: this file reads byte-level BPE"
                              f" ('gpt2') split as {' or '.join(map(repr, PRE_TOKENIZERS))}")
-        types = metadata.get("tokenizer.ggml.token_type", [])
-        return cls(metadata["tokenizer.ggml.tokens"], [m.split(" ") for m in metadata["tokenizer.ggml.merges"]], pre,
-                   [i for i, t in enumerate(types) if t in (3, 4)], metadata.get("tokenizer.ggml.eos_token_id"),
-                   metadata.get("tokenizer.chat_template", ""))
+        lists = {key: metadata.get(f"tokenizer.ggml.{key}", [] if key == "token_type" else None)
+                 for key in ("tokens", "merges", "token_type")}
+        for (key, value), item in zip(lists.items(), (str, str, int)):
+            if type(value) is not list or any(type(v) is not item for v in value):
+                raise ValueError(f"the file's tokenizer.ggml.{key} is not a list of {item.__name__}s")
+        eos, template = metadata.get("tokenizer.ggml.eos_token_id"), metadata.get("tokenizer.chat_template", "")
+        if not isinstance(eos, (int, type(None))) or not isinstance(template, str):
+            raise ValueError(f"the file's tokenizer.ggml.eos_token_id is {eos!r} and its chat_template a"
+                             f" {type(template).__name__}: expected an integer (or none) and text")
+        return cls(lists["tokens"], [m.split(" ") for m in lists["merges"]], pre,
+                   [i for i, t in enumerate(lists["token_type"]) if t in (3, 4)], eos, template)
 
 
 def train_bpe(text, vocab_size, pre="gpt-2"):
@@ -2192,6 +2202,14 @@ def quantize_weights(model, fmt):
             w.copy_(dequantize(quantize(w, fmt), fmt, w.shape))              # [out, in]
     return model
 
+
+def quantized_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, formats=("Q8_0", "Q4_1")):
+    """A toy model of Part II's held-out exact match (section 16's one teacher-forced pass) at float32 and
+    with its weights stored in each format -> {"float32": accuracy, fmt: accuracy, ...}; model is not changed."""
+    accuracy = lambda m: teacher_forced_accuracy(kind, m, pairs, src_vocab, tgt_vocab, readings)  # noqa: E731
+    return {"float32": accuracy(model), **{fmt: accuracy(quantize_weights(copy.deepcopy(model), fmt))
+                                           for fmt in formats}}
+
 # A Q4_1 block whose values need no rounding, byte by byte; then each format's error,
 # relative to the weights' norm, on Gaussian weights.
 # Try it:
@@ -2251,9 +2269,10 @@ def unpermute_rope_rows(w, n_heads):
     return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)  # [H * dk, D]
 
 
-def read_gguf(path):
+def read_gguf(path, architectures=None):
     """A GGUF file -> (metadata {key: value}, tensors {llama.cpp's name: float32 tensor in
-    torch's shape}): every tensor dequantized, a "llama" file's w_q and w_k rows reordered back."""
+    torch's shape}): every tensor dequantized, a "llama" file's w_q and w_k rows reordered back.
+    architectures: those the caller runs (None: any); a file of another is refused before its tensors are read."""
     data, pos = read_bytes(path), 0
 
     def take(code, count=1):  # count little-endian values of the struct code at pos
@@ -2266,7 +2285,11 @@ def read_gguf(path):
 
     def value(kind):  # one metadata value of GGUF type kind: 8 a string, 9 an array
         if kind == 8:
-            return take("s", take("Q")[0])[0].decode("utf-8")
+            text = take("s", take("Q")[0])[0]
+            try:
+                return text.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: the metadata string ending at byte {pos:,} is not UTF-8 ({e.reason})") from None
         if kind == 9:
             item, n = take("I")[0], take("Q")[0]
             return list(take(GGUF_SCALARS[item], n)) if item in GGUF_SCALARS else [value(item) for _ in range(n)]
@@ -2282,14 +2305,19 @@ def read_gguf(path):
         raise ValueError(f"{path} is GGUF version {version}: this file reads versions 2 and 3")
     metadata = {value(8): value(take("I")[0]) for _ in range(n_keys)}
     table = [(value(8), take("Q", take("I")[0])[::-1], *take("I"), *take("Q")) for _ in range(n_tensors)]
-    align = metadata.get("general.alignment", 32)
+    arch, align, tensors = metadata.get("general.architecture"), metadata.get("general.alignment", 32), {}
+    if architectures is not None and arch not in architectures:
+        raise ValueError(f"{path}: architecture {arch!r} is not one this file runs ({', '.join(architectures)})")
+    if type(align) is not int or align < 1:
+        raise ValueError(f"{path}: general.alignment is {align!r}, expected an integer >= 1")
     start = -(-pos // align) * align                                       # the data, after the padding
-    arch, tensors = metadata.get("general.architecture"), {}
     for name, shape, kind, offset in table:  # shapes reversed: ggml lists the fastest-moving dim first
         if kind not in GGML_TYPES:
             raise ValueError(f"{path}: tensor {name} has ggml type {kind}, which this file does not read"
                              f" (it reads {', '.join(GGML_TYPES.values())})")
         fmt, n = GGML_TYPES[kind], math.prod(shape)
+        if fmt in QUANT_BYTES and (not shape or shape[-1] % 32):
+            raise ValueError(f"{path}: tensor {name} {list(shape)} is {fmt}, whose rows must be whole blocks of 32")
         size = n * FLOATS[fmt].itemsize if fmt in FLOATS else n // 32 * QUANT_BYTES[fmt]
         if start + offset + size > len(data):
             raise ValueError(f"{path} is truncated: tensor {name} ends at byte {start + offset + size:,},"
@@ -2300,9 +2328,13 @@ def read_gguf(path):
         else:
             w = dequantize(raw, fmt, shape)                                # [*shape]
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = metadata["llama.attention.head_count"]
-            w = unpermute_rope_rows(w, heads if "attn_q" in name else metadata.get(
-                "llama.attention.head_count_kv", heads))                   # [H * dk, D]
+            key = "llama.attention.head_count"
+            key += "_kv" * ("attn_k" in name and key + "_kv" in metadata)
+            heads = metadata.get(key)
+            if type(heads) is not int or heads < 1 or shape[0] % (2 * heads):
+                raise ValueError(f"{path}: {key} is {heads!r}, expected a count of heads that divides"
+                                 f" {name}'s {shape[0]} rows into pairs")
+            w = unpermute_rope_rows(w, heads)                              # [H * dk, D]
         tensors[name] = w
     return metadata, tensors
 
@@ -2399,6 +2431,14 @@ def hf_field(config, key, *default):
     raise ValueError(f"config has no {key!r}")
 
 
+def hf_number(config, key, *default):
+    """hf_field's value as a float; a ValueError names a key that holds no number."""
+    value = hf_field(config, key, *default)
+    if type(value) not in (int, float):
+        raise ValueError(f"config's {key} is {value!r}, expected a number")
+    return float(value)
+
+
 def hf_refuse(config, **plain):
     """A ValueError naming the first field of config whose value asks for what the family here
     lacks; plain: the value each field must have (missing or None: transformers' default)."""
@@ -2414,7 +2454,7 @@ def hf_rope_theta(config):
     rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
     hf_refuse(dict(rope_type=rope.get("rope_type", rope.get("type")), model_type=config.get("model_type")),
               rope_type="default")
-    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    return hf_number({"rope_theta": rope.get("rope_theta", config.get("rope_theta"))}, "rope_theta", 10000.0)
 
 
 def hf_llama_keywords(config):
@@ -2425,7 +2465,7 @@ def hf_llama_keywords(config):
                 n_layers=hf_field(config, "num_hidden_layers"), n_heads=n_heads,
                 n_kv_heads=hf_field(config, "num_key_value_heads", n_heads), d_ff=hf_field(config, "intermediate_size"),
                 max_len=hf_field(config, "max_position_embeddings", 2048), rope_theta=hf_rope_theta(config),
-                norm_eps=float(hf_field(config, "rms_norm_eps", 1e-6)),
+                norm_eps=hf_number(config, "rms_norm_eps", 1e-6),
                 tie_weights=hf_field(config, "tie_word_embeddings", False),
                 qkv_bias=config.get("model_type") == "qwen2")  # Qwen2: biases on q, k and v
 
@@ -2433,6 +2473,7 @@ def hf_llama_keywords(config):
 def hf_llama(config):
     """Llama's keywords, its heads d_model / n_heads wide."""
     keywords = hf_llama_keywords(config)
+    check(d_model=keywords["d_model"], n_heads=keywords["n_heads"])  # before the division
     hf_refuse(config, head_dim=keywords["d_model"] // keywords["n_heads"])
     return keywords
 
@@ -2467,27 +2508,26 @@ GGUF_ARCHITECTURES = ("llama", "qwen2")
 def load_gguf(path):
     """A GGUF file -> (this file's model of its family, float32, in eval mode, and its
     BPETokenizer); the model's max_len is the file's context length."""
-    metadata, tensors = read_gguf(path)
-    arch = metadata.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"{path}: architecture {arch!r} is not one this file runs ({', '.join(GGUF_ARCHITECTURES)})")
+    metadata, tensors = read_gguf(path, GGUF_ARCHITECTURES)
+    arch = metadata["general.architecture"]
     config = {field: metadata[f"{arch}.{key}"] for key, field in GGUF_CONFIG.items() if f"{arch}.{key}" in metadata}
     config.update(model_type=arch, tie_word_embeddings="output.weight" not in tensors)
-    config.setdefault("vocab_size", len(metadata.get("tokenizer.ggml.tokens", ())))
+    tokenizer = BPETokenizer.from_gguf(metadata)  # its file's metadata checked before any tensor is copied
+    config.setdefault("vocab_size", len(tokenizer.tokens))
     state = {}
     for name, tensor in tensors.items():
         for pattern, replacement in GGUF_NAMES:
             name = re.sub(pattern, replacement, name)
         state[name] = tensor
     with torch.device("meta"):  # shapes only: drawing 135M random weights to overwrite them costs seconds
-        model = from_hf_config(config)
+        model = load_hf_state_dict(from_hf_config(config), state)  # names and shapes checked, nothing copied
     # memory for every tensor, uninitialized: the weights come from the file, the RoPE tables
     # (no weights) are computed again, and the embeddings tied again (to_empty parts them)
     model = model.to_empty(device="cpu")
     model.cos, model.sin = model.rope_tables(model.max_len, model.config["rope_theta"])  # [max_len, dk] each
     if model.config["tie_weights"]:
         model.lm_head.weight = model.token_embedding.weight
-    return load_hf_state_dict(model, state).eval(), BPETokenizer.from_gguf(metadata)
+    return load_hf_state_dict(model, state).eval(), tokenizer
 
 # The released file is already 4-bit: its Q4_1 weights, dequantized and quantized to Q4_1
 # again, come back bit for bit (a block's min is one of its values and its max is d q + m
@@ -3228,7 +3268,7 @@ def hf_deepseek_v3(config):
     gives q_a_layernorm and kv_a_layernorm whatever the config says."""
     hf_refuse(config, hidden_act="silu", attention_bias=False, rms_norm_eps=1e-6)
     keywords = {ours: hf_field(config, theirs) for ours, theirs in HF_DEEPSEEK_FIELDS.items()}
-    return dict(keywords, routed_scale=float(keywords["routed_scale"]), rope_theta=hf_rope_theta(config),
+    return dict(keywords, routed_scale=hf_number(config, "routed_scaling_factor"), rope_theta=hf_rope_theta(config),
                 q_lora_rank=hf_field(config, "q_lora_rank", None), n_shared=hf_field(config, "n_shared_experts", 0),
                 rope_interleave=hf_field(config, "rope_interleave", True), norm_eps=1e-6)  # 4.x: always interleaved
 
