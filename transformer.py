@@ -2289,7 +2289,7 @@ def read_gguf(path, architectures=None):
             try:
                 return text.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"{path}: the metadata string ending at byte {pos:,} is not UTF-8 ({e.reason})") from None
+                raise ValueError(f"{path}: the metadata string ending at byte {pos:,} is not UTF-8 ({e.reason})")
         if kind == 9:
             item, n = take("I")[0], take("Q")[0]
             return list(take(GGUF_SCALARS[item], n)) if item in GGUF_SCALARS else [value(item) for _ in range(n)]
