@@ -5374,6 +5374,554 @@ def test_with_rope_scaling_and_the_fused_kernels_refuse_what_is_not_their_model(
         tf.use_fused_kernels(tiny_gpt(), "no")
     with pytest.raises(ValueError, match="head_dim must be even, got 7"):
         tf.scaled_rope_frequencies(7, 10000.0, scaling)
+
+
+# ===========================================================================
+# 38. Attention sinks and alternating windows: gpt-oss
+# ===========================================================================
+
+def tiny_gpt_oss(seed=0, **kw):
+    """A small GptOss, sliding and full layers, weights larger than N(0, 0.02) and sinks and biases
+    that matter: attention far from uniform, experts whose clamps bite."""
+    torch.manual_seed(seed)
+    config = dict(vocab_size=40, d_model=16, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=6, d_ff=12, n_experts=4,
+                  top_k=2, window=3, max_len=64, swiglu_limit=1.0)
+    model = tf.GptOss(**{**config, **kw}).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 1.0 if p.dim() < 2 else p.size(-1) ** -0.5)
+    return model
+
+
+def sinks_by_hand(q, k, v, sinks, mask):
+    """softmax over [scores, sink] per row, the sink's column dropped: the definition, in a loop-free form."""
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))).masked_fill(~mask, float("-inf"))  # [B, H, Tq, Tk]
+    e = torch.exp(scores - scores.amax(-1, keepdim=True))                 # [B, H, Tq, Tk]
+    sink = torch.exp(sinks[:, None] - scores.amax(-1))                    # [B, H, Tq]
+    return (e / (e.sum(-1) + sink)[..., None]) @ v                        # [B, H, Tq, dv]
+
+
+def test_sink_attention_equals_its_definition_and_its_limits():
+    """Rows sum to less than 1; a sink of -inf is section 2's attention, a large one reads nothing;
+    a sliding layer is the band of section 35."""
+    attn = tf.GptOssAttention(d_model=16, n_heads=4, n_kv_heads=2, head_dim=6).double()
+    q, k, v = torch.randn(2, 4, 5, 6).double(), torch.randn(2, 2, 9, 6).double(), torch.randn(2, 2, 9, 6).double()
+    mask = tf.make_causal_mask(5, past=4)                                  # a cached step: 5 new, 4 before
+    with torch.no_grad():
+        attn.sinks.copy_(torch.tensor([-1.0, 0.0, 1.0, 3.0]))
+        kk, vv = tf.repeat_kv(k, 2), tf.repeat_kv(v, 2)
+        assert max_diff(attn.attend(q, k, v, mask), sinks_by_hand(q, kk, vv, attn.sinks, mask)) < 1e-12
+        row_sums = attn.attend(q, k, torch.ones_like(v), mask)             # v = 1: each output is its row's sum
+        assert (row_sums < 1).all() and (row_sums > 0).all()
+        attn.sinks.fill_(-math.inf)
+        plain, _ = tf.scaled_dot_product_attention(q, kk, vv, mask)
+        assert max_diff(attn.attend(q, k, v, mask), plain) < 1e-12
+        attn.sinks.fill_(1e4)
+        assert attn.attend(q, k, v, mask).abs().max() == 0
+        plain_width = tf.SinkAttention(d_model=24, n_heads=4, n_kv_heads=2).double()  # GQA's heads, D / H = 6 wide
+        plain_width.sinks.copy_(torch.tensor([2.0, -2.0, 0.0, 1.0]))
+        assert max_diff(plain_width.attend(q, k, v, mask), sinks_by_hand(q, kk, vv, plain_width.sinks, mask)) < 1e-12
+        attn.sinks.fill_(0.5)
+        attn.window = 3
+        band = tf.make_window_mask(5, 3, past=4)
+        assert max_diff(attn.attend(q, k, v, mask), sinks_by_hand(q, kk, vv, attn.sinks, band)) < 1e-12
+
+
+@pytest.mark.parametrize("Tq, Tk, block_size, causal", [(7, 7, 3, True), (5, 13, 4, True), (6, 11, 4, False)])
+def test_sinks_through_the_online_softmax_equal_the_direct_form_with_gradients(Tq, Tk, block_size, causal):
+    """out * sigmoid(lse - sink) after section 34's tiles equals the softmax with a sink column,
+    values and gradients (q, k, v and the sinks), in float64."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, T, 4, generator=g, dtype=torch.float64, requires_grad=True) for T in (Tq, Tk, Tk))
+    sinks = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = tf.make_causal_mask(Tq, past=Tk - Tq) if causal else torch.ones(1, 1, Tq, Tk, dtype=torch.bool)
+    out, lse = tf.flash_attention_with_sinks(q, k, v, sinks, causal=causal, block_size=block_size)
+    direct = sinks_by_hand(q, k, v, sinks, mask)
+    assert max_diff(out, direct) < 1e-12
+    scores = (q @ k.transpose(-2, -1) / 2).masked_fill(~mask, float("-inf"))
+    assert max_diff(lse, torch.cat([scores, sinks[:, None, None].expand(2, 3, Tq, 1)], -1).logsumexp(-1)) < 1e-12
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    ours = torch.autograd.grad((out * w).sum(), (q, k, v, sinks))
+    theirs = torch.autograd.grad((direct * w).sum(), (q, k, v, sinks))
+    assert all(max_diff(a, b) < 1e-10 for a, b in zip(ours, theirs))
+    assert sinks.grad is None and ours[3].abs().min() > 0                  # every sink has a gradient
+
+
+def test_clamped_swiglu_equals_its_formula_and_the_clamps_bite():
+    ffn = tf.ClampedSwiGLU(8, 6, limit=1.5)
+    x = 3 * torch.randn(50, 8)                                             # [N, D]: large enough to clamp
+    with torch.no_grad():
+        gate, up = F.linear(x, ffn.w1.weight, ffn.w1.bias), F.linear(x, ffn.w3.weight, ffn.w3.bias)
+        hand = F.linear((torch.clamp(up, -1.5, 1.5) + 1) * torch.clamp(gate, max=1.5) * torch.sigmoid(
+            1.702 * torch.clamp(gate, max=1.5)), ffn.w2.weight, ffn.w2.bias)
+        assert max_diff(ffn(x), hand) < 1e-6
+        unclamped = ffn.w2((up + 1) * gate * torch.sigmoid(1.702 * gate))
+        both_sides = torch.clamp(gate, -1.5, 1.5)                          # the gate clamped from below too
+        symmetric = ffn.w2((torch.clamp(up, -1.5, 1.5) + 1) * both_sides * torch.sigmoid(1.702 * both_sides))
+        assert max_diff(ffn(x), unclamped) > 0.1 and max_diff(ffn(x), symmetric) > 0.1
+    assert all(m.bias is not None for m in (ffn.w1, ffn.w2, ffn.w3))
+
+
+def test_gpt_oss_router_softmaxes_the_top_k_logits_of_a_biased_linear():
+    """Each token: logits W x + b, its top_k, a softmax over those k, the weighted ClampedSwiGLUs."""
+    moe = tf.BiasedRouterMoE(8, 6, n_experts=5, top_k=2, limit=2.0)
+    with torch.no_grad():
+        moe.router.bias.copy_(torch.tensor([0.0, 3.0, -3.0, 0.5, 1.0]))   # a bias that changes the choice
+        x = torch.randn(2, 7, 8)                                           # [B, T, D]
+        out = moe(x).reshape(-1, 8)
+        for token, row in zip(x.reshape(-1, 8), out):
+            top = (moe.router.weight @ token + moe.router.bias).topk(2)
+            hand = sum(w * moe.experts[e](token) for w, e in zip(top.values.softmax(-1), top.indices))
+            assert max_diff(row, hand) < 1e-5
+        unbiased = moe.router.weight @ x.reshape(-1, 8).T                 # [E, N]
+        assert not torch.equal(unbiased.T.topk(2).indices, moe.router_logits.topk(2).indices)
+
+
+def test_gpt_oss_alternates_windows_and_its_cache_equals_recomputing():
+    """layer_types sets which layers slide; a prompt longer than the window, then one token a step
+    with rolling caches on the sliding layers and full ones on the others, equals the full forward;
+    generation with the cache equals generation without; the window and the sinks both matter."""
+    model = tiny_gpt_oss()
+    assert [layer.attn.window for layer in model.layers] == [3, None, 3]
+    custom = tiny_gpt_oss(layer_types=["full_attention", "sliding_attention", "sliding_attention"])
+    assert [layer.attn.window for layer in custom.layers] == [None, 3, 3]
+    ids = torch.randint(0, 40, (2, 14))                                    # [2, 14]
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        steps = [model(ids[:, :8], cache)] + [model(ids[:, :t], cache) for t in range(9, 15)]
+        assert max_diff(torch.cat(steps, dim=1), full) < 1e-5
+        assert [type(c).__name__ for c in cache] == ["RollingKVCache", "KVCache", "RollingKVCache"]
+        assert [c.k.size(2) for c in cache] == [3, 14, 3] and len(cache[0]) == 14
+        for layer in model.layers:
+            layer.attn.window = None
+        assert max_diff(model(ids), full) > 1e-2                          # the window matters
+    model = tiny_gpt_oss()
+    assert torch.equal(model.generate(ids[:, :5], 8), model.generate(ids[:, :5], 8, use_cache=False))
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attn.sinks.zero_()
+        assert max_diff(model(ids), full) > 1e-2                          # the sinks matter
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(qkv_bias=False, tie_weights=True), dict(n_kv_heads=None, head_dim=None),
+                                   dict(expert_d_ff=5, top_k=1, layer_types=["full_attention"] * 3)])
+def test_gpt_oss_formula_equals_count_and_what_one_token_runs(extra):
+    config = {**dict(vocab_size=30, d_model=16, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=6, d_ff=12, n_experts=4,
+                     top_k=2, window=3), **extra}
+    model = tf.GptOss(**config).eval()
+    assert tf.count_parameters(model) == tf.gpt_oss_param_formula(**config) == tf.gpt_oss_param_formula(
+        **model.config)
+    # _active_by_hooks (section 33's tests) hooks modules without children: the sinks sit on the attention itself
+    sinks = sum(layer.attn.sinks.numel() for layer in model.layers)
+    assert _active_by_hooks(model, torch.tensor([[3]])) + sinks == tf.gpt_oss_param_formula(**config, active=True)
+
+
+def test_gpt_oss_published_totals_by_formula_and_on_the_meta_device():
+    """116.8B / 5.1B and 20.9B / 3.6B as OpenAI reports them (the active counts without the input
+    embedding table), by formula; and counted on the meta device: a count is affine in the number
+    of layers, so gpt-oss-20b at 1 and 2 layers pins what is outside the layers and a layer of 32
+    experts, gpt-oss-120b at 1 layer a layer of 128 (the whole 120b takes 13 s)."""
+    table = {name: (total, active) for name, _, _, total, active, _ in tf.GPT_OSS_CONFIGS}
+    assert table == {"gpt-oss-120b": (116_829_156_672, 5_711_982_912), "gpt-oss-20b": (20_914_757_184, 4_187_440_704)}
+    published = {"gpt-oss-120b": ("116.8", "5.1"), "gpt-oss-20b": ("20.9", "3.6")}
+    configs = {name: config for name, _, config, *_ in tf.GPT_OSS_CONFIGS}
+    for name, kind, config, total, active, reported in tf.GPT_OSS_CONFIGS:
+        assert (tf.gpt_oss_param_formula(**config), tf.gpt_oss_param_formula(**config, active=True)) == (total, active)
+        embedding = config["vocab_size"] * config["d_model"]
+        assert (f"{total / 1e9:.1f}", f"{(active - embedding) / 1e9:.1f}") == published[name]
+        assert reported.startswith(" / ".join(f"{n}B" for n in published[name]))
+    assert configs["gpt-oss-120b"] == dict(tf.GPT_OSS_COMMON, n_layers=36, n_experts=128)
+    assert configs["gpt-oss-20b"] == dict(tf.GPT_OSS_COMMON, n_layers=24, n_experts=32)
+    with torch.device("meta"):
+        small_1, small_2, large_1 = (tf.count_parameters(tf.GptOss(**dict(configs[name], n_layers=n))) for name, n in
+                                     [("gpt-oss-20b", 1), ("gpt-oss-20b", 2), ("gpt-oss-120b", 1)])
+    outside = 2 * small_1 - small_2                                        # embeddings, lm_head, final_norm
+    assert outside + 24 * (small_2 - small_1) == table["gpt-oss-20b"][0]
+    assert outside + 36 * (large_1 - outside) == table["gpt-oss-120b"][0]
+
+
+def test_gpt_oss_yarn_leaves_the_ramp_ends_unrounded():
+    """At gpt-oss's configuration (dk 64, theta 150000, factor 32 from 4096) the pair turning 32
+    times in 4096 positions is 8.09, the one turning once 17.40: unrounded, pair 12 is 42% slowed;
+    section 37's rounded ramp (8 to 18) gives some pairs 1.76 times gpt-oss's frequency."""
+    dim, theta = 64, 150000.0
+    ours, temperature = tf.gpt_oss_yarn_frequencies(dim, theta, tf.GPT_OSS_YARN)
+    turning = [dim * math.log(4096 / (r * 2 * math.pi)) / (2 * math.log(theta)) for r in (32, 1)]
+    assert round(turning[0], 2) == 8.09 and round(turning[1], 2) == 17.4
+    freqs = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # [32]
+    ramp = ((torch.arange(32) - turning[0]) / (turning[1] - turning[0])).clamp(0, 1)  # [32]
+    assert round(ramp[12].item(), 2) == 0.42
+    assert ((ours / (freqs / 32 * ramp + freqs * (1 - ramp))) - 1).abs().max() < 1e-6
+    assert temperature == pytest.approx(0.1 * math.log(32) + 1)
+    rounded, _ = tf.scaled_rope_frequencies(dim, theta, tf.GPT_OSS_YARN)
+    assert round((rounded / ours).max().item(), 2) == 1.76
+    model = tf.GptOss(vocab_size=10, d_model=16, n_layers=1, n_heads=1, head_dim=64, max_len=8, n_experts=2,
+                      rope_theta=theta, rope_scaling=tf.GPT_OSS_YARN)
+    angles = torch.arange(8.0)[:, None] * ours                             # [8, 32]
+    assert max_diff(model.cos, torch.cat([angles.cos(), angles.cos()], -1) * temperature) < 1e-6
+
+
+@pytest.mark.skipif(hf_transformers is None, reason="needs transformers: pip install transformers")
+def test_gpt_oss_yarn_frequencies_equal_transformers():
+    """transformers' rope initialization for GptOssConfig() (the released configuration), bit for bit."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    config = hf_transformers.GptOssConfig()
+    theirs, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    keywords = tf.hf_gpt_oss(config.to_dict())
+    ours, temperature = tf.gpt_oss_yarn_frequencies(keywords["head_dim"], keywords["rope_theta"],
+                                                    keywords["rope_scaling"])
+    assert torch.equal(ours, theirs) and temperature == attention_factor   # measured: equal
+    assert keywords["layer_types"] == ["sliding_attention", "full_attention"] * 18
+    assert {k: v for k, v in keywords.items() if k != "layer_types"} == dict(
+        tf.GPT_OSS_CONFIGS[0][2], tie_weights=False, qkv_bias=True, swiglu_limit=7.0)  # its defaults: 120b's
+
+
+def test_gpt_oss_loads_transformers_fused_interleaved_experts():
+    """gate_up_proj [E, D, 2 Dff] (x @ W, gate in the even columns, up in the odd ones) and
+    down_proj [E, Dff, D], with their biases, written from a model's experts by hand, load back
+    into the same experts: the layout, without transformers."""
+    model = tiny_gpt_oss()
+    state = {}
+    for name, w in model.state_dict().items():
+        ours = name.replace("layers.", "model.layers.").replace(".attn.", ".self_attn.")
+        ours = re.sub(r"\.w_([qkvo])\.", r".\1_proj.", ours).replace(".attn_norm.", ".input_layernorm.")
+        ours = ours.replace(".ffn_norm.", ".post_attention_layernorm.").replace(".ffn.", ".mlp.")
+        ours = ours.replace("token_embedding.", "model.embed_tokens.").replace("final_norm.", "model.norm.")
+        if ".experts." not in ours and not ours.endswith("router_bias"):
+            state[ours] = w
+    for i, layer in enumerate(model.layers):
+        experts = layer.ffn.experts
+        gate_up = torch.stack([torch.stack([e.w1.weight.T, e.w3.weight.T], -1).flatten(1) for e in experts])
+        gate_up_bias = torch.stack([torch.stack([e.w1.bias, e.w3.bias], -1).flatten() for e in experts])
+        prefix = f"model.layers.{i}.mlp.experts."
+        state.update({prefix + "gate_up_proj": gate_up, prefix + "gate_up_proj_bias": gate_up_bias,
+                      prefix + "down_proj": torch.stack([e.w2.weight.T for e in experts]),
+                      prefix + "down_proj_bias": torch.stack([e.w2.bias for e in experts])})
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 16, 24)
+    loaded = tf.load_hf_state_dict(tiny_gpt_oss(seed=1), state)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    ids = torch.randint(0, 40, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+        fused = state["model.layers.0.mlp.experts.gate_up_proj"]           # [E, D, 2 Dff]
+        state["model.layers.0.mlp.experts.gate_up_proj"] = fused.view(4, 16, 12, 2).flip(-1).flatten(2)  # up, gate
+        swapped = tf.load_hf_state_dict(tiny_gpt_oss(seed=1), state)
+        assert max_diff(swapped(ids), model(ids)) > 1e-2
+
+
+def test_gpt_oss_refuses_bad_configurations_naming_them():
+    good = dict(vocab_size=30, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=6, d_ff=12, n_experts=4)
+    cases = [(dict(layer_types=["sliding_attention"]), "layer_types must list n_layers entries"),
+             (dict(layer_types=["sliding_attention", "global"]), "each 'sliding_attention' or 'full_attention'"),
+             (dict(layer_types="sliding_attention"), "layer_types must be a list or None"),
+             (dict(window=0), "window must be an integer >= 1, got 0"),
+             (dict(swiglu_limit=0.0), "swiglu_limit must be a number >= 1.17549e-38, got 0.0"),
+             (dict(swiglu_limit=math.inf), "swiglu_limit must be a finite number"),
+             (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling must be None or gpt-oss's yarn"),
+             (dict(rope_scaling={"type": "yarn", "factor": 2.0}), "scaling 'yarn' needs the keys"),
+             (dict(n_kv_heads=3), "n_heads must be divisible by n_kv_heads"),
+             (dict(top_k=5), "top_k must be at most n_experts"),
+             (dict(head_dim=5), "head_dim must be even")]
+    for bad, words in cases:
+        for make in (tf.GptOss, tf.gpt_oss_param_formula):
+            with pytest.raises(ValueError, match=re.escape(words)):
+                make(**{**good, **bad})
+    with pytest.raises(ValueError, match=re.escape("sinks must be [H], a logit per query head")):
+        tf.flash_attention_with_sinks(*torch.randn(3, 1, 4, 5, 8), torch.zeros(3))
+    hf = dict(model_type="gpt_oss", vocab_size=30, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=6, intermediate_size=12, num_local_experts=4, num_experts_per_tok=2,
+              sliding_window=3, max_position_embeddings=64,
+              rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, original_max_position_embeddings=16,
+                                   truncate=False))
+    assert tf.from_hf_config(hf).config["rope_scaling"] == {"type": "yarn", "factor": 4.0, "original_max_len": 16,
+                                                            "beta_fast": 32.0, "beta_slow": 1.0}
+    rope = hf["rope_parameters"]
+    for bad, words in [(dict(rope_parameters=dict(rope, truncate=True)), "truncate is True"),
+                       (dict(rope_parameters={k: v for k, v in rope.items() if k != "truncate"}), "truncate is True"),
+                       (dict(rope_parameters=dict(rope, rope_type="llama3")), "rope_type is 'llama3'"),
+                       (dict(rope_parameters=dict(rope, mscale=1.0)), "mscale is 1.0"),
+                       (dict(swiglu_alpha=1.5), "swiglu_alpha is 1.5"),
+                       (dict(layer_types=["full_attention"]), "layer_types must list n_layers entries")]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            tf.from_hf_config({**hf, **bad})
+
+
+@pytest.mark.skipif(hf_transformers is None, reason="needs transformers: pip install transformers")
+def test_hf_parity_gpt_oss():
+    """transformers' GptOssForCausalLM (eager attention, float32) and the GptOss that from_hf_config
+    builds, its weights copied by load_hf_state_dict: 3 layers (sliding, full, sliding) with a window of
+    4 on 12 prompt tokens, heads 24 wide in a model 64 wide, sinks, biases, the router's bias,
+    swiglu_limit 1 (the clamps bite), yarn with unrounded ends. The same logits, the same 20
+    greedy tokens with the cache on both sides, and our cached logits equal to theirs."""
+    config = hf_transformers.GptOssConfig(
+        vocab_size=100, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=4, max_position_embeddings=64,
+        swiglu_limit=1.0, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, beta_fast=32.0,
+                                                beta_slow=1.0, truncate=False, original_max_position_embeddings=16),
+        attn_implementation="eager")
+    hf = hf_randomize_theirs(hf_transformers.GptOssForCausalLM(config))
+    with torch.no_grad():
+        for layer in hf.model.layers:                                     # sinks of either sign, large enough to count
+            layer.self_attn.sinks.copy_(torch.randn(4, generator=torch.Generator().manual_seed(2)) * 2)
+    model = tf.load_hf_state_dict(tf.from_hf_config(config.to_dict()), hf.state_dict()).eval()
+    assert [layer.attn.window for layer in model.layers] == [4, None, 4]
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(ids), hf(ids).logits
+    # measured max abs diff: 1.2e-06 on logits up to 3.5 (transformers 5.24.0, torch 2.13.0, CPU, one thread)
+    assert max_diff(ours, theirs) <= 1e-4
+    mine = model.generate(ids, max_new_tokens=20)                          # rolling and full caches
+    with torch.no_grad():
+        hf_out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                             pad_token_id=0, use_cache=True)
+    assert hf_out.shape == (2, 32) and torch.equal(mine, hf_out)
+    cache = model.new_cache()
+    with torch.no_grad():
+        steps = [model(mine[:, :t], cache) for t in range(12, 33)]        # the prompt, then one token a step
+        assert max_diff(torch.cat(steps, dim=1), hf(mine).logits) <= 1e-4  # measured: 1.4e-06
+        # the clamps bite here: the same weights without them (a limit of 100) give other logits
+        loose = tf.from_hf_config({**config.to_dict(), "swiglu_limit": 100.0})
+        assert max_diff(tf.load_hf_state_dict(loose, hf.state_dict()).eval()(ids), ours) > 1e-2
+
+
+def test_sinks_copy_at_a_handful_of_lines_over_what_they_extend():
+    """The idea's own lines, measured as section copy sizes are: SinkAttention over GQA (the sink's
+    column), the online-softmax form over flash_attention, the clamped expert over SwiGLU; gpt-oss's
+    attention (heads head_dim wide, a bias on w_o, section 35's band) over SinkAttention."""
+    assert copy_size("SinkAttention") - copy_size("GroupedQueryAttention") <= 17  # measured: 17 (2 docstrings, a comment)
+    assert copy_size("GptOssAttention") - copy_size("SinkAttention", "make_window_mask") <= 20
+    assert copy_size("flash_attention_with_sinks") - copy_size("flash_attention") <= 10
+    assert copy_size("ClampedSwiGLU") - copy_size("SwiGLU") <= 13
+# ===========================================================================
+# 40. DeepSeek's sparse attention: DeepSeek-V3.2
+# ===========================================================================
+
+DSA_CONFIG = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=4,
+                  v_head_dim=6, d_ff=48, expert_d_ff=16, n_experts=8, top_k=2, q_lora_rank=24, n_shared=1,
+                  n_dense_layers=1, n_groups=4, topk_groups=2, routed_scale=2.5, max_len=32)
+DSA_INDEX = dict(index_n_heads=8, index_head_dim=12, index_topk=4)
+
+
+def tiny_deepseek_v32(**kw):
+    """2 layers (a dense one, a MoE one), each query reading 4 of its earlier tokens."""
+    return randomize(tf.DeepSeekV32(**{**DSA_CONFIG, **DSA_INDEX, **kw})).eval()
+
+
+def index_scores_by_hand(indexer, x, q_latent, theta):
+    """I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]) (DeepSeek-V3.2's equation 1), term by term, RoPE
+    written out: pair (i, i + rope/2) of the first rope dims turned by position * theta^(-2i/rope)."""
+    B, T, _ = x.shape
+    Hi, di, rope = indexer.n_heads, indexer.head_dim, indexer.rope
+    q = (q_latent @ indexer.w_uq.weight.T).view(B, T, Hi, di)             # [B, T, Hi, di]
+    k = indexer.k_norm(x @ indexer.w_k.weight.T)                           # [B, T, di]
+    w = x @ indexer.w_heads.weight.T                                       # [B, T, Hi]
+
+    def turn(v, pos):  # v [..., di] at position pos
+        out, half = v.clone(), rope // 2
+        for i in range(half):
+            angle = pos * theta ** (-2 * i / rope)
+            a, b, c, s = v[..., i], v[..., i + half], math.cos(angle), math.sin(angle)
+            out[..., i], out[..., i + half] = a * c - b * s, b * c + a * s
+        return out
+
+    scores = torch.zeros(B, T, T)
+    for t in range(T):
+        for s in range(T):
+            dots = (turn(q[:, t], t) * turn(k[:, s, None], s)).sum(-1) / math.sqrt(di)  # [B, Hi]: every head
+            scores[:, t, s] = (w[:, t] / math.sqrt(Hi) * dots.clamp(min=0)).sum(-1)  # [B]
+    return scores
+
+
+@torch.no_grad()
+def test_dsv32_indexer_keeps_the_top_scoring_earlier_tokens_of_equation_1():
+    """The index scores equal equation 1 computed term by term (halves paired, not neighbours),
+    and the mask keeps exactly the min(t + 1, topk) best earlier tokens of each query."""
+    model = tiny_deepseek_v32()
+    attn, T = model.layers[0].attn, 9
+    x = torch.randn(2, T, 32)
+    q_latent = attn.q_norm(attn.w_dq(x))
+    scores = attn.indexer.scores(x, q_latent, model.cos[:T], model.sin[:T])
+    assert_close(scores, index_scores_by_hand(attn.indexer, x, q_latent, theta=10000.0))
+    keep = attn.indexer(x, q_latent, model.cos[:T], model.sin[:T], tf.make_causal_mask(T))
+    assert keep.shape == (2, 1, T, T) and not (keep[0, 0] & ~tf.make_causal_mask(T)[0, 0]).any()
+    assert keep.sum(-1).flatten().tolist() == [min(t + 1, 4) for t in range(T)] * 2
+    for b in range(2):
+        for t in range(4, T):  # the worst kept beats the best dropped
+            row, kept = scores[b, t, :t + 1], keep[b, 0, t, :t + 1]
+            assert row[kept].min() > row[~kept].max()
+
+
+def test_dsv32_cached_decoding_equals_the_full_forward():
+    """The indexer keeps its own keys, one [di] a token a layer beside MLA's latent and rope key:
+    the prompt, then a token a step, gives the full forward's logits; generate's tokens too."""
+    model = tiny_deepseek_v32()
+    ids = torch.randint(0, 50, (2, 12))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        steps = [model(ids[:, :6], cache)] + [model(ids[:, :t], cache) for t in range(7, 13)]
+    assert_close(torch.cat(steps, dim=1), full)
+    assert all(c.index_keys.shape == (2, 12, 12) and c.latent.shape == (2, 12, 16) for c in cache)
+    assert torch.equal(model.generate(ids[:1, :4], 10), model.generate(ids[:1, :4], 10, use_cache=False))
+
+
+@torch.no_grad()
+def test_dsv32_sparse_differs_from_dense_and_is_deepseek_v3_when_topk_covers_the_context():
+    """With index_topk past the length every earlier token is kept: DeepSeek-V3's logits with the same
+    weights. With 4 of up to 16 tokens kept the logits move by far more than rounding: the selection
+    matters (these weights are small, so attention is nearly flat; transformers' tiny model below: 3.5)."""
+    model, dense = tiny_deepseek_v32(), tf.DeepSeekV3(**DSA_CONFIG).eval()
+    missing, unexpected = dense.load_state_dict(model.state_dict(), strict=False)
+    assert not missing and unexpected and all(".indexer." in name for name in unexpected)
+    ids = torch.randint(0, 50, (2, 16))
+    sparse = model(ids)
+    assert_close(sparse[:, :4], dense(ids)[:, :4])                         # 4 tokens or fewer: nothing dropped
+    assert max_diff(sparse, dense(ids)) > 1e-2                             # measured 0.12; rounding: 3e-8
+    for layer in model.layers:
+        layer.attn.indexer.topk = 32
+    assert_close(model(ids), dense(ids))
+
+
+def test_dsv32_indexer_gets_no_gradient_and_no_backward():
+    """The indexer runs under no_grad: after loss.backward() its weights have no gradient, MLA's
+    have one. FLOPs: the indexer's forward (indexer_flops) is all it adds; the backward is
+    DeepSeek-V3's, to the FLOP."""
+    model, dense = tiny_deepseek_v32(), tf.DeepSeekV3(**DSA_CONFIG)
+    dense.load_state_dict(model.state_dict(), strict=False)
+    ids = torch.randint(0, 50, (2, 10))
+    counts = []
+    for m in (model, dense):
+        with FlopCounterMode(display=False) as forward:
+            loss = m(ids).logsumexp(-1).mean()
+        with FlopCounterMode(display=False) as backward:
+            loss.backward()
+        counts.append((forward.get_total_flops(), backward.get_total_flops()))
+    assert counts[0][0] - counts[1][0] == tf.indexer_flops(model.config, 2, 10)
+    assert counts[0][1] == counts[1][1]
+    indexer = model.layers[1].attn.indexer
+    assert all(p.grad is None for p in indexer.parameters())
+    assert model.layers[1].attn.w_dq.weight.grad.abs().sum() > 0
+
+
+def test_dsv32_param_formula_and_cost_per_token():
+    """The formula counts every parameter (tiny model), and DeepSeek-V3.2's total equals what
+    transformers' DeepseekV32ForCausalLM counts on the meta device (measured, 671,877,929,216).
+    A token's attention: at 4K tokens 58% of dense latent attention's FLOPs, at 128K 7.6%."""
+    model = tiny_deepseek_v32()
+    config = {**DSA_CONFIG, **DSA_INDEX}
+    assert tf.deepseek_v32_param_formula(**config) == tf.count_parameters(model)
+    assert tf.deepseek_v32_param_formula(**config) - tf.deepseek_param_formula(**DSA_CONFIG) == 2 * (
+        24 * 8 * 12 + 32 * 12 + 2 * 12 + 32 * 8)                          # w_uq, w_k, k_norm, w_heads a layer
+    v3 = tf.FRONTIER_CONFIGS[2][2]
+    assert tf.deepseek_v32_param_formula(**v3) == 671_877_929_216
+    assert tf.deepseek_v32_param_formula(**v3, active=True) == 38_403_807_488
+    assert tf.sparse_attention_flops(4096) == (1_140_850_688, 665_976_832)
+    assert tf.sparse_attention_flops(131072) == (36_507_222_016, 2_762_604_544)
+    dense, sparse = tf.sparse_attention_flops(2048)                       # all kept: the indexer is pure cost
+    assert sparse > dense
+
+
+def test_dsv32_bad_configurations_raise_value_errors():
+    with pytest.raises(ValueError, match=r"q_lora_rank must be an integer >= 1 \(the lightning indexer.*, got None"):
+        tiny_deepseek_v32(q_lora_rank=None)
+    with pytest.raises(ValueError, match=r"index_head_dim must be at least qk_rope_dim \(qk_rope_dim=4\), got 2"):
+        tiny_deepseek_v32(index_head_dim=2)
+    with pytest.raises(ValueError, match=r"index_topk must be an integer >= 1, got 0"):
+        tiny_deepseek_v32(index_topk=0)
+    with pytest.raises(ValueError, match=r"index_n_heads must be an integer >= 1, got 2.0"):
+        tf.deepseek_v32_param_formula(**DSA_CONFIG, index_n_heads=2.0)
+    with pytest.raises(ValueError, match=r"context must be an integer >= 1, got 0"):
+        tf.sparse_attention_flops(0)
+    hf = dict(model_type="deepseek_v32", vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, intermediate_size=48,
+              moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
+              n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=32,
+              tie_word_embeddings=False, q_lora_rank=24, mlp_layer_types=["sparse", "dense"])
+    with pytest.raises(ValueError, match=r"config's mlp_layer_types is \['sparse', 'dense'\]"):
+        tf.from_hf_config(hf)
+    assert type(tf.from_hf_config({**hf, "mlp_layer_types": ["dense", "sparse"]})) is tf.DeepSeekV32
+
+
+def test_dsv32_lightning_indexer_copies_at_its_size():
+    """LightningIndexer and its cache, what the file had before (LayerNorm, apply_rope, LatentCache)
+    left out: at most 60 lines, measured 57."""
+    assert copy_size("LightningIndexer", "IndexedLatentCache") - copy_size("LayerNorm", "apply_rope",
+                                                                           "LatentCache") <= 60
+
+
+# Against transformers' DeepseekV32ForCausalLM (eager attention), where it is installed
+HF_DSA = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+              kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+              intermediate_size=96, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+              n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+              index_topk=4, index_head_dim=16, index_n_heads=8, max_position_embeddings=64, rope_theta=1000.0,
+              tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def hf_dsa():
+    """transformers' tiny DeepSeek-V3.2 with hf_randomize_theirs's weights and ours from_hf_config and
+    load_hf_state_dict build from it: (ours, theirs), built once."""
+    if hf_transformers is None:
+        pytest.skip("needs transformers: pip install transformers")
+    config = hf_transformers.DeepseekV32Config(**HF_DSA, attn_implementation="eager")
+    hf = hf_randomize_theirs(hf_transformers.DeepseekV32ForCausalLM(config))
+    assert hf.config._attn_implementation == "eager"
+    model = tf.from_hf_config(config.to_dict())
+    assert type(model) is tf.DeepSeekV32 and model.config["index_topk"] == 4
+    return tf.load_hf_state_dict(model, hf.state_dict()).eval(), hf
+
+
+@torch.no_grad()
+def test_hf_parity_deepseek_v32_logits_and_the_chosen_tokens(hf_dsa):
+    """12 tokens, each query keeping 4: the same logits (measured max diff 1.4e-6), and in each
+    layer the same kept tokens as transformers' indexer, whose top-k indices also name masked
+    tokens when a query has fewer than 4 earlier ones: the kept sets are compared, not indices.
+    The choice is not a near tie: the 4th and 5th best scores differ by more than rounding (measured:
+    4.6e-3 at least, the scores up to 4.5). All 12 tokens read, the logits move by 3.5."""
+    model, hf = hf_dsa
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    theirs, ours, inputs = [], [], []
+    hooks = [layer.self_attn.indexer.register_forward_hook(lambda m, a, out: theirs.append(out))
+             for layer in hf.model.layers]
+    hooks += [layer.attn.indexer.register_forward_hook(lambda m, a, out: inputs.append(a) or ours.append(out))
+              for layer in model.layers]
+    try:
+        diff = max_diff(model(ids), hf(ids).logits)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert diff < 1e-4, diff
+    causal = tf.make_causal_mask(12)[0, 0]
+    for top, keep in zip(theirs, ours):
+        kept = torch.zeros(2, 12, 12, dtype=torch.bool).scatter(-1, top.long(), True) & causal  # [B, T, T]
+        assert torch.equal(keep[:, 0], kept)
+    for layer, (x, q_latent, cos, sin, mask, cache) in zip(model.layers, inputs):
+        scores = layer.attn.indexer.scores(x, q_latent, cos, sin)[:, 4:]  # [2, 8, 12]: 5 tokens or more
+        best = scores.masked_fill(~causal[4:], -math.inf).topk(5, dim=-1).values  # [2, 8, 5]
+        assert (best[..., 3] - best[..., 4]).min() > 1e-4
+    for layer in model.layers:
+        layer.attn.indexer.topk = 12
+    try:
+        assert max_diff(model(ids), hf(ids).logits) > 1                    # dense: not transformers' model
+    finally:
+        for layer in model.layers:
+            layer.attn.indexer.topk = 4
+
+
+def test_hf_parity_deepseek_v32_greedy_tokens_with_the_cache(hf_dsa):
+    """8 greedy tokens after a 12-token prompt, with both caches (ours: the indexer's keys in
+    IndexedLatentCache; theirs: DynamicCache's indexed layers): the same tokens."""
+    model, hf = hf_dsa
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    mine = model.generate(ids, max_new_tokens=8)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                          pad_token_id=0, use_cache=True)
+    assert out.shape == (2, 20) and torch.equal(mine, out)
 # ===========================================================================
 # Parts III-VI against transformers' classes: run where transformers is installed
 # ===========================================================================
@@ -11058,8 +11606,8 @@ def test_no_definition_uses_a_name_defined_in_a_later_section():
              for n, node in statements for sub in ast.walk(node)
              if isinstance(sub, ast.Name) and defined.get(sub.id, -1) > n]
     assert not later, later
-    assert {defined[name] for name in ("Llama", "Qwen3", "Mixtral", "Qwen3MoE", "DeepSeekV3", "Mistral",
-                                       "PagedKVCache", "with_rope_scaling")} == {22, 28, 29, 31, 35, 36, 37}
+    assert {defined[name] for name in ("Llama", "Qwen3", "Mixtral", "Qwen3MoE", "DeepSeekV3", "Mistral", "PagedKVCache",
+                                       "with_rope_scaling", "GptOss", "DeepSeekV32")} == {22, 28, 29, 31, 35, 36, 37, 38, 40}
 
 
 ARGUMENT_CHECKS = {"check", "check_mask", "check_ids", "check_qkv", "check_scaling", "check_batch", "check_list"}  # a line the reader drops
@@ -11218,6 +11766,20 @@ assert torch.equal(model.generate(ids, max_new_tokens=8), model.generate(ids, ma
 q, k, v = torch.randn(3, 1, 2, 37, 8).unbind(0)
 out, lse = flash_attention(q, k, v, causal=True, block_size=7)
 assert torch.allclose(out, scaled_dot_product_attention(q, k, v, make_causal_mask(37))[0], atol=1e-5)""",
+    38: """gpt = GptOss(vocab_size=50, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=24, n_experts=4,
+             top_k=2, window=8, max_len=96, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_len": 24})
+ids = torch.randint(0, 50, (1, 40))
+assert torch.equal(gpt.generate(ids, max_new_tokens=8), gpt.generate(ids, max_new_tokens=8, use_cache=False))
+cache = gpt.new_cache()
+gpt(ids, cache)
+assert [c.k.size(2) for c in cache] == [8, 40, 8, 40]
+assert count_parameters(gpt) == gpt_oss_param_formula(**gpt.config)""",
+    40: """ds = DeepSeekV32(vocab_size=50, d_model=32, n_layers=2, n_heads=4, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=4,
+                 v_head_dim=8, d_ff=64, expert_d_ff=16, n_experts=8, top_k=2, q_lora_rank=24, n_groups=4, topk_groups=2,
+                 max_len=64, index_n_heads=4, index_head_dim=8, index_topk=3)
+ids = torch.randint(0, 50, (2, 12))
+assert torch.equal(ds.generate(ids, max_new_tokens=5), ds.generate(ids, max_new_tokens=5, use_cache=False))
+assert count_parameters(ds) == deepseek_v32_param_formula(**ds.config)""",
 }
 
 

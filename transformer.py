@@ -3895,6 +3895,522 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 
 
 # ===========================================================================
+# 38. Attention sinks and alternating windows: gpt-oss (注意力汇与交替窗口)
+# ===========================================================================
+# A softmax row sums to 1, so a head with nothing worth reading must still read something:
+# trained models park that attention on the first tokens (Xiao et al., 2023, "Efficient
+# Streaming Language Models with Attention Sinks"), which a window like section 35's cuts off.
+# OpenAI's gpt-oss (2025) gives each head a learned sink logit instead: one more term in the
+# softmax's denominator that reads no value, so a row sums to less than 1 and a head can attend
+# to nothing. A sink fixed at 0 is Evan Miller's softmax_1 ("Attention Is Off By One", 2023).
+# The rest of gpt-oss is earlier sections with small changes:
+# - layers alternate a window of 128 tokens (section 35, its rolling cache) and full attention,
+#   as the configuration's layer_types lists them; q, k, v and o all have biases; GQA, 64 query
+#   heads 64 wide to 8 key/value heads, the heads 4096 wide in a model 2880 wide (section 28);
+# - a MoE (section 29) whose router has a bias and softmaxes its top-k logits (Mixtral's weights:
+#   top-k of softmax over all E, divided by their sum, is the same); experts with biases and a
+#   clamped SwiGLU, as OpenAI's reference code (gpt_oss/torch/model.py, swiglu) writes it:
+#       gate = min(gate, limit), up = clamp(up, -limit, limit), out = (up + 1) * gate * sigmoid(1.702 gate)
+#   (x sigmoid(1.702 x) is the sigmoid approximation of GELU, Hendrycks and Gimpel, 2016; the
+#   + 1 lets a channel whose up is 0 pass gate's value on; the clamps bound both, 7.0 in both models);
+# - YaRN (section 37) from 4,096 to 131,072 positions, its ramp's ends left unrounded.
+# FlashAttention (section 34) takes a sink in one line: the sink is one more term e^sink of the
+# running sum l, so the output is acc / (l + e^sink) = out * l / (l + e^sink) = out * sigmoid(lse - sink).
+
+LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names in layer_types
+ARGUMENTS.update(layer_types=(list, "or None"), swiglu_limit=(float, torch.finfo(torch.float32).tiny, FINITE),
+                 rope_scaling=(dict, "or None"), sinks=(torch.Tensor,))
+RELATIONS.update({
+    "a type per layer": (("layer_types", "n_layers"), lambda types, n: types is None or (
+        len(types) == n and all(t in LAYER_TYPES for t in types)),
+        "layer_types must list n_layers entries, each 'sliding_attention' or 'full_attention'"),
+    "gpt-oss yarn": (("rope_scaling",), lambda s: s is None or s.get("type") == "yarn",
+                     "rope_scaling must be None or gpt-oss's yarn, a dict with 'type': 'yarn'"),
+    "a sink per head": (("shapes",), lambda s: s["sinks"] == s["q"][1:2], "sinks must be [H], a logit per query head"),
+})
+GPT_OSS_RULES = ("kv heads divide heads", "top_k <= n_experts", "a type per layer", "gpt-oss yarn")
+
+
+class SinkAttention(GroupedQueryAttention):
+    """GQA with a learned sink logit per head (sinks [H]) in every softmax row."""
+
+    def __init__(self, d_model, n_heads, n_kv_heads, bias=False):
+        super().__init__(d_model, n_heads, n_kv_heads, bias)
+        self.sinks = nn.Parameter(torch.zeros(n_heads))                   # [H]: 0 is softmax_1
+
+    def attend(self, q, k, v, mask):
+        """Section 2's softmax with one more column a row, the head's sink, dropped after the softmax."""
+        k, v = (repeat_kv(x, self.n_heads // self.n_kv_heads) for x in (k, v))  # [B, H, t+Tn, dk] each
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)        # [B, H, Tn, t+Tn]
+        # -inf is safe here, unlike in section 2: the sink's column is never masked, so no row is all -inf
+        scores = scores if mask is None else scores.masked_fill(~mask, float("-inf"))  # [B, H, Tn, t+Tn]
+        sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)  # [B, H, Tn, 1]
+        weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]  # [B, H, Tn, t+Tn]: a row sums to < 1
+        return weights @ v                                                 # [B, H, Tn, dk]
+
+
+class GptOssAttention(SinkAttention):
+    """SinkAttention with heads head_dim wide, biases on q, k, v and o, and window None (full causal
+    attention) or section 35's band of the last `window` keys."""
+
+    def __init__(self, d_model, n_heads, n_kv_heads, head_dim, bias=True, window=None):
+        nn.Module.__init__(self)  # not GQA's __init__: it sizes the heads D / H and leaves w_o without a bias
+        check("kv heads divide heads", d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+              bias=bias, **({} if window is None else dict(window=window)))
+        self.n_heads, self.n_kv_heads, self.head_dim, self.window = n_heads, n_kv_heads, head_dim, window
+        self.w_q = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+        self.w_k = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.w_v = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.w_o = nn.Linear(n_heads * head_dim, d_model, bias=bias)
+        self.sinks = nn.Parameter(torch.zeros(n_heads))                   # [H]
+
+    def attend(self, q, k, v, mask):
+        if self.window is not None:  # a sliding layer: the band over the keys this step has, as section 35
+            mask = make_window_mask(q.size(2), self.window, q.device, past=k.size(2) - q.size(2))  # [1, 1, Tn, t+Tn]
+        return super().attend(q, k, v, mask)                               # [B, H, Tn, dk]
+
+
+def flash_attention_with_sinks(q, k, v, sinks, causal=False, block_size=64):
+    """Section 34's tiles, then each head's sink as one more term of the running sum -> (out
+    [B, H, Tq, dv], lse [B, H, Tq] with the sink in it); sinks [H]. Equal to SinkAttention's softmax."""
+    out, lse = flash_attention(q, k, v, causal, block_size)                # [B, H, Tq, dv], [B, H, Tq]
+    check("a sink per head", sinks=sinks, shapes=dict(sinks=tuple(sinks.shape), q=tuple(q.shape)))
+    sink = sinks.to(lse.dtype)[:, None]                                    # [H, 1]
+    # acc / (l + e^sink) = out * l / (l + e^sink) = out / (1 + e^(sink - lse)) = out * sigmoid(lse - sink)
+    out = out * torch.sigmoid(lse - sink)[..., None].to(out.dtype)         # [B, H, Tq, dv]
+    return out, torch.logaddexp(lse, sink)                                 # [B, H, Tq, dv], [B, H, Tq]
+
+
+class ClampedSwiGLU(SwiGLU):
+    """gpt-oss's expert: SwiGLU's w1 (gate), w3 (up), w2 (down), with biases, and the clamped activation."""
+
+    def __init__(self, d_model, d_ff, limit=7.0):
+        nn.Module.__init__(self)  # not SwiGLU's __init__: its Linears have no biases
+        check(d_model=d_model, d_ff=d_ff, swiglu_limit=limit)
+        self.w1, self.w3 = nn.Linear(d_model, d_ff), nn.Linear(d_model, d_ff)  # gate, up: D -> Dff
+        self.w2, self.limit = nn.Linear(d_ff, d_model), limit             # down: Dff -> D
+
+    def forward(self, x):
+        gate = self.w1(x).clamp(max=self.limit)                            # [N, Dff]: from above only
+        up = self.w3(x).clamp(-self.limit, self.limit)                     # [N, Dff]
+        return self.w2((up + 1) * gate * torch.sigmoid(1.702 * gate))      # [N, D]
+
+
+class BiasedRouterMoE(MoE):
+    """Section 29's softmax MoE (norm_topk: a softmax over the top_k logits) with a bias on the
+    router and ClampedSwiGLU experts. router_bias, DeepSeek's ranking bias, stays 0."""
+
+    def __init__(self, d_model, d_ff, n_experts, top_k, limit=7.0):
+        super().__init__(d_model, d_ff, n_experts, top_k)
+        self.router = nn.Linear(d_model, n_experts)                        # logits W x + b, [E]
+        self.experts = nn.ModuleList([ClampedSwiGLU(d_model, d_ff, limit) for _ in range(n_experts)])
+
+
+def gpt_oss_yarn_frequencies(head_dim, theta, scaling):
+    """Section 37's yarn with the ramp's ends unrounded, as gpt-oss (transformers' truncate=False,
+    OpenAI's reference code) -> (inv_freq [dk/2], the temperature for cos and sin)."""
+    _, temperature = scaled_rope_frequencies(head_dim, theta, scaling)     # its checks and its temperature
+
+    def pair_turning(turns):  # as section 37: the (fractional) pair that turns `turns` times in L positions
+        return head_dim * math.log(scaling["original_max_len"] / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    # section 37 rounds the ends outwards (floor, ceil); at gpt-oss's configuration that gives some
+    # pairs 1.76 times the frequency gpt-oss trained with (it is 43% lower): other angles, a worse model
+    start = max(pair_turning(scaling.get("beta_fast", 32)), 0)
+    end = min(pair_turning(scaling.get("beta_slow", 1)), head_dim - 1)
+    end = end + 0.001 if end == start else end                            # the references' guard against 0/0
+    ramp = ((torch.arange(head_dim // 2) - start) / (end - start)).clamp(0, 1)  # [dk/2]: 1 where slowed
+    inv_freq = rope_frequencies(head_dim, theta)                           # [dk/2]
+    return inv_freq / scaling["factor"] * ramp + inv_freq * (1 - ramp), temperature  # [dk/2], a float
+
+
+class GptOss(Mixtral):
+    """gpt-oss = Mixtral with GptOssAttention (sinks; biases on q, k, v and o when qkv_bias; heads
+    head_dim wide), a window on the layers layer_types calls sliding (None: every other, the first sliding),
+    BiasedRouterMoE feed-forwards, and rope_scaling None or its yarn (gpt_oss_yarn_frequencies)."""
+
+    def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
+                 rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=True, n_experts=8, top_k=2,
+                 expert_d_ff=None, head_dim=None, window=128, layer_types=None, swiglu_limit=7.0, rope_scaling=None):
+        check(*GPT_OSS_RULES, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads if n_kv_heads is None else
+              n_kv_heads, n_experts=n_experts, top_k=top_k, head_dim=head_dim, window=window, layer_types=layer_types,
+              swiglu_limit=swiglu_limit, rope_scaling=rope_scaling)
+        if rope_scaling is not None:
+            check_scaling(rope_scaling)
+        # read by attention(), feed_forward() and rope_tables() while Llama builds the model
+        self.head_dim = d_model // n_heads if head_dim is None else head_dim
+        self.swiglu_limit, self.rope_scaling = swiglu_limit, rope_scaling
+        super().__init__(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta, norm_eps,
+                         tie_weights, qkv_bias, n_experts, top_k, expert_d_ff)
+        self.config.update(head_dim=head_dim, window=window, swiglu_limit=swiglu_limit,  # copies, not the caller's
+                           layer_types=layer_types and list(layer_types),
+                           rope_scaling=rope_scaling and dict(rope_scaling))
+        for i, layer in enumerate(self.layers):  # transformers' default: sliding, full, sliding, ...
+            if (layer_types[i] if layer_types else LAYER_TYPES[i % 2]) == "sliding_attention":
+                layer.attn.window = window
+
+    def attention(self, d_model, n_heads, n_kv_heads, qkv_bias):
+        return GptOssAttention(d_model, n_heads, n_kv_heads, self.head_dim, qkv_bias)  # full; __init__ sets windows
+
+    def feed_forward(self, i, d_model, d_ff):
+        return BiasedRouterMoE(d_model, self.expert_d_ff or d_ff, self.n_experts, self.top_k, self.swiglu_limit)
+
+    def rope_tables(self, max_len, theta):
+        """Section 19's tables, or with rope_scaling gpt-oss's yarn, times its temperature."""
+        if self.rope_scaling is None:
+            return super().rope_tables(max_len, theta)                     # [max_len, dk] each
+        inv_freq, temperature = gpt_oss_yarn_frequencies(self.head_dim, theta, self.rope_scaling)  # [dk/2], a float
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [max_len, dk/2]
+        emb = torch.cat([angles, angles], dim=-1)                          # [max_len, dk]
+        return emb.cos() * temperature, emb.sin() * temperature            # [max_len, dk] each
+
+    def new_cache(self):
+        """A RollingKVCache of `window` tokens for a sliding layer, a KVCache (every token) for a full one."""
+        return [KVCache() if layer.attn.window is None else RollingKVCache(layer.attn.window) for layer in self.layers]
+
+
+def gpt_oss_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
+                          rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=True, n_experts=8, top_k=2,
+                          expert_d_ff=None, head_dim=None, window=128, layer_types=None, swiglu_limit=7.0,
+                          rope_scaling=None, active=False):
+    """Closed form of count_parameters(GptOss(...)), same keywords and rules; active=True: one token's
+    (the whole embedding table counted, as section 33)."""
+    n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+    check(*GPT_OSS_RULES, **locals())                                      # every argument
+    if rope_scaling is not None:
+        check_scaling(rope_scaling)
+    head_dim = d_model // n_heads if head_dim is None else head_dim
+    check("even head_dim", head_dim=head_dim)
+    width = expert_d_ff or (llama_ffn_dim(d_model) if d_ff is None else d_ff)
+    # GQA's, w_o's bias, a sink per head
+    attention = gqa_params(d_model, n_heads, n_kv_heads, head_dim, qkv_bias) + d_model * qkv_bias + n_heads
+    # section 29's router and experts, the router's bias, each expert's biases (w1, w3: Dff each, w2: D)
+    moe = moe_params(d_model, width, n_experts, top_k, active=active) + n_experts + (
+        top_k if active else n_experts) * (2 * width + d_model)
+    return decoder_params(vocab_size, d_model, n_layers, attention, moe, tie_weights)
+
+
+GPT_OSS_YARN = {"type": "yarn", "factor": 32.0, "original_max_len": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
+GPT_OSS_COMMON = dict(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64, d_ff=2880, top_k=4,
+                      max_len=131072, rope_theta=150000.0, norm_eps=1e-5, window=128, rope_scaling=GPT_OSS_YARN)
+# (name, kind, configuration as released, total, active as section 33 counts it, what OpenAI reports); the
+# published active counts are these less the input embedding table (V D = 579,133,440, of which a token
+# reads one row): 5,132,849,472 and 3,608,307,264
+GPT_OSS_CONFIGS = [
+    ("gpt-oss-120b", "gptoss", dict(GPT_OSS_COMMON, n_layers=36, n_experts=128), 116_829_156_672, 5_711_982_912,
+     "116.8B / 5.1B (active without the embedding table)"),
+    ("gpt-oss-20b", "gptoss", dict(GPT_OSS_COMMON, n_layers=24, n_experts=32), 20_914_757_184, 4_187_440_704,
+     "20.9B / 3.6B (active without the embedding table)"),
+]
+# Where gpt-oss-120b's 116.8B go: 36 layers x 128 experts x (3 x 2880 x 2880 + biases) = 114.7B
+# in experts (98%); a token runs 4 of them, 3.6B, plus 0.96B of attention and 1.16B of
+# embeddings and lm_head. Its cache in bf16: 2 x 8 x 64 x 2 bytes = 2 KiB a token a layer, so
+# 36 KiB a token in the 18 full layers, while the 18 sliding ones hold 128 tokens each, 4.5 MiB in all.
+
+
+# Section 26's tables, for transformers' GptOss: its names are Llama's and Mixtral's (the sinks
+# keep theirs); its experts are fused the other way round from Mixtral's, so they are unfused
+# first, before hf_unfuse_experts would cut them in two halves. The router's bias is the
+# router Linear's own (router.bias); hf_unfuse_experts gives router_bias its zeros.
+
+GPT_OSS_EXPERT_PARTS = {  # transformers' fused tensor -> [(this file's name, one expert's slice -> that tensor)]
+    # gate_up_proj [E, D, 2 Dff] multiplies from the right (x @ W: nn.Linear's weight transposed),
+    # gate in the even columns, up in the odd ones (OpenAI's layout); its bias [E, 2 Dff] the same
+    "gate_up_proj": [("w1.weight", lambda w: w[:, ::2].T), ("w3.weight", lambda w: w[:, 1::2].T)],  # [Dff, D]
+    "gate_up_proj_bias": [("w1.bias", lambda b: b[::2]), ("w3.bias", lambda b: b[1::2])],         # [Dff]
+    "down_proj": [("w2.weight", lambda w: w.T)],                                                   # [D, Dff]
+    "down_proj_bias": [("w2.bias", lambda b: b)]}                                                  # [D]
+
+
+def hf_unfuse_gpt_oss_experts(state):
+    """A layer's experts whose gate_up_proj has a bias (gpt-oss's; Mixtral's have none) -> one
+    ClampedSwiGLU's w1, w3, w2 each; every other tensor as it was."""
+    out = {}
+    for name, w in state.items():
+        base, _, kind = name.rpartition(".")
+        if kind not in GPT_OSS_EXPERT_PARTS or f"{base}.gate_up_proj_bias" not in state:
+            out[name] = w
+            continue
+        for e, one in enumerate(w):                                        # one expert's slice
+            out.update({f"{base}.{e}.{ours}": part(one) for ours, part in GPT_OSS_EXPERT_PARTS[kind]})
+    return out
+
+
+def hf_gpt_oss(config):
+    """GptOss's keywords from a GptOssConfig's fields: its rope_parameters plain RoPE or yarn with
+    unrounded ends (truncate false); other alphas, partial rotary or yarn's own factors refused."""
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "yarn"):
+        raise ValueError(f"config's rope_type is {kind!r}: this file's gpt_oss has 'default' or 'yarn'")
+    # transformers rounds when truncate is missing: its default is True
+    hf_refuse(dict(rope, model_type="gpt_oss", truncate=rope.get("truncate", True) if kind == "yarn" else None),
+              truncate=False, attention_factor=None, mscale=None, mscale_all_dim=None, partial_rotary_factor=1.0)
+    hf_refuse(config, swiglu_alpha=1.702)
+    scaling = None if kind == "default" else dict(
+        type="yarn", factor=float(hf_field(rope, "factor")),
+        original_max_len=hf_field(rope, "original_max_position_embeddings"),
+        beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1))
+    n_heads, max_len = hf_field(config, "num_attention_heads"), hf_field(config, "max_position_embeddings", 131072)
+    return dict(vocab_size=hf_field(config, "vocab_size"), d_model=hf_field(config, "hidden_size"),
+                n_layers=hf_field(config, "num_hidden_layers"), n_heads=n_heads,
+                n_kv_heads=hf_field(config, "num_key_value_heads", n_heads), d_ff=hf_field(config, "intermediate_size"),
+                max_len=max_len, rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 150000.0))),
+                norm_eps=float(hf_field(config, "rms_norm_eps", 1e-5)),
+                tie_weights=hf_field(config, "tie_word_embeddings", False),
+                qkv_bias=hf_field(config, "attention_bias", True), n_experts=hf_field(config, "num_local_experts"),
+                top_k=hf_field(config, "num_experts_per_tok"), head_dim=hf_field(config, "head_dim", None),
+                window=hf_field(config, "sliding_window", max_len), layer_types=config.get("layer_types"),
+                swiglu_limit=float(hf_field(config, "swiglu_limit", 7.0)), rope_scaling=scaling)
+
+
+HF_CONVERSIONS.insert(0, hf_unfuse_gpt_oss_experts)                        # before hf_unfuse_experts
+HF_FAMILIES["gpt_oss"] = (GptOss, hf_gpt_oss)
+
+# Try it: a sink of -inf is section 2's attention; a large one takes everything, and the head reads nothing.
+#   >>> attn = SinkAttention(d_model=32, n_heads=4, n_kv_heads=2)
+#   >>> q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)  # [B, H|Hkv, T, dk]
+#   >>> mask = make_causal_mask(5)                                         # [1, 1, 5, 5]
+#   >>> plain, _ = scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), mask)  # [1, 4, 5, 8]
+#   >>> with torch.no_grad():
+#   ...     for sink in (-math.inf, 1e4, 0.0):
+#   ...         _ = attn.sinks.fill_(sink)
+#   ...         print(sink, torch.allclose(attn.attend(q, k, v, mask), plain, atol=1e-6),
+#   ...               attn.attend(q, k, v, mask).abs().max().item() == 0)
+#   -inf True False
+#   10000.0 False True
+#   0.0 False False
+#   >>> out, lse = flash_attention_with_sinks(q, repeat_kv(k, 2), repeat_kv(v, 2), attn.sinks, causal=True)
+#   >>> torch.allclose(out, attn.attend(q, k, v, mask), atol=1e-6)        # the sink as a term of the running sum
+#   True
+#   >>> gpt = GptOss(vocab_size=100, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=24,
+#   ...              n_experts=4, top_k=2, window=3, max_len=64,
+#   ...              rope_scaling={"type": "yarn", "factor": 4.0, "original_max_len": 16})
+#   >>> [layer.attn.window for layer in gpt.layers], [type(c).__name__ for c in gpt.new_cache()[:2]]
+#   ([3, None, 3, None], ['RollingKVCache', 'KVCache'])
+#   >>> ids = torch.randint(0, 100, (1, 8))                                # [1, 8]: longer than the window
+#   >>> torch.equal(gpt.generate(ids, 10), gpt.generate(ids, 10, use_cache=False))
+#   True
+#   >>> count_parameters(gpt) == gpt_oss_param_formula(**gpt.config)
+#   True
+#   >>> name, kind, config, total, active, reported = GPT_OSS_CONFIGS[0]
+#   >>> name, gpt_oss_param_formula(**config), gpt_oss_param_formula(**config, active=True) - 201088 * 2880
+#   ('gpt-oss-120b', 116829156672, 5132849472)
+
+
+# ===========================================================================
+# 40. DeepSeek's sparse attention: DeepSeek-V3.2 (DeepSeek 稀疏注意力)
+# ===========================================================================
+# MLA made the cache small; each new token still reads all of it, so attention's work grows
+# with the context. DeepSeek-V3.2 (DeepSeek Sparse Attention, DSA) lets a cheap scorer, the
+# lightning indexer, pick index_topk earlier tokens (2048) for each query; the latent attention
+# of section 30 reads only those: from O(T^2) to O(T k) for the main attention (the V3.2-Exp report).
+# Shapes: Hi the indexer's heads (64 in V3.2), di their width (128); topk = index_topk.
+# The index score of query t for token s is I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]) (the
+# report's equation 1): Hi small query heads made from MLA's query latent, one key per token
+# shared by them, ReLU rather than a softmax "for throughput", and a weight per head that the
+# query token sets. Its RoPE pairs halves (section 19) where MLA pairs neighbours: DeepSeek's
+# own inference demo turned neighbours here until November 2025, and long-context retrieval
+# suffered (sglang's RULER runs) until the fix. DeepSeek's code also multiplies q and k by a
+# Hadamard matrix before rounding them to FP8; orthogonal, so q . k is unchanged in exact
+# arithmetic: left out here, as transformers leaves it.
+
+ARGUMENTS.update(index_n_heads=(int, 1, MAX_SIZE), index_head_dim=(int, 1, MAX_SIZE), index_topk=(int, 1, MAX_SIZE),
+                 context=(int, 1, MAX_SIZE), seq_len=(int, 1, MAX_SIZE))
+RELATIONS.update({
+    "the indexer reads the query latent": (("q_lora_rank",), lambda r: r is not None,
+                                           "q_lora_rank must be an integer >= 1 (the lightning indexer's queries"
+                                           " start from MLA's query latent)"),
+    "index_head_dim holds the rope part": (("index_head_dim", "qk_rope_dim"), lambda d, rope: d >= rope,
+                                           "index_head_dim must be at least qk_rope_dim"),  # RoPE turns its first dims
+})
+DSA_RULES = ("the indexer reads the query latent", "index_head_dim holds the rope part")
+
+
+class IndexedLatentCache(LatentCache):
+    """LatentCache plus the lightning indexer's keys [B, t, di]: di values a token a layer more."""
+
+    def __init__(self):
+        super().__init__()
+        self.index_keys = None                                             # [B, t, di] once filled
+
+    def append_index_keys(self, k):
+        """Add this step's indexer keys [B, Tn, di]; return all of them."""
+        self.index_keys = k if self.index_keys is None else torch.cat([self.index_keys, k], dim=1)  # [B, t, di]
+        return self.index_keys
+
+
+class LightningIndexer(nn.Module):
+    """DeepSeek-V3.2's lightning indexer in DeepSeek's layout (its wq_b, wk, k_norm, weights_proj are
+    w_uq, w_k, k_norm, w_heads here): the index_topk tokens each query's latent attention reads."""
+
+    def __init__(self, d_model, q_lora_rank, qk_rope_dim, index_n_heads=64, index_head_dim=128, index_topk=2048):
+        super().__init__()
+        check(*DSA_RULES, q_lora_rank=q_lora_rank, index_head_dim=index_head_dim, qk_rope_dim=qk_rope_dim,
+              d_model=d_model, index_n_heads=index_n_heads, index_topk=index_topk)
+        self.n_heads, self.head_dim, self.rope, self.topk = index_n_heads, index_head_dim, qk_rope_dim, index_topk
+        self.w_uq = nn.Linear(q_lora_rank, index_n_heads * index_head_dim, bias=False)  # from MLA's query latent
+        self.w_k = nn.Linear(d_model, index_head_dim, bias=False)         # one key a token, for all Hi heads
+        self.k_norm = LayerNorm(index_head_dim, eps=1e-6)                 # a LayerNorm (bias too), not an RMSNorm
+        self.w_heads = nn.Linear(d_model, index_n_heads, bias=False)      # each head's weight, set by the query
+
+    def turn(self, x, cos, sin):
+        """RoPE on the first qk_rope_dim dims of x [..., Tn, di], pairing halves; the rest as it is."""
+        return torch.cat([apply_rope(x[..., :self.rope], cos, sin), x[..., self.rope:]], dim=-1)  # [..., Tn, di]
+
+    def scores(self, x, q_latent, cos, sin, cache=None):
+        """I[t, s] for the new tokens t and every token s: x [B, Tn, D]; q_latent [B, Tn, q rank], MLA's
+        q_norm(w_dq(x)); cos, sin [Tn, rope]; cache an IndexedLatentCache -> [B, Tn, t]."""
+        B, Tn, _ = x.shape
+        q = self.w_uq(q_latent).view(B, Tn, self.n_heads, self.head_dim).transpose(1, 2)  # [B, Hi, Tn, di]
+        q, k = self.turn(q, cos, sin), self.turn(self.k_norm(self.w_k(x)), cos, sin)  # [B, Hi, Tn, di], [B, Tn, di]
+        if cache is not None:  # the keys are the indexer's own: MLA's latents cannot stand in for them
+            k = cache.append_index_keys(k)                                 # [B, t, di]
+        # a head votes for s by how far q . k is above 0, or not at all (ReLU: no softmax over s)
+        relu = F.relu(q @ k[:, None].transpose(-2, -1) / math.sqrt(self.head_dim))  # [B, Hi, Tn, t]
+        w = self.w_heads(x) / math.sqrt(self.n_heads)                      # [B, Tn, Hi]
+        return torch.einsum("bhts,bth->bts", relu, w)                      # [B, Tn, t]
+
+    # No gradient: top-k is a choice, not a function of the weights that autograd could follow (the
+    # main loss gives the indexer nothing anyway); DeepSeek trains it apart, toward the dense
+    # attention's distribution by a KL loss, so here it runs as an inference-only scorer.
+    @torch.no_grad()
+    def forward(self, x, q_latent, cos, sin, mask=None, cache=None):
+        """As scores(); mask [1, 1, Tn, t] or None -> [B, 1, Tn, t], True at the tokens each query keeps."""
+        scores = self.scores(x, q_latent, cos, sin, cache)                 # [B, Tn, t]
+        if mask is not None:  # causality first: the top-k are earlier tokens
+            scores = scores.masked_fill(~mask[:, 0], -math.inf)            # [B, Tn, t]
+        top = scores.topk(min(self.topk, scores.size(-1)), dim=-1).indices  # [B, Tn, topk]
+        keep = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, top, True)[:, None]  # [B, 1, Tn, t]
+        # a query with fewer earlier tokens than topk also picks masked ones: the mask drops them again
+        return keep if mask is None else keep & mask                       # [B, 1, Tn, t]
+
+
+class SparseLatentAttention(MultiHeadLatentAttention):
+    """Section 30's MLA under the lightning indexer's mask: DeepSeek Sparse Attention, V3.2's change to V3."""
+
+    def __init__(self, d_model, n_heads, index_n_heads=64, index_head_dim=128, index_topk=2048, **mla):
+        super().__init__(d_model, n_heads, **mla)
+        self.indexer = LightningIndexer(d_model, mla.get("q_lora_rank"), mla["qk_rope_dim"], index_n_heads,
+                                        index_head_dim, index_topk)
+
+    def forward(self, x, cos, sin, mask=None, cache=None, absorb=None):
+        """As MLA's, reading only the tokens the indexer keeps. The query latent is computed again for
+        the indexer (one [D, q rank] product more) so that section 30's forward stays as it is."""
+        keep = self.indexer(x, self.q_norm(self.w_dq(x)), cos, sin, mask, cache)  # [B, 1, Tn, t]
+        return super().forward(x, cos, sin, keep, cache, absorb)          # [B, Tn, D]
+
+
+class DeepSeekV32(DeepSeekV3):
+    """DeepSeek-V3 with sparse latent attention in every block; q_lora_rank is required. The rest of
+    the keywords are DeepSeekV3's."""
+    cache_kind = IndexedLatentCache                                        # [B, t, r], [B, t, rope], [B, t, di]
+
+    def __init__(self, vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim,
+                 d_ff, expert_d_ff, n_experts, top_k, q_lora_rank, index_n_heads=64, index_head_dim=128,
+                 index_topk=2048, **deepseek):
+        check(*DSA_RULES, q_lora_rank=q_lora_rank, index_head_dim=index_head_dim, qk_rope_dim=qk_rope_dim,
+              index_n_heads=index_n_heads, index_topk=index_topk)
+        self.index = dict(index_n_heads=index_n_heads, index_head_dim=index_head_dim, index_topk=index_topk)
+        super().__init__(vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim,
+                         d_ff, expert_d_ff, n_experts, top_k, q_lora_rank, **deepseek)
+        self.config.update(self.index)                                     # for checkpoints
+
+    def attention(self, d_model, n_heads, n_kv_heads, qkv_bias):
+        return SparseLatentAttention(d_model, n_heads, **self.index, **self.mla, norm_eps=self.config["norm_eps"])
+
+
+def deepseek_v32_param_formula(index_n_heads=64, index_head_dim=128, index_topk=2048, **deepseek):
+    """Closed form of count_parameters(DeepSeekV32(...)), its keywords: deepseek_param_formula's (active
+    too) and every layer's indexer, w_uq, w_k, k_norm (weight and bias), w_heads, which every token runs."""
+    check(*DSA_RULES, q_lora_rank=deepseek.get("q_lora_rank"), index_head_dim=index_head_dim,
+          qk_rope_dim=deepseek.get("qk_rope_dim"), index_n_heads=index_n_heads, index_topk=index_topk)
+    D, di, Hi = deepseek["d_model"], index_head_dim, index_n_heads
+    indexer = deepseek["q_lora_rank"] * Hi * di + D * di + 2 * di + D * Hi
+    return deepseek_param_formula(**deepseek) + deepseek["n_layers"] * indexer
+
+# DeepSeek-V3.2 at DeepSeek-V3's sizes (section 33) and the indexer's (64 heads of 128, top 2048):
+# 671,877,929,216 parameters, V3's 671.03B and 61 x 13,959,424 = 0.85B of indexers (the count of
+# transformers' DeepseekV32ForCausalLM on the meta device); 38.40B active.
+
+
+# What a token costs. Decoding one token over t cached tokens, absorbed MLA (section 30) does, per
+# head, q . [c | k_rope] (r + rope) and the sum over c (r) for every token: 2 H (2 r + rope) t FLOPs
+# a layer. DSA does that for min(t, topk) tokens, plus the indexer: 2 Hi (di + 1) t for ReLU(q . k)
+# and the weighted sum over every token, and its projections, 2 x its parameters, once a token.
+def sparse_attention_flops(context, n_heads=128, kv_lora_rank=512, qk_rope_dim=64, d_model=7168, q_lora_rank=1536,
+                           index_n_heads=64, index_head_dim=128, index_topk=2048):
+    """FLOPs of one layer for a token reading context tokens, (dense latent attention, sparse): what
+    grows with the context, and the indexer's projections; the defaults are DeepSeek-V3.2's configuration."""
+    check(context=context, n_heads=n_heads, kv_lora_rank=kv_lora_rank, qk_rope_dim=qk_rope_dim, d_model=d_model,
+          q_lora_rank=q_lora_rank, index_n_heads=index_n_heads, index_head_dim=index_head_dim, index_topk=index_topk)
+    per_token = 2 * n_heads * (2 * kv_lora_rank + qk_rope_dim)            # every head, one key and one value
+    Hi, di = index_n_heads, index_head_dim
+    projections = 2 * (q_lora_rank * Hi * di + d_model * di + d_model * Hi)
+    return per_token * context, per_token * min(context, index_topk) + 2 * Hi * (di + 1) * context + projections
+
+# At V3.2's sizes, a layer: at 4K tokens 1.14 GFLOPs dense, 0.67 sparse (58%: 2048 of 4096 tokens
+# read, the indexer 0.10); at 128K 36.5 GFLOPs dense, 2.76 sparse (7.6%), of which the indexer
+# 2.19: past about 35K tokens scoring costs more than attending (its slope is 16,512 FLOPs a token,
+# dense attention's 278,528); DeepSeek keeps it cheap with few heads and FP8. The cache gains
+# di = 128 values a token a layer (576 + 128: 85,888 bytes a token in bf16 over 61 layers).
+#
+# Training. Under no_grad the indexer's forward costs FLOPs and its backward none: its parameters
+# cost 2 N a token, not 6 N, and its scores 2 T^2 Hi (di + 1) a layer for a sequence of T, once,
+# not three times. Masked as here, the main attention still computes all T^2 scores (section 44's
+# count is unchanged); a sparse kernel computes T x topk of them. The KL loss DeepSeek trains the
+# indexer with would add the indexer's backward back.
+def indexer_flops(config, batch_size, seq_len):
+    """FLOPs of every layer's indexer in a forward of [batch_size, seq_len] (config: a DeepSeekV32's),
+    with the query latent computed again for it; the same in training: it has no backward."""
+    check(config=config, batch_size=batch_size, seq_len=seq_len)
+    L, D, Hi, di, qr = (config[key] for key in ("n_layers", "d_model", "index_n_heads", "index_head_dim", "q_lora_rank"))
+    projections = qr * Hi * di + D * di + D * Hi + D * qr                  # + w_dq again (SparseLatentAttention)
+    return 2 * L * batch_size * seq_len * (projections + seq_len * Hi * (di + 1))
+
+
+# Section 26's tables, for transformers' DeepSeek-V3.2: the indexer's projections under the
+# names above; everything else is DeepSeek-V3's
+HF_NAMES.extend([(r"\.indexer\.wq_b\.", ".indexer.w_uq."), (r"\.indexer\.wk\.", ".indexer.w_k."),
+                 (r"\.indexer\.weights_proj\.", ".indexer.w_heads.")])
+
+
+def hf_deepseek_v32(config):
+    """DeepSeekV32's keywords from a DeepseekV32Config: DeepSeek-V3's, its dense then sparse MLP layers
+    as first_k_dense_replace says, and the indexer's sizes."""
+    keywords = hf_deepseek_v3(config)
+    n, dense = keywords["n_layers"], keywords["n_dense_layers"]
+    hf_refuse(config, mlp_layer_types=["dense"] * dense + ["sparse"] * (n - dense))
+    return dict(keywords, index_n_heads=hf_field(config, "index_n_heads", 64),
+                index_head_dim=hf_field(config, "index_head_dim", 128), index_topk=hf_field(config, "index_topk", 2048))
+
+
+HF_FAMILIES["deepseek_v32"] = (DeepSeekV32, hf_deepseek_v32)
+
+# Each query keeps at most index_topk = 3 earlier tokens; the cache changes the speed, not the
+# tokens; with a topk past the length the model is DeepSeek-V3 with the same weights.
+# Try it:
+#   >>> _ = torch.manual_seed(0)
+#   >>> config = dict(vocab_size=100, d_model=32, n_layers=2, n_heads=4, kv_lora_rank=16, qk_nope_dim=8,
+#   ...               qk_rope_dim=4, v_head_dim=8, d_ff=64, expert_d_ff=16, n_experts=8, top_k=2, q_lora_rank=24,
+#   ...               n_groups=4, topk_groups=2, max_len=32)
+#   >>> ds = DeepSeekV32(**config, index_n_heads=4, index_head_dim=8, index_topk=3).eval()
+#   >>> ids = torch.randint(0, 100, (1, 8))                                # [1, 8]
+#   >>> x = torch.randn(1, 8, 32)                                          # [1, 8, 32]
+#   >>> attn = ds.layers[0].attn
+#   >>> keep = attn.indexer(x, attn.q_norm(attn.w_dq(x)), ds.cos[:8], ds.sin[:8], make_causal_mask(8))  # [1, 1, 8, 8]
+#   >>> keep.sum(-1).flatten().tolist()
+#   [1, 2, 3, 3, 3, 3, 3, 3]
+#   >>> torch.equal(ds.generate(ids, 6), ds.generate(ids, 6, use_cache=False))
+#   True
+#   >>> dense = DeepSeekV3(**config).eval()
+#   >>> _ = dense.load_state_dict(ds.state_dict(), strict=False)           # all but the indexers
+#   >>> ds.layers[0].attn.indexer.topk = ds.layers[1].attn.indexer.topk = 32
+#   >>> torch.allclose(ds(ids), dense(ids), atol=1e-5)
+#   True
+#   >>> [round(sparse / dense, 3) for dense, sparse in map(sparse_attention_flops, (4096, 131072))]
+#   [0.584, 0.076]
+# ===========================================================================
 # Part VII: training, by hand (第七部分：手写训练)
 # ===========================================================================
 # What training a Transformer takes besides the model, each piece written out and
