@@ -4776,9 +4776,7 @@ class LossScaler:
         self.loss_scale, self.good_steps, self.found_inf = torch.tensor(init_scale, dtype=torch.float32), 0, False  # []
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
 
-    def scale(self, loss):
-        """loss times the [] float32 scale, as GradScaler: a [] float16 loss becomes float32 (1 x 2^16, not
-        float16's inf), but a float16 tensor with dimensions stays float16 (type promotion)."""
+    def scale(self, loss):  # as GradScaler: a [] float16 loss becomes float32 (x 2^16 is no float16 inf)
         return loss * self.loss_scale.to(loss.device)                      # as loss, [] for a loss
 
     def step(self, optimizer):
@@ -4791,19 +4789,13 @@ class LossScaler:
             optimizer.step()
 
     def update(self):
-        """The scale times backoff_factor after a skipped step, times growth_factor after growth_interval good
-        ones in a row, in float32 as torch's _amp_update_scale_; never to inf, as there, nor below 2^-126:
-        torch's goes on (inverse inf from 2^-128, scale 0 at 2^-150: inf or NaN weights at the next step)."""
+        """The scale times backoff_factor after a skipped step, times growth_factor after growth_interval good ones,
+        in float32 as torch's _amp_update_scale_; never to inf nor below 2^-126 (torch's goes on: inf weights)."""
         self.good_steps = 0 if self.found_inf else self.good_steps + 1
         if self.found_inf or self.good_steps == self.growth_interval:
             new = (self.loss_scale.double() * (self.growth_factor, self.backoff_factor)[self.found_inf]).float()  # []
             self.loss_scale, self.good_steps = new if 2.0 ** -126 <= new < math.inf else self.loss_scale, 0
 
-
-# On the toy task: section 16's GPT trained twice with section 43's adamw_update, in float32 and
-# with its forward under bf16 autocast (weights, gradients and AdamW's state stay float32).
-# The held-out accuracy comes out about the same (bf16 rounds only the products); the speed depends
-# on the CPU: one with AVX512-BF16 or AMX multiplies bf16 natively, one without emulates it, slower.
 
 class Autocast(nn.Module):
     """model with its forward under bf16 autocast: products in bfloat16, the weights float32."""
@@ -4818,19 +4810,18 @@ class Autocast(nn.Module):
 
 
 def mixed_precision_report(seed=0, device="cpu", lr=1e-2, n_sentences=2400, epochs=None):
-    """Print held-out exact match and training seconds of the toy GPT in float32 and under bf16
-    autocast, each stepped by adamw_update (lr the best of 3e-3 and 1e-2 on seed 3).
-    -> {precision: (accuracy, seconds)}."""
+    """The toy GPT (section 16) trained by adamw_update (lr the best of 3e-3 and 1e-2 on seed 3) in float32 and under
+    bf16 autocast: about as accurate (bf16 rounds only the products); faster only on a CPU that multiplies bf16
+    natively (AVX512-BF16, AMX). Prints and -> {precision: (held-out exact match, seconds of training)}."""
     train_pairs, test_pairs = split_data(make_toy_data(n_sentences, seed), seed=seed)
     spec, rows = dict(TOY_MODELS["gpt"], epochs=epochs or TOY_MODELS["gpt"]["epochs"]), {}
     steps = spec["epochs"] * -(-len(train_pairs) // spec["batch_size"])    # ceil: batches an epoch
+    update = lambda model: adamw_update(model, lr, min(spec["warmup"], steps), steps)  # noqa: E731
     print(f"\nmixed precision on the toy task (section 45): the GPT, {spec['epochs']} epochs, seed {seed}")
     for name, build in (("float32", DecoderOnlyTransformer), ("bf16 autocast", lambda **c: Autocast(
             DecoderOnlyTransformer(**c)))):
-        update = lambda model: adamw_update(model, lr, min(spec["warmup"], steps), steps)  # noqa: E731
-        recipe = dict(spec, model=build, update=update)
         *_, result = train_toy_model("gpt", train_pairs, test_pairs, device, seed=seed, log=lambda line: None,
-                                     recipes={"gpt": recipe})
+                                     recipes={"gpt": dict(spec, model=build, update=update)})
         rows[name] = result["accuracy"], result["history"][-1][1]
         print(f"  {name:14s} held-out exact match {100 * rows[name][0]:5.1f}%, {rows[name][1]:5.1f} s of training")
     return rows
@@ -4843,6 +4834,7 @@ def mixed_precision_report(seed=0, device="cpu", lr=1e-2, n_sentences=2400, epoc
 
 ARGUMENTS.update(mixed_precision=(bool,), checkpointing=(bool,), precision=("one of", "float32", "autocast", "bf16"),
                  n_devices=(int, 1, MAX_SIZE), zero_stage=(int, 0, 3), memory=(dict,), model=(nn.Module,))
+PRECISIONS = {"float32": (4, 4, 8, 0), "autocast": (4, 4, 8, 0), "bf16": (2, 2, 8, 4)}  # bytes a parameter
 
 
 def checkpoint_blocks(model, checkpointing=True):
@@ -4904,9 +4896,6 @@ def activation_bytes(kind, config, batch_size, seq_len, mixed_precision=False, c
     moe_layers, expert = L - c.get("n_dense_layers", 0) if c.get("n_experts") else 0, c.get("expert_d_ff") or d_ff
     moe = c["top_k"] * (4 * s * expert + (8 + s) * D) + 4 * s * c.get("n_shared", 0) * expert if moe_layers else 0
     return batch_size * T * (head + L * layer + (L - moe_layers) * 4 * s * d_ff + moe_layers * moe)
-
-
-PRECISIONS = {"float32": (4, 4, 8, 0), "autocast": (4, 4, 8, 0), "bf16": (2, 2, 8, 4)}  # bytes a parameter
 
 
 def memory_bytes(params, trainable, activations, precision="float32", matrices=0):
@@ -5731,14 +5720,12 @@ def with_pieces(pairs, copies=1, seed=0):
 
 
 def open_for_reading(path, limit, expected, any_size=False):
-    """The file the user named, read whole (at most limit bytes: /dev/zero stops there) or, with any_size, a
-    regular file opened; or ValueError naming it. Opened without waiting: a pipe with no writer reads as empty."""
+    """path read whole (at most limit bytes: /dev/zero stops) or, any_size, a regular file opened; ValueError."""
     if not isinstance(path, (str, bytes, os.PathLike)) or not os.fspath(path):
         raise ValueError(f"path must be a file name (str or os.PathLike), got {type(path).__name__} {path!r:.40}")
     try:
-        f = os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb")  # O_NONBLOCK: Unix only
-        if hasattr(os, "O_NONBLOCK"):
-            os.set_blocking(f.fileno(), True)  # a pipe with a writer is read as usual
+        f = os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb")  # a pipe with no writer: empty
+        if hasattr(os, "O_NONBLOCK"): os.set_blocking(f.fileno(), True)  # then read as usual (Unix)
         if any_size and os.path.isfile(path):
             return f
         with f:
@@ -5750,8 +5737,7 @@ def open_for_reading(path, limit, expected, any_size=False):
 
 
 def read_pairs(path):
-    """(pinyin, hanzi) pairs from a TSV file, the first answer winning for a repeated pinyin; or ValueError
-    naming FILE:LINE. Memory stays a small multiple of the file: lines are visited, never listed."""
+    """Sorted (pinyin, hanzi) pairs of a TSV file, the first answer of a repeated pinyin; or ValueError FILE:LINE."""
     with open_for_reading(path, MAX_DATA_BYTES, "a pinyin<TAB>hanzi file") as f:
         data, path = f.read(), shown(path)
     try:
@@ -5759,7 +5745,7 @@ def read_pairs(path):
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     pairs, number, at = {}, 1, 0
-    for match in re.finditer(r"[^\n]+", text):  # numbered as an editor numbers lines: only \n ends one
+    for match in re.finditer(r"[^\n]+", text):  # visited, never listed; numbered as an editor does: only \n ends one
         number, at = number + text.count("\n", at, match.start()), match.start()
         line = match.group().removesuffix("\r")
         if line.isspace() or line.lstrip().startswith("#"):
@@ -5776,12 +5762,12 @@ def read_pairs(path):
         bad = next((s for s in syllables if not SYLLABLE.fullmatch(s)), None)
         if bad: raise ValueError(f"{where} syllable {quote(bad)} is not toneless lowercase pinyin (a-z, ü written v)")
         if len(syllables) != len(hanzi):
-            raise ValueError(f"{where} {len(syllables)} syllables but {len(hanzi)} characters {quote(hanzi)};"
-                             f" expected one syllable per character")
+            raise ValueError(f"{where} {len(syllables)} syllables but {len(hanzi)} characters {quote(hanzi)}; expected"
+                             f" one syllable per character")
         # a combining mark or variation selector (category M) is no character of its own
         if any(c.isascii() or c.isspace() or not c.isprintable() or unicodedata.category(c)[0] == "M" for c in hanzi):
             raise ValueError(f"{where} hanzi {quote(hanzi)} holds an ASCII, space or control character or a"
-                             f" combining mark; expected Chinese characters only")
+                             f" combining mark")
         pairs.setdefault(" ".join(syllables), hanzi)
         if len(pairs) > MAX_PAIRS: raise ValueError(f"{where} more than {MAX_PAIRS:,} sentences; split the file")
     if len(pairs) < 2: raise ValueError(f"{path}: found {len(pairs)} pinyin<TAB>hanzi lines, need at least 2")
@@ -5791,11 +5777,8 @@ def read_pairs(path):
 # ===========================================================================
 # 53. Saving and loading (保存与加载)
 # ===========================================================================
-# A checkpoint is data: the configuration, the weights and both vocabularies,
-# plain dicts, lists and tensors that torch.load(weights_only=True) reads
-# without running any pickled code. It is written to a temporary file in the
-# same folder, then renamed over the target in one step: an interrupted save
-# leaves the previous file as it was.
+# A checkpoint is data (configuration, weights, vocabularies) that torch.load(weights_only=True) reads without
+# running pickled code, written to a temporary file and renamed over the target: a cut save leaves the old file.
 
 CHECKPOINT_FORMAT = "transformer.py checkpoint v1"
 MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer, "llama": Llama, "qwen3": Qwen3,
@@ -5805,8 +5788,7 @@ PARAMETER_FORMULAS = {"encdec": transformer_param_formula, "gpt": decoder_only_p
                       "qwen3moe": qwen3_moe_param_formula, "mistral": mistral_param_formula,
                       "deepseek": deepseek_param_formula}
 ROPE_KINDS = ("llama", "qwen3", "mixtral", "qwen3moe", "mistral", "deepseek")  # config may hold rope_scaling
-# Before the model families were classes of their own, a "llama" checkpoint's config held
-# all their options; at these values they are a plain Llama's, and are dropped on loading
+# an older "llama" checkpoint's config held the families' options; at these values (a Llama's) they are dropped
 OLD_LLAMA_OPTIONS = dict(head_dim=None, qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True,
                          window=None, rope_scaling=None)
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what a model's weights may be
@@ -5814,37 +5796,42 @@ CHECK_ERRORS = (KeyError, TypeError, ValueError, RuntimeError, IndexError, Attri
 MAX_PIPED_CHECKPOINT_BYTES = 256 * 2 ** 20  # a pipe (--load <(...)) is held in memory whole; --save's are a few MB
 
 
+def pick_device(name="auto"):
+    """'auto' takes CUDA, then Apple MPS, then the CPU; a named device must be here."""
+    here = dict(cpu=True, cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
+    if name == "auto": return torch.device("cuda" if here["cuda"] else "mps" if here["mps"] else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {name!r} is not a device name (cpu, cuda, mps, ...)") from None
+    if not here.get(device.type): raise ValueError(f"device {str(device)!r} is not available here")
+    return device
+
+
 def save_target_problem(path, data=None):
-    """Why path can take no checkpoint, or None. A link is followed on purpose; a standard stream (/dev/stderr
-    may be a log 2>> opened), the kernel's files, the --data file or a folder where no file can be made cannot."""
+    """Why path (a link followed) can take no checkpoint, or None."""
     target = os.path.realpath(path)
-    folder, name = os.path.dirname(target), os.path.basename(target)
-    if not os.path.basename(path) or not os.path.isdir(folder):
-        return "expected a file name in an existing folder"
-    if os.path.exists(target) and not os.path.isfile(target):
-        return "not a regular file (a folder, pipe or device); refusing to replace it"
-    if re.match(r"/(proc|sys)(/|$)", target):
-        return "inside /proc or /sys, the kernel's files; expected a file on a disk"
-    for fd, stream in enumerate(("standard input", "standard output", "standard error")):
+    folder, name, exists = os.path.dirname(target), os.fsencode(os.path.basename(target)), os.path.exists(target)
+    if not os.path.basename(path) or not os.path.isdir(folder): return "expected a file name in an existing folder"
+    if exists and not os.path.isfile(target): return "not a regular file (a folder, pipe or device); not replaced"
+    if re.match(r"/(proc|sys)(/|$)", target): return "inside /proc or /sys, the kernel's files, not a disk's"
+    for fd, stream in enumerate(("standard input", "standard output", "standard error")):  # /dev/stderr: a log?
         with contextlib.suppress(OSError):  # that stream is closed
-            if os.path.exists(target) and os.path.samestat(os.fstat(fd), os.stat(target)):
+            if exists and os.path.samestat(os.fstat(fd), os.stat(target)):
                 return f"that is {stream} (file descriptor {fd}), not a file to save to; name the file itself"
-    if data and os.path.exists(target) and os.path.exists(data) and os.path.samefile(target, data):
+    if data and exists and os.path.exists(data) and os.path.samefile(target, data):
         return "that is the --data file; the checkpoint would overwrite your data"
     name_max = os.pathconf(folder, "PC_NAME_MAX") if hasattr(os, "pathconf") else 255  # Windows: the usual
-    if len(os.fsencode(name)) > name_max:
-        return f"a name of {len(os.fsencode(name))} bytes; this folder takes {name_max}"
+    if len(name) > name_max: return f"a name of {len(name)} bytes; this folder takes {name_max}"
     try:  # the one sure test of a folder (read-only, full, not a real file system): make a file there
-        fd, probe = tempfile.mkstemp(prefix=".checkpoint-", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
+        tempfile.NamedTemporaryFile(prefix=".checkpoint-", dir=folder).close()
     except OSError as e:
         return f"cannot write in its folder ({e.strerror or e})"
 
 
 def check_state_dict(state):
-    """Names to dense float tensors, finite in the dtype the model is built in, that store every value they
-    claim (a stride-0 view of one number can claim gigabytes) and share storage only as one tied tensor."""
+    """Names to dense float tensors, finite in the model's dtype, each storing what it claims (a stride-0 view of
+    one number can claim gigabytes), sharing storage only as one tied tensor."""
     if not isinstance(state, dict): raise ValueError(f"state_dict is a {type(state).__name__}, expected a dict")
     storages = {}  # storage address -> the first tensor seen on it
     for name, t in state.items():
@@ -5858,8 +5845,7 @@ def check_state_dict(state):
         first = storages.setdefault(t.untyped_storage().data_ptr(), t) if t.numel() else t
         if (first.data_ptr(), first.shape, first.stride()) != (t.data_ptr(), t.shape, t.stride()):
             raise ValueError(f"{quote(name)} is a view into the storage of another tensor; only a tied one may share")
-        # finite as stored is not finite as computed: in the model's dtype, a float64 1e39 (float32
-        # stops at 3.4e38) or a float32 1e5 (float16 at 65504) is inf
+        # finite as computed: in the model's dtype a float64 1e39 (float32 ends at 3.4e38) or a float32 1e5 is inf
         bad = (~torch.isfinite(t.to(torch.get_default_dtype()))).nonzero()  # [n, t.dim()]: where
         if len(bad):
             value = t[tuple(bad[0])].item()
@@ -5869,8 +5855,7 @@ def check_state_dict(state):
 
 
 def check_model_config(kind, config):
-    """A kind and its configuration, before anything is computed from them: exactly the class's keywords, as
-    ARGUMENTS (section 0) rules them, and perhaps a rope_scaling (section 37). -> (keywords, scaling or None)."""
+    """-> (keywords, rope_scaling or None): exactly the class's keywords, as ARGUMENTS (section 0) rules them."""
     if not isinstance(kind, str) or kind not in MODEL_CLASSES:
         raise ValueError(f"kind {quote(str(kind))}: expected one of {', '.join(MODEL_CLASSES)}")
     if not isinstance(config, dict): raise ValueError(f"config is a {type(config).__name__}, expected a dict")
@@ -5878,8 +5863,7 @@ def check_model_config(kind, config):
     config = {key: value for key, value in config.items()
               if not (key in old and type(value) is type(old[key]) and value == old[key])}
     scaling = config.pop("rope_scaling", None) if kind in ROPE_KINDS else None
-    if scaling is not None:
-        check_scaling(scaling)
+    if scaling is not None: check_scaling(scaling)
     parameters = inspect.signature(MODEL_CLASSES[kind]).parameters  # the constructor's keywords
     unknown = next((key for key in config if key not in parameters), None)
     if unknown in old:
@@ -5893,8 +5877,7 @@ def check_model_config(kind, config):
 
 
 def checked_checkpoint(checkpoint, device):
-    """A checkpoint's dict, checked cheapest first and built: -> (kind, model in eval mode, src_vocab, tgt_vocab,
-    readings or None), or one of CHECK_ERRORS. Saving asks it too: what would not load is not saved."""
+    """A checkpoint's dict checked, cheapest first, and built: -> load_checkpoint's tuple, or one of CHECK_ERRORS."""
     kind, state = checkpoint["kind"], checkpoint["state_dict"]
     config, scaling = check_model_config(kind, checkpoint["config"])
     check_state_dict(state)
@@ -5917,8 +5900,8 @@ def checked_checkpoint(checkpoint, device):
             isinstance(s, str) and isinstance(c, str) and 0 < len(c) <= len(characters) and set(c) <= characters
             for s, c in readings.items())):
         raise ValueError("readings must map syllables to characters of the vocabulary")
-    # the configuration must account for exactly the weights held (tied ones once; buffers are no
-    # parameters) before anything is built: a forged size cannot allocate more than the file stores
+    # the configuration must account for exactly the weights held (tied ones once; buffers are no parameters)
+    # before anything is built: a forged size cannot allocate more than the file stores
     held = sum({t.data_ptr(): t.numel() for n, t in state.items() if not n.endswith((".pe", ".router_bias"))}.values())
     needed = PARAMETER_FORMULAS[kind](**config)
     if needed != held:
@@ -5930,8 +5913,7 @@ def checked_checkpoint(checkpoint, device):
         raise ValueError(f"max_len {config['max_len']} asks for position tables far larger than the model")
     cls = MODEL_CLASSES[kind]
     model = cls(**config).to(device)
-    if scaling is not None:
-        with_rope_scaling(model, scaling)
+    if scaling is not None: with_rope_scaling(model, scaling)
     shapes = {name: list(t.shape) for name, t in model.state_dict().items()}
     wrong = next((n for n in {**shapes, **state} if shapes.get(n) != list(getattr(state.get(n), "shape", ()))), None)
     if wrong is not None:
@@ -5941,37 +5923,28 @@ def checked_checkpoint(checkpoint, device):
     return kind, model.eval(), *vocabs, readings and {syllable: set(chars) for syllable, chars in readings.items()}
 
 
-def merged_state_dict(model):
-    """model's weights, each LoRALinear (section 47) merged into the Linear it wraps, the model untouched:
-    those of a plain model of its kind that answers the same."""
-    state = model.state_dict()
-    for name, lora in model.named_modules():
-        if isinstance(lora, LoRALinear):
-            tied = [key for key, t in state.items() if t.data_ptr() == lora.base.weight.data_ptr()]
-            if len(tied) > 1 and not lora.merged:  # merging would change the weight's other use too
-                raise ValueError(f"LoRA adapter {name} is on a weight shared as {' and '.join(tied)}; merge_lora()"
-                                 f" the model first (both uses change) or untie them")
-            merged = lora.base.weight.detach() + (0 if lora.merged else lora.delta_weight().detach())  # [out, in]
-            state = {key.replace(f"{name}.base.", f"{name}.", 1): merged if key in tied else t
-                     for key, t in state.items() if key not in (f"{name}.lora_A", f"{name}.lora_B")}
-    return state
-
-
 def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
-    """Write the model (LoRA merged), its vocabularies and readings to path, or ValueError naming it. What loading
-    would refuse is refused first; the old file stays intact, with its mode and owner; a link is followed."""
+    """Write the model (LoRA merged), vocabularies and readings to path, or ValueError: what loading would refuse is
+    refused first; an old file stays intact, or is replaced keeping its mode and owner."""
     if type(model) is not MODEL_CLASSES.get(kind):
         raise ValueError(f"kind {kind!r} with a {type(model).__name__}: expected one of "
                          + ", ".join(f"{k!r} with a {c.__name__}" for k, c in MODEL_CLASSES.items()))
-    problem = save_target_problem(path)
-    if problem: raise ValueError(f"{shown(path)}: {problem}")
+    if problem := save_target_problem(path): raise ValueError(f"{shown(path)}: {problem}")
     checkpoint = {"format": CHECKPOINT_FORMAT, "kind": kind, "config": model.config,
                   "src_vocab": src_vocab.itos, "tgt_vocab": tgt_vocab.itos}
-    if readings is not None:
-        checkpoint["readings"] = {syllable: "".join(sorted(chars)) for syllable, chars in readings.items()}
+    if readings is not None: checkpoint["readings"] = {s: "".join(sorted(chars)) for s, chars in readings.items()}
     try:
-        checkpoint["state_dict"] = merged_state_dict(model)
-        checked_checkpoint(checkpoint, "cpu")
+        state = model.state_dict()
+        for name, lora in model.named_modules():  # each LoRALinear (section 47) merged: a plain model's weights
+            if isinstance(lora, LoRALinear):
+                tied = [key for key, t in state.items() if t.data_ptr() == lora.base.weight.data_ptr()]
+                if len(tied) > 1 and not lora.merged:  # merging would change the weight's other use too
+                    raise ValueError(f"LoRA adapter {name} is on a weight shared as {' and '.join(tied)}; merge_lora()"
+                                     f" the model first (both uses change) or untie them")
+                merged = lora.base.weight.detach() + (0 if lora.merged else lora.delta_weight().detach())  # [out, in]
+                state = {key.replace(f"{name}.base.", f"{name}.", 1): merged if key in tied else t
+                         for key, t in state.items() if key not in (f"{name}.lora_A", f"{name}.lora_B")}
+        checked_checkpoint(dict(checkpoint, state_dict=state), "cpu")
     except CHECK_ERRORS as e:
         raise ValueError(f"{shown(path)}: not saved ({' '.join(str(e).split())[:200]}); the previous file is"
                          f" unchanged") from None
@@ -5980,13 +5953,12 @@ def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
     fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", dir=os.path.dirname(target))
     try:
         with os.fdopen(fd, "wb") as f:
-            umask = os.umask(0)
-            os.umask(umask)
+            os.umask(umask := os.umask(0))  # read, and put back
             os.chmod(tmp, old.st_mode & 0o7777 if old else 0o666 & ~umask)  # mkstemp's file is private
             if old and hasattr(os, "chown") and (old.st_uid, old.st_gid) != (os.getuid(), os.getgid()):
                 with contextlib.suppress(OSError):  # root saving over a user's file: it stays theirs
                     os.chown(tmp, old.st_uid, old.st_gid)
-            torch.save(checkpoint, f)
+            torch.save(dict(checkpoint, state_dict=state), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)  # one rename: readers see the old file or the new, never half
@@ -6000,12 +5972,7 @@ def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
 def load_checkpoint(path, device="cpu"):
     """-> (kind, model in eval mode, src_vocab, tgt_vocab, readings or None) from a file or a pipe; ValueError
     for a bad device or a missing, truncated, foreign or forged file, which allocates no more than it holds."""
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device {device!r} is not a device name (cpu, cuda, mps, ...)") from None
-    available = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}.get(device.type)
-    if available and not available(): raise ValueError(f"device {str(device)!r} is not available here")
+    device = pick_device(device)
     with open_for_reading(path, MAX_PIPED_CHECKPOINT_BYTES, "a checkpoint file, or a pipe of at most that"
                           " (a pipe is held in memory)", any_size=True) as f, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's notes on sparse or complex32 tensors: the refusal is the line
@@ -6029,36 +5996,18 @@ def load_checkpoint(path, device="cpu"):
 # them) and the cache measured; then both toy models learn pinyin to hanzi,
 # answer sentences they never saw, and the encoder-decoder shows where it looked.
 
-def pick_device(name="auto"):
-    """'auto' takes CUDA, then Apple MPS, then the CPU; a named device must exist."""
-    if name not in ("auto", "cpu", "cuda", "mps"):
-        raise ValueError(f"device must be auto, cpu, cuda or mps, got {name!r}")
-    cuda, mps = torch.cuda.is_available(), torch.backends.mps.is_available()
-    if name == "auto":
-        return torch.device("cuda" if cuda else "mps" if mps else "cpu")
-    if (name == "cuda" and not cuda) or (name == "mps" and not mps):
-        raise ValueError(f"device {name!r} was asked for but is not available here")
-    return torch.device(name)
-
-
 TUTORIAL_GPT_CONFIG = dict(vocab_size=50257, d_model=512, n_layers=6, n_heads=8, d_ff=2048, max_len=1024)
-# (name, model class, configuration, what the source reports)
-CLASSIC_CONFIGS = [
-    ("Transformer base (Vaswani 2017)", "encdec", dict(
-        src_vocab_size=37000, tgt_vocab_size=37000, share_embeddings=True), "65M"),
-    ("Transformer big (Vaswani 2017)", "encdec", dict(
-        src_vocab_size=37000, tgt_vocab_size=37000, d_model=1024, n_heads=16, d_ff=4096,
-        share_embeddings=True), "213M"),
-    ("GPT-2 small (Radford 2019)", "gpt", dict(
-        vocab_size=50257, d_model=768, n_layers=12, n_heads=12, d_ff=3072, max_len=1024,
-        tie_weights=True), "117M in the paper, 124M corrected"),
-    ("GPT of the decoder-only tutorial", "gpt", TUTORIAL_GPT_CONFIG, "3000多万 (30-odd M)"),
-]
-# --size base, the default for --data: real sentences need more than the toy's 90 words.
-# Measured on 2,500 everyday sentences (the README's --data example): twice the width, a
-# further layer, dropout against overfitting, each sentence plus one random piece of it
-# (drawn once, before training); 12 epochs to stay within 5 minutes on 2 cores. The
-# DeepSeek-style one is not measured on real sentences: the Llama-style widths, MLA, experts.
+CLASSIC_CONFIGS = [  # (name, model kind, configuration, what the source reports)
+    ("Transformer base (Vaswani 2017)", "encdec", dict(src_vocab_size=37000, tgt_vocab_size=37000,
+                                                       share_embeddings=True), "65M"),
+    ("Transformer big (Vaswani 2017)", "encdec", dict(src_vocab_size=37000, tgt_vocab_size=37000, d_model=1024,
+                                                      n_heads=16, d_ff=4096, share_embeddings=True), "213M"),
+    ("GPT-2 small (Radford 2019)", "gpt", dict(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, d_ff=3072,
+                                               max_len=1024, tie_weights=True), "117M in the paper, 124M corrected"),
+    ("GPT of the decoder-only tutorial", "gpt", TUTORIAL_GPT_CONFIG, "3000多万 (30-odd M)")]
+# --size base, the default for --data, measured on 2,500 everyday sentences (the README's example): twice the
+# width, a further layer, dropout, each sentence and one random piece of it; 12 epochs, 5 minutes on 2 cores.
+# The DeepSeek-style one is not measured on real sentences: the Llama-style widths, MLA, experts.
 BASE = dict(epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1)
 BASE_MODELS = {kind: dict(TOY_MODELS[kind], **BASE, config=config) for kind, config in [
     ("encdec", dict(d_model=128, n_heads=4, d_ff=512, n_layers=3, dropout=0.1)),
@@ -6083,8 +6032,7 @@ def cache_bytes_per_token(model, ids):
 
 
 def show_models(device):
-    """Output shapes of small models, parameter counts (counted and by formula) of
-    the classic and the modern configurations, the KV cache's memory and speed."""
+    """Small models' output shapes; parameters counted and by formula; the KV cache's memory and speed."""
     torch.manual_seed(0)
     widths = dict(d_model=128, n_layers=2)
     small = [("encoder-decoder", "encdec", dict(src_vocab_size=1000, tgt_vocab_size=1200, n_heads=4, d_ff=512)),
@@ -6126,9 +6074,10 @@ def show_models(device):
                    for heads in (cfg["n_kv_heads"], cfg["n_heads"]))
         print(f"  {name:15s} {counted:13,d} {llama_param_formula(**cfg):13,d} {published:13,d}"
               f"  {kv:5,d} KiB  {mha:9,d} KiB")
-    print(f"  measured: the small Llama-style model's cache holds {cache_bytes_per_token(models['llama'], tgt):,} bytes"
-          f" a token in float32 = {kv_cache_bytes_per_token(2, 2, 32, 4):,} by the formula"
-          f" (2 layers, 2 kv heads of 32)")
+    measured = "  measured: the small {}-style model's cache holds {:,} bytes a token in float32 = {:,} by the" \
+               " formula ({})"
+    print(measured.format("Llama", cache_bytes_per_token(models["llama"], tgt), kv_cache_bytes_per_token(2, 2, 32, 4),
+                          "2 layers, 2 kv heads of 32"))
     print("\nfrontier models (meta device): total and active parameters, cache per token in bfloat16")
     print(f"  {'model':14s} {'counted':>15s} {'formula':>15s} {'active':>14s}  {'cache':>9s}  reported")
     for name, kind, cfg, total, active, reported in FRONTIER_CONFIGS:
@@ -6143,9 +6092,8 @@ def show_models(device):
     per_head = v3["n_layers"] * v3["n_heads"] * (v3["qk_nope_dim"] + v3["qk_rope_dim"] + v3["v_head_dim"]) * 2
     print(f"  DeepSeek-V3's latent cache: {v3['kv_lora_rank']} + {v3['qk_rope_dim']} values a token a layer;"
           f" per-head keys and values would take {per_head / 2 ** 20:.2f} MiB a token")
-    print(f"  measured: the small DeepSeek-style model's cache holds {cache_bytes_per_token(models['deepseek'], tgt):,}"
-          f" bytes a token in float32 = {mla_cache_bytes_per_token(2, 64, 16, 4):,} by the formula"
-          f" (latent 64, rope 16)")
+    print(measured.format("DeepSeek", cache_bytes_per_token(models["deepseek"], tgt),
+                          mla_cache_bytes_per_token(2, 64, 16, 4), "latent 64, rope 16"))
     torch.manual_seed(0)
     gpt = DecoderOnlyTransformer(vocab_size=1000, d_model=512, n_layers=2, n_heads=8, d_ff=2048,
                                  max_len=512).to(device).eval()
@@ -6157,8 +6105,7 @@ def show_models(device):
 
 
 def show_training_costs(seq_len=4096, lora_rank=16, n_devices=64):
-    """FLOPs a token against 6N and the MFU published budgets imply (section 44); the memory of
-    training Llama-3-8B, whole or with LoRA, and DeepSeek-V3 with AdamW (section 46)."""
+    """FLOPs a token against 6N, the MFU of published budgets (section 44); training memory (section 46)."""
     models = {name: ("llama", config, total) for name, config, total in LLAMA_CONFIGS}
     models.update({name: (kind, config, active) for name, kind, config, _, active, _ in FRONTIER_CONFIGS})
 
@@ -6188,9 +6135,7 @@ def show_training_costs(seq_len=4096, lora_rank=16, n_devices=64):
 
 
 def longest_sentence(kind, model):
-    """The most syllables the model can answer, 0 for none: the encoder-decoder needs
-    S + 1 decoder positions after bos (max_len 3 for one syllable), a decoder-only model
-    holds pinyin, <sep>, hanzi, <eos> (max_len 4)."""
+    """The most syllables the model can answer: bos, S characters, eos; or S syllables, <sep>, S characters, eos."""
     return max(0, model.max_len - 2 if kind == "encdec" else (model.max_len - 2) // 2)
 
 
@@ -6199,8 +6144,7 @@ def percent(right, total):
 
 
 def report(answer, test_pairs, ambiguous, n_examples=6):
-    """Held-out accuracy (sentences, characters, ambiguous syllables), examples, and
-    the seconds the answers took."""
+    """Print held-out accuracy (sentences, characters, ambiguous syllables) and examples; -> the result, timed."""
     check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
     start = time.perf_counter()
     result = evaluate(answer, test_pairs, ambiguous)  # ends in characters on the host: the device is done
@@ -6214,10 +6158,9 @@ def report(answer, test_pairs, ambiguous, n_examples=6):
     rows = sorted(zip(test_pairs, result["predictions"]), key=lambda row: row[0][1] == row[1])[:n_examples]
     width = max(len(pinyin) for (pinyin, _), _ in rows)
     print(f"  {'pinyin (held out)':{width}s}  {'expected':24s}  predicted")
-    for (pinyin, hanzi), predicted in rows:
-        mark = "" if predicted == hanzi else "  ✗ wrong"
-        # a hanzi is two columns wide in a terminal, so pad by 24 - 2 * len
-        print(f"  {pinyin:{width}s}  {hanzi}{' ' * max(0, 24 - 2 * len(hanzi))}  {predicted}{mark}")
+    for (pinyin, hanzi), predicted in rows:  # a hanzi is two columns wide in a terminal: padded by 24 - 2 * len
+        print(f"  {pinyin:{width}s}  {hanzi}{' ' * max(0, 24 - 2 * len(hanzi))}  {predicted}"
+              + ("" if predicted == hanzi else "  ✗ wrong"))
     return result
 
 
@@ -6225,43 +6168,37 @@ MAX_BASELINE_CHARACTERS = 4096  # the bigram tables are (C + 1) x C floats: 64 M
 
 
 def compare_with_baseline(results, train_pairs, answered, args):
-    """The closing table: each model beside the bigram baseline on the same sentences,
-    and a plain line for every model that does not beat it. Past
-    MAX_BASELINE_CHARACTERS distinct characters the baseline is left out (its
-    memory grows with their square), and the table says so."""
+    """The closing table: each model beside the bigram baseline (left out past MAX_BASELINE_CHARACTERS), on the
+    same sentences, and a line for each model that does not beat it."""
     check_list("train_pairs", train_pairs, "(pinyin, hanzi) pairs")
     check_list("answered", answered, "(pinyin, hanzi) pairs")
+    rows = [(SIZES[args.size][kind]["name"], f"{count_parameters(model):,}", f"{r['seconds']:.1f}" if "seconds" in r
+             else "-", r) for kind, (model, *_, r) in results.items() if "exact" in r]  # loaded: not trained
     n_chars = len({c for _, hanzi in train_pairs for c in hanzi})
-    start = time.perf_counter()
-    hmm = BigramHMM(train_pairs) if n_chars <= MAX_BASELINE_CHARACTERS else None
-    trained = time.perf_counter()
-    baseline = evaluate(hmm.decode, answered) if hmm else None
-    answered_at = time.perf_counter()
+    if n_chars <= MAX_BASELINE_CHARACTERS:
+        start = time.perf_counter()
+        hmm = BigramHMM(train_pairs)
+        trained = time.perf_counter()
+        baseline = evaluate(hmm.decode, answered)
+        rows.append(("bigram HMM baseline", "-", f"{trained - start:.2f}",
+                     dict(baseline, answer_seconds=time.perf_counter() - trained)))
     how = ("unconstrained" if args.free else "constrained") + (f", beam {args.beam}" if args.beam > 1 else "")
     print(f"\nheld-out sentences, same split ({how} decoding):")
     print(f"  {'model':20s} {'parameters':>10s} {'train s':>8s} {'answer s':>8s}  {'exact match':17s}  characters")
-    for kind, (model, *_, r) in results.items():
-        if "exact" in r:
-            seconds = f"{r['seconds']:8.1f}" if "seconds" in r else f"{'-':>8s}"  # a loaded model: not trained
-            print(f"  {SIZES[args.size][kind]['name']:20s} {count_parameters(model):10,d} {seconds}"
-                  f" {r['answer_seconds']:8.2f}  {percent(r['exact'], r['total']):17s}"
-                  f"  {percent(r['char_right'], r['char_total'])}")
-    if not hmm:
+    for name, parameters, seconds, r in rows:
+        print(f"  {name:20s} {parameters:>10s} {seconds:>8s} {r['answer_seconds']:8.2f}"
+              f"  {percent(r['exact'], r['total']):17s}  {percent(r['char_right'], r['char_total'])}")
+    if n_chars > MAX_BASELINE_CHARACTERS:
         print(f"  {'bigram HMM baseline':20s} left out: {n_chars:,} distinct characters, its tables grow with"
               f" their square (at most {MAX_BASELINE_CHARACTERS:,})")
         return
-    print(f"  {'bigram HMM baseline':20s} {'-':>10s} {trained - start:8.2f} {answered_at - trained:8.2f}  "
-          f"{percent(baseline['exact'], baseline['total']):17s}"
-          f"  {percent(baseline['char_right'], baseline['char_total'])}")
-    for kind, (*_, r) in results.items():  # beating it: more exact matches, or as many and more characters
-        if "exact" in r and (r["accuracy"], r["char_accuracy"]) <= (baseline["accuracy"], baseline["char_accuracy"]):
-            print(f"  the {SIZES[args.size][kind]['name']} does NOT beat the bigram baseline on these sentences")
+    for name, *_, r in rows[:-1]:  # beating it: more exact matches, or as many and more characters
+        if (r["accuracy"], r["char_accuracy"]) <= (baseline["accuracy"], baseline["char_accuracy"]):
+            print(f"  the {name} does NOT beat the bigram baseline on these sentences")
 
 
 def run(args, device, pairs, loaded):
-    """Train each model asked for (or take the loaded one), report on the held-out
-    sentences beside the bigram baseline, draw the heatmap, save;
-    -> the first (kind, model, src_vocab, tgt_vocab, readings)."""
+    """Train (or load) each model asked for, report, draw the heatmap, compare, save; -> the first's load tuple."""
     check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     answering = args.translate is not None
     train_pairs, test_pairs = split_data(pairs, seed=args.seed)
@@ -6275,8 +6212,7 @@ def run(args, device, pairs, loaded):
             print(f"transformer.py: note: {shown(args.load)} holds no syllable readings (saved by an older version):"
                   f" answering unconstrained", file=sys.stderr)
     else:
-        kinds = list(SIZES[args.size]) if args.model == "all" else [args.model]
-        kinds = kinds[:1] if answering else kinds  # one model answers: train only that one
+        kinds = (list(SIZES[args.size]) if args.model == "all" else [args.model])[:1 if answering else None]
         print(f"\ndata: {len(pairs):,} pinyin sentences, {len(test_pairs):,} held out, "
               f"{len(ambiguous)} syllables with two or more characters")
     results, answered = {}, None  # answered: the held-out sentences the models could take
@@ -6333,8 +6269,7 @@ def run(args, device, pairs, loaded):
 # tiles against section 2 at long lengths, in time and in memory.
 
 class TorchTransformer(nn.Module):
-    """Our encoder-decoder's weights in nn.Transformer (its in_proj_weight packs
-    w_q, w_k, w_v), with our embeddings and output projection around it."""
+    """Our encoder-decoder's weights in nn.Transformer (in_proj_weight packs w_q, w_k, w_v), our embeddings around."""
 
     def __init__(self, ours):
         super().__init__()
@@ -6374,8 +6309,7 @@ class TorchTransformer(nn.Module):
 
 
 def training_tokens_per_second(model, src, tgt, steps):
-    """Forward, backward and an Adam step on one batch, steps times: target tokens / s.
-    The same fused Adam as train(), so the table measures what the demo runs."""
+    """Target tokens / s of steps forwards, backwards and fused Adam steps (as train()) on one batch."""
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
     model.train()
     synchronize(src.device)
@@ -6398,9 +6332,8 @@ TRAINING_BENCH_SIZES = [  # name, the model's widths, batch, length, steps a rou
 
 
 def bench_training(device, rounds=3, sizes=TRAINING_BENCH_SIZES):
-    """Ours as written and with fused kernels (section 34) against nn.Transformer, same
-    configuration and weights, alternating. No dropout, as the demo trains (with it,
-    PyTorch's attention on a CPU falls back to the unfused formula)."""
+    """Ours as written and with fused kernels (section 34) against nn.Transformer, same weights, alternating. No
+    dropout, as the demo trains (with it, PyTorch's attention on a CPU falls back to the unfused formula)."""
     print("training throughput, forward + backward + Adam, no dropout, target tokens/s (median of "
           f"{rounds} alternating rounds)")
     print(f"  {'configuration':50s} {'hand-written':>12s} {'fused':>7s} {'nn.Transformer':>14s}  ratios")
@@ -6424,8 +6357,7 @@ def bench_training(device, rounds=3, sizes=TRAINING_BENCH_SIZES):
 
 
 def memory_bandwidth(device=torch.device("cpu"), megabytes=256):
-    """Bytes read and written per second by a large copy on device: the ceiling for
-    anything that must stream all its weights from that memory once per step."""
+    """Bytes a second a large copy reads and writes: the ceiling for a step that streams all its weights once."""
     x = torch.ones(megabytes * 2 ** 20 // 4, device=device)                # [N] float32
     y = torch.empty_like(x)                                                # [N]
     y.copy_(x)
@@ -6438,9 +6370,8 @@ def memory_bandwidth(device=torch.device("cpu"), megabytes=256):
 
 
 def bench_kv_cache(device, lengths=(64, 256, 1024), d_model=512, n_heads=8, d_ff=2048, n_layers=2, megabytes=256):
-    """The cache's speedup with the number of new tokens, and its floor: a cached step
-    is one token through every weight, so it cannot beat bytes of weights / bandwidth
-    (measured by copying megabytes)."""
+    """The cache's speedup with the number of new tokens, and its floor: a cached step is one token through every
+    weight, so it cannot beat bytes of weights / bandwidth (measured by copying megabytes)."""
     torch.manual_seed(0)
     gpt = DecoderOnlyTransformer(vocab_size=1000, d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_ff=d_ff,
                                  max_len=max(lengths) + 8).to(device).eval()
@@ -6482,10 +6413,8 @@ print(1024 * (kib("VmHWM") - before))
 
 
 def attention_peak_bytes(kind, T, H, dk):
-    """Peak resident memory one attention call adds, in bytes, measured in a fresh process:
-    its high-water mark after the call (VmHWM, Linux's /proc) minus its resident memory
-    just before. None where there is no /proc. (tracemalloc does not see torch's
-    allocator, and getrusage's ru_maxrss keeps the parent's peak across exec.)"""
+    """Bytes one attention call adds at its peak in a fresh process: VmHWM after minus VmRSS before (Linux's /proc;
+    else None). tracemalloc misses torch's allocator; getrusage's ru_maxrss keeps the parent's peak across exec."""
     import subprocess
     if not os.path.exists("/proc/self/status"):
         return None
@@ -6495,8 +6424,7 @@ def attention_peak_bytes(kind, T, H, dk):
 
 
 def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
-    """FlashAttention's tiles (section 34) against section 2 at each of lengths: time, peak
-    memory, and the largest difference between their outputs."""
+    """FlashAttention's tiles (section 34) against section 2: time, peak memory, largest difference of outputs."""
     print(f"\nattention, causal, batch 1, {heads} heads of {dk}: section 2 against flash_attention "
           f"(block 64, section 34)")
     print(f"  {'tokens':>6s} {'threads':>7s} {'section 2':>10s} {'flash':>8s} {'peak memory: section 2':>23s}"
@@ -6544,26 +6472,15 @@ IGNORED_BY = {"load": ("skips training", ("save", "epochs", "model", "size")),  
 GGUF_OPTIONS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p")  # nothing without --gguf
 
 
-def read_lines(stream, limit=MAX_LINE):
-    """The lines of standard input, read at most limit + 1 characters at a time, or ValueError: reading stops."""
-    try:
-        for number, line in enumerate(iter(lambda: stream.readline(limit + 1), ""), 1):
-            if len(line) > limit and not line.endswith("\n"):
-                raise ValueError(f"standard input, line {number}: longer than {limit:,} characters; stopped reading")
-            yield line
-    except UnicodeDecodeError as e:
-        encoding = getattr(stream, "encoding", None) or "UTF-8"
-        raise ValueError(f"standard input is not {encoding} text ({e.reason}); stopped reading") from None
-    except OSError as e:
-        raise ValueError(f"cannot read standard input ({e.strerror or e})") from None
-
-
 def answer_lines(answer, src_vocab, longest, lines):
-    """One hanzi line per pinyin line, or an error line on stderr for each the model cannot take. -> exit status."""
+    """A hanzi line on stdout for each pinyin line, or an error line on stderr; a line past MAX_LINE characters
+    (readline is asked for at most MAX_LINE + 1) or unreadable stdin stops the reading. -> exit status."""
     check_list("lines", lines, "lines of pinyin")
     status = 0
     try:
-        for line in lines:
+        for number, line in enumerate(lines, 1):
+            if len(line.removesuffix("\n")) > MAX_LINE:
+                raise ValueError(f"standard input, line {number}: longer than {MAX_LINE:,} characters")
             syllables = line.split()                                       # ['wo', 'ai', ...]
             unknown = next((s for s in syllables if not (SYLLABLE.fullmatch(s) and s in src_vocab.stoi)), None)
             problem = (f"unknown syllable {quote(unknown)}" if unknown else
@@ -6574,31 +6491,25 @@ def answer_lines(answer, src_vocab, longest, lines):
                 status = 2
             else:
                 print(answer([" ".join(syllables)])[0] if syllables else "", flush=True)
-    except ValueError as e:  # from read_lines
-        print(f"transformer.py: error: --translate -: {e}", file=sys.stderr)
+    except ValueError as e:  # UnicodeDecodeError is one
+        problem = (f"standard input is not {getattr(sys.stdin, 'encoding', None) or 'UTF-8'} text ({e.reason})"
+                   if isinstance(e, UnicodeDecodeError) else e)
+        print(f"transformer.py: error: --translate -: {problem}; stopped reading", file=sys.stderr)
         return 2
     return status
 
 
-def number_in(low, high):
-    """An argparse type: a number from low to high (finite)."""
+def number_in(low, high=2 ** 64 - 1, kind=int):
+    """An argparse type: a finite number from low to high; an integer's high is 2^64 - 1, torch.manual_seed's."""
     def parse(text):
         try:
-            value = float(text)
+            value = kind(text) if kind is float or re.fullmatch(r"-?\d+", text) else math.nan
         except ValueError:
             value = math.nan
         if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"expected a number from {low:g} to {high:g}, got {quote(text)}")
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} from {low:g} to"
+                                             f" {'2^64 - 1' if kind is int else f'{high:g}'}, got {quote(text)}")
         return value
-    return parse
-
-
-def int_at_least(low):
-    """An argparse type: an integer from low to 2^64 - 1, the most torch.manual_seed takes."""
-    def parse(text):
-        if not re.fullmatch(r"-?\d+", text) or not low <= int(text) < 2 ** 64:
-            raise argparse.ArgumentTypeError(f"expected an integer from {low} to 2^64 - 1, got {quote(text)}")
-        return int(text)
     return parse
 
 
@@ -6630,11 +6541,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="transformer.py", description=__doc__.split("\n\n")[0])
     # a usage error is one line and exit status 2, no usage dump; a path in it can be a megabyte
     parser.error = lambda message: parser.exit(2, f"transformer.py: error: {message[:300]}"
-                                                  f"{'...' if len(message) > 300 else ''}\n")
+                                                  f"{'...' * (len(message) > 300)}\n")
     option = parser.add_argument
     option("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or mps")
-    option("--epochs", type=int_at_least(1), help="training epochs (default: each model's own)")
-    option("--seed", type=int_at_least(0), default=0, help="seed for the data, split, weights, batches")
+    option("--epochs", type=number_in(1), help="training epochs (default: each model's own)")
+    option("--seed", type=number_in(0), default=0, help="seed for the data, split, weights, batches")
     option("--model", choices=[*TOY_MODELS, "all"], help="what to train (default: all; encdec with --data): --save and"
                                                           " --translate take the first")
     option("--size", choices=list(SIZES), help="model size and recipe (default: small; base with --data)")
@@ -6642,17 +6553,17 @@ def main(argv=None):
     option("--save", metavar="PATH", help="after training, save the model and its vocabularies")
     option("--load", metavar="PATH", help="load a saved model instead of training")
     option("--translate", metavar="PINYIN", help="answer this pinyin sentence ('-': one per stdin line)")
-    option("--beam", type=int_at_least(1), default=4, help="beam size for answers (default 4; 1 is greedy)")
+    option("--beam", type=number_in(1), default=4, help="beam size for answers (default 4; 1 is greedy)")
     option("--free", action="store_true", help="decode unconstrained: any character, not the syllables' readings")
-    option("--head", type=int_at_least(0), help="draw this head's attention in the heatmap, not the mean")
+    option("--head", type=number_in(0), help="draw this head's attention in the heatmap, not the mean")
     option("--bench", action="store_true", help="measure where the time goes (a few minutes), then exit")
     option("--after", action="store_true", help="speculative decoding, DPO and GRPO on the toy (a minute), then exit")
     option("--gguf", metavar="PATH", help="a released model's GGUF file (Part IV): answer --prompt with it, then exit")
     option("--prompt", metavar="TEXT", help="with --gguf: what to ask (a chat turn where its template is ChatML)")
-    option("--max-new-tokens", type=int_at_least(1), default=256, help="with --gguf: at most this many tokens (256)")
-    option("--temperature", type=number_in(0, 100), default=0.0, help="with --gguf: 0 is greedy (the default)")
-    option("--top-k", type=int_at_least(1), help="with --gguf: sample from the k most likely tokens only")
-    option("--top-p", type=number_in(1e-9, 1), help="with --gguf: sample from the smallest set holding p of the mass")
+    option("--max-new-tokens", type=number_in(1), default=256, help="with --gguf: at most this many tokens (256)")
+    option("--temperature", type=number_in(0, 100, float), default=0.0, help="with --gguf: 0 is greedy (the default)")
+    option("--top-k", type=number_in(1), help="with --gguf: sample from the k most likely tokens only")
+    option("--top-p", type=number_in(1e-9, 1, float), help="with --gguf: sample from the smallest set holding p")
     args = parser.parse_args(argv)
     GuardedStream.keep_going = args.save is not None  # the reader of the output may leave: the model is saved
     # every problem that can be seen before the work starts is reported before it starts
@@ -6682,8 +6593,17 @@ def main(argv=None):
     lone = next((name for name in GGUF_OPTIONS if not args.gguf and getattr(args, name) != parser.get_default(name)),
                 None)
     if lone: parser.error(f"--{lone.replace('_', '-')} applies to --gguf, which was not given")
-    if args.gguf is not None:
-        return answer_with_gguf(parser, args)
+    if args.gguf is not None:  # the answer on stdout as it is made, the speed on stderr
+        if not args.gguf or args.prompt is None: parser.error("--gguf needs a file name and --prompt TEXT")
+        try:
+            torch.manual_seed(args.seed)  # sampling draws from torch's generator: --seed repeats an answer
+            _, speed = chat(load_gguf(args.gguf), args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                            args.top_p)
+        except ValueError as e:
+            parser.error(f"--gguf {shown(args.gguf)}: {e}" if shown(args.gguf) not in str(e) else str(e))
+        print(flush=True)
+        print(f"({speed:.1f} tokens/s)", file=sys.stderr)
+        return 0
     args.size = args.size or ("base" if args.data else "small")
     args.model = args.model or ("encdec" if args.data else "all")
     problem = args.save and save_target_problem(args.save, args.data)
@@ -6695,14 +6615,13 @@ def main(argv=None):
     except ValueError as e:
         parser.error(str(e))
     if loaded and not longest_sentence(loaded[0], loaded[1]):  # not "takes at most -1 syllables", later
-        need = ("3 (bos, its character, eos)" if loaded[0] == "encdec"
-                else f"4 (the syllable, {SEP}, its character, eos)")
-        parser.error(f"--load {shown(args.load)}: a model of max_len {loaded[1].max_len} can answer no sentence"
-                     f" at all; one syllable needs max_len {need}")
+        need = "3 (bos, its character, eos)" if loaded[0] == "encdec" else f"4 (syllable, {SEP}, character, eos)"
+        parser.error(f"--load {shown(args.load)}: a model of max_len {loaded[1].max_len} can answer no sentence at"
+                     f" all; one syllable needs max_len {need}")
     n_heads = (loaded[1].config if loaded else SIZES[args.size]["encdec"]["config"])["n_heads"]
     if args.head is not None and args.head >= n_heads:
-        heads = f"heads 0 to {n_heads - 1}" if n_heads > 1 else "only head 0"
-        parser.error(f"--head {args.head}: the model has {heads}")
+        parser.error(f"--head {args.head}: the model has " + (f"heads 0 to {n_heads - 1}" if n_heads > 1 else
+                                                                 "only head 0"))
     if args.after or args.bench:  # each trains with train(), which takes Ctrl-C as "stop this training" and goes on
         print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads" + "\n" * args.bench)
         global stop_on_ctrl_c  # so, within, Ctrl-C stops all of the run (section 13)
@@ -6731,24 +6650,9 @@ def main(argv=None):
     with contextlib.redirect_stdout(sys.stderr):  # the answers alone go to stdout, the training's progress to stderr
         kind, model, src_vocab, tgt_vocab, readings = run(args, device, pairs, loaded)
     GuardedStream.keep_going = False  # the model is saved: from here on, a reader leaving ends it
-    lines = read_lines(sys.stdin) if args.translate == "-" else [args.translate]
+    lines = iter(lambda: sys.stdin.readline(MAX_LINE + 1), "") if args.translate == "-" else [args.translate]
     answer = translator(kind, model, src_vocab, tgt_vocab, None if args.free else readings, args.beam)
     return answer_lines(answer, src_vocab, longest_sentence(kind, model), lines)
-
-
-def answer_with_gguf(parser, args):
-    """--gguf PATH --prompt TEXT: the answer on stdout as it is made, the speed on stderr."""
-    if not args.gguf or args.prompt is None:
-        parser.error("--gguf needs a file name and --prompt TEXT, the question to answer")
-    try:
-        loaded = load_gguf(args.gguf)
-        torch.manual_seed(args.seed)  # sampling draws from torch's generator: --seed repeats an answer
-        _, speed = chat(loaded, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p)
-    except ValueError as e:
-        parser.error(f"--gguf {shown(args.gguf)}: {e}" if shown(args.gguf) not in str(e) else str(e))
-    print(flush=True)
-    print(f"({speed:.1f} tokens/s)", file=sys.stderr)
-    return 0
 
 
 def command_line():
