@@ -4543,6 +4543,175 @@ def test_deepseek_refuses_a_llamas_caches_naming_its_own():
     with pytest.raises(ValueError, match="cache_kind=<class 'transformer.KVCache'>"):
         llama(ids, [tf.PagedLatentCache(tf.KVPool(8, 4)) for _ in range(3)])
 # ===========================================================================
+# 32. Multi-token prediction
+# ===========================================================================
+
+def tiny_mtp(seed=0, **kw):
+    """(tiny_deepseek of 2 layers, its MTP module), random weights that make every part count."""
+    torch.manual_seed(seed)
+    model = tiny_deepseek(n_layers=2, **kw)
+    return model, randomize(tf.mtp_module(model)).eval()
+
+
+def test_mtp_module_is_a_block_of_the_models_own_kind_between_two_norms_and_a_projection():
+    """DeepSeek-V3's MTP block is MLA and the sigmoid MoE (as transformers builds it:
+    first_k_dense_replace set to 0 for it); a Llama's is GQA and SwiGLU. The embedding and
+    the head are the model's: the module owns none of them."""
+    model, mtp = tiny_mtp()
+    assert type(mtp.block.attn) is tf.MultiHeadLatentAttention and type(mtp.block.ffn) is tf.MoE
+    assert mtp.block.ffn.scoring == "sigmoid" and mtp.eh_proj.weight.shape == (32, 64)
+    assert sorted(name.split(".")[0] for name in mtp.state_dict() if "block" not in name) == [
+        "eh_proj", "enorm", "final_norm", "hnorm"]
+    llama = tf.Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_len=16)
+    block = tf.mtp_module(llama).block
+    assert type(block.attn) is tf.GroupedQueryAttention and type(block.ffn) is tf.SwiGLU
+    assert block.attn.w_k.weight.shape == llama.layers[0].attn.w_k.weight.shape
+    with pytest.raises(ValueError, match="model must be a Llama family of this file"):
+        tf.mtp_module(tf.DecoderOnlyTransformer(vocab_size=50, d_model=16, n_layers=1, n_heads=2, d_ff=32))
+
+
+@torch.no_grad()
+def test_mtp_cached_steps_equal_one_pass_and_each_prediction_reads_only_the_past():
+    """The block runs at positions 1 .. T - 1 under its own causal mask: a prefix, then one
+    token at a time into its layer cache, gives the full pass's logits; a later token never
+    changes an earlier prediction."""
+    model, mtp = tiny_mtp()
+    ids = torch.randint(0, 50, (2, 12))
+    _, hidden = tf.logits_and_hidden(model, ids)                           # [2, 12, 32]
+    full, states = mtp(model, hidden[:, :-1], ids[:, 1:])                  # [2, 11, 50], [2, 11, 32]
+    assert full.shape == (2, 11, 50) and states.shape == (2, 11, 32)
+    assert_close(model.lm_head(states), full)
+    cache = model.cache_kind()
+    steps = [mtp(model, hidden[:, :5], ids[:, 1:6], cache)[0]]
+    steps += [mtp(model, hidden[:, t:t + 1], ids[:, t + 1:t + 2], cache)[0] for t in range(5, 11)]
+    assert len(cache) == 11
+    assert_close(torch.cat(steps, dim=1), full)
+    changed = ids.clone()
+    changed[:, 8] = (ids[:, 8] + 1) % 50
+    _, other = tf.logits_and_hidden(model, changed)                        # [2, 12, 32]
+    moved = (mtp(model, other[:, :-1], changed[:, 1:])[0] - full).abs().amax(dim=(0, 2))  # [11]
+    assert moved[:7].max() < 1e-6 and moved[7:].min() > 1e-3                # prediction i reads tokens <= i + 1
+    with pytest.raises(ValueError, match=r"hidden \[2, 4, 32\] must have next_ids' \[2, 3\] first dims"):
+        mtp(model, hidden[:, :4], ids[:, 1:4])
+
+
+def test_mtp_loss_adds_weight_times_the_cross_entropy_of_the_token_after_next():
+    """main + weight x CE(MTP logits at t, token t + 2), padding ignored in both; with the
+    model frozen only the module learns (the toy's recipe)."""
+    model, mtp = tiny_mtp()
+    ids = torch.randint(4, 50, (2, 9))
+    target = torch.cat([ids[:, 1:], torch.tensor([[2], [0]])], dim=1)     # [2, 9]: eos, pad
+    target[1, 5:] = 0                                                      # [2, 9]: a padded row
+    logits, hidden = tf.logits_and_hidden(model, ids)                      # [2, 9, 50], [2, 9, 32]
+    main = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=0)
+    extra = mtp(model, hidden[:, :-1], ids[:, 1:])[0]                      # [2, 8, 50]
+    second = F.cross_entropy(extra.flatten(0, 1), target[:, 1:].flatten(), ignore_index=0)
+    # by hand: token t + 2 of row 0 at positions 0 .. 6 (7 is eos), of row 1 at 0 .. 3
+    picked = [-extra[b, t].log_softmax(-1)[ids[b, t + 2] if t + 2 < 9 else 2] for b, t in
+              [(0, t) for t in range(8)] + [(1, t) for t in range(4)]]
+    assert_close(second, torch.stack(picked).mean())
+    assert_close(tf.mtp_loss(model, mtp, ids, target, weight=0.3, ignore_index=0), main + 0.3 * second)
+    assert_close(tf.mtp_loss(model, mtp, ids, target, weight=0, ignore_index=0), main)
+    model.requires_grad_(False)
+    tf.mtp_loss(model, mtp, ids, target, ignore_index=0).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is not None for p in mtp.parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match="weight must be a number"):
+        tf.mtp_loss(model, mtp, ids, target, weight=-1.0, ignore_index=0)
+
+
+def mtp_size(**config):
+    """count_parameters of mtp_module(DeepSeekV3(**config)) by formula: one MoE block (the model's formula
+    with one more MoE layer, less the model's), eh_proj 2D x D, and three norms of D."""
+    block = tf.deepseek_param_formula(**dict(config, n_layers=config["n_layers"] + 1)) - tf.deepseek_param_formula(
+        **config)
+    return block, block + 2 * config["d_model"] ** 2 + 3 * config["d_model"]
+
+
+def test_deepseek_v3s_mtp_module_counts_what_deepseek_publishes():
+    """At V3's size: the block 11,507,286,016 parameters, DeepSeek's weights README's "11.5B
+    unique parameters"; with eh_proj and the norms 11.61B; with the embedding and head its
+    checkpoint stores again (0.93B each) 13.46B, and 671.03B + 13.46B = 684.49B, the
+    release's 685B (DeepSeek says 14B for the MTP). The formula, checked on a tiny model's
+    module here, is the count of mtp_module on the meta device at V3's size (measured)."""
+    model, mtp = tiny_mtp()
+    assert (tf.count_parameters(mtp.block), tf.count_parameters(mtp)) == mtp_size(**model.config)
+    v3 = next(c for c in tf.FRONTIER_CONFIGS if c[0] == "DeepSeek-V3")[2]
+    assert mtp_size(**v3) == (11_507_286_016, 11_610_067_968)
+    assert mtp_size(**v3)[1] + 2 * 129280 * 7168 == 13_463_426_048
+
+
+def test_mtp_copies_at_its_anchors_size():
+    """The issue's size for the module: 60 lines, what the file had before it (RMSNorm,
+    make_causal_mask) left out; measured 29 (55 with them)."""
+    own = copy_size("MultiTokenPrediction") - copy_size("RMSNorm", "make_causal_mask")
+    assert own <= 60 and copy_size("MultiTokenPrediction") <= 60, own
+
+
+HF_MTP = dict(vocab_size=100, hidden_size=64, max_position_embeddings=64, tie_word_embeddings=False,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+              q_lora_rank=24, intermediate_size=96, moe_intermediate_size=16, n_routed_experts=8,
+              num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+              routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True, rope_theta=1000.0,
+              rms_norm_eps=1e-6, num_mtp_layers=1)
+
+
+def hf_mtp_state_dict(state):
+    """transformers' MtpModel weights -> mtp_module's names: enorm, hnorm, eh_proj as they are; mtp_block
+    through section 26's tables as a layer of the model; post_norm is final_norm; the shared embedding
+    and head left out."""
+    block = {f"model.layers.0.{name[len('layers.0.mtp_block.'):]}": w for name, w in state.items()
+             if "mtp_block" in name}
+    renamed = {}
+    for name, w in block.items():
+        for pattern, replacement in tf.HF_NAMES:
+            name = re.sub(pattern, replacement, name)
+        renamed[name] = w
+    for convert in tf.HF_CONVERSIONS:
+        renamed = convert(renamed)
+    ours = {name.replace("layers.0.", "block.", 1): w for name, w in renamed.items()}
+    ours.update({name.split(".", 2)[2].replace("post_norm", "final_norm"): w for name, w in state.items()
+                 if name.startswith("layers.0.") and "mtp_block" not in name})
+    return ours
+
+
+@pytest.mark.skipif(hf_transformers is None, reason="needs transformers: pip install transformers")
+@torch.no_grad()
+def test_hf_parity_mtp_logits_equal_transformers_mtp_layer():
+    """transformers 5.24's MtpLayer (modeling_layers.py, built by MtpModel for a DeepSeek-V3
+    configuration with num_mtp_layers=1), random weights copied: our hidden states, our
+    module, their hidden states, their layer at positions 1 .. T - 1 (their MtpModel's
+    position_ids, shifted by one from the model's), the shared head -> the same logits:
+    measured 2.1e-06 (transformers 5.24.0, torch 2.13.0, CPU). Their labels path raises
+    TypeError (loss starts as None), so logits are compared. The order of the two inputs
+    is theirs, embedding first: the paper's [h; Emb] (their mtp_hidden_states_first)
+    moves the logits by 4 or more on the same weights."""
+    from transformers.modeling_layers import MtpModel
+    config = hf_transformers.DeepseekV3Config(**HF_MTP)
+    hf = hf_transformers.DeepseekV3ForCausalLM(config)
+    hf_mtp = MtpModel(hf, 1)
+    hf_randomize_theirs(hf), hf_randomize_theirs(hf_mtp)                   # after MtpModel's own init
+    model = tf.load_hf_state_dict(tf.from_hf_config(config.to_dict()), hf.state_dict()).eval()
+    mtp = tf.mtp_module(model)
+    mtp.load_state_dict(hf_mtp_state_dict(hf_mtp.state_dict()))
+    mtp.eval()
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    _, hidden = tf.logits_and_hidden(model, ids)                           # [2, 12, 64]
+    ours = mtp(model, hidden[:, :-1], ids[:, 1:])[0]                       # [2, 11, 100]
+    theirs_hidden = hf(ids, output_hidden_states=True).hidden_states[-1]   # [2, 12, 64], after the final norm
+
+    def theirs(positions, hidden_first=False):
+        hf_mtp.config.mtp_hidden_states_first = hidden_first
+        states = hf_mtp.forward_layer(0, theirs_hidden[:, :-1], positions, None, input_ids=ids[:, 1:])  # [2, 11, 64]
+        return hf_mtp.shared_head(states)                                  # [2, 11, 100]
+
+    shifted = torch.arange(1, 12)[None].expand(2, -1)                      # [2, 11]
+    diff = (ours - theirs(shifted)).abs().max().item()
+    print(f"MTP logits against transformers' MtpLayer: {diff:.2g}")
+    assert diff < 1e-4, diff
+    assert (ours - theirs(shifted, hidden_first=True)).abs().max() > 1
+# ===========================================================================
 # 33. Total and active parameters, the latent cache
 # ===========================================================================
 
@@ -8121,6 +8290,110 @@ def test_pitfall_redrawing_from_p_instead_of_the_residual_fails_the_chi_square()
     assert pvalue < 1e-6, (statistic, dof, pvalue)
 
 
+
+
+# A cache that cannot be cut back is refused before anything runs
+
+class Stateful(tf.Llama):
+    """A Llama whose caches refuse every cut, as a recurrent memory's (Gated DeltaNet's) must."""
+
+    class cache_kind(tf.KVCache):
+        def crop(self, length):
+            raise ValueError("a recurrent state cannot be cut back")
+
+
+@pytest.mark.parametrize("side", ["target", "draft"])
+def test_a_cache_that_cannot_be_cut_back_is_refused_before_any_forward(side):
+    target, draft = model_pair("llama, noisy copy")
+    stateful = Stateful(vocab_size=SPEC_V, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, max_len=24)
+    target, draft = (stateful, draft) if side == "target" else (target, stateful)
+    with tf.count_forwards(target, draft) as forwards, pytest.raises(ValueError, match="cannot be cut back"):
+        tf.speculative_generate(target, draft, torch.tensor([[1, 2, 3]]), 6, k=2)
+    assert forwards == {target: 0, draft: 0}
+
+
+# Multi-token prediction as the draft (section 32's module, wrapped)
+
+def mtp_draft(seed=0):
+    """(the sharpened tiny DeepSeek-V3 target, an MTPDraft of a random MTP module of it, the module).
+    A random module never agrees with the target (measured: 0 kept of 64); this one reads only
+    token t + 1's embedding (eh_proj = [I, 0]), and the sharpened random target's next token
+    follows its current one closely enough that the module's guess for t + 2 is often right."""
+    target, _ = model_pair("deepseek, noisy copy")
+    torch.manual_seed(seed)
+    mtp = tf.mtp_module(target).eval()
+    with torch.no_grad():
+        mtp.eh_proj.weight.copy_(torch.cat([torch.eye(16), torch.zeros(16, 16)], dim=1))  # [16, 32]
+    return target, tf.MTPDraft(target, mtp), mtp
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_with_the_mtp_draft_writes_exactly_the_targets_own_tokens(k):
+    """Each length case: the draft reads the states the target's forwards left, keeps them
+    across rounds and cuts them with the rejected tokens; the tokens are generate's. Kept
+    drafts and rejected ones both occur (measured, kept of the module's drafts: 12 of 13 at
+    k = 1, 13 of 23 at k = 2, 13 of 32 at k = 3; the first round's guesses not counted)."""
+    target, draft, mtp = mtp_draft()
+    g = torch.Generator().manual_seed(2)
+    written = forwards = drafted = 0
+    for T, n, _ in LENGTHS:
+        ids = torch.randint(0, SPEC_V, (1, T), generator=g)                 # [1, T]
+        with tf.count_forwards(target, mtp) as counts:
+            out = tf.speculative_generate(target, draft, ids, n, k=k)      # [1, T+n]
+        assert torch.equal(out, target.generate(ids, n)), (T, n, k)
+        written, forwards, drafted = written + n, forwards + counts[target], drafted + counts[mtp]
+    assert 0 < written - forwards < drafted, (written - forwards, drafted)
+
+
+@torch.no_grad()
+def test_each_mtp_draft_is_the_module_run_afresh_on_the_kept_tokens():
+    """Every drafted law against the module run from scratch: the first of a round on the
+    target's states of the kept tokens; a later one of the round on those, then the
+    module's own states for the tokens the target has not read (its stand-ins). Before
+    the target's first forward there is nothing to read: a uniform guess."""
+    target, draft, mtp = mtp_draft()
+    events = []
+    hooks = [target.register_forward_pre_hook(lambda m, args: events.append(None)),
+             draft.register_forward_hook(lambda m, args, out: events.append((args[0].clone(), out)))]
+    try:
+        ids = torch.randint(0, SPEC_V, (1, 5), generator=torch.Generator().manual_seed(2))
+        tf.speculative_generate(target, draft, ids, 14, k=3)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    in_round, checked = None, 0
+    for event in events:
+        if event is None:
+            in_round = 0
+            continue
+        seen, out = event                                                  # [1, n], [1, 1, V]
+        if in_round is None:
+            assert torch.equal(out, torch.zeros(1, 1, SPEC_V))
+            continue
+        n = seen.size(1)
+        states = tf.logits_and_hidden(target, seen[:, :n - 1 - in_round])[1]  # [1, n-1-j, D]: the target's
+        for _ in range(in_round + 1):
+            logits, own = mtp(target, states, seen[:, 1:states.size(1) + 1])   # [1, m, V], [1, m, D]
+            states = torch.cat([states, own[:, -1:]], dim=1)               # [1, m+1, D]
+        assert_close(out, logits[:, -1:], tol=1e-4)
+        in_round, checked = in_round + 1, checked + 1
+    assert checked >= 10, checked
+
+
+def test_speculative_report_drafts_with_the_mtp_module_of_the_deepseek_style_model(monkeypatch, capsys):
+    """At a tiny size (40 toy sentences, an epoch each): the MTP rows give the target's own
+    tokens, their kept share is a fraction, the module's parameters are its own."""
+    small, train_mtp = tf.make_toy_data, tf.train_mtp
+    monkeypatch.setattr(tf, "make_toy_data", lambda n_sentences=2400, seed=0, **kw: small(40, seed, **kw))
+    monkeypatch.setattr(tf, "TOY_MODELS", {kind: dict(spec, epochs=1) for kind, spec in tf.TOY_MODELS.items()})
+    monkeypatch.setattr(tf, "DRAFT_MODELS", {kind: dict(spec, epochs=1) for kind, spec in tf.DRAFT_MODELS.items()})
+    monkeypatch.setattr(tf, "train_mtp", lambda *args, **kw: train_mtp(*args, **dict(kw, epochs=1)))
+    rows = tf.speculative_report(0, kind="deepseek", n_prompts=2, repeats=1, ks=(2,), mtp_ks=(1, 2))
+    assert list(rows) == ["target alone", "speculative k=2", "MTP k=1", "MTP k=2", "draft alone"]
+    for way in ("MTP k=1", "MTP k=2"):
+        assert rows[way]["same"] and 0 <= rows[way]["acceptance"] <= 1 and rows[way]["drafted"] > 0
+    out = capsys.readouterr().out
+    assert "MTP draft: the target's MTP module (section 32), 81,248 parameters of its own" in out
 # ===========================================================================
 # Bad input
 # ===========================================================================
@@ -9833,11 +10106,12 @@ def test_after_runs_speculative_decoding_then_the_preference_methods_on_the_toy(
 
 def test_main_after_calls_both_reports(monkeypatch):
     calls = []
-    monkeypatch.setattr(tf, "speculative_report", lambda seed, device: calls.append(("speculative", seed, device.type)))
+    monkeypatch.setattr(tf, "speculative_report", lambda seed, kind, device: calls.append(("speculative", seed, kind,
+                                                                                         device.type)))
     monkeypatch.setattr(tf, "preference_report", lambda seed: calls.append(("preference", seed)))
     status, out, err = _main(["--after", "--seed", "3", "--device", "cpu"])
     assert (status, err) == (0, "") and out.startswith("device: cpu")
-    assert calls == [("speculative", 3, "cpu"), ("preference", 3)]
+    assert calls == [("speculative", 3, "deepseek", "cpu"), ("preference", 3)]  # the DeepSeek model: its MTP drafts
 
 
 def test_attention_peak_bytes_runs_the_program_in_a_fresh_process(monkeypatch):

@@ -3153,10 +3153,8 @@ class MultiHeadLatentAttention(nn.Module):
 # ===========================================================================
 # Llama with MLA for attention and, after the first n_dense_layers dense blocks (3 in V3), a
 # sigmoid-routed MoE with shared experts; RoPE tables as wide as the rope part, a LatentCache a
-# layer. Not here: the multi-token-prediction (MTP) module, one more block that predicts the
-# token after next (11.5B parameters of its own by DeepSeek's weights README, besides the
-# embedding and head it shares; for training and speculative decoding), and YaRN, which
-# stretches its RoPE from 4K to 128K tokens (section 37).
+# layer. Its multi-token-prediction module, one more block that predicts the token after next,
+# is the next section; YaRN, which stretches its RoPE from 4K to 128K tokens, is section 37.
 
 ARGUMENTS.update(n_dense_layers=(int, 0, 1024))
 RELATIONS.update({
@@ -3276,6 +3274,126 @@ def hf_deepseek_v3(config):
 HF_FAMILIES["deepseek_v3"] = (DeepSeekV3, hf_deepseek_v3)
 
 
+# ===========================================================================
+# 32. Multi-token prediction (多词元预测)
+# ===========================================================================
+# DeepSeek-V3 trains one more block to predict the token after next: from the model's
+# final-normed hidden state at t and the embedding of token t + 1, a block of the model's own
+# kind gives logits for token t + 2 through the shared head. The extra loss densifies the
+# training signal (DeepSeek-V3 report, section 2.2); at inference the module is a free draft
+# for speculative decoding (section 48): it reads the target's hidden state, no model of its own.
+
+ARGUMENTS.update(model_kind=(type,), weight=(float, 0.0, FINITE))
+RELATIONS["MTP on a Llama family"] = (("model_kind",), lambda cls: issubclass(cls, Llama),
+                                      "model must be a Llama family of this file (MTP reads its RoPE tables)")
+
+
+class MultiTokenPrediction(nn.Module):
+    """DeepSeek-V3's MTP module: RMSNorm each input, concatenate, project 2D -> D, one block, a final norm;
+    the embedding and the output head are the model's own, shared (passed to forward)."""
+
+    def __init__(self, d_model, block, norm_eps=1e-6):
+        super().__init__()
+        self.d_model = d_model
+        self.enorm, self.hnorm = RMSNorm(d_model, norm_eps), RMSNorm(d_model, norm_eps)
+        self.eh_proj = nn.Linear(2 * d_model, d_model, bias=False)         # DeepSeek's and transformers' names
+        self.block, self.final_norm = block, RMSNorm(d_model, norm_eps)
+
+    def forward(self, model, hidden, next_ids, cache=None):
+        """hidden [B, Tn, D]: model's final-normed states at t = past .. past + Tn - 1; next_ids [B, Tn]: tokens
+        t + 1; cache: the block's layer cache -> (logits [B, Tn, V] for tokens t + 2, the states [B, Tn, D] the
+        head read: the module's own stand-in for the model's state at t + 1)."""
+        past = len(cache) if cache is not None else 0                      # positions 1 .. past already run
+        check_ids("next_ids", next_ids, model.vocab_size, model.max_len - 1 - past)
+        if hidden.shape[:2] != next_ids.shape:
+            raise ValueError(f"hidden {list(hidden.shape)} must have next_ids' {list(next_ids.shape)} first dims")
+        # embedding first, as DeepSeek's code and transformers' MtpLayer do; the report's equation writes
+        # [RMSNorm(h); RMSNorm(Emb)], and the two orders give other numbers on the same weights
+        x = torch.cat([self.enorm(model.token_embedding(next_ids)), self.hnorm(hidden)], dim=-1)  # [B, Tn, 2D]
+        x = self.eh_proj(x)                                                # [B, Tn, D]
+        # the block reads token t + 1: RoPE's angles of position t + 1 (transformers' position_ids; RoPE is
+        # relative, so any offset gives these numbers), its own causal mask
+        cos, sin = model.cos[past + 1:past + 1 + x.size(1)], model.sin[past + 1:past + 1 + x.size(1)]  # [Tn, dk]
+        mask = make_causal_mask(x.size(1), x.device, past)                 # [1, 1, Tn, past+Tn]
+        states = self.final_norm(self.block(x, cos, sin, mask, cache))    # [B, Tn, D]
+        return model.lm_head(states), states                               # [B, Tn, V], [B, Tn, D]
+
+
+def mtp_module(model):
+    """model's MTP module, its block built by the model's own attention() and feed_forward() as block n_layers
+    would be (DeepSeek-V3's: MLA and the MoE), on the model's device."""
+    check("MTP on a Llama family", model_kind=type(model))
+    c = model.config
+    attn = model.attention(model.d_model, c["n_heads"], c.get("n_kv_heads") or c["n_heads"], c.get("qkv_bias"))
+    ffn = model.feed_forward(len(model.layers), model.d_model, c["d_ff"] or llama_ffn_dim(model.d_model))
+    block = LlamaBlock(model.d_model, attn, ffn, c["norm_eps"])
+    return MultiTokenPrediction(model.d_model, block, c["norm_eps"]).to(model.lm_head.weight.device)
+
+
+def logits_and_hidden(model, input_ids, cache=None):
+    """model(input_ids, cache) [B, Tn, V] and its final_norm's output [B, Tn, D], the states its lm_head read: what
+    MTP reads. A hook catches them: the families' forward returns logits only."""
+    read = []
+    hook = model.final_norm.register_forward_hook(lambda module, args, out: read.append(out))
+    try:
+        logits = model(input_ids, cache)                                   # [B, Tn, V]
+    finally:
+        hook.remove()
+    return logits, read[0]                                                 # [B, Tn, V], [B, Tn, D]
+
+
+def mtp_loss(model, mtp, input_ids, target, weight=0.3, ignore_index=-100):
+    """DeepSeek-V3's training loss with one MTP module: the next-token cross-entropy + weight x the module's,
+    token t + 2's (weight: lambda, 0.3 for V3's first 10T tokens, then 0.1). input_ids [B, T]; target [B, T]: the
+    next tokens, ignore_index where none is learned (Vocab.PAD in section 16's PromptDataset). -> loss []."""
+    check(weight=weight)
+    logits, hidden = logits_and_hidden(model, input_ids)                   # [B, T, V], [B, T, D]
+    extra, _ = mtp(model, hidden[:, :-1], input_ids[:, 1:])                # [B, T-1, V]: tokens 2 .. T
+    next_one = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=ignore_index)  # []
+    after_next = F.cross_entropy(extra.flatten(0, 1), target[:, 1:].flatten(), ignore_index=ignore_index)  # []
+    return next_one + weight * after_next                                  # []
+
+# Try it: a Llama's MTP module; with the model's state at t and token t + 1, logits for t + 2.
+#   >>> _ = torch.manual_seed(0)
+#   >>> llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=16)
+#   >>> mtp = mtp_module(llama)
+#   >>> [name for name, _ in mtp.named_children()]
+#   ['enorm', 'hnorm', 'eh_proj', 'block', 'final_norm']
+#   >>> ids = torch.randint(0, 50, (2, 7))                                 # [2, 7]
+#   >>> logits, hidden = logits_and_hidden(llama, ids)                     # [2, 7, 50], [2, 7, 32]
+#   >>> mtp(llama, hidden[:, :-1], ids[:, 1:])[0].shape                    # logits for tokens 2 .. 7
+#   torch.Size([2, 6, 50])
+#   >>> target = torch.cat([ids[:, 1:], torch.zeros(2, 1, dtype=torch.long)], dim=1)  # [2, 7], pad at the end
+#   >>> plain = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=0)  # []
+#   >>> [bool(mtp_loss(llama, mtp, ids, target, weight, ignore_index=0) > plain) for weight in (0.0, 0.3)]
+#   [False, True]
+
+
+# On the toy task (section 16): an MTP module for a trained model, the model frozen (its loss
+# term then constant; V3 trains both together), a few seconds.
+
+def train_mtp(model, pairs, vocab, epochs=2, batch_size=32, seed=0):
+    """A new mtp_module(model) trained on pairs with mtp_loss, the model's weights frozen -> the module (eval)."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
+    check(epochs=epochs, batch_size=batch_size)
+    torch.manual_seed(seed)
+    mtp, device = mtp_module(model), model.lm_head.weight.device
+    update = with_router_bias(adam_noam(mtp, lr_factor=0.35, warmup=50), mtp, rate=0.01)  # a MoE block balanced
+    loader = torch.utils.data.DataLoader(PromptDataset(pairs, vocab), batch_size=batch_size, shuffle=True,
+                                         collate_fn=collate, generator=torch.Generator().manual_seed(seed))
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    with eval_mode(model):
+        try:
+            for p in frozen:
+                p.requires_grad_(False)
+            for _ in range(epochs):
+                for ids, target in loader:                                 # [B, T] each
+                    mtp_loss(model, mtp, ids.to(device), target.to(device), 1.0, Vocab.PAD).backward()
+                    update()
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
+    return mtp.eval()
 # ===========================================================================
 # 33. Total and active parameters, the latent cache (总参数、激活参数与潜在缓存)
 # ===========================================================================
@@ -5155,7 +5273,10 @@ def lora_report(device="cpu", seed=0):
 # one-hot: x is kept exactly when it is the target's argmax, and the tokens are greedy's.
 # The pitfall: after a rejection both caches still hold the rejected tokens' keys; crop_cache cuts
 # them off. A rolling cache (section 35) cannot take back tokens it let go, so here it holds k
-# more than its window: cut by at most k, it keeps the whole window the next query reads.
+# more than its window: cut by at most k, it keeps the whole window the next query reads. A
+# recurrent memory (Gated DeltaNet, section 39) cannot be cut back at all: speculation_cache
+# asks each fresh cache for a cut to 0, so such a model is refused before anything runs
+# (transformers refuses assisted decoding for its stateful models too).
 
 ARGUMENTS.update(k=(int, 1, MAX_SIZE), target=(type,), draft=(type,), draft_vocab_size=(int, 1, MAX_SIZE))
 RELATIONS.update({
@@ -5183,6 +5304,7 @@ def crop_cache(cache, length):
 def speculation_cache(model, k):
     """model.new_cache(), each rolling cache keeping k tokens beyond its window (a round takes back at most k)."""
     cache = model.new_cache()
+    crop_cache(cache, 0)  # a cache that cannot be cut back (a recurrent state) refuses here, before any forward
     for c in cache:
         if hasattr(c, "window"):
             c.window += k
@@ -5256,6 +5378,83 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 #   tensor([0.5000, 0.3000, 0.2000, 0.0000])
 
 
+# Multi-token prediction as the draft (section 32): the module reads the target's last hidden
+# state, so it is wrapped to the draft's interface (speculative_generate stays as it is): each
+# call reads the states the target's latest forward left, those of the tokens it kept, and runs
+# the module on the tokens it has not seen. The first round has nothing to read: it proposes from
+# a uniform law (almost always rejected), a round that writes the target's own token as
+# transformers' MTP drafting does in its first round. A second drafted token of a round has no
+# target state before it yet: the module's own state stands in (the same module run again, as
+# vLLM does for more drafted tokens than modules, warning that fewer are kept; DeepSeek-V3's
+# report drafts one and keeps 85-90% of the second tokens, for 1.8 times the tokens per second).
+# There the module is one block of 62; on the toy it is one of 3, and the costliest kind (MLA and
+# the 8-expert MoE take about what the whole target does a forward): it saves target forwards,
+# not time (speculative_report(kind="deepseek") measures both).
+
+class MTPCache:
+    """MTPDraft's cache: the target's states it has read [1, t, D], its block's layer cache, its own last state."""
+
+    def __init__(self, hidden, block):
+        self.hidden, self.block, self.last = hidden, block, None           # [1, 0, D], a layer cache, [1, 1, D]
+
+    def __len__(self):
+        return self.hidden.size(1)
+
+    def crop(self, length):
+        """Keep the first length tokens' states, and the block's entries built on the target's states alone."""
+        self.hidden = self.hidden[:, :length]                              # [1, <=length, D]
+        crop_cache([self.block], min(length, self.hidden.size(1)))
+
+
+class MTPDraft(nn.Module):
+    """A draft for speculative_generate made of target and its MTP module (mtp_module, trained): no model of its
+    own; forward(input_ids [1, n], cache) -> logits [1, 1, V] for token n."""
+
+    def __init__(self, target, mtp):
+        super().__init__()
+        check("MTP on a Llama family", model_kind=type(target))
+        self.target, self.mtp, self.read = target, mtp, {}
+        self.vocab_size, self.max_len = target.vocab_size, target.max_len
+        # every forward of the target leaves here its final_norm's output [1, Tn, D] (not the lm_head's input:
+        # the module's logits go through that head too)
+        target.final_norm.register_forward_hook(lambda module, args, out: self.read.update(hidden=out.detach()))
+
+    def new_cache(self):
+        """[MTPCache]; a new sequence: nothing the target read before is its."""
+        self.read.clear()
+        empty = self.target.lm_head.weight.new_zeros(1, 0, self.target.d_model)  # [1, 0, D]
+        return [MTPCache(empty, self.target.cache_kind())]
+
+    def forward(self, input_ids, cache):
+        c, n = cache[0], input_ids.size(1)
+        # the target's latest forward began where the states read end; of it, keep tokens 0 .. n - 2 (kept ones)
+        fresh = self.read.pop("hidden", c.hidden[:, :0])                   # [1, Tn, D]
+        c.hidden = torch.cat([c.hidden, fresh], dim=1)[:, :n - 1]          # [1, <=n-1, D]
+        past = len(c.block)                                                # the block has run positions 1 .. past
+        if past < len(c):
+            hidden = c.hidden[:, past:]                                    # [1, n-1-past, D]: positions past .. n-2
+        elif c.last is not None:
+            hidden = c.last                                                # [1, 1, D]: its own, at n - 2
+        else:
+            return torch.zeros(1, 1, self.vocab_size, device=input_ids.device)  # [1, 1, V]: the first round
+        logits, states = self.mtp(self.target, hidden, input_ids[:, past + 1:], c.block)  # [1, m, V], [1, m, D]
+        c.last = states[:, -1:]                                            # [1, 1, D]
+        return logits[:, -1:]                                              # [1, 1, V]
+
+
+# speculative_generate's rule on the draft, widened to this one
+RELATIONS["draft decodes"] = (("draft",), lambda cls: issubclass(cls, (DecoderOnlyTransformer, Llama, MTPDraft)),
+                              "draft must be a decoder-only model of this file (DecoderOnlyTransformer, a Llama"
+                              " family) or an MTPDraft")
+
+# Try it: a Llama's own greedy tokens, drafted by its MTP module (untrained: mostly rejected).
+#   >>> _ = torch.manual_seed(0)
+#   >>> target = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=32)
+#   >>> draft = MTPDraft(target, mtp_module(target))
+#   >>> ids = torch.randint(0, 50, (1, 5))                                 # [1, 5]
+#   >>> [torch.equal(speculative_generate(target, draft, ids, 12, k=k), target.generate(ids, 12)) for k in (1, 3)]
+#   [True, True]
+
 # speculative_report's drafts: each decoder-only toy recipe at one layer of half the width (same vocabulary).
 DRAFT_MODELS = {
     "gpt": dict(TOY_MODELS["gpt"], name="GPT, 1 layer of 32",
@@ -5263,6 +5462,7 @@ DRAFT_MODELS = {
     "llama": dict(TOY_MODELS["llama"], name="Llama-style, 1 layer of 32",
                   config=dict(d_model=32, n_heads=2, n_kv_heads=1, d_ff=128, n_layers=1)),
 }
+DRAFT_MODELS["deepseek"] = DRAFT_MODELS["llama"]  # a draft of another family needs only the same vocabulary
 
 
 @contextlib.contextmanager
@@ -5278,12 +5478,15 @@ def count_forwards(*models):
             hook.remove()
 
 
-def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), device="cpu", log=print):
-    """Train the toy target (TOY_MODELS[kind]) and its draft (DRAFT_MODELS[kind]) on seed's split; answer
-    n_prompts held-out prompts "pinyin <sep>" greedily (S + 1 tokens: the answer, eos) with the target's generate,
-    speculative_generate for each k, and the draft alone (its cost); check the tokens are the target's, count the
-    drafted tokens kept, and time each way: each prompt in turn, in a changing order so a busy moment of a shared
-    machine falls on all, medians over repeats of their totals. -> {way: row of the table}."""
+def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), mtp_ks=(1, 2), device="cpu",
+                       log=print):
+    """Train the toy target (TOY_MODELS[kind]) and its draft (DRAFT_MODELS[kind]) on seed's split, and for a Llama
+    family an MTP module (train_mtp); answer n_prompts held-out prompts "pinyin <sep>" greedily (S + 1 tokens: the
+    answer, eos) with the target's generate, speculative_generate for each k (the MTP draft for each of mtp_ks),
+    and the draft alone (its cost); check the tokens are the target's, count the drafted tokens kept (the MTP's
+    first-round guess, which reads nothing, not counted), and time each way: each prompt in turn, in a changing
+    order so a busy moment of a shared machine falls on all, medians over repeats of their totals.
+    -> {way: row of the table}."""
     device = torch.device(device)
     train_pairs, test_pairs = split_data(make_toy_data(), seed=seed)
     quiet = lambda line: None  # noqa: E731
@@ -5291,17 +5494,23 @@ def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), d
     draft, _, _, draft_result = train_toy_model(kind, train_pairs, test_pairs, device, seed=seed, log=quiet,
                                                  recipes=DRAFT_MODELS)
     target_accuracy, draft_accuracy = result["accuracy"], draft_result["accuracy"]
+    mtp = train_mtp(target, train_pairs, vocab, seed=seed) if isinstance(target, Llama) else None
     prompts = [(torch.tensor([vocab.encode(pinyin.split() + [SEP])], device=device), len(pinyin.split()) + 1)
                for pinyin, _ in test_pairs[:n_prompts]]                    # ([1, S+1], S+1 new tokens) each
     ways = {"target alone": lambda ids, n: target.generate(ids, n)}
     ways.update({f"speculative k={k}": lambda ids, n, k=k: speculative_generate(target, draft, ids, n, k=k)
                  for k in ks})
+    if mtp is not None:
+        mtp_draft = MTPDraft(target, mtp)
+        ways.update({f"MTP k={k}": lambda ids, n, k=k: speculative_generate(target, mtp_draft, ids, n, k=k)
+                     for k in mtp_ks})
     ways["draft alone"] = lambda ids, n: draft.generate(ids, n)
+    drafters = [draft] + ([mtp] if mtp is not None else [])
     rows, new_tokens = {}, sum(n for _, n in prompts)
     for way, answer in ways.items():  # once, counted: the tokens, and the forwards each model ran
-        with count_forwards(target, draft) as forwards:
+        with count_forwards(target, *drafters) as forwards:
             outputs = [answer(ids, n) for ids, n in prompts]               # [1, S+1+S+1] each
-        rows[way] = dict(outputs=outputs, target_forwards=forwards[target], drafted=forwards[draft],
+        rows[way] = dict(outputs=outputs, target_forwards=forwards[target], drafted=sum(map(forwards.get, drafters)),
                          seconds=[0.0] * repeats)
     names = list(ways)
     for r in range(repeats):
@@ -5317,13 +5526,16 @@ def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), d
     log(f"\nspeculative decoding, seed {seed}: target {TOY_MODELS[kind]['name']}, {count_parameters(target):,}"
         f" parameters; draft {DRAFT_MODELS[kind]['name']}, {count_parameters(draft):,} (held-out exact match,"
         f" constrained as in training: {100 * target_accuracy:.1f}% and {100 * draft_accuracy:.1f}%)")
+    if mtp is not None:
+        log(f"MTP draft: the target's MTP module (section 32), {count_parameters(mtp):,} parameters of its own"
+            f" (embedding and head the target's), trained with the target frozen")
     log(f"{len(prompts)} held-out prompts, {new_tokens} tokens written by plain greedy decoding (unconstrained),"
         f" medians of {repeats} runs")
     log(f"  {'way':18s} {'kept':>6s} {'tokens/target forward':>22s} {'tokens/s':>9s} {'speed-up':>8s}"
         f"  same tokens as the target")
     for way, row in rows.items():
         same = all(torch.equal(a, b) for a, b in zip(row["outputs"], rows["target alone"]["outputs"]))  # [1, T] each
-        drafting = way.startswith("speculative")  # each round: 1 target forward, the kept tokens + 1 written
+        drafting = "k=" in way  # each round: 1 target forward, the kept tokens + 1 written
         row.update(median_seconds=median[way], speedup=median["target alone"] / median[way],
                    tokens_per_second=new_tokens / median[way], same=same,
                    acceptance=(new_tokens - row["target_forwards"]) / row["drafted"] if drafting else None)
@@ -6628,7 +6840,7 @@ def main(argv=None):
         kept, stop_on_ctrl_c = stop_on_ctrl_c, lambda: contextlib.nullcontext([])
         try:
             if args.after:
-                speculative_report(args.seed, device=device)
+                speculative_report(args.seed, kind="deepseek", device=device)  # a small draft, and its MTP
                 preference_report(args.seed)
             else:
                 for bench in (bench_training, bench_kv_cache, bench_long_sequences):
