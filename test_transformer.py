@@ -9872,6 +9872,11 @@ def test_main_short_run(monkeypatch, capsys):
                      "bigram HMM baseline"]
     hmm = tf.evaluate(tf.BigramHMM(tf.split_data(TOY_DATA(n_sentences=60, seed=0), seed=0)[0]).decode, test_pairs)
     assert f"{tf.percent(hmm['exact'], hmm['total'])}" in table[6]
+    # the same weights quantized: the float32 column is each model's one epoch's held-out accuracy
+    quantized = lines[next(i for i, line in enumerate(lines) if "in GGUF's blocks" in line) + 2:][:4]
+    epochs = re.findall(r"held-out accuracy +(\d+\.\d%)", out)
+    assert [row[2:22].strip() for row in quantized] == names[:4] and [row.split()[-3] for row in quantized] == epochs
+    assert all(re.fullmatch(r"\d+\.\d%", value) for row in quantized for value in row.split()[-2:])
 
 
 def test_main_seed_and_free_greedy(monkeypatch, tmp_path):

@@ -6460,6 +6460,13 @@ def run(args, device, pairs, loaded):
             break
     if not answering and any("exact" in r for *_, r in results.values()):
         compare_with_baseline(results, train_pairs, answered, args)
+        print(f"\nthe same weights in GGUF's blocks (section 25): held-out exact match, greedy\n  {'model':20s}"
+              f" {'float32':>8s} {'Q8_0':>8s} {'Q4_1':>8s}")
+        for kind, (model, src_vocab, tgt_vocab, readings, r) in results.items():
+            fits = [p for p in test_pairs if len(p[0].split()) <= longest_sentence(kind, model)]
+            if "exact" in r:  # a model that took some sentences
+                    print(f"  {SIZES[args.size][kind]['name']:20s}" + "".join(f" {a:8.1%}" for a in quantized_accuracy(
+                    kind, model, fits, src_vocab, tgt_vocab, None if args.free else readings).values()))
     kind = kinds[0]
     model, src_vocab, tgt_vocab, readings, _ = results[kind]
     if args.save:
