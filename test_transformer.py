@@ -9785,6 +9785,36 @@ def test_save_refuses_what_load_would_refuse_before_touching_the_file(tmp_path, 
     assert os.listdir(tmp_path) == ["model.pt"]                             # nothing new either
 
 
+
+
+NEW_FAMILIES = {  # section 38's and 40's models, tiny: each saves and loads as the others do
+    "gptoss": lambda V: tf.GptOss(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=24,
+                                  n_experts=4, top_k=2, window=8, max_len=40, swiglu_limit=1.0,
+                                  rope_scaling={"type": "yarn", "factor": 4.0, "original_max_len": 10}),
+    "deepseek_v32": lambda V: tf.DeepSeekV32(vocab_size=V, d_model=32, n_layers=2, n_heads=4, kv_lora_rank=16,
+                                             qk_nope_dim=8, qk_rope_dim=4, v_head_dim=8, d_ff=64, expert_d_ff=16,
+                                             n_experts=8, top_k=2, q_lora_rank=24, n_groups=4, topk_groups=2,
+                                             max_len=40, index_n_heads=4, index_head_dim=8, index_topk=3),
+}
+
+
+@pytest.mark.parametrize("kind", NEW_FAMILIES)
+def test_new_family_checkpoint_round_trip_and_a_forged_size_refused(tmp_path, kind):
+    pairs = tf.make_toy_data(seed=0)[:60]
+    vocab = tf.build_gpt_vocab(pairs)
+    torch.manual_seed(0)
+    model = randomize(NEW_FAMILIES[kind](len(vocab))).eval()
+    path = str(tmp_path / f"{kind}.pt")
+    tf.save_checkpoint(path, kind, model, vocab, vocab)
+    loaded_kind, loaded, _, tv, _ = tf.load_checkpoint(path)
+    ids = torch.randint(0, len(vocab), (2, 12))
+    assert loaded_kind == kind and loaded.config == model.config and torch.equal(loaded(ids), model(ids))
+    assert tf.count_parameters(model) == tf.PARAMETER_FORMULAS[kind](**model.config)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["config"]["n_layers"] = 3                                  # more layers than the weights hold
+    torch.save(checkpoint, path)
+    with pytest.raises(ValueError, match="the configuration \\(n_layers 3\\) needs"):
+        tf.load_checkpoint(path)
 # ===========================================================================
 # 54. The demo
 # ===========================================================================

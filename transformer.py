@@ -4482,7 +4482,8 @@ def indexer_flops(config, batch_size, seq_len):
     """FLOPs of every layer's indexer in a forward of [batch_size, seq_len] (config: a DeepSeekV32's),
     with the query latent computed again for it; the same in training: it has no backward."""
     check(config=config, batch_size=batch_size, seq_len=seq_len)
-    L, D, Hi, di, qr = (config[key] for key in ("n_layers", "d_model", "index_n_heads", "index_head_dim", "q_lora_rank"))
+    L, D, qr = config["n_layers"], config["d_model"], config["q_lora_rank"]
+    Hi, di = config["index_n_heads"], config["index_head_dim"]
     projections = qr * Hi * di + D * di + D * Hi + D * qr                  # + w_dq again (SparseLatentAttention)
     return 2 * L * batch_size * seq_len * (projections + seq_len * Hi * (di + 1))
 
@@ -5994,12 +5995,14 @@ def read_pairs(path):
 
 CHECKPOINT_FORMAT = "transformer.py checkpoint v1"
 MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer, "llama": Llama, "qwen3": Qwen3,
-                 "mixtral": Mixtral, "qwen3moe": Qwen3MoE, "mistral": Mistral, "deepseek": DeepSeekV3}
+                 "mixtral": Mixtral, "qwen3moe": Qwen3MoE, "mistral": Mistral, "deepseek": DeepSeekV3,
+                 "gptoss": GptOss, "deepseek_v32": DeepSeekV32}
 PARAMETER_FORMULAS = {"encdec": transformer_param_formula, "gpt": decoder_only_param_formula,
                       "llama": llama_param_formula, "qwen3": qwen3_param_formula, "mixtral": mixtral_param_formula,
                       "qwen3moe": qwen3_moe_param_formula, "mistral": mistral_param_formula,
-                      "deepseek": deepseek_param_formula}
-ROPE_KINDS = ("llama", "qwen3", "mixtral", "qwen3moe", "mistral", "deepseek")  # config may hold rope_scaling
+                      "deepseek": deepseek_param_formula, "gptoss": gpt_oss_param_formula,
+                      "deepseek_v32": deepseek_v32_param_formula}
+ROPE_KINDS = ("llama", "qwen3", "mixtral", "qwen3moe", "mistral", "deepseek", "deepseek_v32")  # may hold rope_scaling
 # an older "llama" checkpoint's config held the families' options; at these values (a Llama's) they are dropped
 OLD_LLAMA_OPTIONS = dict(head_dim=None, qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True,
                          window=None, rope_scaling=None)
@@ -6066,6 +6069,14 @@ def check_state_dict(state):
                              f" {str(torch.get_default_dtype())[6:]}, the model's dtype")
 
 
+def constructor_keywords(cls):
+    """{name: inspect.Parameter} of cls's constructor, and its parent's where it passes on **keywords."""
+    parameters = inspect.signature(cls).parameters
+    if all(p.kind is not p.VAR_KEYWORD for p in parameters.values()): return dict(parameters)
+    own = {name: p for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD}
+    return {**constructor_keywords(cls.__mro__[1]), **own}
+
+
 def check_model_config(kind, config):
     """-> (keywords, rope_scaling or None): exactly the class's keywords, as ARGUMENTS (section 0) rules them."""
     if not isinstance(kind, str) or kind not in MODEL_CLASSES:
@@ -6076,7 +6087,7 @@ def check_model_config(kind, config):
               if not (key in old and type(value) is type(old[key]) and value == old[key])}
     scaling = config.pop("rope_scaling", None) if kind in ROPE_KINDS else None
     if scaling is not None: check_scaling(scaling)
-    parameters = inspect.signature(MODEL_CLASSES[kind]).parameters  # the constructor's keywords
+    parameters = constructor_keywords(MODEL_CLASSES[kind])
     unknown = next((key for key in config if key not in parameters), None)
     if unknown in old:
         raise ValueError(f"config field {unknown}={repr(config[unknown])[:20]}: an older Llama's option; build a"
@@ -6119,8 +6130,8 @@ def checked_checkpoint(checkpoint, device):
     if needed != held:
         raise ValueError(f"the configuration (n_layers {config['n_layers']}) needs {needed:,} parameters,"
                          f" the weights hold {held:,}")
-    per_position = (config["d_model"] if kind not in ROPE_KINDS else 2 * config["qk_rope_dim"] if kind == "deepseek"
-                    else 2 * (config.get("head_dim") or config["d_model"] // config["n_heads"]))  # cos, sin
+    per_position = (config["d_model"] if kind in ("encdec", "gpt") else 2 * config["qk_rope_dim"] if "qk_rope_dim"
+                    in config else 2 * (config.get("head_dim") or config["d_model"] // config["n_heads"]))  # cos, sin
     if config["max_len"] * per_position > max(held, 2 ** 24):  # the position tables
         raise ValueError(f"max_len {config['max_len']} asks for position tables far larger than the model")
     cls = MODEL_CLASSES[kind]
