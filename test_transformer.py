@@ -5865,6 +5865,272 @@ def test_sinks_copy_at_a_handful_of_lines_over_what_they_extend():
     assert copy_size("flash_attention_with_sinks") - copy_size("flash_attention") <= 10
     assert copy_size("ClampedSwiGLU") - copy_size("SwiGLU") <= 13
 # ===========================================================================
+# 39. Gated attention and Gated DeltaNet: Qwen3-Next
+# ===========================================================================
+
+def q3n_inputs(dtype, decay=1.0, B=2, H=3, T=37, dk=16, dv=12, seed=0):
+    """Random delta-rule inputs made in float64, then cast: q (scaled) and k L2-normed, g in (-decay, 0),
+    beta in (0, 1), a memory as a prompt might leave it."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    q = F.normalize(rand(B, H, T, dk), dim=-1) * dk ** -0.5
+    k = F.normalize(rand(B, H, T, dk), dim=-1)
+    decays = -decay * torch.rand(B, H, T, generator=g, dtype=torch.float64)
+    beta = torch.rand(B, H, T, generator=g, dtype=torch.float64)
+    return [x.to(dtype) for x in (q, k, rand(B, H, T, dv), decays, beta, rand(B, H, dk, dv))]
+
+
+def test_delta_rule_chunked_equals_recurrent_in_float64_and_float32_bound():
+    """37 tokens in chunks of 8 (the last padded) and of 64, from a nonzero memory: the forms agree
+    to 1e-12 in float64 (measured ~1e-15). In float32, measured against float64: token by token
+    5e-8 to 1.3e-7 at any decay; chunked 1e-7 at mild decay (|g| < 1), 1.4e-6 at strong decay
+    (|g| < 20, one chunk of 37): its e^(gamma_i - gamma_j) subtracts cumulative log-decays of
+    hundreds and keeps fewer digits."""
+    for decay, chunk in ((1.0, 8), (1.0, 64), (20.0, 8), (20.0, 64)):
+        x64 = q3n_inputs(torch.float64, decay)
+        o, s = tf.gated_delta_rule_recurrent(*x64)
+        oc, sc = tf.gated_delta_rule_chunked(*x64, chunk=chunk)
+        assert o.shape == oc.shape == (2, 3, 37, 12) and s.shape == sc.shape == (2, 3, 16, 12)
+        assert max_diff(o, oc) < 1e-12 and max_diff(s, sc) < 1e-12
+    for decay, bound in ((1.0, 1e-6), (20.0, 1e-5)):
+        truth, _ = tf.gated_delta_rule_recurrent(*q3n_inputs(torch.float64, decay))
+        x32 = q3n_inputs(torch.float32, decay)
+        recurrent, chunked = tf.gated_delta_rule_recurrent(*x32)[0], tf.gated_delta_rule_chunked(*x32)[0]
+        assert max_diff(recurrent, truth) < 1e-6 and max_diff(chunked, truth) < bound
+    assert max_diff(chunked, truth) > 3 * max_diff(recurrent, truth)  # measured 1.4e-6 against 4.6e-8
+
+
+def test_delta_rule_overwrites_where_linear_attention_piles_up():
+    """With |k| = 1, beta = 1 and no decay, reading k right after writing (k, v) gives v exactly,
+    whatever the memory held: the delta rule replaces; S + k v^T would give v + S^T k."""
+    q, k, v, g, beta, memory = q3n_inputs(torch.float64, T=1)
+    o, after = tf.gated_delta_rule_recurrent(k, k, v, torch.zeros_like(g), torch.ones_like(beta), memory)
+    assert_close(o, v, 1e-12)
+    assert max_diff(o, v + k @ memory) > 0.1
+
+
+def test_zero_centred_and_gated_norms():
+    """ZeroCenteredRMSNorm starts as the identity scale (weight 0) and scales by 1 + w after it,
+    in float32 before the cast (bf16 output: one rounding); GatedRMSNorm is RMSNorm times silu(gate)."""
+    x = 3 * torch.randn(2, 5, 8)
+    norm, plain = tf.ZeroCenteredRMSNorm(8), tf.RMSNorm(8)
+    assert torch.equal(norm.weight, torch.zeros(8))
+    assert_close(norm(x), plain(x), 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+        plain.weight.copy_(1 + norm.weight)
+    assert_close(norm(x), plain(x), 1e-6)
+    x32 = x.bfloat16().float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + norm.weight)
+    assert torch.equal(norm(x.bfloat16()), normed.bfloat16())
+    gated, gate = tf.GatedRMSNorm(8), torch.randn(2, 5, 8)
+    assert_close(gated(x, gate), tf.RMSNorm(8)(x) * F.silu(gate), 1e-6)
+
+
+def tiny_qwen3_next(**overrides):
+    """3 DeltaNet layers and 1 attention layer (Qwen3-Next's order), 2 key heads shared by 4 value
+    heads, dk 8 against dv 12, RoPE on half of each 16-dim head, 4 experts and a shared one."""
+    config = dict(vocab_size=50, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, partial_rotary=0.5,
+                  linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=12, n_experts=4, top_k=2,
+                  expert_d_ff=16, shared_d_ff=24, max_len=96)
+    return tf.Qwen3Next(**dict(config, **overrides)).eval()
+
+
+def test_qwen3_next_layout_cache_and_generation():
+    """The blocks as layer_types says; a prompt fed in three pieces, then one token a step, gives
+    one full forward's logits; the DeltaNet state keeps its size; the cache changes speed, not tokens."""
+    model = tiny_qwen3_next()
+    assert [type(layer.attn).__name__ for layer in model.layers] == ["GatedDeltaNet"] * 3 + ["GatedAttention"]
+    assert all(isinstance(norm, tf.ZeroCenteredRMSNorm) for norm in [model.final_norm, model.layers[0].attn_norm,
+                                                                     model.layers[3].attn.q_norm])
+    assert type(model.layers[0].attn.norm) is tf.GatedRMSNorm and model.cos.shape == (96, 8)
+    ids = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache()
+        steps = [model(ids[:, :t], cache) for t in (5, 9, 12, 13, 14, 15, 16)]
+    assert_close(torch.cat(steps, dim=1), full)
+    assert [len(c) for c in cache] == [16] * 4 and cache[0].memory.shape == (2, 4, 8, 12)
+    assert cache[0].conv.shape == (2, 2 * 2 * 8 + 4 * 12, 3) and cache[3].k.shape == (2, 2, 16, 16)
+    prompt = torch.randint(0, 50, (2, 4))
+    assert torch.equal(model.generate(prompt, 12), model.generate(prompt, 12, use_cache=False))
+
+
+def test_qwen3_next_no_nan_in_bfloat16():
+    """In bf16 the DeltaNet still runs its memory in float32 (the cache keeps it so), and the logits,
+    prompt at once or token by token, stay finite and near float32's."""
+    model = tiny_qwen3_next()
+    ids = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        reference = model(ids)
+        half, cache = model.to(torch.bfloat16), model.new_cache()
+        logits = half(ids)
+        steps = torch.cat([half(ids[:, :5], cache)] + [half(ids[:, :t], cache) for t in range(6, 10)], dim=1)
+    tol = 0.05 * reference.abs().max().item() + 0.05
+    assert logits.dtype == torch.bfloat16 and cache[0].memory.dtype == torch.float32
+    assert torch.isfinite(steps).all() and max_diff(logits, reference) < tol and max_diff(steps, reference) < tol
+
+
+def test_qwen3_next_param_formula_and_the_released_totals():
+    """The formula equals the count: the tiny model (tied, layer_types given) and Qwen3-Next-80B-A3B
+    one period deep with 16 experts (the 512 take seconds on the meta device); the full model's
+    totals: 79.7B and 3.87B (its card: "80B in total and 3B activated")."""
+    for overrides in (dict(), dict(tie_weights=True, layer_types=["full_attention", "linear_attention"] * 2)):
+        model = tiny_qwen3_next(**overrides)
+        assert tf.count_parameters(model) == tf.qwen3_next_param_formula(**model.config)
+    shallow = dict(tf.QWEN3_NEXT_80B, n_layers=4, n_experts=16)
+    with torch.device("meta"):
+        assert tf.count_parameters(tf.Qwen3Next(**shallow)) == tf.qwen3_next_param_formula(**shallow)
+    assert tf.qwen3_next_param_formula(**tf.QWEN3_NEXT_80B) == 79_674_391_296
+    assert tf.qwen3_next_param_formula(**tf.QWEN3_NEXT_80B, active=True) == 3_874_929_408
+
+
+def test_qwen3_next_cache_bytes_against_llama_3_8b():
+    """Qwen3-Next-80B-A3B in bf16: 24 KiB a token (12 attention layers) and 37.7 MiB of DeltaNet state at
+    any length; 133.7, 805.7 and 6,181.7 MiB at 4K, 32K and 256K tokens against Llama-3-8B's 512, 4,096
+    and 32,768. The tiny model's count matches the tensors its cache holds."""
+    config = tf.QWEN3_NEXT_80B
+    fixed = tf.qwen3_next_cache_bytes(config, 0)
+    assert fixed == 36 * (32 * 128 * 128 + 3 * 8192) * 2 == 39_518_208
+    assert tf.qwen3_next_cache_bytes(config, 1) - fixed == 12 * 2 * 2 * 256 * 2 == 24 * 1024
+    mib = [tf.qwen3_next_cache_bytes(config, n) / 2 ** 20 for n in (4096, 32768, 262144)]
+    assert [round(m, 1) for m in mib] == [133.7, 805.7, 6181.7]
+    assert [tf.kv_cache_bytes_per_token(32, 8, 128) * n / 2 ** 20 for n in (4096, 32768, 262144)] == [512, 4096, 32768]
+    model = tiny_qwen3_next()
+    for length in (3, 40):
+        cache = model.new_cache()
+        with torch.no_grad():
+            model(torch.randint(0, 50, (1, length)), cache)
+        held = sum(t.numel() for c in cache for t in vars(c).values() if isinstance(t, torch.Tensor))
+        assert held * 2 == tf.qwen3_next_cache_bytes(model.config, length)
+
+
+def test_qwen3_next_cache_refuses_a_crop_and_wrong_caches():
+    """A recurrent memory cannot go back to a prefix: crop raises, so section 48 refuses such a model
+    before it runs; a cache list of the wrong kinds is refused, naming what new_cache gives."""
+    model = tiny_qwen3_next()
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.randint(0, 50, (1, 6)), cache)
+    for length in (0, 5, 6, 100):
+        with pytest.raises(ValueError, match=rf"cannot be cut back to {length} tokens: its recurrent memory holds "
+                                             r"all 6 tokens"):
+            cache[0].crop(length)
+    with pytest.raises(ValueError, match="cannot be cut back"):
+        tf.crop_cache(cache, 4)
+    ids = torch.randint(0, 50, (1, 4))
+    with pytest.raises(ValueError, match=r"a KVCache for each attention layer, a DeltaNetCache for each DeltaNet"):
+        model(ids, [tf.KVCache() for _ in range(4)])
+    with pytest.raises(ValueError, match="a DeltaNetCache for each DeltaNet layer"):
+        model(ids, model.new_cache()[::-1])
+
+
+def test_qwen3_next_bad_configurations_raise_value_errors():
+    with pytest.raises(ValueError, match=r"linear_v_heads must be divisible by linear_k_heads \(linear_k_heads=2\)"):
+        tiny_qwen3_next(linear_v_heads=3)
+    with pytest.raises(ValueError, match=r"layer_types must be None or n_layers of"):
+        tiny_qwen3_next(layer_types=["full_attention"] * 3)
+    with pytest.raises(ValueError, match=r"layer_types must be None or n_layers of"):
+        tiny_qwen3_next(layer_types=["sliding_attention"] * 4)
+    with pytest.raises(ValueError, match=r"head_dim \* partial_rotary must give an even number"):
+        tiny_qwen3_next(partial_rotary=0.3125)                             # 5 of 16 dims
+    with pytest.raises(ValueError, match=r"rotary_dim must be an integer >= 2, got 0"):
+        tiny_qwen3_next(partial_rotary=0.05)                               # no dim at all
+    with pytest.raises(ValueError, match=r"top_k must be at most n_experts"):
+        tiny_qwen3_next(top_k=5)
+    with pytest.raises(ValueError, match=r"n_v_heads must be divisible by n_k_heads"):
+        tf.GatedDeltaNet(32, n_k_heads=3, n_v_heads=4, k_dim=8, v_dim=8)
+    with pytest.raises(ValueError, match=r"config's mlp_only_layers is \[1\]"):
+        tf.from_hf_config(dict(model_type="qwen3_next", mlp_only_layers=[1]))
+
+
+# Qwen3-Next-80B-A3B-Instruct's config.json (transformers 4.x's fields: full_attention_interval, no layer_types)
+Q3N_80B_CONFIG_JSON = dict(
+    architectures=["Qwen3NextForCausalLM"], attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
+    decoder_sparse_step=1, eos_token_id=151645, full_attention_interval=4, head_dim=256, hidden_act="silu",
+    hidden_size=2048, initializer_range=0.02, intermediate_size=5120, linear_conv_kernel_dim=4,
+    linear_key_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, linear_value_head_dim=128,
+    max_position_embeddings=262144, mlp_only_layers=[], model_type="qwen3_next", moe_intermediate_size=512,
+    norm_topk_prob=True, num_attention_heads=16, num_experts=512, num_experts_per_tok=10, num_hidden_layers=48,
+    num_key_value_heads=2, output_router_logits=False, partial_rotary_factor=0.25, rms_norm_eps=1e-06,
+    rope_scaling=None, rope_theta=10000000, router_aux_loss_coef=0.001, shared_expert_intermediate_size=512,
+    tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True, use_sliding_window=False, vocab_size=151936)
+
+
+def test_hf_keywords_of_the_released_config_json():
+    """The released config.json gives QWEN3_NEXT_80B's keywords, its layers every fourth one attention."""
+    keywords = tf.hf_qwen3_next(Q3N_80B_CONFIG_JSON)
+    assert keywords == dict(tf.QWEN3_NEXT_80B, layer_types=tf.qwen3_next_layer_types(48))
+    assert keywords["layer_types"][:4] == ["linear_attention"] * 3 + ["full_attention"]
+    assert keywords["layer_types"].count("full_attention") == 12
+
+
+def test_copy_sizes_of_gated_attention_and_gated_deltanet():
+    """Gated DeltaNet with both forms and its gated norm, over what the file had (RMSNorm, repeat_kv):
+    measured 96 (the issue: at most 130), 114 with its cache; gated attention over Qwen3's: 40."""
+    assert copy_size("GatedDeltaNet") - copy_size("RMSNorm", "repeat_kv") <= 100
+    assert copy_size("GatedDeltaNet", "DeltaNetCache") - copy_size("RMSNorm", "repeat_kv") <= 130
+    assert copy_size("GatedAttention") - copy_size("QKNormAttention") <= 45
+
+
+# against transformers' Qwen3NextForCausalLM, where it is installed
+
+Q3N_HF = dict(vocab_size=100, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+              linear_value_head_dim=12, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+              shared_expert_intermediate_size=24, max_position_embeddings=128, rms_norm_eps=1e-5,
+              rope_parameters=dict(rope_type="default", rope_theta=1000.0, partial_rotary_factor=0.25),
+              tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+@pytest.mark.skipif(hf_transformers is None, reason="needs transformers: pip install transformers")
+def test_hf_parity_qwen3_next():
+    """from_hf_config + load_hf_state_dict reproduce transformers' Qwen3NextForCausalLM (random weights
+    that make every part count, the zero-centred norms' w around 0 rather than 1; decay rates A as
+    transformers initializes them, 0.01 to 16): logits over 70 tokens (two chunks of the DeltaNet),
+    20 greedy tokens with the cache on both sides, our cached logits over them. Measured max abs
+    diff: 2.4e-06, and 2.7e-05 with our cache, on logits up to ~4 (transformers 5.24.0, torch 2.13.0,
+    CPU). Both float32 models are 1.3e-4 from ours in float64: the chunked form's rounding, shared."""
+    config = hf_transformers.Qwen3NextConfig(**Q3N_HF)
+    hf = hf_randomize_theirs(hf_transformers.Qwen3NextForCausalLM(config))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name and "linear_attn" not in name:               # 1 + w: w = 0.2 N(0, 1)
+                p.sub_(1)
+    model = tf.from_hf_config(config.to_dict())
+    assert model.config == tiny_qwen3_next(vocab_size=100, d_model=64, partial_rotary=0.25, max_len=128,
+                                           rope_theta=1000.0, norm_eps=1e-5,
+                                           layer_types=["linear_attention"] * 3 + ["full_attention"]).config
+    tf.load_hf_state_dict(model, hf.state_dict()).eval()
+    ids = torch.randint(0, 100, (2, 70), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(ids), hf(ids).logits
+    assert max_diff(ours, theirs) < 1e-4
+    prompt = ids[:, :12]
+    mine = model.generate(prompt, 20)
+    with torch.no_grad():
+        hf_out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False,
+                             pad_token_id=0, use_cache=True)
+        cache = model.new_cache()
+        steps = torch.cat([model(mine[:, :t], cache) for t in range(12, 33)], dim=1)  # [2, 32, V]
+        assert max_diff(steps, hf(mine).logits) < 1e-4
+        exact = model.double()(ids)                                        # [2, 70, V]
+    assert torch.equal(mine, hf_out)
+    assert max_diff(ours, exact) < 2e-3 and max_diff(theirs, exact) < 2e-3
+
+
+@pytest.mark.skipif(hf_transformers is None, reason="needs transformers: pip install transformers")
+def test_hf_delta_rule_forms_equal_ours():
+    """transformers' torch fallbacks of the delta rule ([B, T, H, d] tensors; they scale q by dk^-0.5
+    themselves) against ours, on 70 tokens: two chunks of 64, from a nonzero memory."""
+    modeling = __import__("transformers.models.qwen3_next.modeling_qwen3_next", fromlist=["x"])
+    q, k, v, g, beta, memory = q3n_inputs(torch.float32, T=70)
+    ours, state = tf.gated_delta_rule_chunked(q, k, v, g, beta, memory)
+    for form in (modeling.torch_chunk_gated_delta_rule, modeling.torch_recurrent_gated_delta_rule):
+        theirs, their_state = form(*(x.transpose(1, 2) for x in (q * 16 ** 0.5, k, v, g, beta)), initial_state=memory,
+                                   output_final_state=True)
+        assert max_diff(ours.transpose(1, 2), theirs) < 1e-5 and max_diff(state, their_state) < 1e-5
+# ===========================================================================
 # 40. DeepSeek's sparse attention: DeepSeek-V3.2
 # ===========================================================================
 
@@ -7395,6 +7661,18 @@ def test_memory_bad_input_names_the_argument(call, words):
         call(tiny("llama"))
 
 
+
+
+@pytest.mark.parametrize("kind", ["gptoss", "qwen3_next", "deepseek_v32"])
+def test_formulas_refuse_sections_38_to_40_families_by_name(kind):
+    """Sinks and windows, DeltaNet's fixed-size memory, the indexer's no-gradient scores: not in the formulas
+    of sections 44 and 46, which name the class they refuse rather than count it wrong."""
+    model = NEW_FAMILIES[kind](50)
+    name = type(model).__name__
+    for formula in (lambda: tf.forward_flops(model, 1, 8), lambda: tf.training_flops(model, 1, 8),
+                    lambda: tf.training_memory(model, 1, 8)):
+        with pytest.raises(ValueError, match=f"model must be one of .*, got {name}$"):
+            formula()
 # ===========================================================================
 # 47. LoRA
 # ===========================================================================
@@ -9787,10 +10065,14 @@ def test_save_refuses_what_load_would_refuse_before_touching_the_file(tmp_path, 
 
 
 
-NEW_FAMILIES = {  # section 38's and 40's models, tiny: each saves and loads as the others do
+NEW_FAMILIES = {  # sections 38-40's models, tiny: each saves and loads as the others do
     "gptoss": lambda V: tf.GptOss(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=24,
                                   n_experts=4, top_k=2, window=8, max_len=40, swiglu_limit=1.0,
                                   rope_scaling={"type": "yarn", "factor": 4.0, "original_max_len": 10}),
+    "qwen3_next": lambda V: tf.Qwen3Next(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                                         layer_types=["linear_attention", "full_attention"], partial_rotary=0.5,
+                                         linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=8,
+                                         n_experts=4, top_k=2, expert_d_ff=16, shared_d_ff=16, max_len=40),
     "deepseek_v32": lambda V: tf.DeepSeekV32(vocab_size=V, d_model=32, n_layers=2, n_heads=4, kv_lora_rank=16,
                                              qk_nope_dim=8, qk_rope_dim=4, v_head_dim=8, d_ff=64, expert_d_ff=16,
                                              n_experts=8, top_k=2, q_lora_rank=24, n_groups=4, topk_groups=2,
@@ -9813,7 +10095,7 @@ def test_new_family_checkpoint_round_trip_and_a_forged_size_refused(tmp_path, ki
     checkpoint = torch.load(path, weights_only=True)
     checkpoint["config"]["n_layers"] = 3                                  # more layers than the weights hold
     torch.save(checkpoint, path)
-    with pytest.raises(ValueError, match="the configuration \\(n_layers 3\\) needs"):
+    with pytest.raises(ValueError, match="\\(n_layers 3\\) needs|n_layers of .*\\(n_layers=3\\)"):  # Qwen3Next: its layer_types
         tf.load_checkpoint(path)
 # ===========================================================================
 # 54. The demo
@@ -9872,14 +10154,15 @@ def test_main_short_run(monkeypatch, capsys):
     per_head = v3["n_layers"] * v3["n_heads"] * (128 + 64 + 128) * 2 / 2 ** 20
     assert re.search(rf"DeepSeek-V3 .* {latent:.1f} KiB", out) and f"would take {per_head:.2f} MiB a token" in out
     shares = [float(m) for m in re.findall(r"^  expert +\d+ █* +([\d.]+)%$", out, re.M)]
-    assert len(shares) == 8 and abs(sum(shares) - 100) < 0.5      # one MoE layer of 8 experts
+    groups = [shares[:8], shares[8:12], shares[12:]]              # DeepSeek's MoE layer of 8; Qwen3-Next's 2 of 4
+    assert len(shares) == 16 and all(abs(sum(group) - 100) < 0.5 for group in groups)
     assert re.search(r"64 new tokens: with cache [\d.]+ s, without [\d.]+ s \([\d.]+x\), same tokens: yes", out)
     # one report per toy model, on the 6 held-out sentences
     reports = [line for line in lines if line.startswith("held-out exact match:")]
-    assert len(reports) == len(tf.TOY_MODELS) == 4
+    assert len(reports) == len(tf.TOY_MODELS) == 5
     assert all(re.fullmatch(r"held-out exact match: \d+\.\d% \(\d/6\) sentences; characters: "
                             r"\d+\.\d% \(\d+/\d+\)", line) for line in reports), reports
-    assert sum(line.strip().startswith("wo ai xue xi ->") for line in lines) == 4
+    assert sum(line.strip().startswith("wo ai xue xi ->") for line in lines) == 5
     # the example rows: held-out sentences, each with its expected hanzi
     _, test_pairs = tf.split_data(TOY_DATA(n_sentences=60, seed=0), seed=0)
     answers = dict(test_pairs)
@@ -9897,16 +10180,22 @@ def test_main_short_run(monkeypatch, capsys):
     # the closing table: four models and the baseline, on the same sentences
     table = lines[next(i for i, line in enumerate(lines) if line.startswith("held-out sentences, same split")):]
     assert "(constrained, beam 4 decoding)" in table[0]                # the defaults
-    names = [row[2:22].strip() for row in table[2:7]]
-    assert names == ["encoder-decoder", "decoder-only (GPT)", "Llama-style", "DeepSeek-style",
+    names = [row[2:22].strip() for row in table[2:8]]
+    assert names == ["encoder-decoder", "decoder-only (GPT)", "Llama-style", "DeepSeek-style", "Qwen3-Next-style",
                      "bigram HMM baseline"]
     hmm = tf.evaluate(tf.BigramHMM(tf.split_data(TOY_DATA(n_sentences=60, seed=0), seed=0)[0]).decode, test_pairs)
-    assert f"{tf.percent(hmm['exact'], hmm['total'])}" in table[6]
+    assert f"{tf.percent(hmm['exact'], hmm['total'])}" in table[7]
     # the same weights quantized: the float32 column is each model's one epoch's held-out accuracy
-    quantized = lines[next(i for i, line in enumerate(lines) if "in GGUF's blocks" in line) + 2:][:4]
+    quantized = lines[next(i for i, line in enumerate(lines) if "in GGUF's blocks" in line) + 2:][:5]
     epochs = re.findall(r"held-out accuracy +(\d+\.\d%)", out)
-    assert [row[2:22].strip() for row in quantized] == names[:4] and [row.split()[-3] for row in quantized] == epochs
+    assert [row[2:22].strip() for row in quantized] == names[:5] and [row.split()[-3] for row in quantized] == epochs
     assert all(re.fullmatch(r"\d+\.\d%", value) for row in quantized for value in row.split()[-2:])
+    # the caches a token: the hybrid's by section 39's formula (float32), its memory the same at any length
+    n = len(test_pairs[0][0].split()) + 1
+    cached = dict(re.findall(r"(?:: |, )([^,:]+) ([\d,]+) B", next(
+        line for line in lines if line.startswith(f"cache a token after a held-out prompt of {n} tokens: "))))
+    hybrid = tf.Qwen3Next(vocab_size=50, **tf.TOY_MODELS["qwen3_next"]["config"]).config
+    assert list(cached) == names[1:5] and cached["Qwen3-Next-style"] == f"{tf.qwen3_next_cache_bytes(hybrid, n, 4) // n:,}"
 
 
 def test_main_seed_and_free_greedy(monkeypatch, tmp_path):
@@ -10292,16 +10581,17 @@ def test_cli_default_trains_all_and_compares(cli_runs):
     status, out, err = cli_runs["all"]
     assert status == 0 and err == ""
     assert "data: 30 pinyin sentences, 3 held out" in out
-    assert out.count("held-out exact match:") == 4                # one report per model
+    assert out.count("held-out exact match:") == 5                # one report per model
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.strip().startswith("model ") and "exact match" in line)
     assert lines[header].split() == ["model", "parameters", "train", "s", "answer", "s", "exact", "match", "characters"]
-    row = re.compile(r"  (encoder-decoder|decoder-only \(GPT\)|Llama-style|DeepSeek-style) +([\d,]+) +\d+\.\d"
+    row = re.compile(r"  (encoder-decoder|decoder-only \(GPT\)|(?:Llama|DeepSeek|Qwen3-Next)-style) +([\d,]+) +\d+\.\d"
                      r" +\d+\.\d\d  \d+\.\d% \(\d/3\) +\d+\.\d% \(\d+/\d+\)")
-    rows = [row.fullmatch(line) for line in lines[header + 1:header + 5]]
-    assert all(rows), lines[header:header + 5]
-    assert [m[1] for m in rows] == ["encoder-decoder", "decoder-only (GPT)", "Llama-style", "DeepSeek-style"]
-    assert lines[header + 5].strip().startswith("bigram HMM baseline")
+    rows = [row.fullmatch(line) for line in lines[header + 1:header + 6]]
+    assert all(rows), lines[header:header + 6]
+    assert [m[1] for m in rows] == ["encoder-decoder", "decoder-only (GPT)", "Llama-style", "DeepSeek-style",
+                                    "Qwen3-Next-style"]
+    assert lines[header + 6].strip().startswith("bigram HMM baseline")
     _, encdec, *_ = tf.load_checkpoint(cli_runs["encdec"])        # the saved one is the first
     assert int(rows[0][2].replace(",", "")) == tf.count_parameters(encdec)
     assert f"saved the encoder-decoder model to {cli_runs['encdec']}" in out
@@ -11916,7 +12206,8 @@ def test_no_definition_uses_a_name_defined_in_a_later_section():
              if isinstance(sub, ast.Name) and defined.get(sub.id, -1) > n]
     assert not later, later
     assert {defined[name] for name in ("Llama", "Qwen3", "Mixtral", "Qwen3MoE", "DeepSeekV3", "Mistral", "PagedKVCache",
-                                       "with_rope_scaling", "GptOss", "DeepSeekV32")} == {22, 28, 29, 31, 35, 36, 37, 38, 40}
+                                       "with_rope_scaling", "GptOss", "Qwen3Next", "DeepSeekV32")} == {
+        22, 28, 29, 31, 35, 36, 37, 38, 39, 40}
 
 
 ARGUMENT_CHECKS = {"check", "check_mask", "check_ids", "check_qkv", "check_scaling", "check_batch", "check_list"}  # a line the reader drops
@@ -12083,6 +12374,17 @@ cache = gpt.new_cache()
 gpt(ids, cache)
 assert [c.k.size(2) for c in cache] == [8, 40, 8, 40]
 assert count_parameters(gpt) == gpt_oss_param_formula(**gpt.config)""",
+    39: """model = Qwen3Next(vocab_size=50, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, partial_rotary=0.5,
+                  linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=8, n_experts=4, top_k=2,
+                  expert_d_ff=16, shared_d_ff=16, max_len=96)
+ids = torch.randint(0, 50, (2, 70))
+assert torch.equal(model.generate(ids, max_new_tokens=5), model.generate(ids, max_new_tokens=5, use_cache=False))
+q, k = F.normalize(torch.randn(2, 1, 2, 19, 8, dtype=torch.float64), dim=-1)
+v, g, beta = torch.randn(1, 2, 19, 8, dtype=torch.float64), -torch.rand(1, 2, 19, dtype=torch.float64), torch.rand(1, 2, 19, dtype=torch.float64)
+o1, s1 = gated_delta_rule_recurrent(q, k, v, g, beta, torch.zeros(1, 2, 8, 8, dtype=torch.float64))
+o2, s2 = gated_delta_rule_chunked(q, k, v, g, beta, torch.zeros(1, 2, 8, 8, dtype=torch.float64), chunk=8)
+assert (o1 - o2).abs().max() < 1e-12 and (s1 - s2).abs().max() < 1e-12
+assert count_parameters(model) == qwen3_next_param_formula(**model.config)""",
     40: """ds = DeepSeekV32(vocab_size=50, d_model=32, n_layers=2, n_heads=4, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=4,
                  v_head_dim=8, d_ff=64, expert_d_ff=16, n_experts=8, top_k=2, q_lora_rank=24, n_groups=4, topk_groups=2,
                  max_len=64, index_n_heads=4, index_head_dim=8, index_topk=3)

@@ -4317,6 +4317,444 @@ HF_FAMILIES["gpt_oss"] = (GptOss, hf_gpt_oss)
 
 
 # ===========================================================================
+# 39. Gated attention and Gated DeltaNet: Qwen3-Next (门控注意力与门控 DeltaNet)
+# ===========================================================================
+# Attention's cache grows with every token. A linear-attention layer keeps one memory of fixed
+# size instead, a [dk, dv] matrix per head that each token writes and each query reads, and
+# costs the same at token 10 and token 10 million. Qwen3-Next (Qwen team, September 2025)
+# stacks three such layers, Gated DeltaNet, to one layer of (gated) attention, which still
+# sees every token exactly; every block's feed-forward is a MoE of 512 experts and a shared
+# one. New symbols here: Hk and Hv the DeltaNet's key and value heads (dk, dv their widths),
+# C = 2 Hk dk + Hv dv the channels of its convolution, K the convolution's taps, c a chunk's
+# tokens and n the chunks.
+#
+# Three small changes to Qwen3's attention and norms first:
+# - zero-centred RMSNorm: the scale is 1 + w, w starting at 0. The Qwen3-Next blog reports
+#   norm weights that grew abnormally large in Qwen3's QK-norm; with 1 + w, weight decay on w
+#   pulls the scale towards 1 (decay on a plain weight pulls it towards 0, erasing its input).
+# - gated attention (Qiu et al., 2025, "Gated Attention for Large Language Models:
+#   Non-linearity, Sparsity, and Attention-Sink-Free"): w_q is twice as wide, its second half
+#   a gate; the attention's output times sigmoid(gate), per head and dim, before w_o. The paper
+#   reports steadier training and no attention sink (a first token soaking up the attention of
+#   heads with nothing to read): the head can output ~0 itself. It also puts a non-linearity
+#   between w_v and w_o, which are otherwise one low-rank linear map.
+# - partial RoPE: only the first 25% of each head's dims turn (64 of 256); the rest carry no
+#   position, so some of every head matches by content alone, at any distance.
+
+ARGUMENTS.update(partial_rotary=(float, 1e-30, 1.0), rotary_dim=(int, 2, MAX_SIZE))
+RELATIONS["even rotary dims"] = (("rotary_dim",), lambda d: d % 2 == 0,
+                                 "head_dim * partial_rotary must give an even number of dims (RoPE turns pairs)")
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm scaled by 1 + weight, weight starting at 0: every norm of Qwen3-Next, q_norm and k_norm too."""
+
+    def __init__(self, d_model, eps=1e-6):
+        super().__init__(d_model, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x):
+        # scaled in float32, THEN cast (transformers' order for this model; section 18's Llama casts first)
+        x32 = x.float()                                                    # [B, T, D]
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # [B, T, D]
+        return (normed * (1.0 + self.weight.float())).type_as(x)          # [B, T, D]
+
+
+def apply_partial_rope(x, cos, sin):
+    """Section 19's RoPE on the first cos.size(-1) dims of each head of x [B, H, T, dk]; the others unturned."""
+    rotary = cos.size(-1)
+    return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)  # [B, H, T, dk]
+
+
+class GatedAttention(QKNormAttention):
+    """Qwen3's attention with zero-centred q_norm and k_norm, RoPE on the first cos.size(-1) dims of each head,
+    and the output times sigmoid(gate) before w_o, the gate a second half of each head's rows in w_q."""
+
+    def __init__(self, d_model, n_heads, n_kv_heads, head_dim, norm_eps=1e-6):
+        super().__init__(d_model, n_heads, n_kv_heads, head_dim, False, norm_eps)
+        self.w_q = nn.Linear(d_model, n_heads * 2 * head_dim, bias=False)  # per head: dk query rows, dk gate rows
+        self.q_norm, self.k_norm = ZeroCenteredRMSNorm(head_dim, norm_eps), ZeroCenteredRMSNorm(head_dim, norm_eps)
+
+    def forward(self, x, cos, sin, mask=None, cache=None):
+        """x [B, Tn, D]; cos, sin [Tn, rotary dims]; mask [1, 1, Tn, t + Tn]; cache a KVCache."""
+        B, Tn, _ = x.shape
+        q, gate = self.w_q(x).view(B, Tn, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [B, Tn, H, dk] each
+        k = self.w_k(x).view(B, Tn, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, Tn, dk]
+        v = self.w_v(x).view(B, Tn, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, Tn, dk]
+        q = apply_partial_rope(self.q_norm(q.transpose(1, 2)), cos, sin)  # [B, H, Tn, dk]
+        k = apply_partial_rope(self.k_norm(k), cos, sin)                   # [B, Hkv, Tn, dk]
+        if cache is not None:
+            k, v = cache.append(k, v)                                      # [B, Hkv, t+Tn, dk] each
+        out = self.attend(q, k, v, mask).transpose(1, 2).reshape(B, Tn, -1)  # [B, Tn, H*dk]
+        return self.w_o(out * gate.reshape(B, Tn, -1).sigmoid())          # [B, Tn, D]
+
+
+# Gated DeltaNet (Yang, Kautz & Hatamizadeh, 2024, "Gated Delta Networks: Improving Mamba2 with
+# Delta Rule"). A head's memory S [dk, dv] maps keys to values; a query reads S^T q, the values
+# weighted by how their keys match q (linear attention: no softmax, so no [T, T] scores). Each
+# token first lets S fade by alpha_t = e^(g_t) in (0, 1) (Mamba-2's gate: forget), then writes
+# by the delta rule (Widrow and Hoff's; Schlag et al., 2021, "Linear Transformers Are Secretly
+# Fast Weight Programmers"): recall what S holds for k_t, move it towards v_t by beta_t in (0, 1):
+#     S <- alpha_t S,   d_t = beta_t (v_t - S^T k_t),   S <- S + k_t d_t^T,   o_t = S^T q_t
+# With |k_t| = 1 and beta_t = 1, S^T k_t is exactly v_t afterwards: a write replaces what the
+# key held, where plain linear attention (S <- S + k v^T) piles every value on top of the last.
+#
+# Token by token suits decoding; a prompt or a training batch would take T small sequential
+# steps. The chunked form (Yang et al., 2024, "Parallelizing Linear Transformers with the Delta
+# Rule over Sequence Length": the WY/UT transform) does c tokens at once. Inside a chunk, with
+# gamma_i the summed log-decays from its start to token i and S the memory before it, unrolling
+# the recurrence gives, for every i at once,
+#     d_i + sum_{j<i} beta_i e^(gamma_i - gamma_j) (k_i . k_j) d_j = beta_i v_i - beta_i e^(gamma_i) S^T k_i
+#     o_i = e^(gamma_i) S^T q_i + sum_{j<=i} e^(gamma_i - gamma_j) (q_i . k_j) d_j
+#     S  <- e^(gamma_c) S + sum_j e^(gamma_c - gamma_j) k_j d_j^T
+# The first is a unit lower-triangular system in the d_i, so d = u - w S with u and w solved
+# once (right-hand sides beta v and beta e^gamma k) for all chunks together, by matmuls; only
+# "d = u - w S" and the two lines after it run chunk after chunk. Equal up to rounding: float64
+# 1e-15; float32, against float64, 1e-7 token by token at any decay, chunked 1e-7 at mild decay
+# but 1.4e-6 where |g| reaches 20 a token: e^(gamma_i - gamma_j) subtracts two cumulative
+# log-decays, hundreds large, whose rounding (~|gamma| * 6e-8) survives into the difference.
+
+ARGUMENTS.update(n_k_heads=(int, 1, MAX_SIZE), n_v_heads=(int, 1, MAX_SIZE), k_dim=(int, 1, MAX_SIZE),
+                 v_dim=(int, 1, MAX_SIZE), conv_size=(int, 1, MAX_SIZE), chunk=(int, 1, MAX_SIZE))
+RELATIONS["key heads divide value heads"] = (("n_v_heads", "n_k_heads"), lambda hv, hk: hv % hk == 0,
+                                             "n_v_heads must be divisible by n_k_heads")
+
+
+def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
+    """The memory token by token (decoding): q, k [B, H, T, dk] L2-normed, v [B, H, T, dv], g (log-decay, <= 0)
+    and beta [B, H, T], memory [B, H, dk, dv] -> (o [B, H, T, dv], the memory after the last token)."""
+    out = []
+    for t in range(q.size(2)):
+        q_t, k_t, v_t = q[:, :, t, None], k[:, :, t, None], v[:, :, t, None]  # [B, H, 1, dk|dv]
+        memory = memory * g[:, :, t, None, None].exp()                     # [B, H, dk, dv]: fade
+        d = beta[:, :, t, None, None] * (v_t - k_t @ memory)               # [B, H, 1, dv]: what k_t recalls, corrected
+        memory = memory + k_t.transpose(-1, -2) @ d                        # [B, H, dk, dv]
+        out.append(q_t @ memory)                                           # [B, H, 1, dv]
+    return torch.cat(out, dim=2), memory                                   # [B, H, T, dv], [B, H, dk, dv]
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, memory, chunk=64):
+    """The same, `chunk` tokens at a time (training, the prompt; 64 as transformers and flash-linear-attention)."""
+    check(chunk=chunk)
+    T, pad = q.size(2), -q.size(2) % chunk  # padded tokens neither fade (g 0) nor write (beta 0, k 0)
+    q, k, v = (F.pad(x, (0, 0, 0, pad)).unflatten(2, (-1, chunk)) for x in (q, k, v))  # [B, H, n, c, dk|dv]
+    g, beta = (F.pad(x, (0, pad)).unflatten(2, (-1, chunk)) for x in (g, beta))  # [B, H, n, c]
+    gamma = g.cumsum(dim=-1)                                               # [B, H, n, c]: log-decay since chunk start
+    later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)  # [c, c]: j after i
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(later, -math.inf).exp()  # [B, H, n, c, c]
+    k_beta = k * beta[..., None]                                           # [B, H, n, c, dk]
+    system = (k_beta @ k.transpose(-1, -2)) * decay                        # [B, H, n, c, c]: I + L, diagonal read as 1
+    rhs = torch.cat([v * beta[..., None], k_beta * gamma[..., None].exp()], dim=-1)  # [B, H, n, c, dv+dk]
+    u, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split(
+        [v.size(-1), k.size(-1)], dim=-1)                                  # [B, H, n, c, dv], [B, H, n, c, dk]
+    scores = (q @ k.transpose(-1, -2)) * decay                             # [B, H, n, c, c]: e^(gi-gj) q_i . k_j
+    out = []
+    for i in range(q.size(2)):
+        d = u[:, :, i] - w[:, :, i] @ memory                               # [B, H, c, dv]: what each token writes
+        out.append((q[:, :, i] * gamma[:, :, i, :, None].exp()) @ memory + scores[:, :, i] @ d)  # [B, H, c, dv]
+        last = gamma[:, :, i, -1:]                                         # [B, H, 1]: the whole chunk's decay
+        faded_k = k[:, :, i] * (last - gamma[:, :, i]).exp()[..., None]    # [B, H, c, dk]: e^(gc-gj) k_j
+        memory = memory * last[..., None].exp() + faded_k.transpose(-1, -2) @ d  # [B, H, dk, dv]
+    return torch.cat(out, dim=2)[:, :, :T], memory                         # [B, H, T, dv], [B, H, dk, dv]
+
+
+class DeltaNetCache:
+    """A Gated DeltaNet layer's state for generation: the convolution's last K - 1 inputs [B, C, K-1] and the
+    memory [B, Hv, dk, dv], the same size after 10 tokens or 10 million; len() counts the tokens seen."""
+
+    def __init__(self):
+        self.conv = self.memory = None                                     # [B, C, K-1], [B, Hv, dk, dv] once filled
+        self.seen = 0
+
+    def __len__(self):
+        return self.seen
+
+    def crop(self, length):
+        """Refused, whatever the length: speculative decoding (section 48) cuts a cache back to take rejected
+        tokens out, and a memory that folded them in cannot give them back."""
+        raise ValueError(f"a DeltaNet layer's cache cannot be cut back to {length} tokens: its recurrent memory "
+                         f"holds all {self.seen} tokens folded into one [dk, dv] matrix a head, with no earlier "
+                         f"prefix to return to (transformers refuses assisted generation for such models too)")
+
+
+class GatedRMSNorm(RMSNorm):
+    """The DeltaNet's output norm: RMSNorm over each head's dv dims (a plain weight, from 1), times silu(gate)."""
+
+    def forward(self, x, gate):
+        return (super().forward(x) * F.silu(gate.float())).type_as(x)     # [B, T, Hv, dv]
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next's linear attention: project; a short causal convolution and SiLU over q, k, v; L2-normed q and
+    k; the gated delta rule on a memory per value head (n_v_heads / n_k_heads value heads share a q and k head,
+    as GQA's query heads share a key); the gated norm; out_proj. transformers' weight names and layouts."""
+
+    def __init__(self, d_model, n_k_heads, n_v_heads, k_dim, v_dim, conv_size=4, norm_eps=1e-6):
+        super().__init__()
+        check("key heads divide value heads", d_model=d_model, n_k_heads=n_k_heads, n_v_heads=n_v_heads,
+              k_dim=k_dim, v_dim=v_dim, conv_size=conv_size, norm_eps=norm_eps)
+        self.n_k_heads, self.n_v_heads, self.k_dim, self.v_dim = n_k_heads, n_v_heads, k_dim, v_dim
+        # grouped by key head, as transformers stores them: its q, its k, then its value heads' v, then their z
+        self.in_proj_qkvz = nn.Linear(d_model, 2 * n_k_heads * k_dim + 2 * n_v_heads * v_dim, bias=False)
+        self.in_proj_ba = nn.Linear(d_model, 2 * n_v_heads, bias=False)    # per key head: its heads' b, then a
+        channels = 2 * n_k_heads * k_dim + n_v_heads * v_dim               # C: q, k and v, a filter each
+        self.conv1d = nn.Conv1d(channels, channels, conv_size, groups=channels, bias=False)
+        # Mamba-2's decay e^(-A dt): A = e^A_log > 0 a head, from 0.01 to 16 (transformers' init: heads that
+        # remember for hundreds of tokens, heads that forget at once); a step dt = softplus(a + dt_bias) a token
+        self.dt_bias = nn.Parameter(torch.ones(n_v_heads))                 # [Hv]
+        self.A_log = nn.Parameter(torch.empty(n_v_heads).uniform_(0.01, 16).log())  # [Hv]
+        self.norm = GatedRMSNorm(v_dim, norm_eps)
+        self.out_proj = nn.Linear(n_v_heads * v_dim, d_model, bias=False)
+
+    def forward(self, x, cos=None, sin=None, mask=None, cache=None):
+        """x [B, Tn, D] -> [B, Tn, D]; cache a DeltaNetCache. A block's cos, sin and mask go unused: the
+        convolution and the memory read tokens in order, and order is all the position they need."""
+        B, Tn, _ = x.shape
+        Hk, Hv, dk, dv, r = self.n_k_heads, self.n_v_heads, self.k_dim, self.v_dim, self.n_v_heads // self.n_k_heads
+        # 1. project, and undo the grouping: key head h holds q, k, then v and z of value heads h*r .. h*r + r-1
+        q, k, v, z = self.in_proj_qkvz(x).view(B, Tn, Hk, -1).split([dk, dk, r * dv, r * dv], dim=-1)  # [B, Tn, Hk, .]
+        b, a = self.in_proj_ba(x).view(B, Tn, Hk, 2 * r).split([r, r], dim=-1)  # [B, Tn, Hk, r] each
+        # 2. the causal convolution: each channel a K-tap filter over its last K inputs (K - 1 from the cache)
+        qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1).transpose(1, 2)  # [B, C, Tn]
+        fresh = cache is None or cache.memory is None
+        past = qkv.new_zeros(B, qkv.size(1), self.conv1d.kernel_size[0] - 1) if fresh else cache.conv  # [B, C, K-1]
+        qkv = torch.cat([past, qkv], dim=-1)                               # [B, C, K-1+Tn]
+        mixed = F.silu(F.conv1d(qkv, self.conv1d.weight, groups=qkv.size(1))).transpose(1, 2)  # [B, Tn, C]
+        # 3. heads, in float32 at least (a bf16 memory would round away what it accumulates); |q| = |k| = 1 keeps
+        # every write a bounded step, and q / sqrt(dk) as attention's scale
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        q, k, v = (t.reshape(B, Tn, -1, d).transpose(1, 2).to(work) for t, d in zip(
+            mixed.split([Hk * dk, Hk * dk, Hv * dv], dim=-1), (dk, dk, dv)))  # [B, Hk|Hv, Tn, dk|dv]
+        q, k = (t * torch.rsqrt(t.pow(2).sum(dim=-1, keepdim=True) + 1e-6) for t in (q, k))  # [B, Hk, Tn, dk]
+        q, k = repeat_kv(q, r) * dk ** -0.5, repeat_kv(k, r)               # [B, Hv, Tn, dk] each
+        beta = b.reshape(B, Tn, Hv).sigmoid().transpose(1, 2).to(work)     # [B, Hv, Tn]: how hard to write
+        g = -self.A_log.to(work).exp() * F.softplus(a.reshape(B, Tn, Hv).to(work) + self.dt_bias)  # [B, Tn, Hv]
+        # 4. the delta rule: token by token for one new token, else in chunks of 64 (a shorter input: one chunk)
+        memory = q.new_zeros(B, Hv, dk, dv) if fresh else cache.memory     # [B, Hv, dk, dv]
+        if Tn == 1:
+            o, memory = gated_delta_rule_recurrent(q, k, v, g.transpose(1, 2), beta, memory)  # [B, Hv, 1, dv], [..]
+        else:
+            o, memory = gated_delta_rule_chunked(q, k, v, g.transpose(1, 2), beta, memory, min(64, Tn))  # [..]
+        if cache is not None:  # reassigned, not changed in place: a failed forward puts back the old (section 22)
+            cache.conv, cache.memory, cache.seen = qkv[:, :, Tn:], memory, cache.seen + Tn  # [B, C, K-1], [..]
+        # 5. each head normed and gated by silu(z), the heads merged and projected
+        o = self.norm(o.transpose(1, 2).to(x.dtype), z.reshape(B, Tn, Hv, dv))  # [B, Tn, Hv, dv]
+        return self.out_proj(o.reshape(B, Tn, Hv * dv))                    # [B, Tn, D]
+
+
+# The model. Qwen's shared expert has a gate of its own: a sigmoid of the token scales it
+# (DeepSeek's runs at full weight on every token).
+
+class GatedSharedExpert(SwiGLU):
+    """A SwiGLU every token runs, scaled by sigmoid(gate(x)), one number a token."""
+
+    def __init__(self, d_model, d_ff):
+        super().__init__(d_model, d_ff)
+        self.gate = nn.Linear(d_model, 1, bias=False)
+
+    def forward(self, x):
+        return super().forward(x) * self.gate(x).sigmoid()                # [N, D]
+
+
+def qwen3_next_layer_types(n_layers, interval=4):
+    """Every interval-th layer attention, the others Gated DeltaNet: Qwen3-Next's 3 to 1 with interval 4."""
+    check(n_layers=n_layers, interval=interval)
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
+
+
+ARGUMENTS.update(interval=(int, 1, MAX_SIZE), layer_types=(list, "or None"), linear_k_heads=(int, 1, MAX_SIZE),
+                 linear_v_heads=(int, 1, MAX_SIZE), linear_k_dim=(int, 1, MAX_SIZE), linear_v_dim=(int, 1, MAX_SIZE),
+                 shared_d_ff=(int, 1, MAX_SIZE))
+RELATIONS.update({
+    "DeltaNet or attention layers": (("layer_types", "n_layers"), lambda types, n: types is None or len(types) == n
+                                     and set(types) <= {"linear_attention", "full_attention"},
+                                     "layer_types must be None or n_layers of 'linear_attention', 'full_attention'"),
+    "linear key heads divide value heads": (("linear_v_heads", "linear_k_heads"), lambda hv, hk: hv % hk == 0,
+                                            "linear_v_heads must be divisible by linear_k_heads"),
+    "a cache for each layer's kind": (("cache", "layer_types"), lambda c, types: c is None or isinstance(
+        c, (list, tuple)) and [{KVCache: "full_attention", DeltaNetCache: "linear_attention"}.get(type(x))
+                               for x in c] == types,
+        "cache must be None or what new_cache() gives: a KVCache for each attention layer, a DeltaNetCache for each"
+        " DeltaNet layer"),
+})
+QWEN3_NEXT_RULES = ("DeltaNet or attention layers", "linear key heads divide value heads", "top_k <= n_experts",
+                    "expert width")
+
+
+class Qwen3Next(Qwen3):
+    """Qwen3 whose blocks mix tokens by GatedDeltaNet or GatedAttention as layer_types says (None: three DeltaNet
+    layers, then one attention, over and over), each with a softmax-routed MoE and a gated shared expert; every
+    norm zero-centred; max_len, theta and eps as Llama's; the DeltaNet and MoE sizes default to Qwen3-Next-80B-A3B's."""
+    cache_kind = object  # the kind differs by layer: forward checks each (new_cache gives them)
+
+    def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, head_dim=None, max_len=2048,
+                 rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, partial_rotary=0.25, layer_types=None,
+                 linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128, conv_size=4,
+                 n_experts=512, top_k=10, expert_d_ff=512, shared_d_ff=512, norm_topk=True):
+        config = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
+        check(*QWEN3_NEXT_RULES, **config)
+        self.rotary_dim = int((d_model // n_heads if head_dim is None else head_dim) * partial_rotary)  # 64 of 256
+        check("even rotary dims", rotary_dim=self.rotary_dim)
+        self.layer_types = layer_types or qwen3_next_layer_types(n_layers)
+        self.mixers = iter(self.layer_types)  # read by attention(), which Llama calls block after block
+        self.delta = dict(n_k_heads=linear_k_heads, n_v_heads=linear_v_heads, k_dim=linear_k_dim, v_dim=linear_v_dim,
+                          conv_size=conv_size, norm_eps=norm_eps)
+        self.moe = dict(d_ff=expert_d_ff, n_experts=n_experts, top_k=top_k, norm_topk=norm_topk)
+        self.shared_d_ff = shared_d_ff
+        super().__init__(vocab_size, d_model, n_layers, n_heads, n_kv_heads, None, max_len, rope_theta, norm_eps,
+                         tie_weights, False, head_dim)
+        del self.mixers
+        for block in self.layers:  # LlamaBlock's norms, zero-centred
+            block.attn_norm = ZeroCenteredRMSNorm(d_model, norm_eps)
+            block.ffn_norm = ZeroCenteredRMSNorm(d_model, norm_eps)
+        self.final_norm = ZeroCenteredRMSNorm(d_model, norm_eps)
+        self.config = config                                               # for checkpoints
+
+    def attention(self, d_model, n_heads, n_kv_heads, qkv_bias):
+        """The next block's token mixer, as layer_types says (Llama builds the blocks in order)."""
+        if next(self.mixers) == "linear_attention":
+            return GatedDeltaNet(d_model, **self.delta)
+        return GatedAttention(d_model, n_heads, n_kv_heads, self.head_dim, self.config["norm_eps"])
+
+    def feed_forward(self, i, d_model, d_ff):
+        moe = MoE(d_model, **self.moe)
+        moe.shared = GatedSharedExpert(d_model, self.shared_d_ff)
+        return moe
+
+    def rope_tables(self, max_len, theta):
+        return rope_cos_sin(self.rotary_dim, max_len, theta)              # [max_len, rotary dims]: the turned part
+
+    def new_cache(self):
+        """A KVCache for each attention layer, a DeltaNetCache for each DeltaNet layer."""
+        return [DeltaNetCache() if kind == "linear_attention" else KVCache() for kind in self.layer_types]
+
+    def forward(self, input_ids, cache=None):
+        check("a cache for each layer's kind", cache=cache, layer_types=self.layer_types)
+        return super().forward(input_ids, cache)                           # [B, Tn, V]
+
+
+def qwen3_next_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, head_dim=None, max_len=2048,
+                             rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, partial_rotary=0.25,
+                             layer_types=None, linear_k_heads=16, linear_v_heads=32, linear_k_dim=128,
+                             linear_v_dim=128, conv_size=4, n_experts=512, top_k=10, expert_d_ff=512, shared_d_ff=512,
+                             norm_topk=True, active=False):
+    """Closed form of count_parameters(Qwen3Next(...)), same keywords and rules; active=True: one token's."""
+    check(*QWEN3_NEXT_RULES, **locals())                                   # every argument
+    n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+    head_dim = d_model // n_heads if head_dim is None else head_dim
+    check("kv heads divide heads", "even rotary dims", n_heads=n_heads, n_kv_heads=n_kv_heads,
+          rotary_dim=int(head_dim * partial_rotary))
+    n_attention = (layer_types or qwen3_next_layer_types(n_layers)).count("full_attention")
+    # GQA's, w_q's gate rows, q_norm and k_norm
+    attention = gqa_params(d_model, n_heads, n_kv_heads, head_dim, False) + d_model * n_heads * head_dim + 2 * head_dim
+    channels = 2 * linear_k_heads * linear_k_dim + linear_v_heads * linear_v_dim  # C
+    delta = (d_model * (channels + linear_v_heads * linear_v_dim + 2 * linear_v_heads)  # in_proj_qkvz, in_proj_ba
+             + channels * conv_size + 2 * linear_v_heads + linear_v_dim         # conv1d, dt_bias and A_log, norm
+             + linear_v_heads * linear_v_dim * d_model)                         # out_proj
+    moe = moe_params(d_model, expert_d_ff, n_experts, top_k, active=active) + 3 * d_model * shared_d_ff + d_model
+    return (decoder_params(vocab_size, d_model, n_layers, 0, moe, tie_weights) + n_attention * attention
+            + (n_layers - n_attention) * delta)
+
+
+def qwen3_next_cache_bytes(config, length, bytes_per_value=2):
+    """Cache bytes after `length` tokens of the Qwen3Next of config (its keywords, as model.config): section 23's
+    keys and values in each attention layer; in each DeltaNet layer its memory and the convolution's last K - 1
+    inputs, the same at any length. 2 bytes a value in bf16 (transformers' torch path keeps the memory in float32)."""
+    check(config=config, length=length, bytes_per_value=bytes_per_value)
+    n_attention = (config["layer_types"] or qwen3_next_layer_types(config["n_layers"])).count("full_attention")
+    head_dim = config["head_dim"] or config["d_model"] // config["n_heads"]
+    kv = kv_cache_bytes_per_token(1, config["n_kv_heads"] or config["n_heads"], head_dim, bytes_per_value)  # a layer
+    channels = 2 * config["linear_k_heads"] * config["linear_k_dim"] + config["linear_v_heads"] * config["linear_v_dim"]
+    state = config["linear_v_heads"] * config["linear_k_dim"] * config["linear_v_dim"] + channels * (
+        config["conv_size"] - 1)                                           # memory, convolution inputs: values a layer
+    return n_attention * kv * length + (config["n_layers"] - n_attention) * state * bytes_per_value
+
+
+# Qwen3-Next-80B-A3B as released (its config.json; max_len 262,144 without YaRN). Its model card:
+# "80B in total and 3B activated"; the formula: 79,674,391,296 and 3,874,929,408 (all of the
+# embedding table counted as used, as section 33 does; 3.56B without it, 3.25B without the
+# lm_head too). Not here: its multi-token-prediction layer, which transformers skips too.
+QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, n_kv_heads=2, head_dim=256,
+                      max_len=262144, rope_theta=10000000.0, norm_eps=1e-6, tie_weights=False, partial_rotary=0.25,
+                      layer_types=None, linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128,
+                      conv_size=4, n_experts=512, top_k=10, expert_d_ff=512, shared_d_ff=512, norm_topk=True)
+# Its cache in bf16: 12 attention layers x 2 kv heads x 256 x (K and V) x 2 bytes = 24 KiB a
+# token, and 36 DeltaNet layers x (32 x 128 x 128 + 3 x 8192) x 2 bytes = 37.7 MiB at any
+# length. At 4K, 32K and 256K tokens: 133.7 MiB, 805.7 MiB and 6,181.7 MiB; Llama-3-8B's 128
+# KiB a token, 512, 4,096 and 32,768 MiB. Attention still dominates past ~1,600 tokens.
+
+# Try it: the two forms of the delta rule agree; the hybrid's cache; the memory it saves.
+#   >>> _ = torch.manual_seed(0)
+#   >>> q, k = F.normalize(torch.randn(2, 1, 2, 19, 8, dtype=torch.float64), dim=-1)  # [1, 2, 19, 8] each
+#   >>> v = torch.randn(1, 2, 19, 8, dtype=torch.float64)                 # [B, H, T, dv]
+#   >>> g, beta = -torch.rand(1, 2, 19, dtype=torch.float64), torch.rand(1, 2, 19, dtype=torch.float64)  # [B, H, T]
+#   >>> memory = torch.randn(1, 2, 8, 8, dtype=torch.float64)             # [B, H, dk, dv]: as a prompt left it
+#   >>> o1, s1 = gated_delta_rule_recurrent(q, k, v, g, beta, memory)     # 19 steps
+#   >>> o2, s2 = gated_delta_rule_chunked(q, k, v, g, beta, memory, chunk=8)  # 3 chunks, the last one padded
+#   >>> (o1 - o2).abs().max().item() < 1e-12, (s1 - s2).abs().max().item() < 1e-12
+#   (True, True)
+#   >>> model = Qwen3Next(vocab_size=100, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
+#   ...                   partial_rotary=0.5, linear_k_heads=2, linear_v_heads=4, linear_k_dim=8, linear_v_dim=8,
+#   ...                   n_experts=4, top_k=2, expert_d_ff=16, shared_d_ff=16, max_len=64)
+#   >>> [type(layer.attn).__name__ for layer in model.layers]
+#   ['GatedDeltaNet', 'GatedDeltaNet', 'GatedDeltaNet', 'GatedAttention']
+#   >>> ids = torch.randint(0, 100, (2, 6))                                # [2, 6]
+#   >>> torch.equal(model.generate(ids, 8), model.generate(ids, 8, use_cache=False))
+#   True
+#   >>> cache = model.new_cache(); _ = model(ids, cache)                  # [2, 6, 100]
+#   >>> len(cache[0]), cache[0].memory.shape, cache[3].k.shape             # the memory: no length in it
+#   (6, torch.Size([2, 4, 8, 8]), torch.Size([2, 2, 6, 8]))
+#   >>> cache[0].crop(5)
+#   Traceback (most recent call last):
+#   ValueError: a DeltaNet layer's cache cannot be cut back to 5 tokens: its recurrent memory holds all 6 tokens...
+#   >>> [qwen3_next_cache_bytes(QWEN3_NEXT_80B, n) // 2 ** 20 for n in (4096, 32768, 262144)]  # MiB
+#   [133, 805, 6181]
+#   >>> [kv_cache_bytes_per_token(32, 8, 128) * n // 2 ** 20 for n in (4096, 32768, 262144)]  # Llama-3-8B
+#   [512, 4096, 32768]
+
+
+# On the toy task (section 16), by the Llama's recipe: a DeltaNet layer, then an attention
+# layer (the toy's sentences are short; one of each is the smallest hybrid), 4 experts, 2 a token.
+TOY_MODELS["qwen3_next"] = dict(
+    name="Qwen3-Next-style", model=Qwen3Next, epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
+    config=dict(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, layer_types=["linear_attention",
+                "full_attention"], partial_rotary=0.5, linear_k_heads=2, linear_v_heads=4, linear_k_dim=16,
+                linear_v_dim=16, n_experts=4, top_k=2, expert_d_ff=32, shared_d_ff=32))
+
+
+# Section 26's tables, for transformers' Qwen3-Next: linear_attn is the block's attn here, and
+# the shared expert's gate moves inside it
+
+HF_NAMES.extend([(r"\.linear_attn\.", ".attn."), (r"\.shared_expert\.", ".shared."),
+                 (r"\.shared_expert_gate\.", ".shared.gate.")])
+
+
+def hf_qwen3_next(config):
+    """Qwen3Next's keywords from a Qwen3NextConfig: Qwen3's, its layer_types (a 4.x config.json: every
+    full_attention_interval-th layer attention), partial_rotary_factor, the DeltaNet's and the MoE's sizes.
+    Dense blocks (decoder_sparse_step, mlp_only_layers) are refused."""
+    hf_refuse(config, decoder_sparse_step=1, mlp_only_layers=[])
+    keywords = hf_qwen3(config)
+    del keywords["d_ff"], keywords["qkv_bias"]                             # every block is a MoE; no biases
+    rope = config.get("rope_parameters") or {}
+    rotary = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))  # 5.x, or 4.x's place
+    types = hf_field(config, "layer_types", qwen3_next_layer_types(keywords["n_layers"], hf_field(
+        config, "full_attention_interval", 4)))
+    return dict(keywords, partial_rotary=float(rotary), layer_types=types,
+                linear_k_heads=hf_field(config, "linear_num_key_heads"),
+                linear_v_heads=hf_field(config, "linear_num_value_heads"),
+                linear_k_dim=hf_field(config, "linear_key_head_dim"),
+                linear_v_dim=hf_field(config, "linear_value_head_dim"),
+                conv_size=hf_field(config, "linear_conv_kernel_dim"), n_experts=hf_field(config, "num_experts"),
+                top_k=hf_field(config, "num_experts_per_tok"), expert_d_ff=hf_field(config, "moe_intermediate_size"),
+                shared_d_ff=hf_field(config, "shared_expert_intermediate_size"),
+                norm_topk=hf_field(config, "norm_topk_prob", True))
+
+
+HF_FAMILIES["qwen3_next"] = (Qwen3Next, hf_qwen3_next)
+
+
+# ===========================================================================
 # 40. DeepSeek's sparse attention: DeepSeek-V3.2 (DeepSeek 稀疏注意力)
 # ===========================================================================
 # MLA made the cache small; each new token still reads all of it, so attention's work grows
@@ -5996,13 +6434,13 @@ def read_pairs(path):
 CHECKPOINT_FORMAT = "transformer.py checkpoint v1"
 MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer, "llama": Llama, "qwen3": Qwen3,
                  "mixtral": Mixtral, "qwen3moe": Qwen3MoE, "mistral": Mistral, "deepseek": DeepSeekV3,
-                 "gptoss": GptOss, "deepseek_v32": DeepSeekV32}
+                 "gptoss": GptOss, "qwen3_next": Qwen3Next, "deepseek_v32": DeepSeekV32}
 PARAMETER_FORMULAS = {"encdec": transformer_param_formula, "gpt": decoder_only_param_formula,
                       "llama": llama_param_formula, "qwen3": qwen3_param_formula, "mixtral": mixtral_param_formula,
                       "qwen3moe": qwen3_moe_param_formula, "mistral": mistral_param_formula,
                       "deepseek": deepseek_param_formula, "gptoss": gpt_oss_param_formula,
-                      "deepseek_v32": deepseek_v32_param_formula}
-ROPE_KINDS = ("llama", "qwen3", "mixtral", "qwen3moe", "mistral", "deepseek", "deepseek_v32")  # may hold rope_scaling
+                      "qwen3_next": qwen3_next_param_formula, "deepseek_v32": deepseek_v32_param_formula}
+ROPE_KINDS = ("llama", "qwen3", "mixtral", "qwen3moe", "mistral", "deepseek", "qwen3_next", "deepseek_v32")  # scaled?
 # an older "llama" checkpoint's config held the families' options; at these values (a Llama's) they are dropped
 OLD_LLAMA_OPTIONS = dict(head_dim=None, qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True,
                          window=None, rope_scaling=None)
@@ -6478,6 +6916,11 @@ def run(args, device, pairs, loaded):
             if "exact" in r:  # a model that took some sentences
                     print(f"  {SIZES[args.size][kind]['name']:20s}" + "".join(f" {a:8.1%}" for a in quantized_accuracy(
                     kind, model, fits, src_vocab, tgt_vocab, None if args.free else readings).values()))
+        pinyin = test_pairs[0][0].split()  # a DeltaNet layer's memory (section 39) does not grow with the length
+        prompt = lambda vocab: torch.tensor([vocab.encode(pinyin + [SEP])], device=device)  # noqa: E731  [1, S+1]
+        print(f"\ncache a token after a held-out prompt of {len(pinyin) + 1} tokens: " + ", ".join(
+            f"{SIZES[args.size][kind]['name']} {cache_bytes_per_token(model, prompt(vocab)):,} B"
+            for kind, (model, _, vocab, *_) in results.items() if kind != "encdec"))
     kind = kinds[0]
     model, src_vocab, tgt_vocab, readings, _ = results[kind]
     if args.save:
