@@ -40,14 +40,13 @@ encoder-decoder), fixes their mistakes, and proves each piece in test_transforme
 # 0. Imports, the shape legend, argument checks (导入、形状记号与参数检查)
 # ===========================================================================
 # The models need nothing but torch. One legend for every shape comment:
-#   B batch, S source length, T target length, D d_model, H heads, dk = D // H, one head's width
-#   (the code's head_dim from Part III on: the same number; section 28 frees it from D / H), dv a
-#   value's width, Dff the feed-forward width, V vocabulary size; generating with a cache, t tokens
-#   are cached and Tn are new. Part III adds Hkv, the key/value heads of grouped-query attention.
-#   Part V adds N = B * T tokens, E experts, k = top_k, G expert groups, r the width of
-#   MLA's latent (kv_lora_rank), nope / rope / v the widths of an MLA head's parts.
-#   Part VI adds bq, bk the query and key blocks of a tile, bs a cache block's tokens.
-#   Part VII's r is another number: LoRA's rank (its A is [r, in]).
+#   B batch, S source length, T target length, D d_model, H heads, dk = D // H one head's width (the
+#   code's head_dim from Part III on: the same number; section 28 frees it from D / H), dv a value's width,
+#   Dff the feed-forward width, V vocabulary size; with a cache, t tokens are cached and Tn are new.
+#   Part III adds Hkv, the key/value heads of grouped-query attention. Part V adds N = B * T tokens,
+#   E experts, k = top_k, G expert groups, r the width of MLA's latent (kv_lora_rank), nope / rope / v
+#   the widths of an MLA head's parts. Part VI adds bq, bk a tile's query and key blocks, bs a cache
+#   block's tokens. Part VII's r is another number: LoRA's rank (its A is [r, in]).
 # Attention scores are [B, H, Tq, Tk]: one row per query, one column per key.
 
 import math
@@ -56,11 +55,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Argument checks cost one line: check(name=value, ...) looks each keyword up in one table,
-# ARGUMENTS, to which every section adds its arguments, and raises a ValueError naming the
-# argument, the value and what was expected, before anything is built. A rule that ties
-# arguments together (d_model divisible by n_heads) is a named entry of RELATIONS, which the
-# caller lists: check("rule", ...). Sizes stop at 2^31 - 1, past any real model and torch's indexing.
+# Argument checks cost one line: check(name=value, ...) looks each keyword up in ARGUMENTS, to which every
+# section adds its arguments, and raises a ValueError naming the argument, the value and what was expected,
+# before anything is built. A rule tying arguments together (d_model divisible by n_heads) is a named entry of
+# RELATIONS, which the caller lists: check("rule", ...). Sizes stop at 2^31 - 1, past any model and torch's indexing.
 
 MAX_SIZE = 2 ** 31 - 1
 FINITE = torch.finfo(torch.float64).max  # the bound of a number that must not be inf (an lr: inf turns weights to NaN)
@@ -139,14 +137,12 @@ class PositionalEncoding(nn.Module):
 # ===========================================================================
 # 2. Scaled dot-product attention and masks (缩放点积注意力与掩码)
 # ===========================================================================
-# Each query scores every key, softmax turns the scores into weights, and the output is
-# the weighted sum of the values. Masks are bool with True = "may attend" (the convention of
-# F.scaled_dot_product_attention and of the tutorials' masked_fill(mask == 0, ...));
-# nn.MultiheadAttention's key_padding_mask is the opposite: True there means "ignore".
-# Two masks: padding (a batch fills short sentences up to the longest with a pad id, and no
-# query may read those slots) and causal (a position being predicted may not read the ones
-# after it). Both are 4-D, to broadcast against [B, H, Tq, Tk] scores; a 3-D [B, T, T] mask
-# would line its batch up with the heads axis, so attention refuses it.
+# Each query scores every key, softmax turns the scores into weights, and the output is the weighted sum of
+# the values. Masks are bool with True = "may attend" (the convention of F.scaled_dot_product_attention and
+# of the tutorials' masked_fill(mask == 0, ...)); nn.MultiheadAttention's key_padding_mask is the opposite.
+# Two masks: padding (short sentences are filled up to the batch's longest with a pad id, which no query may
+# read) and causal (a position being predicted may not read the ones after it). Both are 4-D, to broadcast
+# against [B, H, Tq, Tk] scores; a 3-D [B, T, T] mask would line its batch up with heads: attention refuses it.
 
 def make_pad_mask(ids, pad_id):
     """[B, S] token ids -> [B, 1, 1, S]: True where the key is a real token."""
@@ -165,7 +161,6 @@ def make_causal_mask(T, device=None, past=0):
 
 
 def check_mask(mask):
-    """A mask must be 4-D (or None)."""
     if mask is not None and mask.dim() != 4:
         raise ValueError(f"mask must be 4-D, broadcastable to [B, H, Tq, Tk], got shape {list(mask.shape)}")
 
@@ -199,13 +194,12 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
 # ===========================================================================
 # 3. Multi-head attention and the KV cache (多头注意力与键值缓存)
 # ===========================================================================
-# H heads of width dk = D / H attend in parallel, each in its own learned subspace, and w_o
-# mixes their outputs back together. The same module does self-attention (query = key =
-# value) and cross-attention (queries from one sequence, keys and values from another: Tq
-# and Tk differ). A model that generates text writes one token per step. At step t, the new
-# token's query must read the keys and values of tokens 0..t; those of 0..t-1 were computed
-# at earlier steps, from the same inputs and weights, and would come out the same. A KVCache
-# keeps them, so each step projects only the new token: n generated tokens cost n
+# H heads of width dk = D / H attend in parallel, each in its own learned subspace, and w_o mixes their
+# outputs back together. The same module does self-attention (query = key = value) and cross-attention
+# (queries from one sequence, keys and values from another: Tq and Tk differ). A model that generates text
+# writes one token per step. At step t, the new token's query must read the keys and values of tokens 0..t;
+# those of 0..t-1 were computed at earlier steps, from the same inputs and weights, and would come out the
+# same. A KVCache keeps them, so each step projects only the new token: n generated tokens cost n
 # token-passes instead of 1 + 2 + ... + n ≈ n²/2. Earlier queries are never read again: no Q cache.
 
 class KVCache:
@@ -232,8 +226,6 @@ RELATIONS["heads divide d_model"] = (("d_model", "n_heads"), lambda d, h: d % h 
 
 
 class MultiHeadAttention(nn.Module):
-    """Project, split into heads, attend, merge heads, project."""
-
     def __init__(self, d_model, n_heads, dropout=0.1):
         super().__init__()
         check("heads divide d_model", d_model=d_model, n_heads=n_heads, dropout=dropout)
@@ -278,18 +270,15 @@ class MultiHeadAttention(nn.Module):
 # ===========================================================================
 # 4. Position-wise feed-forward network (前馈网络)
 # ===========================================================================
-# Attention mixes information across positions; the feed-forward network then transforms each
-# position on its own: widen to Dff (usually 4 D), a nonlinearity, narrow back to D. The paper's
-# nonlinearity is ReLU, max(0, x); GPT's is GELU (Hendrycks & Gimpel, 2016), x * P(Z <= x) for a
-# standard normal Z: a smooth ReLU that lets a little of the negative side through.
+# Attention mixes information across positions; the feed-forward network then transforms each position on its
+# own: widen to Dff (usually 4 D), a nonlinearity, narrow back to D. The paper's is ReLU, max(0, x); GPT's is GELU
+# (Hendrycks & Gimpel, 2016), x * P(Z <= x) for a standard normal Z: a smooth ReLU that lets some negatives through.
 
 ARGUMENTS.update(d_ff=(int, 1, MAX_SIZE, "or None"), activation=("one of", "relu", "gelu"))  # None: Llama derives it
 RELATIONS["d_ff given"] = (("d_ff",), lambda width: width is not None, "d_ff must be an integer >= 1")
 
 
 class FeedForward(nn.Module):
-    """fc2(dropout(activation(fc1(x)))), applied to every position alike."""
-
     def __init__(self, d_model, d_ff, dropout=0.1, activation="relu"):
         super().__init__()
         check("d_ff given", d_model=d_model, d_ff=d_ff, dropout=dropout, activation=activation)
@@ -336,25 +325,20 @@ class LayerNorm(nn.Module):
 # ===========================================================================
 # 6. Encoder and decoder layers, post-LN and pre-LN (编码器层与解码器层)
 # ===========================================================================
-# Every sub-layer (attention or feed-forward) sits in a residual connection with a LayerNorm. The
-# paper normalizes after the sum (post-LN); GPT-2 and most models since normalize the sub-layer's
-# input and leave the residual path untouched (pre-LN), which keeps gradients well scaled in deep
-# stacks (they still warm the learning rate up: sections 13, 42). Each sub-layer is a small _block
-# method, as in nn.TransformerEncoderLayer, so the two orders read side by side in forward. The
-# decoder layer adds cross-attention to the memory, the encoder's output [B, S, D].
+# Every sub-layer (attention or feed-forward) sits in a residual connection with a LayerNorm. The paper
+# normalizes after the sum (post-LN); GPT-2 and most models since normalize the sub-layer's input and leave
+# the residual path untouched (pre-LN), which keeps gradients well scaled in deep stacks (they still warm the
+# learning rate up: sections 13, 42). Each sub-layer is a small _block method, as in nn.TransformerEncoderLayer,
+# so the two orders read side by side. The decoder adds cross-attention to the memory, the encoder's output.
 
 class EncoderLayer(nn.Module):
-    """Self-attention, then feed-forward, each in a residual block."""
-
     def __init__(self, d_model, n_heads, d_ff, dropout=0.1, norm_first=False, activation="relu"):
         super().__init__()
         self.norm_first = norm_first
         self.self_attn = MultiHeadAttention(d_model, n_heads, dropout)
         self.ffn = FeedForward(d_model, d_ff, dropout, activation)
-        self.norm1 = LayerNorm(d_model)
-        self.norm2 = LayerNorm(d_model)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
+        self.norm1, self.norm2 = LayerNorm(d_model), LayerNorm(d_model)
+        self.dropout1, self.dropout2 = nn.Dropout(dropout), nn.Dropout(dropout)
 
     def forward(self, x, mask=None, cache=None):
         """x [B, S, D]; mask [B, 1, 1, S] (padding) or [1, 1, S, S] (causal). cache: a KVCache, for
@@ -375,20 +359,14 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Masked self-attention, cross-attention to the encoder's memory, feed-forward."""
-
     def __init__(self, d_model, n_heads, d_ff, dropout=0.1, norm_first=False, activation="relu"):
         super().__init__()
         self.norm_first = norm_first
         self.self_attn = MultiHeadAttention(d_model, n_heads, dropout)
         self.cross_attn = MultiHeadAttention(d_model, n_heads, dropout)
         self.ffn = FeedForward(d_model, d_ff, dropout, activation)
-        self.norm1 = LayerNorm(d_model)
-        self.norm2 = LayerNorm(d_model)
-        self.norm3 = LayerNorm(d_model)
-        self.dropout1 = nn.Dropout(dropout)
-        self.dropout2 = nn.Dropout(dropout)
-        self.dropout3 = nn.Dropout(dropout)
+        self.norm1, self.norm2, self.norm3 = LayerNorm(d_model), LayerNorm(d_model), LayerNorm(d_model)
+        self.dropout1, self.dropout2, self.dropout3 = nn.Dropout(dropout), nn.Dropout(dropout), nn.Dropout(dropout)
 
     def forward(self, x, memory, tgt_mask=None, memory_mask=None, cache=None):
         """x [B, T, D], memory [B, S, D]; tgt_mask [B, 1, T, T], memory_mask [B, 1, 1, S];
@@ -458,37 +436,29 @@ def init_embedding(embedding):
 # ===========================================================================
 # 8. The encoder-decoder Transformer (编码器-解码器 Transformer)
 # ===========================================================================
-# The encoder reads the whole source once into the memory [B, S, D]; the decoder writes the
-# target one token at a time, attending causally to what it wrote and freely to the memory.
-# The target starts with a bos ("beginning of sentence") token, so the first real token has
-# something to be predicted from, and ends with eos ("end of sentence"), so the model can say
-# when to stop. Training feeds the whole shifted target at once: the causal mask is what stops
-# position t from reading the answer at t+1.
+# The encoder reads the whole source once into the memory [B, S, D]; the decoder writes the target one token
+# at a time, attending causally to what it wrote and freely to the memory. The target starts with a bos
+# ("beginning of sentence") token, so the first real token has something to be predicted from, and ends with
+# eos ("end of sentence"), so the model can say when to stop. Training feeds the whole shifted target at once:
+# the causal mask is what stops position t from reading the answer at t+1.
 
 ARGUMENTS.update(src_vocab_size=(int, 1, MAX_SIZE), tgt_vocab_size=(int, 1, MAX_SIZE), n_layers=(int, 1, 1024),
                  pad_id=(int, 0, MAX_SIZE - 1), norm_first=(bool,), share_embeddings=(bool,))
-RELATIONS.update({
-    "one vocabulary to share": (("tgt_vocab_size", "src_vocab_size", "share_embeddings"), lambda t, s, shared:
-                                not shared or s == t, "tgt_vocab_size must equal src_vocab_size to share embeddings"),
-    "pad_id in both vocabularies": (("pad_id", "src_vocab_size", "tgt_vocab_size"), lambda p, s, t: p < min(s, t),
-                                    "pad_id must be an id in both vocabularies"),
-})
+RELATIONS["one vocabulary to share"] = (("tgt_vocab_size", "src_vocab_size", "share_embeddings"),
+                                        lambda t, s, shared: not shared or s == t,
+                                        "tgt_vocab_size must equal src_vocab_size to share embeddings")
+RELATIONS["pad_id in both vocabularies"] = (("pad_id", "src_vocab_size", "tgt_vocab_size"),
+                                            lambda p, s, t: p < min(s, t), "pad_id must be an id in both vocabularies")
 
 
 class Transformer(nn.Module):
-    """Encoder-decoder Transformer for sequence to sequence tasks."""
-
-    def __init__(self, src_vocab_size, tgt_vocab_size, d_model=512, n_heads=8, d_ff=2048,
-                 n_layers=6, dropout=0.1, max_len=5000, norm_first=False,
-                 share_embeddings=False, pad_id=0):
+    def __init__(self, src_vocab_size, tgt_vocab_size, d_model=512, n_heads=8, d_ff=2048, n_layers=6, dropout=0.1,
+                 max_len=5000, norm_first=False, share_embeddings=False, pad_id=0):
         super().__init__()
-        check("one vocabulary to share", "pad_id in both vocabularies", "d_ff given", src_vocab_size=src_vocab_size,
-              tgt_vocab_size=tgt_vocab_size, d_model=d_model, n_heads=n_heads, d_ff=d_ff, n_layers=n_layers,
-              dropout=dropout, max_len=max_len, norm_first=norm_first, share_embeddings=share_embeddings,
-              pad_id=pad_id)
         self.config = dict(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model,
                            n_heads=n_heads, d_ff=d_ff, n_layers=n_layers, dropout=dropout, max_len=max_len,
                            norm_first=norm_first, share_embeddings=share_embeddings, pad_id=pad_id)  # for checkpoints
+        check("one vocabulary to share", "pad_id in both vocabularies", "d_ff given", **self.config)
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
         self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
         self.src_embed = nn.Embedding(src_vocab_size, d_model)
@@ -554,25 +524,22 @@ class Transformer(nn.Module):
 # ===========================================================================
 # 9. The decoder-only Transformer, GPT style (仅解码器 Transformer)
 # ===========================================================================
-# Drop the encoder and the cross-attention and what is left is a language model: each position
-# predicts the next token from the ones before it. A GPT block is exactly the encoder layer of
-# section 6 run under a causal mask (pre-LN, GELU), so it reuses EncoderLayer rather than
-# writing the block twice. Unlike GPT-2: fixed sinusoidal positions, not a learned table;
-# embeddings scaled by sqrt(D) as in the 2017 paper; the exact erf GELU, not the tanh
-# approximation; the token embedding drawn from N(0, 1/D) (init_embedding) and PyTorch's default
-# initialization for the layers, where GPT-2's code draws embedding and layers from N(0, 0.02),
-# its position table from N(0, 0.01) (its paper also scales residual weights by 1/sqrt(N)).
-# generate() writes a token per step, greedy or sampled, running only the newest through the cache.
+# Drop the encoder and the cross-attention and what is left is a language model: each position predicts the
+# next token from the ones before it. A GPT block is exactly the encoder layer of section 6 run under a causal
+# mask (pre-LN, GELU), so it reuses EncoderLayer rather than writing the block twice. Unlike GPT-2: fixed
+# sinusoidal positions, not a learned table; embeddings scaled by sqrt(D) as in the 2017 paper; the exact erf
+# GELU, not the tanh approximation; the token embedding drawn from N(0, 1/D) (init_embedding) and PyTorch's
+# default initialization for the layers, where GPT-2's code draws embedding and layers from N(0, 0.02), its
+# position table from N(0, 0.01) (its paper also scales residual weights by 1/sqrt(N)). generate() writes a
+# token per step, greedy or sampled, running only the newest through the cache.
 
 ARGUMENTS.update(vocab_size=(int, 1, MAX_SIZE), tie_weights=(bool,), max_new_tokens=(int, 0, MAX_SIZE),
                  prompt_length=(int, 1, MAX_SIZE), temperature=(float, 0.0, FINITE),
                  top_k=(int, 1, MAX_SIZE, "or None"), top_p=(float, 0.0, 1.0, "or None"),
                  generator=(torch.Generator, "or None"))
-RELATIONS.update({
-    "prompt fits": (("prompt_length", "max_new_tokens", "max_len"), lambda t, n, most: t + n <= most,
-                    "prompt_length + max_new_tokens must be at most max_len"),
-    "top_p > 0": (("top_p",), lambda p: p is None or p > 0, "top_p must be > 0 (the nucleus holds a token)"),
-})
+RELATIONS["prompt fits"] = (("prompt_length", "max_new_tokens", "max_len"), lambda t, n, most: t + n <= most,
+                            "prompt_length + max_new_tokens must be at most max_len")
+RELATIONS["top_p > 0"] = (("top_p",), lambda p: p is None or p > 0, "top_p must be > 0 (the nucleus holds a token)")
 
 
 def next_token_probs(logits, temperature=0.0, top_k=None, top_p=None):
@@ -645,19 +612,16 @@ RELATIONS["a cache a layer"] = (("cache", "n_layers", "cache_kind"), lambda c, n
 class DecoderOnlyTransformer(nn.Module):
     """Token embedding, positions, N causal pre-LN blocks, a final LayerNorm, lm_head."""
 
-    def __init__(self, vocab_size, d_model, n_layers, n_heads, d_ff, max_len=5000,
-                 dropout=0.1, tie_weights=False):
+    def __init__(self, vocab_size, d_model, n_layers, n_heads, d_ff, max_len=5000, dropout=0.1, tie_weights=False):
         super().__init__()
-        check("d_ff given", vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_ff=d_ff,
-              max_len=max_len, dropout=dropout, tie_weights=tie_weights)
         self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                            d_ff=d_ff, max_len=max_len, dropout=dropout, tie_weights=tie_weights)  # for checkpoints
+        check("d_ff given", **self.config)
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         self.token_embedding = nn.Embedding(vocab_size, d_model)
         self.pos_encoding = PositionalEncoding(d_model, max_len, dropout)
-        self.layers = nn.ModuleList([
-            EncoderLayer(d_model, n_heads, d_ff, dropout, norm_first=True, activation="gelu")
-            for _ in range(n_layers)])
+        self.layers = nn.ModuleList([EncoderLayer(d_model, n_heads, d_ff, dropout, norm_first=True, activation="gelu")
+                                     for _ in range(n_layers)])
         self.final_norm = LayerNorm(d_model)  # pre-LN: the residual stream is normalized once, at the end
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         init_embedding(self.token_embedding)
@@ -684,8 +648,8 @@ class DecoderOnlyTransformer(nn.Module):
             x = layer(x, mask, cache[i] if cache else None)                # [B, Tn, D]
         return self.lm_head(self.final_norm(x))                            # [B, Tn, V]
 
-    def generate(self, input_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
-                 generator=None, use_cache=True):
+    def generate(self, input_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None, generator=None,
+                 use_cache=True):
         """Append max_new_tokens tokens to input_ids [B, T]: see generate_tokens."""
         return generate_tokens(self, input_ids, max_new_tokens, temperature, top_k, top_p, generator, use_cache)
 
@@ -699,13 +663,11 @@ class DecoderOnlyTransformer(nn.Module):
 # ===========================================================================
 # 10. Parameter counts (参数量)
 # ===========================================================================
-# Count what is there, and derive the same number from the configuration, so a claim like
-# "this config has 30-odd million parameters" (the decoder-only tutorial's, for vocabulary
-# 50257, D 512, 6 layers, Dff 2048) can be checked by hand. It is wrong: 70.4M untied, 44.6M
-# tied (the Try-it below). Weights shared by tying are counted once, as parameters() yields them.
+# Count what is there, and derive the same number from the configuration, so a claim like "this config has 30-odd
+# million parameters" (the decoder-only tutorial's, for vocabulary 50257, D 512, 6 layers, Dff 2048) can be checked
+# by hand: it is 70.4M untied, 44.6M tied. Weights shared by tying are counted once, as parameters() yields them.
 
 def count_parameters(model):
-    """Number of distinct parameters (tied weights once)."""
     return sum(p.numel() for p in model.parameters())
 
 
@@ -754,41 +716,37 @@ import time
 # ===========================================================================
 # 11. The toy task: pinyin to hanzi (玩具任务：拼音转汉字)
 # ===========================================================================
-# A task small enough to train in seconds and hard enough to need attention: many syllables
-# are written with different characters depending on the word around them (shi: 是 十 事 时 市 视 师,
-# ji: 几 鸡 机 记 计, yi: 一 医 衣 意 已 ...), so the model must read its neighbours, not map syllable
-# to character. Pinyin is toneless and lowercase, one syllable per character, ü written v. A
-# small grammar composes sentences from a lexicon; the generator checks that every pinyin
-# sentence has exactly one hanzi answer.
+# A task small enough to train in seconds and hard enough to need attention: many syllables are written with
+# different characters depending on the word around them (shi: 是 十 事 时 市 视 师, ji: 几 鸡 机 记 计, yi: 一 医 衣 意 已 ...),
+# so the model must read its neighbours, not map syllable to character. Pinyin is toneless and lowercase, one
+# syllable per character, ü written v. A small grammar composes sentences from a lexicon; the generator checks
+# that every pinyin sentence has exactly one hanzi answer.
 
 SUBJECTS = [("wo", "我"), ("ni", "你"), ("ta", "他"), ("wo men", "我们"), ("ni men", "你们"),
             ("ta men", "他们"), ("lao shi", "老师"), ("xue sheng", "学生"), ("yi sheng", "医生"),
             ("ma ma", "妈妈"), ("ba ba", "爸爸"), ("wo de peng you", "我的朋友"), ("di di", "弟弟"),
             ("jie jie", "姐姐"), ("xiao li", "小李"), ("wang lao shi", "王老师"), ("nv er", "女儿")]
-TIMES = [("jin tian", "今天"), ("ming tian", "明天"), ("zuo tian", "昨天"), ("xian zai", "现在"),
-         ("wan shang", "晚上"), ("zao shang", "早上"), ("qi dian", "七点"), ("shi dian", "十点"),
-         ("xing qi yi", "星期一"), ("xia wu", "下午")]
+TIMES = [("jin tian", "今天"), ("ming tian", "明天"), ("zuo tian", "昨天"), ("xian zai", "现在"), ("wan shang", "晚上"),
+         ("zao shang", "早上"), ("qi dian", "七点"), ("shi dian", "十点"), ("xing qi yi", "星期一"), ("xia wu", "下午")]
 ADVERBS = [("yi jing", "已经"), ("yi qi", "一起"), ("zhi", "只"), ("chang chang", "常常"),
            ("ye", "也"), ("yi zhi", "一直"), ("ma shang", "马上"), ("dou", "都")]
 PLACES = [("zai xue xiao", "在学校"), ("zai jia li", "在家里"), ("zai gong si", "在公司"),
           ("zai shi chang", "在市场"), ("zai ji chang", "在机场")]
 PREDICATES = [
     ("ai xue xi", "爱学习"), ("xue xi zhong wen", "学习中文"), ("xi huan chang ge", "喜欢唱歌"),
-    ("xi huan xi gua", "喜欢西瓜"), ("xi yi fu", "洗衣服"), ("chi xi gua", "吃西瓜"),
-    ("chi ji dan", "吃鸡蛋"), ("kan shu", "看书"), ("mai shu", "买书"), ("zhong shu", "种树"),
-    ("xue shu xue", "学数学"), ("xie han zi", "写汉字"), ("qu ji chang", "去机场"),
-    ("qu shi chang", "去市场"), ("hui jia", "回家"), ("mei you shi jian", "没有时间"),
-    ("zhi dao zhe jian shi", "知道这件事"), ("jian peng you", "见朋友"), ("qi che", "骑车"),
-    ("zuo qi che", "坐汽车"), ("sheng qi", "生气"), ("qi chuang", "起床"), ("kan dian shi", "看电视"),
-    ("da dian hua", "打电话"), ("xie ri ji", "写日记"), ("ji de zhe jian shi", "记得这件事"),
-    ("ji hua lv xing", "计划旅行"), ("he lv cha", "喝绿茶"), ("mai li wu", "买礼物"),
-    ("zheng li fang jian", "整理房间"), ("hen nu li", "很努力"), ("xiu xi", "休息"),
+    ("xi huan xi gua", "喜欢西瓜"), ("xi yi fu", "洗衣服"), ("chi xi gua", "吃西瓜"), ("chi ji dan", "吃鸡蛋"),
+    ("kan shu", "看书"), ("mai shu", "买书"), ("zhong shu", "种树"), ("xue shu xue", "学数学"),
+    ("xie han zi", "写汉字"), ("qu ji chang", "去机场"), ("qu shi chang", "去市场"), ("hui jia", "回家"),
+    ("mei you shi jian", "没有时间"), ("zhi dao zhe jian shi", "知道这件事"), ("jian peng you", "见朋友"),
+    ("qi che", "骑车"), ("zuo qi che", "坐汽车"), ("sheng qi", "生气"), ("qi chuang", "起床"),
+    ("kan dian shi", "看电视"), ("da dian hua", "打电话"), ("xie ri ji", "写日记"),
+    ("ji de zhe jian shi", "记得这件事"), ("ji hua lv xing", "计划旅行"), ("he lv cha", "喝绿茶"),
+    ("mai li wu", "买礼物"), ("zheng li fang jian", "整理房间"), ("hen nu li", "很努力"), ("xiu xi", "休息"),
     ("lian xi xie zi", "练习写字"), ("shi lao shi", "是老师"), ("shi yi sheng", "是医生"),
     ("hen you yi si", "很有意思"), ("mai yi fu", "买衣服"), ("mai zhi", "买纸"), ("chi fan", "吃饭"),
     ("shui jiao", "睡觉"), ("shang ke", "上课"), ("kai hui", "开会"), ("zuo zuo ye", "做作业"),
-    ("mai ji ben shu", "买几本书"), ("kan yi sheng", "看医生"), ("yong dian nao", "用电脑"),
-    ("hen gao xing", "很高兴"), ("qu lv xing", "去旅行"), ("xue xi li shi", "学习历史"),
-    ("zuo shi", "做事")]
+    ("mai ji ben shu", "买几本书"), ("kan yi sheng", "看医生"), ("yong dian nao", "用电脑"), ("hen gao xing", "很高兴"),
+    ("qu lv xing", "去旅行"), ("xue xi li shi", "学习历史"), ("zuo shi", "做事")]
 # each slot is optional except subject and predicate: (words, probability of using the slot)
 GRAMMAR = [(SUBJECTS, 1.0), (TIMES, 0.6), (ADVERBS, 0.5), (PLACES, 0.4), (PREDICATES, 1.0)]
 
@@ -802,9 +760,7 @@ def make_toy_data(n_sentences=2400, seed=0, min_chars=3, max_chars=12):
             break
         words = [rng.choice(slot) for slot, p in GRAMMAR if rng.random() < p]
         pinyin, hanzi = " ".join(w[0] for w in words), "".join(w[1] for w in words)
-        if not min_chars <= len(hanzi) <= max_chars:
-            continue
-        if answers.setdefault(pinyin, hanzi) != hanzi:
+        if min_chars <= len(hanzi) <= max_chars and answers.setdefault(pinyin, hanzi) != hanzi:
             raise ValueError(f"ambiguous toy data: {pinyin!r} is both {answers[pinyin]} and {hanzi}")
     if len(answers) < n_sentences:
         raise ValueError(f"the grammar gave only {len(answers)} distinct sentences, asked for {n_sentences}")
@@ -846,17 +802,12 @@ class Vocab:
     def decode(self, ids):
         """Ids to tokens, stopping at eos and skipping pad and bos."""
         check_list("ids", ids, "token ids")
-        out = []
-        for i in ids:
-            if i == self.EOS:
-                break
-            if i not in (self.PAD, self.BOS):
-                out.append(self.itos[i])
-        return out
+        ids = list(ids)
+        ids = ids[:ids.index(self.EOS)] if self.EOS in ids else ids
+        return [self.itos[i] for i in ids if i not in (self.PAD, self.BOS)]
 
 
 def build_vocabs(pairs):
-    """Source vocabulary of syllables, target vocabulary of characters."""
     check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     return (Vocab(s for pinyin, _ in pairs for s in pinyin.split()),    # ['wo', 'ai', ...]
             Vocab(c for _, hanzi in pairs for c in hanzi))                # ['我', '爱', ...]
@@ -898,17 +849,15 @@ def syllable_readings(pairs):
 
 
 def ambiguous_syllables(pairs):
-    """Syllables written with two or more characters somewhere in the data."""
     return {s for s, chars in syllable_readings(pairs).items() if len(chars) > 1}
 
 
 # ===========================================================================
 # 12. A baseline to beat: bigram HMM and Viterbi (基线：二元语法与维特比)
 # ===========================================================================
-# Before trusting a Transformer, ask what counting does. A hidden Markov model reads the
-# pinyin as emitted by a hidden chain of characters: each character depends only on the one
-# before it (a bigram), each syllable only on its own character. Viterbi finds the most likely
-# chain by dynamic programming, in a fraction of a second of counting:
+# Before trusting a Transformer, ask what counting does. A hidden Markov model reads the pinyin as emitted by a
+# hidden chain of characters: each character depends only on the one before it (a bigram), each syllable only on
+# its own character. Viterbi finds the most likely chain by dynamic programming, in a fraction of a second:
 #   best[i, c] = max over c' of best[i-1, c'] + log P(c | c') + log P(syllable i | c).
 # A Transformer that cannot beat it on the same sentences has not earned its place.
 
@@ -964,10 +913,8 @@ class BigramHMM:
         path = [score.argmax().item()]                                     # an int: position in the last [n]
         for best_previous in reversed(back):
             path.append(best_previous[path[-1]].item())
-        chosen, candidates = [], [self.emissions.get(s, self.anything)[0] for s in syllables]
-        for position, ids in zip(reversed(path), candidates):
-            chosen.append(self.chars[ids[position]])
-        return "".join(chosen)
+        candidates = [self.emissions.get(s, self.anything)[0] for s in syllables]  # [n] per syllable
+        return "".join(self.chars[ids[position]] for position, ids in zip(reversed(path), candidates))
 
     def decode(self, sentences):
         check_list("sentences", sentences, "pinyin strings")
@@ -982,14 +929,12 @@ class BigramHMM:
 # ===========================================================================
 # 13. Training (训练)
 # ===========================================================================
-# Teacher forcing: the model reads whole target sequences at once and predicts every next
-# token, the causal mask keeping each position from its own answer. Padding is excluded from
-# the loss (ignore_index), and label smoothing keeps the model from over-trusting one
-# character. The weights are updated as the 2017 paper did: Adam, with a learning rate that
-# rises over a warmup (Adam's first steps are noisy, so they are kept small), then decays as
-# 1 / sqrt(step); and the gradient's length is clipped, so one bad batch cannot throw the
-# weights far. Here that is torch's Adam and clip_grad_norm_: Part VII writes each of them out
-# and proves it equal. Ctrl-C stops after the current step and returns what was learned so far.
+# Teacher forcing: the model reads whole target sequences at once and predicts every next token, the causal mask
+# keeping each position from its own answer. Padding is left out of the loss (ignore_index); label smoothing keeps
+# the model from over-trusting one character. The update is the 2017 paper's: Adam, its learning rate rising over a
+# warmup (Adam's first steps are noisy, so they are kept small), then decaying as 1 / sqrt(step); the gradient's
+# length clipped, so one bad batch cannot throw the weights far. Here torch's Adam and clip_grad_norm_ do it: Part
+# VII writes each out and proves it equal. Ctrl-C stops after the current step and returns what was learned.
 
 ARGUMENTS.update(step=(int, 0, MAX_SIZE), warmup_steps=(int, 0, MAX_SIZE), epochs=(int, 1, MAX_SIZE),
                  batch_size=(int, 1, MAX_SIZE), model=(nn.Module,))
@@ -1063,8 +1008,7 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
     with stop_on_ctrl_c() as stop:
         for epoch in range(1, epochs + 1):
             model.train()
-            epoch_start = time.perf_counter()
-            loss_sum, count = 0.0, 0
+            epoch_start, loss_sum, count = time.perf_counter(), 0.0, 0
             for batch in loader:
                 *inputs, target = [t.to(device) for t in batch]            # [B, S], [B, T], [B, T]
                 logits = model(*inputs)                                    # [B, T, V]
@@ -1072,8 +1016,7 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
                 loss.backward()
                 update()
                 steps += 1
-                # .item() copies the loss to the host, which waits for the device: on a GPU
-                # too, the epoch's clock below reads finished work
+                # .item() copies the loss to the host, which waits for the device: the epoch's clock reads finished work
                 loss_sum, count = loss_sum + loss.item(), count + 1
                 if stop:
                     break
@@ -1092,16 +1035,15 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
 # ===========================================================================
 # 14. Decoding: greedy, constrained, beam (解码：贪心、约束与束搜索)
 # ===========================================================================
-# At inference there is no target to feed: start every sentence with bos, run the decoder,
-# choose a next character, repeat until eos. The source is encoded once; with the KV cache of
-# section 3 each step runs the newest token only. Greedy takes the most likely token at every
-# step. Two improvements:
-# - Constrained: the task has structure the model may ignore, one character per syllable and only
-#   the characters seen with that syllable (its readings). Masking every other logit before choosing
-#   makes each answer well-formed by construction, as structured generation (JSON, tool calls) does.
-# - Beam search keeps the beam_size best partial answers by summed log-probability instead of
-#   one. It fixes a first choice that looked best alone but leads to a worse sentence; it cannot
-#   fix a model that scores the wrong sentence higher, and it costs beam_size times the work.
+# At inference there is no target to feed: start every sentence with bos, run the decoder, choose a next character,
+# repeat until eos. The source is encoded once; with section 3's KV cache each step runs the newest token only.
+# Greedy takes the most likely token at every step. Two improvements:
+# - Constrained: the task has structure the model may ignore, one character per syllable and only the characters
+#   seen with that syllable (its readings). Masking every other logit before choosing makes each answer
+#   well-formed by construction, as structured generation (JSON, tool calls) does.
+# - Beam search keeps the beam_size best partial answers by summed log-probability instead of one. It fixes a
+#   first choice that looked best alone but leads to a worse sentence; it cannot fix a model that scores the
+#   wrong sentence higher, and it costs beam_size times the work.
 
 def answer_masks(syllable_lists, vocab, readings=None):
     """[B, S+1, V] bool, S the longest sentence: the tokens step i may choose. A character at steps 0 .. len-1
@@ -1171,12 +1113,11 @@ def reorder_cache(cache, index):
 
 @torch.no_grad()
 def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_id=Vocab.EOS, pad_id=Vocab.PAD):
-    """The beam_size most likely continuations of start [B, T0] by summed log-probability -> (best
-    continuation [B, n_steps], its log-probability [B]). step(ids [B*k, t], cache) gives next-token
-    logits [B*k, V], row b*k + j beam j of sentence b (the caller repeats its own inputs k times);
-    allowed [B, n_steps, V] masks as in greedy_decode. A beam that has emitted eos continues with
-    pad at no cost, so finished and open beams compare fairly. Plain beam search can push the
-    greedy path out and end below it; here that path always keeps a place, never scoring lower."""
+    """The beam_size most likely continuations of start [B, T0] by summed log-probability -> (best continuation
+    [B, n_steps], its log-probability [B]). step(ids [B*k, t], cache) gives next-token logits [B*k, V], row
+    b*k + j beam j of sentence b (the caller repeats its own inputs k times); allowed [B, n_steps, V] masks as in
+    greedy_decode. A beam that has emitted eos continues with pad at no cost, so finished and open beams compare
+    fairly. Plain beam search can push the greedy path out and end below it; here it keeps a place, never lower."""
     check(beam_size=beam_size, n_steps=n_steps)
     B, k = start.size(0), beam_size
     rows = torch.arange(B, device=start.device)                            # [B]
@@ -1251,23 +1192,18 @@ def evaluate(translate_fn, pairs, ambiguous=()):
     exact = sum(pred == hanzi for pred, (_, hanzi) in zip(predictions, pairs))
     char_right = sum(sum(p == h for p, h in zip(pred, hanzi)) for pred, (_, hanzi) in zip(predictions, pairs))
     char_total = sum(max(len(pred), len(hanzi)) for pred, (_, hanzi) in zip(predictions, pairs))
-    amb_right = amb_total = 0
-    for pred, (pinyin, hanzi) in zip(predictions, pairs):
-        for i, (syllable, char) in enumerate(zip(pinyin.split(), hanzi)):
-            if syllable in ambiguous:
-                amb_total += 1
-                amb_right += i < len(pred) and pred[i] == char
+    ambiguous_chars = [i < len(pred) and pred[i] == char for pred, (pinyin, hanzi) in zip(predictions, pairs)
+                       for i, (syllable, char) in enumerate(zip(pinyin.split(), hanzi)) if syllable in ambiguous]
     return {"accuracy": exact / len(pairs), "exact": exact, "total": len(pairs), "predictions": predictions,
             "char_accuracy": char_right / max(char_total, 1), "char_right": char_right, "char_total": char_total,
-            "ambiguous_right": amb_right, "ambiguous_total": amb_total}
+            "ambiguous_right": sum(ambiguous_chars), "ambiguous_total": len(ambiguous_chars)}
 
 
 # ===========================================================================
 # 15. The KV cache, measured (键值缓存实测)
 # ===========================================================================
-# Without a cache, generating token t reruns the whole prefix, so n tokens cost about n^2 / 2
-# token-passes; with section 3's KVCache, n, plus attention over a growing cache. Here the two
-# are timed: same tokens, less work. A GPU runs asynchronously: a call returns once its work is
+# Section 3's cache, timed: without it generating n tokens reruns the prefix at every step (about n^2 / 2
+# token-passes), with it n; same tokens, less work. A GPU runs asynchronously: a call returns once its work is
 # queued, so a clock read right after it times the queueing; every timing waits for the device.
 
 def synchronize(device):
@@ -1293,11 +1229,10 @@ def time_generation(model, prompt, max_new_tokens):
 # ===========================================================================
 # 16. The GPT on the task (仅解码器模型做同一任务)
 # ===========================================================================
-# A decoder-only model, the GPT of section 9 (and every decoder of the later parts), has no
-# encoder to read the pinyin, so the pinyin goes in front as a prompt, one sequence:
-# "wo ai xue xi <sep> 我 爱 学 习 <eos>". It learns to continue after <sep>; the prompt itself is
-# given, not predicted, so its positions are left out of the loss (target = pad, ignore_index).
-# It answers through the same beam_search and masks as the encoder-decoder (section 14).
+# A decoder-only model, the GPT of section 9 (and every decoder of the later parts), has no encoder to read the
+# pinyin, so the pinyin goes in front as a prompt, one sequence: "wo ai xue xi <sep> 我 爱 学 习 <eos>". It learns
+# to continue after <sep>; the prompt is given, not predicted, so its positions are left out of the loss (target =
+# pad, ignore_index). It answers through the same beam_search and masks as the encoder-decoder (section 14).
 
 SEP = "<sep>"
 
@@ -1308,20 +1243,16 @@ def build_gpt_vocab(pairs):
     return Vocab(src_vocab.itos + tgt_vocab.itos + [SEP])
 
 
-class PromptDataset(torch.utils.data.Dataset):
+class PromptDataset(PinyinDataset):
     """Items (input ids, target): pinyin <sep> hanzi <eos> shifted by one, the target padded over the prompt."""
 
     def __init__(self, pairs, vocab):
-        check_list("pairs", pairs, "(pinyin, hanzi) pairs")
-        self.pairs, self.vocab = pairs, vocab
-
-    def __len__(self):
-        return len(self.pairs)
+        super().__init__(pairs, vocab, vocab)                              # one vocabulary for both
 
     def __getitem__(self, i):
         pinyin, hanzi = self.pairs[i]
-        prompt = self.vocab.encode(pinyin.split() + [SEP])                # ids of ['wo', 'ai', '<sep>']
-        ids = torch.tensor(prompt + self.vocab.encode(list(hanzi)) + [Vocab.EOS])  # [S+T+2]
+        prompt = self.src_vocab.encode(pinyin.split() + [SEP])            # ids of ['wo', 'ai', '<sep>']
+        ids = torch.tensor(prompt + self.tgt_vocab.encode(list(hanzi)) + [Vocab.EOS])  # [S+T+2]
         target = ids[1:].clone()                                           # [S+T+1]
         target[:len(prompt) - 1] = Vocab.PAD  # positions that would predict the prompt
         return ids[:-1], target                                            # [S+T+1] each
@@ -1367,14 +1298,10 @@ def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=N
     longest = max((len(pinyin.split()) for pinyin, _ in pairs), default=0)
     batch_size = rows_per_batch(batch_size, 2 * longest + 2, len(tgt_vocab))
     if len(pairs) > batch_size:
-        right = sum(round(len(chunk) * teacher_forced_accuracy(kind, model, chunk, src_vocab, tgt_vocab, readings,
-                                                               len(chunk)))
-                    for chunk in (pairs[i:i + batch_size] for i in range(0, len(pairs), batch_size)))
-        return right / len(pairs)
-    if kind == "encdec":
-        items = PinyinDataset(pairs, src_vocab, tgt_vocab)                 # (src, tgt in, tgt out)
-    else:
-        items = PromptDataset(pairs, tgt_vocab)                            # (ids, target)
+        chunks = [pairs[i:i + batch_size] for i in range(0, len(pairs), batch_size)]
+        return sum(round(len(chunk) * teacher_forced_accuracy(kind, model, chunk, src_vocab, tgt_vocab, readings,
+                                                              len(chunk))) for chunk in chunks) / len(pairs)
+    items = PinyinDataset(pairs, src_vocab, tgt_vocab) if kind == "encdec" else PromptDataset(pairs, tgt_vocab)
     device = next(model.parameters()).device
     *inputs, target = (t.to(device) for t in collate([items[i] for i in range(len(pairs))]))  # [B, S], ..., [B, T]
     with eval_mode(model):
@@ -1505,10 +1432,9 @@ def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head=None, 
 # ===========================================================================
 # 18. RMSNorm (均方根归一化)
 # ===========================================================================
-# LayerNorm without the mean and the bias: divide each position by the root mean square of its
-# D features, then rescale; cheaper. That re-centering adds little is the paper's hypothesis,
-# borne out in its experiments, not proved (Zhang & Sennrich, 2019, "Root Mean Square Layer
-# Normalization").
+# LayerNorm without the mean and the bias: divide each position by the root mean square of its D features, then
+# rescale; cheaper. That re-centering adds little is the paper's hypothesis, borne out in its experiments, not
+# proved (Zhang & Sennrich, 2019, "Root Mean Square Layer Normalization").
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, over the last dimension."""
@@ -1534,19 +1460,16 @@ class RMSNorm(nn.Module):
 # ===========================================================================
 # 19. Rotary position embedding, RoPE (旋转位置编码)
 # ===========================================================================
-# RoPE (Su et al., 2021, "RoFormer") marks a position by turning q and k, not by adding a
-# vector to the input. Each pair of a head's dims is a point in a plane, turned by the angle
-# pos * theta_i: with q at m and k at n, q . k depends only on m - n. Only q and k are turned,
-# never v: the position shapes WHERE a query looks (the scores); v is the content read.
+# RoPE (Su et al., 2021, "RoFormer") marks a position by turning q and k, not by adding a vector to the input.
+# Each pair of a head's dims is a point in a plane, turned by the angle pos * theta_i: with q at m and k at n,
+# q . k depends only on m - n. Only q and k are turned, never v: the position shapes WHERE a query looks.
 
 ARGUMENTS.update(head_dim=(int, 1, MAX_SIZE, "or None"), theta=(float, 1.0, 1e30), rope_theta=(float, 1.0, 1e30),
                  shapes=(dict,))  # shapes: {name: a tensor's shape}, for the rules that tie tensors together
-RELATIONS.update({
-    "even head_dim": (("head_dim",), lambda d: d is not None and d % 2 == 0,
-                      "RoPE turns pairs of dims: head_dim must be even"),
-    "cos and sin fit x": (("shapes",), lambda s: s["cos"] == s["sin"] == s["x"][-2:],  # [1, dk] would broadcast
-                          "cos and sin must be [T, dk], the last two dims of x"),
-})
+RELATIONS["even head_dim"] = (("head_dim",), lambda d: d is not None and d % 2 == 0,
+                              "RoPE turns pairs of dims: head_dim must be even")
+RELATIONS["cos and sin fit x"] = (("shapes",), lambda s: s["cos"] == s["sin"] == s["x"][-2:],  # [1, dk] would broadcast
+                                  "cos and sin must be [T, dk], the last two dims of x")
 
 
 def rope_frequencies(head_dim, theta=10000.0):
@@ -1594,10 +1517,9 @@ def apply_rope(x, cos, sin):
 # ===========================================================================
 # 20. SwiGLU feed-forward (SwiGLU 前馈网络)
 # ===========================================================================
-# A gated feed-forward (Shazeer, 2020, "GLU Variants Improve Transformer"): one projection,
-# through SiLU (x * sigmoid(x), a smooth ReLU like GELU), opens or closes each channel of
-# another. Three matrices, so the width is 2/3 of 4 D: 3 * D * 8D/3 = 2 * D * 4D, the
-# parameters and FLOPs of the classic feed-forward.
+# A gated feed-forward (Shazeer, 2020, "GLU Variants Improve Transformer"): one projection, through SiLU
+# (x * sigmoid(x), a smooth ReLU like GELU), opens or closes each channel of another. Three matrices, so the width
+# is 2/3 of 4 D: 3 * D * 8D/3 = 2 * D * 4D, the parameters and FLOPs of the classic feed-forward.
 
 ARGUMENTS.update(multiple_of=(int, 1, MAX_SIZE), ffn_dim_multiplier=(float, 1e-30, 1e30, "or None"))
 
@@ -1633,11 +1555,10 @@ class SwiGLU(nn.Module):
 # ===========================================================================
 # 21. Grouped-query attention (分组查询注意力)
 # ===========================================================================
-# Generating, every layer keeps keys and values for every token, and for long or many
-# sequences that cache outgrows the weights: Llama-2-7B in bf16 has 13.5 GB of weights and
-# caches 512 KiB a token (section 23), the larger past about 25,700 cached tokens (batch x
-# length). GQA (Ainslie et al., 2023) lets groups of query heads share a key/value head:
-# n_kv_heads = n_heads is multi-head attention, 1 multi-query attention (MQA).
+# Generating, every layer keeps keys and values for every token, and for long or many sequences that cache
+# outgrows the weights: Llama-2-7B in bf16 has 13.5 GB of weights and caches 512 KiB a token (section 23), the
+# larger past about 25,700 cached tokens (batch x length). GQA (Ainslie et al., 2023) lets groups of query heads
+# share a key/value head: n_kv_heads = n_heads is multi-head attention, 1 multi-query attention (MQA).
 
 ARGUMENTS.update(n_kv_heads=(int, 1, MAX_SIZE, "or None"), qkv_bias=(bool,), bias=(bool,), n_rep=(int, 1, MAX_SIZE))
 RELATIONS["kv heads divide heads"] = (("n_heads", "n_kv_heads"), lambda h, hkv: hkv is not None and h % hkv == 0,
@@ -1674,8 +1595,7 @@ class GroupedQueryAttention(nn.Module):
         q, k, v = self.project(x)                                          # [B, H|Hkv, Tn, dk]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)            # [B, H, Tn, dk], [B, Hkv, Tn, dk]
         if cache is not None:
-            # the cache stores keys already turned (a key's angle is fixed by its own
-            # position) and only Hkv heads: that is the memory GQA saves
+            # keys are cached already turned (a key's angle is fixed by its position), Hkv heads: GQA's saving
             k, v = cache.append(k, v)                                      # [B, Hkv, t+Tn, dk] each
         out = self.attend(q, k, v, mask)                                   # [B, H, Tn, dk]
         return self.w_o(out.transpose(1, 2).reshape(B, Tn, -1))            # [B, Tn, D]
@@ -1689,7 +1609,6 @@ class GroupedQueryAttention(nn.Module):
         return q, k, v
 
     def attend(self, q, k, v, mask):
-        """Each kv head repeated for its group of query heads, then section 2's attention."""
         n_rep = self.n_heads // self.n_kv_heads
         return scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)[0]  # [B, H, Tn, dk]
 
@@ -1764,7 +1683,6 @@ class Llama(nn.Module):
             self.lm_head.weight = self.token_embedding.weight
 
     def attention(self, d_model, n_heads, n_kv_heads, qkv_bias):
-        """Every block's attention: GQA (section 21)."""
         return GroupedQueryAttention(d_model, n_heads, n_kv_heads, qkv_bias)
 
     def feed_forward(self, i, d_model, d_ff):
@@ -1772,11 +1690,9 @@ class Llama(nn.Module):
         return SwiGLU(d_model, d_ff)
 
     def rope_tables(self, max_len, theta):
-        """cos and sin [max_len, dk] for the heads' width."""
         return rope_cos_sin(self.layers[0].attn.head_dim, max_len, theta)  # [max_len, dk] each
 
     def new_cache(self):
-        """An empty cache for forward: one cache_kind() a layer."""
         return [self.cache_kind() for _ in self.layers]                    # [B, Hkv, t, dk] each once filled
 
     def forward(self, input_ids, cache=None):
@@ -1804,9 +1720,8 @@ class Llama(nn.Module):
 
     def generate(self, input_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None, generator=None,
                  use_cache=True):
-        """Append max_new_tokens tokens: the GPT's loop, generate_tokens, with this model."""
-        return generate_tokens(self, input_ids, max_new_tokens, temperature, top_k, top_p, generator,
-                               use_cache)                                  # [B, T + max_new_tokens]
+        """input_ids [B, T] -> [B, T + max_new_tokens]: the GPT's loop, generate_tokens, with this model."""
+        return generate_tokens(self, input_ids, max_new_tokens, temperature, top_k, top_p, generator, use_cache)
 
 # Try it:
 #   >>> model = Llama(vocab_size=100, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_len=32)
@@ -1825,9 +1740,9 @@ TOY_MODELS["llama"] = dict(name="Llama-style", model=Llama, epochs=2, lr_factor=
 # ===========================================================================
 # 23. Counting a modern model: parameters and KV-cache memory (参数量与 KV 缓存显存)
 # ===========================================================================
-# Section 10's check on published models: the formula (with its class's argument rules), the
-# count of the model built on the meta device (shapes only, no memory) and the published total
-# agree to the last parameter. Then what decides how many tokens fit on a GPU: the KV cache.
+# Section 10's check on published models: the formula (with its class's argument rules), the count of the model
+# built on the meta device (shapes only, no memory) and the published total agree to the last parameter. Then
+# what decides how many tokens fit on a GPU: the KV cache.
 
 ARGUMENTS.update(bytes_per_value=(int, 1, MAX_SIZE))
 RELATIONS["cache widths given"] = (("n_kv_heads", "head_dim"), lambda h, d: None not in (h, d),
@@ -1847,8 +1762,7 @@ def decoder_params(vocab_size, d_model, n_layers, attention, ffn, tie_weights):
 
 def llama_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                         rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False):
-    """Closed form of count_parameters(Llama(...)), same keywords and rules (max_len, rope_theta and
-    norm_eps hold no parameters)."""
+    """Closed form of count_parameters(Llama(...)), same keywords and rules (max_len, rope_theta, norm_eps: none)."""
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
     check("heads divide d_model", "kv heads divide heads", **locals())     # every argument
     check("even head_dim", head_dim=d_model // n_heads)
@@ -1862,11 +1776,10 @@ def kv_cache_bytes_per_token(n_layers, n_kv_heads, head_dim, bytes_per_value=2):
     check("cache widths given", **locals())
     return 2 * n_layers * n_kv_heads * head_dim * bytes_per_value
 
-# Where Llama-2-7B's parameters go (V 32000, D 4096, Dff 11008, 32 layers): embeddings and
-# lm_head 2 V D = 262M (4%); per layer, attention 4 D^2 = 67M (full MHA) and the
-# feed-forward 3 D Dff = 135M (64% of the model over 32 layers), norms 2 D = 8192. Its cache
-# per token in bf16: 2 * 32 layers * 32 heads * 128 * 2 bytes = 512 KiB, 4K tokens 2 GiB;
-# Llama-3-8B's GQA, 8 kv heads for 32 query heads, cuts it 4x to 128 KiB.
+# Where Llama-2-7B's parameters go (V 32000, D 4096, Dff 11008, 32 layers): embeddings and lm_head 2 V D = 262M
+# (4%); per layer, attention 4 D^2 = 67M (full MHA) and the feed-forward 3 D Dff = 135M (64% of the model over 32
+# layers), norms 2 D = 8192. Its cache per token in bf16: 2 * 32 layers * 32 heads * 128 * 2 bytes = 512 KiB, 4K
+# tokens 2 GiB; Llama-3-8B's GQA, 8 kv heads for 32 query heads, cuts it 4x to 128 KiB.
 
 # (name, Llama configuration, published total); max_len, theta and eps as released
 LLAMA_CONFIGS = [
@@ -4185,6 +4098,13 @@ class GptOss(Mixtral):
     def new_cache(self):
         """A RollingKVCache of `window` tokens for a sliding layer, a KVCache (every token) for a full one."""
         return [KVCache() if layer.attn.window is None else RollingKVCache(layer.attn.window) for layer in self.layers]
+
+
+# Section 37's with_rope_scaling would give a GptOss the rounded YaRN, and its checkpoint would
+# come back with its own: a GptOss takes its scaling only as rope_scaling=, where it is built
+RELATIONS["a Llama family"] = (("model_kind",), lambda cls: issubclass(cls, Llama) and not issubclass(cls, GptOss),
+                               "model must be a RoPE model of this file: a Llama or a family of it, not a GptOss"
+                               " (rope_scaling= builds its YaRN)")
 
 
 def gpt_oss_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
