@@ -9,11 +9,13 @@ way Qwen3 (QK-norm), Mixtral (experts) and Mistral (a window) each extend the Ll
   Part II    11-17  teaching it a task: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
   Part III   18-23  the modern decoder, Llama-style
   Part IV    24-27  a released model through this code: byte-level BPE, quantized blocks, GGUF
-  Part V     28-32  the frontier: Qwen3, mixture of experts, latent attention, DeepSeek-V3
-  Part VI    33-36  long sequences: FlashAttention, sliding windows, the paged cache, long RoPE
-  Part VII   37-43  training by hand: AdamW, schedules, clipping, FLOPs, precision, memory, LoRA
-  Part VIII  44-47  after pretraining: speculative decoding, log-probabilities, DPO, GRPO
-  Tools      48-52  your own data, checkpoints, the demo, the benchmark, the command line
+  Part V     28-33  the frontier: Qwen3, mixture of experts, latent attention, DeepSeek-V3, its
+                    multi-token prediction
+  Part VI    34-40  long sequences: FlashAttention, sliding windows, the paged cache, long RoPE,
+                    attention sinks (gpt-oss), Gated DeltaNet (Qwen3-Next), sparse attention (V3.2)
+  Part VII   41-47  training by hand: AdamW, schedules, clipping, FLOPs, precision, memory, LoRA
+  Part VIII  48-51  after pretraining: speculative decoding, log-probabilities, DPO, GRPO
+  Tools      52-56  your own data, checkpoints, the demo, the benchmark, the command line
 
 The encoder-decoder (Part I) and its shapes, for a batch of B sentences:
 
@@ -46,7 +48,9 @@ encoder-decoder), fixes their mistakes, and proves each piece in test_transforme
 #   Part III adds Hkv, the key/value heads of grouped-query attention. Part V adds N = B * T tokens,
 #   E experts, k = top_k, G expert groups, r the width of MLA's latent (kv_lora_rank), nope / rope / v
 #   the widths of an MLA head's parts. Part VI adds bq, bk a tile's query and key blocks, bs a cache
-#   block's tokens. Part VII's r is another number: LoRA's rank (its A is [r, in]).
+#   block's tokens, Hk / Hv / C / K / c a DeltaNet's key heads, value heads, channels, taps and chunk
+#   (section 39), Hi / di the sparse attention's indexer heads and their width (section 40). Part VII's
+#   r is another number: LoRA's rank (its A is [r, in]).
 # Attention scores are [B, H, Tq, Tk]: one row per query, one column per key.
 
 import math
