@@ -2574,8 +2574,7 @@ class QKNormAttention(GroupedQueryAttention):
         self.w_o = nn.Linear(n_heads * head_dim, d_model, bias=False)
         self.q_norm, self.k_norm = RMSNorm(head_dim, norm_eps), RMSNorm(head_dim, norm_eps)
 
-    def project(self, x):
-        """GQA's q, k and v, with q and k normalized over each head's dk dims (before RoPE)."""
+    def project(self, x):  # q and k normalized over each head's dk dims, before RoPE
         q, k, v = super().project(x)                                       # [B, H|Hkv, Tn, dk]
         return self.q_norm(q), self.k_norm(k), v                           # [B, H|Hkv, Tn, dk]
 
@@ -2597,8 +2596,7 @@ class Qwen3(Llama):
 
 def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                         rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None):
-    """Closed form of count_parameters(Qwen3(...)), same keywords and rules: Llama's with heads
-    head_dim wide, plus q_norm and k_norm in every block."""
+    """Closed form of count_parameters(Qwen3(...)), same keywords and rules: Llama's, heads head_dim wide, + QK-norm."""
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
     check("kv heads divide heads", **locals())
     head_dim = d_model // n_heads if head_dim is None else head_dim
@@ -2645,7 +2643,8 @@ HF_FAMILIES["qwen3"] = (Qwen3, hf_qwen3)
 
 ARGUMENTS.update(n_experts=(int, 1, MAX_SIZE), n_shared=(int, 0, MAX_SIZE), router=("one of", "softmax", "sigmoid"),
                  norm_topk=(bool,), n_groups=(int, 1, MAX_SIZE), topk_groups=(int, 1, MAX_SIZE),
-                 routed_scale=(float, torch.finfo(torch.float32).tiny, 1e30), expert_d_ff=(int, 1, MAX_SIZE, "or None"))
+                 routed_scale=(float, torch.finfo(torch.float32).tiny, 1e30), expert_d_ff=(int, 1, MAX_SIZE, "or None"),
+                 rate=(float, 0.0, FINITE), active=(bool,))
 RELATIONS.update({
     "top_k <= n_experts": (("top_k", "n_experts"), lambda k, e: k is not None and k <= e,
                            "top_k must be at most n_experts"),
@@ -2692,8 +2691,7 @@ class MoE(nn.Module):
             grouped = choice.view(len(choice), self.n_groups, -1)          # [N, G, E/G]
             best_two = grouped.topk(min(2, grouped.size(-1)), dim=-1).values  # [N, G, 2]
             groups = best_two.sum(dim=-1).topk(self.topk_groups, dim=-1).indices  # [N, topk_groups]
-            allowed = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=logits.device).scatter(
-                1, groups, True)                                           # [N, G]
+            allowed = grouped.new_zeros(grouped.shape[:2], dtype=torch.bool).scatter(1, groups, True)  # [N, G]
             # -inf is safe here: at least top_k experts stay finite (checked in __init__)
             choice = grouped.masked_fill(~allowed[:, :, None], float("-inf")).flatten(1)  # [N, E]
         chosen = choice.topk(self.top_k, dim=-1).indices                   # [N, k]
@@ -2714,12 +2712,11 @@ class MoE(nn.Module):
         self.router_logits = logits                                        # [N, E], still in the graph
         self.tokens_per_expert = torch.bincount(chosen.flatten(), minlength=self.n_experts)  # [E]
         out = torch.zeros_like(flat)                                       # [N, D]
-        # each expert runs on the tokens routed to it, never on all N: gather, compute, index_add the
-        # weighted rows back. Every expert on every token, the unchosen times 0, gives the same
-        # numbers at E / top_k times the compute: what a MoE exists to save
+        # each expert runs on its tokens only (gather, compute, index_add back): every expert on every
+        # token, the unchosen times 0, gives the same numbers at E / top_k times the compute
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(chosen == e)                         # [n_e] each: which tokens, which of their k
-            if len(token):
+            if len(token):  # an idle expert is not run (and gets no gradient, not a zero one)
                 y = expert(flat[token]) * weights[token, slot, None].to(x.dtype)  # [n_e, D]
                 out.index_add_(0, token, y)                                # [N, D]
         if self.shared is not None:
@@ -2728,10 +2725,9 @@ class MoE(nn.Module):
 
 
 def load_balancing_loss(router_logits, top_k):
-    """The Switch Transformer's auxiliary loss as HF's Mixtral computes it, E * sum_e f_e * P_e from router
-    logits [N, E]: f_e the top-k slots given to expert e / N, P_e the mean of softmax(logits)[:, e]. top_k
-    when routing is uniform, larger where the probability piles up; f_e is a count without gradient, so
-    the loss pushes P_e down where f_e is high. Add it to the loss times a small factor (Switch: 0.01)."""
+    """The Switch Transformer's auxiliary loss as HF's Mixtral computes it from router logits [N, E], E * sum_e
+    f_e * P_e: f_e the top-k slots expert e got / N (a count: no gradient), P_e the mean of softmax(logits)[:, e].
+    top_k when uniform, larger where the probability piles up. Add it times a small factor (Switch: 0.01)."""
     if router_logits.dim() != 2 or len(router_logits) == 0:
         raise ValueError(f"router_logits must be [N, E] with N >= 1 tokens, got shape {list(router_logits.shape)}")
     E = router_logits.size(-1)
@@ -2743,15 +2739,11 @@ def load_balancing_loss(router_logits, top_k):
     return E * (f * P).sum()                                               # []
 
 
-ARGUMENTS.update(rate=(float, 0.0, FINITE), model=(nn.Module,), active=(bool,))
-
-
 @torch.no_grad()
 def update_router_bias(model, rate=1e-3):
-    """DeepSeek-V3's auxiliary-loss-free balancing, after each optimizer step: every sigmoid MoE
-    in model does router_bias += rate * sign(mean load - its load), from its last forward's
-    tokens_per_expert (padded positions count too). V3 trained with rate 0.001, then 0 for its
-    last 500B tokens. -> the MoEs updated."""
+    """DeepSeek-V3's auxiliary-loss-free balancing, after each optimizer step: every sigmoid MoE in model does
+    router_bias += rate * sign(mean load - its load), from its last forward's tokens_per_expert (padded positions
+    count too). V3 trained with rate 0.001, then 0 for its last 500B tokens. -> the MoEs updated."""
     check(model=model, rate=rate)
     updated = 0
     for module in model.modules():
@@ -2761,8 +2753,7 @@ def update_router_bias(model, rate=1e-3):
             updated += 1
     return updated
 
-# The two MoE families: Llama or Qwen3 with every feed-forward a softmax-routed MoE of
-# n_experts SwiGLUs expert_d_ff wide (None: d_ff); their formulas, their dense model's.
+# The two MoE families, n_experts SwiGLUs expert_d_ff wide (None: d_ff); their counts from their dense model's.
 
 class Mixtral(Llama):
     """Mixtral = Llama with every feed-forward a MoE, its top_k weights divided by their sum."""
@@ -2805,7 +2796,7 @@ def mixtral_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=Non
                           rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, n_experts=8,
                           top_k=2, expert_d_ff=None, active=False):
     """Closed form of count_parameters(Mixtral(...)), same keywords and rules; active=True: one token's."""
-    check("top_k <= n_experts", n_experts=n_experts, top_k=top_k, expert_d_ff=expert_d_ff, active=active)
+    check("top_k <= n_experts", **locals())
     d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
     dense = llama_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta,
                                 norm_eps, tie_weights, qkv_bias)
@@ -2817,8 +2808,7 @@ def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=N
                             rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None,
                             n_experts=8, top_k=2, expert_d_ff=None, norm_topk=True, active=False):
     """Closed form of count_parameters(Qwen3MoE(...)), same keywords and rules; active=True: one token's."""
-    check("top_k <= n_experts", n_experts=n_experts, top_k=top_k, expert_d_ff=expert_d_ff, norm_topk=norm_topk,
-          active=active)
+    check("top_k <= n_experts", **locals())
     d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
     dense = qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta,
                                 norm_eps, tie_weights, qkv_bias, head_dim)
@@ -2978,7 +2968,6 @@ class LatentCache:
         return 0 if self.latent is None else self.latent.size(1)
 
     def append(self, latent, k_rope):
-        """Add this step's latent [B, Tn, r] and rope key [B, Tn, rope]; return all of them."""
         check("a latent and a rope key a token", shapes=dict(latent=latent.shape, k_rope=k_rope.shape))
         if self.latent is not None:
             latent = torch.cat([self.latent, latent], dim=1)               # [B, t+Tn, r]
@@ -3091,13 +3080,7 @@ class DeepSeekV3(Llama):
                  d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1, n_dense_layers=1, n_groups=1,
                  topk_groups=1, routed_scale=1.0, norm_topk=True, max_len=4096, rope_theta=10000.0, norm_eps=1e-6,
                  tie_weights=False, rope_interleave=True):
-        config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-                      kv_lora_rank=kv_lora_rank, qk_nope_dim=qk_nope_dim, qk_rope_dim=qk_rope_dim,
-                      v_head_dim=v_head_dim, d_ff=d_ff, expert_d_ff=expert_d_ff, n_experts=n_experts, top_k=top_k,
-                      q_lora_rank=q_lora_rank, n_shared=n_shared, n_dense_layers=n_dense_layers,
-                      n_groups=n_groups, topk_groups=topk_groups, routed_scale=routed_scale, norm_topk=norm_topk,
-                      max_len=max_len, rope_theta=rope_theta, norm_eps=norm_eps, tie_weights=tie_weights,
-                      rope_interleave=rope_interleave)
+        config = {name: value for name, value in locals().items() if name not in ("self", "__class__")}  # arguments
         check(*DEEPSEEK_RULES, **config)                                   # every block's rules, before building
         # read by attention() and feed_forward() while Llama builds the blocks
         self.mla = dict(kv_lora_rank=kv_lora_rank, qk_nope_dim=qk_nope_dim, qk_rope_dim=qk_rope_dim,
@@ -3128,10 +3111,7 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
     parameters one token's forward uses. router_bias is a buffer, not a parameter."""
     check(*DEEPSEEK_RULES, **locals())                                     # every argument
     q_width = n_heads * (qk_nope_dim + qk_rope_dim)
-    if q_lora_rank is None:
-        attention = d_model * q_width                                      # w_q
-    else:
-        attention = d_model * q_lora_rank + q_lora_rank + q_lora_rank * q_width  # w_dq, q_norm, w_uq
+    attention = (d_model + 1 + q_width) * q_lora_rank if q_lora_rank else d_model * q_width  # w_dq, q_norm, w_uq; w_q
     attention += d_model * (kv_lora_rank + qk_rope_dim) + kv_lora_rank     # w_dkv, kv_norm
     attention += kv_lora_rank * n_heads * (qk_nope_dim + v_head_dim) + n_heads * v_head_dim * d_model  # w_ukv, w_o
     moe = moe_params(d_model, expert_d_ff, n_experts, top_k, n_shared, active)  # router, routed, shared
@@ -3341,11 +3321,10 @@ FRONTIER_CONFIGS = [
                                      n_groups=8, topk_groups=4, routed_scale=2.5),
      671_026_404_352, 37_552_282_624, "671B / 37B (685B with the MTP module)"),
 ]
-# Where DeepSeek-V3's 671B go: 58 MoE layers x 256 experts x 3 x 7168 x 2048 = 654B in routed
-# experts (97%). A token runs 8 of them, 20.4B, plus 11.4B of attention (61 layers), 2.6B of
-# shared experts, 1.2B of dense feed-forward (3 layers), 1.9B of embeddings and lm_head:
-# 37.6B. Its cache in bf16: 61 x 576 x 2 bytes = 70,272 bytes (68.6 KiB) a token, against
-# 4.77 MiB for per-head keys and values.
+# Where DeepSeek-V3's 671B go: 58 MoE layers x 256 experts x 3 x 7168 x 2048 = 654B in routed experts (97%). A
+# token runs 8 of them, 20.4B, plus 11.4B of attention (61 layers), 2.6B of shared experts, 1.2B of dense
+# feed-forward (3 layers), 1.9B of embeddings and lm_head: 37.6B. Its cache in bf16: 61 x 576 x 2 bytes = 70,272
+# bytes (68.6 KiB) a token, against 4.77 MiB for per-head keys and values.
 
 # Try it: DeepSeek-V3's totals, and the cache a token takes, latent against per-head.
 #   >>> name, kind, config, total, active, reported = FRONTIER_CONFIGS[2]
@@ -3365,10 +3344,9 @@ FRONTIER_CONFIGS = [
 # ===========================================================================
 # 34. FlashAttention's tiles, the online softmax; fused kernels (FlashAttention 的分块：在线 softmax)
 # ===========================================================================
-# Section 2 builds the [Tq, Tk] scores, softmaxes them and multiplies by v: memory grows
-# with Tq * Tk. FlashAttention (Dao et al., 2022; FlashAttention-2, Dao, 2023) computes the
-# same output one [block, block] tile at a time, keeping per query a running max and a
-# running sum, so nothing of size Tq * Tk ever exists.
+# Section 2's [Tq, Tk] scores take memory Tq * Tk. FlashAttention (Dao et al., 2022;
+# FlashAttention-2, Dao, 2023) computes the same output one [block, block] tile at a time,
+# keeping per query a running max and a running sum: nothing of size Tq * Tk ever exists.
 # The recurrence, for one block of queries and key block j (S_j its scaled scores):
 #   m_new = max(m, rowmax(S_j))                 the largest score so far (m starts at -inf)
 #   acc   = e^(m - m_new) acc + e^(S_j - m_new) V_j   rescale what was summed under the old max
@@ -3512,12 +3490,10 @@ class FusedAttention(MultiHeadAttention):
     def attend(self, q, k, v, mask):
         check_mask(mask)
         if mask is not None:
-            # a query with nothing to attend to reads nothing, as in section 2; the kernel
-            # is not shown such a row at all (some kernels return NaN for it)
+            # a query that may attend to nothing reads nothing, as in section 2: unmasked (some kernels: NaN), then 0
             empty = ~mask.any(dim=-1, keepdim=True)                        # [B, 1|H, Tq, 1]
             mask = mask | empty                                            # [B, 1|H, Tq, Tk]
-        p = self.dropout.p if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, mask, p)             # [B, H, Tq, dk]
+        out = F.scaled_dot_product_attention(q, k, v, mask, self.dropout.p if self.training else 0.0)  # [B, H, Tq, dk]
         return out if mask is None else out.masked_fill(empty, 0.0)        # [B, H, Tq, dk]
 
 
@@ -3545,15 +3521,13 @@ def use_fused_kernels(model, fused=True):
 # Mistral-7B (Jiang et al., 2023) lets each query see only the last `window` keys, itself
 # included (4096 in v0.1): a kernel that skips the hidden keys does T * window work instead of
 # T^2 / 2 (the masks here only hide them), and the cache never holds more than `window`
-# tokens (Mistral-7B: 512 MiB, where 32k tokens take 4 GiB). Pieces: the band mask (causal
-# itself); a rolling cache of the last `window` keys, in order (Mistral's writes token p into
-# slot p mod W of a fixed buffer); Mistral, a Llama whose attention applies the band. Older
-# tokens count through the layers: layer 2 reads layer 1's outputs at p - (W - 1) .. p, so L
-# layers reach back L * (W - 1) positions (Mistral-7B: 32 * 4095 = 131,040; the paper's
-# 4096 x 32 = 131,072 counts W a layer); a token further back changes nothing at all. The
-# pitfall: len(cache) must count every token seen, not the `window` held: RoPE turns the next
-# token by its absolute position and the mask counts from it; a length that stops at `window`
-# restarts the positions.
+# tokens (Mistral-7B: 512 MiB, where 32k tokens take 4 GiB; Mistral's own cache writes token p
+# into slot p mod W of a fixed buffer, ours keeps them in order). Older tokens count through the
+# layers: layer 2 reads layer 1's outputs at p - (W - 1) .. p, so L layers reach back
+# L * (W - 1) positions (Mistral-7B: 32 * 4095 = 131,040; the paper's 4096 x 32 = 131,072 counts
+# W a layer); a token further back changes nothing at all. The pitfall: len(cache) must count every
+# token seen, not the `window` held: RoPE turns the next token by its absolute position and the
+# mask counts from it; a length that stops at `window` restarts the positions.
 
 ARGUMENTS.update(window=(int, 1, MAX_SIZE), length=(int, 0, MAX_SIZE))
 RELATIONS["keys and values"] = (("shapes",), lambda s: len(s["k"]) == len(s["v"]) == 4 and s["k"][:3] == s["v"][:3],
@@ -3606,8 +3580,7 @@ class SlidingWindowAttention(GroupedQueryAttention):
         self.window = window
 
     def attend(self, q, k, v, mask):
-        # the band over the keys this step has, the queries the last Tn of them; a rolling
-        # cache hands over only the keys it kept, and the band needs no more (it is causal too)
+        # the band over this step's keys, queries the last Tn; a rolling cache's kept keys are all it needs (causal)
         band = make_window_mask(q.size(2), self.window, q.device, past=k.size(2) - q.size(2))  # [1, 1, Tn, t+Tn]
         return super().attend(q, k, v, band)                               # [B, H, Tn, dk]
 
@@ -3626,8 +3599,7 @@ class Mistral(Llama):
     def attention(self, d_model, n_heads, n_kv_heads, qkv_bias):
         return SlidingWindowAttention(d_model, n_heads, n_kv_heads, self.window, qkv_bias)
 
-    def new_cache(self):
-        """One RollingKVCache per layer: at most window tokens each, however long the generation."""
+    def new_cache(self):  # at most window tokens a layer, however long the generation
         return [RollingKVCache(self.window) for _ in self.layers]
 
 
@@ -3674,12 +3646,9 @@ HF_FAMILIES["mistral"] = (Mistral, hf_mistral)
 # cache: a 30-token answer reserves as much as a 4000-token one. vLLM (Kwon et al., 2023,
 # "PagedAttention") cuts the cache into fixed-size blocks, as an operating system pages
 # memory: a sequence takes a block when its last one fills, finds its blocks through a block
-# table, and gives them back when it ends: under one block per sequence is wasted. KVPool
-# holds the blocks; PagedKVCache, a KVCache, takes them for one layer of one sequence (vLLM
-# shares a block table across the layers), and a model takes a list of them (PagedLatentCache
-# for MLA). append gathers them into one [1, Hkv, t, dk], where vLLM's kernel reads each block
-# where it lies. The shared pool takes back only blocks it handed out, each once (else two
-# sequences write one block); an append checks all and takes its blocks before it writes.
+# table, and gives them back when it ends: under one block per sequence is wasted. Here a
+# PagedKVCache holds one layer of one sequence (vLLM shares a block table across the layers)
+# and gathers its blocks into one [1, Hkv, t, dk], where vLLM's kernel reads each block in place.
 
 ARGUMENTS.update(n_blocks=(int, 1, MAX_SIZE), lengths=(list,))
 RELATIONS.update({
@@ -3755,10 +3724,8 @@ class PagedKVCache(KVCache):
         store_k[block, :, position % bs] = k[0].transpose(0, 1)            # [Tn, Hkv, dk] into their slots
         store_v[block, :, position % bs] = v[0].transpose(0, 1)            # [Tn, Hkv, dv]
         self.n += Tn
-        Hkv, nb = k.size(1), len(self.blocks)
-        keys = store_k[self.blocks].transpose(0, 1).reshape(Hkv, nb * bs, -1)[None, :, :self.n]  # [1, Hkv, t, dk]
-        values = store_v[self.blocks].transpose(0, 1).reshape(Hkv, nb * bs, -1)[None, :, :self.n]  # [1, Hkv, t, dv]
-        return keys, values
+        keys, values = (s[self.blocks].transpose(0, 1).flatten(1, 2) for s in (store_k, store_v))  # [Hkv, nb*bs, dk|dv]
+        return keys[None, :, :self.n], values[None, :, :self.n]            # [1, Hkv, t, dk], [1, Hkv, t, dv]
 
     def crop(self, length):
         """Keep the first `length` tokens (section 48 takes back rejected ones); the blocks past them go back."""
@@ -3769,7 +3736,6 @@ class PagedKVCache(KVCache):
         self.blocks = self.blocks[:used]
 
     def free(self):
-        """The sequence is done: its blocks go back to the pool."""
         self.pool.give_back(self.blocks)
         self.blocks, self.n = [], 0
 
@@ -3790,8 +3756,7 @@ def padded_and_paged_slots(lengths, block_size):
     return len(lengths) * max(lengths), sum(-(-n // block_size) * block_size for n in lengths)  # padded, paged
 
 # Try it:
-#   >>> pool = KVPool(n_blocks=8, block_size=4)
-#   >>> cache = PagedKVCache(pool)
+#   >>> pool = KVPool(n_blocks=8, block_size=4); cache = PagedKVCache(pool)
 #   >>> k, v = cache.append(torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8))  # 6 tokens: 2 blocks
 #   >>> k.shape, cache.blocks, pool.n_free
 #   (torch.Size([1, 2, 6, 8]), [0, 1], 6)
@@ -3810,8 +3775,7 @@ def padded_and_paged_slots(lengths, block_size):
 # 37. RoPE for long context: interpolation, Llama 3.1, YaRN (长上下文的 RoPE)
 # ===========================================================================
 # A model trained on L positions has never seen RoPE angles past L * theta_i, and falls apart
-# beyond it. Three stretches, each new inverse frequencies in place of section 19's, which
-# with_rope_scaling gives a model:
+# beyond it. Three stretches, each new inverse frequencies in place of section 19's:
 # - linear (position interpolation, Chen et al., 2023): every frequency divided by the factor
 #   s, position p looks like p / s; it squeezes the fast pairs too, which the YaRN paper
 #   hypothesizes loses the fine, local order the model learned.
@@ -4916,26 +4880,20 @@ RELATIONS["betas in [0, 1)"] = (("betas",), lambda b: len(b) == 2 and all(
 
 
 class AdamW(torch.optim.Optimizer):
-    """torch.optim.AdamW's update, written out in torch's order of operations: the same maths in another order
-    rounds differently in the last bit, and training carries that on (a test shows the paper's order drifting
-    from torch.optim.AdamW where this one does not). As there, the decay is multiplied by the whole lr; the
-    paper's Algorithm 2 multiplies its lambda by the schedule's factor alone, so its lambda is peak lr *
-    weight_decay. params: parameters, or groups (dicts) with their own lr and weight_decay."""
+    """torch.optim.AdamW's update in torch's order of operations: another order rounds differently in the last bit,
+    and training carries that on (a test shows the paper's order drifting). As in torch, the decay is multiplied by
+    the whole lr; the paper's Algorithm 2 by the schedule's factor alone, so its lambda is peak lr * weight_decay.
+    params: parameters, or groups (dicts) with their own lr and weight_decay."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         check("betas in [0, 1)", lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter with a gradient; closure, if given, recomputes the loss first -> that loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self):
+        """One update of every parameter with a gradient (no closure: this file computes the loss before)."""
         for group in self.param_groups:  # every group and gradient checked before any weight moves
-            check("betas in [0, 1)", lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                  weight_decay=group["weight_decay"])
+            check("betas in [0, 1)", **{name: group[name] for name in ("lr", "betas", "eps", "weight_decay")})
             bad = next((p for p in group["params"] if p.grad is not None and (
                 p.grad.layout != torch.strided or p.grad.shape != p.shape)), None)
             if bad is not None:
@@ -4959,7 +4917,6 @@ class AdamW(torch.optim.Optimizer):
                 # the first update is lr * (1 - beta1) / sqrt(1 - beta2): 3.16 lr at the default betas
                 denom = v.sqrt() / math.sqrt(1 - beta2 ** t) + eps        # [as p]: sqrt(v_hat) + eps
                 p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))       # p -= lr * m_hat / denom
-        return loss
 
     def load_state_dict(self, state_dict):
         """torch's, for this AdamW's t, m, v only: torch.optim.AdamW's step, exp_avg, exp_avg_sq are refused first."""
@@ -4998,10 +4955,9 @@ def decay_groups(model, weight_decay):
 # 42. Learning-rate schedules (学习率调度)
 # ===========================================================================
 # A schedule multiplies the peak learning rate by a function of the step, for LambdaLR (section
-# 13's noam is the learning rate itself). It rises first (warmup: Adam's first updates are noisy,
-# so they are kept small) and falls at the end (a smaller step settles lower). Cosine needs the
-# run's length in advance; WSD (warmup-stable-decay) holds the peak and decays only over the
-# last steps, so a run can be extended and decayed from any point.
+# 13's noam is the learning rate itself): a warmup, as there, and a fall at the end (a smaller
+# step settles lower). Cosine needs the run's length in advance; WSD (warmup-stable-decay) holds
+# the peak and decays only over the last steps, so a run can be extended and decayed at any point.
 
 ARGUMENTS.update(total_steps=(int, 1, MAX_SIZE), decay_steps=(int, 0, MAX_SIZE), min_ratio=(float, 0.0, 1.0))
 RELATIONS.update({
@@ -5048,8 +5004,7 @@ def warmup_stable_decay(step, warmup_steps, total_steps, decay_steps, min_ratio=
 # ===========================================================================
 # 43. Clipping and gradient accumulation (梯度裁剪与梯度累积)
 # ===========================================================================
-# One bad batch can bring a gradient many times the usual size, and a step along it
-# throws the weights far: clipping scales the whole gradient down to max_norm when it is
+# Clipping (section 13's clip_grad_norm_) scales the whole gradient down to max_norm when it is
 # longer, keeping its direction. A batch too big for memory runs as micro-batches whose
 # gradients add up in .grad before one step; the sum must be the big batch's gradient.
 
@@ -5126,8 +5081,7 @@ def adamw_update(model, lr, warmup_steps, total_steps, weight_decay=0.01, max_no
     max_norm, AdamW on decay_groups(model) at lr * warmup_cosine(step, warmup_steps, total_steps) -> update()."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = AdamW(decay_groups(model, weight_decay), lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, warmup_steps,
-                                                                                        total_steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, warmup_steps, total_steps))
 
     def update():
         clip_grad_norm(params, max_norm)
@@ -5447,9 +5401,8 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x):
-        """x [..., in] -> [..., out]; merged, the update is inside base's weight already."""
         if self.merged:
-            return self.base(x)                                            # [..., out]
+            return self.base(x)                                            # [..., out]: B A is inside base's weight
         update = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)  # [..., r] -> [..., out]
         return self.base(x) + update * self.scaling                        # [..., out]
 
@@ -5457,18 +5410,12 @@ class LoRALinear(nn.Module):
         return self.lora_B @ self.lora_A * self.scaling                    # [out, in], rank <= r
 
     @torch.no_grad()
-    def merge(self):
-        """W += (alpha / r) B A, once: forward is then base's one matmul (a tied weight changes in both places)."""
-        if not self.merged:
-            self.base.weight += self.delta_weight()                        # [out, in]
-            self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self):
-        """W -= (alpha / r) B A: the base weight back, up to float rounding."""
-        if self.merged:
-            self.base.weight -= self.delta_weight()                        # [out, in]
-            self.merged = False
+    def merge(self, merge=True):
+        """W += (alpha / r) B A, once: forward is then base's one matmul (a tied weight changes in both places);
+        merge=False: W -= (alpha / r) B A, the base weight back up to float rounding."""
+        if merge != self.merged:
+            self.base.weight += self.delta_weight() * (1 if merge else -1)  # [out, in]
+            self.merged = merge
 
 
 def lora_targets(model, targets):
@@ -5504,7 +5451,7 @@ def merge_lora(model, merge=True):
     check(model=model, merge=merge)
     for module in model.modules():
         if isinstance(module, LoRALinear):
-            (module.merge if merge else module.unmerge)()
+            module.merge(merge)
     return model
 
 # What it saves: a frozen float32 weight needs no gradient (4 bytes) and no AdamW moments (8),
@@ -6066,17 +6013,15 @@ def group_advantages(rewards, eps=1e-4):
 
 
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0.2, kl_beta=0.04):
-    """Per-token log-probabilities [N, T] of N sampled answers under the model trained
-    (logprobs), the model that sampled them (old) and the frozen reference (ref); one
-    advantage [N] an answer; mask [N, T], True on the answers' tokens -> the loss [], minus
-    GRPO's objective: per token min(rho A, clip(rho, 1 - clip_eps, 1 + clip_eps) A) - kl_beta
-    * KL with rho = exp(logprobs - old), averaged over each answer's tokens, then over answers."""
+    """Per-token log-probabilities [N, T] of N sampled answers under the model trained (logprobs), the model that
+    sampled them (old) and the frozen reference (ref); one advantage [N] an answer; mask [N, T], True on the answers'
+    tokens -> the loss [], minus GRPO's objective: per token min(rho A, clip(rho, 1 - clip_eps, 1 + clip_eps) A) -
+    kl_beta * KL with rho = exp(logprobs - old), averaged over each answer's tokens, then over answers."""
     check(clip_eps=clip_eps, kl_beta=kl_beta)
     check_batch(2, ("mask",), logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask)
     check_batch(1, advantages=advantages, logprobs_rows=logprobs[:, 0])  # one advantage an answer: [N], not [N, 1]
-    # rho is 1 in value when the model trained is the one that sampled (one step a batch), but not
-    # in gradient: d rho / d logprobs = rho, so the surrogate's gradient is A times the gradient of
-    # logprobs, the policy gradient. old is detached: a constant
+    # rho is 1 in value when the model trained is the one that sampled (one step a batch), not in gradient:
+    # d rho / d logprobs = rho, so the surrogate's gradient is A times logprobs', the policy gradient (old: constant)
     rho = torch.exp(logprobs - old_logprobs.detach())                      # [N, T]
     A = advantages[:, None]                                                # [N, 1]
     # PPO's clip: once rho has moved past 1 +- clip_eps in the direction A favors, the
@@ -6093,12 +6038,11 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
     per_answer = per_token.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)     # [N]
     return -per_answer.mean()                                              # []: to minimize
 
-# Two variants change the averaging, one line each. DAPO (Yu et al., 2025) takes one mean over all
-# the batch's tokens, per_token.sum() / mask.sum(): a mean per answer weighs a long answer's
-# tokens less, and its gibberish and repetition go too little penalized. Dr. GRPO (Liu et al.,
-# 2025, "Understanding R1-Zero-Like Training") divides by one constant, the generation budget, not
-# each answer's length (which penalizes long wrong answers less: they grow long), and by no std in
-# group_advantages (which weighs up questions whose rewards barely vary: too easy or too hard).
+# Two variants change the averaging, one line each. DAPO (Yu et al., 2025) takes one mean over all the batch's
+# tokens, per_token.sum() / mask.sum(): a mean per answer weighs a long answer's tokens less, and its gibberish and
+# repetition go too little penalized. Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training") divides by
+# one constant, the generation budget, not each answer's length (which penalizes long wrong answers less: they grow
+# long), and by no std in group_advantages (which weighs up questions whose rewards barely vary: too easy or hard).
 # kl_beta = 0.04 and G = 64 are DeepSeekMath's (its section 4.2; no clip_eps there, 0.2 is PPO's usual).
 # Try it: two groups of 4 answers (the second all alike), then the on-policy gradient.
 #   >>> group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]]))
@@ -6194,8 +6138,7 @@ def run_sft(model, vocab, train_pairs, seed, p):
     rng, data = random.Random(seed), PromptDataset(train_pairs, vocab)
     for _ in range(p["steps"]):
         ids, target = collate([data[i] for i in rng.sample(range(len(data)), p["prompts"])])  # [B, T] each
-        logits = model(ids)                                                    # [B, T, V]
-        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=Vocab.PAD)  # []
+        loss = F.cross_entropy(model(ids).flatten(0, 1), target.flatten(), ignore_index=Vocab.PAD)  # []
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
