@@ -12299,8 +12299,6 @@ README_COMMANDS = {  # each command line the README shows -> the tests that run 
     'python transformer.py --gguf $GGUF --prompt "What is the capital of France?"': [
         "test_gguf_answers_on_stdout_as_it_makes_it_and_says_its_speed_on_stderr",
         "test_released_chat_answers_the_capital_of_france_as_transformers"],
-    'python -c "import torch, transformer as tf; tf.bench_long_sequences(torch.device(\'cpu\'))"': [
-        "test_bench_long_sequences_flash_equals_section_2"],
 }
 
 
