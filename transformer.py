@@ -6520,22 +6520,19 @@ def load_checkpoint(path, device="cpu"):
 # ===========================================================================
 # 54. The demo (演示): python transformer.py
 # ===========================================================================
-# Shapes and parameter counts first (the tutorials' own configuration among
-# them) and the cache measured; then both toy models learn pinyin to hanzi,
-# answer sentences they never saw, and the encoder-decoder shows where it looked.
+# Shapes and parameter counts first (the tutorials' own configuration among them) and the cache measured; then the
+# toy models learn pinyin to hanzi, answer sentences they never saw, and the encoder-decoder shows where it looked.
 
 TUTORIAL_GPT_CONFIG = dict(vocab_size=50257, d_model=512, n_layers=6, n_heads=8, d_ff=2048, max_len=1024)
+VASWANI = dict(src_vocab_size=37000, tgt_vocab_size=37000, share_embeddings=True)  # base and big: one vocabulary
 CLASSIC_CONFIGS = [  # (name, model kind, configuration, what the source reports)
-    ("Transformer base (Vaswani 2017)", "encdec", dict(src_vocab_size=37000, tgt_vocab_size=37000,
-                                                       share_embeddings=True), "65M"),
-    ("Transformer big (Vaswani 2017)", "encdec", dict(src_vocab_size=37000, tgt_vocab_size=37000, d_model=1024,
-                                                      n_heads=16, d_ff=4096, share_embeddings=True), "213M"),
+    ("Transformer base (Vaswani 2017)", "encdec", VASWANI, "65M"),
+    ("Transformer big (Vaswani 2017)", "encdec", dict(VASWANI, d_model=1024, n_heads=16, d_ff=4096), "213M"),
     ("GPT-2 small (Radford 2019)", "gpt", dict(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, d_ff=3072,
                                                max_len=1024, tie_weights=True), "117M in the paper, 124M corrected"),
     ("GPT of the decoder-only tutorial", "gpt", TUTORIAL_GPT_CONFIG, "3000多万 (30-odd M)")]
-# --size base, the default for --data, measured on 2,500 everyday sentences (the README's example): twice the
-# width, a further layer, dropout, each sentence and one random piece of it; 12 epochs, 5 minutes on 2 cores.
-# The DeepSeek-style one is not measured on real sentences: the Llama-style widths, MLA, experts.
+# --size base, the default for --data, measured on the README's 2,500 everyday sentences: twice the width, a further
+# layer, dropout, each sentence and a random piece of it; 12 epochs, 5 minutes on 2 cores (DeepSeek's: not measured).
 BASE = dict(epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1)
 BASE_MODELS = {kind: dict(TOY_MODELS[kind], **BASE, config=config) for kind, config in [
     ("encdec", dict(d_model=128, n_heads=4, d_ff=512, n_layers=3, dropout=0.1)),
@@ -6545,14 +6542,10 @@ BASE_MODELS = {kind: dict(TOY_MODELS[kind], **BASE, config=config) for kind, con
                       expert_d_ff=64, n_experts=8, top_k=2, n_shared=1, n_layers=4, n_dense_layers=1))]}
 BASE_MODELS["deepseek"]["update"] = lambda model: with_router_bias(adam_noam(model, 0.25, 150), model, 0.001)
 SIZES = {"small": TOY_MODELS, "base": BASE_MODELS}
-# the DeepSeek-style model of show_models: d_model 128, 4 heads, 2 layers, like the others
-SMALL_DEEPSEEK = dict(vocab_size=1000, d_model=128, n_layers=2, n_heads=4, kv_lora_rank=64, qk_nope_dim=32,
-                      qk_rope_dim=16, v_head_dim=32, d_ff=512, expert_d_ff=128, n_experts=8, top_k=2,
-                      q_lora_rank=96, n_groups=4, topk_groups=2)
+MAX_BASELINE_CHARACTERS = 4096  # the bigram tables are (C + 1) x C floats: 64 MB at 4,096 characters
 
 
 def cache_bytes_per_token(model, ids):
-    """Measured: the bytes a model's cache holds for ids [B, T], per token."""
     cache = model.new_cache()
     with torch.no_grad():
         model(ids, cache)                                                  # fills each layer's cache
@@ -6560,103 +6553,89 @@ def cache_bytes_per_token(model, ids):
 
 
 def show_models(device):
-    """Small models' output shapes; parameters counted and by formula; the KV cache's memory and speed."""
+    def counted(kind, cfg):  # on the meta device: no memory, no time
+        with torch.device("meta"):
+            return count_parameters(MODEL_CLASSES[kind](**cfg))
     torch.manual_seed(0)
-    widths = dict(d_model=128, n_layers=2)
-    small = [("encoder-decoder", "encdec", dict(src_vocab_size=1000, tgt_vocab_size=1200, n_heads=4, d_ff=512)),
-             ("decoder-only (GPT)", "gpt", dict(vocab_size=1000, n_heads=4, d_ff=512)),
-             ("Llama-style", "llama", dict(vocab_size=1000, n_heads=4, n_kv_heads=2)),
-             ("DeepSeek-style", "deepseek", SMALL_DEEPSEEK)]
+    small = [("encoder-decoder", "encdec", dict(src_vocab_size=1000, tgt_vocab_size=1200, d_ff=512)),
+             ("decoder-only (GPT)", "gpt", dict(vocab_size=1000, d_ff=512)),
+             ("Llama-style", "llama", dict(vocab_size=1000, n_kv_heads=2)),
+             ("DeepSeek-style", "deepseek", dict(vocab_size=1000, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16,
+                                                 v_head_dim=32, d_ff=512, expert_d_ff=128, n_experts=8, top_k=2,
+                                                 q_lora_rank=96, n_groups=4, topk_groups=2))]
     src = torch.randint(1, 1000, (2, 7), device=device)                    # [B, S]
     tgt = torch.randint(1, 1000, (2, 5), device=device)                    # [B, T]
     print("small models, d_model 128, 4 heads, 2 layers (each), vocabulary 1000 (1200 for the target)")
     models = {}
     for name, kind, cfg in small:
-        cfg = {**widths, **cfg}
+        cfg = dict(cfg, d_model=128, n_layers=2, n_heads=4)
         model = models[kind] = MODEL_CLASSES[kind](**cfg).eval()
         model.to(device)
-        with torch.no_grad():
-            logits = model(src, tgt) if kind == "encdec" else model(tgt)   # [B, T, V]
+        logits = model(src, tgt) if kind == "encdec" else model(tgt)       # [B, T, V]
         inputs = "src [2, 7], tgt [2, 5]" if kind == "encdec" else "input [2, 5]"
         print(f"  {name:19s} {inputs:22s} -> output {list(logits.shape)}; parameters "
               f"{count_parameters(model):,} counted, {PARAMETER_FORMULAS[kind](**cfg):,} by formula")
-    print("\nclassic configurations (counted on the meta device: no memory, no time)")
-    print(f"  {'model':34s} {'counted':>13s} {'formula':>13s}  reported")
+    print("\nclassic configurations (counted on the meta device: no memory, no time)\n  model" + " " * 36
+          + "counted       formula  reported")
     for name, kind, cfg, reported in CLASSIC_CONFIGS:
-        with torch.device("meta"):
-            counted = count_parameters(MODEL_CLASSES[kind](**cfg))
-        print(f"  {name:34s} {counted:13,d} {PARAMETER_FORMULAS[kind](**cfg):13,d}  {reported}")
+        print(f"  {name:34s} {counted(kind, cfg):13,d} {PARAMETER_FORMULAS[kind](**cfg):13,d}  {reported}")
+    gpt2, tutorial = decoder_only_param_formula(**CLASSIC_CONFIGS[2][2]) + 1024 * 768, TUTORIAL_GPT_CONFIG
     print(f"  base/big tie source, target and output embeddings (one 37,000-token vocabulary). GPT-2 small with its\n"
-          f"  learned position table, 1024 x 768, is"
-          f" {decoder_only_param_formula(**CLASSIC_CONFIGS[2][2]) + 1024 * 768:,}:"
-          f" the 124M of OpenAI's README, which corrected the paper's 117M.\n  The tutorial's GPT is"
-          f" {decoder_only_param_formula(**TUTORIAL_GPT_CONFIG) / 1e6:.1f}M untied,"
-          f" {decoder_only_param_formula(**TUTORIAL_GPT_CONFIG, tie_weights=True) / 1e6:.1f}M tied: not 30-odd M.")
-    print("\nmodern decoders (meta device) and their KV cache per token in bfloat16")
-    print(f"  {'model':15s} {'counted':>13s} {'formula':>13s} {'published':>13s}  {'KV cache':>9s}"
-          f"  {'with full MHA':>13s}")
+          f"  learned position table, 1024 x 768, is {gpt2:,}: the 124M of OpenAI's README, which corrected the paper's"
+          f" 117M.\n  The tutorial's GPT is {decoder_only_param_formula(**tutorial) / 1e6:.1f}M untied,"
+          f" {decoder_only_param_formula(**tutorial, tie_weights=True) / 1e6:.1f}M tied: not 30-odd M.")
+    print("\nmodern decoders (meta device) and their KV cache per token in bfloat16\n"
+          "  model                 counted       formula     published   KV cache  with full MHA")
     for name, cfg, published in LLAMA_CONFIGS:
-        with torch.device("meta"):
-            counted = count_parameters(Llama(**cfg))
-        kv, mha = (kv_cache_bytes_per_token(cfg["n_layers"], heads, cfg["d_model"] // cfg["n_heads"]) // 1024
-                   for heads in (cfg["n_kv_heads"], cfg["n_heads"]))
-        print(f"  {name:15s} {counted:13,d} {llama_param_formula(**cfg):13,d} {published:13,d}"
-              f"  {kv:5,d} KiB  {mha:9,d} KiB")
-    measured = "  measured: the small {}-style model's cache holds {:,} bytes a token in float32 = {:,} by the" \
-               " formula ({})"
-    print(measured.format("Llama", cache_bytes_per_token(models["llama"], tgt), kv_cache_bytes_per_token(2, 2, 32, 4),
-                          "2 layers, 2 kv heads of 32"))
-    print("\nfrontier models (meta device): total and active parameters, cache per token in bfloat16")
-    print(f"  {'model':14s} {'counted':>15s} {'formula':>15s} {'active':>14s}  {'cache':>9s}  reported")
+        kv = kv_cache_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], cfg["d_model"] // cfg["n_heads"])  # GQA's
+        print(f"  {name:15s} {counted('llama', cfg):13,d} {llama_param_formula(**cfg):13,d} {published:13,d}"
+              f"  {kv // 1024:5,d} KiB  {kv * cfg['n_heads'] // cfg['n_kv_heads'] // 1024:9,d} KiB")
+    line = "  measured: the small {}-style model's cache holds {:,} bytes a token in float32 = {:,} by the formula ({})"
+    print(line.format("Llama", cache_bytes_per_token(models["llama"], tgt), kv_cache_bytes_per_token(2, 2, 32, 4),
+                      "2 layers, 2 kv heads of 32"))
+    print("\nfrontier models (meta device): total and active parameters, cache per token in bfloat16\n"
+          "  model                  counted         formula         active      cache  reported")
     for name, kind, cfg, total, active, reported in FRONTIER_CONFIGS:
-        with torch.device("meta"):
-            counted = count_parameters(MODEL_CLASSES[kind](**cfg))
         cache = (mla_cache_bytes_per_token(cfg["n_layers"], cfg["kv_lora_rank"], cfg["qk_rope_dim"]) if kind ==
                  "deepseek" else kv_cache_bytes_per_token(cfg["n_layers"], cfg["n_kv_heads"], cfg.get("head_dim") or
                                                           cfg["d_model"] // cfg["n_heads"]))
-        print(f"  {name:14s} {counted:15,d} {PARAMETER_FORMULAS[kind](**cfg):15,d}"
+        print(f"  {name:14s} {counted(kind, cfg):15,d} {PARAMETER_FORMULAS[kind](**cfg):15,d}"
               f" {PARAMETER_FORMULAS[kind](**cfg, active=True):14,d}  {cache / 1024:5.1f} KiB  {reported}")
     v3 = FRONTIER_CONFIGS[2][2]
     per_head = v3["n_layers"] * v3["n_heads"] * (v3["qk_nope_dim"] + v3["qk_rope_dim"] + v3["v_head_dim"]) * 2
     print(f"  DeepSeek-V3's latent cache: {v3['kv_lora_rank']} + {v3['qk_rope_dim']} values a token a layer;"
           f" per-head keys and values would take {per_head / 2 ** 20:.2f} MiB a token")
-    print(measured.format("DeepSeek", cache_bytes_per_token(models["deepseek"], tgt),
-                          mla_cache_bytes_per_token(2, 64, 16, 4), "latent 64, rope 16"))
+    print(line.format("DeepSeek", cache_bytes_per_token(models["deepseek"], tgt),
+                      mla_cache_bytes_per_token(2, 64, 16, 4), "latent 64, rope 16"))
     torch.manual_seed(0)
-    gpt = DecoderOnlyTransformer(vocab_size=1000, d_model=512, n_layers=2, n_heads=8, d_ff=2048,
-                                 max_len=512).to(device).eval()
-    prompt = torch.randint(0, 1000, (1, 8), device=device)                 # [B, T]
-    with_cache, without, same = time_generation(gpt, prompt, 64)
+    gpt = DecoderOnlyTransformer(1000, d_model=512, n_layers=2, n_heads=8, d_ff=2048, max_len=512).to(device).eval()
+    with_cache, without, same = time_generation(gpt, torch.randint(0, 1000, (1, 8), device=device), 64)  # [B, T]
     print(f"\nKV cache: decoder-only (d_model 512, 8 heads, d_ff 2048, 2 layers, vocab 1000), prompt 8,"
           f" 64 new tokens: with cache {with_cache:.2f} s, without {without:.2f} s ({without / with_cache:.1f}x),"
           f" same tokens: {'yes' if same else 'NO'} (--bench: 256 and 1024 tokens)")
 
 
 def show_training_costs(seq_len=4096, lora_rank=16, n_devices=64):
-    """FLOPs a token against 6N, the MFU of published budgets (section 44); training memory (section 46)."""
     models = {name: ("llama", config, total) for name, config, total in LLAMA_CONFIGS}
     models.update({name: (kind, config, active) for name, kind, config, _, active, _ in FRONTIER_CONFIGS})
 
     def per_token(name, T):  # training FLOPs a token: 3 forwards of 2 W + 2 T A (section 44)
         W, A = matmul_widths(*models[name][:2])
         return 6 * (W + T * A)
-
     print(f"training GFLOPs a token at T = {seq_len}: 6N (N active) against the count of every product")
     for name, (kind, config, active) in models.items():
         print(f"  {name:15} {6 * active / 1e9:8.1f} {per_token(name, seq_len) / 1e9:8.1f}")
     print("the MFU published pretraining budgets imply, by the count (by 6N):")
     for name, tokens, hours, gpu, peak, T in TRAINING_BUDGETS:
-        flops = [per_token(name, T), 6 * models[name][2]]
-        print(f"  {name:12} {tokens / 1e12:5.1f}T tokens, {hours / 1e6:.3f}M {gpu} hours: "
-              + " ".join(f"{implied_mfu(f, tokens, hours, peak):.0%}" for f in flops))
+        print(f"  {name:12} {tokens / 1e12:5.1f}T tokens, {hours / 1e6:.3f}M {gpu} hours: " + " ".join(
+            f"{implied_mfu(f, tokens, hours, peak):.0%}" for f in (per_token(name, T), 6 * models[name][2])))
     name, config, params = LLAMA_CONFIGS[1]
     D, L, dk = config["d_model"], config["n_layers"], config["d_model"] // config["n_heads"]
     lora = L * lora_rank * (2 * D + (config["n_heads"] + config["n_kv_heads"]) * dk)  # A and B of w_q and w_v
-    ds = deepseek_param_formula(**FRONTIER_CONFIGS[2][2])
     print(f"training memory with AdamW before activations, GB: bf16 weights with float32 master copies,"
           f" one device / ZeRO-3 on {n_devices}")
-    for label, total, trainable in [(f"{name} full", params, params), (f"{name} LoRA r={lora_rank}", params + lora,
-                                                                        lora), ("DeepSeek-V3", ds, ds)]:
+    rows = [(f"{name} full", params, params), (f"{name} LoRA r={lora_rank}", params + lora, lora)]
+    for label, total, trainable in rows + [("DeepSeek-V3", *[deepseek_param_formula(**FRONTIER_CONFIGS[2][2])] * 2)]:
         memory = memory_bytes(total, trainable, 0, "bf16")
         zero = zero_memory_per_device(memory, n_devices, 3)
         print(f"  {label:22} {memory['total'] / 1e9:8.1f} {zero['total'] / 1e9:7.1f}")
@@ -6672,7 +6651,6 @@ def percent(right, total):
 
 
 def report(answer, test_pairs, ambiguous, n_examples=6):
-    """Print held-out accuracy (sentences, characters, ambiguous syllables) and examples; -> the result, timed."""
     check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
     start = time.perf_counter()
     result = evaluate(answer, test_pairs, ambiguous)  # ends in characters on the host: the device is done
@@ -6682,8 +6660,7 @@ def report(answer, test_pairs, ambiguous, n_examples=6):
     if result["ambiguous_total"]:
         print(f"held-out characters with an ambiguous syllable ({len(ambiguous)} syllables such as "
               f"{', '.join(sorted(ambiguous)[:4])}): {percent(result['ambiguous_right'], result['ambiguous_total'])}")
-    # the mistakes first (False sorts before True), then correct answers
-    rows = sorted(zip(test_pairs, result["predictions"]), key=lambda row: row[0][1] == row[1])[:n_examples]
+    rows = sorted(zip(test_pairs, result["predictions"]), key=lambda r: r[0][1] == r[1])[:n_examples]  # wrong first
     width = max(len(pinyin) for (pinyin, _), _ in rows)
     print(f"  {'pinyin (held out)':{width}s}  {'expected':24s}  predicted")
     for (pinyin, hanzi), predicted in rows:  # a hanzi is two columns wide in a terminal: padded by 24 - 2 * len
@@ -6692,27 +6669,20 @@ def report(answer, test_pairs, ambiguous, n_examples=6):
     return result
 
 
-MAX_BASELINE_CHARACTERS = 4096  # the bigram tables are (C + 1) x C floats: 64 MB at 4,096 characters
-
-
 def compare_with_baseline(results, train_pairs, answered, args):
-    """The closing table: each model beside the bigram baseline (left out past MAX_BASELINE_CHARACTERS), on the
-    same sentences, and a line for each model that does not beat it."""
     check_list("train_pairs", train_pairs, "(pinyin, hanzi) pairs")
     check_list("answered", answered, "(pinyin, hanzi) pairs")
     rows = [(SIZES[args.size][kind]["name"], f"{count_parameters(model):,}", f"{r['seconds']:.1f}" if "seconds" in r
              else "-", r) for kind, (model, *_, r) in results.items() if "exact" in r]  # loaded: not trained
     n_chars = len({c for _, hanzi in train_pairs for c in hanzi})
     if n_chars <= MAX_BASELINE_CHARACTERS:
-        start = time.perf_counter()
-        hmm = BigramHMM(train_pairs)
-        trained = time.perf_counter()
+        start, hmm, trained = time.perf_counter(), BigramHMM(train_pairs), time.perf_counter()  # timed in order
         baseline = evaluate(hmm.decode, answered)
         rows.append(("bigram HMM baseline", "-", f"{trained - start:.2f}",
                      dict(baseline, answer_seconds=time.perf_counter() - trained)))
     how = ("unconstrained" if args.free else "constrained") + (f", beam {args.beam}" if args.beam > 1 else "")
     print(f"\nheld-out sentences, same split ({how} decoding):")
-    print(f"  {'model':20s} {'parameters':>10s} {'train s':>8s} {'answer s':>8s}  {'exact match':17s}  characters")
+    print("  model                parameters  train s answer s  exact match        characters")
     for name, parameters, seconds, r in rows:
         print(f"  {name:20s} {parameters:>10s} {seconds:>8s} {r['answer_seconds']:8.2f}"
               f"  {percent(r['exact'], r['total']):17s}  {percent(r['char_right'], r['char_total'])}")
@@ -6729,8 +6699,7 @@ def run(args, device, pairs, loaded):
     """Train (or load) each model asked for, report, draw the heatmap, compare, save; -> the first's load tuple."""
     check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     answering = args.translate is not None
-    train_pairs, test_pairs = split_data(pairs, seed=args.seed)
-    ambiguous = ambiguous_syllables(pairs)
+    (train_pairs, test_pairs), ambiguous = split_data(pairs, seed=args.seed), ambiguous_syllables(pairs)
     if loaded:
         kinds = [loaded[0]]
         if not answering:
@@ -6776,20 +6745,19 @@ def run(args, device, pairs, loaded):
             break
     if not answering and any("exact" in r for *_, r in results.values()):
         compare_with_baseline(results, train_pairs, answered, args)
-        print(f"\nthe same weights in GGUF's blocks (section 25): held-out exact match, greedy\n  {'model':20s}"
-              f" {'float32':>8s} {'Q8_0':>8s} {'Q4_1':>8s}")
+        print("\nthe same weights in GGUF's blocks (section 25): held-out exact match, greedy\n"
+              "  model                 float32     Q8_0     Q4_1")
         for kind, (model, src_vocab, tgt_vocab, readings, r) in results.items():
-            fits = [p for p in test_pairs if len(p[0].split()) <= longest_sentence(kind, model)]
             if "exact" in r:  # a model that took some sentences
-                    print(f"  {SIZES[args.size][kind]['name']:20s}" + "".join(f" {a:8.1%}" for a in quantized_accuracy(
+                fits = [p for p in test_pairs if len(p[0].split()) <= longest_sentence(kind, model)]
+                print(f"  {SIZES[args.size][kind]['name']:20s}" + "".join(f" {a:8.1%}" for a in quantized_accuracy(
                     kind, model, fits, src_vocab, tgt_vocab, None if args.free else readings).values()))
         pinyin = test_pairs[0][0].split()  # a DeltaNet layer's memory (section 39) does not grow with the length
         prompt = lambda vocab: torch.tensor([vocab.encode(pinyin + [SEP])], device=device)  # noqa: E731  [1, S+1]
         print(f"\ncache a token after a held-out prompt of {len(pinyin) + 1} tokens: " + ", ".join(
             f"{SIZES[args.size][kind]['name']} {cache_bytes_per_token(model, prompt(vocab)):,} B"
             for kind, (model, _, vocab, *_) in results.items() if kind != "encdec"))
-    kind = kinds[0]
-    model, src_vocab, tgt_vocab, readings, _ = results[kind]
+    kind, (model, src_vocab, tgt_vocab, readings, _) = kinds[0], results[kinds[0]]
     if args.save:
         try:
             save_checkpoint(args.save, kind, model, src_vocab, tgt_vocab, readings)
@@ -6798,7 +6766,6 @@ def run(args, device, pairs, loaded):
             raise SystemExit(2) from None
         print(f"saved the {SIZES[args.size][kind]['name']} model to {shown(args.save)}")
     return kind, model, src_vocab, tgt_vocab, readings
-
 
 # ===========================================================================
 # 55. The benchmark (基准测试): python transformer.py --bench
