@@ -5871,6 +5871,11 @@ def test_gpt_oss_takes_its_yarn_only_when_it_is_built():
     with pytest.raises(ValueError, match="not a GptOss \\(rope_scaling= builds its YaRN\\), got <class 'transformer.GptOss'>"):
         tf.with_rope_scaling(model, {"type": "linear", "factor": 2.0})
     assert model.config["rope_scaling"] is None
+
+
+def test_gpt_oss_names_a_d_model_that_is_no_integer():
+    with pytest.raises(ValueError, match="d_model must be an integer >= 1, got '32'"):
+        tf.GptOss(vocab_size=50, d_model="32", n_layers=2, n_heads=4, head_dim=8, d_ff=16, n_experts=4)
 # ===========================================================================
 # 39. Gated attention and Gated DeltaNet: Qwen3-Next
 # ===========================================================================
@@ -6137,6 +6142,23 @@ def test_hf_delta_rule_forms_equal_ours():
         theirs, their_state = form(*(x.transpose(1, 2) for x in (q * 16 ** 0.5, k, v, g, beta)), initial_state=memory,
                                    output_final_state=True)
         assert max_diff(ours.transpose(1, 2), theirs) < 1e-5 and max_diff(state, their_state) < 1e-5
+
+
+def test_qwen3_next_review_fixes_layer_types_copied_conv_state_small_and_no_mtp():
+    layer_types = ["linear_attention", "full_attention"]
+    model = tf.Qwen3Next(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                         layer_types=layer_types, partial_rotary=0.5, linear_k_heads=2, linear_v_heads=4,
+                         linear_k_dim=8, linear_v_dim=8, n_experts=4, top_k=2, expert_d_ff=16, shared_d_ff=16,
+                         max_len=64)
+    layer_types.reverse()                                                # the caller's list, changed afterwards
+    assert [type(c).__name__ for c in model.new_cache()] == ["DeltaNetCache", "KVCache"]
+    assert model.config["layer_types"] == ["linear_attention", "full_attention"]
+    cache = model.new_cache()
+    model(torch.randint(0, 50, (1, 40)), cache)
+    conv = cache[0].conv                                                 # [B, C, K-1]: its storage no larger
+    assert conv.untyped_storage().nbytes() == conv.numel() * conv.element_size()
+    with pytest.raises(ValueError, match="not a Qwen3Next"):
+        tf.mtp_module(model)
 # ===========================================================================
 # 40. DeepSeek's sparse attention: DeepSeek-V3.2
 # ===========================================================================
@@ -6364,6 +6386,11 @@ def test_hf_parity_deepseek_v32_greedy_tokens_with_the_cache(hf_dsa):
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                           pad_token_id=0, use_cache=True)
     assert out.shape == (2, 20) and torch.equal(mine, out)
+
+
+def test_lightning_indexer_refuses_an_odd_rope_width():
+    with pytest.raises(ValueError, match="qk_rope_dim must be even"):
+        tf.LightningIndexer(32, 16, 3, index_n_heads=2, index_head_dim=8, index_topk=4)
 # ===========================================================================
 # Parts III-VI against transformers' classes: run where transformers is installed
 # ===========================================================================
@@ -8679,6 +8706,18 @@ def test_speculative_report_drafts_with_the_mtp_module_of_the_deepseek_style_mod
         assert rows[way]["same"] and 0 <= rows[way]["acceptance"] <= 1 and rows[way]["drafted"] > 0
     out = capsys.readouterr().out
     assert "MTP draft: the target's MTP module (section 32), 81,248 parameters of its own" in out
+
+
+def test_the_mtp_draft_leaves_the_target_and_its_module_as_they_were():
+    """The hook that reads the target's states lives only as long as the draft's cache; the module's own
+    train/eval mode comes back as it was (eval_mode restores each part's own)."""
+    target, draft, mtp = mtp_draft()
+    mtp.train()
+    hooks, modes = dict(target.final_norm._forward_hooks), [m.training for m in target.modules()]
+    tf.speculative_generate(target, draft, torch.randint(0, SPEC_V, (1, 5)), 6, k=2)
+    assert dict(target.final_norm._forward_hooks) == hooks and mtp.training
+    assert [m.training for m in target.modules()] == modes
+    pickle.dumps(target)                                                 # nothing of the draft left on it
 # ===========================================================================
 # Bad input
 # ===========================================================================

@@ -581,13 +581,14 @@ class eval_mode:
     """with eval_mode(model): dropout off inside the block, the caller's mode restored after, even on an error."""
 
     def __init__(self, model):
-        self.model, self.was_training = model, model.training
+        self.model, self.was_training = model, {m: m.training for m in model.modules()}  # each part's own
 
     def __enter__(self):
         return self.model.eval()
 
     def __exit__(self, *exc):
-        self.model.train(self.was_training)
+        for m, training in self.was_training.items():
+            m.training = training
 
 
 @torch.no_grad()
@@ -4031,9 +4032,9 @@ class GptOss(Mixtral):
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=True, n_experts=8, top_k=2,
                  expert_d_ff=None, head_dim=None, window=128, layer_types=None, swiglu_limit=7.0, rope_scaling=None):
-        check(*GPT_OSS_RULES, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads if n_kv_heads is None else
-              n_kv_heads, n_experts=n_experts, top_k=top_k, head_dim=head_dim, window=window, layer_types=layer_types,
-              swiglu_limit=swiglu_limit, rope_scaling=rope_scaling)
+        check(*GPT_OSS_RULES, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads if n_kv_heads
+              is None else n_kv_heads, n_experts=n_experts, top_k=top_k, head_dim=head_dim, window=window,
+              layer_types=layer_types, swiglu_limit=swiglu_limit, rope_scaling=rope_scaling)
         if rope_scaling is not None:
             check_scaling(rope_scaling)
         # read by attention(), feed_forward() and rope_tables() while Llama builds the model
@@ -4420,11 +4421,13 @@ class GatedDeltaNet(nn.Module):
         # 4. the delta rule: token by token for one new token, else in chunks of 64 (a shorter input: one chunk)
         memory = q.new_zeros(B, Hv, dk, dv) if fresh else cache.memory     # [B, Hv, dk, dv]
         if Tn == 1:
-            o, memory = gated_delta_rule_recurrent(q, k, v, g.transpose(1, 2), beta, memory)  # [B, Hv, 1, dv], [..]
+            o, memory = gated_delta_rule_recurrent(q, k, v, g.transpose(1, 2), beta, memory)  # [B, Hv, 1, dv]
         else:
-            o, memory = gated_delta_rule_chunked(q, k, v, g.transpose(1, 2), beta, memory, min(64, Tn))  # [..]
+            chunk = min(64, Tn)
+            o, memory = gated_delta_rule_chunked(q, k, v, g.transpose(1, 2), beta, memory, chunk)  # [B, Hv, Tn, dv]
         if cache is not None:  # reassigned, not changed in place: a failed forward puts back the old (section 22)
-            cache.conv, cache.memory, cache.seen = qkv[:, :, Tn:], memory, cache.seen + Tn  # [B, C, K-1], [..]
+            # the conv's last K - 1 inputs copied: a view would keep the whole prompt's [B, C, K-1+Tn] alive
+            cache.conv, cache.memory, cache.seen = qkv[:, :, Tn:].clone(), memory, cache.seen + Tn  # [B, C, K-1]
         # 5. each head normed and gated by silu(z), the heads merged and projected
         o = self.norm(o.transpose(1, 2).to(x.dtype), z.reshape(B, Tn, Hv, dv))  # [B, Tn, Hv, dv]
         return self.out_proj(o.reshape(B, Tn, Hv * dv))                    # [B, Tn, D]
@@ -4483,7 +4486,8 @@ class Qwen3Next(Qwen3):
         check(*QWEN3_NEXT_RULES, **config)
         self.rotary_dim = int((d_model // n_heads if head_dim is None else head_dim) * partial_rotary)  # 64 of 256
         check("even rotary dims", rotary_dim=self.rotary_dim)
-        self.layer_types = layer_types or qwen3_next_layer_types(n_layers)
+        self.layer_types = list(layer_types or qwen3_next_layer_types(n_layers))  # a copy: the caller's may change
+        config["layer_types"] = layer_types and list(layer_types)
         self.mixers = iter(self.layer_types)  # read by attention(), which Llama calls block after block
         self.delta = dict(n_k_heads=linear_k_heads, n_v_heads=linear_v_heads, k_dim=linear_k_dim, v_dim=linear_v_dim,
                           conv_size=conv_size, norm_eps=norm_eps)
@@ -4521,6 +4525,12 @@ class Qwen3Next(Qwen3):
         return super().forward(input_ids, cache)                           # [B, Tn, V]
 
 
+# Section 32's MTP module is a block of the model's own: Qwen3-Next's (gated attention, whatever its
+# layer_types) is not built here, so multi-token prediction refuses the family by name
+RELATIONS["MTP on a Llama family"] = (("model_kind",), lambda cls: issubclass(cls, Llama) and not issubclass(
+    cls, Qwen3Next), "model must be a Llama family of this file (MTP reads its RoPE tables), not a Qwen3Next")
+
+
 def qwen3_next_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, head_dim=None, max_len=2048,
                              rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, partial_rotary=0.25,
                              layer_types=None, linear_k_heads=16, linear_v_heads=32, linear_k_dim=128,
@@ -4547,7 +4557,8 @@ def qwen3_next_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=
 def qwen3_next_cache_bytes(config, length, bytes_per_value=2):
     """Cache bytes after `length` tokens of the Qwen3Next of config (its keywords, as model.config): section 23's
     keys and values in each attention layer; in each DeltaNet layer its memory and the convolution's last K - 1
-    inputs, the same at any length. 2 bytes a value in bf16 (transformers' torch path keeps the memory in float32)."""
+    inputs, the same at any length; bytes_per_value for all (GatedDeltaNet here, as transformers' torch path,
+    keeps the memory in float32 even in a bf16 model: 4 bytes there)."""
     check(config=config, length=length, bytes_per_value=bytes_per_value)
     n_attention = (config["layer_types"] or qwen3_next_layer_types(config["n_layers"])).count("full_attention")
     head_dim = config["head_dim"] or config["d_model"] // config["n_heads"]
@@ -4569,7 +4580,9 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, 
 # Its cache in bf16: 12 attention layers x 2 kv heads x 256 x (K and V) x 2 bytes = 24 KiB a
 # token, and 36 DeltaNet layers x (32 x 128 x 128 + 3 x 8192) x 2 bytes = 37.7 MiB at any
 # length. At 4K, 32K and 256K tokens: 133.7 MiB, 805.7 MiB and 6,181.7 MiB; Llama-3-8B's 128
-# KiB a token, 512, 4,096 and 32,768 MiB. Attention still dominates past ~1,600 tokens.
+# KiB a token, 512, 4,096 and 32,768 MiB. Attention still dominates past ~1,600 tokens. (The
+# memory counted at 2 bytes, as a bf16 kernel keeps it; this file's GatedDeltaNet keeps it in
+# float32: 72 MiB.)
 
 # Try it: the two forms of the delta rule agree; the hybrid's cache; the memory it saves.
 #   >>> _ = torch.manual_seed(0)
@@ -4690,8 +4703,8 @@ class LightningIndexer(nn.Module):
 
     def __init__(self, d_model, q_lora_rank, qk_rope_dim, index_n_heads=64, index_head_dim=128, index_topk=2048):
         super().__init__()
-        check(*DSA_RULES, q_lora_rank=q_lora_rank, index_head_dim=index_head_dim, qk_rope_dim=qk_rope_dim,
-              d_model=d_model, index_n_heads=index_n_heads, index_topk=index_topk)
+        check(*DSA_RULES, "even qk_rope_dim", q_lora_rank=q_lora_rank, index_head_dim=index_head_dim,
+              qk_rope_dim=qk_rope_dim, d_model=d_model, index_n_heads=index_n_heads, index_topk=index_topk)
         self.n_heads, self.head_dim, self.rope, self.topk = index_n_heads, index_head_dim, qk_rope_dim, index_topk
         self.w_uq = nn.Linear(q_lora_rank, index_n_heads * index_head_dim, bias=False)  # from MLA's query latent
         self.w_k = nn.Linear(d_model, index_head_dim, bias=False)         # one key a token, for all Hi heads
@@ -5702,10 +5715,14 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 # not time (speculative_report(kind="deepseek") measures both).
 
 class MTPCache:
-    """MTPDraft's cache: the target's states it has read [1, t, D], its block's layer cache, its own last state."""
+    """MTPDraft's cache: the target's states it has read [1, t, D], its block's layer cache, its own last state;
+    hook: the handle of the target's hook that reads them, removed with the cache (the target is left as it was)."""
 
-    def __init__(self, hidden, block):
-        self.hidden, self.block, self.last = hidden, block, None           # [1, 0, D], a layer cache, [1, 1, D]
+    def __init__(self, hidden, block, hook):
+        self.hidden, self.block, self.last, self.hook = hidden, block, None, hook  # [1, 0, D], a layer cache, [1, 1, D]
+
+    def __del__(self):
+        self.hook.remove()
 
     def __len__(self):
         return self.hidden.size(1)
@@ -5725,15 +5742,17 @@ class MTPDraft(nn.Module):
         check("MTP on a Llama family", model_kind=type(target))
         self.target, self.mtp, self.read = target, mtp, {}
         self.vocab_size, self.max_len = target.vocab_size, target.max_len
-        # every forward of the target leaves here its final_norm's output [1, Tn, D] (not the lm_head's input:
-        # the module's logits go through that head too)
-        target.final_norm.register_forward_hook(lambda module, args, out: self.read.update(hidden=out.detach()))
 
     def new_cache(self):
-        """[MTPCache]; a new sequence: nothing the target read before is its."""
+        """[MTPCache]; a new sequence: nothing the target read before is its. While the cache lives, every forward
+        of the target leaves in self.read its final_norm's output [1, Tn, D] (not the lm_head's input: the
+        module's logits go through that head too)."""
         self.read.clear()
+        read = self.read  # not self: the hook must not keep the draft, and so its cache, alive
+        keep = lambda module, args, out: read.update(hidden=out.detach())  # noqa: E731  out [1, Tn, D]
+        hook = self.target.final_norm.register_forward_hook(keep)
         empty = self.target.lm_head.weight.new_zeros(1, 0, self.target.d_model)  # [1, 0, D]
-        return [MTPCache(empty, self.target.cache_kind())]
+        return [MTPCache(empty, self.target.cache_kind(), hook)]
 
     def forward(self, input_ids, cache):
         c, n = cache[0], input_ids.size(1)
