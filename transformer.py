@@ -3181,7 +3181,7 @@ HF_FAMILIES["deepseek_v3"] = (DeepSeekV3, hf_deepseek_v3)
 # training signal (DeepSeek-V3 report, section 2.2); at inference the module is a free draft
 # for speculative decoding (section 48): it reads the target's hidden state, no model of its own.
 
-ARGUMENTS.update(model_kind=(type,), weight=(float, 0.0, FINITE))
+ARGUMENTS.update(model_kind=(type,), weight=(float, 0.0, FINITE), block=(nn.Module,))
 RELATIONS["MTP on a Llama family"] = (("model_kind",), lambda cls: issubclass(cls, Llama),
                                       "model must be a Llama family of this file (MTP reads its RoPE tables)")
 
@@ -3192,6 +3192,7 @@ class MultiTokenPrediction(nn.Module):
 
     def __init__(self, d_model, block, norm_eps=1e-6):
         super().__init__()
+        check(d_model=d_model, block=block, norm_eps=norm_eps)
         self.d_model = d_model
         self.enorm, self.hnorm = RMSNorm(d_model, norm_eps), RMSNorm(d_model, norm_eps)
         self.eh_proj = nn.Linear(2 * d_model, d_model, bias=False)         # DeepSeek's and transformers' names
@@ -4309,9 +4310,22 @@ RELATIONS["key heads divide value heads"] = (("n_v_heads", "n_k_heads"), lambda 
                                              "n_v_heads must be divisible by n_k_heads")
 
 
+ARGUMENTS.update(delta_shapes=(list,))
+RELATIONS["delta rule shapes"] = (("delta_shapes",), lambda s: len(s[0]) == 4 and s[0][2] >= 1 and s[1] == s[0] and len(
+    s[2]) == 4 and s[2][:3] == s[0][:3] and s[3] == s[4] == s[0][:3] and s[5] == [*s[0][:2], s[0][3], s[2][3]],
+    "q, k, v, g, beta, memory must be tensors of [B, H, T >= 1, dk] twice, [B, H, T, dv], [B, H, T] twice and"
+    " [B, H, dk, dv]")
+
+
+def delta_shapes(*tensors):
+    """Each tensor's shape as a list ([None] for what is no tensor), for the rule above."""
+    return [list(t.shape) if isinstance(t, torch.Tensor) else [None] for t in tensors]
+
+
 def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
     """The memory token by token (decoding): q, k [B, H, T, dk] L2-normed, v [B, H, T, dv], g (log-decay, <= 0)
     and beta [B, H, T], memory [B, H, dk, dv] -> (o [B, H, T, dv], the memory after the last token)."""
+    check("delta rule shapes", delta_shapes=delta_shapes(q, k, v, g, beta, memory))
     out = []
     for t in range(q.size(2)):
         q_t, k_t, v_t = q[:, :, t, None], k[:, :, t, None], v[:, :, t, None]  # [B, H, 1, dk|dv]
@@ -4324,7 +4338,7 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
 
 def gated_delta_rule_chunked(q, k, v, g, beta, memory, chunk=64):
     """The same, `chunk` tokens at a time (training, the prompt; 64 as transformers and flash-linear-attention)."""
-    check(chunk=chunk)
+    check("delta rule shapes", chunk=chunk, delta_shapes=delta_shapes(q, k, v, g, beta, memory))
     T, pad = q.size(2), -q.size(2) % chunk  # padded tokens neither fade (g 0) nor write (beta 0, k 0)
     q, k, v = (F.pad(x, (0, 0, 0, pad)).unflatten(2, (-1, chunk)) for x in (q, k, v))  # [B, H, n, c, dk|dv]
     g, beta = (F.pad(x, (0, pad)).unflatten(2, (-1, chunk)) for x in (g, beta))  # [B, H, n, c]
@@ -4812,11 +4826,11 @@ def sparse_attention_flops(context, n_heads=128, kv_lora_rank=512, qk_rope_dim=6
 # dense attention's 278,528); DeepSeek keeps it cheap with few heads and FP8. The cache gains
 # di = 128 values a token a layer (576 + 128: 85,888 bytes a token in bf16 over 61 layers).
 #
-# Training. Under no_grad the indexer's forward costs FLOPs and its backward none: its parameters
-# cost 2 N a token, not 6 N, and its scores 2 T^2 Hi (di + 1) a layer for a sequence of T, once,
-# not three times. Masked as here, the main attention still computes all T^2 scores (section 44's
-# count is unchanged); a sparse kernel computes T x topk of them. The KL loss DeepSeek trains the
-# indexer with would add the indexer's backward back.
+# Training. Under no_grad the indexer's forward costs FLOPs and its backward none: a weight costs
+# 2 FLOPs a token (a multiply, an add), not the 6 of a trained one (the backward's 4: gradients of
+# input and weight), and its scores 2 T^2 Hi (di + 1) a layer for a sequence of T, once, not three
+# times. Masked as here, the main attention still computes all T^2 scores; a sparse kernel
+# computes T x topk of them. The KL loss DeepSeek trains the indexer with adds its backward back.
 def indexer_flops(config, batch_size, seq_len):
     """FLOPs of every layer's indexer in a forward of [batch_size, seq_len] (config: a DeepSeekV32's),
     with the query latent computed again for it; the same in training: it has no backward."""
@@ -5714,6 +5728,11 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 # the 8-expert MoE take about what the whole target does a forward): it saves target forwards,
 # not time (speculative_report(kind="deepseek") measures both).
 
+ARGUMENTS.update(mtp=(MultiTokenPrediction,))
+RELATIONS["its model's width"] = (("mtp", "d_model"), lambda mtp, d: mtp.d_model == d,
+                                  "mtp must be an MTP module of the target's width (mtp_module(target))")
+
+
 class MTPCache:
     """MTPDraft's cache: the target's states it has read [1, t, D], its block's layer cache, its own last state;
     hook: the handle of the target's hook that reads them, removed with the cache (the target is left as it was)."""
@@ -5739,7 +5758,7 @@ class MTPDraft(nn.Module):
 
     def __init__(self, target, mtp):
         super().__init__()
-        check("MTP on a Llama family", model_kind=type(target))
+        check("MTP on a Llama family", "its model's width", model_kind=type(target), mtp=mtp, d_model=target.d_model)
         self.target, self.mtp, self.read = target, mtp, {}
         self.vocab_size, self.max_len = target.vocab_size, target.max_len
 
