@@ -3826,6 +3826,21 @@ def check_scaling(scaling):
     check(*SCALING_KEYS[scaling["type"]][2], **{"beta_fast": 32, "beta_slow": 1, **scaling})  # yarn's defaults
 
 
+def yarn_ends(head_dim, theta, scaling):
+    """YaRN's ramp: the (fractional) pair indices that turn beta_fast and beta_slow times in the original context."""
+    def pair_turning(turns):
+        return head_dim * math.log(scaling["original_max_len"] / (turns * 2 * math.pi)) / (2 * math.log(theta))
+    return pair_turning(scaling.get("beta_fast", 32)), pair_turning(scaling.get("beta_slow", 1))
+
+
+def yarn_blend(inv_freq, factor, start, end):
+    """inv_freq [dk/2] divided by factor past pair end, kept before start, blended linearly between."""
+    start, end = max(start, 0), min(end, 2 * len(inv_freq) - 1)
+    end = end + 0.001 if end == start else end                            # the references' guard against 0/0
+    ramp = ((torch.arange(len(inv_freq)) - start) / (end - start)).clamp(0, 1)  # [dk/2]: 1 where slowed
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)                # [dk/2]
+
+
 def scaled_rope_frequencies(head_dim, theta, scaling):
     """RoPE's inverse frequencies stretched for a longer context, by Hugging Face's formulas
     (_compute_linear_scaling_rope_parameters, _compute_llama3_parameters, _compute_yarn_parameters;
@@ -3844,14 +3859,8 @@ def scaled_rope_frequencies(head_dim, theta, scaling):
         slowed = torch.where(wavelength > original / low, inv_freq / factor, mixed)  # [dk/2]
         return torch.where(wavelength < original / high, inv_freq, slowed), 1.0  # [dk/2]
 
-    def pair_turning(turns):  # the (fractional) pair index that turns `turns` times in L positions
-        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
-
-    start = max(math.floor(pair_turning(scaling.get("beta_fast", 32))), 0)
-    end = min(math.ceil(pair_turning(scaling.get("beta_slow", 1))), head_dim - 1)
-    end = end + 0.001 if end == start else end                            # the references' guard against 0/0
-    ramp = ((torch.arange(head_dim // 2) - start) / (end - start)).clamp(0, 1)  # [dk/2]: 1 where slowed
-    return inv_freq / factor * ramp + inv_freq * (1 - ramp), 0.1 * math.log(factor) + 1.0  # [dk/2], a float
+    start, end = yarn_ends(head_dim, theta, scaling)                       # rounded outwards, as the references
+    return yarn_blend(inv_freq, factor, math.floor(start), math.ceil(end)), 0.1 * math.log(factor) + 1.0  # [dk/2]
 
 
 def scaled_rope_cos_sin(head_dim, max_len, theta, scaling):
@@ -4011,18 +4020,10 @@ def gpt_oss_yarn_frequencies(head_dim, theta, scaling):
     """Section 37's yarn with the ramp's ends unrounded, as gpt-oss (transformers' truncate=False,
     OpenAI's reference code) -> (inv_freq [dk/2], the temperature for cos and sin)."""
     _, temperature = scaled_rope_frequencies(head_dim, theta, scaling)     # its checks and its temperature
-
-    def pair_turning(turns):  # as section 37: the (fractional) pair that turns `turns` times in L positions
-        return head_dim * math.log(scaling["original_max_len"] / (turns * 2 * math.pi)) / (2 * math.log(theta))
-
     # section 37 rounds the ends outwards (floor, ceil); at gpt-oss's configuration that gives some
     # pairs 1.76 times the frequency gpt-oss trained with (it is 43% lower): other angles, a worse model
-    start = max(pair_turning(scaling.get("beta_fast", 32)), 0)
-    end = min(pair_turning(scaling.get("beta_slow", 1)), head_dim - 1)
-    end = end + 0.001 if end == start else end                            # the references' guard against 0/0
-    ramp = ((torch.arange(head_dim // 2) - start) / (end - start)).clamp(0, 1)  # [dk/2]: 1 where slowed
-    inv_freq = rope_frequencies(head_dim, theta)                           # [dk/2]
-    return inv_freq / scaling["factor"] * ramp + inv_freq * (1 - ramp), temperature  # [dk/2], a float
+    start, end = yarn_ends(head_dim, theta, scaling)
+    return yarn_blend(rope_frequencies(head_dim, theta), scaling["factor"], start, end), temperature  # [dk/2], a float
 
 
 class GptOss(Mixtral):
