@@ -33,6 +33,10 @@ out and run alone. Those start together with the session (`processes` below;
 the hardening's with its first test) and each test waits on its own.
 
     python -m pytest -q
+
+PYTEST_DONT_REWRITE: pytest's rewriting of this file's 1,500 asserts costs 3-4 s of
+CPU each run (more than any test), so a failing assert shows its line, not its values:
+the comparisons that matter carry their own message (assert_close, max_diff).
 """
 
 import argparse
@@ -61,6 +65,7 @@ import sys
 import threading
 import time
 import unicodedata
+from unittest import mock
 import warnings
 
 import pytest
@@ -143,14 +148,131 @@ def _tiny_tsv(tmp_path, n=30):
 
 
 # --- the checks that need a real process -------------------------------------
-# A fresh interpreter spends a second or more importing torch. So each check that
-# needs one registers, beside its test, what starts its process
+# A fresh interpreter spends over 2 s of CPU importing torch, and 2 cores running
+# seventeen of them beside the tests spent half the suite's time there. So a check
+# that needs a process of its own, but not a fresh interpreter, runs in a fork of one
+# interpreter that has imported torch and transformer once (FORKER): the fork sets
+# its standard streams, environment and argv as a shell would, runs what
+# `python transformer.py ARGS` runs, sys.exit(command_line()) (or `python -c CODE`'s
+# code), and exits through the interpreter's own shutdown: stdout's last flush, the
+# exit status, a traceback if one escapes. What an interpreter settles as it starts
+# (PYTHONIOENCODING, a closed stdout) still gets a fresh one (fresh=True).
+# Each check registers, beside its test, what starts its process
 # (@started_with_the_session); `processes` starts them all before the first test,
-# one Popen per check, and they run while the in-process tests do. Each test then
-# reads its own process's output where it stands in the file.
+# and they run while the in-process tests do. Each test then reads its own
+# process's output where it stands in the file.
 
-def python(args, **kw):
-    """python ARGS, a process of its own in this folder, on one thread, text pipes."""
+FORKER = r"""
+import json, os, signal, sys
+import torch
+import transformer as tf
+
+def put(path, value):  # whole or not at all: the test polls for the file
+    with open(path + ".tmp", "w") as f:
+        f.write(str(value))
+    os.replace(path + ".tmp", path)
+
+jobs = os.fdopen(os.dup(0), "rb", buffering=0)
+for line in iter(jobs.readline, b""):
+    job = json.loads(line)
+    if os.fork():
+        continue                                    # the forker: on to the next job
+    jobs.close()
+    child = os.fork()
+    if child:                                       # the middle: the job's pid, then its exit status
+        put(job["files"] + ".pid", child)
+        put(job["files"] + ".status", os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+        os._exit(0)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.update(job["env"])
+    for fd, (path, flags) in enumerate(job["streams"]):
+        if path is None:                            # a pipe whose reader is gone
+            reader, path = os.pipe()
+            os.close(reader)
+        else:
+            path = os.open(path, flags, 0o644)
+        os.dup2(path, fd)
+        os.close(path)
+    sys.argv = job["argv"]
+    if job["code"] is None:
+        sys.exit(tf.command_line())
+    exec(compile(job["code"], "<string>", "exec"), {"__name__": "__main__"})
+    sys.exit(0)
+"""
+FORKS = {}  # "jobs": the forker's stdin, "folder": where the jobs' files go, "n": jobs so far
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forker(tmp_path_factory):
+    """Starts the interpreter that FORKER runs; it ends when its stdin closes."""
+    proc = subprocess.Popen([sys.executable, "-c", FORKER], cwd=HERE, stdin=subprocess.PIPE,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    FORKS.update(jobs=proc.stdin, folder=tmp_path_factory.mktemp("forks"), n=0)
+    yield
+    proc.stdin.close()
+    proc.wait(timeout=60)
+
+
+class Forked:
+    """A job of the forker, with the part of Popen's interface the tests use;
+    its stdout and stderr are files (self.stdout_path, self.stderr_path)."""
+
+    def __init__(self, argv, code=None, stdin=None, stdout=None, stderr=None, append_stderr=False,
+                 broken_pipe=False, env=()):
+        FORKS["n"] += 1
+        self.files = str(FORKS["folder"] / f"job{FORKS['n']}")
+        self.stdout_path = None if broken_pipe else str(stdout or self.files + ".stdout")
+        self.stderr_path = str(stderr or self.files + ".stderr")
+        write, add = os.O_WRONLY | os.O_CREAT | os.O_TRUNC, os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        streams = [(str(stdin or os.devnull), os.O_RDONLY), (self.stdout_path, write),
+                   (self.stderr_path, add if append_stderr else write)]
+        job = dict(files=self.files, argv=argv, code=code, streams=streams, env=dict(env))
+        FORKS["jobs"].write(json.dumps(job).encode() + b"\n")
+        FORKS["jobs"].flush()
+        self.returncode = None
+
+    def _read(self, what, timeout):
+        path, deadline = self.files + what, time.monotonic() + timeout
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.files, timeout)
+            time.sleep(0.01)
+        with open(path) as f:
+            return int(f.read())
+
+    @property
+    def pid(self):
+        return self._read(".pid", 60)
+
+    def poll(self):
+        if self.returncode is None and os.path.exists(self.files + ".status"):
+            self.returncode = self._read(".status", 0)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            self.returncode = self._read(".status", 3600 if timeout is None else timeout)
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        read = lambda path: open(path, encoding="utf-8").read() if path and path.startswith(self.files) else ""  # noqa
+        return read(self.stdout_path), read(self.stderr_path)
+
+
+def python(args, fresh=False, **kw):
+    """python ARGS, a process of its own in this folder, on one thread: a fork of the
+    forker (files for stdout and stderr), or with fresh=True a new interpreter (text pipes)."""
+    if not fresh:
+        code = args[1] if args[0] == "-c" else None
+        return Forked(["-c", *args[2:]] if code else args, code=code, **kw)
     kw.setdefault("stdout", subprocess.PIPE)
     kw.setdefault("env", dict(os.environ, OMP_NUM_THREADS="1"))
     return subprocess.Popen([sys.executable, *args], cwd=HERE, stderr=subprocess.PIPE, text=True,
@@ -190,7 +312,7 @@ def started_with_the_session(test_name):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def processes(request, tmp_path_factory):
+def processes(request, tmp_path_factory, forker):
     """Starts the process of each selected test in STARTS -> {test name: (Popen, its folder)}."""
     selected = {item.originalname for item in request.session.items}
     started = {}
@@ -4727,7 +4849,8 @@ def test_mtp_refuses_a_block_that_is_no_module_and_a_module_of_another_width():
 # ===========================================================================
 
 def _meta_count(kind, config):
-    with torch.device("meta"):
+    """Counted on the meta device, nn.Linear's init skipped (as the demo does): shapes only."""
+    with torch.device("meta"), mock.patch.object(nn.Linear, "reset_parameters", lambda self: None):
         return tf.count_parameters(tf.MODEL_CLASSES[kind](**config))
 
 
@@ -5714,9 +5837,8 @@ def test_gpt_oss_published_totals_by_formula_and_on_the_meta_device():
         assert reported.startswith(" / ".join(f"{n}B" for n in published[name]))
     assert configs["gpt-oss-120b"] == dict(tf.GPT_OSS_COMMON, n_layers=36, n_experts=128)
     assert configs["gpt-oss-20b"] == dict(tf.GPT_OSS_COMMON, n_layers=24, n_experts=32)
-    with torch.device("meta"):
-        small_1, small_2, large_1 = (tf.count_parameters(tf.GptOss(**dict(configs[name], n_layers=n))) for name, n in
-                                     [("gpt-oss-20b", 1), ("gpt-oss-20b", 2), ("gpt-oss-120b", 1)])
+    small_1, small_2, large_1 = (_meta_count("gptoss", dict(configs[name], n_layers=n)) for name, n in
+                                 [("gpt-oss-20b", 1), ("gpt-oss-20b", 2), ("gpt-oss-120b", 1)])
     outside = 2 * small_1 - small_2                                        # embeddings, lm_head, final_norm
     assert outside + 24 * (small_2 - small_1) == table["gpt-oss-20b"][0]
     assert outside + 36 * (large_1 - outside) == table["gpt-oss-120b"][0]
@@ -10199,6 +10321,8 @@ def test_main_short_run(monkeypatch, capsys):
         formula = tf.PARAMETER_FORMULAS[kind]
         shallow.append((name, kind, cfg, formula(**cfg), formula(**cfg, active=True), reported))
     monkeypatch.setattr(tf, "FRONTIER_CONFIGS", shallow)
+    timed = tf.time_generation                         # 8 new tokens for the 64 the line names: a second less
+    monkeypatch.setattr(tf, "time_generation", lambda model, prompt, n: timed(model, prompt, min(n, 8)))
     assert tf.main(["--epochs", "1", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
@@ -10833,15 +10957,14 @@ def test_cli_ctrl_c_stops_training_reports_and_saves(tmp_path):
     # by the time this test ran, 200 epochs would be over)
     tsv, model_path = _tiny_tsv(tmp_path), tmp_path / "model.pt"
     proc = cli(["--data", tsv, "--size", "small", "--model", "encdec", "--epochs", "200", "--device", "cpu",
-                "--save", str(model_path)], preexec_fn=default_sigint)
-    seen = []
-    for line in proc.stdout:                   # until the first epoch's report (flushed as it ends)
-        seen.append(line)
-        if line.startswith("epoch"):
-            proc.send_signal(signal.SIGINT)
-            break
+                "--save", str(model_path)])
+    deadline = time.monotonic() + 60
+    while not (os.path.exists(proc.stdout_path)
+               and re.search("^epoch", open(proc.stdout_path, encoding="utf-8").read(), re.M)):  # flushed as it ends
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
     status, out, err = finished(proc, timeout=60)
-    out = "".join(seen) + out
     assert status == 0, err
     assert "Traceback" not in err
     epochs = [int(n) for n in re.findall(r"^epoch +(\d+) ", out, re.M)]
@@ -10993,9 +11116,8 @@ def test_cli_translate_the_longest_sentence_the_model_takes(tiny_checkpoints, na
 def _full_disk(folder, request):
     if not os.path.exists("/dev/full"):
         return None
-    with open("/dev/full", "w") as full:
-        return cli(["--load", request.getfixturevalue("tiny_checkpoints")["encdec"], "--device", "cpu",
-                    "--translate", "wo ai"], stdout=full)
+    return cli(["--load", request.getfixturevalue("tiny_checkpoints")["encdec"], "--device", "cpu",
+                "--translate", "wo ai"], stdout="/dev/full")
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
@@ -11011,7 +11133,7 @@ def _waiting_on_stdin(folder, request):
     if sys.platform == "win32":
         return None
     return cli(["--load", request.getfixturevalue("tiny_checkpoints")["encdec"], "--device", "cpu",
-                "--translate", "-"], stdin=subprocess.PIPE, preexec_fn=default_sigint)
+                "--translate", "-"], stdin=subprocess.PIPE, preexec_fn=default_sigint, fresh=True)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="sends SIGINT to a child process")
@@ -11314,10 +11436,8 @@ for call in calls:
         outcomes.append(f"{type(e).__name__}: {e}")
 report(outcomes)
 """
-# A child of this big process starts with this process's peak memory as its own
-# (Linux keeps the peak across exec); a child of a small shell starts with its own.
-# "; exit $?" keeps sh from replacing itself with the command.
-OWN_MEMORY = ["/bin/sh", "-c", '"$@"; exit $?', "sh", sys.executable, "-c", MEASURED]
+# A fresh process for what an interpreter settles as it starts (see FORKER): the
+# encoding of stdout, a closed stdout ("; exit $?" keeps sh from replacing itself).
 PROGRAM = [sys.executable, "transformer.py"]
 STDOUT_CLOSED = ["/bin/sh", "-c", '"$@" >&-; exit $?', "sh", *PROGRAM]
 BIGRAM_PAIRS = ("chars = [chr(0x4E00 + i) for i in range(3000)]\n"
@@ -11344,18 +11464,22 @@ def _views_checkpoint(hard, path):
     torch.save(dict(checkpoint, config=config, state_dict=state), path)
 
 
-def _start(folder, name, command, stdin=subprocess.DEVNULL, stdout=None, stderr=None, env=(), **facts):
-    """Popen command in this file's folder, stdout and stderr to files unless given.
-    -> a dict for _finish, with facts the test needs."""
+def _start(folder, name, args, measured=False, fresh=False, env=(), **kw):
+    """python transformer.py ARGS (or python -c MEASURED ARGS) as a fork of the forker, or
+    with fresh=True the command ARGS, in this file's folder, stdout and stderr to files
+    unless given. -> a dict for _finish, with facts the test needs (the keywords _start
+    does not take)."""
     paths = {what: folder / f"{name}.{what}" for what in ("stdout", "stderr", "report")}
-    env = dict(os.environ, OMP_NUM_THREADS="1", HARDENING_REPORT=str(paths["report"]), **dict(env))
-    with contextlib.ExitStack() as files:
-        if stdout is None:
-            stdout = files.enter_context(open(paths["stdout"], "wb"))
-        if stderr is None:
-            stderr = files.enter_context(open(paths["stderr"], "wb"))
-        proc = subprocess.Popen(command, cwd=HERE, env=env, stdin=stdin, stdout=stdout, stderr=stderr)
-    return dict(proc=proc, **paths, **facts)
+    env = dict(env, HARDENING_REPORT=str(paths["report"]))
+    if fresh:
+        with open(paths["stdout"], "wb") as stdout, open(paths["stderr"], "wb") as stderr:
+            proc = subprocess.Popen(args, cwd=HERE, env=dict(os.environ, OMP_NUM_THREADS="1", **env),
+                                    stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr)
+        return dict(proc=proc, **paths, **kw)
+    streams = {key: kw.pop(key) for key in ("stdin", "stderr", "append_stderr", "broken_pipe") if key in kw}
+    streams.setdefault("stderr", paths["stderr"])
+    args = ["-c", MEASURED, *args] if measured else ["transformer.py", *args]
+    return dict(proc=python(args, stdout=paths["stdout"], env=env, **streams), **paths, **kw)
 
 
 def _finish(started, timeout=180):
@@ -11377,43 +11501,38 @@ def real(hard, tmp_path_factory):
         # data loss: python transformer.py ... --save /dev/stderr 2>>train.log
         log = folder / "train.log"
         log.write_bytes(b"yesterday's training log\n")
-        with open(log, "ab") as appended:
-            started["dev-stderr"] = _start(folder, "dev-stderr", PROGRAM + [
-                "--model", "encdec", "--epochs", "1", "--save", "/dev/stderr"], stderr=appended, log=log)
+        started["dev-stderr"] = _start(folder, "dev-stderr", [
+            "--model", "encdec", "--epochs", "1", "--save", "/dev/stderr"], stderr=log, append_stderr=True, log=log)
         # the stand-ins' proof: PYTHONIOENCODING=ascii python transformer.py ..., and ... >&-
         started["ascii"] = _start(folder, "ascii", PROGRAM + ["--load", hard["encdec"], "--translate", "wo ai"],
-                                  env={"PYTHONIOENCODING": "ascii"})
+                                  fresh=True, env={"PYTHONIOENCODING": "ascii"})
         started["stdout-closed"] = _start(folder, "stdout-closed", STDOUT_CLOSED + [
-            "--load", hard["encdec"], "--translate", "wo ai"])
+            "--load", hard["encdec"], "--translate", "wo ai"], fresh=True)
         # python transformer.py ... --save m.pt | head -1, the reader gone before the first line
-        r, w = os.pipe()
-        os.close(r)
-        started["broken-pipe"] = _start(folder, "broken-pipe", PROGRAM + [
+        started["broken-pipe"] = _start(folder, "broken-pipe", [
             "--data", hard["tsv"], "--size", "small", "--epochs", "1", "--model", "gpt",
-            "--save", str(folder / "piped.pt")], stdout=w, saved=folder / "piped.pt")
-        os.close(w)
+            "--save", str(folder / "piped.pt")], broken_pipe=True, saved=folder / "piped.pt")
         # memory
-        started["widest-beam"] = _start(folder, "widest-beam", OWN_MEMORY + [
-            "--command-line", "--load", hard["encdec"], "--beam", str(tf.MAX_BEAM)])
-        with open("/dev/zero", "rb") as zero:
-            started["dev-zero"] = _start(folder, "dev-zero", OWN_MEMORY + [
-                "--command-line", "--load", hard["encdec"], "--translate", "-"], stdin=zero)
+        started["widest-beam"] = _start(folder, "widest-beam", [
+            "--command-line", "--load", hard["encdec"], "--beam", str(tf.MAX_BEAM)], measured=True)
+        started["dev-zero"] = _start(folder, "dev-zero", [
+            "--command-line", "--load", hard["encdec"], "--translate", "-"], measured=True, stdin="/dev/zero")
         views = folder / "views.pt"
         _views_checkpoint(hard, views)
-        started["views"] = _start(folder, "views", OWN_MEMORY + [
-            "--call", f"path = {str(views)!r}", "tf.load_checkpoint(path)"], path=views)
-        started["bigram"] = _start(folder, "bigram", OWN_MEMORY + ["--call", BIGRAM_PAIRS, "tf.BigramHMM(pairs)"])
+        started["views"] = _start(folder, "views", [
+            "--call", f"path = {str(views)!r}", "tf.load_checkpoint(path)"], measured=True, path=views)
+        started["bigram"] = _start(folder, "bigram", ["--call", BIGRAM_PAIRS, "tf.BigramHMM(pairs)"], measured=True)
         blank = folder / "blank.tsv"
         blank.write_bytes(b"\n" * (16 * 2 ** 20) + "wo\t我\nni\t你\n".encode())
-        started["blank"] = _start(folder, "blank", OWN_MEMORY + [
-            "--call", f"path = {str(blank)!r}", "tf.read_pairs(path)"], path=blank)
+        started["blank"] = _start(folder, "blank", [
+            "--call", f"path = {str(blank)!r}", "tf.read_pairs(path)"], measured=True, path=blank)
         long_paths = []
         for what, line, _ in LONG_LINES:
             long_paths.append(folder / f"long-{what}.tsv")
             long_paths[-1].write_text("wo\t我\n" + line + "\n", encoding="utf-8")
-        started["long-lines"] = _start(folder, "long-lines", OWN_MEMORY + [
+        started["long-lines"] = _start(folder, "long-lines", [
             "--call", f"paths = {[str(p) for p in long_paths]!r}",
-            *(f"tf.read_pairs(paths[{i}])" for i in range(len(long_paths)))], paths=long_paths)
+            *(f"tf.read_pairs(paths[{i}])" for i in range(len(long_paths)))], measured=True, paths=long_paths)
         yield started
     finally:
         for one in started.values():

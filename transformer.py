@@ -9,8 +9,7 @@ way Qwen3 (QK-norm), Mixtral (experts) and Mistral (a window) each extend the Ll
   Part II    11-17  teaching it a task: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
   Part III   18-23  the modern decoder, Llama-style
   Part IV    24-27  a released model through this code: byte-level BPE, quantized blocks, GGUF
-  Part V     28-33  the frontier: Qwen3, mixture of experts, latent attention, DeepSeek-V3, its
-                    multi-token prediction
+  Part V     28-33  the frontier: Qwen3, mixture of experts, latent attention, DeepSeek-V3, multi-token prediction
   Part VI    34-40  long sequences: FlashAttention, sliding windows, the paged cache, long RoPE,
                     attention sinks (gpt-oss), Gated DeltaNet (Qwen3-Next), sparse attention (V3.2)
   Part VII   41-47  training by hand: AdamW, schedules, clipping, FLOPs, precision, memory, LoRA
@@ -59,12 +58,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Argument checks cost one line: check(name=value, ...) looks each keyword up in ARGUMENTS, to which every
-# section adds its arguments, and raises a ValueError naming the argument, the value and what was expected,
-# before anything is built. A rule tying arguments together (d_model divisible by n_heads) is a named entry of
-# RELATIONS, which the caller lists: check("rule", ...). Sizes stop at 2^31 - 1, past any model and torch's indexing.
+# Argument checks cost one line: check(name=value, ...) looks each keyword up in ARGUMENTS (every section adds its
+# own) and raises a ValueError naming the argument, the value and what was expected, before anything is built. A rule
+# tying arguments together (d_model divisible by n_heads) is a named entry of RELATIONS: check("rule", ...).
 
-MAX_SIZE = 2 ** 31 - 1
+MAX_SIZE = 2 ** 31 - 1  # past any model and torch's indexing
 FINITE = torch.finfo(torch.float64).max  # the bound of a number that must not be inf (an lr: inf turns weights to NaN)
 ARGUMENTS = {}  # name -> (int or float, smallest, largest), (a type,) or ("one of", values...); "or None" at the end
 RELATIONS = {}  # rule -> (argument names, test on their values, what is expected of the first)
@@ -234,10 +232,7 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         check("heads divide d_model", d_model=d_model, n_heads=n_heads, dropout=dropout)
         self.d_model, self.n_heads, self.dk = d_model, n_heads, d_model // n_heads
-        self.w_q = nn.Linear(d_model, d_model)
-        self.w_k = nn.Linear(d_model, d_model)
-        self.w_v = nn.Linear(d_model, d_model)
-        self.w_o = nn.Linear(d_model, d_model)
+        self.w_q, self.w_k, self.w_v, self.w_o = (nn.Linear(d_model, d_model) for _ in range(4))  # q, k, v, output
         self.dropout = nn.Dropout(dropout)
 
     def split_heads(self, x):
@@ -459,9 +454,7 @@ class Transformer(nn.Module):
     def __init__(self, src_vocab_size, tgt_vocab_size, d_model=512, n_heads=8, d_ff=2048, n_layers=6, dropout=0.1,
                  max_len=5000, norm_first=False, share_embeddings=False, pad_id=0):
         super().__init__()
-        self.config = dict(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model,
-                           n_heads=n_heads, d_ff=d_ff, n_layers=n_layers, dropout=dropout, max_len=max_len,
-                           norm_first=norm_first, share_embeddings=share_embeddings, pad_id=pad_id)  # for checkpoints
+        self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for checkpoints
         check("one vocabulary to share", "pad_id in both vocabularies", "d_ff given", **self.config)
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
         self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
@@ -473,8 +466,7 @@ class Transformer(nn.Module):
         self.decoder_layers = nn.ModuleList([DecoderLayer(**layer_args) for _ in range(n_layers)])
         # pre-LN leaves the residual stream un-normalized, so the stacks end with a LayerNorm; post-LN
         # already ends in one, and a second (nn.Transformer's default, pytorch issue 24930) normalizes twice
-        self.encoder_norm = LayerNorm(d_model) if norm_first else None
-        self.decoder_norm = LayerNorm(d_model) if norm_first else None
+        self.encoder_norm, self.decoder_norm = (LayerNorm(d_model), LayerNorm(d_model)) if norm_first else (None, None)
         self.output_proj = nn.Linear(d_model, tgt_vocab_size)
         init_embedding(self.src_embed)
         init_embedding(self.tgt_embed)
@@ -528,22 +520,22 @@ class Transformer(nn.Module):
 # ===========================================================================
 # 9. The decoder-only Transformer, GPT style (仅解码器 Transformer)
 # ===========================================================================
-# Drop the encoder and the cross-attention and what is left is a language model: each position predicts the
-# next token from the ones before it. A GPT block is exactly the encoder layer of section 6 run under a causal
-# mask (pre-LN, GELU), so it reuses EncoderLayer rather than writing the block twice. Unlike GPT-2: fixed
-# sinusoidal positions, not a learned table; embeddings scaled by sqrt(D) as in the 2017 paper; the exact erf
-# GELU, not the tanh approximation; the token embedding drawn from N(0, 1/D) (init_embedding) and PyTorch's
-# default initialization for the layers, where GPT-2's code draws embedding and layers from N(0, 0.02), its
-# position table from N(0, 0.01) (its paper also scales residual weights by 1/sqrt(N)). generate() writes a
-# token per step, greedy or sampled, running only the newest through the cache.
+# Drop the encoder and the cross-attention and what is left is a language model: each position predicts the next
+# token from the ones before it. A GPT block is exactly section 6's encoder layer run under a causal mask (pre-LN,
+# GELU), so it reuses EncoderLayer. Unlike GPT-2: fixed sinusoidal positions, not a learned table; embeddings scaled by
+# sqrt(D) as in the 2017 paper; the exact erf GELU, not the tanh approximation; init_embedding's N(0, 1/D) and torch's
+# default initialization, where GPT-2 draws from N(0, 0.02) (positions N(0, 0.01), residual weights / sqrt(N)).
 
 ARGUMENTS.update(vocab_size=(int, 1, MAX_SIZE), tie_weights=(bool,), max_new_tokens=(int, 0, MAX_SIZE),
                  prompt_length=(int, 1, MAX_SIZE), temperature=(float, 0.0, FINITE),
                  top_k=(int, 1, MAX_SIZE, "or None"), top_p=(float, 0.0, 1.0, "or None"),
-                 generator=(torch.Generator, "or None"))
+                 generator=(torch.Generator, "or None"), cache=(object,), cache_kind=(type,))
 RELATIONS["prompt fits"] = (("prompt_length", "max_new_tokens", "max_len"), lambda t, n, most: t + n <= most,
                             "prompt_length + max_new_tokens must be at most max_len")
 RELATIONS["top_p > 0"] = (("top_p",), lambda p: p is None or p > 0, "top_p must be > 0 (the nucleus holds a token)")
+RELATIONS["a cache a layer"] = (("cache", "n_layers", "cache_kind"), lambda c, n, kind: c is None or isinstance(
+    c, (list, tuple)) and len(c) == n and all(isinstance(x, kind) for x in c) and len({len(x) for x in c}) == 1,
+    "cache must be None or what new_cache() gives: a list of n_layers caches of cache_kind, all as long")
 
 
 def next_token_probs(logits, temperature=0.0, top_k=None, top_p=None):
@@ -608,19 +600,12 @@ def generate_tokens(model, input_ids, max_new_tokens, temperature=0.0, top_k=Non
     return input_ids                                                       # [B, T + max_new_tokens]
 
 
-ARGUMENTS.update(cache=(object,), cache_kind=(type,))
-RELATIONS["a cache a layer"] = (("cache", "n_layers", "cache_kind"), lambda c, n, kind: c is None or isinstance(
-    c, (list, tuple)) and len(c) == n and all(isinstance(x, kind) for x in c) and len({len(x) for x in c}) == 1,
-    "cache must be None or what new_cache() gives: a list of n_layers caches of cache_kind, all as long")
-
-
 class DecoderOnlyTransformer(nn.Module):
     """Token embedding, positions, N causal pre-LN blocks, a final LayerNorm, lm_head."""
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, d_ff, max_len=5000, dropout=0.1, tie_weights=False):
         super().__init__()
-        self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-                           d_ff=d_ff, max_len=max_len, dropout=dropout, tie_weights=tie_weights)  # for checkpoints
+        self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for checkpoints
         check("d_ff given", **self.config)
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         self.token_embedding = nn.Embedding(vocab_size, d_model)
@@ -653,10 +638,7 @@ class DecoderOnlyTransformer(nn.Module):
             x = layer(x, mask, cache[i] if cache else None)                # [B, Tn, D]
         return self.lm_head(self.final_norm(x))                            # [B, Tn, V]
 
-    def generate(self, input_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None, generator=None,
-                 use_cache=True):
-        """Append max_new_tokens tokens to input_ids [B, T]: see generate_tokens."""
-        return generate_tokens(self, input_ids, max_new_tokens, temperature, top_k, top_p, generator, use_cache)
+    generate = generate_tokens  # model.generate(input_ids, ...) is generate_tokens(model, input_ids, ...)
 
 # Try it:
 #   >>> gpt = DecoderOnlyTransformer(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=64)
@@ -934,12 +916,11 @@ class BigramHMM:
 # ===========================================================================
 # 13. Training (训练)
 # ===========================================================================
-# Teacher forcing: the model reads whole target sequences at once and predicts every next token, the causal mask
-# keeping each position from its own answer. Padding is left out of the loss (ignore_index); label smoothing keeps
-# the model from over-trusting one character. The update is the 2017 paper's: Adam, its learning rate rising over a
-# warmup (Adam's first steps are noisy, so they are kept small), then decaying as 1 / sqrt(step); the gradient's
-# length clipped, so one bad batch cannot throw the weights far. Here torch's Adam and clip_grad_norm_ do it: Part
-# VII writes each out and proves it equal. Ctrl-C stops after the current step and returns what was learned.
+# Teacher forcing: the model reads whole target sequences at once and predicts every next token, the causal mask keeping
+# each position from its own answer. Padding is left out of the loss (ignore_index); label smoothing keeps the model
+# from over-trusting one character. The update is the 2017 paper's: Adam, its learning rate rising over a warmup (Adam's
+# first steps are noisy, so they are kept small), then decaying as 1 / sqrt(step); the gradient's length clipped, so one
+# bad batch cannot throw the weights far. Here torch's Adam and clip_grad_norm_ do it: Part VII writes each out.
 
 ARGUMENTS.update(step=(int, 0, MAX_SIZE), warmup_steps=(int, 0, MAX_SIZE), epochs=(int, 1, MAX_SIZE),
                  batch_size=(int, 1, MAX_SIZE), model=(nn.Module,))
@@ -1344,8 +1325,7 @@ def train_toy_model(kind, train_pairs, test_pairs, device="cpu", epochs=None, se
     readings = syllable_readings(train_pairs)
     if spec["model"] is Transformer:
         src_vocab, tgt_vocab = build_vocabs(train_pairs)
-        model = Transformer(src_vocab_size=len(src_vocab), tgt_vocab_size=len(tgt_vocab), max_len=max_len,
-                            **spec["config"])
+        model = Transformer(len(src_vocab), len(tgt_vocab), max_len=max_len, **spec["config"])
         dataset = PinyinDataset(train_pairs, src_vocab, tgt_vocab)
     else:
         src_vocab = tgt_vocab = build_gpt_vocab(train_pairs)
@@ -1620,8 +1600,7 @@ class GroupedQueryAttention(nn.Module):
 # Try it:
 #   >>> attn = GroupedQueryAttention(d_model=64, n_heads=8, n_kv_heads=2)  # 4 query heads per kv head
 #   >>> cos, sin = rope_cos_sin(head_dim=8, max_len=16)                    # [16, 8] each
-#   >>> cache = KVCache()
-#   >>> attn(torch.randn(1, 5, 64), cos[:5], sin[:5], make_causal_mask(5), cache).shape
+#   >>> cache = KVCache(); attn(torch.randn(1, 5, 64), cos[:5], sin[:5], make_causal_mask(5), cache).shape
 #   torch.Size([1, 5, 64])
 #   >>> cache.k.shape                                                      # [B, Hkv, t, dk]: 2 heads, not 8
 #   torch.Size([1, 2, 5, 8])
@@ -1660,9 +1639,7 @@ class Llama(nn.Module):
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False):
         super().__init__()
-        self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-                           n_kv_heads=n_kv_heads, d_ff=d_ff, max_len=max_len, rope_theta=rope_theta,
-                           norm_eps=norm_eps, tie_weights=tie_weights, qkv_bias=qkv_bias)  # for checkpoints
+        self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for checkpoints
         check(**self.config)
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -1723,10 +1700,7 @@ class Llama(nn.Module):
             raise
         return self.lm_head(self.final_norm(x))                            # [B, Tn, V]
 
-    def generate(self, input_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None, generator=None,
-                 use_cache=True):
-        """input_ids [B, T] -> [B, T + max_new_tokens]: the GPT's loop, generate_tokens, with this model."""
-        return generate_tokens(self, input_ids, max_new_tokens, temperature, top_k, top_p, generator, use_cache)
+    generate = generate_tokens  # the GPT's loop (section 9), with this model
 
 # Try it:
 #   >>> model = Llama(vocab_size=100, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_len=32)
@@ -1802,9 +1776,6 @@ LLAMA_CONFIGS = [
 #   >>> name, config, published = LLAMA_CONFIGS[1]
 #   >>> name, llama_param_formula(**config) == published
 #   ('Llama-3-8B', True)
-#   >>> with torch.device("meta"):                                         # shapes only: no memory, no time
-#   ...     count_parameters(Llama(**config))
-#   8030261248
 #   >>> kv_cache_bytes_per_token(n_layers=32, n_kv_heads=8, head_dim=128) // 1024  # KiB a token, bf16
 #   128
 
@@ -2544,22 +2515,20 @@ def chat(path_or_loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None
 # ===========================================================================
 # Part V: the frontier, mixture of experts and latent attention (第五部分：前沿)
 # ===========================================================================
-# What the large open models since late 2023 add to Part III's decoder, each family a subclass
-# of Llama that swaps what differs (as transformers' modular files write them): free head
-# widths and normalized q and k (Qwen3); a feed-forward split into experts, of which a token
-# runs a few (Mixtral, Qwen3-MoE); DeepSeek's latent attention, whose cache is one small
-# latent a token. Then DeepSeek-V3, and what "671B parameters, 37B active" counts.
+# What the large open models since late 2023 add to Part III's decoder, each family a subclass of Llama that swaps what
+# differs (as transformers' modular files write them): free head widths and normalized q and k (Qwen3); a feed-forward
+# split into experts, of which a token runs a few (Mixtral, Qwen3-MoE); DeepSeek's latent attention, whose cache is one
+# small latent a token. Then DeepSeek-V3, and what "671B parameters, 37B active" counts.
 # ===========================================================================
 # 28. QK-norm and free head widths: Qwen3 (QK 归一化与自由头宽)
 # ===========================================================================
-# Qwen3's attention differs from Llama's in two places. head_dim frees a head's width from
-# D / H (Qwen3-30B-A3B: D 2048, 32 heads of 128, so w_q is 4096 wide and w_o brings H * dk back
-# to D). QK-norm keeps the scores from growing with the lengths of q and k until the softmax is
-# one-hot and its gradient vanishes (Dehghani et al., 2023, "Scaling Vision Transformers to 22
-# Billion Parameters", saw such logits diverge training): Qwen3 and Gemma 3 apply an RMSNorm
-# over each head's dk dims (one weight [dk] for all heads) to q and k BEFORE RoPE; OLMo 2
-# normalizes all H * dk dims before splitting heads. The order matters once the weight is
-# learned: RoPE keeps each pair's length, a weight that scales dim i and not its partner does not.
+# Qwen3's attention differs from Llama's in two places. head_dim frees a head's width from D / H (Qwen3-30B-A3B: D 2048,
+# 32 heads of 128, so w_q is 4096 wide and w_o brings H * dk back to D). QK-norm keeps the scores from growing with the
+# lengths of q and k until the softmax is one-hot and its gradient vanishes (Dehghani et al., 2023, "Scaling Vision
+# Transformers to 22 Billion Parameters", saw such logits diverge training): Qwen3 and Gemma 3 apply an RMSNorm over
+# each head's dk dims (one weight [dk] for all heads) to q and k BEFORE RoPE; OLMo 2 normalizes all H * dk dims before
+# splitting heads. The order matters once the weight is learned: RoPE keeps each pair's length, a weight that scales dim
+# i and not its partner does not.
 
 class QKNormAttention(GroupedQueryAttention):
     """GQA with heads head_dim wide and an RMSNorm on each head's q and k (q_norm, k_norm)."""
@@ -2608,8 +2577,7 @@ def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
 
 # Try it: a Qwen3 with 4 heads of 16 in a model 32 wide.
 #   >>> qwen = Qwen3(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16)
-#   >>> attn = qwen.layers[0].attn
-#   >>> attn.w_q.weight.shape, attn.w_o.weight.shape, attn.q_norm.weight.shape
+#   >>> attn = qwen.layers[0].attn; attn.w_q.weight.shape, attn.w_o.weight.shape, attn.q_norm.weight.shape
 #   (torch.Size([64, 32]), torch.Size([32, 64]), torch.Size([16]))
 #   >>> qwen(torch.randint(0, 100, (1, 6))).shape, count_parameters(qwen) == qwen3_param_formula(**qwen.config)
 #   (torch.Size([1, 6, 100]), True)
@@ -2628,19 +2596,16 @@ HF_FAMILIES["qwen3"] = (Qwen3, hf_qwen3)
 # ===========================================================================
 # 29. Mixture of experts: Mixtral, Qwen3-MoE, DeepSeek's router (混合专家)
 # ===========================================================================
-# A mixture of experts (Shazeer et al., 2017; in Transformers GShard and Switch) holds E
-# feed-forwards, the experts, and a router that sends each token to top_k of them: E times the
-# parameters for about top_k times the compute (Mixtral-8x7B: 2 of 8 SwiGLU experts a token;
-# DeepSeek-V3: 8 of 256, and a shared expert every token runs). Left alone, a router sends most
-# tokens to a few experts, which learn more and are chosen more; a loss or DeepSeek's bias
+# A mixture of experts (Shazeer et al., 2017; in Transformers GShard and Switch) holds E feed-forwards, the experts, and
+# a router that sends each token to top_k of them: E times the parameters for about top_k times the compute
+# (Mixtral-8x7B: 2 of 8 SwiGLU experts a token; DeepSeek-V3: 8 of 256, and a shared expert every token runs). Left
+# alone, a router sends most tokens to a few experts, which learn more and are chosen more; a loss or DeepSeek's bias
 # balances them. How the reference implementations weigh the chosen experts:
-#   softmax (Mixtral, Qwen3-MoE): p = softmax(logits) over all E, the top_k kept and divided by
-#     their sum (norm_topk): a softmax over the top_k logits; without that division
-#     (Qwen1.5-MoE), top-k before or after the softmax differ.
-#   sigmoid (DeepSeek-V3): s = sigmoid(logits); s + router_bias ranks, s alone weighs (the bias
-#     balancing moves steers which experts run, never how much they count), over their sum,
-#     times routed_scale (2.5). With n_groups > 1 (V3: 8 of 32, a node's experts each) only the
-#     topk_groups (V3: 4) groups whose two best score highest are chosen from: few nodes a token.
+#   softmax (Mixtral, Qwen3-MoE): p = softmax(logits) over all E, the top_k kept and divided by their sum (norm_topk): a
+#     softmax over the top_k logits; without that division (Qwen1.5-MoE), top-k before or after the softmax differ.
+#   sigmoid (DeepSeek-V3): s = sigmoid(logits); s + router_bias ranks, s alone weighs (the bias steers which experts
+#     run, never how much they count), over their sum, times routed_scale (2.5). n_groups > 1 (V3: 8 groups of 32
+#     experts, a node's each) choose only from the topk_groups (V3: 4) whose best two score highest: few nodes a token.
 
 ARGUMENTS.update(n_experts=(int, 1, MAX_SIZE), n_shared=(int, 0, MAX_SIZE), router=("one of", "softmax", "sigmoid"),
                  norm_topk=(bool,), n_groups=(int, 1, MAX_SIZE), topk_groups=(int, 1, MAX_SIZE),
@@ -2928,19 +2893,16 @@ HF_FAMILIES.update(mixtral=(Mixtral, hf_mixtral), qwen3_moe=(Qwen3MoE, hf_qwen3_
 # ===========================================================================
 # 30. Multi-head latent attention, MLA (多头潜在注意力)
 # ===========================================================================
-# GQA shrinks the cache by sharing heads; MLA (DeepSeek-V2, 2024; kept in V3) by compressing:
-# w_dkv maps each token to a latent c of kv_lora_rank dims (512 in V3), normalized by kv_norm,
-# plus one rope key (64) for all heads; w_ukv expands c to every head's key (its nope part,
-# 128) and value (128). The cache keeps c and the rope key, 576 values a token a layer in V3,
-# against 128 x (192 + 128) = 40,960 for per-head keys and values. Queries pass a low-rank
-# bottleneck of their own (w_dq, q_norm, w_uq) "to reduce the activation memory during
-# training" (DeepSeek-V2). A head's q and k are [nope | rope], RoPE turns the rope part,
-# scores are scaled by (nope + rope)^-0.5; expanded and absorbed (3a) are proven equal.
-# The rope key is decoupled because a rotation between the query and W_uk, q^T R(m)^T R(n)
-# W_uk c_n = q^T R(n - m) W_uk c_n, depends on the pair of positions: W_uk could not be folded
-# into the query once for all cached tokens. DeepSeek's checkpoints pair neighbours (x[2i],
-# x[2i+1]) in the rope part (rope_interleave=True); section 19's halves are the same model after
-# a fixed permutation of the rope rows of w_uq (or w_q) and w_dkv; the wrong one attends wrongly.
+# GQA shrinks the cache by sharing heads; MLA (DeepSeek-V2, 2024, and V3) by compressing: w_dkv maps each token to a
+# latent c of kv_lora_rank dims (512 in V3), normalized by kv_norm, plus one rope key (64) for all heads; w_ukv expands
+# c to every head's key (its nope part, 128) and value (128). The cache keeps c and the rope key, 576 values a token a
+# layer in V3, against 128 x (192 + 128) = 40,960 for per-head keys and values. Queries pass a low-rank bottleneck of
+# their own (w_dq, q_norm, w_uq) "to reduce the activation memory during training" (DeepSeek-V2). A head's q and k are
+# [nope | rope], RoPE turns the rope part, scores are scaled by (nope + rope)^-0.5; expanded and absorbed (3a) are
+# proven equal. The rope key is decoupled: with a rotation between the query and W_uk, q^T R(m)^T R(n) W_uk c_n =
+# q^T R(n - m) W_uk c_n depends on the pair of positions, and W_uk could not be folded into the query once for all
+# keys. DeepSeek's checkpoints pair neighbours (x[2i], x[2i+1]) in the rope part (rope_interleave=True); section 19's
+# halves are the same model after a fixed permutation of the rope rows of w_uq (or w_q) and w_dkv.
 
 def deinterleave(x):
     """[..., d] -> [..., d]: x0, x2, x4, ... then x1, x3, x5, ..., so that neighbour pair (x[2i], x[2i+1])
@@ -3103,11 +3065,10 @@ class DeepSeekV3(Llama):
         return rope_cos_sin(self.mla["qk_rope_dim"], max_len, theta)      # [max_len, rope]: the rope part only
 
 
-def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim,
-                           v_head_dim, d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1,
-                           n_dense_layers=1, n_groups=1, topk_groups=1, routed_scale=1.0, norm_topk=True,
-                           max_len=4096, rope_theta=10000.0, norm_eps=1e-6, tie_weights=False,
-                           rope_interleave=True, active=False):
+def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim,
+                           d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1, n_dense_layers=1,
+                           n_groups=1, topk_groups=1, routed_scale=1.0, norm_topk=True, max_len=4096,
+                           rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, rope_interleave=True, active=False):
     """Closed form of count_parameters(DeepSeekV3(...)), same keywords and rules; active=True: the
     parameters one token's forward uses. router_bias is a buffer, not a parameter."""
     check(*DEEPSEEK_RULES, **locals())                                     # every argument
@@ -3296,11 +3257,10 @@ def train_mtp(model, pairs, vocab, epochs=2, batch_size=32, seed=0):
 # ===========================================================================
 # 33. Total and active parameters, the latent cache (总参数、激活参数与潜在缓存)
 # ===========================================================================
-# A MoE model has two sizes: the total, which must fit in memory, and the active parameters
-# one token's forward uses (all but the experts it is not routed to), which set the compute:
-# each family's formula gives both, the meta-device count agrees on the total. The active
-# count takes the whole input embedding table as used (0.93B in DeepSeek-V3, where a token
-# reads one row): 37.55B, against DeepSeek's 37B. Then MLA's cache beside GQA's.
+# A MoE model has two sizes: the total, which must fit in memory, and the active parameters one token's forward uses
+# (all but the experts it is not routed to), which set the compute: each family's formula gives both, the meta-device
+# count agrees on the total. The active count takes the whole input embedding table as used (0.93B in DeepSeek-V3, where
+# a token reads one row): 37.55B, against DeepSeek's 37B. Then MLA's cache beside GQA's.
 
 def mla_cache_bytes_per_token(n_layers, kv_lora_rank, qk_rope_dim, bytes_per_value=2):
     """MLA's cache memory one token takes: its latent and its rope key, in every layer; 2 bytes in bf16."""
@@ -3346,26 +3306,23 @@ FRONTIER_CONFIGS = [
 # ===========================================================================
 # 34. FlashAttention's tiles, the online softmax; fused kernels (FlashAttention 的分块：在线 softmax)
 # ===========================================================================
-# Section 2's [Tq, Tk] scores take memory Tq * Tk. FlashAttention (Dao et al., 2022;
-# FlashAttention-2, Dao, 2023) computes the same output one [block, block] tile at a time,
-# keeping per query a running max and a running sum: nothing of size Tq * Tk ever exists.
-# The recurrence, for one block of queries and key block j (S_j its scaled scores):
+# Section 2's [Tq, Tk] scores take memory Tq * Tk. FlashAttention (Dao et al., 2022; FlashAttention-2, Dao, 2023)
+# computes the same output one [block, block] tile at a time, keeping per query a running max and a running sum: nothing
+# of size Tq * Tk ever exists. The recurrence, for one block of queries and key block j (S_j its scaled scores):
 #   m_new = max(m, rowmax(S_j))                 the largest score so far (m starts at -inf)
 #   acc   = e^(m - m_new) acc + e^(S_j - m_new) V_j   rescale what was summed under the old max
 #   l     = e^(m - m_new) l   + rowsum(e^(S_j - m_new))
 #   and at the end: out = acc / l (one division, FlashAttention-2's order), lse = m + ln l.
-# In numbers (the Try it below), scores (1, 2 | 3, 0) and values (10, 20 | 30, 40) in two
-#   blocks: block 1 gives m = 2, l = e^-1 + e^0 = 1.3679, acc = 0.3679 * 10 + 20 = 23.679; in
-#   block 2 the max grows to 3, l and acc shrink by e^(2 - 3) before adding: l = 1.5530,
-#   acc = 40.70, out = 26.21, lse = 3 + ln l = 3.4402, as one softmax over all four. The max
-#   keeps every e^x <= 1 (no overflow); the rescale makes the blocks' order irrelevant.
-# A GPU gains because the tiles stay in on-chip SRAM (an A100's: 19 TB/s, against 1.5-2.0 TB/s
-# of HBM, the paper's numbers) where section 2 writes S and P to HBM and reads them back: the
-# fused kernel does more arithmetic and is faster. Here a tile is a dozen torch calls: the code
-# proves the math and the memory, O(T * block); --bench measures its speed.
-# The backward saves q, k, v, out and the lse [Tq], recomputes each tile's P = e^(S - lse)
-# (more FLOPs, less memory; on a GPU still faster than reading a saved [T, T] P), and with
-# delta = rowsum(dO * O) (softmax's Jacobian: the sum over keys of P * dP is dO . O):
+# In numbers (the Try it below), scores (1, 2 | 3, 0) and values (10, 20 | 30, 40) in two blocks: block 1 gives m = 2,
+#   l = e^-1 + e^0 = 1.3679, acc = 0.3679 * 10 + 20 = 23.679; in block 2 the max grows to 3, l and acc shrink by
+#   e^(2 - 3) before adding: l = 1.5530, acc = 40.70, out = 26.21, lse = 3 + ln l = 3.4402, as one softmax over all
+#   four. The max keeps every e^x <= 1 (no overflow); the rescale makes the blocks' order irrelevant.
+# A GPU gains because the tiles stay in on-chip SRAM (an A100's: 19 TB/s, against 1.5-2.0 TB/s of HBM, the paper's
+# numbers) where section 2 writes S and P to HBM and reads them back: the fused kernel does more arithmetic and is
+# faster. Here a tile is a dozen torch calls: the code proves the math and the memory, O(T * block); --bench measures
+# its speed. The backward saves q, k, v, out and the lse [Tq], recomputes each tile's P = e^(S - lse) (more FLOPs, less
+# memory; on a GPU still faster than reading a saved [T, T] P), and with delta = rowsum(dO * O) (softmax's Jacobian: the
+# sum over keys of P * dP is dO . O):
 # dV += P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ += dS K / sqrt(dk), dK += dS^T Q / sqrt(dk).
 
 def flash_tile_scores(q_block, k_block, q_start, k_start, offset, causal):
@@ -3510,26 +3467,22 @@ def use_fused_kernels(model, fused=True):
     """Every MultiHeadAttention and LayerNorm of model in PyTorch's fused kernels (or as written). -> model."""
     check(model=model, fused=fused)
     for module in model.modules():
-        if isinstance(module, MultiHeadAttention):
-            module.__class__ = FusedAttention if fused else MultiHeadAttention
-        elif isinstance(module, LayerNorm):
-            module.__class__ = FusedLayerNorm if fused else LayerNorm
+        if isinstance(module, MultiHeadAttention): module.__class__ = FusedAttention if fused else MultiHeadAttention
+        elif isinstance(module, LayerNorm): module.__class__ = FusedLayerNorm if fused else LayerNorm
     return model
 
 
 # ===========================================================================
 # 35. Sliding-window attention and the rolling cache: Mistral (滑动窗口注意力与滚动缓存)
 # ===========================================================================
-# Mistral-7B (Jiang et al., 2023) lets each query see only the last `window` keys, itself
-# included (4096 in v0.1): a kernel that skips the hidden keys does T * window work instead of
-# T^2 / 2 (the masks here only hide them), and the cache never holds more than `window`
-# tokens (Mistral-7B: 512 MiB, where 32k tokens take 4 GiB; Mistral's own cache writes token p
-# into slot p mod W of a fixed buffer, ours keeps them in order). Older tokens count through the
-# layers: layer 2 reads layer 1's outputs at p - (W - 1) .. p, so L layers reach back
-# L * (W - 1) positions (Mistral-7B: 32 * 4095 = 131,040; the paper's 4096 x 32 = 131,072 counts
-# W a layer); a token further back changes nothing at all. The pitfall: len(cache) must count every
-# token seen, not the `window` held: RoPE turns the next token by its absolute position and the
-# mask counts from it; a length that stops at `window` restarts the positions.
+# Mistral-7B (Jiang et al., 2023) lets each query see only the last `window` keys, itself included (4096 in v0.1): a
+# kernel that skips the hidden keys does T * window work instead of T^2 / 2 (the masks here only hide them), and the
+# cache never holds more than `window` tokens (Mistral-7B: 512 MiB, where 32k tokens take 4 GiB; Mistral's own cache
+# writes token p into slot p mod W of a fixed buffer, ours keeps them in order). Older tokens count through the layers:
+# layer 2 reads layer 1's outputs at p - (W - 1) .. p, so L layers reach back L * (W - 1) positions (Mistral-7B:
+# 32 * 4095 = 131,040; the paper's 4096 x 32 = 131,072 counts W a layer); a token further back changes nothing at all.
+# The pitfall: len(cache) must count every token seen, not the `window` held: RoPE turns the next token by its absolute
+# position and the mask counts from it; a length that stops at `window` restarts the positions.
 
 ARGUMENTS.update(window=(int, 1, MAX_SIZE), length=(int, 0, MAX_SIZE))
 RELATIONS["keys and values"] = (("shapes",), lambda s: len(s["k"]) == len(s["v"]) == 4 and s["k"][:3] == s["v"][:3],
@@ -3568,10 +3521,8 @@ class RollingKVCache(KVCache):
         """Keep the first `length` tokens seen (section 48 takes back rejected ones); not below those let go."""
         check(length=length)
         held = min(length, len(self)) - self.dropped                       # tokens left in k and v
-        if held < 0:
-            raise ValueError(f"cannot cut a rolling cache back to {length} tokens: it let {self.dropped} go")
-        if self.k is not None:
-            self.k, self.v = self.k[:, :, :held], self.v[:, :, :held]     # [B, Hkv, held, dk] each
+        if held < 0: raise ValueError(f"cannot cut a rolling cache back to {length} tokens: it let {self.dropped} go")
+        if self.k is not None: self.k, self.v = self.k[:, :, :held], self.v[:, :, :held]  # [B, Hkv, held, dk] each
 
 
 class SlidingWindowAttention(GroupedQueryAttention):
@@ -3644,20 +3595,17 @@ HF_FAMILIES["mistral"] = (Mistral, hf_mistral)
 # ===========================================================================
 # 36. The paged KV cache (分页 KV 缓存)
 # ===========================================================================
-# A server batching requests of very different lengths wastes most of a padded [B, max_len]
-# cache: a 30-token answer reserves as much as a 4000-token one. vLLM (Kwon et al., 2023,
-# "PagedAttention") cuts the cache into fixed-size blocks, as an operating system pages
-# memory: a sequence takes a block when its last one fills, finds its blocks through a block
-# table, and gives them back when it ends: under one block per sequence is wasted. Here a
-# PagedKVCache holds one layer of one sequence (vLLM shares a block table across the layers)
-# and gathers its blocks into one [1, Hkv, t, dk], where vLLM's kernel reads each block in place.
+# A server batching requests of very different lengths wastes most of a padded [B, max_len] cache: a 30-token answer
+# reserves as much as a 4000-token one. vLLM (Kwon et al., 2023, "PagedAttention") cuts the cache into fixed-size
+# blocks, as an operating system pages memory: a sequence takes a block when its last one fills, finds its blocks
+# through a block table, and gives them back when it ends: under one block per sequence is wasted. Here a PagedKVCache
+# holds one layer of one sequence (vLLM shares a block table across the layers) and gathers its blocks into one
+# [1, Hkv, t, dk], where vLLM's kernel reads each block in place.
 
 ARGUMENTS.update(n_blocks=(int, 1, MAX_SIZE), lengths=(list,))
-RELATIONS.update({
-    "one sequence": (("shapes",), lambda s: s["k"][0] == 1, "a PagedKVCache holds one sequence: batch 1"),
-    "token counts": (("lengths",), lambda ns: len(ns) > 0 and all(type(n) is int and n >= 0 for n in ns),
-                     "lengths must be a non-empty list of token counts, integers >= 0"),
-})
+RELATIONS.update({"one sequence": (("shapes",), lambda s: s["k"][0] == 1, "a PagedKVCache holds one sequence: batch 1"),
+                  "token counts": (("lengths",), lambda ns: len(ns) > 0 and all(type(n) is int and n >= 0 for n in ns),
+                                   "lengths must be a non-empty list of token counts, integers >= 0")})
 
 
 class KVPool:
@@ -3848,8 +3796,7 @@ def scaled_rope_frequencies(head_dim, theta, scaling):
     check("even head_dim", head_dim=head_dim, theta=theta)
     check_scaling(scaling)
     inv_freq, factor = rope_frequencies(head_dim, theta), scaling["factor"]  # [dk/2], s
-    if scaling["type"] == "linear":
-        return inv_freq / factor, 1.0                                      # [dk/2]
+    if scaling["type"] == "linear": return inv_freq / factor, 1.0          # [dk/2]
     original = scaling["original_max_len"]                                 # L
     if scaling["type"] == "llama3":
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -4886,20 +4833,18 @@ HF_FAMILIES["deepseek_v32"] = (DeepSeekV32, hf_deepseek_v32)
 # ===========================================================================
 # Part VII: training, by hand (第七部分：手写训练)
 # ===========================================================================
-# What training a Transformer takes besides the model, each piece written out and
-# proven equal to the library it replaces: the optimizer, the schedule, clipping and
-# accumulation; then what training costs, in FLOPs and in memory, by formula and
-# measured; mixed precision; and LoRA, which trains a few parameters instead of all.
+# What training a Transformer takes besides the model, each piece written out and proven equal to the library it
+# replaces: the optimizer, the schedule, clipping and accumulation; then what training costs, in FLOPs and in memory, by
+# formula and measured; mixed precision; and LoRA, which trains a few parameters instead of all.
 
 # ===========================================================================
 # 41. AdamW, written out (AdamW 优化器)
 # ===========================================================================
-# Adam steps each weight by a running mean of its gradient over the root of a running mean of
-# its square: about lr per step whatever the gradient's scale, so one lr fits every layer.
-# Weight decay added to the gradient (L2, torch.optim.Adam(weight_decay=...)) is divided by that
-# root too, and a weight with large gradients is hardly decayed. AdamW (Loshchilov and Hutter,
-# "Decoupled Weight Decay Regularization", ICLR 2019) shrinks the weight itself, apart from the
-# gradient: p <- p * (1 - lr * weight_decay).
+# Adam steps each weight by a running mean of its gradient over the root of a running mean of its square: about lr per
+# step whatever the gradient's scale, so one lr fits every layer. Weight decay added to the gradient (L2,
+# torch.optim.Adam(weight_decay=...)) is divided by that root too, and a weight with large gradients is hardly decayed.
+# AdamW (Loshchilov and Hutter, "Decoupled Weight Decay Regularization", ICLR 2019) shrinks the weight itself, apart
+# from the gradient: p <- p * (1 - lr * weight_decay).
 
 ARGUMENTS.update(lr=(float, 0.0, FINITE), betas=(tuple,), eps=(float, torch.finfo(torch.float32).tiny, FINITE),
                  weight_decay=(float, 0.0, FINITE))
@@ -4930,11 +4875,9 @@ class AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
-                if p.grad is None:  # not used this step: no update and no decay, as torch
-                    continue
+                if p.grad is None: continue  # not used this step: no update and no decay, as torch
                 state = self.state[p]
-                if not state:  # both means start at 0
-                    state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                if not state: state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))  # both means start at 0
                 state["t"] += 1
                 t, g, m, v = state["t"], p.grad, state["m"], state["v"]
                 p.mul_(1 - lr * decay)  # decoupled: the weight shrinks, m and v never see it
@@ -4988,20 +4931,17 @@ def decay_groups(model, weight_decay):
 # the peak and decays only over the last steps, so a run can be extended and decayed at any point.
 
 ARGUMENTS.update(total_steps=(int, 1, MAX_SIZE), decay_steps=(int, 0, MAX_SIZE), min_ratio=(float, 0.0, 1.0))
-RELATIONS.update({
-    "warmup <= total": (("warmup_steps", "total_steps"), lambda w, t: w <= t,
-                        "warmup_steps must be at most total_steps"),
-    "decay after warmup": (("decay_steps", "total_steps", "warmup_steps"), lambda d, t, w: d <= t - w,
-                           "decay_steps must be at most total_steps - warmup_steps"),
-})
+RELATIONS.update({"warmup <= total": (("warmup_steps", "total_steps"), lambda w, t: w <= t,
+                                      "warmup_steps must be at most total_steps"),
+                  "decay after warmup": (("decay_steps", "total_steps", "warmup_steps"), lambda d, t, w: d <= t - w,
+                                         "decay_steps must be at most total_steps - warmup_steps")})
 
 
 def warmup_cosine(step, warmup_steps, total_steps, min_ratio=0.0):
     """The multiplier at step: step / warmup_steps during the warmup (0 at step 0, so the first step moves no
     weight: transformers' convention), then half a cosine from 1 down to min_ratio at total_steps, then min_ratio."""
     check("warmup <= total", step=step, warmup_steps=warmup_steps, total_steps=total_steps, min_ratio=min_ratio)
-    if step < warmup_steps:
-        return step / warmup_steps
+    if step < warmup_steps: return step / warmup_steps
     if step >= total_steps:  # transformers' cosine goes on past total_steps and climbs back
         return min_ratio     # toward 1; a run longer than planned should keep its lowest rate
     progress = (step - warmup_steps) / (total_steps - warmup_steps)        # 0 -> 1
@@ -5014,12 +4954,9 @@ def warmup_stable_decay(step, warmup_steps, total_steps, decay_steps, min_ratio=
     falling function (its runs: exponential); here linear, as transformers' get_wsd_schedule(decay_type="linear")."""
     check("warmup <= total", "decay after warmup", step=step, warmup_steps=warmup_steps, total_steps=total_steps,
           decay_steps=decay_steps, min_ratio=min_ratio)
-    if step < warmup_steps:
-        return min_ratio + (1 - min_ratio) * step / warmup_steps
-    if step < total_steps - decay_steps:
-        return 1.0
-    if step < total_steps:
-        return min_ratio + (1 - min_ratio) * (total_steps - step) / decay_steps
+    if step < warmup_steps: return min_ratio + (1 - min_ratio) * step / warmup_steps
+    if step < total_steps - decay_steps: return 1.0
+    if step < total_steps: return min_ratio + (1 - min_ratio) * (total_steps - step) / decay_steps
     return min_ratio
 
 # Try it: 2 steps of warmup, 10 in all; WSD decays over the last 4.
@@ -5050,19 +4987,17 @@ def clip_grad_norm(parameters, max_norm):
     if not all(isinstance(p, torch.Tensor) for p in parameters):
         raise ValueError(f"parameters must be tensors, got {sorted({type(p).__name__ for p in parameters})}")
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)                                           # []: nothing to clip, as torch
+    if not grads: return torch.tensor(0.0)                                 # []: nothing to clip, as torch
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))  # []
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)                      # []: 1 when shorter; 1e-6 for norm 0
     for g in grads:
         g.mul_(scale)  # one factor for all: clipping each tensor by its own norm would turn the direction
     return norm
 
-# Accumulation's pitfall: a language model's loss is a mean over real tokens (padding is
-# ignore_index), and the mean of the micro-batches' means is not the big batch's mean when they
-# hold different numbers of real tokens (2 and 8: each token of the first weighs 1/4, of the
-# second 1/16, where the big batch weighs all 1/10; transformers' Trainer did this until October
-# 2024, pull request 34191). Right: sum the micro-batches' token losses, divide by all real tokens.
+# Accumulation's pitfall: a language model's loss is a mean over real tokens (padding is ignore_index), and the mean of
+# the micro-batches' means is not the big batch's mean when they hold different numbers of real tokens (2 and 8: each
+# token of the first weighs 1/4, of the second 1/16, where the big batch weighs all 1/10; transformers' Trainer did this
+# until October 2024, pull request 34191). Right: sum the micro-batches' token losses, divide by all real tokens.
 
 def accumulate_gradients(model, micro_batches, ignore_index=-100):
     """Add the big batch's gradient to .grad from micro-batches (inputs..., targets [B, T]), model(*inputs)
@@ -5129,8 +5064,7 @@ MODEL_KINDS = {DecoderOnlyTransformer: "gpt", Llama: "llama", Mistral: "mistral"
 MODEL_PARTS = (nn.Embedding, nn.Linear, nn.ModuleList, nn.Dropout, PositionalEncoding, EncoderLayer, LayerNorm,
                MultiHeadAttention, FeedForward, RMSNorm, LlamaBlock, GroupedQueryAttention, SlidingWindowAttention,
                QKNormAttention, SwiGLU, MoE, MultiHeadLatentAttention)  # the modules the formulas model
-ARGUMENTS.update(batch_size=(int, 1, MAX_SIZE), seq_len=(int, 1, MAX_SIZE), kind=("one of", *MODEL_KINDS.values()),
-                 config=(dict,))
+ARGUMENTS.update(seq_len=(int, 1, MAX_SIZE), kind=("one of", *MODEL_KINDS.values()))  # batch_size, config: above
 RELATIONS["seq_len <= max_len"] = (("seq_len", "max_len"), lambda t, most: t <= most, "seq_len must be at most max_len")
 
 
@@ -5149,8 +5083,7 @@ def model_kind(model, formula="model_kind", trains=False):
     odd = [f" holds a {type(m).__name__} at {name}" for name, m in model.named_modules()
            if name and type(m) not in MODEL_PARTS]
     odd += [f"'s {name} is frozen (no dW)" for name, p in model.named_parameters() if trains and not p.requires_grad]
-    if odd:
-        raise ValueError(f"{formula}: model{odd[0]}, which the formula does not count")
+    if odd: raise ValueError(f"{formula}: model{odd[0]}, which the formula does not count")
     return MODEL_KINDS[type(model)]
 
 
@@ -5160,15 +5093,12 @@ def matmul_widths(kind, config, active=True):
     check(kind=kind, config=config)
     c = Keys(config)
     D, V, L, H = c["d_model"], c["vocab_size"], c["n_layers"], c["n_heads"]
-    if kind == "gpt":
-        return L * (4 * D * D + 2 * D * c["d_ff"]) + V * D, L * 2 * D  # biases: added, not multiplied
+    if kind == "gpt": return L * (4 * D * D + 2 * D * c["d_ff"]) + V * D, L * 2 * D  # biases: added, not multiplied
     if kind == "deepseek":
         nope, rope, v, r = c["qk_nope_dim"], c["qk_rope_dim"], c["v_head_dim"], c["kv_lora_rank"]
-        qr = c.get("q_lora_rank")
-        attention = (D * H * (nope + rope) if qr is None else qr * (D + H * (nope + rope))) + D * (r + rope) + \
-            H * (r * (nope + v) + v * D)
+        q = D * H * (nope + rope) if c.get("q_lora_rank") is None else c["q_lora_rank"] * (D + H * (nope + rope))
+        attention, dense = q + D * (r + rope) + H * (r * (nope + v) + v * D), c["n_dense_layers"]
         moe = moe_params(D, c["expert_d_ff"], c["n_experts"], c["top_k"], c["n_shared"], active)
-        dense = c["n_dense_layers"]
         return L * attention + dense * 3 * D * c["d_ff"] + (L - dense) * moe + V * D, L * H * (nope + rope + v)
     head_dim, d_ff = c.get("head_dim") or D // H, c.get("d_ff") or llama_ffn_dim(D)  # Llama and its families
     ffn = moe_params(D, c.get("expert_d_ff") or d_ff, c["n_experts"], c["top_k"], active=active) if kind in (
@@ -5206,9 +5136,8 @@ def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
     return flops_per_token * tokens / (gpu_hours * 3600 * peak_flops)
 
 # Try it: FlopCounterMode's count of a forward and backward, and the formula's.
-#   >>> from torch.utils.flop_counter import FlopCounterMode
-#   >>> llama, counter = Llama(50, 32, 2, 4, 2, d_ff=64, max_len=16), FlopCounterMode(display=False)
-#   >>> with counter: llama(torch.zeros(2, 7, dtype=torch.long)).sum().backward()               # ids [2, 7]
+#   >>> from torch.utils.flop_counter import FlopCounterMode; llama = Llama(50, 32, 2, 4, 2, d_ff=64, max_len=16)
+#   >>> with FlopCounterMode(display=False) as counter: llama(torch.zeros(2, 7, dtype=torch.long)).sum().backward()
 #   >>> counter.get_total_flops(), training_flops(llama, batch_size=2, seq_len=7)
 #   (1757952, 1757952)
 
@@ -5216,11 +5145,10 @@ def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
 # ===========================================================================
 # 45. Mixed precision and loss scaling (混合精度与损失缩放)
 # ===========================================================================
-# Mixed precision (Micikevicius et al., 2018) runs products in 16 bits and keeps weights, updates and sums in
-# float32. float16: 5 exponent bits, 11 significant, largest 65504, normal to 2^-14, subnormal to 2^-24; bfloat16:
-# float32's 8 exponent bits, 8 significant (1 + 0.001 is 1). torch.autocast("cpu", dtype=torch.bfloat16) runs
-# linear, matmul, bmm and scaled_dot_product_attention in bf16, losses in float32, the rest in its inputs' dtype
-# (float32 + bf16: float32, as the residual stream); CUDA's runs softmax and layer_norm in float32 as well.
+# Mixed precision (Micikevicius et al., 2018): products in 16 bits; weights, updates and sums in float32. float16:
+# 5 exponent bits, 11 significant, largest 65504, normal to 2^-14, subnormal to 2^-24; bfloat16: float32's 8 exponent
+# bits, 8 significant (1 + 0.001 is 1). CPU autocast to bf16 runs linear, matmul, bmm and scaled_dot_product_attention
+# in bf16, losses (CUDA's: softmax, layer_norm too) in float32, the rest in its inputs' dtype (float32 + bf16: float32).
 
 ARGUMENTS.update(init_scale=(float, 2.0 ** -126, torch.finfo(torch.float32).max), growth_factor=(float, 1.0, math.inf),
                  backoff_factor=(float, 0.0, 1.0), growth_interval=(int, 1, MAX_SIZE))  # 2^-126: float32's least normal
@@ -5248,8 +5176,7 @@ class LossScaler:
         self.found_inf = not all(torch.isfinite(g).all() for g in grads)  # bool, from a [] test a gradient
         for g in grads:  # unscaled even when the step is skipped, as GradScaler does
             g.mul_(self.loss_scale.double().reciprocal().float())         # [] times g
-        if not self.found_inf:
-            optimizer.step()
+        if not self.found_inf: optimizer.step()
 
     def update(self):
         """The scale times backoff_factor after a skipped step, times growth_factor after growth_interval good ones,
@@ -5307,8 +5234,7 @@ def checkpoint_blocks(model, checkpointing=True):
         if checkpointing:  # an instance attribute: nn.Module's __call__ finds it before the class's forward
             block.forward = lambda *inputs, block=block: torch.utils.checkpoint.checkpoint(
                 type(block).forward, block, *inputs, use_reentrant=False)
-        elif "forward" in vars(block):
-            del block.forward
+        elif "forward" in vars(block): del block.forward
     return model
 
 
@@ -5324,11 +5250,10 @@ def saved_bytes(model, input_ids, targets, mixed_precision=False):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(torch.utils.weak.TensorWeakRef(t)) or t,
                                                   lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision):
-            loss = F.cross_entropy(model(input_ids).flatten(0, 1), targets.flatten())  # []
+            loss = F.cross_entropy(model(input_ids).flatten(0, 1), targets.flatten())  # []: kept, so all it saved lives
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (ref() for ref in saved)
                 if t is not None and not copied_parameter(t) and t.untyped_storage().data_ptr() not in own}
-    del loss  # the graph, and all it saved, lives until here
     return sum(storages.values())
 
 # Korthikanti et al. (2022) count 34 D + 5 H T bytes a token for a GPT layer (16 bits, dropout included). Here,
@@ -5354,11 +5279,10 @@ def activation_bytes(kind, config, batch_size, seq_len, mixed_precision=False, c
     norms = (4 + s) * (H + (c.get("n_kv_heads") or H)) * head_dim if kind in ("qwen3", "qwen3moe") else (
         (4 + 2 * s) * (c["kv_lora_rank"] + (c.get("q_lora_rank") or 0)) if kind == "deepseek" else 0)
     layer = 24 * D + s * qkvo + 2 * s * H * T + norms
-    if kind == "gpt":
-        return batch_size * T * (head + L * (layer + 2 * s * d_ff + dropout * s * (H * T + 2 * D + d_ff)))
+    ffn = 2 * s * d_ff + dropout * s * (H * T + 2 * D + d_ff) if kind == "gpt" else 4 * s * d_ff  # GELU's, SwiGLU's
     moe_layers, expert = L - c.get("n_dense_layers", 0) if c.get("n_experts") else 0, c.get("expert_d_ff") or d_ff
     moe = c["top_k"] * (4 * s * expert + (8 + s) * D) + 4 * s * c.get("n_shared", 0) * expert if moe_layers else 0
-    return batch_size * T * (head + L * layer + (L - moe_layers) * 4 * s * d_ff + moe_layers * moe)
+    return batch_size * T * (head + L * layer + (L - moe_layers) * ffn + moe_layers * moe)
 
 
 def memory_bytes(params, trainable, activations, precision="float32", matrices=0):
@@ -5397,12 +5321,11 @@ def zero_memory_per_device(memory, n_devices, zero_stage):
 # ===========================================================================
 # 47. LoRA (低秩适配)
 # ===========================================================================
-# Fine-tuning all of a model keeps a gradient and AdamW's two moments beside every weight.
-# LoRA (Hu et al., 2021, "LoRA: Low-Rank Adaptation of Large Language Models") freezes a
-# pretrained W [out, in] and trains only a change of rank r: W x + (alpha / r) B A x, A [r, in]
-# and B [out, r], r (in + out) numbers for the in * out of W; the paper's hypothesis is that
-# adapting a model needs a change of low "intrinsic rank". Merged, W + (alpha / r) B A runs at
-# the base model's cost; unmerged, the base serves other adapters.
+# Fine-tuning all of a model keeps a gradient and AdamW's two moments beside every weight. LoRA (Hu et al., 2021, "LoRA:
+# Low-Rank Adaptation of Large Language Models") freezes a pretrained W [out, in] and trains only a change of rank r:
+# W x + (alpha / r) B A x, A [r, in] and B [out, r], r (in + out) numbers for the in * out of W; the paper's hypothesis
+# is that adapting a model needs a change of low "intrinsic rank". Merged, W + (alpha / r) B A runs at the base model's
+# cost; unmerged, the base serves other adapters.
 
 ARGUMENTS.update(merge=(bool,), base=(nn.Linear,), r=(int, 1, MAX_SIZE), alpha=(float, 0.0, FINITE), targets=(tuple,))
 RELATIONS.update({
@@ -5478,8 +5401,7 @@ def merge_lora(model, merge=True):
     """Merge every LoRALinear of model (merge=False: unmerge them). -> model."""
     check(model=model, merge=merge)
     for module in model.modules():
-        if isinstance(module, LoRALinear):
-            module.merge(merge)
+        if isinstance(module, LoRALinear): module.merge(merge)
     return model
 
 # What it saves: a frozen float32 weight needs no gradient (4 bytes) and no AdamW moments (8),
@@ -5547,12 +5469,10 @@ def lora_base(task, device, seed):
 def lora_adapt(base, task, seed, lr, r=None, alpha=16, targets=("w_q", "w_v")):
     """A copy of base trained on the new sentences by adamw_update: LoRA of rank r, or all (r None) -> (model, s)."""
     model = copy.deepcopy(base)
-    if r is not None:
-        add_lora(model, r=r, alpha=alpha, targets=targets)
-    recipe = LORA_RECIPE
-    steps = recipe["epochs"] * -(-len(task["new_train"]) // recipe["batch_size"])  # ceil: batches an epoch
-    update = adamw_update(model, lr, recipe["warmup_steps"], steps)
-    return model, lora_train(model, task, "new", seed, update, recipe["epochs"], recipe["batch_size"])
+    if r is not None: add_lora(model, r=r, alpha=alpha, targets=targets)
+    steps = LORA_RECIPE["epochs"] * -(-len(task["new_train"]) // LORA_RECIPE["batch_size"])  # ceil: batches an epoch
+    update = adamw_update(model, lr, LORA_RECIPE["warmup_steps"], steps)
+    return model, lora_train(model, task, "new", seed, update, LORA_RECIPE["epochs"], LORA_RECIPE["batch_size"])
 
 
 def lora_report(device="cpu", seed=0):
@@ -5588,32 +5508,28 @@ def lora_report(device="cpu", seed=0):
 # ===========================================================================
 # Part VIII: after pretraining (第八部分：预训练之后)
 # ===========================================================================
-# What is done with a model once it is trained: answer faster without changing the
-# answer (speculative decoding), score whole sequences, and train on preferences (DPO)
-# and on a reward a program checks (GRPO), on the toy task of Part II.
+# What is done with a model once it is trained: answer faster without changing the answer (speculative decoding), score
+# whole sequences, and train on preferences (DPO) and on a reward a program checks (GRPO), on the toy task of Part II.
 
 # ===========================================================================
 # 48. Speculative decoding (投机解码)
 # ===========================================================================
-# Decoding one sequence a token at a time reads all the target's weights for each token; while
-# that dominates, scoring k + 1 tokens in one forward costs about what scoring one does. So a
-# small draft model proposes k tokens, one at a time, the target scores all k + 1 positions in one
-# forward, and the longest prefix it agrees with is kept, plus one token of its own (Leviathan et
-# al., 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al., 2023,
-# "Accelerating Large Language Model Decoding with Speculative Sampling"). A drafted x, drawn from
-# the draft's q, is kept with probability min(1, p(x) / q(x)), p the target's; at the first
-# rejection the token is drawn from max(0, p - q), normalized.
-# What comes out is exactly p: y comes out kept with q(y) min(1, p(y) / q(y)) = min(p(y), q(y)),
-# and a rejection, of chance 1 - sum(min(p, q)) = sum(max(0, p - q)), the residual's own total,
-# then a redraw adds max(0, p - q)(y): min + max(0, p - q) = p. Redrawing from p itself would give
-# min(p, q) + (1 - sum(min(p, q))) p: too much of the tokens the draft likes. p and q are
-# next_token_probs (section 9), after temperature, top_k and top_p; at temperature 0 they are
-# one-hot: x is kept exactly when it is the target's argmax, and the tokens are greedy's.
-# The pitfall: after a rejection both caches still hold the rejected tokens' keys; crop_cache cuts
-# them off. A rolling cache (section 35) cannot take back tokens it let go, so here it holds k
-# more than its window: cut by at most k, it keeps the whole window the next query reads. A
-# recurrent memory (Gated DeltaNet, section 39) cannot be cut back at all: speculation_cache
-# asks each fresh cache for a cut to 0, so such a model is refused before anything runs
+# Decoding one sequence a token at a time reads all the target's weights for each token; while that dominates, scoring
+# k + 1 tokens in one forward costs about what scoring one does. So a small draft model proposes k tokens, one at a
+# time, the target scores all k + 1 positions in one forward, and the longest prefix it agrees with is kept, plus one
+# token of its own (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al.,
+# 2023, "Accelerating Large Language Model Decoding with Speculative Sampling"). A drafted x, drawn from the draft's q,
+# is kept with probability min(1, p(x) / q(x)), p the target's; at the first rejection the token is drawn from
+# max(0, p - q), normalized.
+# What comes out is exactly p: y comes out kept with q(y) min(1, p(y) / q(y)) = min(p(y), q(y)), and a rejection, of
+# chance 1 - sum(min(p, q)) = sum(max(0, p - q)), the residual's own total, then a redraw adds max(0, p - q)(y):
+# min + max(0, p - q) = p. Redrawing from p itself would give min(p, q) + (1 - sum(min(p, q))) p: too much of the tokens
+# the draft likes. p and q are next_token_probs (section 9), after temperature, top_k and top_p; at temperature 0 they
+# are one-hot: x is kept exactly when it is the target's argmax, and the tokens are greedy's.
+# The pitfall: after a rejection both caches still hold the rejected tokens' keys; crop_cache cuts them off. A rolling
+# cache (section 35) cannot take back tokens it let go, so here it holds k more than its window: cut by at most k, it
+# keeps the whole window the next query reads. A recurrent memory (Gated DeltaNet, section 39) cannot be cut back at
+# all: speculation_cache asks each fresh cache for a cut to 0, so such a model is refused before anything runs
 # (transformers refuses assisted decoding for its stateful models too).
 
 ARGUMENTS.update(k=(int, 1, MAX_SIZE), target=(type,), draft=(type,), draft_vocab_size=(int, 1, MAX_SIZE))
@@ -5644,8 +5560,7 @@ def speculation_cache(model, k):
     cache = model.new_cache()
     crop_cache(cache, 0)  # a cache that cannot be cut back (a recurrent state) refuses here, before any forward
     for c in cache:
-        if hasattr(c, "window"):
-            c.window += k
+        if hasattr(c, "window"): c.window += k
     return cache
 
 
@@ -5667,8 +5582,7 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
           top_k=top_k, top_p=top_p, generator=generator)
 
     def draw(probs):  # [n, V] -> [n, 1], as next_token chooses
-        if temperature == 0:
-            return probs.argmax(dim=-1, keepdim=True)                      # [n, 1]
+        if temperature == 0: return probs.argmax(dim=-1, keepdim=True)     # [n, 1]
         return torch.multinomial(probs, 1, generator=generator)            # [n, 1]
 
     ids, end = input_ids, input_ids.size(1) + max_new_tokens
@@ -5688,8 +5602,7 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
             while kept < n_draft:
                 keep, residual = rejection_rule(p[kept], q[kept][0])       # [V] each
                 u = torch.rand((), generator=generator, device=p.device) if temperature else 0.0  # []
-                if u >= keep[ids[0, n + kept]]:
-                    break
+                if u >= keep[ids[0, n + kept]]: break
                 kept += 1
             if kept < n_draft:  # rejected: redraw from the residual (from p if p = q: float noise)
                 last = draw(residual[None] if residual.sum() > 0 else p[kept:kept + 1])  # [1, 1]
@@ -5716,18 +5629,16 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 #   tensor([0.5000, 0.3000, 0.2000, 0.0000])
 
 
-# Multi-token prediction as the draft (section 32): the module reads the target's last hidden
-# state, so it is wrapped to the draft's interface (speculative_generate stays as it is): each
-# call reads the states the target's latest forward left, those of the tokens it kept, and runs
-# the module on the tokens it has not seen. The first round has nothing to read: it proposes from
-# a uniform law (almost always rejected), a round that writes the target's own token as
-# transformers' MTP drafting does in its first round. A second drafted token of a round has no
-# target state before it yet: the module's own state stands in (the same module run again, as
-# vLLM does for more drafted tokens than modules, warning that fewer are kept; DeepSeek-V3's
-# report drafts one and keeps 85-90% of the second tokens, for 1.8 times the tokens per second).
-# There the module is one block of 62; on the toy it is one of 3, and the costliest kind (MLA and
-# the 8-expert MoE take about what the whole target does a forward): it saves target forwards,
-# not time (speculative_report(kind="deepseek") measures both).
+# Multi-token prediction as the draft (section 32): the module reads the target's last hidden state, so it is wrapped to
+# the draft's interface (speculative_generate stays as it is): each call reads the states the target's latest forward
+# left, those of the tokens it kept, and runs the module on the tokens it has not seen. The first round has nothing to
+# read: it proposes from a uniform law (almost always rejected), a round that writes the target's own token as
+# transformers' MTP drafting does in its first round. A second drafted token of a round has no target state before it
+# yet: the module's own state stands in (the same module run again, as vLLM does for more drafted tokens than modules,
+# warning that fewer are kept; DeepSeek-V3's report drafts one and keeps 85-90% of the second tokens, for 1.8 times the
+# tokens per second). There the module is one block of 62; on the toy it is one of 3, and the costliest kind (MLA and
+# the 8-expert MoE take about what the whole target does a forward): it saves target forwards, not time
+# (speculative_report(kind="deepseek") measures both).
 
 ARGUMENTS.update(mtp=(MultiTokenPrediction,))
 RELATIONS["its model's width"] = (("mtp", "d_model"), lambda mtp, d: mtp.d_model == d,
@@ -5805,12 +5716,10 @@ RELATIONS["draft decodes"] = (("draft",), lambda cls: issubclass(cls, (DecoderOn
 #   [True, True]
 
 # speculative_report's drafts: each decoder-only toy recipe at one layer of half the width (same vocabulary).
-DRAFT_MODELS = {
-    "gpt": dict(TOY_MODELS["gpt"], name="GPT, 1 layer of 32",
-                config=dict(d_model=32, n_heads=2, d_ff=128, n_layers=1, dropout=0.0)),
-    "llama": dict(TOY_MODELS["llama"], name="Llama-style, 1 layer of 32",
-                  config=dict(d_model=32, n_heads=2, n_kv_heads=1, d_ff=128, n_layers=1)),
-}
+DRAFT_MODELS = {"gpt": dict(TOY_MODELS["gpt"], name="GPT, 1 layer of 32",
+                            config=dict(d_model=32, n_heads=2, d_ff=128, n_layers=1, dropout=0.0)),
+                "llama": dict(TOY_MODELS["llama"], name="Llama-style, 1 layer of 32",
+                              config=dict(d_model=32, n_heads=2, n_kv_heads=1, d_ff=128, n_layers=1))}
 DRAFT_MODELS["deepseek"] = DRAFT_MODELS["llama"]  # a draft of another family needs only the same vocabulary
 
 
@@ -5818,8 +5727,7 @@ DRAFT_MODELS["deepseek"] = DRAFT_MODELS["llama"]  # a draft of another family ne
 def count_forwards(*models):
     """Within the block, {model: forwards run so far}, counted by forward pre-hooks."""
     counts = {model: 0 for model in models}
-    hooks = [model.register_forward_pre_hook(lambda m, args: counts.__setitem__(m, counts[m] + 1))
-             for model in models]
+    hooks = [model.register_forward_pre_hook(lambda m, args: counts.__setitem__(m, counts[m] + 1)) for model in models]
     try:
         yield counts
     finally:
@@ -5831,11 +5739,10 @@ def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), m
                        log=print):
     """Train the toy target (TOY_MODELS[kind]) and its draft (DRAFT_MODELS[kind]) on seed's split, and for a Llama
     family an MTP module (train_mtp); answer n_prompts held-out prompts "pinyin <sep>" greedily (S + 1 tokens: the
-    answer, eos) with the target's generate, speculative_generate for each k (the MTP draft for each of mtp_ks),
-    and the draft alone (its cost); check the tokens are the target's, count the drafted tokens kept (the MTP's
-    first-round guess, which reads nothing, not counted), and time each way: each prompt in turn, in a changing
-    order so a busy moment of a shared machine falls on all, medians over repeats of their totals.
-    -> {way: row of the table}."""
+    answer, eos) with the target's generate, speculative_generate for each k (the MTP draft for each of mtp_ks), and the
+    draft alone (its cost); check the tokens are the target's, count the drafted tokens kept (the MTP's first-round
+    guess, which reads nothing, not counted), and time each way: each prompt in turn, in a changing order so a busy
+    moment of a shared machine falls on all, medians over repeats of their totals. -> {way: row of the table}."""
     device = torch.device(device)
     train_pairs, test_pairs = split_data(make_toy_data(), seed=seed)
     quiet = lambda line: None  # noqa: E731
@@ -5898,11 +5805,10 @@ def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), m
 # ===========================================================================
 # 49. Sequence log-probabilities (序列对数概率)
 # ===========================================================================
-# Pretraining and section 13 raise the probability of given text; what comes after compares
-# answers: DPO (section 50) weighs two answers to one prompt, GRPO (section 51) several. Both need
-# log p(answer | prompt), the sum of the log-probabilities of the answer's tokens from one
-# teacher-forced pass (GRPO token by token). The logits at t predict token t + 1, so they are
-# shifted by one, and only the answer's tokens count: not the prompt's, not the padding's.
+# Pretraining and section 13 raise the probability of given text; what comes after compares answers: DPO (section 50)
+# weighs two answers to one prompt, GRPO (section 51) several. Both need log p(answer | prompt), the sum of the
+# log-probabilities of the answer's tokens from one teacher-forced pass (GRPO token by token). The logits at t predict
+# token t + 1, so they are shifted by one, and only the answer's tokens count: not the prompt's, not the padding's.
 
 def check_batch(dims, any_dtype=(), **tensors):
     """The related tensors of a batch, checked together before any is used: each `dims`-D, floating point
@@ -5963,13 +5869,12 @@ def answer_batch(vocab, prompts, answers):
 # ===========================================================================
 # 50. DPO (直接偏好优化)
 # ===========================================================================
-# RLHF fits a reward model to pairs of answers (one chosen, one rejected), then trains the model
-# against it while a KL penalty holds it near a reference. DPO (Rafailov et al., 2023, "Direct
-# Preference Optimization") solves that KL-penalized problem in closed form: the model that
-# solves it has the reward beta * log(pi / pi_ref) plus a term of the prompt alone, which cancels
-# between two answers to one prompt. So the pairs train the model directly, a logistic loss on the
-# chosen answer's reward minus the rejected one's: no reward model, no sampling during training,
-# four sequence log-probabilities (section 49) per pair.
+# RLHF fits a reward model to pairs of answers (one chosen, one rejected), then trains the model against it while a KL
+# penalty holds it near a reference. DPO (Rafailov et al., 2023, "Direct Preference Optimization") solves that
+# KL-penalized problem in closed form: the model that solves it has the reward beta * log(pi / pi_ref) plus a term of
+# the prompt alone, which cancels between two answers to one prompt. So the pairs train the model directly, a logistic
+# loss on the chosen answer's reward minus the rejected one's: no reward model, no sampling during training, four
+# sequence log-probabilities (section 49) per pair.
 
 ARGUMENTS.update(beta=(float, 0.0, FINITE))
 RELATIONS["beta > 0"] = (("beta",), lambda b: b > 0, "beta must be > 0 (at 0 every pair has the same loss)")
@@ -5989,11 +5894,10 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1)
     loss = -F.logsigmoid(chosen - rejected).mean()                         # []
     return loss, chosen.detach(), rejected.detach()                        # [], [B], [B]
 
-# The gradient, as the paper's section 4 writes it: d loss / d policy_chosen = -beta *
-# sigmoid(rejected - chosen) / B, the opposite for policy_rejected. Each pair weighs sigmoid of
-# minus its margin of implicit rewards: near 1 while the chosen answer has gained less over the
-# reference than the rejected one, near 0 once it has gained clearly more, so learned pairs stop
-# pulling. beta = 0.1 is TRL's default; a larger beta holds the model nearer the reference.
+# The gradient, as the paper's section 4 writes it: d loss / d policy_chosen = -beta * sigmoid(rejected - chosen) / B,
+# the opposite for policy_rejected. Each pair weighs sigmoid of minus its margin of implicit rewards: near 1 while the
+# chosen answer has gained less over the reference than the rejected one, near 0 once it has gained clearly more, so
+# learned pairs stop pulling. beta = 0.1 is TRL's default; a larger beta holds the model nearer the reference.
 # Try it: a pair the policy already ranks right, and one it ranks wrong.
 #   >>> pi_c, pi_r = torch.tensor([-2.0, -9.0], requires_grad=True), torch.tensor([-6.0, -3.0])
 #   >>> ref_c, ref_r = torch.tensor([-5.0, -5.0]), torch.tensor([-5.0, -5.0])
@@ -6029,11 +5933,10 @@ def run_dpo(model, vocab, train_pairs, seed, p):
 # ===========================================================================
 # 51. GRPO (组相对策略优化)
 # ===========================================================================
-# Where an answer can be checked (a math result, a test suite, our toy's characters), the model
-# can learn from its own answers: sample G of them for each prompt, score each, and raise the
-# probability of those better than their group. GRPO (Shao et al., 2024, "DeepSeekMath"; the RL
-# of DeepSeek-R1, 2025) is PPO with the group's mean reward as the baseline (and its std as the
-# scale) instead of a learned value model: no critic to train, G answers a prompt instead.
+# Where an answer can be checked (a math result, a test suite, our toy's characters), the model can learn from its own
+# answers: sample G of them for each prompt, score each, and raise the probability of those better than their group.
+# GRPO (Shao et al., 2024, "DeepSeekMath"; the RL of DeepSeek-R1, 2025) is PPO with the group's mean reward as the
+# baseline (and its std as the scale) instead of a learned value model: no critic to train, G answers a prompt instead.
 
 ARGUMENTS.update(group_size=(int, 2, MAX_SIZE), clip_eps=(float, 0.0, 1.0), kl_beta=(float, 0.0, FINITE))
 RELATIONS["sampled"] = (("temperature",), lambda t: t > 0, "temperature must be > 0: GRPO learns from answers"
@@ -6241,9 +6144,8 @@ from unittest import mock
 # ===========================================================================
 # 52. Your own data (自己的数据)
 # ===========================================================================
-# --data FILE.tsv trains on your pairs instead of the generated ones: UTF-8,
-# one "pinyin<TAB>hanzi" a line, one syllable per character, blank lines and
-# # comments skipped. A line that does not fit is reported as FILE:LINE.
+# --data FILE.tsv trains on your pairs instead of the generated ones: UTF-8, one "pinyin<TAB>hanzi" a line, one
+# syllable per character, blank lines and # comments skipped. A line that does not fit is reported as FILE:LINE.
 
 SYLLABLE = re.compile("[a-z]+")  # toneless lowercase pinyin, ü written v: the one rule for input
 MAX_DATA_BYTES = 64 * 2 ** 20    # a --data file past this is refused, not read into memory
@@ -6284,8 +6186,7 @@ def open_for_reading(path, limit, expected, any_size=False):
     try:
         f = os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb")  # a pipe with no writer: empty
         if hasattr(os, "O_NONBLOCK"): os.set_blocking(f.fileno(), True)  # then read as usual (Unix)
-        if any_size and os.path.isfile(path):
-            return f
+        if any_size and os.path.isfile(path): return f
         with f:
             data = f.read(limit + 1)
     except OSError as e:  # missing, not allowed, a folder
@@ -6306,8 +6207,7 @@ def read_pairs(path):
     for match in re.finditer(r"[^\n]+", text):  # visited, never listed; numbered as an editor does: only \n ends one
         number, at = number + text.count("\n", at, match.start()), match.start()
         line = match.group().removesuffix("\r")
-        if line.isspace() or line.lstrip().startswith("#"):
-            continue
+        if line.isspace() or line.lstrip().startswith("#"): continue
         where, tabs = f"{path}:{number}:", line.count("\t")
         if tabs != 1: raise ValueError(f"{where} expected 'pinyin<TAB>hanzi', found {tabs + 1} tab-separated fields")
         pinyin, hanzi = line.split("\t")
@@ -6471,10 +6371,9 @@ def checked_checkpoint(checkpoint, device):
     # the configuration must account for exactly the weights held (tied ones once; buffers are no parameters)
     # before anything is built: a forged size cannot allocate more than the file stores
     held = sum({t.data_ptr(): t.numel() for n, t in state.items() if not n.endswith((".pe", ".router_bias"))}.values())
-    needed = PARAMETER_FORMULAS[kind](**config)
-    if needed != held:
-        raise ValueError(f"the configuration (n_layers {config['n_layers']}) needs {needed:,} parameters,"
-                         f" the weights hold {held:,}")
+    if (needed := PARAMETER_FORMULAS[kind](**config)) != held:
+        raise ValueError(f"the configuration (n_layers {config['n_layers']}) needs {needed:,} parameters, the weights"
+                         f" hold {held:,}")
     per_position = (config["d_model"] if kind in ("encdec", "gpt") else 2 * config["qk_rope_dim"] if "qk_rope_dim"
                     in config else 2 * (config.get("head_dim") or config["d_model"] // config["n_heads"]))  # cos, sin
     if config["max_len"] * per_position > max(held, 2 ** 24):  # the position tables
@@ -6603,8 +6502,7 @@ def show_models(device):
              ("DeepSeek-style", "deepseek", dict(vocab_size=1000, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16,
                                                  v_head_dim=32, d_ff=512, expert_d_ff=128, n_experts=8, top_k=2,
                                                  q_lora_rank=96, n_groups=4, topk_groups=2))]
-    src = torch.randint(1, 1000, (2, 7), device=device)                    # [B, S]
-    tgt = torch.randint(1, 1000, (2, 5), device=device)                    # [B, T]
+    src, tgt = (torch.randint(1, 1000, (2, n), device=device) for n in (7, 5))  # [B, S], [B, T]
     print("small models, d_model 128, 4 heads, 2 layers (each), vocabulary 1000 (1200 for the target)")
     models = {}
     for name, kind, cfg in small:
@@ -6781,8 +6679,7 @@ def run(args, device, pairs, loaded):
                     print("\nexpert load on the held-out sentences (share of each MoE layer's routed slots):")
                     print(render_expert_load(expert_load(model, fits, tgt_vocab)))
         results[kind] = (model, src_vocab, tgt_vocab, readings, result)
-        if result.get("interrupted"):
-            break
+        if result.get("interrupted"): break
     if not answering and any("exact" in r for *_, r in results.values()):
         compare_with_baseline(results, train_pairs, answered, args)
         print("\nthe same weights in GGUF's blocks (section 25): held-out exact match, greedy\n"
@@ -6810,9 +6707,8 @@ def run(args, device, pairs, loaded):
 # ===========================================================================
 # 55. The benchmark (基准测试): python transformer.py --bench
 # ===========================================================================
-# Where the time goes, measured in one run: training throughput of the
-# hand-written model against nn.Transformer with the same weights, the KV
-# cache's speedup and the memory-bandwidth bound it runs into, and FlashAttention's
+# Where the time goes, measured in one run: training throughput of the hand-written model against nn.Transformer
+# with the same weights, the KV cache's speedup and the memory-bandwidth bound it runs into, and FlashAttention's
 # tiles against section 2 at long lengths, in time and in memory.
 
 class TorchTransformer(nn.Module):
@@ -6834,8 +6730,7 @@ class TorchTransformer(nn.Module):
             for mine, theirs in zip(list(ours.encoder_layers) + list(ours.decoder_layers),
                                     list(self.core.encoder.layers) + list(self.core.decoder.layers)):
                 pairs = [(mine.self_attn, theirs.self_attn)]
-                if hasattr(mine, "cross_attn"):
-                    pairs.append((mine.cross_attn, theirs.multihead_attn))
+                if hasattr(mine, "cross_attn"): pairs.append((mine.cross_attn, theirs.multihead_attn))
                 for m, t in pairs:
                     t.in_proj_weight.copy_(torch.cat([m.w_q.weight, m.w_k.weight, m.w_v.weight]))
                     t.in_proj_bias.copy_(torch.cat([m.w_q.bias, m.w_k.bias, m.w_v.bias]))
@@ -6874,8 +6769,7 @@ def training_tokens_per_second(model, src, tgt, steps):
 TRAINING_BENCH_SIZES = [  # name, the model's widths, batch, length, steps a round
     ("toy: d64, 4 heads, d_ff 256, 2+2 layers, batch 64", dict(d_model=64, n_heads=4, d_ff=256, n_layers=2),
      64, 14, 30),
-    ("d512, 8 heads, d_ff 2048, 2+2 layers, batch 32", dict(d_model=512, n_heads=8, d_ff=2048, n_layers=2),
-     32, 32, 6)]
+    ("d512, 8 heads, d_ff 2048, 2+2 layers, batch 32", dict(d_model=512, n_heads=8, d_ff=2048, n_layers=2), 32, 32, 6)]
 
 
 def bench_training(device, rounds=3, sizes=TRAINING_BENCH_SIZES):
@@ -6906,8 +6800,7 @@ def bench_training(device, rounds=3, sizes=TRAINING_BENCH_SIZES):
 def memory_bandwidth(device=torch.device("cpu"), megabytes=256):
     """Bytes a second a large copy reads and writes: the ceiling for a step that streams all its weights once."""
     x = torch.ones(megabytes * 2 ** 20 // 4, device=device)                # [N] float32
-    y = torch.empty_like(x)                                                # [N]
-    y.copy_(x)
+    y = x.clone()                                                          # [N]: its pages touched once
     synchronize(device)
     start = time.perf_counter()
     for _ in range(5):
@@ -6945,8 +6838,7 @@ spec = importlib.util.spec_from_file_location("transformer_under_test", sys.argv
 tf = importlib.util.module_from_spec(spec); spec.loader.exec_module(tf)
 kind, T, H, dk = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 def attend(q, k, v):
-    if kind == "flash":
-        return tf.flash_attention(q, k, v, causal=True)[0]
+    if kind == "flash": return tf.flash_attention(q, k, v, causal=True)[0]
     return tf.scaled_dot_product_attention(q, k, v, tf.make_causal_mask(q.size(2)))[0]
 def kib(field):  # this process's resident memory now (VmRSS) or at its peak (VmHWM)
     return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
@@ -6963,8 +6855,7 @@ def attention_peak_bytes(kind, T, H, dk):
     """Bytes one attention call adds at its peak in a fresh process: VmHWM after minus VmRSS before (Linux's /proc;
     else None). tracemalloc misses torch's allocator; getrusage's ru_maxrss keeps the parent's peak across exec."""
     import subprocess
-    if not os.path.exists("/proc/self/status"):
-        return None
+    if not os.path.exists("/proc/self/status"): return None
     result = subprocess.run([sys.executable, "-c", PEAK_MEMORY_PROGRAM, os.path.abspath(__file__), kind,
                              str(T), str(H), str(dk)], capture_output=True, text=True, timeout=600)
     return int(result.stdout.split()[-1]) if result.returncode == 0 else None
@@ -6984,15 +6875,12 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
         shown = [f"{peak / 2 ** 20:.1f} MiB" if peak is not None else "n/a" for peak in peaks]
         for n_threads in sorted({1, threads}):  # small tiles and a second thread: see the comment printed
             torch.set_num_threads(n_threads)
-            seconds = {}
             with torch.no_grad():
-                for kind in ("plain", "flash"):
-                    start = time.perf_counter()
-                    if kind == "flash":
-                        out, _ = flash_attention(q, k, v, causal=True)     # [1, H, T, dk]
-                    else:
-                        plain, _ = scaled_dot_product_attention(q, k, v, make_causal_mask(T, device))  # [1, H, T, dk]
-                    seconds[kind] = time.perf_counter() - start
+                start = time.perf_counter()
+                plain, _ = scaled_dot_product_attention(q, k, v, make_causal_mask(T, device))  # [1, H, T, dk]
+                middle = time.perf_counter()
+                out, _ = flash_attention(q, k, v, causal=True)             # [1, H, T, dk]
+                seconds = dict(plain=middle - start, flash=time.perf_counter() - middle)
             print(f"  {T:6d} {n_threads:7d} {seconds['plain']:9.3f}s {seconds['flash']:7.3f}s {shown[0]:>23s}"
                   f" {shown[1]:>9s}  {heads * T * T * 4 / 2 ** 20:16.0f} MiB  {(out - plain).abs().max().item():.1e}")
         torch.set_num_threads(threads)
@@ -7070,8 +6958,7 @@ class GuardedStream:
 
     def write(self, text, flushing=False):
         try:
-            if not self.broken:
-                return self.stream.flush() if flushing else self.stream.write(text)
+            if not self.broken: return self.stream.flush() if flushing else self.stream.write(text)
         except BrokenPipeError:
             self.broken = True
             if not self.keep_going: raise
@@ -7137,8 +7024,7 @@ def main(argv=None):
     ignored = next(((name, why, other) for name, (why, others) in IGNORED_BY.items() for other in others
                     if getattr(args, name) and getattr(args, other) != parser.get_default(other)), None)
     if ignored: parser.error("--{} {}, so --{} does not apply".format(*ignored))
-    lone = next((name for name in GGUF_OPTIONS if not args.gguf and getattr(args, name) != parser.get_default(name)),
-                None)
+    lone = not args.gguf and next((n for n in GGUF_OPTIONS if getattr(args, n) != parser.get_default(n)), None)
     if lone: parser.error(f"--{lone.replace('_', '-')} applies to --gguf, which was not given")
     if args.gguf is not None:  # the answer on stdout as it is made, the speed on stderr
         if not args.gguf or args.prompt is None: parser.error("--gguf needs a file name and --prompt TEXT")
@@ -7209,8 +7095,7 @@ def command_line():
     status, line = 0, None
     try:
         status = main()
-        if sys.stdout is not None:
-            sys.stdout.flush()  # a full disk shows here, not at exit
+        if sys.stdout is not None: sys.stdout.flush()                      # a full disk shows here, not at exit
     except KeyboardInterrupt:  # Ctrl-C where no training stops by itself to report and save
         status, line = 130, "interrupted"
     except BrokenPipeError:  # the reader left early (| head): not an error of ours
