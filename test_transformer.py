@@ -222,10 +222,10 @@ while True:
 FORKS = {}  # "jobs": the forker's stdin, "folder": where the jobs' files go, "n": jobs so far
 
 
-def behind(then=None):
+def behind(then=None, nice=10):
     """For preexec_fn: a process started beside the tests runs at a lower priority (nice 10),
     so that the tests keep a core of their own; then `then`, if given."""
-    os.nice(10)
+    os.nice(nice)
     if then:
         then()
 
@@ -2058,8 +2058,8 @@ def _train_args(model, pairs, sv, tv, **kw):
 OVERFIT_EPOCHS = 20
 
 
-@pytest.fixture(scope="module")
-def overfit10():
+@computed_in_the_background("overfit10")
+def _overfit10(folder):
     """Seed 002's check, done right: a tiny model trained to memorize 10 sentences
     (about 1 s), shared by the tests below."""
     pairs = tf.make_toy_data(n_sentences=10, seed=2)
@@ -2075,6 +2075,11 @@ def overfit10():
                       epochs=OVERFIT_EPOCHS, batch_size=10, label_smoothing=0.0, lr_factor=0.6, warmup=8,
                       log=logs.append)
     return model, pairs, sv, tv, result, logs
+
+
+@pytest.fixture(scope="module")
+def overfit10():
+    return background_result("overfit10")
 
 
 def test_pitfall3_causal_decoder_overfits_ten_sentences_and_decodes_them(overfit10):
@@ -2797,8 +2802,8 @@ def test_prompt_dataset_item_exact_ids():
 GPT_OVERFIT_EPOCHS = 25
 
 
-@pytest.fixture(scope="module")
-def gpt_overfit10():
+@computed_in_the_background("gpt_overfit10")
+def _gpt_overfit10(folder):
     """A tiny GPT trained with transformer.train on PromptDataset to memorize 10
     sentences (about 0.3 s), shared by the tests below. Accuracy is measured after
     the first and the last epoch only (nan between): generating every epoch would
@@ -2820,6 +2825,11 @@ def gpt_overfit10():
     result = tf.train(model, tf.PromptDataset(pairs, vocab), accuracy, epochs=GPT_OVERFIT_EPOCHS, batch_size=10,
                       label_smoothing=0.0, lr_factor=0.8, warmup=8, log=logs.append)
     return model, pairs, vocab, result, logs
+
+
+@pytest.fixture(scope="module")
+def gpt_overfit10():
+    return background_result("gpt_overfit10")
 
 
 def test_gpt_overfits_ten_sentences(gpt_overfit10):
@@ -8351,9 +8361,12 @@ RELEASED_INPUTS = dict(
 # is the one its GGUF builders make (those AutoTokenizer calls), then with SmolLM2's
 # pre-tokenizer put back: Digits before ByteLevel, as in the model's own tokenizer.json.
 RELEASED_REFERENCE = r'''
-import json, os, sys, time
-import torch, transformers
+import functools, json, os, sys, time
+import gguf, torch, transformers
 from tokenizers import pre_tokenizers
+# transformers builds gguf's name map of the whole model once for each of its ~400 modules: 12 s here,
+# the same map each time (a pure function of the architecture and the depth), so once
+gguf.get_tensor_name_map = functools.lru_cache(gguf.get_tensor_name_map)
 from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 torch.set_num_threads(1)
 path, folder = sys.argv[1:3]
@@ -8401,6 +8414,7 @@ def _released_reference(folder, request):
     with open(folder / "log.txt", "w") as log:  # a file, not a pipe that could fill while nobody reads
         return subprocess.Popen([sys.executable, "-c", RELEASED_REFERENCE, released_path(), str(folder)], cwd=HERE,
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=functools.partial(behind, nice=5),  # its tests come early: ahead of the jobs
                                 env=dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1"))
 
 
@@ -10663,8 +10677,8 @@ def fake_peak_bytes(kind, T, H, dk):
     return 2 ** 20 * T // 8 if kind == "plain" else 2 ** 19
 
 
-@pytest.fixture(scope="module")
-def bench_run():
+@computed_in_the_background("bench_run")
+def _bench_run(folder):
     """python transformer.py --bench through main(), each benchmark at its TINY_BENCH size:
     -> (exit status, stdout, stderr, the calls to attention_peak_bytes)."""
     peak_calls = []
@@ -10673,6 +10687,11 @@ def bench_run():
             patch.setattr(tf, name, functools.partial(getattr(tf, name), **sizes))
         patch.setattr(tf, "attention_peak_bytes", lambda *args: peak_calls.append(args) or fake_peak_bytes(*args))
         return (*_main(["--bench", "--device", "cpu"]), peak_calls)
+
+
+@pytest.fixture(scope="module")
+def bench_run():
+    return background_result("bench_run")
 
 
 def test_bench_runs_every_benchmark_in_order(bench_run):
