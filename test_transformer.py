@@ -2174,7 +2174,7 @@ def test_train_logs_and_stops_on_ctrl_c():
 
 
 # The demo's recipe (tf.TOY_MODELS["encdec"]: batches of 32, warmup 50, no dropout) at
-# lr_factor 0.35, unconstrained greedy answers, about 4 s (in the background). Held-out exact match after
+# lr_factor 0.35, unconstrained greedy answers, about 3 s (in the background). Held-out exact match after
 # epochs 1-4, measured (default/avx2/avx512, 1-2 threads, torch 2.5.1 and 2.13.0): 0.0%,
 # 50.0-63.3%, 77.5-85.8%, 89.2-95.8%. Three epochs end on the steep part of the curve,
 # where the way a CPU's kernels round moves the answer most (80% failed on AVX-512), so
@@ -12597,7 +12597,7 @@ def test_each_idea_copies_at_its_anchors_size():
     assert copy_size("MultiHeadLatentAttention", "LatentCache") <= 130
     assert copy_size("flash_attention") <= 85
     # speculative decoding with the cutting code wherever it lives (the rolling and the paged
-    # cache's own crop): 171 lines before crop_cache was one generic call; measured 118
+    # cache's own crop): 171 lines before crop_cache was one generic call; measured 110
     assert copy_size("speculative_generate") + method_lines("RollingKVCache", "crop") + method_lines(
         "PagedKVCache", "crop") <= 120
 
