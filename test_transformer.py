@@ -30,7 +30,10 @@ use them. Everything runs in-process (main(argv) with capsys and tmp_path),
 except the few checks that need a real `python transformer.py`: signals, a
 closed or full standard stream, a process's own peak memory, the sections cut
 out and run alone. Those start together with the session (`processes` below;
-the hardening's with its first test) and each test waits on its own.
+the hardening's with its first test), as forks of one interpreter that imported
+torch once, and each test waits on its own. The few tests that train for
+seconds have that part computed beside the others, on the second core
+(`computed_in_the_background`), and check its result where they stand.
 
     python -m pytest -q
 
