@@ -339,8 +339,8 @@ def finished(proc, timeout=120):
 # folder (@computed_in_the_background), and BACKGROUND_RUNNER runs the registered
 # ones of the selected tests, one after the other in the file's order, each in a
 # fork of its own (as if it were a test: the same seed, nothing left behind), while
-# the tests run; each test then checks its result (background_result), which is
-# all the test would have computed itself.
+# the tests run; each test then checks the result (background_result) where it
+# stands, with the assertions it always made.
 BACKGROUND = {}  # name -> function(folder) -> a picklable result
 BACKGROUND_RUNNER = r"""
 import os, pickle, sys, traceback
