@@ -3467,8 +3467,10 @@ def use_fused_kernels(model, fused=True):
     """Every MultiHeadAttention and LayerNorm of model in PyTorch's fused kernels (or as written). -> model."""
     check(model=model, fused=fused)
     for module in model.modules():
-        if isinstance(module, MultiHeadAttention): module.__class__ = FusedAttention if fused else MultiHeadAttention
-        elif isinstance(module, LayerNorm): module.__class__ = FusedLayerNorm if fused else LayerNorm
+        if isinstance(module, MultiHeadAttention):
+            module.__class__ = FusedAttention if fused else MultiHeadAttention
+        elif isinstance(module, LayerNorm):
+            module.__class__ = FusedLayerNorm if fused else LayerNorm
     return model
 
 
@@ -3521,8 +3523,10 @@ class RollingKVCache(KVCache):
         """Keep the first `length` tokens seen (section 48 takes back rejected ones); not below those let go."""
         check(length=length)
         held = min(length, len(self)) - self.dropped                       # tokens left in k and v
-        if held < 0: raise ValueError(f"cannot cut a rolling cache back to {length} tokens: it let {self.dropped} go")
-        if self.k is not None: self.k, self.v = self.k[:, :, :held], self.v[:, :, :held]  # [B, Hkv, held, dk] each
+        if held < 0:
+            raise ValueError(f"cannot cut a rolling cache back to {length} tokens: it let {self.dropped} go")
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :held], self.v[:, :, :held]        # [B, Hkv, held, dk] each
 
 
 class SlidingWindowAttention(GroupedQueryAttention):
@@ -3796,7 +3800,8 @@ def scaled_rope_frequencies(head_dim, theta, scaling):
     check("even head_dim", head_dim=head_dim, theta=theta)
     check_scaling(scaling)
     inv_freq, factor = rope_frequencies(head_dim, theta), scaling["factor"]  # [dk/2], s
-    if scaling["type"] == "linear": return inv_freq / factor, 1.0          # [dk/2]
+    if scaling["type"] == "linear":
+        return inv_freq / factor, 1.0                                        # [dk/2]
     original = scaling["original_max_len"]                                 # L
     if scaling["type"] == "llama3":
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -4875,9 +4880,11 @@ class AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
-                if p.grad is None: continue  # not used this step: no update and no decay, as torch
+                if p.grad is None:
+                    continue  # not used this step: no update and no decay, as torch
                 state = self.state[p]
-                if not state: state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))  # both means start at 0
+                if not state:
+                    state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))  # both means start at 0
                 state["t"] += 1
                 t, g, m, v = state["t"], p.grad, state["m"], state["v"]
                 p.mul_(1 - lr * decay)  # decoupled: the weight shrinks, m and v never see it
@@ -4941,7 +4948,8 @@ def warmup_cosine(step, warmup_steps, total_steps, min_ratio=0.0):
     """The multiplier at step: step / warmup_steps during the warmup (0 at step 0, so the first step moves no
     weight: transformers' convention), then half a cosine from 1 down to min_ratio at total_steps, then min_ratio."""
     check("warmup <= total", step=step, warmup_steps=warmup_steps, total_steps=total_steps, min_ratio=min_ratio)
-    if step < warmup_steps: return step / warmup_steps
+    if step < warmup_steps:
+        return step / warmup_steps
     if step >= total_steps:  # transformers' cosine goes on past total_steps and climbs back
         return min_ratio     # toward 1; a run longer than planned should keep its lowest rate
     progress = (step - warmup_steps) / (total_steps - warmup_steps)        # 0 -> 1
@@ -4954,9 +4962,12 @@ def warmup_stable_decay(step, warmup_steps, total_steps, decay_steps, min_ratio=
     falling function (its runs: exponential); here linear, as transformers' get_wsd_schedule(decay_type="linear")."""
     check("warmup <= total", "decay after warmup", step=step, warmup_steps=warmup_steps, total_steps=total_steps,
           decay_steps=decay_steps, min_ratio=min_ratio)
-    if step < warmup_steps: return min_ratio + (1 - min_ratio) * step / warmup_steps
-    if step < total_steps - decay_steps: return 1.0
-    if step < total_steps: return min_ratio + (1 - min_ratio) * (total_steps - step) / decay_steps
+    if step < warmup_steps:
+        return min_ratio + (1 - min_ratio) * step / warmup_steps
+    if step < total_steps - decay_steps:
+        return 1.0
+    if step < total_steps:
+        return min_ratio + (1 - min_ratio) * (total_steps - step) / decay_steps
     return min_ratio
 
 # Try it: 2 steps of warmup, 10 in all; WSD decays over the last 4.
@@ -4987,7 +4998,8 @@ def clip_grad_norm(parameters, max_norm):
     if not all(isinstance(p, torch.Tensor) for p in parameters):
         raise ValueError(f"parameters must be tensors, got {sorted({type(p).__name__ for p in parameters})}")
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads: return torch.tensor(0.0)                                 # []: nothing to clip, as torch
+    if not grads:
+        return torch.tensor(0.0)                                             # []: nothing to clip, as torch
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))  # []
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)                      # []: 1 when shorter; 1e-6 for norm 0
     for g in grads:
@@ -5083,7 +5095,8 @@ def model_kind(model, formula="model_kind", trains=False):
     odd = [f" holds a {type(m).__name__} at {name}" for name, m in model.named_modules()
            if name and type(m) not in MODEL_PARTS]
     odd += [f"'s {name} is frozen (no dW)" for name, p in model.named_parameters() if trains and not p.requires_grad]
-    if odd: raise ValueError(f"{formula}: model{odd[0]}, which the formula does not count")
+    if odd:
+        raise ValueError(f"{formula}: model{odd[0]}, which the formula does not count")
     return MODEL_KINDS[type(model)]
 
 
@@ -5093,7 +5106,8 @@ def matmul_widths(kind, config, active=True):
     check(kind=kind, config=config)
     c = Keys(config)
     D, V, L, H = c["d_model"], c["vocab_size"], c["n_layers"], c["n_heads"]
-    if kind == "gpt": return L * (4 * D * D + 2 * D * c["d_ff"]) + V * D, L * 2 * D  # biases: added, not multiplied
+    if kind == "gpt":
+        return L * (4 * D * D + 2 * D * c["d_ff"]) + V * D, L * 2 * D        # biases: added, not multiplied
     if kind == "deepseek":
         nope, rope, v, r = c["qk_nope_dim"], c["qk_rope_dim"], c["v_head_dim"], c["kv_lora_rank"]
         q = D * H * (nope + rope) if c.get("q_lora_rank") is None else c["q_lora_rank"] * (D + H * (nope + rope))
@@ -5176,7 +5190,8 @@ class LossScaler:
         self.found_inf = not all(torch.isfinite(g).all() for g in grads)  # bool, from a [] test a gradient
         for g in grads:  # unscaled even when the step is skipped, as GradScaler does
             g.mul_(self.loss_scale.double().reciprocal().float())         # [] times g
-        if not self.found_inf: optimizer.step()
+        if not self.found_inf:
+            optimizer.step()
 
     def update(self):
         """The scale times backoff_factor after a skipped step, times growth_factor after growth_interval good ones,
@@ -5234,7 +5249,8 @@ def checkpoint_blocks(model, checkpointing=True):
         if checkpointing:  # an instance attribute: nn.Module's __call__ finds it before the class's forward
             block.forward = lambda *inputs, block=block: torch.utils.checkpoint.checkpoint(
                 type(block).forward, block, *inputs, use_reentrant=False)
-        elif "forward" in vars(block): del block.forward
+        elif "forward" in vars(block):
+            del block.forward
     return model
 
 
@@ -5401,7 +5417,8 @@ def merge_lora(model, merge=True):
     """Merge every LoRALinear of model (merge=False: unmerge them). -> model."""
     check(model=model, merge=merge)
     for module in model.modules():
-        if isinstance(module, LoRALinear): module.merge(merge)
+        if isinstance(module, LoRALinear):
+            module.merge(merge)
     return model
 
 # What it saves: a frozen float32 weight needs no gradient (4 bytes) and no AdamW moments (8),
@@ -5469,7 +5486,8 @@ def lora_base(task, device, seed):
 def lora_adapt(base, task, seed, lr, r=None, alpha=16, targets=("w_q", "w_v")):
     """A copy of base trained on the new sentences by adamw_update: LoRA of rank r, or all (r None) -> (model, s)."""
     model = copy.deepcopy(base)
-    if r is not None: add_lora(model, r=r, alpha=alpha, targets=targets)
+    if r is not None:
+        add_lora(model, r=r, alpha=alpha, targets=targets)
     steps = LORA_RECIPE["epochs"] * -(-len(task["new_train"]) // LORA_RECIPE["batch_size"])  # ceil: batches an epoch
     update = adamw_update(model, lr, LORA_RECIPE["warmup_steps"], steps)
     return model, lora_train(model, task, "new", seed, update, LORA_RECIPE["epochs"], LORA_RECIPE["batch_size"])
@@ -5560,7 +5578,8 @@ def speculation_cache(model, k):
     cache = model.new_cache()
     crop_cache(cache, 0)  # a cache that cannot be cut back (a recurrent state) refuses here, before any forward
     for c in cache:
-        if hasattr(c, "window"): c.window += k
+        if hasattr(c, "window"):
+            c.window += k
     return cache
 
 
@@ -5582,7 +5601,8 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
           top_k=top_k, top_p=top_p, generator=generator)
 
     def draw(probs):  # [n, V] -> [n, 1], as next_token chooses
-        if temperature == 0: return probs.argmax(dim=-1, keepdim=True)     # [n, 1]
+        if temperature == 0:
+            return probs.argmax(dim=-1, keepdim=True)                        # [n, 1]
         return torch.multinomial(probs, 1, generator=generator)            # [n, 1]
 
     ids, end = input_ids, input_ids.size(1) + max_new_tokens
@@ -5602,7 +5622,8 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
             while kept < n_draft:
                 keep, residual = rejection_rule(p[kept], q[kept][0])       # [V] each
                 u = torch.rand((), generator=generator, device=p.device) if temperature else 0.0  # []
-                if u >= keep[ids[0, n + kept]]: break
+                if u >= keep[ids[0, n + kept]]:
+                    break
                 kept += 1
             if kept < n_draft:  # rejected: redraw from the residual (from p if p = q: float noise)
                 last = draw(residual[None] if residual.sum() > 0 else p[kept:kept + 1])  # [1, 1]
