@@ -97,6 +97,12 @@ def check(*relations, **arguments):
             raise ValueError(f"{expected}{f' ({others})' if others else ''}, got {arguments[names[0]]!r}")
 
 
+def arguments_of(scope):
+    """A constructor's locals(), taken before it assigns anything: its arguments, self left out. A model keeps
+    them as its config, which a checkpoint saves and the model is built again from."""
+    return {name: value for name, value in scope.items() if name not in ("self", "__class__")}
+
+
 # ===========================================================================
 # 1. Positional encoding (位置编码)
 # ===========================================================================
@@ -454,7 +460,7 @@ class Transformer(nn.Module):
     def __init__(self, src_vocab_size, tgt_vocab_size, d_model=512, n_heads=8, d_ff=2048, n_layers=6, dropout=0.1,
                  max_len=5000, norm_first=False, share_embeddings=False, pad_id=0):
         super().__init__()
-        self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for checkpoints
+        self.config = arguments_of(locals())                                # for checkpoints
         check("one vocabulary to share", "pad_id in both vocabularies", "d_ff given", **self.config)
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
         self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
@@ -605,7 +611,7 @@ class DecoderOnlyTransformer(nn.Module):
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, d_ff, max_len=5000, dropout=0.1, tie_weights=False):
         super().__init__()
-        self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for checkpoints
+        self.config = arguments_of(locals())                                # for checkpoints
         check("d_ff given", **self.config)
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         self.token_embedding = nn.Embedding(vocab_size, d_model)
@@ -1639,7 +1645,7 @@ class Llama(nn.Module):
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False):
         super().__init__()
-        self.config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # for checkpoints
+        self.config = arguments_of(locals())                                # for checkpoints
         check(**self.config)
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -3043,7 +3049,7 @@ class DeepSeekV3(Llama):
                  d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1, n_dense_layers=1, n_groups=1,
                  topk_groups=1, routed_scale=1.0, norm_topk=True, max_len=4096, rope_theta=10000.0, norm_eps=1e-6,
                  tie_weights=False, rope_interleave=True):
-        config = {name: value for name, value in locals().items() if name not in ("self", "__class__")}  # arguments
+        config = arguments_of(locals())
         check(*DEEPSEEK_RULES, **config)                                   # every block's rules, before building
         # read by attention() and feed_forward() while Llama builds the blocks
         self.mla = dict(kv_lora_rank=kv_lora_rank, qk_nope_dim=qk_nope_dim, qk_rope_dim=qk_rope_dim,
@@ -4449,7 +4455,7 @@ class Qwen3Next(Qwen3):
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, partial_rotary=0.25, layer_types=None,
                  linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128, conv_size=4,
                  n_experts=512, top_k=10, expert_d_ff=512, shared_d_ff=512, norm_topk=True):
-        config = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
+        config = arguments_of(locals())
         check(*QWEN3_NEXT_RULES, **config)
         self.rotary_dim = int((d_model // n_heads if head_dim is None else head_dim) * partial_rotary)  # 64 of 256
         check("even rotary dims", rotary_dim=self.rotary_dim)
