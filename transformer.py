@@ -3532,7 +3532,7 @@ class RollingKVCache(KVCache):
         if held < 0:
             raise ValueError(f"cannot cut a rolling cache back to {length} tokens: it let {self.dropped} go")
         if self.k is not None:
-            self.k, self.v = self.k[:, :, :held], self.v[:, :, :held]        # [B, Hkv, held, dk] each
+            self.k, self.v = self.k[:, :, :held], self.v[:, :, :held]      # [B, Hkv, held, dk] each
 
 
 class SlidingWindowAttention(GroupedQueryAttention):
@@ -3807,7 +3807,7 @@ def scaled_rope_frequencies(head_dim, theta, scaling):
     check_scaling(scaling)
     inv_freq, factor = rope_frequencies(head_dim, theta), scaling["factor"]  # [dk/2], s
     if scaling["type"] == "linear":
-        return inv_freq / factor, 1.0                                        # [dk/2]
+        return inv_freq / factor, 1.0                                      # [dk/2]
     original = scaling["original_max_len"]                                 # L
     if scaling["type"] == "llama3":
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -5005,7 +5005,7 @@ def clip_grad_norm(parameters, max_norm):
         raise ValueError(f"parameters must be tensors, got {sorted({type(p).__name__ for p in parameters})}")
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
-        return torch.tensor(0.0)                                             # []: nothing to clip, as torch
+        return torch.tensor(0.0)                                           # []: nothing to clip, as torch
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))  # []
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)                      # []: 1 when shorter; 1e-6 for norm 0
     for g in grads:
@@ -5113,7 +5113,7 @@ def matmul_widths(kind, config, active=True):
     c = Keys(config)
     D, V, L, H = c["d_model"], c["vocab_size"], c["n_layers"], c["n_heads"]
     if kind == "gpt":
-        return L * (4 * D * D + 2 * D * c["d_ff"]) + V * D, L * 2 * D        # biases: added, not multiplied
+        return L * (4 * D * D + 2 * D * c["d_ff"]) + V * D, L * 2 * D      # biases: added, not multiplied
     if kind == "deepseek":
         nope, rope, v, r = c["qk_nope_dim"], c["qk_rope_dim"], c["v_head_dim"], c["kv_lora_rank"]
         q = D * H * (nope + rope) if c.get("q_lora_rank") is None else c["q_lora_rank"] * (D + H * (nope + rope))
@@ -5608,7 +5608,7 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 
     def draw(probs):  # [n, V] -> [n, 1], as next_token chooses
         if temperature == 0:
-            return probs.argmax(dim=-1, keepdim=True)                        # [n, 1]
+            return probs.argmax(dim=-1, keepdim=True)                      # [n, 1]
         return torch.multinomial(probs, 1, generator=generator)            # [n, 1]
 
     ids, end = input_ids, input_ids.size(1) + max_new_tokens
