@@ -204,7 +204,7 @@ while True:
         running[child] = job
         continue
     jobs.close()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh python: even where pytest ignores it
     os.environ.update(job["env"])
     for fd, (path, flags) in enumerate(job["streams"]):
         if path is None:                            # a pipe whose reader is gone
@@ -225,12 +225,10 @@ while True:
 FORKS = {}  # "jobs": the forker's stdin, "folder": where the jobs' files go, "n": jobs so far
 
 
-def behind(then=None, nice=10):
+def behind(nice=10):
     """For preexec_fn: a process started beside the tests runs at a lower priority (nice 10),
-    so that the tests keep a core of their own; then `then`, if given."""
+    so that the tests keep a core of their own."""
     os.nice(nice)
-    if then:
-        then()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -299,28 +297,16 @@ class Forked:
         return read(self.stdout_path), read(self.stderr_path)
 
 
-def python(args, fresh=False, **kw):
-    """python ARGS, a process of its own in this folder, on one thread: a fork of the
-    forker (files for stdout and stderr), or with fresh=True a new interpreter (text pipes)."""
-    if not fresh:
-        code = args[1] if args[0] == "-c" else None
-        return Forked(["-c", *args[2:]] if code else args, code=code, **kw)
-    kw.setdefault("stdout", subprocess.PIPE)
-    kw.setdefault("env", dict(os.environ, OMP_NUM_THREADS="1"))
-    kw["preexec_fn"] = functools.partial(behind, kw.get("preexec_fn"))
-    return subprocess.Popen([sys.executable, *args], cwd=HERE, stderr=subprocess.PIPE, text=True,
-                            encoding="utf-8", **kw)
+def python(args, **kw):
+    """python ARGS, a process of its own in this folder, on one thread: a job of the forker
+    (keywords: Forked's)."""
+    code = args[1] if args[0] == "-c" else None
+    return Forked(["-c", *args[2:]] if code else args, code=code, **kw)
 
 
 def cli(argv, **kw):
     """The real command line, as a user runs it: python transformer.py ARGV."""
     return python(["transformer.py", *argv], **kw)
-
-
-def default_sigint():
-    """For preexec_fn: Ctrl-C as the default, so that Python turns it into
-    KeyboardInterrupt (a shell without job control starts its jobs ignoring it)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def finished(proc, timeout=120):
