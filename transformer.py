@@ -1,9 +1,10 @@
 """transformer.py: the Transformer, hand-written, top to bottom, proven against PyTorch.
 
-Read it like an article: each numbered section depends only on torch and on the
-sections above it, so the file cut after any model's section still runs that model.
-A later idea never becomes an option of an earlier class: a later section extends it, the
-way Qwen3 (QK-norm), Mixtral (experts) and Mistral (a window) each extend the Llama.
+Read it like an article, in the order of three Chinese tutorials (a line-by-line reading of a decoder-only GPT,
+a 350-line walk through attention, a build-it-yourself encoder-decoder), their mistakes fixed. Each numbered section
+depends only on torch and the sections above it, so the file cut after any model's section still runs that model. A
+later idea never becomes an option of an earlier class: a later section extends it, as Qwen3 (QK-norm), Mixtral
+(experts) and Mistral (a window) each extend the Llama. test_transformer.py proves every piece.
 
   Part I     1-10   the classic Transformer (Vaswani et al., 2017, "Attention Is All You Need")
   Part II    11-17  teaching it a task: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
@@ -24,10 +25,6 @@ The encoder-decoder (Part I) and its shapes, for a batch of B sentences:
                                           (causal self-attention)
                                        -> output_proj -> logits [B, T, V]: the next token
 
-It follows the order of three Chinese tutorial articles (a line-by-line reading of a
-decoder-only GPT, a 350-line walk through attention, and a build-it-yourself
-encoder-decoder), fixes their mistakes, and proves each piece in test_transformer.py.
-
     python transformer.py                            # the demo
     python transformer.py --translate "wo ai xue xi"  # train, then answer
     python transformer.py --help                     # every option
@@ -41,16 +38,15 @@ encoder-decoder), fixes their mistakes, and proves each piece in test_transforme
 # 0. Imports, the shape legend, argument checks (导入、形状记号与参数检查)
 # ===========================================================================
 # The models need nothing but torch. One legend for every shape comment:
-#   B batch, S source length, T target length, D d_model, H heads, dk = D // H one head's width (the
-#   code's head_dim from Part III on: the same number; section 28 frees it from D / H), dv a value's width,
-#   Dff the feed-forward width, V vocabulary size; with a cache, t tokens are cached and Tn are new.
-#   Part III adds Hkv, the key/value heads of grouped-query attention. Part V adds N = B * T tokens,
-#   E experts, k = top_k, G expert groups, r the width of MLA's latent (kv_lora_rank), nope / rope / v
-#   the widths of an MLA head's parts. Part VI adds bq, bk a tile's query and key blocks, bs a cache
-#   block's tokens, Hk / Hv / C / K / c a DeltaNet's key heads, value heads, channels, taps and chunk
-#   (section 39), Hi / di the sparse attention's indexer heads and their width (section 40). Part VII's
-#   r is another number: LoRA's rank (its A is [r, in]).
-# Attention scores are [B, H, Tq, Tk]: one row per query, one column per key.
+#   B batch, S source length, T target length, D d_model, H heads, dk = D // H one head's width (the code's head_dim
+#   from Part III on: the same number; section 28 frees it from D / H), dv a value's width, Dff the feed-forward width,
+#   V vocabulary size; with a cache, t tokens are cached and Tn are new. Attention scores are [B, H, Tq, Tk]: a row per
+#   query (Tq of them), a column per key (Tk). Part III adds Hkv, the key/value heads of grouped-query attention.
+#   Part V adds N = B * T tokens, E experts, k = top_k, G expert groups, r the width of MLA's latent (kv_lora_rank),
+#   nope / rope / v the widths of an MLA head's parts. Part VI adds bq, bk a tile's query and key blocks, bs a cache
+#   block's tokens, Hk / Hv / C / K / c a DeltaNet's key heads, value heads, channels, taps and chunk (section 39),
+#   Hi / di the sparse attention's indexer heads and their width (section 40). Part VII's r is another number: LoRA's
+#   rank (its A is [r, in]).
 
 import math
 
@@ -69,7 +65,6 @@ RELATIONS = {}  # rule -> (argument names, test on their values, what is expecte
 
 
 def check(*relations, **arguments):
-    """Each keyword against its rule in ARGUMENTS, then each named rule of RELATIONS."""
     for name, value in arguments.items():
         kind, *rule = ARGUMENTS[name]
         optional = rule[-1:] == ["or None"]
@@ -78,8 +73,7 @@ def check(*relations, **arguments):
         rule = rule[:-1] if optional else rule
         if kind in (int, float):  # an int counts as a float, a bool as neither; NaN is in no range
             low, high = rule
-            numeric = (int,) if kind is int else (int, float)
-            ok = isinstance(value, numeric) and not isinstance(value, bool) and low <= value <= high
+            ok = isinstance(value, (int, kind)) and not isinstance(value, bool) and low <= value <= high
             show = lambda x: f"{x:,}" if isinstance(x, int) else f"{x:g}"  # noqa: E731
             unbounded = high in (MAX_SIZE, math.inf, FINITE)
             what = ("an integer" if kind is int else "a finite number" if unbounded and value in (math.inf, -math.inf)
@@ -145,12 +139,11 @@ class PositionalEncoding(nn.Module):
 # ===========================================================================
 # 2. Scaled dot-product attention and masks (缩放点积注意力与掩码)
 # ===========================================================================
-# Each query scores every key, softmax turns the scores into weights, and the output is the weighted sum of
-# the values. Masks are bool with True = "may attend" (the convention of F.scaled_dot_product_attention and
-# of the tutorials' masked_fill(mask == 0, ...)); nn.MultiheadAttention's key_padding_mask is the opposite.
-# Two masks: padding (short sentences are filled up to the batch's longest with a pad id, which no query may
-# read) and causal (a position being predicted may not read the ones after it). Both are 4-D, to broadcast
-# against [B, H, Tq, Tk] scores; a 3-D [B, T, T] mask would line its batch up with heads: attention refuses it.
+# Each query scores every key, softmax turns the scores into weights, and the output is the weighted sum of the values.
+# Masks are bool, True = "may attend": the tutorials' masked_fill(mask == 0, ...) and F.scaled_dot_product_attention
+# agree; nn.MultiheadAttention's key_padding_mask is the opposite. The padding mask hides the pad ids that fill short
+# sentences up to the batch's longest; the causal mask hides from each position the ones after it. Both are 4-D, to
+# broadcast against [B, H, Tq, Tk] scores: a 3-D [B, T, T] mask would line its batch up with heads (refused).
 
 def make_pad_mask(ids, pad_id):
     """[B, S] token ids -> [B, 1, 1, S]: True where the key is a real token."""
@@ -202,13 +195,11 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
 # ===========================================================================
 # 3. Multi-head attention and the KV cache (多头注意力与键值缓存)
 # ===========================================================================
-# H heads of width dk = D / H attend in parallel, each in its own learned subspace, and w_o mixes their
-# outputs back together. The same module does self-attention (query = key = value) and cross-attention
-# (queries from one sequence, keys and values from another: Tq and Tk differ). A model that generates text
-# writes one token per step. At step t, the new token's query must read the keys and values of tokens 0..t;
-# those of 0..t-1 were computed at earlier steps, from the same inputs and weights, and would come out the
-# same. A KVCache keeps them, so each step projects only the new token: n generated tokens cost n
-# token-passes instead of 1 + 2 + ... + n ≈ n²/2. Earlier queries are never read again: no Q cache.
+# H heads of width dk = D / H attend in parallel, each in its own learned subspace, and w_o mixes their outputs back
+# together. The same module does self-attention (query = key = value) and cross-attention (queries from one sequence,
+# keys and values from another: Tq and Tk differ). Generating text writes one token per step; at step t the keys and
+# values of tokens 0..t-1 come out as they did before (same inputs, same weights), so a KVCache keeps them and a step
+# projects its new token only: n tokens cost n token-passes, not 1 + 2 + ... + n ≈ n²/2. No query is reread: no Q cache.
 
 class KVCache:
     """One attention module's keys and values from earlier steps, [B, H, t, dk] each."""
@@ -220,7 +211,6 @@ class KVCache:
         return 0 if self.k is None else self.k.size(2)
 
     def append(self, k, v):
-        """Add this step's keys and values [B, H, Tn, dk]; return all of them, [B, H, t+Tn, dk]."""
         if self.k is not None:
             k = torch.cat([self.k, k], dim=2)                              # [B, H, t+Tn, dk]
             v = torch.cat([self.v, v], dim=2)                              # [B, H, t+Tn, dk]
@@ -330,11 +320,10 @@ class LayerNorm(nn.Module):
 # ===========================================================================
 # 6. Encoder and decoder layers, post-LN and pre-LN (编码器层与解码器层)
 # ===========================================================================
-# Every sub-layer (attention or feed-forward) sits in a residual connection with a LayerNorm. The paper
-# normalizes after the sum (post-LN); GPT-2 and most models since normalize the sub-layer's input and leave
-# the residual path untouched (pre-LN), which keeps gradients well scaled in deep stacks (they still warm the
-# learning rate up: sections 13, 42). Each sub-layer is a small _block method, as in nn.TransformerEncoderLayer,
-# so the two orders read side by side. The decoder adds cross-attention to the memory, the encoder's output.
+# Every sub-layer (attention, feed-forward) sits in a residual connection with a LayerNorm. The paper normalizes after
+# the sum (post-LN); GPT-2 and most models since normalize the sub-layer's input and leave the residual path untouched
+# (pre-LN), which keeps deep stacks' gradients well scaled (they still warm the learning rate up: sections 13, 42).
+# Sub-layers are _block methods, as in nn.TransformerEncoderLayer, so both orders read side by side.
 
 class EncoderLayer(nn.Module):
     def __init__(self, d_model, n_heads, d_ff, dropout=0.1, norm_first=False, activation="relu"):
@@ -409,23 +398,20 @@ class DecoderLayer(nn.Module):
 # ===========================================================================
 # 7. Token ids and embeddings (词元与嵌入)
 # ===========================================================================
-# A model reads token ids: integers from 0 to V - 1, one per token, in a [B, T] tensor. An embedding
-# table, nn.Embedding(V, D), turns each id into a learned D-vector: row id of its [V, D] weight. Two
-# things the models of Part I share: the ids they are given are checked (a clear error now instead
-# of an index error deep inside), and the table starts at a scale that suits what it is added to.
+# A model reads token ids, integers from 0 to V - 1 in a [B, T] tensor; nn.Embedding(V, D) turns each id into a
+# learned D-vector, row id of its [V, D] weight. The models of Part I share two helpers: their ids are checked (a clear
+# error now, not an index error deep inside), and the table starts at a scale that suits what it is added to.
 
 def check_ids(name, ids, vocab_size, max_len):
-    """Token ids must be a [B, T] int64 or int32 tensor inside the vocabulary and max_len."""
     integer = isinstance(ids, torch.Tensor) and ids.dtype in (torch.long, torch.int)  # what nn.Embedding takes
     if not integer or ids.dim() != 2 or not len(ids):
         found = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise ValueError(f"{name} must be a 2-D integer tensor [B, T] (int64 or int32), B >= 1, got {found}")
     if not 0 < ids.size(1) <= max_len:
         raise ValueError(f"{name} has length {ids.size(1)}, expected 1 to max_len={max_len}")
-    low, high = ids.min().item(), ids.max().item()                         # two ints from [B, T]
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
+    bad = [i for i in (ids.min().item(), ids.max().item()) if not 0 <= i < vocab_size]  # two ints from [B, T]
+    if bad:
+        raise ValueError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
 
 
 def init_embedding(embedding):
@@ -441,11 +427,10 @@ def init_embedding(embedding):
 # ===========================================================================
 # 8. The encoder-decoder Transformer (编码器-解码器 Transformer)
 # ===========================================================================
-# The encoder reads the whole source once into the memory [B, S, D]; the decoder writes the target one token
-# at a time, attending causally to what it wrote and freely to the memory. The target starts with a bos
-# ("beginning of sentence") token, so the first real token has something to be predicted from, and ends with
-# eos ("end of sentence"), so the model can say when to stop. Training feeds the whole shifted target at once:
-# the causal mask is what stops position t from reading the answer at t+1.
+# The encoder reads the whole source once into the memory [B, S, D]; the decoder writes the target one token at a time,
+# attending causally to what it wrote and freely to the memory. The target starts with bos ("beginning of sentence"),
+# so the first real token is predicted from something, and ends with eos, so the model can say when to stop. Training
+# feeds the whole shifted target at once: the causal mask stops position t from reading the answer at t + 1.
 
 ARGUMENTS.update(src_vocab_size=(int, 1, MAX_SIZE), tgt_vocab_size=(int, 1, MAX_SIZE), n_layers=(int, 1, 1024),
                  pad_id=(int, 0, MAX_SIZE - 1), norm_first=(bool,), share_embeddings=(bool,))
@@ -571,8 +556,7 @@ def next_token(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
     """logits [B, V] -> the next ids [B, 1]: the most likely at temperature 0, else a draw from next_token_probs."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)                         # [B, 1]
-    probs = next_token_probs(logits, temperature, top_k, top_p)            # [B, V]
-    return torch.multinomial(probs, 1, generator=generator)                # [B, 1]
+    return torch.multinomial(next_token_probs(logits, temperature, top_k, top_p), 1, generator=generator)  # [B, 1]
 
 
 class eval_mode:
@@ -637,8 +621,7 @@ class DecoderOnlyTransformer(nn.Module):
             raise ValueError(f"input_ids holds {input_ids.size(1)} tokens and the cache {past} already:"
                              f" pass the cached tokens and at least one new one")
         new = input_ids[:, past:]                                          # [B, Tn]
-        x = self.token_embedding(new) * math.sqrt(self.d_model)            # [B, Tn, D]
-        x = self.pos_encoding(x, start=past)                               # [B, Tn, D]
+        x = self.pos_encoding(self.token_embedding(new) * math.sqrt(self.d_model), start=past)  # [B, Tn, D]
         mask = make_causal_mask(new.size(1), input_ids.device, past)       # [1, 1, Tn, T]
         for i, layer in enumerate(self.layers):
             x = layer(x, mask, cache[i] if cache else None)                # [B, Tn, D]
@@ -695,8 +678,7 @@ def decoder_only_param_formula(vocab_size, d_model, n_layers, d_ff, tie_weights=
 # ===========================================================================
 # Part II: teaching it a task (第二部分：教它一个任务)
 # ===========================================================================
-# A task small enough to learn in seconds on a CPU, the training loop, the ways to decode an
-# answer, and what the models learned; Python's standard library supplies the rest.
+# A task learned in seconds on a CPU, the training loop, the ways to decode an answer, what the models learned.
 
 import contextlib
 import copy
@@ -709,11 +691,10 @@ import time
 # ===========================================================================
 # 11. The toy task: pinyin to hanzi (玩具任务：拼音转汉字)
 # ===========================================================================
-# A task small enough to train in seconds and hard enough to need attention: many syllables are written with
-# different characters depending on the word around them (shi: 是 十 事 时 市 视 师, ji: 几 鸡 机 记 计, yi: 一 医 衣 意 已 ...),
-# so the model must read its neighbours, not map syllable to character. Pinyin is toneless and lowercase, one
-# syllable per character, ü written v. A small grammar composes sentences from a lexicon; the generator checks
-# that every pinyin sentence has exactly one hanzi answer.
+# A task small enough to train in seconds and hard enough to need attention: many syllables are written with different
+# characters depending on the word around them (shi: 是 十 事 时 市 视 师, ji: 几 鸡 机 记 计, yi: 一 医 衣 意 已 ...), so
+# the model must read its neighbours, not map syllable to character. Pinyin is toneless and lowercase, one syllable per
+# character, ü written v; a small grammar composes the sentences, each pinyin with exactly one hanzi answer (checked).
 
 SUBJECTS = [("wo", "我"), ("ni", "你"), ("ta", "他"), ("wo men", "我们"), ("ni men", "你们"),
             ("ta men", "他们"), ("lao shi", "老师"), ("xue sheng", "学生"), ("yi sheng", "医生"),
@@ -746,8 +727,7 @@ GRAMMAR = [(SUBJECTS, 1.0), (TIMES, 0.6), (ADVERBS, 0.5), (PLACES, 0.4), (PREDIC
 
 def make_toy_data(n_sentences=2400, seed=0, min_chars=3, max_chars=12):
     """n distinct (pinyin, hanzi) sentences from the grammar, the same for the same seed."""
-    rng = random.Random(seed)
-    answers = {}  # pinyin sentence -> its one hanzi answer
+    rng, answers = random.Random(seed), {}  # answers: pinyin sentence -> its one hanzi answer
     for _ in range(100 * n_sentences):
         if len(answers) == n_sentences:
             break
@@ -795,9 +775,8 @@ class Vocab:
     def decode(self, ids):
         """Ids to tokens, stopping at eos and skipping pad and bos."""
         check_list("ids", ids, "token ids")
-        ids = list(ids)
-        ids = ids[:ids.index(self.EOS)] if self.EOS in ids else ids
-        return [self.itos[i] for i in ids if i not in (self.PAD, self.BOS)]
+        ids = list(ids) + [self.EOS]  # an eos at the end: where to stop if none came earlier
+        return [self.itos[i] for i in ids[:ids.index(self.EOS)] if i not in (self.PAD, self.BOS)]
 
 
 def build_vocabs(pairs):
@@ -848,11 +827,10 @@ def ambiguous_syllables(pairs):
 # ===========================================================================
 # 12. A baseline to beat: bigram HMM and Viterbi (基线：二元语法与维特比)
 # ===========================================================================
-# Before trusting a Transformer, ask what counting does. A hidden Markov model reads the pinyin as emitted by a
-# hidden chain of characters: each character depends only on the one before it (a bigram), each syllable only on
-# its own character. Viterbi finds the most likely chain by dynamic programming, in a fraction of a second:
+# Before trusting a Transformer, ask what counting does: one that cannot beat it has not earned its place. A hidden
+# Markov model reads the pinyin as emitted by a hidden chain of characters, each depending only on the one before it
+# (a bigram), each syllable only on its own character. Viterbi finds the likeliest chain by dynamic programming:
 #   best[i, c] = max over c' of best[i-1, c'] + log P(c | c') + log P(syllable i | c).
-# A Transformer that cannot beat it on the same sentences has not earned its place.
 
 class BigramHMM:
     """decode(pinyin sentences) -> hanzi by Viterbi over training counts: P(c | c') the bigram count smoothed toward
@@ -867,8 +845,7 @@ class BigramHMM:
         self.chars = sorted({c for _, hanzi in pairs for c in hanzi})
         index = {c: i for i, c in enumerate(self.chars)}
         C = len(self.chars)
-        previous, following = [], []                                       # every bigram's two char ids
-        emitted = {}                                                       # syllable -> {char id: count}
+        previous, following, emitted = [], [], {}  # every bigram's two char ids; syllable -> {char id: count}
         for pinyin, hanzi in pairs:
             syllables = pinyin.split()
             ids = [index[char] for _, char in zip(syllables, hanzi)]
@@ -884,8 +861,7 @@ class BigramHMM:
         row_total = bigrams.sum(dim=1, keepdim=True) + smoothing           # [C+1, 1]
         # in place: the table is (C + 1) x C, so a temporary copy would double the memory
         self.log_next = bigrams.add_(smoothing * unigram).div_(row_total).log_()  # [C+1, C]
-        self.emissions = {s: (torch.tensor(list(c)), (torch.tensor(list(c.values()), dtype=torch.float)
-                                                       / char_count[list(c)]).log())
+        self.emissions = {s: (torch.tensor(list(c)), (torch.tensor(list(c.values())) / char_count[list(c)]).log())
                           for s, c in emitted.items()}                     # syllable -> ([n], [n])
         self.anything = (torch.arange(C), torch.zeros(C))                  # an unseen syllable: [C], [C]
 
@@ -894,15 +870,13 @@ class BigramHMM:
         if not syllables:
             return ""
         ids, log_emit = self.emissions.get(syllables[0], self.anything)    # [n0], [n0]
-        score = self.log_next[-1, ids] + log_emit                          # [n0]
-        back = []
+        score, back = self.log_next[-1, ids] + log_emit, []                # [n0]; back pointers, one a step
         for syllable in syllables[1:]:
             new_ids, log_emit = self.emissions.get(syllable, self.anything)  # [n], [n]
             total = score[:, None] + self.log_next[ids][:, new_ids]        # [n_prev, n]
             score, best_previous = total.max(dim=0)                        # [n], [n]
-            score = score + log_emit                                       # [n]
+            score, ids = score + log_emit, new_ids                         # [n], [n]
             back.append(best_previous)
-            ids = new_ids
         path = [score.argmax().item()]                                     # an int: position in the last [n]
         for best_previous in reversed(back):
             path.append(best_previous[path[-1]].item())
@@ -922,11 +896,10 @@ class BigramHMM:
 # ===========================================================================
 # 13. Training (训练)
 # ===========================================================================
-# Teacher forcing: the model reads whole target sequences at once and predicts every next token, the causal mask keeping
-# each position from its own answer. Padding is left out of the loss (ignore_index); label smoothing keeps the model
-# from over-trusting one character. The update is the 2017 paper's: Adam, its learning rate rising over a warmup (Adam's
-# first steps are noisy, so they are kept small), then decaying as 1 / sqrt(step); the gradient's length clipped, so one
-# bad batch cannot throw the weights far. Here torch's Adam and clip_grad_norm_ do it: Part VII writes each out.
+# Teacher forcing (section 8), with padding left out of the loss (ignore_index) and label smoothing, so the model does
+# not over-trust one character. The update is the 2017 paper's: Adam, its learning rate rising over a warmup (Adam's
+# first steps are noisy) then decaying as 1 / sqrt(step), and the gradient's length clipped, so one bad batch cannot
+# throw the weights far. Here torch's Adam and clip_grad_norm_ do it; Part VII writes each out.
 
 ARGUMENTS.update(step=(int, 0, MAX_SIZE), warmup_steps=(int, 0, MAX_SIZE), epochs=(int, 1, MAX_SIZE),
                  batch_size=(int, 1, MAX_SIZE), model=(nn.Module,))
@@ -948,9 +921,8 @@ def noam_lambda(d_model, warmup):
 
 
 def adam_noam(model, lr_factor=0.25, warmup=150, clip=1.0):
-    """The paper's update -> update(), run after each backward: clip the gradient norm to clip, one
-    step of Adam (betas 0.9 and 0.98, eps 1e-9, the paper's) at lr_factor * noam(step), clear the gradients."""
-    # fused=True: one C++ call updates every weight, not several small operations per weight
+    """The paper's update as update(), run after each backward: clip the gradient's norm, step Adam (the paper's betas
+    and eps) at lr_factor * noam(step), clear the gradients. fused=True: one C++ call updates every weight."""
     optimizer = torch.optim.Adam(model.parameters(), lr=lr_factor, betas=(0.9, 0.98), eps=1e-9, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, noam_lambda(model.d_model, warmup))
 
@@ -1007,9 +979,8 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
                 loss = criterion(logits.reshape(-1, logits.size(-1)), target.reshape(-1))  # []
                 loss.backward()
                 update()
-                steps += 1
                 # .item() copies the loss to the host, which waits for the device: the epoch's clock reads finished work
-                loss_sum, count = loss_sum + loss.item(), count + 1
+                loss_sum, count, steps = loss_sum + loss.item(), count + 1, steps + 1
                 if stop:
                     break
             training_seconds += time.perf_counter() - epoch_start
@@ -1027,15 +998,12 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
 # ===========================================================================
 # 14. Decoding: greedy, constrained, beam (解码：贪心、约束与束搜索)
 # ===========================================================================
-# At inference there is no target to feed: start every sentence with bos, run the decoder, choose a next character,
-# repeat until eos. The source is encoded once; with section 3's KV cache each step runs the newest token only.
-# Greedy takes the most likely token at every step. Two improvements:
-# - Constrained: the task has structure the model may ignore, one character per syllable and only the characters
-#   seen with that syllable (its readings). Masking every other logit before choosing makes each answer
-#   well-formed by construction, as structured generation (JSON, tool calls) does.
-# - Beam search keeps the beam_size best partial answers by summed log-probability instead of one. It fixes a
-#   first choice that looked best alone but leads to a worse sentence; it cannot fix a model that scores the
-#   wrong sentence higher, and it costs beam_size times the work.
+# At inference there is no target to feed: start with bos, run the decoder, choose a next character, repeat until eos.
+# The source is encoded once, and section 3's KV cache runs only the newest token. Greedy takes the most likely token.
+# Constrained decoding allows only the characters seen with each syllable (its readings), one a syllable: every other
+# logit masked, each answer is well-formed by construction, as in structured generation (JSON, tool calls). Beam search
+# keeps the beam_size best partial answers by summed log-probability: it fixes a first choice that looked best alone
+# but led to a worse sentence, not a model that scores the wrong sentence higher, and costs beam_size times the work.
 
 def answer_masks(syllable_lists, vocab, readings=None):
     """[B, S+1, V] bool, S the longest sentence: the tokens step i may choose. A character at steps 0 .. len-1
@@ -1046,8 +1014,7 @@ def answer_masks(syllable_lists, vocab, readings=None):
         check_list(f"syllable_lists[{b}]", syllables, "syllables")
     S = max((len(syllables) for syllables in syllable_lists), default=0)
     characters = torch.tensor([not token.isascii() for token in vocab.itos])  # [V]
-    free = characters.clone()                                               # [V]
-    free[Vocab.EOS] = True
+    free = characters | (torch.arange(len(vocab)) == Vocab.EOS)            # [V]: a character or an early eos
     allowed = torch.zeros(len(syllable_lists), S + 1, len(vocab), dtype=torch.bool)  # [B, S+1, V]
     for b, syllables in enumerate(syllable_lists):
         for i, syllable in enumerate(syllables):
@@ -1105,11 +1072,10 @@ def reorder_cache(cache, index):
 
 @torch.no_grad()
 def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_id=Vocab.EOS, pad_id=Vocab.PAD):
-    """The beam_size most likely continuations of start [B, T0] by summed log-probability -> (best continuation
-    [B, n_steps], its log-probability [B]). step(ids [B*k, t], cache) gives next-token logits [B*k, V], row
-    b*k + j beam j of sentence b (the caller repeats its own inputs k times); allowed [B, n_steps, V] masks as in
-    greedy_decode. A beam that has emitted eos continues with pad at no cost, so finished and open beams compare
-    fairly. Plain beam search can push the greedy path out and end below it; here it keeps a place, never lower."""
+    """The beam_size likeliest continuations of start [B, T0] by summed log-probability -> (the best [B, n_steps], its
+    log-probability [B]). step(ids [B*k, t], cache) -> next-token logits [B*k, V], row b*k + j beam j of sentence b (the
+    caller repeats its inputs k times); allowed [B, n_steps, V] as in greedy_decode. A finished beam adds pad at no
+    cost, so finished and open beams compare fairly; greedy's path keeps a place (plain beam search can end below)."""
     check(beam_size=beam_size, n_steps=n_steps)
     B, k = start.size(0), beam_size
     rows = torch.arange(B, device=start.device)                            # [B]
@@ -1194,9 +1160,8 @@ def evaluate(translate_fn, pairs, ambiguous=()):
 # ===========================================================================
 # 15. The KV cache, measured (键值缓存实测)
 # ===========================================================================
-# Section 3's cache, timed: without it generating n tokens reruns the prefix at every step (about n^2 / 2
-# token-passes), with it n; same tokens, less work. A GPU runs asynchronously: a call returns once its work is
-# queued, so a clock read right after it times the queueing; every timing waits for the device.
+# Section 3's cache, timed: the same tokens, less work. A GPU runs asynchronously (a call returns once its work is
+# queued, so a clock read right after it would time the queueing): every timing here waits for the device.
 
 def synchronize(device):
     """Wait until the device has finished its queued work (CUDA, MPS; a CPU computes before returning)."""
@@ -1282,10 +1247,9 @@ def translator(kind, model, src_vocab, tgt_vocab, readings=None, beam_size=1):
 
 @torch.no_grad()
 def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, batch_size=256):
-    """Exact match of greedy decoding (constrained by readings, if given) in one forward pass: greedy writes the
-    right sentence exactly when, fed the right prefix, the model's top allowed choice is right at every step,
-    which one teacher-forced pass checks at all steps at once (the same number as decoding, at a fraction of the
-    cost). batch_size sentences a pass: all held-out logits [B, T, V] at once could be gigabytes."""
+    """Exact match of greedy decoding (constrained by readings, if given) in one forward pass: greedy writes the right
+    sentence exactly when, fed the right prefix, the model's top allowed choice is right at every step, which one
+    teacher-forced pass checks at once. batch_size sentences a pass: all held-out logits at once could be gigabytes."""
     check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     longest = max((len(pinyin.split()) for pinyin, _ in pairs), default=0)
     batch_size = rows_per_batch(batch_size, 2 * longest + 2, len(tgt_vocab))
@@ -1309,9 +1273,8 @@ def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=N
     return right.all(dim=1).sum().item() / len(pairs)                     # [B] -> sentences all right / B
 
 
-# Both models of Part I on the task, each by a recipe small enough to train in seconds on two
-# CPU cores: two epochs, batches of 32 (more updates for the same work), a short warmup, no
-# dropout (the data has no noise to overfit to in 2 epochs). Later parts add their models.
+# Both models of Part I on the task, by recipes that train in seconds on two CPU cores: two epochs, batches of 32 (more
+# updates for the same work), a short warmup, no dropout (no noise in the data to overfit to). Later parts add models.
 TOY_MODELS = {
     "encdec": dict(name="encoder-decoder", model=Transformer, epochs=2, lr_factor=0.25, warmup=50, batch_size=32,
                    config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=2, dropout=0.0)),
@@ -1340,7 +1303,6 @@ def train_toy_model(kind, train_pairs, test_pairs, device="cpu", epochs=None, se
     model.to(device)
     log(f"\n{spec['name']}: {count_parameters(model):,} parameters, {spec['config']}")
     held_out = lambda: teacher_forced_accuracy(kind, model, test_pairs, src_vocab, tgt_vocab, readings)  # noqa: E731
-    # a recipe may bring its own update step (section 31's balances its experts)
     update = spec["update"](model) if "update" in spec else adam_noam(model, spec["lr_factor"], spec["warmup"])
     result = train(model, dataset, held_out, epochs=epochs or spec["epochs"], batch_size=spec["batch_size"],
                    seed=seed, log=log, update=update)
@@ -1470,7 +1432,6 @@ def rope_frequencies(head_dim, theta=10000.0):
 
 
 def rope_cos_sin(head_dim, max_len, theta=10000.0):
-    """cos and sin of every position's angles, each [max_len, head_dim], float32."""
     check("even head_dim", head_dim=head_dim, max_len=max_len, theta=theta)
     positions = torch.arange(max_len, dtype=torch.float32)                 # [max_len]
     angles = torch.outer(positions, rope_frequencies(head_dim, theta))     # [max_len, dk/2]
@@ -1491,10 +1452,9 @@ def apply_rope(x, cos, sin):
     # q . R(n - m)k, since a rotation's transpose is its inverse: only m - n is left
     return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)          # [B, H, T, dk]
 
-# Meta's code pairs neighbours (x[2i], x[2i+1]) as complex numbers (precompute_freqs_cis);
-# Hugging Face's, used here, pairs x[i] with x[i + dk/2]: the same model after a fixed
-# permutation of the rows of w_q and w_k within each head, which HF's conversion applies. A
-# checkpoint read with the other convention raises no error: it attends to the wrong places.
+# Meta's code pairs neighbours (x[2i], x[2i+1]) as complex numbers (precompute_freqs_cis); Hugging Face's, used here,
+# pairs x[i] with x[i + dk/2]: the same model after a fixed permutation of the rows of w_q and w_k within each head,
+# which HF's conversion applies. A checkpoint read the other way raises no error: it attends to the wrong places.
 #
 # Try it:
 #   >>> cos, sin = rope_cos_sin(head_dim=8, max_len=16)                    # [16, 8] each
@@ -1572,8 +1532,7 @@ class GroupedQueryAttention(nn.Module):
 
     def __init__(self, d_model, n_heads, n_kv_heads, bias=False):
         super().__init__()
-        check("heads divide d_model", "kv heads divide heads", d_model=d_model, n_heads=n_heads,
-              n_kv_heads=n_kv_heads, bias=bias)
+        check("heads divide d_model", "kv heads divide heads", **arguments_of(locals()))
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
         self.w_q = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
         self.w_k = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
@@ -2541,8 +2500,7 @@ class QKNormAttention(GroupedQueryAttention):
 
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, bias=False, norm_eps=1e-6):
         nn.Module.__init__(self)  # not GQA's __init__: it sizes the heads D / H
-        check("kv heads divide heads", d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-              bias=bias, norm_eps=norm_eps)
+        check("kv heads divide heads", **arguments_of(locals()))
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.w_q = nn.Linear(d_model, n_heads * head_dim, bias=bias)
         self.w_k = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
@@ -2592,7 +2550,6 @@ def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
 # Section 26's table, for transformers' Qwen3 (its q_norm and k_norm keep their names here)
 
 def hf_qwen3(config):
-    """Qwen3's keywords from a Qwen3Config: Llama's, and heads head_dim wide."""
     return dict(hf_llama_keywords(config), head_dim=hf_field(config, "head_dim", None))
 
 
@@ -2641,9 +2598,7 @@ class MoE(nn.Module):
                  n_groups=1, topk_groups=1, routed_scale=1.0):
         super().__init__()
         check("d_ff given", "top_k <= n_experts", "groups divide experts", "groups from sigmoids",
-              "topk_groups <= n_groups", "enough experts in the groups", d_model=d_model, d_ff=d_ff,
-              n_experts=n_experts, top_k=top_k, n_shared=n_shared, router=router, norm_topk=norm_topk,
-              n_groups=n_groups, topk_groups=topk_groups, routed_scale=routed_scale)
+              "topk_groups <= n_groups", "enough experts in the groups", **arguments_of(locals()))
         self.n_experts, self.top_k, self.scoring, self.norm_topk = n_experts, top_k, router, norm_topk
         self.n_groups, self.topk_groups, self.routed_scale = n_groups, topk_groups, routed_scale
         self.router = nn.Linear(d_model, n_experts, bias=False)          # a score per expert
@@ -2717,13 +2672,12 @@ def update_router_bias(model, rate=1e-3):
     router_bias += rate * sign(mean load - its load), from its last forward's tokens_per_expert (padded positions
     count too). V3 trained with rate 0.001, then 0 for its last 500B tokens. -> the MoEs updated."""
     check(model=model, rate=rate)
-    updated = 0
-    for module in model.modules():
-        if isinstance(module, MoE) and module.scoring == "sigmoid" and module.tokens_per_expert is not None:
-            load = module.tokens_per_expert.float()                        # [E]
-            module.router_bias += rate * torch.sign(load.mean() - load)    # [E]: overloaded down, idle up
-            updated += 1
-    return updated
+    moes = [m for m in model.modules() if isinstance(m, MoE) and m.scoring == "sigmoid"
+            and m.tokens_per_expert is not None]
+    for moe in moes:
+        load = moe.tokens_per_expert.float()                               # [E]
+        moe.router_bias += rate * torch.sign(load.mean() - load)           # [E]: overloaded down, idle up
+    return len(moes)
 
 # The two MoE families, n_experts SwiGLUs expert_d_ff wide (None: d_ff); their counts from their dense model's.
 
@@ -2802,7 +2756,6 @@ def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=N
 def with_router_bias(update, model, rate):
     """Section 13's update step, then update_router_bias(model, rate): DeepSeek-V3's balancing, each step."""
     check(model=model, rate=rate)
-
     def step():
         update()
         update_router_bias(model, rate)
@@ -2817,7 +2770,6 @@ def expert_load(model, pairs, vocab):
     [E] summing to 1}. Sequences of one length share a batch, so no padding is routed."""
     check(model=model)
     check_list("pairs", pairs, "(pinyin, hanzi) pairs")
-    device = next(model.parameters()).device
     by_length = {}
     for pinyin, hanzi in pairs:
         ids = vocab.encode(pinyin.split() + [SEP]) + vocab.encode(list(hanzi)) + [Vocab.EOS]
@@ -2826,7 +2778,7 @@ def expert_load(model, pairs, vocab):
     totals = {i: torch.zeros(moe.n_experts) for i, moe in moes.items()}  # [E] each
     with eval_mode(model):
         for rows in by_length.values():
-            model(torch.tensor(rows, device=device))                       # [B, L, V]; fills tokens_per_expert
+            model(torch.tensor(rows, device=model.lm_head.weight.device))  # [B, L, V]; fills tokens_per_expert
             for i, moe in moes.items():
                 totals[i] += moe.tokens_per_expert.cpu()                   # [E]
     return {i: total / total.sum() for i, total in totals.items()}         # [E] each
@@ -2857,9 +2809,8 @@ HF_NAMES.extend([(r"\.block_sparse_moe\.", ".ffn."), (r"\.ffn\.gate\.", ".ffn.ro
 
 
 def hf_unfuse_experts(state):
-    """transformers 5 keeps a layer's experts in two tensors, experts.gate_up_proj [E, 2 Dff, D]
-    (each expert's gate rows, then its up rows) and experts.down_proj [E, D, Dff]: one SwiGLU
-    each here. Its softmax routers have no bias: router_bias stays 0."""
+    """transformers 5 keeps a layer's experts in two tensors, experts.gate_up_proj [E, 2 Dff, D] (each expert's
+    gate rows, then its up rows) and experts.down_proj [E, D, Dff]: one SwiGLU each here; their routers: no bias."""
     out = {}
     for name, w in state.items():
         base, _, kind = name.rpartition(".")
@@ -2904,11 +2855,10 @@ HF_FAMILIES.update(mixtral=(Mixtral, hf_mixtral), qwen3_moe=(Qwen3MoE, hf_qwen3_
 # c to every head's key (its nope part, 128) and value (128). The cache keeps c and the rope key, 576 values a token a
 # layer in V3, against 128 x (192 + 128) = 40,960 for per-head keys and values. Queries pass a low-rank bottleneck of
 # their own (w_dq, q_norm, w_uq) "to reduce the activation memory during training" (DeepSeek-V2). A head's q and k are
-# [nope | rope], RoPE turns the rope part, scores are scaled by (nope + rope)^-0.5; expanded and absorbed (3a) are
-# proven equal. The rope key is decoupled: with a rotation between the query and W_uk, q^T R(m)^T R(n) W_uk c_n =
-# q^T R(n - m) W_uk c_n depends on the pair of positions, and W_uk could not be folded into the query once for all
-# keys. DeepSeek's checkpoints pair neighbours (x[2i], x[2i+1]) in the rope part (rope_interleave=True); section 19's
-# halves are the same model after a fixed permutation of the rope rows of w_uq (or w_q) and w_dkv.
+# [nope | rope], RoPE turning the rope part, decoupled: with a rotation between the query and W_uk, the score
+# q^T R(m)^T R(n) W_uk c_n = q^T R(n - m) W_uk c_n depends on the pair of positions, and W_uk could not be folded into
+# the query once for all keys (3a). DeepSeek's checkpoints pair neighbours (x[2i], x[2i+1]) in the rope part
+# (rope_interleave=True): section 19's halves after a fixed permutation of the rope rows of w_uq (or w_q) and w_dkv.
 
 def deinterleave(x):
     """[..., d] -> [..., d]: x0, x2, x4, ... then x1, x3, x5, ..., so that neighbour pair (x[2i], x[2i+1])
@@ -2952,9 +2902,7 @@ class MultiHeadLatentAttention(nn.Module):
     def __init__(self, d_model, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim, q_lora_rank=None,
                  norm_eps=1e-6, rope_interleave=True):
         super().__init__()
-        check("even qk_rope_dim", d_model=d_model, n_heads=n_heads, kv_lora_rank=kv_lora_rank, qk_nope_dim=qk_nope_dim,
-              qk_rope_dim=qk_rope_dim, v_head_dim=v_head_dim, q_lora_rank=q_lora_rank, norm_eps=norm_eps,
-              rope_interleave=rope_interleave)
+        check("even qk_rope_dim", **arguments_of(locals()))
         self.n_heads, self.kv_lora_rank, self.q_lora_rank = n_heads, kv_lora_rank, q_lora_rank
         self.nope, self.rope, self.v_dim, self.rope_interleave = qk_nope_dim, qk_rope_dim, v_head_dim, rope_interleave
         q_width = n_heads * (qk_nope_dim + qk_rope_dim)                   # every head's [nope | rope]
@@ -3007,8 +2955,7 @@ class MultiHeadLatentAttention(nn.Module):
             k = torch.cat([k_nope, k_rope[:, None].expand(-1, H, -1, -1)], dim=-1)  # [B, H, t, nope+rope]
             q = torch.cat([q_nope, q_rope], dim=-1)                        # [B, H, Tn, nope+rope]
             out, _ = scaled_dot_product_attention(q, k, v, mask)           # [B, H, Tn, v]
-        out = out.transpose(1, 2).reshape(B, Tn, H * self.v_dim)           # [B, Tn, H*v]
-        return self.w_o(out)                                               # [B, Tn, D]
+        return self.w_o(out.transpose(1, 2).reshape(B, Tn, H * self.v_dim))  # [B, Tn, D]
 
 # Try it: DeepSeek-V3's shapes, 16 times narrower; the cache holds 32 + 4 values a token.
 #   >>> mla = MultiHeadLatentAttention(d_model=64, n_heads=8, kv_lora_rank=32, qk_nope_dim=8,
@@ -3026,10 +2973,9 @@ class MultiHeadLatentAttention(nn.Module):
 # ===========================================================================
 # 31. The DeepSeek-V3 model (DeepSeek-V3 模型)
 # ===========================================================================
-# Llama with MLA for attention and, after the first n_dense_layers dense blocks (3 in V3), a
-# sigmoid-routed MoE with shared experts; RoPE tables as wide as the rope part, a LatentCache a
-# layer. Its multi-token-prediction module, one more block that predicts the token after next,
-# is the next section; YaRN, which stretches its RoPE from 4K to 128K tokens, is section 37.
+# Llama with MLA for attention and, after the first n_dense_layers dense blocks (3 in V3), a sigmoid-routed MoE with
+# shared experts; RoPE tables as wide as the rope part, a LatentCache a layer. Its multi-token-prediction module is the
+# next section; YaRN, which stretches its RoPE from 4K to 128K tokens, section 37.
 
 ARGUMENTS.update(n_dense_layers=(int, 0, 1024))
 RELATIONS.update({
@@ -3108,8 +3054,7 @@ TOY_MODELS["deepseek"] = dict(
                 expert_d_ff=32, n_experts=8, top_k=2, n_shared=1, n_layers=2, n_dense_layers=1))
 
 
-# Section 26's tables, for transformers' DeepSeek-V3: MLA's projections under DeepSeek's
-# names (q_a_proj is w_dq, ...), the shared experts, the router's bias
+# Section 26's tables, for transformers' DeepSeek-V3: MLA's projections (q_a_proj is w_dq, ...), shared experts, bias
 
 HF_NAMES.extend([(r"\.attn\.q_a_proj\.", ".attn.w_dq."), (r"\.attn\.q_a_layernorm\.", ".attn.q_norm."),
                  (r"\.attn\.q_b_proj\.", ".attn.w_uq."), (r"\.attn\.kv_a_proj_with_mqa\.", ".attn.w_dkv."),
@@ -3126,9 +3071,8 @@ HF_DEEPSEEK_FIELDS = dict(vocab_size="vocab_size", d_model="hidden_size", n_laye
 
 
 def hf_deepseek_v3(config):
-    """DeepSeekV3's keywords from a DeepseekV3Config. Its multi-token-prediction layers are
-    left out, as transformers leaves them; rms_norm_eps must be 1e-6, the eps transformers
-    gives q_a_layernorm and kv_a_layernorm whatever the config says."""
+    """DeepSeekV3's keywords from a DeepseekV3Config, its multi-token-prediction layers left out as transformers
+    leaves them; rms_norm_eps must be 1e-6, which transformers gives q_a_layernorm and kv_a_layernorm regardless."""
     hf_refuse(config, hidden_act="silu", attention_bias=False, rms_norm_eps=1e-6)
     keywords = {ours: hf_field(config, theirs) for ours, theirs in HF_DEEPSEEK_FIELDS.items()}
     return dict(keywords, routed_scale=hf_number(config, "routed_scaling_factor"), rope_theta=hf_rope_theta(config),
@@ -3263,19 +3207,17 @@ def train_mtp(model, pairs, vocab, epochs=2, batch_size=32, seed=0):
 # ===========================================================================
 # 33. Total and active parameters, the latent cache (总参数、激活参数与潜在缓存)
 # ===========================================================================
-# A MoE model has two sizes: the total, which must fit in memory, and the active parameters one token's forward uses
-# (all but the experts it is not routed to), which set the compute: each family's formula gives both, the meta-device
-# count agrees on the total. The active count takes the whole input embedding table as used (0.93B in DeepSeek-V3, where
-# a token reads one row): 37.55B, against DeepSeek's 37B. Then MLA's cache beside GQA's.
+# A MoE model has two sizes: the total, which must fit in memory, and the active parameters one token's forward uses,
+# which set the compute; each family's formula gives both, the meta-device count checks the total. The active count
+# takes all of the input embedding table (0.93B in DeepSeek-V3; a token reads one row): 37.55B, against DeepSeek's 37B.
 
 def mla_cache_bytes_per_token(n_layers, kv_lora_rank, qk_rope_dim, bytes_per_value=2):
     """MLA's cache memory one token takes: its latent and its rope key, in every layer; 2 bytes in bf16."""
     check(**locals())
     return n_layers * (kv_lora_rank + qk_rope_dim) * bytes_per_value
 
-# (name, kind, configuration as released but DeepSeek-V3's max_len, 4K before YaRN; total,
-# active, what the release reports). Mixtral and Qwen3 publish exact totals; DeepSeek 671B
-# (685B with the MTP module), and 671,026,404,352 is the count of transformers' DeepseekV3.
+# (name, kind, configuration as released but DeepSeek-V3's max_len, 4K before YaRN; total, active, what the release
+# reports). Mixtral and Qwen3 publish exact totals, DeepSeek 671B: 671,026,404,352 is transformers' DeepseekV3's count.
 FRONTIER_CONFIGS = [
     ("Mixtral-8x7B", "mixtral", dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                                    d_ff=14336, max_len=32768, rope_theta=1000000.0, norm_eps=1e-5,
@@ -3305,10 +3247,9 @@ FRONTIER_CONFIGS = [
 # ===========================================================================
 # Part VI: long sequences (第六部分：长序列)
 # ===========================================================================
-# Past a few thousand tokens four things break: the [Tq, Tk] scores (16 M entries a head at 4k
-# tokens), the cache that grows with every token, the memory a batch reserves for its longest
-# request, RoPE angles never seen in training. FlashAttention and the paged cache are proven
-# equal to what they replace; the window and RoPE scaling change the model, as their papers do.
+# Past a few thousand tokens four things break: the [Tq, Tk] scores (16 M a head at 4k tokens), the cache growing with
+# every token, the memory a batch reserves for its longest request, RoPE angles never seen in training. FlashAttention
+# and the paged cache are proven equal to what they replace; the window and RoPE scaling change the model.
 # ===========================================================================
 # 34. FlashAttention's tiles, the online softmax; fused kernels (FlashAttention 的分块：在线 softmax)
 # ===========================================================================
@@ -3425,10 +3366,9 @@ ARGUMENTS.update(block_size=(int, 1, MAX_SIZE), causal=(bool,), fused=(bool,))
 
 
 def flash_attention(q, k, v, causal=False, block_size=64):
-    """softmax(q k^T / sqrt(dk)) v in tiles -> (out [B, H, Tq, dv], lse [B, H, Tq], the logsumexp
-    of each query's scaled scores). causal: bottom-right, as make_causal_mask(Tq, past=Tk - Tq),
-    the queries the last Tq positions (is_causal=True of F.scaled_dot_product_attention is
-    top-left: for Tq < Tk it hides from query i the keys after key i)."""
+    """softmax(q k^T / sqrt(dk)) v in tiles -> (out [B, H, Tq, dv], lse [B, H, Tq], each query's logsumexp of scaled
+    scores). causal: bottom-right, as make_causal_mask(Tq, past=Tk - Tq), the queries the last Tq positions (is_causal
+    of F.scaled_dot_product_attention is top-left: for Tq < Tk it hides from query i the keys after key i)."""
     check(block_size=block_size, causal=causal)
     check_qkv(q, k, v, causal)
     return FlashAttention.apply(q, k, v, causal, block_size)
@@ -3445,12 +3385,11 @@ def flash_attention(q, k, v, causal=False, block_size=64):
 #   >>> torch.allclose(out, plain, atol=1e-5)
 #   True
 
-# F.scaled_dot_product_attention fuses the same formula (a FlashAttention kernel on a GPU; on a
-# CPU without dropout, one that never builds the [Tq, Tk] weights either), F.layer_norm section
-# 5's nine small operations: a small model's step is a few hundred operations, so they show.
+# F.scaled_dot_product_attention fuses the same formula (a FlashAttention kernel on a GPU), F.layer_norm section 5's
+# nine small operations: a small model's step is a few hundred operations, so fusing them shows.
 
 class FusedAttention(MultiHeadAttention):
-    """Section 3's attention with step 2 in PyTorch's kernel (which never builds the [Tq, Tk] weights)."""
+    """Section 3's attention with step 2 in PyTorch's kernel (on a CPU without dropout too, no [Tq, Tk] weights)."""
 
     def attend(self, q, k, v, mask):
         check_mask(mask)
@@ -3734,26 +3673,22 @@ def padded_and_paged_slots(lengths, block_size):
 # ===========================================================================
 # 37. RoPE for long context: interpolation, Llama 3.1, YaRN (长上下文的 RoPE)
 # ===========================================================================
-# A model trained on L positions has never seen RoPE angles past L * theta_i, and falls apart
-# beyond it. Three stretches, each new inverse frequencies in place of section 19's:
-# - linear (position interpolation, Chen et al., 2023): every frequency divided by the factor
-#   s, position p looks like p / s; it squeezes the fast pairs too, which the YaRN paper
-#   hypothesizes loses the fine, local order the model learned.
-# - llama3 (Llama 3.1): wavelength 2 pi / theta_i < L / high_freq_factor kept, > L /
-#   low_freq_factor divided by the factor, blended linearly in L / wavelength between:
-#   Llama-3.1-8B (dk 128, theta 500000, factor 8, 1 and 4, L 8192) keeps pairs 0-28, blends
-#   29-34, slows 35-63: 131,072 positions, Llama-3-8B's 8,030,261,248 parameters.
-# - yarn ("by parts", Peng et al., 2023, after bloc97's NTK-aware base theta * s^(dk/(dk-2))):
-#   a pair that turned many times within L met every angle in training: kept; one that never
-#   finished a turn: slowed by s; between, a ramp from the pair that turns beta_fast (32) times
-#   to the one that turns beta_slow (1) time within L, rounded outwards (floor, ceil) as the
-#   references do. And a temperature: cos and sin times 0.1 ln s + 1 (fitted on Llama) sharpen
-#   every score, which more keys would flatten; forgotten, the model just runs worse. MLA turns
-#   only its rope dims, so DeepSeek-V3 puts (0.1 * mscale_all_dim * ln s + 1)^2 in its softmax
-#   scale instead; not built here: with_rope_scaling refuses yarn for MLA.
-# The pitfall: the cache holds keys already turned (section 21). Static scaling, the kind here,
-# is chosen once; turning cached keys again (to switch mid-generation) turns them twice.
-# Dynamic NTK and YaRN rescale with the length, so they cache keys before RoPE (YaRN, 3.3).
+# A model trained on L positions has never seen RoPE angles past L * theta_i, and falls apart beyond it. Three
+# stretches, each new inverse frequencies in place of section 19's:
+# - linear (position interpolation, Chen et al., 2023): every frequency divided by the factor s, position p looks like
+#   p / s; it squeezes the fast pairs too, which the YaRN paper hypothesizes loses the fine, local order learned.
+# - llama3 (Llama 3.1): wavelength 2 pi / theta_i < L / high_freq_factor kept, > L / low_freq_factor divided by the
+#   factor, blended linearly in L / wavelength between: Llama-3.1-8B (dk 128, theta 500000, factor 8, 1 and 4, L 8192)
+#   keeps pairs 0-28, blends 29-34, slows 35-63: 131,072 positions, Llama-3-8B's 8,030,261,248 parameters.
+# - yarn ("by parts", Peng et al., 2023, after bloc97's NTK-aware base theta * s^(dk/(dk-2))): a pair that turned many
+#   times within L met every angle in training: kept; one that never finished a turn: slowed by s; between, a ramp from
+#   the pair that turns beta_fast (32) times to the one that turns beta_slow (1) time within L, rounded outwards (floor,
+#   ceil) as the references do. And a temperature: cos and sin times 0.1 ln s + 1 (fitted on Llama) sharpen every score,
+#   which more keys would flatten; forgotten, the model just runs worse. MLA turns only its rope dims, so DeepSeek-V3
+#   puts (0.1 * mscale_all_dim * ln s + 1)^2 in its softmax scale instead: with_rope_scaling refuses yarn for MLA.
+# The pitfall: the cache holds keys already turned (section 21). Static scaling, the kind here, is chosen once; turning
+# cached keys again (to switch mid-generation) turns them twice. Dynamic NTK and YaRN rescale with the length, so they
+# cache keys before RoPE (YaRN, 3.3).
 
 SCALING_KEYS = {  # type: (its keys, optional ones, its RELATIONS); each key has its rule in ARGUMENTS
     "linear": (["factor"], [], ()),
@@ -3831,14 +3766,12 @@ def scaled_rope_cos_sin(head_dim, max_len, theta, scaling):
 
 
 def with_rope_scaling(model, scaling):
-    """Give a RoPE model of this file (Llama, its families) the tables of scaling for its max_len,
-    recorded in its config for checkpoints. -> model."""
+    """A RoPE model of this file (Llama, a family) given the tables of scaling for its max_len, kept in its config."""
     check("a Llama family", model_kind=type(model))
-    check_scaling(scaling)
+    cos, sin = scaled_rope_cos_sin(model.cos.size(-1), model.max_len, model.config["rope_theta"], scaling)  # checks it
     if isinstance(model, DeepSeekV3) and scaling["type"] == "yarn":
         raise ValueError("yarn's temperature goes into latent attention's softmax scale (DeepSeek-V3's mscale),"
                          " which this file does not build: use 'linear' or 'llama3' with a DeepSeekV3")
-    cos, sin = scaled_rope_cos_sin(model.cos.size(-1), model.max_len, model.config["rope_theta"], scaling)
     model.cos, model.sin = cos.to(model.cos), sin.to(model.sin)            # [max_len, dk] each, as the old ones
     model.config["rope_scaling"] = dict(scaling)
     return model
@@ -4896,9 +4829,8 @@ class AdamW(torch.optim.Optimizer):
                 p.mul_(1 - lr * decay)  # decoupled: the weight shrinks, m and v never see it
                 m.lerp_(g, 1 - beta1)   # m <- beta1 * m + (1 - beta1) * g: the mean gradient
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v <- beta2 * v + (1 - beta2) * g^2
-                # means started at 0 are too small by 1 - beta^t (the weight they have given real
-                # gradients so far): m_hat = m / (1 - beta1^t), v_hat = v / (1 - beta2^t). Without it
-                # the first update is lr * (1 - beta1) / sqrt(1 - beta2): 3.16 lr at the default betas
+                # means started at 0 are too small by 1 - beta^t (the weight real gradients have had so far):
+                # m_hat = m / (1 - beta1^t), v_hat = v / (1 - beta2^t); else step 1 is 3.16 lr at the default betas
                 denom = v.sqrt() / math.sqrt(1 - beta2 ** t) + eps        # [as p]: sqrt(v_hat) + eps
                 p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))       # p -= lr * m_hat / denom
 
@@ -4913,11 +4845,10 @@ class AdamW(torch.optim.Optimizer):
 
 
 def decay_groups(model, weight_decay):
-    """AdamW's two groups, by nanoGPT's rule: model's trained parameters of 2+ dims (the nn.Linear and
-    nn.Embedding weights, section 47's LoRA matrices), whose size decay keeps in check, with weight_decay;
-    the 1-dim ones with 0: a bias is a shift, a norm's weight a per-feature gain whose neutral value is 1
-    (decayed, it shrinks the block's input and the next matrix must grow to undo it). A tied weight
-    comes once; buffers (positions, MoE's router_bias) are not parameters: no optimizer touches them."""
+    """AdamW's two groups, by nanoGPT's rule: model's trained parameters of 2+ dims (nn.Linear and nn.Embedding
+    weights), whose size decay keeps in check, with weight_decay; the 1-dim ones with 0: a bias is a shift, a norm's
+    weight a gain whose neutral value is 1 (decayed, it shrinks the block's input and the next matrix must grow to undo
+    it). A tied weight comes once; buffers (positions, MoE's router_bias) are no parameters, untouched."""
     check(model=model, weight_decay=weight_decay)
     params = [p for p in model.parameters() if p.requires_grad]  # frozen ones have nothing to update
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
@@ -4927,8 +4858,7 @@ def decay_groups(model, weight_decay):
 #   >>> w = nn.Parameter(torch.tensor([1.0, -2.0])); opt = AdamW([w], lr=0.1, weight_decay=0.0)
 #   >>> w.grad = torch.tensor([0.5, 100.0]); opt.step(); w.data
 #   tensor([ 0.9000, -2.1000])
-#   >>> model = Llama(vocab_size=50, d_model=16, n_layers=1, n_heads=2)
-#   >>> ours = AdamW(decay_groups(model, 0.1), lr=0.01)
+#   >>> model = Llama(vocab_size=50, d_model=16, n_layers=1, n_heads=2); ours = AdamW(decay_groups(model, 0.1), lr=0.01)
 #   >>> for p in model.parameters(): p.grad = torch.zeros_like(p)         # no gradient: only decay acts
 #   >>> before = model.lm_head.weight.clone(); ours.step()
 #   >>> round((model.lm_head.weight / before).mean().item(), 6), model.final_norm.weight.mean().item()
@@ -4998,9 +4928,8 @@ def clip_grad_norm(parameters, max_norm):
     """torch.nn.utils.clip_grad_norm_: every gradient of parameters (a tensor or an iterable; those without
     one skipped) times min(1, max_norm / (norm + 1e-6)), norm their length laid end to end -> that norm, []."""
     check(max_norm=max_norm)
-    parameters = [parameters] if isinstance(parameters, torch.Tensor) else parameters
     check_list("parameters", parameters, "tensors (model.parameters())")
-    parameters = list(parameters)
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     if not all(isinstance(p, torch.Tensor) for p in parameters):
         raise ValueError(f"parameters must be tensors, got {sorted({type(p).__name__ for p in parameters})}")
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -5049,8 +4978,7 @@ def accumulate_gradients(model, micro_batches, ignore_index=-100):
 #   >>> clip_grad_norm([w], max_norm=1.0), w.grad
 #   (tensor(5.), tensor([0.6000, 0.8000]))
 #   >>> gpt = DecoderOnlyTransformer(vocab_size=20, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0)
-#   >>> ids = torch.randint(0, 20, (2, 6))                                 # [2, 6]
-#   >>> targets = torch.randint(0, 20, (2, 6)); targets[0, 2:] = -100      # [2, 6]: row 0 has 2 real tokens
+#   >>> ids, targets = torch.randint(0, 20, (2, 2, 6)); targets[0, 2:] = -100  # [2, 6] each: row 0 has 2 real tokens
 #   >>> loss = accumulate_gradients(gpt, [(ids[:1], targets[:1]), (ids[1:], targets[1:])])
 #   >>> big = F.cross_entropy(gpt(ids).flatten(0, 1), targets.flatten())  # one batch, mean over 8
 #   >>> abs(loss - big.item()) < 1e-6
@@ -5086,20 +5014,16 @@ ARGUMENTS.update(seq_len=(int, 1, MAX_SIZE), kind=("one of", *MODEL_KINDS.values
 RELATIONS["seq_len <= max_len"] = (("seq_len", "max_len"), lambda t, most: t <= most, "seq_len must be at most max_len")
 
 
-class Keys(dict):
-    """A formula's dict argument (a config, a memory): a key it lacks is a ValueError naming it."""
-
-    def __missing__(self, key):                                            # d[key]; d.get(key) stays None
+class Keys(dict):  # a formula's dict argument (a config, a memory)
+    def __missing__(self, key):  # d[key] of a key it lacks is a ValueError naming it; d.get(key) stays None
         raise ValueError(f"the formula reads the key {key!r}, which its dict argument lacks")
 
 
 def model_kind(model, formula="model_kind", trains=False):
     """model's family; ValueError for another class, a module the formulas do not model, a frozen weight."""
     if type(model) not in MODEL_KINDS:
-        raise ValueError(f"model must be one of {', '.join(k.__name__ for k in MODEL_KINDS)}, got"
-                         f" {type(model).__name__}")
-    odd = [f" holds a {type(m).__name__} at {name}" for name, m in model.named_modules()
-           if name and type(m) not in MODEL_PARTS]
+        raise ValueError(f"model must be one of {', '.join(k.__name__ for k in MODEL_KINDS)}, got {type(model).__name__}")
+    odd = [f" holds a {type(m).__name__} at {n}" for n, m in model.named_modules() if n and type(m) not in MODEL_PARTS]
     odd += [f"'s {name} is frozen (no dW)" for name, p in model.named_parameters() if trains and not p.requires_grad]
     if odd:
         raise ValueError(f"{formula}: model{odd[0]}, which the formula does not count")
@@ -5128,9 +5052,8 @@ def matmul_widths(kind, config, active=True):
 
 def forward_flops(model, batch_size, seq_len):
     """FLOPs of model(ids), ids [batch_size, seq_len]: 2 W a token for the weights, 2 T A for q k^T and @ v."""
-    kind = model_kind(model, "forward_flops")
+    W, A = matmul_widths(model_kind(model, "forward_flops"), model.config)
     check("seq_len <= max_len", batch_size=batch_size, seq_len=seq_len, max_len=model.max_len)
-    W, A = matmul_widths(kind, model.config)
     return 2 * batch_size * seq_len * (W + seq_len * A)
 
 
@@ -5144,7 +5067,6 @@ def training_flops(model, batch_size, seq_len):
 # Counted as computed: all [T, T] scores (a causal kernel skips half), N * top_k (token, expert) pairs whatever the
 # router chose. "6N" a token (Kaplan et al., 2020; N without embeddings, a MoE's active) is 6 W + 6 T A here: W is N
 # less the table (unless tied), norms, biases; 6 T A, +29% for Llama-3-8B at 8K, is PaLM's 12 L H Q T (Q: head width).
-
 TRAINING_BUDGETS = [  # (model, tokens, GPU hours, GPU, peak FLOP/s of one GPU, dense bf16, sequence length)
     ("Llama-2-7B", 2.0e12, 184_320, "A100-80GB", 312e12, 4096),  # Llama 2 paper, Tables 1, 2; A100 datasheet
     ("Llama-3-8B", 15e12, 1.3e6, "H100-80GB", 989.4e12, 8192),   # Llama 3 model card; Hopper whitepaper, SXM
@@ -5178,12 +5100,10 @@ RELATIONS.update({"growth_factor > 1": (("growth_factor",), lambda g: g > 1, "gr
 
 class LossScaler:
     """torch.amp.GradScaler's loss scaling: scale(loss).backward(), step(optimizer), update(). float16 rounds a
-    gradient of 1e-8 to 0: the loss times S gives gradients times S, divided by S before the step; at inf or NaN
-    the step is skipped and S shrinks, after growth_interval good steps it grows. Clip at max_norm * S (section 43)."""
+    gradient of 1e-8 to 0: loss times S gives gradients times S, divided by S before the step; clip at max_norm * S."""
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
-        check("growth_factor > 1", "backoff in (0, 1)", init_scale=init_scale, growth_factor=growth_factor,
-              backoff_factor=backoff_factor, growth_interval=growth_interval)
+        check("growth_factor > 1", "backoff in (0, 1)", **arguments_of(locals()))  # every argument
         self.loss_scale, self.good_steps, self.found_inf = torch.tensor(init_scale, dtype=torch.float32), 0, False  # []
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
 
@@ -5200,7 +5120,7 @@ class LossScaler:
             optimizer.step()
 
     def update(self):
-        """The scale times backoff_factor after a skipped step, times growth_factor after growth_interval good ones,
+        """S times backoff_factor after a skipped step, times growth_factor after growth_interval good ones in a row,
         in float32 as torch's _amp_update_scale_; never to inf nor below 2^-126 (torch's goes on: inf weights)."""
         self.good_steps = 0 if self.found_inf else self.good_steps + 1
         if self.found_inf or self.good_steps == self.growth_interval:
@@ -5208,9 +5128,7 @@ class LossScaler:
             self.loss_scale, self.good_steps = new if 2.0 ** -126 <= new < math.inf else self.loss_scale, 0
 
 
-class Autocast(nn.Module):
-    """model with its forward under bf16 autocast: products in bfloat16, the weights float32."""
-
+class Autocast(nn.Module):  # model with its forward under bf16 autocast: products in bfloat16, the weights float32
     def __init__(self, model):
         super().__init__()
         self.model = model
@@ -5220,10 +5138,9 @@ class Autocast(nn.Module):
             return self.model(*inputs).float()                             # [B, T, V]
 
 
-def mixed_precision_report(seed=0, device="cpu", lr=1e-2, n_sentences=2400, epochs=None):
-    """The toy GPT (section 16) trained by adamw_update (lr the best of 3e-3 and 1e-2 on seed 3) in float32 and under
-    bf16 autocast: about as accurate (bf16 rounds only the products); faster only on a CPU that multiplies bf16
-    natively (AVX512-BF16, AMX). Prints and -> {precision: (held-out exact match, seconds of training)}."""
+def mixed_precision_report(seed=0, device="cpu", lr=1e-2, n_sentences=2400, epochs=None):  # lr: 1e-2 beat 3e-3, seed 3
+    """The toy GPT trained by adamw_update, float32 and under bf16 autocast: as accurate (bf16 rounds only the
+    products), faster only on a CPU that multiplies bf16 (AVX512-BF16, AMX). -> {precision: (held-out exact, s)}."""
     train_pairs, test_pairs = split_data(make_toy_data(n_sentences, seed), seed=seed)
     spec, rows = dict(TOY_MODELS["gpt"], epochs=epochs or TOY_MODELS["gpt"]["epochs"]), {}
     steps = spec["epochs"] * -(-len(train_pairs) // spec["batch_size"])    # ceil: batches an epoch
@@ -5244,7 +5161,7 @@ def mixed_precision_report(seed=0, device="cpu", lr=1e-2, n_sentences=2400, epoc
 # Training holds weights, gradients, AdamW's m and v (section 41) and activations (what autograd saves).
 
 ARGUMENTS.update(mixed_precision=(bool,), checkpointing=(bool,), precision=("one of", "float32", "autocast", "bf16"),
-                 n_devices=(int, 1, MAX_SIZE), zero_stage=(int, 0, 3), memory=(dict,), model=(nn.Module,))
+                 n_devices=(int, 1, MAX_SIZE), zero_stage=(int, 0, 3), memory=(dict,))
 PRECISIONS = {"float32": (4, 4, 8, 0), "autocast": (4, 4, 8, 0), "bf16": (2, 2, 8, 4)}  # bytes a parameter
 
 
@@ -5252,11 +5169,10 @@ def checkpoint_blocks(model, checkpointing=True):
     """Checkpointing on (or off): each block keeps its inputs only, and reruns its forward in the backward."""
     check(model=model, checkpointing=checkpointing)
     for block in model.layers:
+        vars(block).pop("forward", None)                                   # the class's forward again
         if checkpointing:  # an instance attribute: nn.Module's __call__ finds it before the class's forward
             block.forward = lambda *inputs, block=block: torch.utils.checkpoint.checkpoint(
                 type(block).forward, block, *inputs, use_reentrant=False)
-        elif "forward" in vars(block):
-            del block.forward
     return model
 
 
@@ -5274,24 +5190,21 @@ def saved_bytes(model, input_ids, targets, mixed_precision=False):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision):
             loss = F.cross_entropy(model(input_ids).flatten(0, 1), targets.flatten())  # []: kept, so all it saved lives
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (ref() for ref in saved)
-                if t is not None and not copied_parameter(t) and t.untyped_storage().data_ptr() not in own}
-    return sum(storages.values())
-
-# Korthikanti et al. (2022) count 34 D + 5 H T bytes a token for a GPT layer (16 bits, dropout included). Here,
-# s a product's output bytes (float32 4, autocast's bf16 2), a layer keeps its norms' inputs and outputs (float32,
-# 16 D), projections' inputs (8 D), q, k, v and the attention's output (4 s D if heads x head width = D), the [T, T]
-# weights twice (2 s H T), GELU's 2 s Dff or SwiGLU's 4 s Dff (a MoE's top_k, + (8 + s) D each) and QK-norm's or
-# MLA's norms: a GPT layer (Dff = 4 D) 72 D + 8 H T in float32, 48 D + 4 H T under autocast, dropout + 6 s D + s H T.
-# Once: (8 + s) D + 4 V. Left out, 1% to 8% here: 1/rms, masks, RoPE's bf16 cos, sin, router scores, autocast's copy
-# of a norm's output for each projection reading it. Checkpointed: a block keeps 4 D (3.72 forwards, Llama-3-8B, 4K).
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (ref() for ref in saved)
+                if t is not None and not copied_parameter(t) and t.untyped_storage().data_ptr() not in own}.values())
 
 
+# Korthikanti et al. (2022): 34 D + 5 H T bytes a token a GPT layer (16-bit, dropout). Here, s a product's output bytes
+# (4; autocast's bf16: 2): norms' inputs and outputs 16 D (float32), projections' inputs 8 D, q, k, v and attention
+# output 4 s D (H x head width = D), the [T, T] weights twice 2 s H T, GELU's 2 s Dff or SwiGLU's 4 s Dff (a MoE: top_k
+# of them, + (8 + s) D each), QK-norm's or MLA's norms; a GPT layer (Dff = 4 D): 72 D + 8 H T in float32, 48 D + 4 H T
+# under autocast, dropout + 6 s D + s H T. Once: (8 + s) D + 4 V. Left out, 1% to 8%: 1/rms, masks, RoPE's bf16 cos,
+# sin, router scores, autocast's copies of norm outputs. Checkpointed: 4 D a block (3.72 forwards, Llama-3-8B at 4K).
 def activation_bytes(kind, config, batch_size, seq_len, mixed_precision=False, checkpointing=False):
     """Bytes a training step on [batch_size, seq_len] saves for the backward, by the formula above."""
-    check(mixed_precision=mixed_precision, checkpointing=checkpointing)
     _, c = matmul_widths(kind, config), Keys(config)                       # checks kind and the keys it reads
-    check("seq_len <= max_len", batch_size=batch_size, seq_len=seq_len, max_len=c["max_len"])
+    check("seq_len <= max_len", batch_size=batch_size, seq_len=seq_len, max_len=c["max_len"],
+          mixed_precision=mixed_precision, checkpointing=checkpointing)
     s, D, V, L, H, T = 2 if mixed_precision else 4, c["d_model"], c["vocab_size"], c["n_layers"], c["n_heads"], seq_len
     dropout = c.get("dropout", 0.0) > 0                                    # the GPT's: the embedding's mask too
     head = (8 + s) * D + 4 * V + 16 + dropout * 4 * D                      # 16: ids and targets, int64
@@ -5427,12 +5340,10 @@ def merge_lora(model, merge=True):
             module.merge(merge)
     return model
 
-# What it saves: a frozen float32 weight needs no gradient (4 bytes) and no AdamW moments (8),
-# 12 bytes a parameter (Llama-2-7B's count in the Try-it). The weights stay, and backward still
-# runs through every layer to reach the first adapter.
+# What it saves: a frozen float32 weight needs no gradient (4 bytes) and no AdamW moments (8), 12 bytes a parameter
+# (Llama-2-7B's in the Try-it). The weights stay, and backward still runs through every layer to the first adapter.
 # Try it: a LoRA of rank 2 starts as its base and merges exactly; Llama-2-7B's numbers.
-#   >>> _ = torch.manual_seed(0); lora = LoRALinear(nn.Linear(16, 8), r=2, alpha=4)
-#   >>> x = torch.randn(3, 16)                                             # [3, in]
+#   >>> _ = torch.manual_seed(0); lora = LoRALinear(nn.Linear(16, 8), r=2, alpha=4); x = torch.randn(3, 16)  # [3, in]
 #   >>> torch.equal(lora(x), lora.base(x))                                 # B = 0 at the start
 #   True
 #   >>> _ = nn.init.normal_(lora.lora_B); before = lora(x)                 # as if trained, [3, out]
@@ -5502,9 +5413,8 @@ def lora_adapt(base, task, seed, lr, r=None, alpha=16, targets=("w_q", "w_v")):
 def lora_report(device="cpu", seed=0):
     """Print held-out exact match on new and old sentences, before and after adapting, and LoRA merged -> rows."""
     start, task = time.perf_counter(), lora_task(seed)
-    base, seconds = lora_base(task, device, seed)
-    rows = [("base model", base, seconds)]
-    rows += [(name, *lora_adapt(base, task, seed, lr, r)) for name, lr, r in (
+    rows = [("base model", *lora_base(task, device, seed))]
+    rows += [(name, *lora_adapt(rows[0][1], task, seed, lr, r)) for name, lr, r in (
         ("LoRA r=8 on w_q, w_v", LORA_LR, 8), ("full fine-tuning", FULL_LR, None))]
     score = lambda model, part: teacher_forced_accuracy(  # noqa: E731
         "encdec", model, task[part + "_test"], task["src_vocab"], task["tgt_vocab"], task["readings"])
@@ -5518,9 +5428,8 @@ def lora_report(device="cpu", seed=0):
               f"  {100 * score(model, 'old'):12.1f}%")
     lora = rows[1][1]
     with torch.no_grad(), eval_mode(lora):
-        src, tgt, _ = collate([PinyinDataset(task["new_test"], task["src_vocab"], task["tgt_vocab"])[i]
-                               for i in range(len(task["new_test"]))])  # [B, S], [B, T], [B, T]
-        src, tgt = src.to(device), tgt.to(device)                          # [B, S], [B, T]
+        new_test = PinyinDataset(task["new_test"], task["src_vocab"], task["tgt_vocab"])
+        src, tgt, _ = (t.to(device) for t in collate(list(new_test)))      # [B, S], [B, T], [B, T]
         unmerged = lora(src, tgt)                                          # [B, T, V]
         merged = merge_lora(lora)(src, tgt)                                # [B, T, V]
     print(f"  held out: {len(task['new_test'])} new and {len(task['old_test'])} old sentences; LoRA merged into"
@@ -5539,12 +5448,11 @@ def lora_report(device="cpu", seed=0):
 # 48. Speculative decoding (投机解码)
 # ===========================================================================
 # Decoding one sequence a token at a time reads all the target's weights for each token; while that dominates, scoring
-# k + 1 tokens in one forward costs about what scoring one does. So a small draft model proposes k tokens, one at a
-# time, the target scores all k + 1 positions in one forward, and the longest prefix it agrees with is kept, plus one
-# token of its own (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al.,
-# 2023, "Accelerating Large Language Model Decoding with Speculative Sampling"). A drafted x, drawn from the draft's q,
-# is kept with probability min(1, p(x) / q(x)), p the target's; at the first rejection the token is drawn from
-# max(0, p - q), normalized.
+# k + 1 tokens in one forward costs about what scoring one does. So a small draft proposes k tokens one at a time,
+# the target scores all k + 1 positions in one forward, and the longest prefix it agrees with is kept, plus one token of
+# its own (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al., 2023,
+# "Accelerating Large Language Model Decoding with Speculative Sampling"). A drafted x, drawn from the draft's q,
+# is kept with chance min(1, p(x) / q(x)), p the target's; at the first rejection, drawn from max(0, p - q) normalized.
 # What comes out is exactly p: y comes out kept with q(y) min(1, p(y) / q(y)) = min(p(y), q(y)), and a rejection, of
 # chance 1 - sum(min(p, q)) = sum(max(0, p - q)), the residual's own total, then a redraw adds max(0, p - q)(y):
 # min + max(0, p - q) = p. Redrawing from p itself would give min(p, q) + (1 - sum(min(p, q))) p: too much of the tokens
@@ -5659,13 +5567,12 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 # Multi-token prediction as the draft (section 32): the module reads the target's last hidden state, so it is wrapped to
 # the draft's interface (speculative_generate stays as it is): each call reads the states the target's latest forward
 # left, those of the tokens it kept, and runs the module on the tokens it has not seen. The first round has nothing to
-# read: it proposes from a uniform law (almost always rejected), a round that writes the target's own token as
-# transformers' MTP drafting does in its first round. A second drafted token of a round has no target state before it
-# yet: the module's own state stands in (the same module run again, as vLLM does for more drafted tokens than modules,
-# warning that fewer are kept; DeepSeek-V3's report drafts one and keeps 85-90% of the second tokens, for 1.8 times the
-# tokens per second). There the module is one block of 62; on the toy it is one of 3, and the costliest kind (MLA and
-# the 8-expert MoE take about what the whole target does a forward): it saves target forwards, not time
-# (speculative_report(kind="deepseek") measures both).
+# read: it proposes from a uniform law (almost always rejected), a round that writes the target's own token, as
+# transformers' MTP drafting does. A second drafted token of a round has no target state before it yet: the module's own
+# state stands in (as vLLM runs one module again for more drafted tokens, warning that fewer are kept; DeepSeek-V3's
+# report drafts one and keeps 85-90% of the second tokens, for 1.8 times the tokens per second). There the module is one
+# block of 62; on the toy it is one of 3, and the costliest kind (MLA and the 8-expert MoE cost about a whole target
+# forward): it saves target forwards, not time (speculative_report(kind="deepseek") measures both).
 
 ARGUMENTS.update(mtp=(MultiTokenPrediction,))
 RELATIONS["its model's width"] = (("mtp", "d_model"), lambda mtp, d: mtp.d_model == d,
@@ -5762,21 +5669,18 @@ def count_forwards(*models):
             hook.remove()
 
 
-def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), mtp_ks=(1, 2), device="cpu",
-                       log=print):
+def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), mtp_ks=(1, 2), device="cpu", log=print):
     """Train the toy target (TOY_MODELS[kind]) and its draft (DRAFT_MODELS[kind]) on seed's split, and for a Llama
-    family an MTP module (train_mtp); answer n_prompts held-out prompts "pinyin <sep>" greedily (S + 1 tokens: the
-    answer, eos) with the target's generate, speculative_generate for each k (the MTP draft for each of mtp_ks), and the
-    draft alone (its cost); check the tokens are the target's, count the drafted tokens kept (the MTP's first-round
-    guess, which reads nothing, not counted), and time each way: each prompt in turn, in a changing order so a busy
-    moment of a shared machine falls on all, medians over repeats of their totals. -> {way: row of the table}."""
+    family an MTP module (train_mtp); answer n_prompts held-out prompts "pinyin <sep>" greedily (S + 1 tokens) with
+    the target's generate, speculative_generate for each k (the MTP draft for each of mtp_ks), and the draft alone;
+    check the tokens are the target's, count the drafted tokens kept (not the MTP's first-round guess), and time each
+    way, prompt by prompt in a changing order (a busy moment falls on all): medians of repeats -> {way: table row}."""
     device = torch.device(device)
     train_pairs, test_pairs = split_data(make_toy_data(), seed=seed)
     quiet = lambda line: None  # noqa: E731
     target, _, vocab, result = train_toy_model(kind, train_pairs, test_pairs, device, seed=seed, log=quiet)
     draft, _, _, draft_result = train_toy_model(kind, train_pairs, test_pairs, device, seed=seed, log=quiet,
                                                  recipes=DRAFT_MODELS)
-    target_accuracy, draft_accuracy = result["accuracy"], draft_result["accuracy"]
     mtp = train_mtp(target, train_pairs, vocab, seed=seed) if isinstance(target, Llama) else None
     prompts = [(torch.tensor([vocab.encode(pinyin.split() + [SEP])], device=device), len(pinyin.split()) + 1)
                for pinyin, _ in test_pairs[:n_prompts]]                    # ([1, S+1], S+1 new tokens) each
@@ -5808,7 +5712,7 @@ def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), m
     median = {way: sorted(row["seconds"])[repeats // 2] for way, row in rows.items()}
     log(f"\nspeculative decoding, seed {seed}: target {TOY_MODELS[kind]['name']}, {count_parameters(target):,}"
         f" parameters; draft {DRAFT_MODELS[kind]['name']}, {count_parameters(draft):,} (held-out exact match,"
-        f" constrained as in training: {100 * target_accuracy:.1f}% and {100 * draft_accuracy:.1f}%)")
+        f" constrained as in training: {100 * result['accuracy']:.1f}% and {100 * draft_result['accuracy']:.1f}%)")
     if mtp is not None:
         log(f"MTP draft: the target's MTP module (section 32), {count_parameters(mtp):,} parameters of its own"
             f" (embedding and head the target's), trained with the target frozen")
@@ -5867,9 +5771,8 @@ def sequence_logprobs(model, input_ids, response_mask):
     # where, not a product: padding's log-probabilities are dropped even were one -inf
     return torch.where(answer, token_logprobs(model, input_ids), 0.0).sum(dim=-1)  # [B]
 
-# The padding goes on the right: these models have no padding mask, so a pad on the left would
-# be read as context, and would move the answer's positions. Position 0 has no prediction
-# (nothing comes before it): its mask entry is ignored, as it is always a prompt.
+# The padding goes on the right: these models have no padding mask, so a pad on the left would be read as context, and
+# would move the answer's positions. Position 0 predicts nothing: its mask entry is ignored (it is always a prompt).
 # Try it: the answer 8 9 after the prompt 5 6 7, padded to 7.
 #   >>> _ = torch.manual_seed(0)
 #   >>> gpt = DecoderOnlyTransformer(vocab_size=10, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0)
@@ -6131,7 +6034,7 @@ def preference_start(seed, steps):
 def preference_report(seed=0, **changes):
     """One table for one seed: held-out free greedy exact match and the mean reward of answers drawn at
     temperature 1, before and after GRPO, DPO and run_sft, each from one start -> {method: (exact, reward, s)}."""
-    p = {**PREFERENCE, **changes}
+    p, rows = {**PREFERENCE, **changes}, {}
     clock = time.perf_counter()
     base, vocab, train_pairs, test_pairs = preference_start(seed, p["start_steps"])
     exact = lambda model: evaluate(lambda s: gpt_translate(model, s, vocab), test_pairs)["accuracy"]  # noqa: E731
@@ -6139,10 +6042,8 @@ def preference_report(seed=0, **changes):
     print(f"seed {seed}: the GPT after {p['start_steps']} batches ({time.perf_counter() - clock:.1f} s); "
           f"{p['steps']} steps of each method, {p['prompts']} prompts a step, {len(test_pairs)} held-out sentences")
     print(f"  {'method':16s} {'exact match (greedy, free)':>27s} {'sampled reward':>17s} {'seconds':>8s}  data")
-    methods = [("GRPO", run_grpo), ("GRPO, T = 0.5", lambda *a: run_grpo(*a, temperature=0.5)),
-               ("DPO", run_dpo), ("SFT", run_sft)]
-    rows = {}
-    for name, method in methods:
+    for name, method in [("GRPO", run_grpo), ("GRPO, T = 0.5", lambda *a: run_grpo(*a, temperature=0.5)),
+                         ("DPO", run_dpo), ("SFT", run_sft)]:
         model = copy.deepcopy(base)
         torch.manual_seed(seed)
         clock = time.perf_counter()
