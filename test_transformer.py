@@ -49,6 +49,7 @@ import copy
 import doctest
 from fractions import Fraction
 import functools
+import gc
 import inspect
 import io
 import itertools
@@ -68,6 +69,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import unicodedata
 from unittest import mock
 import warnings
@@ -94,6 +96,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def frozen_heap():
+    """torch, this module and the collected tests live to the end: the collector need not
+    walk them again in each of the 2,000 collections a run makes (1 s of CPU)."""
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
@@ -169,10 +178,11 @@ def _tiny_tsv(tmp_path, n=30):
 # output where it stands in the file.
 
 FORKER = r"""
-import json, os, select, signal, sys
+import gc, json, os, select, signal, sys
 import torch
 import torch._dynamo  # what the first fused Adam step imports: 2 s a process, once here for every fork
 import transformer as tf
+gc.freeze()  # what is here stays: a fork's collections and exit need not touch (and copy) its pages
 
 def put(path, value):  # whole or not at all: the test polls for the file
     with open(path + ".tmp", "w") as f:
@@ -231,15 +241,22 @@ def behind(nice=10):
     os.nice(nice)
 
 
+# The forker starts as this module is imported, in a process group of its own: its 4 s of
+# imports overlap pytest's collecting the tests. What runs in it (the background runner
+# imports this module) starts no other; without a session (pytest --collect-only) it ends
+# when its stdin does.
+FORKER_PROCESS = None if os.environ.get("IN_THE_FORKER") else subprocess.Popen(
+    [sys.executable, "-c", FORKER], cwd=HERE, stdin=subprocess.PIPE, preexec_fn=behind, start_new_session=True,
+    env=dict(os.environ, OMP_NUM_THREADS="1", IN_THE_FORKER="1"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def forker(tmp_path_factory):
-    """Starts the interpreter that FORKER runs, in a process group of its own."""
-    proc = subprocess.Popen([sys.executable, "-c", FORKER], cwd=HERE, stdin=subprocess.PIPE, preexec_fn=behind,
-                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    FORKS.update(jobs=proc.stdin, folder=tmp_path_factory.mktemp("forks"), n=0)
+    """The forker's jobs, for the session: their files in a folder of its own; it ends with the session."""
+    FORKS.update(jobs=FORKER_PROCESS.stdin, folder=tmp_path_factory.mktemp("forks"), n=0)
     yield
-    os.killpg(proc.pid, signal.SIGKILL)          # it and any job still running: nothing to finish
-    proc.wait()
+    os.killpg(FORKER_PROCESS.pid, signal.SIGKILL)          # it and any job still running: nothing to finish
+    FORKER_PROCESS.wait()
 
 
 class Forked:
@@ -329,9 +346,10 @@ def finished(proc, timeout=120):
 # stands, with the assertions it always made.
 BACKGROUND = {}  # name -> function(folder) -> a picklable result
 BACKGROUND_RUNNER = r"""
-import os, pickle, sys, traceback
+import gc, os, pickle, sys, traceback
 import torch
 import test_transformer as t
+gc.freeze()
 
 folder, names = sys.argv[1], sys.argv[2:]
 for name in names:
@@ -372,6 +390,46 @@ def background_result(name, timeout=600):
     if status != "ok":
         pytest.fail(f"{name}, computed in the background, failed:\n{result}")
     return result
+
+
+def parametrized_cases(test):
+    """[{argument: value}] for each case of test's @pytest.mark.parametrize marks, in one fixed order."""
+    cases = [{}]
+    for mark in getattr(test, "pytestmark", []):
+        if mark.name == "parametrize":
+            names = [n.strip() for n in mark.args[0].split(",")] if isinstance(mark.args[0], str) else mark.args[0]
+            rows = [row.values if hasattr(row, "marks") else row if len(names) > 1 else (row,) for row in mark.args[1]]
+            cases = [dict(case, **dict(zip(names, row))) for case in cases for row in rows]
+    return cases
+
+
+def run_in_the_background(test):
+    """A test that takes no fixture and computes for a while: its body runs in the background,
+    each parametrized case in turn, seeded as `seed` seeds a test; here each case waits for its
+    outcome and passes, fails (with the traceback from there) or skips as it did there."""
+    def every_case(folder):
+        outcomes = []
+        for case in parametrized_cases(waits):
+            torch.default_generator.manual_seed(0)
+            try:
+                test(**case)
+                outcomes.append(("passed", ""))
+            except pytest.skip.Exception as skip:
+                outcomes.append(("skipped", skip.msg))
+            except Exception:
+                outcomes.append(("failed", traceback.format_exc()))
+        return outcomes
+
+    @functools.wraps(test)
+    def waits(**case):
+        index = next(i for i, c in enumerate(parametrized_cases(waits)) if all(c[k] is v for k, v in case.items()))
+        outcome, text = background_result(test.__name__)[index]
+        if outcome == "skipped":
+            pytest.skip(text)
+        if outcome == "failed":
+            pytest.fail(f"{test.__name__}, run in the background, failed there:\n{text}", pytrace=False)
+    BACKGROUND[test.__name__] = every_case
+    return waits
 
 
 STARTS = {}  # test name -> start(folder, request) -> its Popen (None where the check cannot run)
@@ -4484,6 +4542,7 @@ def test_training_updates_the_router_bias_only_when_asked():
     assert torch.allclose(biases[1] / 0.01, (biases[1] / 0.01).round(), atol=1e-4)
 
 
+@run_in_the_background
 def test_expert_load_counts_every_routed_slot_without_padding():
     pairs = tf.make_toy_data(n_sentences=30, seed=0)
     vocab = tf.build_gpt_vocab(pairs)
@@ -5019,6 +5078,7 @@ TABLE = {"Mixtral-8x7B": (46_702_792_704, 12_879_925_248), "Qwen3-30B-A3B": (30_
          "DeepSeek-V3": (671_026_404_352, 37_552_282_624)}
 
 
+@run_in_the_background
 def test_published_table_exactly_total_and_active():
     """The formulas give the issue's table; the meta-device count agrees at the
     released widths: the whole of Mixtral, and Qwen3 and DeepSeek-V3 at two depths
@@ -5132,6 +5192,7 @@ CASES = [  # (Tq, Tk, causal, block_size): odd sizes, blocks of 1, 7 and larger 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
 @pytest.mark.parametrize("Tq, Tk, causal, block_size", CASES)
+@run_in_the_background
 def test_flash_attention_equals_section_2_and_torch(Tq, Tk, causal, block_size, dtype, tol):
     q, k, v = qkv(2, 3, Tq, Tk, 16, dv=12, dtype=dtype)
     mask = bottom_right(Tq, Tk) if causal else None
@@ -5184,6 +5245,7 @@ def test_flash_attention_gradients_equal_autograd_through_the_plain_formula(Tq, 
 
 
 @pytest.mark.parametrize("causal", [False, True])
+@run_in_the_background
 def test_flash_attention_gradcheck_float64(causal):
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 5, 7, 4, dv=3, dtype=torch.float64))
     assert torch.autograd.gradcheck(lambda q, k, v: tf.flash_attention(q, k, v, causal, 3), (q, k, v))
@@ -5444,6 +5506,7 @@ def tiny_deepseek_2_layers(seed=0):
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt, tiny_deepseek_2_layers])
+@run_in_the_background
 @torch.no_grad()
 def test_paged_cache_equals_the_contiguous_cache_for_sequences_sharing_one_pool(make):
     """Any model of sections 9-31 takes a list of paged caches where it takes new_cache()'s,
@@ -6178,6 +6241,7 @@ def tiny_qwen3_next(**overrides):
     return tf.Qwen3Next(**dict(config, **overrides)).eval()
 
 
+@run_in_the_background
 def test_qwen3_next_layout_cache_and_generation():
     """The blocks as layer_types says; a prompt fed in three pieces, then one token a step, gives
     one full forward's logits; the DeltaNet state keeps its size; the cache changes speed, not tokens."""
@@ -6861,6 +6925,7 @@ def two_groups(model, weight_decay=0.1):
     return groups
 
 
+@run_in_the_background
 def test_adamw_equals_torch_adamw_after_25_steps_on_a_llama():
     data = batches(25)
     start = small_llama()
@@ -7331,6 +7396,7 @@ def test_accumulate_gradients_keeps_ignore_index_and_refuses_a_non_list():
 # ===========================================================================
 
 @pytest.mark.parametrize("kind", KINDS)
+@run_in_the_background
 def test_flops_formula_equals_flop_counter_forward_and_training(kind):
     model = tiny(kind)
     assert tf.model_kind(model) == kind
@@ -7734,6 +7800,7 @@ def _saved_split(model, ids, targets, mixed_precision):
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("mixed_precision", [False, True], ids=["float32", "bf16"])
 @pytest.mark.parametrize("kind", KINDS)
+@run_in_the_background
 def test_activation_formula_is_within_10_percent_of_what_autograd_saves(kind, mixed_precision, checkpointing, shape):
     """The Korthikanti-form formula against saved_bytes' measurement, every family and setting. It
     leaves out 1/rms, the masks, RoPE's bf16 cos and sin, the router's scores and autocast's copy of
@@ -7784,6 +7851,7 @@ def test_a_gpt_layer_saves_a_d_plus_b_h_t_bytes_a_token(mixed_precision, per_lay
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama", "deepseek"])
+@run_in_the_background
 def test_saved_bytes_leaves_autocasts_copies_of_the_weights_to_memory_bytes(kind):
     """Under autocast each product saves a bf16 copy of its weight, 2 bytes for each parameter of
     a matrix (all of them; checkpointed: lm_head's only): weights' memory, not activations."""
@@ -7825,6 +7893,7 @@ def _last_products(kind, model, tokens):
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama", "mixtral", "deepseek"])  # each kind of last product
+@run_in_the_background
 def test_checkpointing_costs_one_more_forward_of_the_blocks(kind):
     model = tf.checkpoint_blocks(tiny(kind))
     ids, targets = batch()
@@ -8586,6 +8655,7 @@ def rounds(target, draft, ids, n, k, **kw):
 
 
 @pytest.mark.parametrize("name", PAIRS)
+@run_in_the_background
 def test_greedy_writes_exactly_the_targets_own_tokens(name):
     """Every family, its cache (KVCache, LatentCache, RollingKVCache that drops tokens) and
     each length case; the noisy copies both keep and reject drafted tokens (each round
@@ -8836,6 +8906,7 @@ def joint_of_two_tokens(temperature=1.0, top_k=None, top_p=None, rule=None, tabl
 # residual's at most 2.1e-8 (T = 1): the threshold 1e-6 sits between. With a fixed seed the
 # outcome is fixed; the margin is for another torch's random stream.
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.7, 4, 0.9)])
+@run_in_the_background
 def test_what_speculative_generate_writes_follows_the_targets_joint_law(temperature, top_k, top_p):
     """Both tokens: the first goes through the rule (kept or redrawn), the second is the
     bonus token after a kept one or the next round's after a rejection; under top_k/top_p
@@ -8888,6 +8959,7 @@ def mtp_draft(seed=0):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
+@run_in_the_background
 def test_greedy_with_the_mtp_draft_writes_exactly_the_targets_own_tokens(k):
     """Each length case: the draft reads the states the target's forwards left, keeps them
     across rounds and cuts them with the rejected tokens; the tokens are generate's. Kept
