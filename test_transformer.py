@@ -74,91 +74,7 @@ import unicodedata
 from unittest import mock
 import warnings
 
-import pytest
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
-
-import transformer as tf
-
-TOL = 1e-5
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-@pytest.fixture(scope="session", autouse=True)
-def one_thread():
-    """The whole run on one thread: these tensors are tiny, handing them between
-    threads costs more than the math, and a second busy process on 2 cores makes
-    two threads 10x slower. Set once (setting it costs milliseconds), restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def frozen_heap():
-    """torch, this module and the collected tests live to the end: the collector need not
-    walk them again in each of the 2,000 collections a run makes (1 s of CPU)."""
-    gc.freeze()
-
-
-@pytest.fixture(autouse=True)
-def seed(one_thread):
-    """Every test starts from the same random state, in float32."""
-    torch.default_generator.manual_seed(0)  # the CPU's (torch.manual_seed also records a stack for CUDA: ms)
-    assert torch.get_default_dtype() == torch.float32
-
-
-def max_diff(a, b):
-    return (a.detach().double() - b.detach().double()).abs().max().item()  # float64 keeps a float64 difference
-
-
-def assert_close(a, b, tol=TOL):
-    assert a.shape == b.shape, f"shape {tuple(a.shape)} != {tuple(b.shape)}"
-    diff = max_diff(a, b)
-    assert diff <= tol, f"max abs diff {diff:.3g} > {tol:g}"
-
-
-def _main(argv, stdin=None):
-    """tf.main(argv) in-process with its own stdout and stderr (and stdin, if given):
-    -> (exit status, stdout, stderr); a SystemExit is caught and its code returned."""
-    out, err = io.StringIO(), io.StringIO()
-    saved = sys.stdin
-    if stdin is not None:
-        sys.stdin = io.StringIO(stdin)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                status = tf.main(argv)
-            except SystemExit as e:
-                status = e.code
-    finally:
-        sys.stdin = saved
-    return status, out.getvalue(), err.getvalue()
-
-
-def _usage_error(capsys, argv):
-    """main(argv) must exit 2 with exactly one non-empty line on stderr; -> that line."""
-    with pytest.raises(SystemExit) as exit_info:
-        tf.main(argv)
-    assert exit_info.value.code == 2
-    out, err = capsys.readouterr()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and err.count("\n") == 1, err
-    assert "Traceback" not in err and out == ""         # nothing ran before the error
-    assert lines[0].startswith("transformer.py: error:")
-    return lines[0]
-
-
-def _tiny_tsv(tmp_path, n=30):
-    path = tmp_path / "pairs.tsv"
-    path.write_text("".join(f"{p}\t{h}\n" for p, h in tf.make_toy_data(n_sentences=n, seed=0)),
-                    encoding="utf-8")
-    return str(path)
-
 
 # --- the checks that need a real process -------------------------------------
 # A fresh interpreter spends over 2 s of CPU importing torch, and 2 cores running
@@ -241,13 +157,98 @@ def behind(nice=10):
     os.nice(nice)
 
 
-# The forker starts as this module is imported, in a process group of its own: its 4 s of
-# imports overlap pytest's collecting the tests. What runs in it (the background runner
-# imports this module) starts no other; without a session (pytest --collect-only) it ends
-# when its stdin does.
+# The forker starts as this module is imported, before it imports torch, in a process group
+# of its own: its 4 s of imports overlap this module's and pytest's collecting. What runs in
+# it (the background runner imports this module) starts no other; without a session (pytest
+# --collect-only) it ends when its stdin does.
 FORKER_PROCESS = None if os.environ.get("IN_THE_FORKER") else subprocess.Popen(
     [sys.executable, "-c", FORKER], cwd=HERE, stdin=subprocess.PIPE, preexec_fn=behind, start_new_session=True,
     env=dict(os.environ, OMP_NUM_THREADS="1", IN_THE_FORKER="1"))
+
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import transformer as tf
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """The whole run on one thread: these tensors are tiny, handing them between
+    threads costs more than the math, and a second busy process on 2 cores makes
+    two threads 10x slower. Set once (setting it costs milliseconds), restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def frozen_heap():
+    """torch, this module and the collected tests live to the end: the collector need not
+    walk them again in each of the 2,000 collections a run makes (1 s of CPU)."""
+    gc.freeze()
+
+
+@pytest.fixture(autouse=True)
+def seed(one_thread):
+    """Every test starts from the same random state, in float32."""
+    torch.default_generator.manual_seed(0)  # the CPU's (torch.manual_seed also records a stack for CUDA: ms)
+    assert torch.get_default_dtype() == torch.float32
+
+
+def max_diff(a, b):
+    return (a.detach().double() - b.detach().double()).abs().max().item()  # float64 keeps a float64 difference
+
+
+def assert_close(a, b, tol=TOL):
+    assert a.shape == b.shape, f"shape {tuple(a.shape)} != {tuple(b.shape)}"
+    diff = max_diff(a, b)
+    assert diff <= tol, f"max abs diff {diff:.3g} > {tol:g}"
+
+
+def _main(argv, stdin=None):
+    """tf.main(argv) in-process with its own stdout and stderr (and stdin, if given):
+    -> (exit status, stdout, stderr); a SystemExit is caught and its code returned."""
+    out, err = io.StringIO(), io.StringIO()
+    saved = sys.stdin
+    if stdin is not None:
+        sys.stdin = io.StringIO(stdin)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = tf.main(argv)
+            except SystemExit as e:
+                status = e.code
+    finally:
+        sys.stdin = saved
+    return status, out.getvalue(), err.getvalue()
+
+
+def _usage_error(capsys, argv):
+    """main(argv) must exit 2 with exactly one non-empty line on stderr; -> that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        tf.main(argv)
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and err.count("\n") == 1, err
+    assert "Traceback" not in err and out == ""         # nothing ran before the error
+    assert lines[0].startswith("transformer.py: error:")
+    return lines[0]
+
+
+def _tiny_tsv(tmp_path, n=30):
+    path = tmp_path / "pairs.tsv"
+    path.write_text("".join(f"{p}\t{h}\n" for p, h in tf.make_toy_data(n_sentences=n, seed=0)),
+                    encoding="utf-8")
+    return str(path)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -4542,7 +4543,6 @@ def test_training_updates_the_router_bias_only_when_asked():
     assert torch.allclose(biases[1] / 0.01, (biases[1] / 0.01).round(), atol=1e-4)
 
 
-@run_in_the_background
 def test_expert_load_counts_every_routed_slot_without_padding():
     pairs = tf.make_toy_data(n_sentences=30, seed=0)
     vocab = tf.build_gpt_vocab(pairs)
@@ -5078,7 +5078,6 @@ TABLE = {"Mixtral-8x7B": (46_702_792_704, 12_879_925_248), "Qwen3-30B-A3B": (30_
          "DeepSeek-V3": (671_026_404_352, 37_552_282_624)}
 
 
-@run_in_the_background
 def test_published_table_exactly_total_and_active():
     """The formulas give the issue's table; the meta-device count agrees at the
     released widths: the whole of Mixtral, and Qwen3 and DeepSeek-V3 at two depths
@@ -5506,7 +5505,6 @@ def tiny_deepseek_2_layers(seed=0):
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt, tiny_deepseek_2_layers])
-@run_in_the_background
 @torch.no_grad()
 def test_paged_cache_equals_the_contiguous_cache_for_sequences_sharing_one_pool(make):
     """Any model of sections 9-31 takes a list of paged caches where it takes new_cache()'s,
@@ -6241,7 +6239,6 @@ def tiny_qwen3_next(**overrides):
     return tf.Qwen3Next(**dict(config, **overrides)).eval()
 
 
-@run_in_the_background
 def test_qwen3_next_layout_cache_and_generation():
     """The blocks as layer_types says; a prompt fed in three pieces, then one token a step, gives
     one full forward's logits; the DeltaNet state keeps its size; the cache changes speed, not tokens."""
@@ -6925,7 +6922,6 @@ def two_groups(model, weight_decay=0.1):
     return groups
 
 
-@run_in_the_background
 def test_adamw_equals_torch_adamw_after_25_steps_on_a_llama():
     data = batches(25)
     start = small_llama()
@@ -8493,7 +8489,7 @@ def released(processes, tmp_path_factory):
     reference = json.loads((folder / "reference.json").read_text(encoding="utf-8"))
     return argparse.Namespace(
         model=model, tokenizer=tokenizer, seconds=seconds, metadata=metadata, tensors=tensors, reference=reference,
-        state=torch.load(folder / "state_dict.pt", weights_only=True),
+        state=torch.load(folder / "state_dict.pt", weights_only=True, mmap=True),  # 540 MB: read as compared
         logits=torch.load(folder / "logits.pt", weights_only=True), ids=torch.tensor(reference["prompt_ids"]))
 
 

@@ -6058,8 +6058,7 @@ def preference_report(seed=0, **changes):
 # ===========================================================================
 # The article ends here (正文到此结束)
 # ===========================================================================
-# What follows are the tools around it: training on your own pairs, saving and
-# loading a model, the demo and the command line. Nothing above depends on them.
+# The tools around it: your own data, checkpoints, the demo, the benchmark, the command line. Nothing above uses them.
 
 import argparse
 import inspect
@@ -6218,8 +6217,7 @@ def save_target_problem(path, data=None):
 
 
 def check_state_dict(state):
-    """Names to dense float tensors, finite in the model's dtype, each storing what it claims (a stride-0 view of
-    one number can claim gigabytes), sharing storage only as one tied tensor."""
+    """Names to dense float tensors, finite in the model's dtype, storing what they claim, sharing only as tied."""
     if not isinstance(state, dict): raise ValueError(f"state_dict is a {type(state).__name__}, expected a dict")
     storages = {}  # storage address -> the first tensor seen on it
     for name, t in state.items():
@@ -6228,7 +6226,7 @@ def check_state_dict(state):
         if t.layout != torch.strided or t.is_quantized or t.dtype not in WEIGHT_DTYPES:
             kind = t.layout if t.layout != torch.strided else "quantized" if t.is_quantized else t.dtype
             raise ValueError(f"{quote(name)} is a {kind} tensor; expected dense float32, float16, bfloat16 or float64")
-        if t.untyped_storage().nbytes() < t.numel() * t.element_size():
+        if t.untyped_storage().nbytes() < t.numel() * t.element_size():  # a stride-0 view can claim gigabytes
             raise ValueError(f"{quote(name)} claims {list(t.shape)} but stores fewer values")
         first = storages.setdefault(t.untyped_storage().data_ptr(), t) if t.numel() else t
         if (first.data_ptr(), first.shape, first.stride()) != (t.data_ptr(), t.shape, t.stride()):
@@ -6245,9 +6243,8 @@ def check_state_dict(state):
 def constructor_keywords(cls):
     """{name: inspect.Parameter} of cls's constructor, and its parent's where it passes on **keywords."""
     parameters = inspect.signature(cls).parameters
-    if all(p.kind is not p.VAR_KEYWORD for p in parameters.values()): return dict(parameters)
     own = {name: p for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD}
-    return {**constructor_keywords(cls.__mro__[1]), **own}
+    return own if len(own) == len(parameters) else {**constructor_keywords(cls.__mro__[1]), **own}
 
 
 def check_model_config(kind, config):
@@ -6296,8 +6293,7 @@ def checked_checkpoint(checkpoint, device):
             isinstance(s, str) and isinstance(c, str) and 0 < len(c) <= len(characters) and set(c) <= characters
             for s, c in readings.items())):
         raise ValueError("readings must map syllables to characters of the vocabulary")
-    # the configuration must account for exactly the weights held (tied ones once; buffers are no parameters)
-    # before anything is built: a forged size cannot allocate more than the file stores
+    # before anything is built (a forged size allocates nothing), the configuration must need exactly the weights held
     held = sum({t.data_ptr(): t.numel() for n, t in state.items() if not n.endswith((".pe", ".router_bias"))}.values())
     if (needed := PARAMETER_FORMULAS[kind](**config)) != held:
         raise ValueError(f"the configuration (n_layers {config['n_layers']}) needs {needed:,} parameters, the weights"
@@ -6319,8 +6315,7 @@ def checked_checkpoint(checkpoint, device):
 
 
 def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
-    """Write the model (LoRA merged), vocabularies and readings to path, or ValueError: what loading would refuse is
-    refused first; an old file stays intact, or is replaced keeping its mode and owner."""
+    """Write the model (LoRA merged), vocabularies and readings to path; what loading would refuse: ValueError."""
     if type(model) is not MODEL_CLASSES.get(kind):
         raise ValueError(f"kind {kind!r} with a {type(model).__name__}: expected one of "
                          + ", ".join(f"{k!r} with a {c.__name__}" for k, c in MODEL_CLASSES.items()))
@@ -6365,8 +6360,7 @@ def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
 
 
 def load_checkpoint(path, device="cpu"):
-    """-> (kind, model in eval mode, src_vocab, tgt_vocab, readings or None) from a file or a pipe; ValueError
-    for a bad device or a missing, truncated, foreign or forged file, which allocates no more than it holds."""
+    """-> (kind, model in eval mode, src_vocab, tgt_vocab, readings or None) from a file or a pipe, or ValueError."""
     device = pick_device(device)
     with open_for_reading(path, MAX_PIPED_CHECKPOINT_BYTES, "a checkpoint file, or a pipe of at most that"
                           " (a pipe is held in memory)", any_size=True) as f, warnings.catch_warnings():
@@ -6424,22 +6418,20 @@ def show_models(device):
         with torch.device("meta"), mock.patch.object(nn.Linear, "reset_parameters", lambda self: None):
             return count_parameters(MODEL_CLASSES[kind](**cfg))
     torch.manual_seed(0)
-    small = [("encoder-decoder", "encdec", dict(src_vocab_size=1000, tgt_vocab_size=1200, d_ff=512)),
-             ("decoder-only (GPT)", "gpt", dict(vocab_size=1000, d_ff=512)),
-             ("Llama-style", "llama", dict(vocab_size=1000, n_kv_heads=2)),
-             ("DeepSeek-style", "deepseek", dict(vocab_size=1000, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16,
-                                                 v_head_dim=32, d_ff=512, expert_d_ff=128, n_experts=8, top_k=2,
-                                                 q_lora_rank=96, n_groups=4, topk_groups=2))]
+    small = {"encdec": dict(src_vocab_size=1000, tgt_vocab_size=1200, d_ff=512), "gpt": dict(vocab_size=1000, d_ff=512),
+             "llama": dict(vocab_size=1000, n_kv_heads=2), "deepseek": dict(
+                 vocab_size=1000, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16, v_head_dim=32, d_ff=512,
+                 expert_d_ff=128, n_experts=8, top_k=2, q_lora_rank=96, n_groups=4, topk_groups=2)}
     src, tgt = (torch.randint(1, 1000, (2, n), device=device) for n in (7, 5))  # [B, S], [B, T]
     print("small models, d_model 128, 4 heads, 2 layers (each), vocabulary 1000 (1200 for the target)")
     models = {}
-    for name, kind, cfg in small:
+    for kind, cfg in small.items():  # each named as the toy task's model of its kind
         cfg = dict(cfg, d_model=128, n_layers=2, n_heads=4)
         model = models[kind] = MODEL_CLASSES[kind](**cfg).eval()
         model.to(device)
         logits = model(src, tgt) if kind == "encdec" else model(tgt)       # [B, T, V]
         inputs = "src [2, 7], tgt [2, 5]" if kind == "encdec" else "input [2, 5]"
-        print(f"  {name:19s} {inputs:22s} -> output {list(logits.shape)}; parameters "
+        print(f"  {TOY_MODELS[kind]['name']:19s} {inputs:22s} -> output {list(logits.shape)}; parameters "
               f"{count_parameters(model):,} counted, {PARAMETER_FORMULAS[kind](**cfg):,} by formula")
     print("\nclassic configurations (counted on the meta device: no memory, no time)\n  model" + " " * 36
           + "counted       formula  reported")
@@ -6488,7 +6480,7 @@ def show_training_costs(seq_len=4096, lora_rank=16, n_devices=64):
     def per_token(name, T):  # training FLOPs a token: 3 forwards of 2 W + 2 T A (section 44)
         W, A = matmul_widths(*models[name][:2])
         return 6 * (W + T * A)
-    print(f"training GFLOPs a token at T = {seq_len}: 6N (N active) against the count of every product")
+    print(f"\ntraining GFLOPs a token at T = {seq_len}: 6N (N active) against the count of every product")
     for name, (kind, config, active) in models.items():
         print(f"  {name:15} {6 * active / 1e9:8.1f} {per_token(name, seq_len) / 1e9:8.1f}")
     print("the MFU published pretraining budgets imply, by the count (by 6N):")
@@ -6518,9 +6510,8 @@ def percent(right, total):
 
 def report(answer, test_pairs, ambiguous, n_examples=6):
     check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
-    start = time.perf_counter()
-    result = evaluate(answer, test_pairs, ambiguous)  # ends in characters on the host: the device is done
-    result["answer_seconds"] = time.perf_counter() - start
+    start = time.perf_counter()  # evaluate ends in characters on the host: the device is done when it returns
+    result = dict(evaluate(answer, test_pairs, ambiguous), answer_seconds=time.perf_counter() - start)
     print(f"held-out exact match: {percent(result['exact'], result['total'])} sentences; "
           f"characters: {percent(result['char_right'], result['char_total'])}")
     if result["ambiguous_total"]:
@@ -6583,10 +6574,9 @@ def run(args, device, pairs, loaded):
         if loaded:
             model, src_vocab, tgt_vocab, readings, result = *loaded[1:], {}
         else:
-            spans = SIZES[args.size][kind].get("spans", 0)  # a piece of a sentence is one more: the vocabulary stays
             model, src_vocab, tgt_vocab, result = train_toy_model(  # each epoch shown as it ends, even | tee
-                kind, with_pieces(train_pairs, spans, args.seed), test_pairs, device, args.epochs, args.seed,
-                log=lambda line: print(line, flush=True), recipes=SIZES[args.size])
+                kind, with_pieces(train_pairs, SIZES[args.size][kind].get("spans", 0), args.seed), test_pairs, device,
+                args.epochs, args.seed, log=lambda line: print(line, flush=True), recipes=SIZES[args.size])
             readings = syllable_readings(train_pairs)
         if not answering:
             longest = longest_sentence(kind, model)
@@ -6595,14 +6585,15 @@ def run(args, device, pairs, loaded):
                 print(f"skipped {len(test_pairs) - len(fits)} held-out sentences longer than the "
                       f"{longest} syllable{'s' * (longest > 1)} this model takes")
             answered = answered or fits
-            if fits:
-                answer = translator(kind, model, src_vocab, tgt_vocab, None if args.free else readings, args.beam)
-                result.update(report(answer, fits, ambiguous))
+            if fits:  # and the same weights in GGUF's blocks (section 25), shown after the comparison
+                allowed = None if args.free else readings
+                answer = translator(kind, model, src_vocab, tgt_vocab, allowed, args.beam)
+                result.update(report(answer, fits, ambiguous), quantized=quantized_accuracy(
+                    kind, model, fits, src_vocab, tgt_vocab, allowed))
                 if not args.data:  # the tutorials' own example
                     print(f"  wo ai xue xi -> {answer(['wo ai xue xi'])[0]}")
                 if kind == "encdec":
-                    show_heatmap(model, src_vocab, tgt_vocab, fits, ambiguous, args.head,
-                                 None if args.free else readings)
+                    show_heatmap(model, src_vocab, tgt_vocab, fits, ambiguous, args.head, allowed)
                 elif any(isinstance(m, MoE) for m in model.modules()):
                     print("\nexpert load on the held-out sentences (share of each MoE layer's routed slots):")
                     print(render_expert_load(expert_load(model, fits, tgt_vocab)))
@@ -6612,11 +6603,9 @@ def run(args, device, pairs, loaded):
         compare_with_baseline(results, train_pairs, answered, args)
         print("\nthe same weights in GGUF's blocks (section 25): held-out exact match, greedy\n"
               "  model                 float32     Q8_0     Q4_1")
-        for kind, (model, src_vocab, tgt_vocab, readings, r) in results.items():
+        for kind, (*_, r) in results.items():
             if "exact" in r:  # a model that took some sentences
-                fits = [p for p in test_pairs if len(p[0].split()) <= longest_sentence(kind, model)]
-                print(f"  {SIZES[args.size][kind]['name']:20s}" + "".join(f" {a:8.1%}" for a in quantized_accuracy(
-                    kind, model, fits, src_vocab, tgt_vocab, None if args.free else readings).values()))
+                print(f"  {SIZES[args.size][kind]['name']:20}" + "".join(f" {a:8.1%}" for a in r["quantized"].values()))
         pinyin = test_pairs[0][0].split()  # a DeltaNet layer's memory (section 39) does not grow with the length
         prompt = lambda vocab: torch.tensor([vocab.encode(pinyin + [SEP])], device=device)  # noqa: E731  [1, S+1]
         print(f"\ncache a token after a held-out prompt of {len(pinyin) + 1} tokens: " + ", ".join(
@@ -6635,9 +6624,8 @@ def run(args, device, pairs, loaded):
 # ===========================================================================
 # 55. The benchmark (基准测试): python transformer.py --bench
 # ===========================================================================
-# Where the time goes, measured in one run: training throughput of the hand-written model against nn.Transformer
-# with the same weights, the KV cache's speedup and the memory-bandwidth bound it runs into, and FlashAttention's
-# tiles against section 2 at long lengths, in time and in memory.
+# Where the time goes, in one run: training the hand-written model against nn.Transformer with the same weights, the
+# KV cache against the memory-bandwidth bound, FlashAttention's tiles against section 2 at long lengths (time, memory).
 
 class TorchTransformer(nn.Module):
     """Our encoder-decoder's weights in nn.Transformer (in_proj_weight packs w_q, w_k, w_v), our embeddings around."""
@@ -6646,27 +6634,25 @@ class TorchTransformer(nn.Module):
         super().__init__()
         c = ours.config
         self.ours = ours  # embeddings, positions, output projection: shared, they are not what is timed
-        self.core = nn.Transformer(c["d_model"], c["n_heads"], c["n_layers"], c["n_layers"], c["d_ff"],
-                                   c["dropout"], batch_first=True, norm_first=c["norm_first"])
-        self.core.encoder.enable_nested_tensor = self.core.encoder.use_nested_tensor = False  # plain tensors
+        core = self.core = nn.Transformer(c["d_model"], c["n_heads"], c["n_layers"], c["n_layers"], c["d_ff"],
+                                          c["dropout"], batch_first=True, norm_first=c["norm_first"])
+        core.encoder.enable_nested_tensor = core.encoder.use_nested_tensor = False  # plain tensors
         if not c["norm_first"]:  # post-LN: no second, final LayerNorm (pytorch issue 24930)
-            self.core.encoder.norm = self.core.decoder.norm = None
-        else:
-            self.core.encoder.norm.load_state_dict(ours.encoder_norm.state_dict())
-            self.core.decoder.norm.load_state_dict(ours.decoder_norm.state_dict())
+            core.encoder.norm = core.decoder.norm = None
+        alike = [(ours.encoder_norm, core.encoder.norm), (ours.decoder_norm, core.decoder.norm)] * c["norm_first"]
         with torch.no_grad():
-            for mine, theirs in zip(list(ours.encoder_layers) + list(ours.decoder_layers),
-                                    list(self.core.encoder.layers) + list(self.core.decoder.layers)):
+            for mine, theirs in zip([*ours.encoder_layers, *ours.decoder_layers],
+                                    [*core.encoder.layers, *core.decoder.layers]):
                 pairs = [(mine.self_attn, theirs.self_attn)]
                 if hasattr(mine, "cross_attn"): pairs.append((mine.cross_attn, theirs.multihead_attn))
                 for m, t in pairs:
                     t.in_proj_weight.copy_(torch.cat([m.w_q.weight, m.w_k.weight, m.w_v.weight]))
                     t.in_proj_bias.copy_(torch.cat([m.w_q.bias, m.w_k.bias, m.w_v.bias]))
                     t.out_proj.load_state_dict(m.w_o.state_dict())
-                theirs.linear1.load_state_dict(mine.ffn.fc1.state_dict())
-                theirs.linear2.load_state_dict(mine.ffn.fc2.state_dict())
-                for i in range(1, 4 if hasattr(mine, "norm3") else 3):
-                    getattr(theirs, f"norm{i}").load_state_dict(getattr(mine, f"norm{i}").state_dict())
+                alike += [(mine.ffn.fc1, theirs.linear1), (mine.ffn.fc2, theirs.linear2)] + [
+                    (getattr(mine, n), getattr(theirs, n)) for n in ("norm1", "norm2", "norm3") if hasattr(mine, n)]
+        for m, t in alike:  # (ours, theirs) with the same parameter names: copied whole
+            t.load_state_dict(m.state_dict())
 
     def forward(self, src, tgt):
         ours, T = self.ours, tgt.size(1)
@@ -6685,8 +6671,7 @@ def training_tokens_per_second(model, src, tgt, steps):
     synchronize(src.device)
     start = time.perf_counter()
     for _ in range(steps):
-        logits = model(src, tgt)                                           # [B, T, V]
-        loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten())        # []
+        loss = F.cross_entropy(model(src, tgt).flatten(0, 1), tgt.flatten())  # [B * T, V] logits -> []
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -6703,15 +6688,13 @@ TRAINING_BENCH_SIZES = [  # name, the model's widths, batch, length, steps a rou
 def bench_training(device, rounds=3, sizes=TRAINING_BENCH_SIZES):
     """Ours as written and with fused kernels (section 34) against nn.Transformer, same weights, alternating. No
     dropout, as the demo trains (with it, PyTorch's attention on a CPU falls back to the unfused formula)."""
-    print("training throughput, forward + backward + Adam, no dropout, target tokens/s (median of "
-          f"{rounds} alternating rounds)")
-    print(f"  {'configuration':50s} {'hand-written':>12s} {'fused':>7s} {'nn.Transformer':>14s}  ratios")
+    print(f"training throughput, forward + backward + Adam, no dropout, target tokens/s (median of {rounds} alternating"
+          f" rounds)\n  {'configuration':50s} {'hand-written':>12s} {'fused':>7s} {'nn.Transformer':>14s}  ratios")
     for name, config, batch, length, steps in sizes:
         torch.manual_seed(0)
         ours = Transformer(src_vocab_size=1000, tgt_vocab_size=1000, dropout=0.0, max_len=64, **config).to(device)
         theirs = TorchTransformer(ours).to(device)
-        src = torch.randint(1, 1000, (batch, length), device=device)        # [B, S]
-        tgt = torch.randint(1, 1000, (batch, length), device=device)        # [B, T]
+        src, tgt = torch.randint(1, 1000, (2, batch, length), device=device)  # [B, S], [B, T]
         rates = {"written": [], "fused": [], "torch": []}
         for _ in range(rounds):
             for key, model in (("written", ours), ("fused", ours), ("torch", theirs)):
@@ -6727,8 +6710,7 @@ def bench_training(device, rounds=3, sizes=TRAINING_BENCH_SIZES):
 
 def memory_bandwidth(device=torch.device("cpu"), megabytes=256):
     """Bytes a second a large copy reads and writes: the ceiling for a step that streams all its weights once."""
-    x = torch.ones(megabytes * 2 ** 20 // 4, device=device)                # [N] float32
-    y = x.clone()                                                          # [N]: its pages touched once
+    x, y = torch.ones(2, megabytes * 2 ** 20 // 4, device=device)         # [N] each, float32: y's pages touched
     synchronize(device)
     start = time.perf_counter()
     for _ in range(5):
@@ -6738,8 +6720,7 @@ def memory_bandwidth(device=torch.device("cpu"), megabytes=256):
 
 
 def bench_kv_cache(device, lengths=(64, 256, 1024), d_model=512, n_heads=8, d_ff=2048, n_layers=2, megabytes=256):
-    """The cache's speedup with the number of new tokens, and its floor: a cached step is one token through every
-    weight, so it cannot beat bytes of weights / bandwidth (measured by copying megabytes)."""
+    """The cache's speedup with the number of new tokens, and its floor: bytes of weights / memory bandwidth."""
     torch.manual_seed(0)
     gpt = DecoderOnlyTransformer(vocab_size=1000, d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_ff=d_ff,
                                  max_len=max(lengths) + 8).to(device).eval()
@@ -6761,13 +6742,12 @@ def bench_kv_cache(device, lengths=(64, 256, 1024), d_model=512, n_heads=8, d_ff
 
 
 PEAK_MEMORY_PROGRAM = """
-import importlib.util, re, sys, torch
-spec = importlib.util.spec_from_file_location("transformer_under_test", sys.argv[1])
-tf = importlib.util.module_from_spec(spec); spec.loader.exec_module(tf)
+import re, runpy, sys, torch
+tf = runpy.run_path(sys.argv[1])                                        # the file's names, __main__ not run
 kind, T, H, dk = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 def attend(q, k, v):
-    if kind == "flash": return tf.flash_attention(q, k, v, causal=True)[0]
-    return tf.scaled_dot_product_attention(q, k, v, tf.make_causal_mask(q.size(2)))[0]
+    if kind == "flash": return tf["flash_attention"](q, k, v, causal=True)[0]
+    return tf["scaled_dot_product_attention"](q, k, v, tf["make_causal_mask"](q.size(2)))[0]
 def kib(field):  # this process's resident memory now (VmRSS) or at its peak (VmHWM)
     return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
 with torch.no_grad():
@@ -6791,16 +6771,14 @@ def attention_peak_bytes(kind, T, H, dk):
 
 def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
     """FlashAttention's tiles (section 34) against section 2: time, peak memory, largest difference of outputs."""
-    print(f"\nattention, causal, batch 1, {heads} heads of {dk}: section 2 against flash_attention "
-          f"(block 64, section 34)")
-    print(f"  {'tokens':>6s} {'threads':>7s} {'section 2':>10s} {'flash':>8s} {'peak memory: section 2':>23s}"
-          f" {'flash':>9s}  {'[T, T] scores alone':>20s}  max |diff|")
+    print(f"\nattention, causal, batch 1, {heads} heads of {dk}: section 2 against flash_attention"
+          f" (block 64, section 34)\n  {'tokens':>6s} {'threads':>7s} {'section 2':>10s} {'flash':>8s}"
+          f" {'peak memory: section 2':>23s} {'flash':>9s}  {'[T, T] scores alone':>20s}  max |diff|")
     threads = torch.get_num_threads()                                      # []: the caller's, restored after
     for T in lengths:
         q, k, v = torch.randn(3, 1, heads, T, dk, device=device)          # [1, H, T, dk] each
-        peaks = [attention_peak_bytes(kind, T, heads, dk) if device.type == "cpu" else None
-                 for kind in ("plain", "flash")]
-        shown = [f"{peak / 2 ** 20:.1f} MiB" if peak is not None else "n/a" for peak in peaks]
+        memory = [f"{peak / 2 ** 20:.1f} MiB" if peak is not None else "n/a" for peak in (  # a fresh process each
+            attention_peak_bytes(kind, T, heads, dk) if device.type == "cpu" else None for kind in ("plain", "flash"))]
         for n_threads in sorted({1, threads}):  # small tiles and a second thread: see the comment printed
             torch.set_num_threads(n_threads)
             with torch.no_grad():
@@ -6809,8 +6787,8 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
                 middle = time.perf_counter()
                 out, _ = flash_attention(q, k, v, causal=True)             # [1, H, T, dk]
                 seconds = dict(plain=middle - start, flash=time.perf_counter() - middle)
-            print(f"  {T:6d} {n_threads:7d} {seconds['plain']:9.3f}s {seconds['flash']:7.3f}s {shown[0]:>23s}"
-                  f" {shown[1]:>9s}  {heads * T * T * 4 / 2 ** 20:16.0f} MiB  {(out - plain).abs().max().item():.1e}")
+            print(f"  {T:6d} {n_threads:7d} {seconds['plain']:9.3f}s {seconds['flash']:7.3f}s {memory[0]:>23s}"
+                  f" {memory[1]:>9s}  {heads * T * T * 4 / 2 ** 20:16.0f} MiB  {(out - plain).abs().max().item():.1e}")
         torch.set_num_threads(threads)
     print("  peak memory: a fresh process's resident high-water mark after one call minus its resident\n"
           "  memory just before (inputs made, float32). Section 2 holds [T, T] scores, masked scores and\n"
@@ -6822,8 +6800,7 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
 # ===========================================================================
 # 56. The command line (命令行)
 # ===========================================================================
-# Every mistake is one line on stderr and exit status 2, found before any work
-# starts where it can be; answers alone go to stdout.
+# Every mistake is one line on stderr and exit status 2, found before the work where it can be; answers go to stdout.
 
 MAX_LINE = 2 ** 20  # characters in one --translate - line; a sentence takes at most MAX_SYLLABLES syllables
 MAX_BEAM = 64       # --beam: wider beams cost memory and time and, on this task, gain nothing
@@ -6832,12 +6809,11 @@ IGNORED_BY = {"load": ("skips training", ("save", "epochs", "model", "size")),  
               "after": ("runs models of its own, then exits", ALONE + ("bench",)),
               "bench": ("runs models of its own, then exits", ALONE),
               "gguf": ("answers with a released model, then exits", ALONE + ("after", "bench"))}
-GGUF_OPTIONS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p")  # nothing without --gguf
+GGUF_OPTIONS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p")  # chat's, in order; only with --gguf
 
 
 def answer_lines(answer, src_vocab, longest, lines):
-    """A hanzi line on stdout for each pinyin line, or an error line on stderr; a line past MAX_LINE characters
-    (readline is asked for at most MAX_LINE + 1) or unreadable stdin stops the reading. -> exit status."""
+    """A hanzi line on stdout for each pinyin line, or an error line on stderr (past MAX_LINE: stop) -> exit status."""
     check_list("lines", lines, "lines of pinyin")
     status = 0
     try:
@@ -6846,9 +6822,8 @@ def answer_lines(answer, src_vocab, longest, lines):
                 raise ValueError(f"standard input, line {number}: longer than {MAX_LINE:,} characters")
             syllables = line.split()                                       # ['wo', 'ai', ...]
             unknown = next((s for s in syllables if not (SYLLABLE.fullmatch(s) and s in src_vocab.stoi)), None)
-            problem = (f"unknown syllable {quote(unknown)}" if unknown else
-                       f"{len(syllables)} syllables, this model takes at most {longest}" if len(syllables) > longest
-                       else None)
+            problem = (f"unknown syllable {quote(unknown)}" if unknown else f"{len(syllables)} syllables, this model"
+                       f" takes at most {longest}" if len(syllables) > longest else None)
             if problem:
                 print(f"transformer.py: error: {problem} in {quote(line.strip())}", file=sys.stderr)
                 status = 2
@@ -6865,10 +6840,9 @@ def answer_lines(answer, src_vocab, longest, lines):
 def number_in(low, high=2 ** 64 - 1, kind=int):
     """An argparse type: a finite number from low to high; an integer's high is 2^64 - 1, torch.manual_seed's."""
     def parse(text):
-        try:
-            value = kind(text) if kind is float or re.fullmatch(r"-?\d+", text) else math.nan
-        except ValueError:
-            value = math.nan
+        value = math.nan  # in no range
+        with contextlib.suppress(ValueError):  # float("x")
+            value = kind(text) if kind is float or re.fullmatch(r"-?\d+", text) else value
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} from {low:g} to"
                                              f" {'2^64 - 1' if kind is int else f'{high:g}'}, got {quote(text)}")
@@ -6877,8 +6851,7 @@ def number_in(low, high=2 ** 64 - 1, kind=int):
 
 
 class GuardedStream:
-    """stdout or stderr whose reader may leave (| head -1): then what is written is dropped while keep_going is
-    set (a --save is still to come), else BrokenPipeError, as the stream's own."""
+    """stdout or stderr whose reader may leave (| head): writes then vanish while keep_going (a --save to come)."""
     keep_going = False
 
     def __init__(self, stream):
@@ -6928,7 +6901,6 @@ def main(argv=None):
     option("--top-p", type=number_in(1e-9, 1, float), help="with --gguf: sample from the smallest set holding p")
     args = parser.parse_args(argv)
     GuardedStream.keep_going = args.save is not None  # the reader of the output may leave: the model is saved
-    # every problem that can be seen before the work starts is reported before it starts
     empty = next((name for name in ("data", "load", "save") if getattr(args, name) == ""), None)
     if empty: parser.error(f"--{empty}: expected a file name, got an empty one")
     if args.beam > MAX_BEAM: parser.error(f"--beam {args.beam}: expected 1 to {MAX_BEAM}")
@@ -6958,8 +6930,7 @@ def main(argv=None):
         if not args.gguf or args.prompt is None: parser.error("--gguf needs a file name and --prompt TEXT")
         try:
             torch.manual_seed(args.seed)  # sampling draws from torch's generator: --seed repeats an answer
-            _, speed = chat(load_gguf(args.gguf), args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                            args.top_p)
+            _, speed = chat(load_gguf(args.gguf), *(getattr(args, name) for name in GGUF_OPTIONS))
         except ValueError as e:
             parser.error(f"--gguf {shown(args.gguf)}: {e}" if shown(args.gguf) not in str(e) else str(e))
         print(flush=True)
@@ -6985,9 +6956,7 @@ def main(argv=None):
                                                                  "only head 0"))
     if args.after or args.bench:  # each trains with train(), which takes Ctrl-C as "stop this training" and goes on
         print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads" + "\n" * args.bench)
-        global stop_on_ctrl_c  # so, within, Ctrl-C stops all of the run (section 13)
-        kept, stop_on_ctrl_c = stop_on_ctrl_c, lambda: contextlib.nullcontext([])
-        try:
+        with mock.patch.dict(globals(), stop_on_ctrl_c=lambda: contextlib.nullcontext([])):  # Ctrl-C stops it all
             if args.after:
                 speculative_report(args.seed, kind="deepseek", device=device)  # a small draft, and its MTP
                 preference_report(args.seed)
@@ -6995,14 +6964,11 @@ def main(argv=None):
                 for bench in (bench_training, bench_kv_cache, bench_long_sequences):
                     bench(device)
                 mixed_precision_report(args.seed, device)
-        finally:
-            stop_on_ctrl_c = kept
         return 0
     if args.translate is None:
         print(f"device: {device}, torch {torch.__version__}\n")
         if not (loaded or args.data):
             show_models(device)
-            print()
             show_training_costs()
         run(args, device, pairs, loaded)
         if not (loaded or args.data or args.model != "all" or args.epochs):  # the demo as it stands
@@ -7017,8 +6983,7 @@ def main(argv=None):
 
 
 def command_line():
-    """main() as a program: every failure one line on stderr, never a traceback, whichever standard stream is
-    closed, broken or unable to encode (Python's stderr escapes what it cannot encode)."""
+    """main() as a program: every failure one line on stderr, never a traceback, whatever state the streams are in."""
     sys.stdout, sys.stderr = (None if s is None else GuardedStream(s) for s in (sys.stdout, sys.stderr))
     status, line = 0, None
     try:
