@@ -344,8 +344,12 @@ def finished(proc, timeout=120):
 # ones of the selected tests, one after the other in the file's order, each in a
 # fork of its own (as if it were a test: the same seed, nothing left behind), while
 # the tests run; each test then checks the result (background_result) where it
-# stands, with the assertions it always made.
+# stands, with the assertions it always made. Whoever comes first computes it: where
+# the session reaches a test before the runner reached its computation, the session
+# computes it itself (the first to create NAME.claim takes it), so that on a machine
+# where one core falls behind the other does not wait for it.
 BACKGROUND = {}  # name -> function(folder) -> a picklable result
+TAKEN = {}  # name -> ("ok", its result) or None: what the session computes itself
 BACKGROUND_RUNNER = r"""
 import gc, os, pickle, sys, traceback
 import torch
@@ -354,6 +358,10 @@ gc.freeze()
 
 folder, names = sys.argv[1], sys.argv[2:]
 for name in names:
+    try:
+        os.close(os.open(os.path.join(folder, name + ".claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:  # the session got there first
+        continue
     os.makedirs(os.path.join(folder, name))
     child = os.fork()
     if child == 0:
@@ -381,8 +389,27 @@ def computed_in_the_background(name):
     return register
 
 
+def taken(name):
+    """Whether the session computes `name` itself: it asked before the runner started it."""
+    if name not in TAKEN:
+        try:
+            os.close(os.open(FORKS["background"] / f"{name}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        TAKEN[name] = None
+    return True
+
+
 def background_result(name, timeout=600):
-    """The result of BACKGROUND[name], once the runner has it."""
+    """The result of BACKGROUND[name]: the runner's once it has it, or, where the session asks
+    first, computed here as the runner does (from seed 0; the test's random state kept)."""
+    if taken(name):
+        if TAKEN[name] is None:
+            (FORKS["background"] / name).mkdir(exist_ok=True)
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(0)
+                TAKEN[name] = ("ok", BACKGROUND[name](str(FORKS["background"] / name)))
+        return TAKEN[name][1]
     path, deadline = FORKS["background"] / f"{name}.pickle", time.monotonic() + timeout
     while not path.exists():
         assert time.monotonic() < deadline, f"{name}: no result after {timeout} s"
@@ -407,7 +434,8 @@ def parametrized_cases(test):
 def run_in_the_background(test):
     """A test that takes no fixture and computes for a while: its body runs in the background,
     each parametrized case in turn, seeded as `seed` seeds a test; here each case waits for its
-    outcome and passes, fails (with the traceback from there) or skips as it did there."""
+    outcome and passes, fails (with the traceback from there) or skips as it did there (or,
+    where the session comes first, runs here as any test)."""
     def every_case(folder):
         outcomes = []
         for case in parametrized_cases(waits):
@@ -423,6 +451,8 @@ def run_in_the_background(test):
 
     @functools.wraps(test)
     def waits(**case):
+        if taken(test.__name__):                    # the runner has not started it: a test as any other
+            return test(**case)
         index = next(i for i, c in enumerate(parametrized_cases(waits)) if all(c[k] is v for k, v in case.items()))
         outcome, text = background_result(test.__name__)[index]
         if outcome == "skipped":
