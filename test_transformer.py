@@ -31,9 +31,10 @@ except the few checks that need a real `python transformer.py`: signals, a
 closed or full standard stream, a process's own peak memory, the sections cut
 out and run alone. Those start together with the session (`processes` below;
 the hardening's with its first test), as forks of one interpreter that imported
-torch once, and each test waits on its own. The few tests that train for
-seconds have that part computed beside the others, on the second core
-(`computed_in_the_background`), and check its result where they stand.
+torch once, and each test waits on its own. The tests that compute for seconds
+have that part (`computed_in_the_background`), or the whole test
+(`run_in_the_background`), computed beside the others on the second core, and
+check its outcome where they stand; the first core to get to one computes it.
 
     python -m pytest -q
 
@@ -256,7 +257,7 @@ def forker(tmp_path_factory):
     """The forker's jobs, for the session: their files in a folder of its own; it ends with the session."""
     FORKS.update(jobs=FORKER_PROCESS.stdin, folder=tmp_path_factory.mktemp("forks"), n=0)
     yield
-    os.killpg(FORKER_PROCESS.pid, signal.SIGKILL)          # it and any job still running: nothing to finish
+    os.killpg(FORKER_PROCESS.pid, signal.SIGKILL)  # it and any job still running: nothing to finish
     FORKER_PROCESS.wait()
 
 
