@@ -3768,10 +3768,11 @@ def scaled_rope_cos_sin(head_dim, max_len, theta, scaling):
 def with_rope_scaling(model, scaling):
     """A RoPE model of this file (Llama, a family) given the tables of scaling for its max_len, kept in its config."""
     check("a Llama family", model_kind=type(model))
-    cos, sin = scaled_rope_cos_sin(model.cos.size(-1), model.max_len, model.config["rope_theta"], scaling)  # checks it
-    if isinstance(model, DeepSeekV3) and scaling["type"] == "yarn":
+    check_scaling(scaling)
+    if isinstance(model, DeepSeekV3) and scaling["type"] == "yarn":  # refused before any table is made
         raise ValueError("yarn's temperature goes into latent attention's softmax scale (DeepSeek-V3's mscale),"
                          " which this file does not build: use 'linear' or 'llama3' with a DeepSeekV3")
+    cos, sin = scaled_rope_cos_sin(model.cos.size(-1), model.max_len, model.config["rope_theta"], scaling)
     model.cos, model.sin = cos.to(model.cos), sin.to(model.sin)            # [max_len, dk] each, as the old ones
     model.config["rope_scaling"] = dict(scaling)
     return model
@@ -4848,7 +4849,7 @@ def decay_groups(model, weight_decay):
     """AdamW's two groups, by nanoGPT's rule: model's trained parameters of 2+ dims (nn.Linear and nn.Embedding
     weights), whose size decay keeps in check, with weight_decay; the 1-dim ones with 0: a bias is a shift, a norm's
     weight a gain whose neutral value is 1 (decayed, it shrinks the block's input and the next matrix must grow to undo
-    it). A tied weight comes once; buffers (positions, MoE's router_bias) are no parameters, untouched."""
+    it). A tied weight comes once; buffers (positions, MoE's router_bias) are not parameters: no optimizer sees them."""
     check(model=model, weight_decay=weight_decay)
     params = [p for p in model.parameters() if p.requires_grad]  # frozen ones have nothing to update
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
@@ -5413,8 +5414,8 @@ def lora_adapt(base, task, seed, lr, r=None, alpha=16, targets=("w_q", "w_v")):
 def lora_report(device="cpu", seed=0):
     """Print held-out exact match on new and old sentences, before and after adapting, and LoRA merged -> rows."""
     start, task = time.perf_counter(), lora_task(seed)
-    rows = [("base model", *lora_base(task, device, seed))]
-    rows += [(name, *lora_adapt(rows[0][1], task, seed, lr, r)) for name, lr, r in (
+    base, seconds = lora_base(task, device, seed)
+    rows = [("base model", base, seconds)] + [(name, *lora_adapt(base, task, seed, lr, r)) for name, lr, r in (
         ("LoRA r=8 on w_q, w_v", LORA_LR, 8), ("full fine-tuning", FULL_LR, None))]
     score = lambda model, part: teacher_forced_accuracy(  # noqa: E731
         "encdec", model, task[part + "_test"], task["src_vocab"], task["tgt_vocab"], task["readings"])
@@ -6315,7 +6316,8 @@ def checked_checkpoint(checkpoint, device):
 
 
 def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
-    """Write the model (LoRA merged), vocabularies and readings to path; what loading would refuse: ValueError."""
+    """Write the model (LoRA merged), vocabularies and readings to path, or ValueError: what loading would refuse is
+    refused first; an old file stays intact, or is replaced keeping its mode and owner."""
     if type(model) is not MODEL_CLASSES.get(kind):
         raise ValueError(f"kind {kind!r} with a {type(model).__name__}: expected one of "
                          + ", ".join(f"{k!r} with a {c.__name__}" for k, c in MODEL_CLASSES.items()))
@@ -6574,9 +6576,10 @@ def run(args, device, pairs, loaded):
         if loaded:
             model, src_vocab, tgt_vocab, readings, result = *loaded[1:], {}
         else:
+            spans = SIZES[args.size][kind].get("spans", 0)  # a piece of a sentence is one more: the vocabulary stays
             model, src_vocab, tgt_vocab, result = train_toy_model(  # each epoch shown as it ends, even | tee
-                kind, with_pieces(train_pairs, SIZES[args.size][kind].get("spans", 0), args.seed), test_pairs, device,
-                args.epochs, args.seed, log=lambda line: print(line, flush=True), recipes=SIZES[args.size])
+                kind, with_pieces(train_pairs, spans, args.seed), test_pairs, device, args.epochs, args.seed,
+                log=lambda line: print(line, flush=True), recipes=SIZES[args.size])
             readings = syllable_readings(train_pairs)
         if not answering:
             longest = longest_sentence(kind, model)
@@ -6637,9 +6640,11 @@ class TorchTransformer(nn.Module):
         core = self.core = nn.Transformer(c["d_model"], c["n_heads"], c["n_layers"], c["n_layers"], c["d_ff"],
                                           c["dropout"], batch_first=True, norm_first=c["norm_first"])
         core.encoder.enable_nested_tensor = core.encoder.use_nested_tensor = False  # plain tensors
-        if not c["norm_first"]:  # post-LN: no second, final LayerNorm (pytorch issue 24930)
+        alike = []  # (ours, theirs) modules with the same parameter names: copied whole
+        if c["norm_first"]:
+            alike += [(ours.encoder_norm, core.encoder.norm), (ours.decoder_norm, core.decoder.norm)]
+        else:  # post-LN: no second, final LayerNorm (pytorch issue 24930)
             core.encoder.norm = core.decoder.norm = None
-        alike = [(ours.encoder_norm, core.encoder.norm), (ours.decoder_norm, core.decoder.norm)] * c["norm_first"]
         with torch.no_grad():
             for mine, theirs in zip([*ours.encoder_layers, *ours.decoder_layers],
                                     [*core.encoder.layers, *core.decoder.layers]):
@@ -6651,7 +6656,7 @@ class TorchTransformer(nn.Module):
                     t.out_proj.load_state_dict(m.w_o.state_dict())
                 alike += [(mine.ffn.fc1, theirs.linear1), (mine.ffn.fc2, theirs.linear2)] + [
                     (getattr(mine, n), getattr(theirs, n)) for n in ("norm1", "norm2", "norm3") if hasattr(mine, n)]
-        for m, t in alike:  # (ours, theirs) with the same parameter names: copied whole
+        for m, t in alike:
             t.load_state_dict(m.state_dict())
 
     def forward(self, src, tgt):
@@ -6777,8 +6782,9 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
     threads = torch.get_num_threads()                                      # []: the caller's, restored after
     for T in lengths:
         q, k, v = torch.randn(3, 1, heads, T, dk, device=device)          # [1, H, T, dk] each
-        memory = [f"{peak / 2 ** 20:.1f} MiB" if peak is not None else "n/a" for peak in (  # a fresh process each
-            attention_peak_bytes(kind, T, heads, dk) if device.type == "cpu" else None for kind in ("plain", "flash"))]
+        peaks = [attention_peak_bytes(kind, T, heads, dk) if device.type == "cpu" else None  # a fresh process each
+                 for kind in ("plain", "flash")]
+        memory = [f"{peak / 2 ** 20:.1f} MiB" if peak is not None else "n/a" for peak in peaks]
         for n_threads in sorted({1, threads}):  # small tiles and a second thread: see the comment printed
             torch.set_num_threads(n_threads)
             with torch.no_grad():
@@ -6822,8 +6828,9 @@ def answer_lines(answer, src_vocab, longest, lines):
                 raise ValueError(f"standard input, line {number}: longer than {MAX_LINE:,} characters")
             syllables = line.split()                                       # ['wo', 'ai', ...]
             unknown = next((s for s in syllables if not (SYLLABLE.fullmatch(s) and s in src_vocab.stoi)), None)
-            problem = (f"unknown syllable {quote(unknown)}" if unknown else f"{len(syllables)} syllables, this model"
-                       f" takes at most {longest}" if len(syllables) > longest else None)
+            problem = (f"unknown syllable {quote(unknown)}" if unknown else
+                       f"{len(syllables)} syllables, this model takes at most {longest}" if len(syllables) > longest
+                       else None)
             if problem:
                 print(f"transformer.py: error: {problem} in {quote(line.strip())}", file=sys.stderr)
                 status = 2
@@ -6840,9 +6847,10 @@ def answer_lines(answer, src_vocab, longest, lines):
 def number_in(low, high=2 ** 64 - 1, kind=int):
     """An argparse type: a finite number from low to high; an integer's high is 2^64 - 1, torch.manual_seed's."""
     def parse(text):
-        value = math.nan  # in no range
-        with contextlib.suppress(ValueError):  # float("x")
-            value = kind(text) if kind is float or re.fullmatch(r"-?\d+", text) else value
+        try:
+            value = kind(text) if kind is float or re.fullmatch(r"-?\d+", text) else math.nan  # NaN: in no range
+        except ValueError:
+            value = math.nan
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} from {low:g} to"
                                              f" {'2^64 - 1' if kind is int else f'{high:g}'}, got {quote(text)}")
