@@ -6339,6 +6339,13 @@ def test_qwen3_next_cache_bytes_against_llama_3_8b():
         assert held * 2 == tf.qwen3_next_cache_bytes(model.config, length)
 
 
+@pytest.mark.parametrize("key", ["layer_types", "n_kv_heads", "linear_v_dim", "conv_size"])
+def test_qwen3_next_cache_bytes_of_a_config_without_a_key_is_a_value_error_naming_it(key):
+    config = {k: v for k, v in tf.QWEN3_NEXT_80B.items() if k != key}
+    with pytest.raises(ValueError, match=rf"^the formula reads the key '{key}', which its dict argument lacks$"):
+        tf.qwen3_next_cache_bytes(config, 4096)
+
+
 def test_qwen3_next_cache_refuses_a_crop_and_wrong_caches():
     """A recurrent memory cannot go back to a prefix: crop raises, so section 48 refuses such a model
     before it runs; a cache list of the wrong kinds is refused, naming what new_cache gives."""
@@ -6598,6 +6605,9 @@ def test_dsv32_indexer_gets_no_gradient_and_no_backward():
             loss.backward()
         counts.append((forward.get_total_flops(), backward.get_total_flops()))
     assert counts[0][0] - counts[1][0] == tf.indexer_flops(model.config, 2, 10)
+    for key in ("q_lora_rank", "index_head_dim"):  # a config that lacks a key it reads: a ValueError naming it
+        with pytest.raises(ValueError, match=rf"^the formula reads the key '{key}', which its dict argument lacks$"):
+            tf.indexer_flops({k: v for k, v in model.config.items() if k != key}, 2, 10)
     assert counts[0][1] == counts[1][1]
     indexer = model.layers[1].attn.indexer
     assert all(p.grad is None for p in indexer.parameters())
@@ -10915,10 +10925,11 @@ def test_bench_mixed_precision_trains_the_toy_gpt_in_float32_and_under_bf16_auto
 
 
 def test_autocast_runs_the_products_in_bf16_and_keeps_the_weights_float32():
-    gpt = tf.DecoderOnlyTransformer(vocab_size=20, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0)
-    wrapped, ids = tf.Autocast(gpt), torch.randint(0, 20, (2, 5))
+    config = dict(vocab_size=20, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0)
+    gpt, wrapped, ids = tf.DecoderOnlyTransformer(**config), tf.AutocastGPT(**config), torch.randint(0, 20, (2, 5))
+    wrapped.load_state_dict(gpt.state_dict())
     seen = []
-    hook = gpt.lm_head.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    hook = wrapped.lm_head.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
     logits = wrapped(ids)                                              # [2, 5, 20]
     hook.remove()
     assert seen == [torch.bfloat16] and logits.dtype == torch.float32

@@ -97,6 +97,11 @@ def arguments_of(scope):
     return {name: value for name, value in scope.items() if name not in ("self", "__class__")}
 
 
+class Keys(dict):  # a formula's dict argument, such as a model's config
+    def __missing__(self, key):  # d[key] of a key it lacks is a ValueError naming it; d.get(key) stays None
+        raise ValueError(f"the formula reads the key {key!r}, which its dict argument lacks")
+
+
 # ===========================================================================
 # 1. Positional encoding (位置编码)
 # ===========================================================================
@@ -4467,6 +4472,7 @@ def qwen3_next_cache_bytes(config, length, bytes_per_value=2):
     inputs, the same at any length; bytes_per_value for all (GatedDeltaNet here, as transformers' torch path,
     keeps the memory in float32 even in a bf16 model: 4 bytes there)."""
     check(config=config, length=length, bytes_per_value=bytes_per_value)
+    config = Keys(config)
     n_attention = (config["layer_types"] or qwen3_next_layer_types(config["n_layers"])).count("full_attention")
     head_dim = config["head_dim"] or config["d_model"] // config["n_heads"]
     kv = kv_cache_bytes_per_token(1, config["n_kv_heads"] or config["n_heads"], head_dim, bytes_per_value)  # a layer
@@ -4728,6 +4734,7 @@ def indexer_flops(config, batch_size, seq_len):
     """FLOPs of every layer's indexer in a forward of [batch_size, seq_len] (config: a DeepSeekV32's),
     with the query latent computed again for it; the same in training: it has no backward."""
     check(config=config, batch_size=batch_size, seq_len=seq_len)
+    config = Keys(config)
     L, D, qr = config["n_layers"], config["d_model"], config["q_lora_rank"]
     Hi, di = config["index_n_heads"], config["index_head_dim"]
     projections = qr * Hi * di + D * di + D * Hi + D * qr                  # + w_dq again (SparseLatentAttention)
@@ -5015,11 +5022,6 @@ ARGUMENTS.update(seq_len=(int, 1, MAX_SIZE), kind=("one of", *MODEL_KINDS.values
 RELATIONS["seq_len <= max_len"] = (("seq_len", "max_len"), lambda t, most: t <= most, "seq_len must be at most max_len")
 
 
-class Keys(dict):  # a formula's dict argument (a config, a memory)
-    def __missing__(self, key):  # d[key] of a key it lacks is a ValueError naming it; d.get(key) stays None
-        raise ValueError(f"the formula reads the key {key!r}, which its dict argument lacks")
-
-
 def model_kind(model, formula="model_kind", trains=False):
     """model's family; ValueError for another class, a module the formulas do not model, a frozen weight."""
     if type(model) not in MODEL_KINDS:
@@ -5129,14 +5131,10 @@ class LossScaler:
             self.loss_scale, self.good_steps = new if 2.0 ** -126 <= new < math.inf else self.loss_scale, 0
 
 
-class Autocast(nn.Module):  # model with its forward under bf16 autocast: products in bfloat16, the weights float32
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
+class AutocastGPT(DecoderOnlyTransformer):  # its forward under bf16 autocast: products in bf16, weights float32
     def forward(self, *inputs):
         with torch.autocast(inputs[0].device.type, dtype=torch.bfloat16):
-            return self.model(*inputs).float()                             # [B, T, V]
+            return super().forward(*inputs).float()                        # [B, T, V]
 
 
 def mixed_precision_report(seed=0, device="cpu", lr=1e-2, n_sentences=2400, epochs=None):  # lr: 1e-2 beat 3e-3, seed 3
@@ -5147,8 +5145,7 @@ def mixed_precision_report(seed=0, device="cpu", lr=1e-2, n_sentences=2400, epoc
     steps = spec["epochs"] * -(-len(train_pairs) // spec["batch_size"])    # ceil: batches an epoch
     update = lambda model: adamw_update(model, lr, min(spec["warmup"], steps), steps)  # noqa: E731
     print(f"\nmixed precision on the toy task (section 45): the GPT, {spec['epochs']} epochs, seed {seed}")
-    for name, build in (("float32", DecoderOnlyTransformer), ("bf16 autocast", lambda **c: Autocast(
-            DecoderOnlyTransformer(**c)))):
+    for name, build in (("float32", DecoderOnlyTransformer), ("bf16 autocast", AutocastGPT)):
         *_, result = train_toy_model("gpt", train_pairs, test_pairs, device, seed=seed, log=lambda line: None,
                                      recipes={"gpt": dict(spec, model=build, update=update)})
         rows[name] = result["accuracy"], result["history"][-1][1]
