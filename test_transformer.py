@@ -6373,10 +6373,12 @@ def test_qwen3_next_bad_configurations_raise_value_errors():
         tiny_qwen3_next(layer_types=["full_attention"] * 3)
     with pytest.raises(ValueError, match=r"layer_types must be None or n_layers of"):
         tiny_qwen3_next(layer_types=["sliding_attention"] * 4)
-    with pytest.raises(ValueError, match=r"head_dim \* partial_rotary must give an even number"):
-        tiny_qwen3_next(partial_rotary=0.3125)                             # 5 of 16 dims
-    with pytest.raises(ValueError, match=r"rotary_dim must be an integer >= 2, got 0"):
-        tiny_qwen3_next(partial_rotary=0.05)                               # no dim at all
+    for partial_rotary in (0.3125, 0.05):                              # 5 of 16 dims; none at all
+        with pytest.raises(ValueError, match=rf"^head_dim \* partial_rotary must give an even number of dims, 2 or"
+                                             rf" more \(RoPE turns pairs\) \(head_dim=16\), got {partial_rotary}$"):
+            tiny_qwen3_next(partial_rotary=partial_rotary)
+        with pytest.raises(ValueError, match=rf"^head_dim \* partial_rotary .* \(head_dim=16\), got {partial_rotary}$"):
+            tf.qwen3_next_param_formula(**dict(tiny_qwen3_next().config, partial_rotary=partial_rotary))
     with pytest.raises(ValueError, match=r"top_k must be at most n_experts"):
         tiny_qwen3_next(top_k=5)
     with pytest.raises(ValueError, match=r"n_v_heads must be divisible by n_k_heads"):

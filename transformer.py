@@ -4129,9 +4129,10 @@ HF_FAMILIES["gpt_oss"] = (GptOss, hf_gpt_oss)
 # - partial RoPE: only the first 25% of each head's dims turn (64 of 256); the rest carry no
 #   position, so some of every head matches by content alone, at any distance.
 
-ARGUMENTS.update(partial_rotary=(float, 1e-30, 1.0), rotary_dim=(int, 2, MAX_SIZE))
-RELATIONS["even rotary dims"] = (("rotary_dim",), lambda d: d % 2 == 0,
-                                 "head_dim * partial_rotary must give an even number of dims (RoPE turns pairs)")
+ARGUMENTS.update(partial_rotary=(float, 1e-30, 1.0))
+RELATIONS["even rotary dims"] = (("partial_rotary", "head_dim"), lambda p, d: int(d * p) in range(2, d + 1, 2),
+                                 "head_dim * partial_rotary must give an even number of dims, 2 or more (RoPE turns"
+                                 " pairs)")
 
 
 class ZeroCenteredRMSNorm(RMSNorm):
@@ -4396,8 +4397,9 @@ class Qwen3Next(Qwen3):
                  n_experts=512, top_k=10, expert_d_ff=512, shared_d_ff=512, norm_topk=True):
         config = arguments_of(locals())
         check(*QWEN3_NEXT_RULES, **config)
-        self.rotary_dim = int((d_model // n_heads if head_dim is None else head_dim) * partial_rotary)  # 64 of 256
-        check("even rotary dims", rotary_dim=self.rotary_dim)
+        width = d_model // n_heads if head_dim is None else head_dim
+        check("even rotary dims", partial_rotary=partial_rotary, head_dim=width)
+        self.rotary_dim = int(width * partial_rotary)                      # 64 of 256
         self.layer_types = list(layer_types or qwen3_next_layer_types(n_layers))  # a copy: the caller's may change
         config["layer_types"] = layer_types and list(layer_types)
         self.mixers = iter(self.layer_types)  # read by attention(), which Llama calls block after block
@@ -4453,7 +4455,7 @@ def qwen3_next_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
     head_dim = d_model // n_heads if head_dim is None else head_dim
     check("kv heads divide heads", "even rotary dims", n_heads=n_heads, n_kv_heads=n_kv_heads,
-          rotary_dim=int(head_dim * partial_rotary))
+          partial_rotary=partial_rotary, head_dim=head_dim)
     n_attention = (layer_types or qwen3_next_layer_types(n_layers)).count("full_attention")
     # GQA's, w_q's gate rows, q_norm and k_norm
     attention = gqa_params(d_model, n_heads, n_kv_heads, head_dim, False) + d_model * n_heads * head_dim + 2 * head_dim
