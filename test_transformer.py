@@ -3566,7 +3566,7 @@ def test_claim_gqa_came_with_llama_2_large_and_llama_3():
     configs = {name: config for name, config, _ in tf.LLAMA_CONFIGS}
     assert configs["Llama-2-7B"]["n_kv_heads"] == configs["Llama-2-7B"]["n_heads"] == 32  # plain MHA
     assert (configs["Llama-3-8B"]["n_kv_heads"], configs["Llama-3-8B"]["n_heads"]) == (8, 32)
-    assert "Llama (Touvron et al., 2023)\n# put three together" in SOURCE
+    assert "Llama (Touvron et al., 2023) put three together" in SOURCE
     assert "came with Llama 2 in\n# its 34B and 70B models only" in SOURCE
 
 

@@ -1381,12 +1381,10 @@ def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head=None, 
 # ===========================================================================
 # Part III: the modern decoder, Llama-style (第三部分：现代解码器)
 # ===========================================================================
-# Since 2017 the decoder-only block has changed in four places. Llama (Touvron et al., 2023)
-# put three together: RMSNorm instead of LayerNorm, rotary position embedding (RoPE) turning
-# q and k instead of a position table, SwiGLU instead of ReLU or GELU. The fourth,
-# grouped-query attention (fewer key/value heads, a smaller KV cache), came with Llama 2 in
-# its 34B and 70B models only (Llama-2-7B keeps 32 kv heads for 32 query heads) and is in
-# every Llama 3. Still pre-norm; no biases, no dropout.
+# Since 2017 the decoder-only block has changed in four places. Llama (Touvron et al., 2023) put three together: RMSNorm
+# instead of LayerNorm, rotary position embedding (RoPE) turning q and k instead of a position table, SwiGLU instead of
+# ReLU or GELU. The fourth, grouped-query attention (fewer key/value heads, a smaller KV cache), came with Llama 2 in
+# its 34B and 70B models only (Llama-2-7B keeps 32 kv heads for 32 query heads) and is in every Llama 3.
 # ===========================================================================
 # 18. RMSNorm (均方根归一化)
 # ===========================================================================
@@ -1579,9 +1577,9 @@ class GroupedQueryAttention(nn.Module):
 # ===========================================================================
 # 22. The Llama block and model (Llama 模型)
 # ===========================================================================
-# Section 9's GPT with the pieces above, pre-norm, no dropout. Positions enter only through
-# RoPE inside attention: no position table, and no sqrt(D) on the embeddings (it sized them
-# against the sinusoidal table). A forward that fails leaves every cache as it was.
+# Section 9's GPT with the pieces above, pre-norm, no biases, no dropout. Positions enter only through RoPE inside
+# attention: no position table, and no sqrt(D) on the embeddings (it sized them against the sinusoidal table). A forward
+# that fails leaves every cache as it was.
 
 class LlamaBlock(nn.Module):
     """x + attn(attn_norm(x)), then x + ffn(ffn_norm(x)), for the attention and feed-forward given."""
@@ -2486,9 +2484,8 @@ def chat(path_or_loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None
 # Part V: the frontier, mixture of experts and latent attention (第五部分：前沿)
 # ===========================================================================
 # What the large open models since late 2023 add to Part III's decoder, each family a subclass of Llama that swaps what
-# differs (as transformers' modular files write them): free head widths and normalized q and k (Qwen3); a feed-forward
-# split into experts, of which a token runs a few (Mixtral, Qwen3-MoE); DeepSeek's latent attention, whose cache is one
-# small latent a token. Then DeepSeek-V3, and what "671B parameters, 37B active" counts.
+# differs (as transformers' modular files write them): QK-norm and free head widths (Qwen3), experts (Mixtral,
+# Qwen3-MoE), latent attention, then DeepSeek-V3 and what "671B parameters, 37B active" counts.
 # ===========================================================================
 # 28. QK-norm and free head widths: Qwen3 (QK 归一化与自由头宽)
 # ===========================================================================
@@ -2865,12 +2862,6 @@ HF_FAMILIES.update(mixtral=(Mixtral, hf_mixtral), qwen3_moe=(Qwen3MoE, hf_qwen3_
 # the query once for all keys (3a). DeepSeek's checkpoints pair neighbours (x[2i], x[2i+1]) in the rope part
 # (rope_interleave=True): section 19's halves after a fixed permutation of the rope rows of w_uq (or w_q) and w_dkv.
 
-def deinterleave(x):
-    """[..., d] -> [..., d]: x0, x2, x4, ... then x1, x3, x5, ..., so that neighbour pair (x[2i], x[2i+1])
-    becomes half-split pair (x[i], x[i + d/2]) for apply_rope (transformers 5.x turns the slices as they lie)."""
-    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)                 # [..., d]
-
-
 ARGUMENTS.update(kv_lora_rank=(int, 1, MAX_SIZE), q_lora_rank=(int, 1, MAX_SIZE, "or None"),
                  qk_nope_dim=(int, 1, MAX_SIZE), qk_rope_dim=(int, 1, MAX_SIZE), v_head_dim=(int, 1, MAX_SIZE),
                  rope_interleave=(bool,))
@@ -2934,8 +2925,9 @@ class MultiHeadLatentAttention(nn.Module):
         # 2. one projection gives the latent and the rope key shared by every head
         latent, k_rope = self.w_dkv(x).split([self.kv_lora_rank, self.rope], dim=-1)  # [B, Tn, r], [B, Tn, rope]
         latent = self.kv_norm(latent)                                      # [B, Tn, r]
-        if self.rope_interleave:  # DeepSeek's neighbour pairs, turned as section 19's halves
-            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)    # [B, H, Tn, rope], [B, Tn, rope]
+        if self.rope_interleave:  # x0, x2, ... then x1, x3, ...: neighbour pairs become section 19's halves
+            q_rope = torch.cat([q_rope[..., 0::2], q_rope[..., 1::2]], dim=-1)  # [B, H, Tn, rope]
+            k_rope = torch.cat([k_rope[..., 0::2], k_rope[..., 1::2]], dim=-1)  # [B, Tn, rope]
         q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)  # [B, H, Tn, rope], [B, Tn, rope]
         if cache is not None:  # the cache: r + rope values a token, nothing per head
             latent, k_rope = cache.append(latent, k_rope)                  # [B, t, r], [B, t, rope], t = past + Tn
@@ -3038,16 +3030,11 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
     embeddings = vocab_size * d_model * (1 if tie_weights else 2)          # token_embedding, lm_head
     return embeddings + layers + n_layers * 2 * d_model + d_model          # + two RMSNorms a block, final_norm
 
-# Try it: a DeepSeek-V3 in miniature, whose latent cache changes the speed, not the tokens.
-#   >>> _ = torch.manual_seed(0)
+# Try it: a DeepSeek-V3 in miniature, a dense block, then MoEs with a shared expert.
 #   >>> ds = DeepSeekV3(vocab_size=100, d_model=32, n_layers=3, n_heads=4, kv_lora_rank=16, qk_nope_dim=8,
-#   ...                 qk_rope_dim=4, v_head_dim=8, d_ff=64, expert_d_ff=16, n_experts=8, top_k=2,
-#   ...                 q_lora_rank=24, n_groups=4, topk_groups=2, routed_scale=2.5, max_len=32)
+#   ...                 qk_rope_dim=4, v_head_dim=8, d_ff=64, expert_d_ff=16, n_experts=8, top_k=2, q_lora_rank=24)
 #   >>> [type(layer.ffn).__name__ for layer in ds.layers], ds.layers[1].ffn.shared.w1.weight.shape
 #   (['SwiGLU', 'MoE', 'MoE'], torch.Size([16, 32]))
-#   >>> ids = torch.randint(0, 100, (2, 5))                                # [2, 5]
-#   >>> torch.equal(ds.generate(ids, 6), ds.generate(ids, 6, use_cache=False))
-#   True
 
 
 # On the toy task (section 16): MLA, a dense block, then 8 sigmoid-routed experts (2 a token)
@@ -3236,12 +3223,11 @@ FRONTIER_CONFIGS = [
                                      n_groups=8, topk_groups=4, routed_scale=2.5),
      671_026_404_352, 37_552_282_624, "671B / 37B (685B with the MTP module)"),
 ]
-# Where DeepSeek-V3's 671B go: 58 MoE layers x 256 experts x 3 x 7168 x 2048 = 654B in routed experts (97%). A
-# token runs 8 of them, 20.4B, plus 11.4B of attention (61 layers), 2.6B of shared experts, 1.2B of dense
-# feed-forward (3 layers), 1.9B of embeddings and lm_head: 37.6B. Its cache in bf16: 61 x 576 x 2 bytes = 70,272
-# bytes (68.6 KiB) a token, against 4.77 MiB for per-head keys and values.
+# Where DeepSeek-V3's 671B go: 58 MoE layers x 256 experts x 3 x 7168 x 2048 = 654B in routed experts (97%). A token
+# runs 8 of them, 20.4B, plus 11.4B of attention (61 layers), 2.6B of shared experts, 1.2B of dense feed-forward (3
+# layers), 1.9B of embeddings and lm_head: 37.6B.
 
-# Try it: DeepSeek-V3's totals, and the cache a token takes, latent against per-head.
+# Try it: DeepSeek-V3's totals, and the bf16 cache a token takes, latent against per-head (68.6 KiB, 4.77 MiB).
 #   >>> name, kind, config, total, active, reported = FRONTIER_CONFIGS[2]
 #   >>> deepseek_param_formula(**config), deepseek_param_formula(**config, active=True)
 #   (671026404352, 37552282624)
@@ -5382,22 +5368,10 @@ def lora_task(seed):
 
 
 def lora_train(model, task, part, seed, update=None, epochs=2, batch_size=32):
-    """train() on task[part + "_train"], the epoch lines on task[part + "_test"]; -> seconds."""
+    """train() on task[part + "_train"] -> seconds (no held-out score an epoch: lora_report scores at the end)."""
     data = PinyinDataset(task[part + "_train"], task["src_vocab"], task["tgt_vocab"])
-    held_out = lambda: teacher_forced_accuracy("encdec", model, task[part + "_test"], task["src_vocab"],  # noqa: E731
-                                               task["tgt_vocab"], task["readings"])
-    return train(model, data, held_out, epochs, batch_size, seed=seed, log=lambda line: None,
+    return train(model, data, lambda: 0.0, epochs, batch_size, seed=seed, log=lambda line: None,
                  update=update)["history"][-1][1]
-
-
-def lora_base(task, device, seed):
-    """Section 16's encoder-decoder recipe, trained on the old sentences; -> (model, seconds)."""
-    spec = TOY_MODELS["encdec"]
-    torch.manual_seed(seed)
-    model = Transformer(src_vocab_size=len(task["src_vocab"]), tgt_vocab_size=len(task["tgt_vocab"]),
-                        max_len=task["max_len"], **spec["config"]).to(device)
-    update = adam_noam(model, spec["lr_factor"], spec["warmup"])
-    return model, lora_train(model, task, "old", seed, update, spec["epochs"], spec["batch_size"])
 
 
 def lora_adapt(base, task, seed, lr, r=None, alpha=16, targets=("w_q", "w_v")):
@@ -5412,8 +5386,12 @@ def lora_adapt(base, task, seed, lr, r=None, alpha=16, targets=("w_q", "w_v")):
 
 def lora_report(device="cpu", seed=0):
     """Print held-out exact match on new and old sentences, before and after adapting, and LoRA merged -> rows."""
-    start, task = time.perf_counter(), lora_task(seed)
-    base, seconds = lora_base(task, device, seed)
+    start, task, spec = time.perf_counter(), lora_task(seed), TOY_MODELS["encdec"]
+    torch.manual_seed(seed)  # the base: section 16's encoder-decoder recipe, trained on the old sentences
+    base = Transformer(src_vocab_size=len(task["src_vocab"]), tgt_vocab_size=len(task["tgt_vocab"]),
+                       max_len=task["max_len"], **spec["config"]).to(device)
+    seconds = lora_train(base, task, "old", seed, adam_noam(base, spec["lr_factor"], spec["warmup"]), spec["epochs"],
+                         spec["batch_size"])
     rows = [("base model", base, seconds)] + [(name, *lora_adapt(base, task, seed, lr, r)) for name, lr, r in (
         ("LoRA r=8 on w_q, w_v", LORA_LR, 8), ("full fine-tuning", FULL_LR, None))]
     score = lambda model, part: teacher_forced_accuracy(  # noqa: E731
@@ -5973,10 +5951,9 @@ def pairs_by_length(pairs):
 
 def sampled_reward(model, vocab, pairs, seed=0, group=2):
     """Mean reward of answers drawn at temperature 1 (what GRPO raises), over the pairs."""
-    generator, rewards = torch.Generator().manual_seed(seed), []
-    for bucket in pairs_by_length(pairs).values():
-        rewards.append(sampled_answers(model, vocab, bucket, group, generator)[2].flatten())  # [n * group]
-    return torch.cat(rewards).mean().item()                                   # [all] -> a float
+    generator = torch.Generator().manual_seed(seed)
+    return torch.cat([sampled_answers(model, vocab, bucket, group, generator)[2].flatten()  # [n * group] each
+                      for bucket in pairs_by_length(pairs).values()]).mean().item()  # [all] -> a float
 
 
 def run_grpo(model, vocab, train_pairs, seed, p, temperature=1.0):
@@ -5985,7 +5962,6 @@ def run_grpo(model, vocab, train_pairs, seed, p, temperature=1.0):
     is the model at `temperature`: log-probabilities of logits / temperature, the law sampled."""
     check("sampled", temperature=temperature)
     reference = copy.deepcopy(model).requires_grad_(False)
-    policy = lambda ids: model(ids) / temperature                              # noqa: E731; [N, L, V]
     optimizer = AdamW(model.parameters(), weight_decay=0.0, lr=p["grpo_lr"])
     rng, generator, buckets = random.Random(seed), torch.Generator().manual_seed(seed), pairs_by_length(train_pairs)
     for _ in range(p["steps"]):
@@ -5994,7 +5970,7 @@ def run_grpo(model, vocab, train_pairs, seed, p, temperature=1.0):
         ids, mask, rewards = sampled_answers(model, vocab, batch, p["group"], generator, temperature)
         with torch.no_grad():
             ref_logprobs = token_logprobs(lambda ids: reference(ids) / temperature, ids)  # [N, L-1]
-        logprobs = token_logprobs(policy, ids)                                 # [N, L-1]
+        logprobs = token_logprobs(lambda ids: model(ids) / temperature, ids)   # [N, L-1]: the policy's
         advantages = group_advantages(rewards).flatten()                       # [N]
         loss = grpo_loss(logprobs, logprobs.detach(), ref_logprobs, advantages, mask[:, 1:], p["clip_eps"],
                          p["kl_beta"])                                         # []
@@ -6017,26 +5993,20 @@ def run_sft(model, vocab, train_pairs, seed, p):
     return f"{p['steps'] * p['prompts']} sentences"
 
 
-def preference_start(seed, steps):
-    """Seed's toy data, TOY_MODELS["gpt"] trained for `steps` batches -> (model, vocab, train_pairs, test_pairs)."""
-    pairs = make_toy_data(seed=seed)
-    train_pairs, test_pairs = split_data(pairs, seed=seed)
-    vocab, spec = build_gpt_vocab(train_pairs), TOY_MODELS["gpt"]
-    torch.manual_seed(seed)
-    model = DecoderOnlyTransformer(vocab_size=len(vocab), max_len=2 * max(len(p.split()) for p, _ in pairs) + 2,
-                                   **spec["config"])
-    train(model, PromptDataset(train_pairs[:steps * spec["batch_size"]], vocab), lambda: 0.0, epochs=1,
-          batch_size=spec["batch_size"], lr_factor=spec["lr_factor"], warmup=spec["warmup"], seed=seed,
-          log=lambda line: None)
-    return model, vocab, train_pairs, test_pairs
-
-
 def preference_report(seed=0, **changes):
     """One table for one seed: held-out free greedy exact match and the mean reward of answers drawn at
     temperature 1, before and after GRPO, DPO and run_sft, each from one start -> {method: (exact, reward, s)}."""
-    p, rows = {**PREFERENCE, **changes}, {}
+    p, rows, spec = {**PREFERENCE, **changes}, {}, TOY_MODELS["gpt"]
     clock = time.perf_counter()
-    base, vocab, train_pairs, test_pairs = preference_start(seed, p["start_steps"])
+    pairs = make_toy_data(seed=seed)
+    train_pairs, test_pairs = split_data(pairs, seed=seed)
+    vocab = build_gpt_vocab(train_pairs)
+    torch.manual_seed(seed)  # the one start of every method
+    base = DecoderOnlyTransformer(vocab_size=len(vocab), max_len=2 * max(len(s.split()) for s, _ in pairs) + 2,
+                                  **spec["config"])
+    train(base, PromptDataset(train_pairs[:p["start_steps"] * spec["batch_size"]], vocab), lambda: 0.0, epochs=1,
+          batch_size=spec["batch_size"], lr_factor=spec["lr_factor"], warmup=spec["warmup"], seed=seed,
+          log=lambda line: None)
     exact = lambda model: evaluate(lambda s: gpt_translate(model, s, vocab), test_pairs)["accuracy"]  # noqa: E731
     before = (exact(base), sampled_reward(base, vocab, test_pairs, seed))
     print(f"seed {seed}: the GPT after {p['start_steps']} batches ({time.perf_counter() - clock:.1f} s); "
@@ -6639,24 +6609,19 @@ class TorchTransformer(nn.Module):
         core = self.core = nn.Transformer(c["d_model"], c["n_heads"], c["n_layers"], c["n_layers"], c["d_ff"],
                                           c["dropout"], batch_first=True, norm_first=c["norm_first"])
         core.encoder.enable_nested_tensor = core.encoder.use_nested_tensor = False  # plain tensors
-        alike = []  # (ours, theirs) modules with the same parameter names: copied whole
-        if c["norm_first"]:
-            alike += [(ours.encoder_norm, core.encoder.norm), (ours.decoder_norm, core.decoder.norm)]
-        else:  # post-LN: no second, final LayerNorm (pytorch issue 24930)
+        if not c["norm_first"]:  # post-LN: no second, final LayerNorm (pytorch issue 24930)
             core.encoder.norm = core.decoder.norm = None
-        with torch.no_grad():
-            for mine, theirs in zip([*ours.encoder_layers, *ours.decoder_layers],
-                                    [*core.encoder.layers, *core.decoder.layers]):
-                pairs = [(mine.self_attn, theirs.self_attn)]
-                if hasattr(mine, "cross_attn"): pairs.append((mine.cross_attn, theirs.multihead_attn))
-                for m, t in pairs:
-                    t.in_proj_weight.copy_(torch.cat([m.w_q.weight, m.w_k.weight, m.w_v.weight]))
-                    t.in_proj_bias.copy_(torch.cat([m.w_q.bias, m.w_k.bias, m.w_v.bias]))
-                    t.out_proj.load_state_dict(m.w_o.state_dict())
-                alike += [(mine.ffn.fc1, theirs.linear1), (mine.ffn.fc2, theirs.linear2)] + [
-                    (getattr(mine, n), getattr(theirs, n)) for n in ("norm1", "norm2", "norm3") if hasattr(mine, n)]
-        for m, t in alike:
-            t.load_state_dict(m.state_dict())
+        state = {}  # ours under their names: encoder_layers.0.ffn.fc1.weight is encoder.layers.0.linear1.weight
+        for name, t in ours.state_dict().items():
+            for mine, theirs in [("coder_", "coder."), ("cross_attn", "multihead_attn"), ("ffn.fc", "linear"),
+                                 ("w_o", "out_proj")]:
+                name = name.replace(mine, theirs)
+            state[name] = t
+        for name in [name for name in state if ".w_q." in name]:  # in_proj_weight, in_proj_bias: w_q, w_k, w_v stacked
+            qkv = [state.pop(name.replace("w_q", w)) for w in ("w_q", "w_k", "w_v")]  # [D, D] or [D] each
+            state[name.replace("w_q.", "in_proj_")] = torch.cat(qkv)      # [3D, D] or [3D]
+        # strict: every weight of theirs, and no other (the embeddings and output projection stay ours, shared)
+        core.load_state_dict({name: t for name, t in state.items() if name.startswith(("encoder.", "decoder."))})
 
     def forward(self, src, tgt):
         ours, T = self.ours, tgt.size(1)
