@@ -5194,7 +5194,8 @@ def activation_bytes(kind, config, batch_size, seq_len, mixed_precision=False, c
     s, D, V, L, H, T = 2 if mixed_precision else 4, c["d_model"], c["vocab_size"], c["n_layers"], c["n_heads"], seq_len
     dropout = c.get("dropout", 0.0) > 0                                    # the GPT's: the embedding's mask too
     head = (8 + s) * D + 4 * V + 16 + dropout * 4 * D                      # 16: ids and targets, int64
-    if checkpointing: return batch_size * T * (head + L * 4 * D)          # a block's input, float32
+    if checkpointing:
+        return batch_size * T * (head + L * 4 * D)                         # a block's input, float32
     head_dim, d_ff = c.get("head_dim") or D // H, c.get("d_ff") or llama_ffn_dim(D)
     qkvo = 2 * H * (c["qk_nope_dim"] + c["qk_rope_dim"] + c["v_head_dim"]) if kind == "deepseek" else 4 * H * head_dim
     norms = (4 + s) * (H + (c.get("n_kv_heads") or H)) * head_dim if kind in ("qwen3", "qwen3moe") else (
@@ -6751,11 +6752,14 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
         memory = [f"{peak / 2 ** 20:.1f} MiB" if peak is not None else "n/a" for peak in peaks]
         for n_threads in sorted({1, threads}):  # small tiles and a second thread: see the comment printed
             torch.set_num_threads(n_threads)
-            with torch.no_grad():
+            with torch.no_grad():  # a GPU runs behind Python: synchronized before each clock is read
+                synchronize(device)
                 start = time.perf_counter()
                 plain, _ = scaled_dot_product_attention(q, k, v, make_causal_mask(T, device))  # [1, H, T, dk]
+                synchronize(device)
                 middle = time.perf_counter()
                 out, _ = flash_attention(q, k, v, causal=True)             # [1, H, T, dk]
+                synchronize(device)
                 seconds = dict(plain=middle - start, flash=time.perf_counter() - middle)
             print(f"  {T:6d} {n_threads:7d} {seconds['plain']:9.3f}s {seconds['flash']:7.3f}s {memory[0]:>23s}"
                   f" {memory[1]:>9s}  {heads * T * T * 4 / 2 ** 20:16.0f} MiB  {(out - plain).abs().max().item():.1e}")
