@@ -8456,7 +8456,9 @@ RELEASED_INPUTS = dict(
 
 # transformers' side, in its own process: python -c RELEASED_REFERENCE MODEL FOLDER. Its tokenizer
 # is the one its GGUF builders make (those AutoTokenizer calls), then with SmolLM2's
-# pre-tokenizer put back: Digits before ByteLevel, as in the model's own tokenizer.json.
+# pre-tokenizer put back: Digits before ByteLevel, as in the model's own tokenizer.json. It
+# writes each result whole (a rename) as soon as it has it: the tokens, then the weights, then
+# the logits and generations, so each test waits only for what it compares.
 RELEASED_REFERENCE = r'''
 import functools, json, os, sys, time
 import gguf, torch, transformers
@@ -8469,6 +8471,13 @@ gguf.GGUFReader = functools.lru_cache(gguf.GGUFReader)
 from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 torch.set_num_threads(1)
 path, folder = sys.argv[1:3]
+
+
+def publish(name, save):  # written under another name, then renamed: a reader sees it whole or not at all
+    save(os.path.join(folder, name + ".part"))
+    os.replace(os.path.join(folder, name + ".part"), os.path.join(folder, name))
+
+
 inputs = json.load(open(os.path.join(folder, "inputs.json"), encoding="utf-8"))
 architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(path)
 backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
@@ -8482,24 +8491,24 @@ out["decoded"] = [tok.decode(ids) for ids in out["corpus"]]
 out["chat_prompt"] = tok.apply_chat_template([{"role": "user", "content": inputs["question"]}], tokenize=False,
                                              add_generation_prompt=True)
 out["prompt_ids"] = [tok(p, add_special_tokens=False)["input_ids"][:24] for p in inputs["prompts"]]
+publish("tokens.json", lambda name: json.dump(out, open(name, "w", encoding="utf-8")))
 start = time.perf_counter()
 model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                           dtype=torch.float32).eval()
-out["load_seconds"] = time.perf_counter() - start
-torch.save(model.state_dict(), os.path.join(folder, "state_dict.pt"))
+generated = {"load_seconds": time.perf_counter() - start}
+publish("state_dict.pt", lambda name: torch.save(model.state_dict(), name))
 ids = torch.tensor(out["prompt_ids"])
 with torch.no_grad():
-    torch.save(model(ids).logits, os.path.join(folder, "logits.pt"))
-    out["greedy"] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
-                                   use_cache=True, pad_token_id=2).tolist()
+    publish("logits.pt", lambda name: torch.save(model(ids).logits, name))
+    generated["greedy"] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40,
+                                         do_sample=False, use_cache=True, pad_token_id=2).tolist()
     chat = torch.tensor([tok(out["chat_prompt"], add_special_tokens=False)["input_ids"]])
     start = time.perf_counter()
     new = model.generate(chat, attention_mask=torch.ones_like(chat), max_new_tokens=30, do_sample=False)
-    out["chat_tokens_a_second"] = (new.size(1) - chat.size(1)) / (time.perf_counter() - start)
+    generated["chat_tokens_a_second"] = (new.size(1) - chat.size(1)) / (time.perf_counter() - start)
 new = new[0, chat.size(1):].tolist()
-out["chat"] = tok.decode(new[:new.index(2)] if 2 in new else new)
-with open(os.path.join(folder, "reference.json"), "w", encoding="utf-8") as f:
-    json.dump(out, f)
+generated["chat"] = tok.decode(new[:new.index(2)] if 2 in new else new)
+publish("generated.json", lambda name: json.dump(generated, open(name, "w", encoding="utf-8")))
 '''
 RELEASED_FIRST = "test_released_every_tensor_read_gguf_returns_equals_what_transformers_loads"
 
@@ -8517,23 +8526,50 @@ def _released_reference(folder, request):
                                 env=dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1"))
 
 
+class Released(argparse.Namespace):
+    """Ours, loaded; transformers' results read as its process publishes them (the tokens, then the
+    weights, then the logits and generations): a test waits only for what it compares."""
+
+    def ready(self, name):
+        path, deadline = self.folder / name, time.monotonic() + 600
+        while not path.exists():
+            if (self.proc.poll() is not None and not path.exists()) or time.monotonic() > deadline:
+                pytest.fail(f"transformers' process wrote no {name}, status {self.proc.poll()}:\n"
+                            + (self.folder / "log.txt").read_text(errors="replace")[-3000:])
+            time.sleep(0.05)
+        return path
+
+    @functools.cached_property
+    def tokens(self):
+        return json.loads(self.ready("tokens.json").read_text(encoding="utf-8"))
+
+    @functools.cached_property
+    def state(self):  # 540 MB: read as compared
+        return torch.load(self.ready("state_dict.pt"), weights_only=True, mmap=True)
+
+    @functools.cached_property
+    def logits(self):
+        return torch.load(self.ready("logits.pt"), weights_only=True)
+
+    @functools.cached_property
+    def generated(self):  # its last: the process ends well after it
+        generated = json.loads(self.ready("generated.json").read_text(encoding="utf-8"))
+        assert self.proc.wait(timeout=600) == 0, (self.folder / "log.txt").read_text(errors="replace")[-3000:]
+        return generated
+
+
 @pytest.fixture(scope="module")
 def released(processes, tmp_path_factory):
     """SmolLM2 loaded once by this file (load_gguf, timed, and read_gguf's tensors), and what
-    transformers' process loaded and computed (started here if the session did not)."""
+    transformers' process computes (started here if the session did not)."""
     proc, folder = processes.get(RELEASED_FIRST) or (None, tmp_path_factory.mktemp("released"))
     proc = proc or _released_reference(folder, None)
     start = time.perf_counter()
     model, tokenizer = tf.load_gguf(released_path())
     seconds = time.perf_counter() - start
     metadata, tensors = tf.read_gguf(released_path())
-    status = proc.wait(timeout=600)
-    assert status == 0, (folder / "log.txt").read_text(errors="replace")[-3000:]
-    reference = json.loads((folder / "reference.json").read_text(encoding="utf-8"))
-    return argparse.Namespace(
-        model=model, tokenizer=tokenizer, seconds=seconds, metadata=metadata, tensors=tensors, reference=reference,
-        state=torch.load(folder / "state_dict.pt", weights_only=True, mmap=True),  # 540 MB: read as compared
-        logits=torch.load(folder / "logits.pt", weights_only=True), ids=torch.tensor(reference["prompt_ids"]))
+    return Released(model=model, tokenizer=tokenizer, seconds=seconds, metadata=metadata, tensors=tensors, proc=proc,
+                    folder=folder)
 
 
 @needs_released
@@ -8562,7 +8598,7 @@ def test_released_q4_1_weights_quantize_back_to_themselves(released):
 
 @needs_released
 def test_released_tokenizer_ids_equal_smollm2s_on_text_that_breaks_tokenizers(released):
-    reference = released.reference
+    reference = released.tokens
     for text, ids, decoded in zip(RELEASED_INPUTS["corpus"], reference["corpus"], reference["decoded"]):
         assert released.tokenizer.encode(text) == ids, repr(text)
         assert released.tokenizer.decode(ids) == decoded, repr(text)
@@ -8575,15 +8611,15 @@ def test_released_tokenizer_ids_equal_smollm2s_on_text_that_breaks_tokenizers(re
 def test_released_logits_equal_transformers(released):
     """Two plain-text prompts of 24 tokens, float32, one thread."""
     with torch.no_grad():
-        ours = released.model(released.ids)                                # [2, 24, 49152]
+        ours = released.model(torch.tensor(released.tokens["prompt_ids"]))  # [2, 24, 49152]
     # measured: 5.6e-05 on logits up to 42 (transformers 5.24.0, torch 2.13.0, CPU, one thread)
     assert max_diff(ours, released.logits) < 5e-4
 
 
 @needs_released
 def test_released_greedy_tokens_with_the_cache_equal_transformers_for_40_new_tokens(released):
-    ours = released.model.generate(released.ids, max_new_tokens=40)        # [2, 64], with the cache
-    for mine, theirs in zip(ours.tolist(), released.reference["greedy"]):  # transformers pads a row after its end
+    ours = released.model.generate(torch.tensor(released.tokens["prompt_ids"]), max_new_tokens=40)  # [2, 64], cached
+    for mine, theirs in zip(ours.tolist(), released.generated["greedy"]):  # transformers pads a row after its end
         end = mine.index(2, 24) + 1 if 2 in mine[24:] else len(mine)
         assert mine[:end] == theirs[:end]
     assert ours.shape == (2, 64)
@@ -8592,10 +8628,10 @@ def test_released_greedy_tokens_with_the_cache_equal_transformers_for_40_new_tok
 @needs_released
 def test_released_chat_answers_the_capital_of_france_as_transformers(released):
     question = RELEASED_INPUTS["question"]
-    assert tf.chat_prompt(released.tokenizer, question) == released.reference["chat_prompt"]  # no Jinja needed
+    assert tf.chat_prompt(released.tokenizer, question) == released.tokens["chat_prompt"]  # no Jinja needed
     out = io.StringIO()
     answer, _ = tf.chat((released.model, released.tokenizer), question, max_new_tokens=30, out=out)
-    assert answer == out.getvalue() == released.reference["chat"] == "The capital of France is Paris."
+    assert answer == out.getvalue() == released.generated["chat"] == "The capital of France is Paris."
 
 
 # ===========================================================================
