@@ -10076,7 +10076,7 @@ def test_load_checkpoint_refuses_a_forged_layer_count_without_building_it(tmp_pa
     start = time.perf_counter()
     with pytest.raises(ValueError, match="layers"):
         tf.load_checkpoint(path)
-    assert time.perf_counter() - start < 2                         # measured 0.01-0.03 s
+    assert time.perf_counter() - start < 5                         # measured 0.01-0.03 s; building it: minutes
 
 
 def test_load_checkpoint_names_a_layer_count_that_does_not_fit_the_weights(tmp_path):
@@ -10255,7 +10255,7 @@ def test_load_checkpoint_refuses_a_stride_0_forgery_before_allocating(tmp_path):
     start = time.perf_counter()
     with pytest.raises(ValueError) as info:
         tf.load_checkpoint(path)
-    assert time.perf_counter() - start < 2 and str(info.value).startswith(f"{path}: ")  # measured 0.01-0.02 s
+    assert time.perf_counter() - start < 5 and str(info.value).startswith(f"{path}: ")  # measured 0.01-0.02 s
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024  # MiB
     assert grown < 200, f"peak memory grew by {grown:.0f} MiB"
 
@@ -12440,7 +12440,7 @@ def test_one_long_readings_string_under_many_keys_is_refused_at_once(hard, tmp_p
     start = time.perf_counter()
     with pytest.raises(ValueError, match="readings must map syllables to characters of the vocabulary"):
         tf.load_checkpoint(str(path))
-    assert time.perf_counter() - start < 1.5
+    assert time.perf_counter() - start < 5  # measured 0.04-0.07 s; reading it character by character: minutes
     # what save_checkpoint writes, every character once, still loads
     everything = {f"s{i}": characters for i in range(100)}
     torch.save(dict(checkpoint, readings=everything), path)
