@@ -5391,8 +5391,8 @@ def lora_report(device="cpu", seed=0):
     torch.manual_seed(seed)  # the base: section 16's encoder-decoder recipe, trained on the old sentences
     base = Transformer(src_vocab_size=len(task["src_vocab"]), tgt_vocab_size=len(task["tgt_vocab"]),
                        max_len=task["max_len"], **spec["config"]).to(device)
-    seconds = lora_train(base, task, "old", seed, adam_noam(base, spec["lr_factor"], spec["warmup"]), spec["epochs"],
-                         spec["batch_size"])
+    update = adam_noam(base, spec["lr_factor"], spec["warmup"])
+    seconds = lora_train(base, task, "old", seed, update, spec["epochs"], spec["batch_size"])
     rows = [("base model", base, seconds)] + [(name, *lora_adapt(base, task, seed, lr, r)) for name, lr, r in (
         ("LoRA r=8 on w_q, w_v", LORA_LR, 8), ("full fine-tuning", FULL_LR, None))]
     score = lambda model, part: teacher_forced_accuracy(  # noqa: E731
