@@ -1385,6 +1385,7 @@ def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head=None, 
 # instead of LayerNorm, rotary position embedding (RoPE) turning q and k instead of a position table, SwiGLU instead of
 # ReLU or GELU. The fourth, grouped-query attention (fewer key/value heads, a smaller KV cache), came with Llama 2 in
 # its 34B and 70B models only (Llama-2-7B keeps 32 kv heads for 32 query heads) and is in every Llama 3.
+
 # ===========================================================================
 # 18. RMSNorm (均方根归一化)
 # ===========================================================================
@@ -2486,6 +2487,7 @@ def chat(path_or_loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None
 # What the large open models since late 2023 add to Part III's decoder, each family a subclass of Llama that swaps what
 # differs (as transformers' modular files write them): QK-norm and free head widths (Qwen3), experts (Mixtral,
 # Qwen3-MoE), latent attention, then DeepSeek-V3 and what "671B parameters, 37B active" counts.
+
 # ===========================================================================
 # 28. QK-norm and free head widths: Qwen3 (QK 归一化与自由头宽)
 # ===========================================================================
@@ -2926,8 +2928,8 @@ class MultiHeadLatentAttention(nn.Module):
         latent, k_rope = self.w_dkv(x).split([self.kv_lora_rank, self.rope], dim=-1)  # [B, Tn, r], [B, Tn, rope]
         latent = self.kv_norm(latent)                                      # [B, Tn, r]
         if self.rope_interleave:  # x0, x2, ... then x1, x3, ...: neighbour pairs become section 19's halves
-            q_rope = torch.cat([q_rope[..., 0::2], q_rope[..., 1::2]], dim=-1)  # [B, H, Tn, rope]
-            k_rope = torch.cat([k_rope[..., 0::2], k_rope[..., 1::2]], dim=-1)  # [B, Tn, rope]
+            q_rope, k_rope = (torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+                              for x in (q_rope, k_rope))                   # [B, H, Tn, rope], [B, Tn, rope]
         q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)  # [B, H, Tn, rope], [B, Tn, rope]
         if cache is not None:  # the cache: r + rope values a token, nothing per head
             latent, k_rope = cache.append(latent, k_rope)                  # [B, t, r], [B, t, rope], t = past + Tn
@@ -3241,6 +3243,7 @@ FRONTIER_CONFIGS = [
 # Past a few thousand tokens four things break: the [Tq, Tk] scores (16 M a head at 4k tokens), the cache growing with
 # every token, the memory a batch reserves for its longest request, RoPE angles never seen in training. FlashAttention
 # and the paged cache are proven equal to what they replace; the window and RoPE scaling change the model.
+
 # ===========================================================================
 # 34. FlashAttention's tiles, the online softmax; fused kernels (FlashAttention 的分块：在线 softmax)
 # ===========================================================================
