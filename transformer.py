@@ -6043,6 +6043,52 @@ from unittest import mock
 
 
 # ===========================================================================
+# Reading released checkpoints: GGUF, safetensors, transformers' names (读取发布的检查点)
+# ===========================================================================
+# >>> ANCHOR P4: Part IV's plumbing goes directly below this line (keep this line)
+
+
+
+
+# >>> ANCHOR P5: Part V's plumbing goes directly below this line (keep this line)
+
+
+
+
+# >>> ANCHOR P6A: sections 34-37's plumbing goes directly below this line (keep this line)
+
+
+
+
+# >>> ANCHOR P6B: sections 38-40's plumbing goes directly below this line (keep this line)
+
+
+
+
+# ===========================================================================
+# The runs behind the article's ideas (实验与报告)
+# ===========================================================================
+# >>> ANCHOR R2: Part II-III's runs and registries go directly below this line (keep this line)
+
+
+
+
+# >>> ANCHOR R5: Part V's runs and registries go directly below this line (keep this line)
+
+
+
+
+# >>> ANCHOR R6: Part VI's runs and registries go directly below this line (keep this line)
+
+
+
+
+# >>> ANCHOR R7: Part VII-VIII's runs go directly below this line (keep this line)
+
+
+
+
+# ===========================================================================
 # 52. Your own data (自己的数据)
 # ===========================================================================
 # --data FILE.tsv trains on your pairs instead of the generated ones: UTF-8, one "pinyin<TAB>hanzi" a line, one
