@@ -35,18 +35,18 @@ The encoder-decoder (Part I) and its shapes, for a batch of B sentences:
 # ===========================================================================
 
 # ===========================================================================
-# 0. Imports, the shape legend, argument checks (导入、形状记号与参数检查)
+# 0. Imports and the shape legend (导入与形状记号)
 # ===========================================================================
-# The models need nothing but torch. One legend for every shape comment:
-#   B batch, S source length, T target length, D d_model, H heads, dk = D // H one head's width (the code's head_dim
-#   from Part III on: the same number; section 28 frees it from D / H), dv a value's width, Dff the feed-forward width,
-#   V vocabulary size; with a cache, t tokens are cached and Tn are new. Attention scores are [B, H, Tq, Tk]: a row per
-#   query (Tq of them), a column per key (Tk). Part III adds Hkv, the key/value heads of grouped-query attention.
-#   Part V adds N = B * T tokens, E experts, k = top_k, G expert groups, r the width of MLA's latent (kv_lora_rank),
-#   nope / rope / v the widths of an MLA head's parts. Part VI adds bq, bk a tile's query and key blocks, bs a cache
-#   block's tokens, Hk / Hv / C / K / c a DeltaNet's key heads, value heads, channels, taps and chunk (section 39),
-#   Hi / di the sparse attention's indexer heads and their width (section 40). Part VII's r is another number: LoRA's
-#   rank (its A is [r, in]).
+# The models need nothing but torch. Every shape comment uses one legend:
+#   B batch, S source length, T target length, D d_model, H heads, dk = D // H one head's width, dv a value's width,
+#   Dff the feed-forward width, V the vocabulary's size. With a cache, t tokens are cached and Tn tokens are new.
+#   Attention scores are [B, H, Tq, Tk]: a row for each query (Tq of them) and a column for each key (Tk of them).
+#   Later parts add letters. Part III: Hkv, the key and value heads of grouped-query attention (its head_dim is dk,
+#   which section 28 frees from D / H). Part V: N = B * T tokens, E experts, k = top_k, G expert groups, r the width
+#   of MLA's latent (kv_lora_rank), nope / rope / v the widths of an MLA head's parts. Part VI: bq and bk a tile's
+#   query and key blocks, bs a cache block's tokens, Hk / Hv / C / K / c a DeltaNet's key heads, value heads,
+#   channels, taps and chunk (section 39), Hi / di the sparse attention's indexer heads and their width (section 40).
+#   Part VII's r is another number: LoRA's rank (its A is [r, in]).
 
 import math
 
@@ -62,6 +62,31 @@ MAX_SIZE = 2 ** 31 - 1  # past any model and torch's indexing
 FINITE = torch.finfo(torch.float64).max  # the bound of a number that must not be inf (an lr: inf turns weights to NaN)
 ARGUMENTS = {}  # name -> (int or float, smallest, largest), (a type,) or ("one of", values...); "or None" at the end
 RELATIONS = {}  # rule -> (argument names, test on their values, what is expected of the first)
+ARGUMENTS.update(d_model=(int, 1, MAX_SIZE), max_len=(int, 1, MAX_SIZE), dropout=(float, 0.0, 1.0))
+RELATIONS["even d_model"] = (("d_model",), lambda d: d % 2 == 0, "d_model must be even (sin/cos pairs)")
+ARGUMENTS.update(past=(int, 0, MAX_SIZE))  # a count of cached tokens: below 0 the mask has fewer keys than queries
+ARGUMENTS.update(n_heads=(int, 1, MAX_SIZE))
+RELATIONS["heads divide d_model"] = (("d_model", "n_heads"), lambda d, h: d % h == 0,
+                                     "d_model must be divisible by n_heads")
+ARGUMENTS.update(d_ff=(int, 1, MAX_SIZE, "or None"), activation=("one of", "relu", "gelu"))  # None: Llama derives it
+RELATIONS["d_ff given"] = (("d_ff",), lambda width: width is not None, "d_ff must be an integer >= 1")
+ARGUMENTS.update(src_vocab_size=(int, 1, MAX_SIZE), tgt_vocab_size=(int, 1, MAX_SIZE), n_layers=(int, 1, 1024),
+                 pad_id=(int, 0, MAX_SIZE - 1), norm_first=(bool,), share_embeddings=(bool,))
+RELATIONS["one vocabulary to share"] = (("tgt_vocab_size", "src_vocab_size", "share_embeddings"),
+                                        lambda t, s, shared: not shared or s == t,
+                                        "tgt_vocab_size must equal src_vocab_size to share embeddings")
+RELATIONS["pad_id in both vocabularies"] = (("pad_id", "src_vocab_size", "tgt_vocab_size"),
+                                            lambda p, s, t: p < min(s, t), "pad_id must be an id in both vocabularies")
+ARGUMENTS.update(vocab_size=(int, 1, MAX_SIZE), tie_weights=(bool,), max_new_tokens=(int, 0, MAX_SIZE),
+                 prompt_length=(int, 1, MAX_SIZE), temperature=(float, 0.0, FINITE),
+                 top_k=(int, 1, MAX_SIZE, "or None"), top_p=(float, 0.0, 1.0, "or None"),
+                 generator=(torch.Generator, "or None"), cache=(object,), cache_kind=(type,))
+RELATIONS["prompt fits"] = (("prompt_length", "max_new_tokens", "max_len"), lambda t, n, most: t + n <= most,
+                            "prompt_length + max_new_tokens must be at most max_len")
+RELATIONS["top_p > 0"] = (("top_p",), lambda p: p is None or p > 0, "top_p must be > 0 (the nucleus holds a token)")
+RELATIONS["a cache a layer"] = (("cache", "n_layers", "cache_kind"), lambda c, n, kind: c is None or isinstance(
+    c, (list, tuple)) and len(c) == n and all(isinstance(x, kind) for x in c) and len({len(x) for x in c}) == 1,
+    "cache must be None or what new_cache() gives: a list of n_layers caches of cache_kind, all as long")
 
 
 def check(*relations, **arguments):
@@ -105,32 +130,29 @@ class Keys(dict):  # a formula's dict argument, such as a model's config
 # ===========================================================================
 # 1. Positional encoding (位置编码)
 # ===========================================================================
-# Attention is blind to order: shuffle the tokens and each one sees the same set. So every position
-# gets a fixed vector added to its embedding. Sines and cosines of geometrically spaced frequencies
-# make PE[pos + k] a linear function of PE[pos], which lets the model read relative positions.
-
-ARGUMENTS.update(d_model=(int, 1, MAX_SIZE), max_len=(int, 1, MAX_SIZE), dropout=(float, 0.0, 1.0))
-RELATIONS["even d_model"] = (("d_model",), lambda d: d % 2 == 0, "d_model must be even (sin/cos pairs)")
-
+# Attention is blind to order: if the tokens are shuffled, each one still sees the same set. So each position gets a
+# fixed vector added to its embedding. The vector holds sines and cosines of geometrically spaced frequencies, which
+# make PE[pos + k] a linear function of PE[pos]; that lets the model read relative positions.
 
 class PositionalEncoding(nn.Module):
-    """PE[pos, 2i] = sin(pos / 10000^(2i/D)), PE[pos, 2i+1] = cos(same angle)."""
+    """PE[pos, 2i] = sin(pos / 10000^(2i/D)), PE[pos, 2i+1] = cos(the same angle)."""
 
     def __init__(self, d_model, max_len=5000, dropout=0.1):
         super().__init__()
-        check("even d_model", d_model=d_model, max_len=max_len, dropout=dropout)
+        if d_model <= 0 or d_model % 2:
+            raise ValueError(f"d_model must be even and positive (sin, cos pairs), got {d_model}")
         self.dropout = nn.Dropout(dropout)
         position = torch.arange(max_len).unsqueeze(1)                      # [max_len, 1]
-        # 10000^(-2i/D) computed as exp(-2i * ln(10000) / D): no huge powers
+        # 10000^(-2i/D) is computed as exp(-2i * ln(10000) / D), so no huge power is ever formed
         div_term = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))  # [D/2]
         pe = torch.zeros(max_len, d_model)                                 # [max_len, D]
         pe[:, 0::2] = torch.sin(position * div_term)                       # [max_len, D/2]
         pe[:, 1::2] = torch.cos(position * div_term)                       # [max_len, D/2]
-        # a buffer, not a parameter: it moves with .to(device) and is saved, never trained
+        # a buffer, not a parameter: it moves with .to(device) and is saved, but never trained
         self.register_buffer("pe", pe.unsqueeze(0))                        # [1, max_len, D]
 
     def forward(self, x, start=0):
-        """x [B, T, D] holds positions start .. start+T-1 (start: the tokens fed before it, or 0)."""
+        """x [B, T, D] holds positions start .. start + T - 1 (start counts the tokens fed before it)."""
         end = start + x.size(1)
         if end > self.pe.size(1):
             raise ValueError(f"sequence needs positions up to {end}, but max_len is {self.pe.size(1)}")
@@ -144,25 +166,23 @@ class PositionalEncoding(nn.Module):
 # ===========================================================================
 # 2. Scaled dot-product attention and masks (缩放点积注意力与掩码)
 # ===========================================================================
-# Each query scores every key, softmax turns the scores into weights, and the output is the weighted sum of the values.
-# Masks are bool, True = "may attend": the tutorials' masked_fill(mask == 0, ...) and F.scaled_dot_product_attention
-# agree; nn.MultiheadAttention's key_padding_mask is the opposite. The padding mask hides the pad ids that fill short
-# sentences up to the batch's longest; the causal mask hides from each position the ones after it. Both are 4-D, to
-# broadcast against [B, H, Tq, Tk] scores: a 3-D [B, T, T] mask would line its batch up with heads (refused).
+# Each query scores every key, a softmax turns the scores into weights, and the output is the weighted sum of the
+# values. A mask is bool and True means "may attend", as in the tutorials' masked_fill(mask == 0, ...) and in
+# F.scaled_dot_product_attention; nn.MultiheadAttention's key_padding_mask means the opposite. The padding mask hides
+# the pad ids that fill short sentences up to the batch's longest. The causal mask hides from each position the ones
+# after it. Both masks are 4-D, so they broadcast over the heads of [B, H, Tq, Tk] scores; a 3-D [B, T, T] mask would
+# line its batch up with the heads, so it is refused.
 
 def make_pad_mask(ids, pad_id):
-    """[B, S] token ids -> [B, 1, 1, S]: True where the key is a real token."""
+    """[B, S] token ids -> True where the key is a real token."""
     return (ids != pad_id)[:, None, None, :]                               # [B, 1, 1, S]
 
 
-ARGUMENTS.update(past=(int, 0, MAX_SIZE))  # a count of cached tokens: below 0 the mask has fewer keys than queries
-
-
 def make_causal_mask(T, device=None, past=0):
-    """[1, 1, T, past + T]: query i may attend to keys 0 .. past + i, never later. past = 0: the lower triangle.
-    past > 0: T new queries after `past` tokens whose keys are kept (section 3), at positions past .. past + T - 1:
-    the bottom-right corner of the full mask (is_causal of F.scaled_dot_product_attention aligns top-left: wrong)."""
-    check(past=past)
+    """Query i sits at position past + i and may attend to keys 0 .. past + i. With past > 0 cached tokens (section 3)
+    this is the bottom-right corner of the square mask; is_causal of F.scaled_dot_product_attention aligns top-left."""
+    if past < 0:
+        raise ValueError(f"past must be >= 0 (it counts cached tokens), got {past}")
     return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(past)[None, None]  # [1, 1, T, past+T]
 
 
@@ -172,16 +192,16 @@ def check_mask(mask):
 
 
 def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
-    """softmax(q k^T / sqrt(dk)) v. q [B, H, Tq, dk], k and v [B, H, Tk, dk]."""
+    """softmax(q k^T / sqrt(dk)) v, for q [B, H, Tq, dk] and k, v [B, H, Tk, dk] -> (output, weights)."""
     check_mask(mask)
-    # divide by sqrt(dk) so the dot products keep unit variance and softmax does not saturate
+    # dividing by sqrt(dk) keeps the dot products at unit variance, so the softmax does not saturate
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))               # [B, H, Tq, Tk]
     if mask is not None:
-        # the dtype's minimum: -1e9 overflows float16, -inf makes a row with no key 0/0 = NaN
+        # the dtype's minimum, because -1e9 overflows float16 and -inf turns a row with no key into 0/0 = NaN
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)  # [B, H, Tq, Tk]
     weights = scores.softmax(dim=-1)                                       # [B, H, Tq, Tk]
     if mask is not None:
-        # a query with no key to read (an all-padding row) reads nothing, not an average of padding
+        # a query with no key to read (an all-padding row) then reads nothing, not an average of padding
         weights = weights.masked_fill(~mask, 0.0)                          # [B, H, Tq, Tk]
     if dropout is not None:
         weights = dropout(weights)                                         # [B, H, Tq, Tk]
@@ -200,11 +220,12 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
 # ===========================================================================
 # 3. Multi-head attention and the KV cache (多头注意力与键值缓存)
 # ===========================================================================
-# H heads of width dk = D / H attend in parallel, each in its own learned subspace, and w_o mixes their outputs back
-# together. The same module does self-attention (query = key = value) and cross-attention (queries from one sequence,
-# keys and values from another: Tq and Tk differ). Generating text writes one token per step; at step t the keys and
-# values of tokens 0..t-1 come out as they did before (same inputs, same weights), so a KVCache keeps them and a step
-# projects its new token only: n tokens cost n token-passes, not 1 + 2 + ... + n ≈ n²/2. No query is reread: no Q cache.
+# H heads of width dk = D / H attend in parallel, each in its own learned subspace, and w_o mixes their outputs. The
+# same module does self-attention (query = key = value) and cross-attention, where the queries come from one sequence
+# and the keys and values from another, so Tq and Tk differ. Generation writes one token a step, and at step t the
+# keys and values of tokens 0 .. t-1 come out as before (same inputs, same weights). So a KVCache keeps them, and a step
+# projects only its new token: n tokens cost n token-passes, not 1 + 2 + ... + n ≈ n²/2. No query is read twice, so
+# there is no query cache.
 
 class KVCache:
     """One attention module's keys and values from earlier steps, [B, H, t, dk] each."""
@@ -223,40 +244,34 @@ class KVCache:
         return k, v
 
 
-ARGUMENTS.update(n_heads=(int, 1, MAX_SIZE))
-RELATIONS["heads divide d_model"] = (("d_model", "n_heads"), lambda d, h: d % h == 0,
-                                     "d_model must be divisible by n_heads")
-
-
 class MultiHeadAttention(nn.Module):
     def __init__(self, d_model, n_heads, dropout=0.1):
         super().__init__()
-        check("heads divide d_model", d_model=d_model, n_heads=n_heads, dropout=dropout)
+        if n_heads < 1 or d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         self.d_model, self.n_heads, self.dk = d_model, n_heads, d_model // n_heads
         self.w_q, self.w_k, self.w_v, self.w_o = (nn.Linear(d_model, d_model) for _ in range(4))  # q, k, v, output
         self.dropout = nn.Dropout(dropout)
 
     def split_heads(self, x):
-        """[B, T, D] -> [B, H, T, dk], head h = features h*dk .. (h+1)*dk - 1: view, then transpose.
-        Reshaping [B, T, D] straight to [B, H, T, dk] runs without error and mixes positions into heads."""
+        """[B, T, D] -> [B, H, T, dk]: view, then transpose. A reshape straight to [B, H, T, dk] runs without an
+        error and mixes positions into the heads."""
         B, T, _ = x.shape
         return x.view(B, T, self.n_heads, self.dk).transpose(1, 2)         # [B, H, T, dk]
 
     def forward(self, query, key, value, mask=None, cache=None):
         """query [B, Tq, D], key and value [B, Tk, D]; mask broadcastable to [B, H, Tq, t + Tk], t the cache's."""
         B, Tq, _ = query.shape
-        # 1. project, then split each of q, k, v into heads with its own length
         q = self.split_heads(self.w_q(query))                              # [B, H, Tq, dk]
         k, v = self.split_heads(self.w_k(key)), self.split_heads(self.w_v(value))  # [B, H, Tk, dk] each
         if cache is not None:
             k, v = cache.append(k, v)                                      # [B, H, t+Tk, dk] each
-        # 2. attend in every head at once
         out = self.attend(q, k, v, mask)                                   # [B, H, Tq, dk]
-        # 3. merge the heads back (transpose makes it non-contiguous, so contiguous before view)
+        # the transpose leaves the heads non-contiguous, so they are made contiguous before the view
         out = out.transpose(1, 2).contiguous().view(B, Tq, self.d_model)   # [B, Tq, D]
         return self.w_o(out)                                               # [B, Tq, D]
 
-    def attend(self, q, k, v, mask):  # step 2 alone: a variant swaps it (section 34's fused kernel)
+    def attend(self, q, k, v, mask):  # a step of its own, so that a variant can replace it (section 34)
         return scaled_dot_product_attention(q, k, v, mask, self.dropout)[0]  # [B, H, Tq, dk]
 
 # Try it: self-attention keeps the query's shape; cross-attention reads 7 keys.
@@ -270,18 +285,16 @@ class MultiHeadAttention(nn.Module):
 # ===========================================================================
 # 4. Position-wise feed-forward network (前馈网络)
 # ===========================================================================
-# Attention mixes information across positions; the feed-forward network then transforms each position on its
-# own: widen to Dff (usually 4 D), a nonlinearity, narrow back to D. The paper's is ReLU, max(0, x); GPT's is GELU
-# (Hendrycks & Gimpel, 2016), x * P(Z <= x) for a standard normal Z: a smooth ReLU that lets some negatives through.
-
-ARGUMENTS.update(d_ff=(int, 1, MAX_SIZE, "or None"), activation=("one of", "relu", "gelu"))  # None: Llama derives it
-RELATIONS["d_ff given"] = (("d_ff",), lambda width: width is not None, "d_ff must be an integer >= 1")
-
+# Attention mixes information across positions, and the feed-forward network then transforms each position on its
+# own: it widens to Dff (usually 4 D), applies a nonlinearity and narrows back to D. The paper's nonlinearity is ReLU,
+# max(0, x). GPT's is GELU (Hendrycks & Gimpel, 2016), x * P(Z <= x) for a standard normal Z: a smooth ReLU that lets
+# some negatives through.
 
 class FeedForward(nn.Module):
     def __init__(self, d_model, d_ff, dropout=0.1, activation="relu"):
         super().__init__()
-        check("d_ff given", d_model=d_model, d_ff=d_ff, dropout=dropout, activation=activation)
+        if activation not in ("relu", "gelu"):
+            raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
         self.fc1 = nn.Linear(d_model, d_ff)
         self.fc2 = nn.Linear(d_ff, d_model)
         self.dropout = nn.Dropout(dropout)
@@ -298,9 +311,9 @@ class FeedForward(nn.Module):
 # ===========================================================================
 # 5. Layer normalization (层归一化)
 # ===========================================================================
-# Normalize each position's D features to mean 0 and variance 1, then let the model rescale them
-# (weight) and shift them (bias). Two classic slips, both differ from nn.LayerNorm: the unbiased
-# variance (divide by D - 1), and adding eps to the standard deviation instead of to the variance.
+# A LayerNorm brings each position's D features to mean 0 and variance 1, then lets the model rescale them (weight) and
+# shift them (bias). Two classic slips make it differ from nn.LayerNorm: the unbiased variance (a division by D - 1),
+# and eps added to the standard deviation instead of to the variance.
 
 class LayerNorm(nn.Module):
     """(x - mean) / sqrt(var + eps) * weight + bias, over the last dimension."""
@@ -326,9 +339,10 @@ class LayerNorm(nn.Module):
 # 6. Encoder and decoder layers, post-LN and pre-LN (编码器层与解码器层)
 # ===========================================================================
 # Every sub-layer (attention, feed-forward) sits in a residual connection with a LayerNorm. The paper normalizes after
-# the sum (post-LN); GPT-2 and most models since normalize the sub-layer's input and leave the residual path untouched
-# (pre-LN), which keeps deep stacks' gradients well scaled (they still warm the learning rate up: sections 13, 42).
-# Sub-layers are _block methods, as in nn.TransformerEncoderLayer, so both orders read side by side.
+# the sum (post-LN). GPT-2 and most models since normalize the sub-layer's input and leave the residual path untouched
+# (pre-LN), because that keeps the gradients of deep stacks well scaled; they still warm the learning rate up
+# (sections 13 and 42). The sub-layers are _block methods, as in nn.TransformerEncoderLayer, so that both orders read
+# side by side.
 
 class EncoderLayer(nn.Module):
     def __init__(self, d_model, n_heads, d_ff, dropout=0.1, norm_first=False, activation="relu"):
@@ -340,8 +354,8 @@ class EncoderLayer(nn.Module):
         self.dropout1, self.dropout2 = nn.Dropout(dropout), nn.Dropout(dropout)
 
     def forward(self, x, mask=None, cache=None):
-        """x [B, S, D]; mask [B, 1, 1, S] (padding) or [1, 1, S, S] (causal). cache: a KVCache, for
-        a decoder-only model that runs this layer as its block, causally, a piece at a time (section 9)."""
+        """x [B, S, D]; mask [B, 1, 1, S] (padding) or [1, 1, S, S] (causal); cache a KVCache, used when a
+        decoder-only model runs this layer as its block, causally, a piece at a time (section 9)."""
         if self.norm_first:  # pre-LN: x + f(LN(x)), the residual path never normalized
             x = x + self._sa_block(self.norm1(x), mask, cache)             # [B, S, D]
             x = x + self._ff_block(self.norm2(x))                          # [B, S, D]
@@ -369,7 +383,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, memory, tgt_mask=None, memory_mask=None, cache=None):
         """x [B, T, D], memory [B, S, D]; tgt_mask [B, 1, T, T], memory_mask [B, 1, 1, S];
-        cache: (self-attention KVCache, cross-attention KVCache) or None."""
+        cache: (a KVCache for self-attention, one for cross-attention) or None."""
         self_cache, cross_cache = cache or (None, None)
         if self.norm_first:  # pre-LN
             x = x + self._sa_block(self.norm1(x), tgt_mask, self_cache)                  # [B, T, D]
@@ -385,8 +399,8 @@ class DecoderLayer(nn.Module):
         return self.dropout1(self.self_attn(x, x, x, mask, cache))         # [B, T, D]
 
     def _mha_block(self, x, memory, mask, cache):
-        # queries from the decoder, keys and values from the memory: [B, H, T, S] scores. The memory is
-        # fixed while decoding: the cache takes its keys and values at the first step, later ones add none
+        # Queries come from the decoder, keys and values from the memory: [B, H, T, S] scores. The memory stays fixed
+        # while decoding, so the cache takes its keys and values at the first step and later steps add none.
         if cache is not None and len(cache):
             memory = memory[:, :0]                                         # [B, 0, D]
         return self.dropout2(self.cross_attn(x, memory, memory, mask, cache))  # [B, T, D]
@@ -403,9 +417,10 @@ class DecoderLayer(nn.Module):
 # ===========================================================================
 # 7. Token ids and embeddings (词元与嵌入)
 # ===========================================================================
-# A model reads token ids, integers from 0 to V - 1 in a [B, T] tensor; nn.Embedding(V, D) turns each id into a
-# learned D-vector, row id of its [V, D] weight. The models of Part I share two helpers: their ids are checked (a clear
-# error now, not an index error deep inside), and the table starts at a scale that suits what it is added to.
+# A model reads token ids, integers from 0 to V - 1 in a [B, T] tensor. nn.Embedding(V, D) turns each id into a
+# learned D-vector, the row of its [V, D] weight. The models of Part I share two helpers. The first checks the ids,
+# so a bad id is a clear error at once and not an index error deep inside. The second starts the table at a scale
+# that suits the position it is added to.
 
 def check_ids(name, ids, vocab_size, max_len):
     integer = isinstance(ids, torch.Tensor) and ids.dtype in (torch.long, torch.int)  # what nn.Embedding takes
@@ -432,26 +447,23 @@ def init_embedding(embedding):
 # ===========================================================================
 # 8. The encoder-decoder Transformer (编码器-解码器 Transformer)
 # ===========================================================================
-# The encoder reads the whole source once into the memory [B, S, D]; the decoder writes the target one token at a time,
-# attending causally to what it wrote and freely to the memory. The target starts with bos ("beginning of sentence"),
-# so the first real token is predicted from something, and ends with eos, so the model can say when to stop. Training
-# feeds the whole shifted target at once: the causal mask stops position t from reading the answer at t + 1.
-
-ARGUMENTS.update(src_vocab_size=(int, 1, MAX_SIZE), tgt_vocab_size=(int, 1, MAX_SIZE), n_layers=(int, 1, 1024),
-                 pad_id=(int, 0, MAX_SIZE - 1), norm_first=(bool,), share_embeddings=(bool,))
-RELATIONS["one vocabulary to share"] = (("tgt_vocab_size", "src_vocab_size", "share_embeddings"),
-                                        lambda t, s, shared: not shared or s == t,
-                                        "tgt_vocab_size must equal src_vocab_size to share embeddings")
-RELATIONS["pad_id in both vocabularies"] = (("pad_id", "src_vocab_size", "tgt_vocab_size"),
-                                            lambda p, s, t: p < min(s, t), "pad_id must be an id in both vocabularies")
-
+# The encoder reads the whole source once into the memory [B, S, D]. The decoder writes the target one token at a
+# time, attending causally to what it wrote and freely to the memory. The target starts with bos ("beginning of
+# sentence"), so that the first real token is predicted from something, and ends with eos, so that the model can say
+# when to stop. Training feeds the whole shifted target at once, and the causal mask stops position t from reading the
+# answer at t + 1.
 
 class Transformer(nn.Module):
     def __init__(self, src_vocab_size, tgt_vocab_size, d_model=512, n_heads=8, d_ff=2048, n_layers=6, dropout=0.1,
                  max_len=5000, norm_first=False, share_embeddings=False, pad_id=0):
         super().__init__()
-        self.config = arguments_of(locals())                                # for checkpoints
-        check("one vocabulary to share", "pad_id in both vocabularies", "d_ff given", **self.config)
+        self.config = dict(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model,
+                           n_heads=n_heads, d_ff=d_ff, n_layers=n_layers, dropout=dropout, max_len=max_len,
+                           norm_first=norm_first, share_embeddings=share_embeddings, pad_id=pad_id)  # for checkpoints
+        if share_embeddings and src_vocab_size != tgt_vocab_size:
+            raise ValueError(f"sharing embeddings needs one vocabulary, got {src_vocab_size} and {tgt_vocab_size}")
+        if not 0 <= pad_id < min(src_vocab_size, tgt_vocab_size):
+            raise ValueError(f"pad_id must be an id in both vocabularies, got {pad_id}")
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
         self.d_model, self.max_len, self.pad_id = d_model, max_len, pad_id
         self.src_embed = nn.Embedding(src_vocab_size, d_model)
@@ -460,8 +472,8 @@ class Transformer(nn.Module):
         layer_args = dict(d_model=d_model, n_heads=n_heads, d_ff=d_ff, dropout=dropout, norm_first=norm_first)
         self.encoder_layers = nn.ModuleList([EncoderLayer(**layer_args) for _ in range(n_layers)])
         self.decoder_layers = nn.ModuleList([DecoderLayer(**layer_args) for _ in range(n_layers)])
-        # pre-LN leaves the residual stream un-normalized, so the stacks end with a LayerNorm; post-LN
-        # already ends in one, and a second (nn.Transformer's default, pytorch issue 24930) normalizes twice
+        # Pre-LN leaves the residual stream un-normalized, so its stacks end with a LayerNorm. Post-LN already ends in
+        # one, and a second one (nn.Transformer's default, pytorch issue 24930) would normalize twice.
         self.encoder_norm, self.decoder_norm = (LayerNorm(d_model), LayerNorm(d_model)) if norm_first else (None, None)
         self.output_proj = nn.Linear(d_model, tgt_vocab_size)
         init_embedding(self.src_embed)
@@ -470,11 +482,11 @@ class Transformer(nn.Module):
             self.output_proj.weight = self.src_embed.weight
 
     def embed(self, embedding, ids, start=0):
-        """Token embedding times sqrt(D), as in the paper, plus the position."""
+        """The token embedding times sqrt(D), as in the paper, plus the position."""
         return self.pos_encoding(embedding(ids) * math.sqrt(self.d_model), start)  # [B, T, D]
 
     def encode(self, src):
-        """src [B, S] -> memory [B, S, D]; padded keys are masked out."""
+        """src [B, S] -> memory [B, S, D], with the padded keys masked out."""
         check_ids("src", src, self.src_vocab_size, self.max_len)
         src_mask = make_pad_mask(src, self.pad_id)                         # [B, 1, 1, S]
         x = self.embed(self.src_embed, src)                                # [B, S, D]
@@ -483,18 +495,18 @@ class Transformer(nn.Module):
         return self.encoder_norm(x) if self.encoder_norm else x            # [B, S, D]
 
     def new_cache(self):
-        """An empty KV cache for decode: per decoder layer, a KVCache for self- and one for cross-attention."""
+        """An empty KV cache for decode: for each decoder layer, a KVCache for self- and one for cross-attention."""
         return [(KVCache(), KVCache()) for _ in self.decoder_layers]
 
     def decode(self, tgt, memory, src, cache=None):
-        """tgt [B, T] (starting with bos), memory [B, S, D], src [B, S] -> logits [B, T, V]. With a cache
-        (new_cache()) that ran the first `past` tokens of tgt, only the rest run: [B, T - past, V]."""
+        """tgt [B, T] (starting with bos), memory [B, S, D], src [B, S] -> logits [B, T, V]. With a cache from
+        new_cache() that has run the first `past` tokens of tgt, only the rest run: [B, T - past, V]."""
         check_ids("tgt", tgt, self.tgt_vocab_size, self.max_len)
-        if not tgt.size(0) == memory.size(0) == src.size(0):
+        if not tgt.size(0) == memory.size(0) == src.size(0):  # a batch of 1 would broadcast silently
             raise ValueError(f"batch sizes differ: tgt {tgt.size(0)}, memory {memory.size(0)}, src {src.size(0)}")
         past = len(cache[0][0]) if cache else 0                            # tokens already cached
         new = tgt[:, past:]                                                # [B, Tn]
-        # a target position sees real earlier tokens only; the source mask hides source padding
+        # a target position sees only real earlier tokens, and the source mask hides the source's padding
         tgt_mask = make_pad_mask(tgt, self.pad_id) & make_causal_mask(new.size(1), tgt.device, past)  # [B, 1, Tn, T]
         memory_mask = make_pad_mask(src, self.pad_id)                      # [B, 1, 1, S]
         x = self.embed(self.tgt_embed, new, start=past)                    # [B, Tn, D]
@@ -516,42 +528,33 @@ class Transformer(nn.Module):
 # ===========================================================================
 # 9. The decoder-only Transformer, GPT style (仅解码器 Transformer)
 # ===========================================================================
-# Drop the encoder and the cross-attention and what is left is a language model: each position predicts the next
-# token from the ones before it. A GPT block is exactly section 6's encoder layer run under a causal mask (pre-LN,
-# GELU), so it reuses EncoderLayer. Unlike GPT-2: fixed sinusoidal positions, not a learned table; embeddings scaled by
-# sqrt(D) as in the 2017 paper; the exact erf GELU, not the tanh approximation; init_embedding's N(0, 1/D) and torch's
-# default initialization, where GPT-2 draws from N(0, 0.02) (positions N(0, 0.01), residual weights / sqrt(N)).
-
-ARGUMENTS.update(vocab_size=(int, 1, MAX_SIZE), tie_weights=(bool,), max_new_tokens=(int, 0, MAX_SIZE),
-                 prompt_length=(int, 1, MAX_SIZE), temperature=(float, 0.0, FINITE),
-                 top_k=(int, 1, MAX_SIZE, "or None"), top_p=(float, 0.0, 1.0, "or None"),
-                 generator=(torch.Generator, "or None"), cache=(object,), cache_kind=(type,))
-RELATIONS["prompt fits"] = (("prompt_length", "max_new_tokens", "max_len"), lambda t, n, most: t + n <= most,
-                            "prompt_length + max_new_tokens must be at most max_len")
-RELATIONS["top_p > 0"] = (("top_p",), lambda p: p is None or p > 0, "top_p must be > 0 (the nucleus holds a token)")
-RELATIONS["a cache a layer"] = (("cache", "n_layers", "cache_kind"), lambda c, n, kind: c is None or isinstance(
-    c, (list, tuple)) and len(c) == n and all(isinstance(x, kind) for x in c) and len({len(x) for x in c}) == 1,
-    "cache must be None or what new_cache() gives: a list of n_layers caches of cache_kind, all as long")
-
+# Without the encoder and the cross-attention, what is left is a language model: each position predicts the next token
+# from the ones before it. A GPT block is exactly section 6's encoder layer run under a causal mask (pre-LN, GELU), so
+# the model reuses EncoderLayer. It differs from GPT-2 in four ways: fixed sinusoidal positions instead of a learned
+# table; embeddings scaled by sqrt(D), as in the 2017 paper; the exact erf GELU instead of the tanh approximation; and
+# init_embedding's N(0, 1/D) with torch's default initialization, where GPT-2 draws from N(0, 0.02) (its positions from
+# N(0, 0.01), its residual weights scaled by 1 / sqrt(N)).
 
 def next_token_probs(logits, temperature=0.0, top_k=None, top_p=None):
-    """logits [B, V] -> next_token's distribution [B, V]: softmax(logits / temperature) over the top_k most
-    likely and/or the smallest set whose mass reaches top_p (nucleus sampling); temperature 0: the argmax."""
+    """logits [B, V] -> the next token's distribution [B, V]: softmax(logits / temperature) over the top_k most likely
+    and/or the smallest set whose mass reaches top_p (nucleus sampling). Temperature 0 gives the argmax."""
+    if not temperature >= 0:  # a negative one would favour the least likely tokens, and NaN fails this test too
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     if temperature == 0:
         return F.one_hot(logits.argmax(dim=-1), logits.size(-1)).float()  # [B, V]
     logits = logits.float() / temperature                                  # [B, V]
     if not torch.isfinite(logits).all():
         raise ValueError(f"temperature {temperature} is too small: logits / temperature overflow"
                          f" (use temperature=0 for greedy)")
-    # -inf is safe here (unlike in masks): the most likely token always stays finite
+    # -inf is safe here, unlike in masks, because the most likely token always stays finite
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.size(-1))).values[:, -1:]      # [B, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))           # [B, V]
     if top_p is not None and top_p < 1:  # top_p 1 keeps every token (a float32 cumsum can reach 1 early)
         sorted_logits, order = logits.sort(dim=-1, descending=True)        # [B, V] each
         probs = sorted_logits.softmax(dim=-1)                              # [B, V], most likely first
-        before = probs.cumsum(dim=-1) - probs                              # [B, V]: mass ahead of each
-        # drop a token when the ones more likely than it already reach top_p
+        before = probs.cumsum(dim=-1) - probs                              # [B, V]: the mass ahead of each
+        # a token is dropped when the ones more likely than it already reach top_p
         drop = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, before >= top_p)  # [B, V]
         logits = logits.masked_fill(drop, float("-inf"))                   # [B, V]
     return logits.softmax(dim=-1)                                          # [B, V]
@@ -565,7 +568,8 @@ def next_token(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
 
 
 class eval_mode:
-    """with eval_mode(model): dropout off inside the block, the caller's mode restored after, even on an error."""
+    """with eval_mode(model): dropout is off inside the block, and the caller's mode comes back after, even on an
+    error."""
 
     def __init__(self, model):
         self.model, self.was_training = model, {m: m.training for m in model.modules()}  # each part's own
@@ -581,11 +585,12 @@ class eval_mode:
 @torch.no_grad()
 def generate_tokens(model, input_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
                     generator=None, use_cache=True):
-    """input_ids [B, T] -> [B, T + max_new_tokens], a next_token per step, for any decoder-only model with
-    new_cache() and forward(ids, cache); a generator makes draws repeatable; the cache changes speed, not tokens."""
-    check_ids("input_ids", input_ids, model.vocab_size, model.max_len)
-    check("prompt fits", "top_p > 0", prompt_length=input_ids.size(1), max_new_tokens=max_new_tokens,
-          max_len=model.max_len, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    """input_ids [B, T] -> [B, T + max_new_tokens], one next_token a step, for any decoder-only model with new_cache()
+    and forward(ids, cache). A generator makes the draws repeatable; the cache changes the speed, not the tokens."""
+    room = model.max_len - input_ids.size(1)  # checked first: a failure halfway would have spent the generator's draws
+    if not 0 <= max_new_tokens <= room:
+        raise ValueError(f"max_new_tokens must be from 0 to max_len minus the prompt's length ({room}),"
+                         f" got {max_new_tokens}")
     with eval_mode(model):
         cache = model.new_cache() if use_cache else None                   # per layer [B, H, t, dk]
         for _ in range(max_new_tokens):
@@ -600,27 +605,30 @@ class DecoderOnlyTransformer(nn.Module):
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, d_ff, max_len=5000, dropout=0.1, tie_weights=False):
         super().__init__()
-        self.config = arguments_of(locals())                                # for checkpoints
-        check("d_ff given", **self.config)
+        self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_ff=d_ff,
+                           max_len=max_len, dropout=dropout, tie_weights=tie_weights)  # for checkpoints
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         self.token_embedding = nn.Embedding(vocab_size, d_model)
         self.pos_encoding = PositionalEncoding(d_model, max_len, dropout)
         self.layers = nn.ModuleList([EncoderLayer(d_model, n_heads, d_ff, dropout, norm_first=True, activation="gelu")
                                      for _ in range(n_layers)])
-        self.final_norm = LayerNorm(d_model)  # pre-LN: the residual stream is normalized once, at the end
+        self.final_norm = LayerNorm(d_model)  # pre-LN normalizes the residual stream once, at the end
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         init_embedding(self.token_embedding)
-        if tie_weights:  # input and output embeddings share one [V, D] matrix (GPT-2 does)
+        if tie_weights:  # the input and output embeddings share one [V, D] matrix, as in GPT-2
             self.lm_head.weight = self.token_embedding.weight
 
     def new_cache(self):
-        """One KVCache per layer (forward takes any per-layer caches with append and len: section 36 pages them)."""
+        """One KVCache per layer. Section 36 pages them: a KVCache subclass works as well."""
         return [KVCache() for _ in self.layers]
 
     def forward(self, input_ids, cache=None):
         """input_ids [B, T] -> logits [B, T, V]; with a cache of `past` tokens, only the rest run: [B, T - past, V]."""
         check_ids("input_ids", input_ids, self.vocab_size, self.max_len)
-        check("a cache a layer", cache=cache, n_layers=len(self.layers), cache_kind=KVCache)
+        # a wrong cache is refused before layer 0 appends to it
+        if cache is not None and not (len(cache) == len(self.layers) and all(isinstance(c, KVCache) for c in cache)
+                                      and len({len(c) for c in cache}) == 1):
+            raise ValueError(f"cache must be None or what new_cache() gives: {len(self.layers)} KVCaches, all as long")
         past = len(cache[0]) if cache else 0                               # tokens already cached
         if past >= input_ids.size(1):
             raise ValueError(f"input_ids holds {input_ids.size(1)} tokens and the cache {past} already:"
@@ -644,9 +652,9 @@ class DecoderOnlyTransformer(nn.Module):
 # ===========================================================================
 # 10. Parameter counts (参数量)
 # ===========================================================================
-# Count what is there, and derive the same number from the configuration, so a claim like "this config has 30-odd
-# million parameters" (the decoder-only tutorial's, for vocabulary 50257, D 512, 6 layers, Dff 2048) can be checked
-# by hand: it is 70.4M untied, 44.6M tied. Weights shared by tying are counted once, as parameters() yields them.
+# A count of what is there, and the same number derived from the configuration, let a reader check a claim by hand.
+# The decoder-only tutorial says its configuration (vocabulary 50257, D 512, 6 layers, Dff 2048) has 30-odd million
+# parameters; it has 70.4M untied and 44.6M tied. A weight shared by tying counts once, as parameters() yields it once.
 
 def count_parameters(model):
     return sum(p.numel() for p in model.parameters())
@@ -661,7 +669,7 @@ def _layer_params(d_model, d_ff, cross_attention):
 
 def transformer_param_formula(src_vocab_size, tgt_vocab_size, d_model=512, d_ff=2048, n_layers=6,
                               norm_first=False, share_embeddings=False, **_):
-    """Closed form of count_parameters(Transformer(...)), same keywords."""
+    """The closed form of count_parameters(Transformer(...)), with the same keywords."""
     embeddings = src_vocab_size * d_model + (0 if share_embeddings else 2 * tgt_vocab_size * d_model)
     layers = n_layers * (_layer_params(d_model, d_ff, False) + _layer_params(d_model, d_ff, True))
     final_norms = 2 * 2 * d_model if norm_first else 0
@@ -669,7 +677,7 @@ def transformer_param_formula(src_vocab_size, tgt_vocab_size, d_model=512, d_ff=
 
 
 def decoder_only_param_formula(vocab_size, d_model, n_layers, d_ff, tie_weights=False, **_):
-    """Closed form of count_parameters(DecoderOnlyTransformer(...)), same keywords."""
+    """The closed form of count_parameters(DecoderOnlyTransformer(...)), with the same keywords."""
     embeddings = vocab_size * d_model * (1 if tie_weights else 2)  # token_embedding, lm_head
     return embeddings + n_layers * _layer_params(d_model, d_ff, False) + 2 * d_model
 
