@@ -1063,7 +1063,8 @@ def test_bool_ids_and_bad_generate_arguments_raise_value_error():
     with pytest.raises(ValueError, match="integer"):
         model(torch.ones(1, 3, dtype=torch.bool))
     prompt = torch.tensor([[1, 2, 3]])
-    for kwargs, words in [(dict(max_new_tokens=-1), r"max_new_tokens must be from 0 to .*\(29\), got -1"),
+    for kwargs, words in [(dict(max_new_tokens=-1), "max_new_tokens must be from 0 to 29, max_len minus the prompt,"
+                                                     " got -1"),
                           (dict(max_new_tokens=2, temperature=float("nan")), "temperature must be >= 0, got nan")]:
         with pytest.raises(ValueError, match=words):
             model.generate(prompt, **kwargs)
@@ -1072,11 +1073,12 @@ def test_bool_ids_and_bad_generate_arguments_raise_value_error():
 
 
 @pytest.mark.parametrize("build, words", [
-    (lambda: tf.Transformer(20, 30, **_T, share_embeddings=True), "sharing embeddings needs one vocabulary, got 20 and 30"),
+    (lambda: tf.Transformer(20, 30, **_T, share_embeddings=True), "sharing embeddings needs one vocabulary, got 20"
+                                                                     " and 30"),
     (lambda: tf.Transformer(10, 10, pad_id=10, **_T), "pad_id must be an id in both vocabularies, got 10"),
     (lambda: tf.Transformer(10, 6, pad_id=7, **_T), "pad_id must be an id in both vocabularies, got 7"),  # one only
     (lambda: tf.Transformer(10, 10, pad_id=-1, **_T), "pad_id must be an id in both vocabularies, got -1"),
-    (lambda: tf.Transformer(10, 10, **dict(_T, d_model=15)), r"d_model \(15\) must be divisible by n_heads \(2\)"),
+    (lambda: tf.Transformer(10, 10, **dict(_T, d_model=18, n_heads=4)), r"d_model \(18\) must be divisible by n_heads"),
     (lambda: tf.DecoderOnlyTransformer(20, 16, 1, 0, 32), r"d_model \(16\) must be divisible by n_heads \(0\)"),
 ])
 def test_models_refuse_what_would_compute_a_wrong_answer(build, words):
@@ -1477,8 +1479,7 @@ def test_generate_is_greedy():
 
 def test_generate_bad_inputs_raise():
     model = _gpt()                                                       # max_len 16
-    with pytest.raises(ValueError, match=r"max_new_tokens must be from 0 to max_len minus the prompt's length"
-                                         r" \(6\), got 7"):
+    with pytest.raises(ValueError, match="max_new_tokens must be from 0 to 6, max_len minus the prompt, got 7"):
         model.generate(torch.zeros(1, 10, dtype=torch.long), 7)
     model.generate(torch.zeros(1, 10, dtype=torch.long), 6)              # exactly max_len is fine
     with pytest.raises(ValueError, match=rf"id {V}\b.*\[0, {V}\)"):

@@ -37,16 +37,15 @@ The encoder-decoder (Part I) and its shapes, for a batch of B sentences:
 # ===========================================================================
 # 0. Imports and the shape legend (导入与形状记号)
 # ===========================================================================
-# The models need nothing but torch. Every shape comment uses one legend:
-#   B batch, S source length, T target length, D d_model, H heads, dk = D // H one head's width, dv a value's width,
-#   Dff the feed-forward width, V the vocabulary's size. With a cache, t tokens are cached and Tn tokens are new.
-#   Attention scores are [B, H, Tq, Tk]: a row for each query (Tq of them) and a column for each key (Tk of them).
-#   Later parts add letters. Part III: Hkv, the key and value heads of grouped-query attention (its head_dim is dk,
-#   which section 28 frees from D / H). Part V: N = B * T tokens, E experts, k = top_k, G expert groups, r the width
-#   of MLA's latent (kv_lora_rank), nope / rope / v the widths of an MLA head's parts. Part VI: bq and bk a tile's
-#   query and key blocks, bs a cache block's tokens, Hk / Hv / C / K / c a DeltaNet's key heads, value heads,
-#   channels, taps and chunk (section 39), Hi / di the sparse attention's indexer heads and their width (section 40).
-#   Part VII's r is another number: LoRA's rank (its A is [r, in]).
+# The models need nothing but torch. Every shape comment uses one legend: B batch, S source length, T target length,
+# D d_model, H heads, dk = D // H one head's width, dv a value's width, Dff the feed-forward width, V the vocabulary's
+# size; with a cache, t tokens are cached and Tn are new. Attention scores are [B, H, Tq, Tk]: a row for each query,
+# a column for each key. Part III adds Hkv, the key and value heads of grouped-query attention (its head_dim is dk,
+# which section 28 frees from D / H). Part V adds N = B * T tokens, E experts, k = top_k, G expert groups, r the width
+# of MLA's latent (kv_lora_rank) and nope / rope / v the widths of an MLA head's parts. Part VI adds bq and bk, a
+# tile's query and key blocks; bs, a cache block's tokens; Hk / Hv / C / K / c, a DeltaNet's key heads, value heads,
+# channels, taps and chunk (section 39); Hi / di, the sparse attention's indexer heads and their width (section 40).
+# Part VII's r is another number: LoRA's rank (its A is [r, in]).
 
 import math
 
@@ -158,23 +157,17 @@ class PositionalEncoding(nn.Module):
             raise ValueError(f"sequence needs positions up to {end}, but max_len is {self.pe.size(1)}")
         return self.dropout(x + self.pe[:, start:end])                     # [B, T, D]
 
-# Try it:
-#   >>> PositionalEncoding(d_model=8, dropout=0.0)(torch.zeros(2, 5, 8)).shape
-#   torch.Size([2, 5, 8])
-
 
 # ===========================================================================
 # 2. Scaled dot-product attention and masks (缩放点积注意力与掩码)
 # ===========================================================================
 # Each query scores every key, a softmax turns the scores into weights, and the output is the weighted sum of the
-# values. A mask is bool and True means "may attend", as in the tutorials' masked_fill(mask == 0, ...) and in
-# F.scaled_dot_product_attention; nn.MultiheadAttention's key_padding_mask means the opposite. The padding mask hides
-# the pad ids that fill short sentences up to the batch's longest. The causal mask hides from each position the ones
-# after it. Both masks are 4-D, so they broadcast over the heads of [B, H, Tq, Tk] scores; a 3-D [B, T, T] mask would
-# line its batch up with the heads, so it is refused.
+# values. A mask is bool, and True means "may attend", as in the tutorials' masked_fill(mask == 0, ...) and in
+# F.scaled_dot_product_attention (nn.MultiheadAttention's key_padding_mask means the opposite). The padding mask hides
+# the pad ids that fill short sentences up; the causal mask hides from each position the ones after it. Both are 4-D to
+# broadcast over the heads of [B, H, Tq, Tk] scores; a 3-D [B, T, T] mask would line its batch up with the heads.
 
-def make_pad_mask(ids, pad_id):
-    """[B, S] token ids -> True where the key is a real token."""
+def make_pad_mask(ids, pad_id):  # [B, S] token ids -> True where the key is a real token
     return (ids != pad_id)[:, None, None, :]                               # [B, 1, 1, S]
 
 
@@ -221,11 +214,10 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
 # 3. Multi-head attention and the KV cache (多头注意力与键值缓存)
 # ===========================================================================
 # H heads of width dk = D / H attend in parallel, each in its own learned subspace, and w_o mixes their outputs. The
-# same module does self-attention (query = key = value) and cross-attention, where the queries come from one sequence
-# and the keys and values from another, so Tq and Tk differ. Generation writes one token a step, and at step t the
-# keys and values of tokens 0 .. t-1 come out as before (same inputs, same weights). So a KVCache keeps them, and a step
-# projects only its new token: n tokens cost n token-passes, not 1 + 2 + ... + n ≈ n²/2. No query is read twice, so
-# there is no query cache.
+# same module does self-attention (query = key = value) and cross-attention (queries from one sequence, keys and
+# values from another, so Tq and Tk differ). Generation writes one token a step, and at step t the keys and values of
+# tokens 0 .. t-1 come out as before, so a KVCache keeps them and a step projects only its new token: n tokens cost n
+# token-passes, not 1 + 2 + ... + n ≈ n²/2. No query is read twice, so there is no query cache.
 
 class KVCache:
     """One attention module's keys and values from earlier steps, [B, H, t, dk] each."""
@@ -285,10 +277,9 @@ class MultiHeadAttention(nn.Module):
 # ===========================================================================
 # 4. Position-wise feed-forward network (前馈网络)
 # ===========================================================================
-# Attention mixes information across positions, and the feed-forward network then transforms each position on its
-# own: it widens to Dff (usually 4 D), applies a nonlinearity and narrows back to D. The paper's nonlinearity is ReLU,
-# max(0, x). GPT's is GELU (Hendrycks & Gimpel, 2016), x * P(Z <= x) for a standard normal Z: a smooth ReLU that lets
-# some negatives through.
+# Attention mixes information across positions; the feed-forward network then transforms each position on its own. It
+# widens to Dff (usually 4 D), applies a nonlinearity and narrows back to D. The paper's nonlinearity is ReLU; GPT's is
+# GELU (Hendrycks & Gimpel, 2016), x * P(Z <= x) for a standard normal Z: a smooth ReLU that lets negatives through.
 
 class FeedForward(nn.Module):
     def __init__(self, d_model, d_ff, dropout=0.1, activation="relu"):
@@ -302,10 +293,6 @@ class FeedForward(nn.Module):
 
     def forward(self, x):
         return self.fc2(self.dropout(self.activation(self.fc1(x))))        # [B, T, D]
-
-# Try it:
-#   >>> FeedForward(d_model=8, d_ff=32)(torch.randn(2, 5, 8)).shape
-#   torch.Size([2, 5, 8])
 
 
 # ===========================================================================
@@ -340,9 +327,8 @@ class LayerNorm(nn.Module):
 # ===========================================================================
 # Every sub-layer (attention, feed-forward) sits in a residual connection with a LayerNorm. The paper normalizes after
 # the sum (post-LN). GPT-2 and most models since normalize the sub-layer's input and leave the residual path untouched
-# (pre-LN), because that keeps the gradients of deep stacks well scaled; they still warm the learning rate up
-# (sections 13 and 42). The sub-layers are _block methods, as in nn.TransformerEncoderLayer, so that both orders read
-# side by side.
+# (pre-LN), which keeps the gradients of deep stacks well scaled; they still warm the learning rate up (sections 13,
+# 42). The sub-layers are _block methods, as in nn.TransformerEncoderLayer, so that both orders read side by side.
 
 class EncoderLayer(nn.Module):
     def __init__(self, d_model, n_heads, d_ff, dropout=0.1, norm_first=False, activation="relu"):
@@ -417,14 +403,12 @@ class DecoderLayer(nn.Module):
 # ===========================================================================
 # 7. Token ids and embeddings (词元与嵌入)
 # ===========================================================================
-# A model reads token ids, integers from 0 to V - 1 in a [B, T] tensor. nn.Embedding(V, D) turns each id into a
-# learned D-vector, the row of its [V, D] weight. The models of Part I share two helpers. The first checks the ids,
-# so a bad id is a clear error at once and not an index error deep inside. The second starts the table at a scale
-# that suits the position it is added to.
+# A model reads token ids, integers from 0 to V - 1 in a [B, T] tensor, and nn.Embedding(V, D) turns each id into a
+# learned D-vector, the row of its [V, D] weight. The models of Part I share two helpers: one checks the ids, so that a
+# bad id is a clear error at once and not an index error deep inside; the other starts the table at the right scale.
 
-def check_ids(name, ids, vocab_size, max_len):
-    integer = isinstance(ids, torch.Tensor) and ids.dtype in (torch.long, torch.int)  # what nn.Embedding takes
-    if not integer or ids.dim() != 2 or not len(ids):
+def check_ids(name, ids, vocab_size, max_len):  # int64 or int32 ids are what nn.Embedding takes
+    if not (isinstance(ids, torch.Tensor) and ids.dtype in (torch.long, torch.int) and ids.dim() == 2 and len(ids)):
         found = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise ValueError(f"{name} must be a 2-D integer tensor [B, T] (int64 or int32), B >= 1, got {found}")
     if not 0 < ids.size(1) <= max_len:
@@ -450,8 +434,7 @@ def init_embedding(embedding):
 # The encoder reads the whole source once into the memory [B, S, D]. The decoder writes the target one token at a
 # time, attending causally to what it wrote and freely to the memory. The target starts with bos ("beginning of
 # sentence"), so that the first real token is predicted from something, and ends with eos, so that the model can say
-# when to stop. Training feeds the whole shifted target at once, and the causal mask stops position t from reading the
-# answer at t + 1.
+# when to stop. Training feeds the whole shifted target at once; the causal mask stops position t reading t + 1.
 
 class Transformer(nn.Module):
     def __init__(self, src_vocab_size, tgt_vocab_size, d_model=512, n_heads=8, d_ff=2048, n_layers=6, dropout=0.1,
@@ -529,11 +512,10 @@ class Transformer(nn.Module):
 # 9. The decoder-only Transformer, GPT style (仅解码器 Transformer)
 # ===========================================================================
 # Without the encoder and the cross-attention, what is left is a language model: each position predicts the next token
-# from the ones before it. A GPT block is exactly section 6's encoder layer run under a causal mask (pre-LN, GELU), so
-# the model reuses EncoderLayer. It differs from GPT-2 in four ways: fixed sinusoidal positions instead of a learned
-# table; embeddings scaled by sqrt(D), as in the 2017 paper; the exact erf GELU instead of the tanh approximation; and
-# init_embedding's N(0, 1/D) with torch's default initialization, where GPT-2 draws from N(0, 0.02) (its positions from
-# N(0, 0.01), its residual weights scaled by 1 / sqrt(N)).
+# from the ones before it. A GPT block is exactly section 6's encoder layer under a causal mask (pre-LN, GELU), so the
+# model reuses EncoderLayer. It differs from GPT-2 in four ways: fixed sinusoidal positions, not a learned table;
+# embeddings scaled by sqrt(D), as in the 2017 paper; the exact erf GELU, not the tanh approximation; init_embedding's
+# N(0, 1/D) and torch's defaults, where GPT-2 draws from N(0, 0.02) (positions N(0, 0.01), residual weights / sqrt(N)).
 
 def next_token_probs(logits, temperature=0.0, top_k=None, top_p=None):
     """logits [B, V] -> the next token's distribution [B, V]: softmax(logits / temperature) over the top_k most likely
@@ -568,11 +550,10 @@ def next_token(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
 
 
 class eval_mode:
-    """with eval_mode(model): dropout is off inside the block, and the caller's mode comes back after, even on an
-    error."""
+    """with eval_mode(model): dropout off inside the block; each part's mode comes back after it, even on an error."""
 
     def __init__(self, model):
-        self.model, self.was_training = model, {m: m.training for m in model.modules()}  # each part's own
+        self.model, self.was_training = model, {m: m.training for m in model.modules()}
 
     def __enter__(self):
         return self.model.eval()
@@ -589,8 +570,7 @@ def generate_tokens(model, input_ids, max_new_tokens, temperature=0.0, top_k=Non
     and forward(ids, cache). A generator makes the draws repeatable; the cache changes the speed, not the tokens."""
     room = model.max_len - input_ids.size(1)  # checked first: a failure halfway would have spent the generator's draws
     if not 0 <= max_new_tokens <= room:
-        raise ValueError(f"max_new_tokens must be from 0 to max_len minus the prompt's length ({room}),"
-                         f" got {max_new_tokens}")
+        raise ValueError(f"max_new_tokens must be from 0 to {room}, max_len minus the prompt, got {max_new_tokens}")
     with eval_mode(model):
         cache = model.new_cache() if use_cache else None                   # per layer [B, H, t, dk]
         for _ in range(max_new_tokens):
