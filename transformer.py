@@ -220,7 +220,7 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
 # token-passes, not 1 + 2 + ... + n ≈ n²/2. No query is read twice, so there is no query cache.
 
 class KVCache:
-    """One attention module's keys and values from earlier steps, [B, H, t, dk] each."""
+    """Keeps one attention module's keys and values from earlier steps, [B, H, t, dk] each."""
 
     def __init__(self):
         self.k = self.v = None                                             # [B, H, t, dk] once filled
@@ -342,7 +342,7 @@ class EncoderLayer(nn.Module):
     def forward(self, x, mask=None, cache=None):
         """x [B, S, D]; mask [B, 1, 1, S] (padding) or [1, 1, S, S] (causal); cache a KVCache, used when a
         decoder-only model runs this layer as its block, causally, a piece at a time (section 9)."""
-        if self.norm_first:  # pre-LN: x + f(LN(x)), the residual path never normalized
+        if self.norm_first:  # pre-LN: x + f(LN(x)); the residual path is never normalized
             x = x + self._sa_block(self.norm1(x), mask, cache)             # [B, S, D]
             x = x + self._ff_block(self.norm2(x))                          # [B, S, D]
         else:                # post-LN, the paper's: LN(x + f(x))
@@ -419,7 +419,7 @@ def check_ids(name, ids, vocab_size, max_len):  # int64 or int32 ids are what nn
 
 
 def init_embedding(embedding):
-    """N(0, 1/D): times sqrt(D) in forward, a token vector's entries are unit-size, like the position added to it."""
+    """N(0, 1/D), so that times sqrt(D) (in forward) a token vector has unit-size entries, like its position's."""
     nn.init.normal_(embedding.weight, std=embedding.embedding_dim ** -0.5)
 
 # Try it:
@@ -581,8 +581,6 @@ def generate_tokens(model, input_ids, max_new_tokens, temperature=0.0, top_k=Non
 
 
 class DecoderOnlyTransformer(nn.Module):
-    """Token embedding, positions, N causal pre-LN blocks, a final LayerNorm, lm_head."""
-
     def __init__(self, vocab_size, d_model, n_layers, n_heads, d_ff, max_len=5000, dropout=0.1, tie_weights=False):
         super().__init__()
         self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_ff=d_ff,
@@ -605,9 +603,8 @@ class DecoderOnlyTransformer(nn.Module):
     def forward(self, input_ids, cache=None):
         """input_ids [B, T] -> logits [B, T, V]; with a cache of `past` tokens, only the rest run: [B, T - past, V]."""
         check_ids("input_ids", input_ids, self.vocab_size, self.max_len)
-        # a wrong cache is refused before layer 0 appends to it
         if cache is not None and not (len(cache) == len(self.layers) and all(isinstance(c, KVCache) for c in cache)
-                                      and len({len(c) for c in cache}) == 1):
+                                      and len({len(c) for c in cache}) == 1):  # refused before layer 0 appends
             raise ValueError(f"cache must be None or what new_cache() gives: {len(self.layers)} KVCaches, all as long")
         past = len(cache[0]) if cache else 0                               # tokens already cached
         if past >= input_ids.size(1):
