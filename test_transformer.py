@@ -1089,7 +1089,7 @@ def test_models_refuse_what_would_compute_a_wrong_answer(build, words):
 
 
 @pytest.mark.parametrize("build", [
-    lambda: tf.Transformer(10, -3, **_T, pad_id=-1), lambda: tf.Transformer(10, 10, **dict(_T, d_ff=-32)),
+    lambda: tf.Transformer(10, 10, **dict(_T, d_ff=-32)), lambda: tf.Transformer(10, 10, **dict(_T, dropout="x")),
     lambda: tf.Transformer(10, 10, **dict(_T, d_model=16.0)), lambda: tf.DecoderOnlyTransformer(20, 16, 1, 2, -5),
     lambda: tf.DecoderOnlyTransformer(20, 16, 1.0, 2, 32), lambda: tf.DecoderOnlyTransformer(-4, 16, 1, 2, 32),
     lambda: tf.DecoderOnlyTransformer(20, 16, 1, 2, 32, dropout=1.5)])
