@@ -368,8 +368,7 @@ class DecoderLayer(nn.Module):
         self.dropout1, self.dropout2, self.dropout3 = nn.Dropout(dropout), nn.Dropout(dropout), nn.Dropout(dropout)
 
     def forward(self, x, memory, tgt_mask=None, memory_mask=None, cache=None):
-        """x [B, T, D], memory [B, S, D]; tgt_mask [B, 1, T, T], memory_mask [B, 1, 1, S];
-        cache: (a KVCache for self-attention, one for cross-attention) or None."""
+        """x [B, T, D], memory [B, S, D]; tgt_mask [B, 1, T, T], memory_mask [B, 1, 1, S]; cache: 2 KVCaches or None."""
         self_cache, cross_cache = cache or (None, None)
         if self.norm_first:  # pre-LN
             x = x + self._sa_block(self.norm1(x), tgt_mask, self_cache)                  # [B, T, D]
@@ -421,11 +420,6 @@ def check_ids(name, ids, vocab_size, max_len):  # int64 or int32 ids are what nn
 def init_embedding(embedding):
     """N(0, 1/D), so that times sqrt(D) (in forward) a token vector has unit-size entries, like its position's."""
     nn.init.normal_(embedding.weight, std=embedding.embedding_dim ** -0.5)
-
-# Try it:
-#   >>> check_ids("src", torch.tensor([[5, 7, 900]]), vocab_size=100, max_len=10)
-#   Traceback (most recent call last):
-#   ValueError: src holds token id 900, outside the vocabulary [0, 100)
 
 
 # ===========================================================================
