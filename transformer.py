@@ -1752,10 +1752,10 @@ LLAMA_CONFIGS = [
 # ===========================================================================
 # Part IV: a released model through this code (第四部分：用这份代码运行一个发布的模型)
 # ===========================================================================
-# So far every model ran on weights it trained itself or on random ones. Here a released model answers
-# through section 22's Llama: SmolLM2-135M-Instruct, read from the GGUF file that llama.cpp users download,
-# with its own tokenizer. Three ideas take it there: byte-level BPE, the quantized blocks the file holds,
-# and the chat loop. Reading the file itself is plumbing, so it lives with the tools after the article.
+# So far every model ran on weights it trained itself or on random ones. Here a released model,
+# SmolLM2-135M-Instruct, answers through section 22's Llama, read from the GGUF file that llama.cpp users
+# download, with its own tokenizer. Three ideas take it there: byte-level BPE, the quantized blocks the
+# file holds, and the chat loop. Reading the file is plumbing, so it lives with the tools after the article.
 
 import codecs
 import re
@@ -1821,20 +1821,28 @@ class BasicTokenizer:
         return b"".join(self.vocab[i] for i in ids).decode("utf-8", errors="replace")
 
 
-def train_bpe(text, vocab_size):
-    """A BasicTokenizer with vocab_size - 256 merges learned from text (minbpe's basic.py); it stops
-    early when no pair is left. Among equal counts, the pair counted first wins."""
+def learn_merges(words, vocab_size):
+    """vocab_size - 256 merges learned from words, lists of byte values (minbpe's train): count the pairs,
+    merge the most frequent into a new id, repeat, until no pair is left. Among equal counts, the pair
+    counted first wins."""
     if vocab_size < 256:
         raise ValueError(f"vocab_size must be at least 256, since the bytes come first, got {vocab_size}")
-    ids, merges = list(text.encode("utf-8")), {}
+    merges = {}
     for new_id in range(256, vocab_size):
-        counts = pair_counts(ids)
+        counts = {}
+        for word in words:
+            pair_counts(word, counts)
         if not counts:
             break
         pair = max(counts, key=counts.get)
-        ids = merge_pair(ids, pair, new_id)
+        words = [merge_pair(word, pair, new_id) for word in words]
         merges[pair] = new_id
-    return BasicTokenizer(merges)
+    return merges
+
+
+def train_bpe(text, vocab_size):
+    """A BasicTokenizer with the merges learned from text (minbpe's basic.py)."""
+    return BasicTokenizer(learn_merges([list(text.encode("utf-8"))], vocab_size))
 
 # Try it: three merges learned from three words, then the same encoder on new text.
 #   >>> tok = train_bpe("low lower lowest", vocab_size=259)
@@ -1854,9 +1862,8 @@ def train_bpe(text, vocab_size):
 # and bytes that UTF-8 never or hardly uses), and its tokenizer drops them.
 
 def byte_to_char():
-    """GPT-2's stand-ins, {byte: character}. A printable byte stands for itself; each of the other 68
-    (controls, space, ...) stands for chr(256 + n), n counting them in order (bytes_to_unicode in GPT-2's
-    encoder.py)."""
+    """GPT-2's stand-ins, {byte: character} (bytes_to_unicode in its encoder.py). A printable byte stands
+    for itself; each of the other 68 (controls, space, ...) stands for chr(256 + n), n counting them."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
@@ -1866,9 +1873,9 @@ UNICODE_CLASSES = {}  # "L" letters, "N" numbers -> a character class's body for
 
 
 def unicode_classes():
-    """{"L": ..., "N": ...}: the ranges of every code point whose Unicode category starts with L (Lu, Ll,
-    Lt, Lm, Lo) or N (Nd, Nl, No). These are the regex module's \\p{L} and \\p{N}, which the standard re
-    lacks. They are built once, in a pass over the 1.1M code points, and then kept."""
+    """{"L": ..., "N": ...}: the ranges of the code points whose Unicode category starts with L (letters)
+    or N (numbers), the regex module's \\p{L} and \\p{N}, which re lacks. One pass over the 1.1M code
+    points builds them, once."""
     if not UNICODE_CLASSES:
         spans = {"L": [], "N": []}
         for code in range(0x110000):
@@ -1882,20 +1889,18 @@ def unicode_classes():
     return UNICODE_CLASSES
 
 
-# \s here is Unicode's White_Space property, which the reference tokenizers' regex engine matches. Python's
-# \s (str.isspace) also counts the separators \x1c-\x1f.
+# \s as Unicode's White_Space, which the reference tokenizers match; Python's \s also counts \x1c-\x1f
 WHITESPACE = "\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 # GPT-2's split (its encoder.py) takes the contractions 's 't 're 've 'm 'll 'd, then a word, a number or a
 # run of other symbols, each with at most one space before it, then spaces. A run of spaces leaves its last
 # space to the word after it, except at the end of the text.
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(?![^{S}])|[{S}]+"
-# tokenizer.ggml.pre -> the patterns that split in turn; each isolates its matches inside the pieces the
-# one before it left. SmolLM2's "smollm" (llama.cpp's name; its tokenizer.json has Digits(individual_digits=
-# True), then ByteLevel) first makes every number character a piece of its own. That covers Unicode Nd, Nl
-# and No, so ½, Ⅷ and ² as well as 0-9, but not 三, which is a letter (Lo). transformers 5.24 builds this
-# file's tokenizer without that step. No merge of SmolLM2 joins a digit 0-9 to anything, so " 2024" comes
-# out the same either way, but " ½" is two pieces with the step and one without, and its ids differ
-# ([Ġ, Â½] against [ĠÂ, ½]). Details like this make hand-written tokenizers disagree.
+# tokenizer.ggml.pre -> the patterns that split in turn, each inside the pieces the one before it left.
+# SmolLM2's "smollm" (its tokenizer.json: Digits(individual_digits=True), then ByteLevel) first makes each
+# number character a piece: Unicode Nd, Nl and No, so ½, Ⅷ and ² as well as 0-9, but not the letter 三.
+# transformers 5.24 builds this file's tokenizer without that step. No merge of SmolLM2 joins a digit 0-9
+# to anything, so " 2024" comes out the same either way, but " ½" is two pieces with the step and one
+# without, and its ids differ ([Ġ, Â½] against [ĠÂ, ½]). Such details make hand-written tokenizers disagree.
 PRE_TOKENIZERS = {"gpt-2": [GPT2_SPLIT], "smollm": ["[{N}]", GPT2_SPLIT]}
 
 ARGUMENTS.update(pre=("one of", *PRE_TOKENIZERS), text=(str,), token_ids=(list,))
@@ -1920,20 +1925,19 @@ class BPETokenizer(BasicTokenizer):
         if bad:  # -1 would name the last token in silence
             raise ValueError(f"specials holds {bad[0]!r}: expected ids of tokens, 0 to {len(self.tokens) - 1}")
         self.specials = {self.tokens[i]: i for i in specials}
-        # the merges on ids, so that BasicTokenizer's loop applies them; their ranks come from the file's order
+        # the merges on ids, for BasicTokenizer's loop; their ranks are the file's order
         self.merges = {(self.ids[a], self.ids[b]): self.ids[a + b] for a, b in merges}
         self.ranks = {(self.ids[a], self.ids[b]): rank for rank, (a, b) in enumerate(merges)}
-        char = byte_to_char()                                              # byte -> its stand-in
+        char = byte_to_char()
         byte = {c: b for b, c in char.items()}                             # stand-in -> byte
         self.byte_ids = {b: self.ids[c] for b, c in char.items() if c in self.ids}  # a byte it lacks: none
-        # a special token's bytes are its text, and so are those of a token with characters that are no stand-ins
+        # a special token's bytes are its text, as are those of a token with characters that are no stand-ins
         self.vocab = {i: t.encode("utf-8") if self.specials.get(t) == i or not set(t) <= byte.keys()
                       else bytes(byte[c] for c in t) for i, t in enumerate(self.tokens)}
         classes = unicode_classes()
         self.splits = [re.compile(f"({p.format(L=classes['L'], N=classes['N'], S=WHITESPACE)})")
                        for p in PRE_TOKENIZERS[pre]]
-        # the longest first, since at one position re takes the first alternative that matches
-        longest = sorted(self.specials, key=len, reverse=True)
+        longest = sorted(self.specials, key=len, reverse=True)  # re takes the first alternative that matches
         self.special_split = re.compile(f"({'|'.join(map(re.escape, longest))})") if longest else None
 
     def pieces(self, text):
@@ -1957,20 +1961,9 @@ class BPETokenizer(BasicTokenizer):
 
 
 def train_gpt2_bpe(text, vocab_size, pre="gpt-2"):
-    """train_bpe's loop with the counts summed over the pre-tokenizer's pieces, so that no merge crosses
-    from one piece to the next (minbpe's RegexTokenizer) -> a BPETokenizer spelled in GPT-2's stand-ins."""
-    if vocab_size < 256:
-        raise ValueError(f"vocab_size must be at least 256, since the bytes come first, got {vocab_size}")
-    words, merges = [list(piece.encode("utf-8")) for piece in BPETokenizer([], [], pre).pieces(text)], {}
-    for new_id in range(256, vocab_size):
-        counts = {}
-        for word in words:
-            pair_counts(word, counts)
-        if not counts:
-            break
-        pair = max(counts, key=counts.get)
-        words = [merge_pair(word, pair, new_id) for word in words]
-        merges[pair] = new_id
+    """The merges learned from the pre-tokenizer's pieces of text, so that none crosses two pieces (minbpe's
+    RegexTokenizer) -> a BPETokenizer spelled in GPT-2's stand-ins."""
+    merges = learn_merges([list(piece.encode("utf-8")) for piece in BPETokenizer([], [], pre).pieces(text)], vocab_size)
     char, vocab = byte_to_char(), BasicTokenizer(merges).vocab
     tokens = ["".join(char[b] for b in vocab[i]) for i in range(len(vocab))]
     return BPETokenizer(tokens, [(tokens[a], tokens[b]) for a, b in merges], pre)
@@ -1991,11 +1984,9 @@ def train_gpt2_bpe(text, vocab_size, pre="gpt-2"):
 # Released weights are stored at fewer bits than they were trained in: SmolLM2's 135M weights take 540 MB
 # in float32 and 98 MB in its GGUF file. The bits matter most when a model decodes. With the cache, each new
 # token multiplies one vector by every weight matrix, so every weight is read once for a multiply and an
-# add. A processor computes far more than that in the time it reads a weight from memory. So a token takes
-# at least the bytes of the weights divided by the memory's bandwidth, and fewer bits a weight mean more
-# tokens a second. (This file dequantizes the weights once as it loads them and multiplies in float32;
-# llama.cpp multiplies by the blocks themselves.)
-#
+# add, and a processor computes far more than that in the time it reads a weight. So a token takes at least
+# the bytes of the weights divided by the memory's bandwidth, and fewer bits mean more tokens a second.
+# (This file dequantizes the weights as it loads them; llama.cpp multiplies by the blocks themselves.)
 # llama.cpp's formats cut the weights, row by row, into blocks of 32 values. Each block stores a float16
 # scale d (Q4_1 also a float16 minimum m) beside small integers q:
 #   Q8_0  d, then 32 int8            x = d q          d = max |x| / 127
@@ -2004,10 +1995,10 @@ def train_gpt2_bpe(text, vocab_size, pre="gpt-2"):
 # Byte j of the 4-bit formats holds value j in its low nibble and value j + 16 in its high one. With the
 # scales counted, a weight takes 34 bytes / 32 = 8.5 bits in Q8_0, 18 / 32 = 4.5 in Q4_0 and 20 / 32 = 5.0
 # in Q4_1. Q4_1 spends half a bit more on m because a block's values need not straddle 0 evenly.
-# The rounding is the gguf package's (llama.cpp's reference quantizer), bit for bit. d is inverted once in
-# float32 and each x is multiplied by 1 / d, because x / d differs in the last bit now and then and flips a
-# q (2 of 3.2 million Gaussian values). Q8_0 rounds halves away from zero, the 4-bit formats take
-# trunc(... + 0.5), and Q4_0's d takes its sign from the first of the tied largest |x|.
+# The rounding is the gguf package's (llama.cpp's reference quantizer), bit for bit: x is multiplied by
+# 1 / d, inverted once in float32, because x / d differs in the last bit now and then and flips a q (2 of
+# 3.2 million Gaussian values). Q8_0 rounds halves away from zero, the 4-bit formats take trunc(... + 0.5),
+# and Q4_0's d takes its sign from the first of the tied largest |x|.
 
 QUANT_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # the bytes a block of 32 values takes, scales first
 ARGUMENTS.update(fmt=("one of", *QUANT_BYTES))
@@ -2102,17 +2093,14 @@ def quantize_weights(model, fmt):
 # 26. Reading a checkpoint: GGUF, safetensors, transformers' names (读取检查点)
 # ===========================================================================
 # Two formats carry most released weights: safetensors, which transformers saves, and GGUF, llama.cpp's
-# single file that also holds the configuration and the tokenizer. Each names the weights its own way: the
+# one file that also holds the configuration and the tokenizer. Each names the weights its own way (the
 # query projection is model.layers.0.self_attn.q_proj.weight in transformers, blk.0.attn_q.weight in
-# llama.cpp and layers.0.attn.w_q.weight here. Reading the files and renaming the weights is plumbing, so
-# it lives with the tools after the article (read_gguf, read_safetensors, load_hf_state_dict, load_gguf).
-#
-# One thing in them is an idea, and the pitfall of every hand-written GGUF loader. llama.cpp's RoPE for
-# "llama" files pairs neighbours (x[2i], x[2i+1]), Meta's way, while transformers' checkpoints are laid out
-# for section 19's halves (x[i], x[i + dk/2]). So convert_hf_to_gguf.py reorders the rows of w_q and w_k
-# within each head into Meta's order, and a half-split loader must put them back, as transformers' GGUF
-# loader does. If they are left as they are, nothing fails: the model turns the wrong pairs and attends to
-# the wrong places.
+# llama.cpp). Reading them is plumbing, so it lives with the tools (read_gguf, load_gguf, ...); one idea in
+# it is the pitfall of every hand-written GGUF loader. llama.cpp's RoPE for "llama" files pairs neighbours
+# (x[2i], x[2i+1]), Meta's way, while transformers' checkpoints are laid out for section 19's halves (x[i],
+# x[i + dk/2]). So convert_hf_to_gguf.py reorders the rows of w_q and w_k within each head into Meta's
+# order, and a half-split loader must put them back, as transformers' does. Left as they are, they make
+# nothing fail: the model turns the wrong pairs and attends to the wrong places.
 
 def unpermute_rope_rows(w, n_heads):
     """w_q or w_k [H * dk, D] from llama.cpp's row order back to transformers'. In each head, the rows of
@@ -2122,9 +2110,8 @@ def unpermute_rope_rows(w, n_heads):
 
 ARGUMENTS.update(state_dict=(dict,), config=(dict,))
 
-# The released file is already 4-bit. Its Q4_1 weights, dequantized and quantized to Q4_1 again, come back
-# bit for bit, because a block's min is one of its values and its max is d q + m at q = 15; a test checks
-# sections 25 and 26 at once this way.
+# The released file is already 4-bit: its Q4_1 weights, dequantized and quantized again, come back bit for
+# bit (a block's min is one of its values, its max d q + m at q = 15), which a test checks.
 # Try it:
 #   >>> unpermute_rope_rows(torch.arange(8.0)[:, None], n_heads=2).flatten()  # rows 2i, 2i + 1 -> i, i + dk/2
 #   tensor([0., 2., 1., 3., 4., 6., 5., 7.])
@@ -2135,12 +2122,11 @@ ARGUMENTS.update(state_dict=(dict,), config=(dict,))
 # ===========================================================================
 # An instruct model was fine-tuned on conversations in one format, and it answers well only in that format.
 # SmolLM2's is ChatML: each turn is "<|im_start|>role\ntext<|im_end|>\n", the answer comes after
-# "<|im_start|>assistant\n", and the model ends it by writing <|im_end|> itself. Its chat template (a Jinja
-# program in the file's tokenizer.chat_template) puts a default system turn first, "You are a helpful AI
-# assistant named SmolLM, trained by Hugging Face"; the line is read from the template, so no template
-# engine is needed. The answer is printed token by token as the model makes it. A token is bytes, though,
-# and a Chinese character or an emoji (3-4 bytes) can be cut between two tokens, so an incremental UTF-8
-# decoder holds the bytes back until their character is whole.
+# "<|im_start|>assistant\n", and the model ends it by writing <|im_end|> itself. Its chat template (Jinja,
+# in the file's tokenizer.chat_template) puts a default system turn first, "You are a helpful AI assistant
+# named SmolLM, trained by Hugging Face"; the line is read from the template, with no template engine. The
+# answer is printed as it is made. A Chinese character or an emoji (3-4 bytes) can be cut between two
+# tokens, so an incremental UTF-8 decoder holds the bytes back until their character is whole.
 
 def chat_prompt(tokenizer, prompt):
     """prompt in ChatML, with the template's own system line, where the tokenizer's chat template uses
@@ -2158,9 +2144,8 @@ ARGUMENTS.update(prompt=(str,))
 @torch.no_grad()
 def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=None, out=None):
     """Answer prompt with loaded, a (model, BPETokenizer) pair, printing the answer to out (None: standard
-    output) as it is made, until the end-of-turn token or max_new_tokens. It is greedy at temperature 0 and
-    samples with next_token otherwise. -> (the answer, tokens a second: every token made, the end of turn
-    too, over the whole time)."""
+    output) as it is made, until the end of turn or max_new_tokens; greedy at temperature 0, else next_token
+    samples. -> (the answer, tokens a second: every token made, the end of turn too, over the whole time)."""
     model, tokenizer = loaded
     ids = torch.tensor([tokenizer.encode(chat_prompt(tokenizer, prompt))], dtype=torch.long)  # [1, T]
     if ids.size(1) == 0:
@@ -6104,26 +6089,6 @@ def quantized_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, 
     accuracy = lambda m: teacher_forced_accuracy(kind, m, pairs, src_vocab, tgt_vocab, readings)  # noqa: E731
     return {"float32": accuracy(model), **{fmt: accuracy(quantize_weights(copy.deepcopy(model), fmt))
                                            for fmt in formats}}
-
-# A GGUF file written by hand: the header, one metadata key, one tensor's entry, zeros up
-# to a multiple of 32 bytes, then the tensor, two float32 values. Then a model that lacks a tensor.
-# Try it:
-#   >>> head = b"GGUF" + struct.pack("<IQQ", 3, 1, 1)                  # version 3, 1 tensor, 1 key
-#   >>> head += struct.pack("<Q12sIQ5s", 12, b"general.name", 8, 5, b"tiny!")  # the key, type 8 (a string), its value
-#   >>> head += struct.pack("<Q1sIQIQ", 1, b"w", 1, 2, 0, 0)           # tensor w: 1 dim of 2, type 0 (F32), offset 0
-#   >>> with tempfile.TemporaryDirectory() as folder:
-#   ...     path = os.path.join(folder, "tiny.gguf")
-#   ...     with open(path, "wb") as f:
-#   ...         _ = f.write(head + bytes(-len(head) % 32) + struct.pack("<2f", 0.5, -2.0))
-#   ...     read_gguf(path)
-#   ({'general.name': 'tiny!'}, {'w': tensor([ 0.5000, -2.0000])})
-#   >>> llama = from_hf_config({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
-#   ...                         "num_attention_heads": 2, "intermediate_size": 16})
-#   >>> load_hf_state_dict(llama, {"model.embed_tokens.weight": torch.zeros(10, 8)})
-#   Traceback (most recent call last):
-#   ValueError: state_dict does not fit Llama: missing layers.0.attn_norm.weight, ... and 3 more; unexpected none
-
-
 
 
 # >>> ANCHOR P5: Part V's plumbing goes directly below this line (keep this line)
