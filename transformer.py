@@ -1798,7 +1798,7 @@ class BasicTokenizer:
 
     def __init__(self, merges=None):
         self.merges = merges or {}
-        self.ranks = {pair: rank for rank, pair in enumerate(self.merges)}  # the earlier learned, the sooner applied
+        self.ranks = {pair: rank for rank, pair in enumerate(self.merges)}  # learned earlier, applied sooner
         self.vocab = {i: bytes([i]) for i in range(256)}
         for (a, b), new_id in self.merges.items():
             self.vocab[new_id] = self.vocab[a] + self.vocab[b]
@@ -1814,7 +1814,7 @@ class BasicTokenizer:
         return ids
 
     def encode(self, text):
-        return self.apply_merges(list(text.encode("utf-8")))
+        return self.apply_merges(list(text.encode("utf-8")))               # [int, ...]
 
     def decode(self, ids):
         """Bytes that end no character (a cut-off list of ids) read as U+FFFD, as transformers' do."""
@@ -1853,13 +1853,12 @@ def train_bpe(text, vocab_size):
 #   >>> tok.decode(tok.encode("naïve 😀, 中文")) == "naïve 😀, 中文"   # any text, unseen bytes too
 #   True
 
-# A released tokenizer adds three steps around the merges. First, a special token's text inside the text
-# (<|im_start|>) is cut out and becomes that token. Second, a pre-tokenizer splits the rest into pieces
-# (words, numbers, runs of spaces) that merges never cross, so " dog" is one token whether "." or "!"
-# follows it. Third, the vocabulary file spells each token's bytes in GPT-2's 256 printable stand-ins (a
-# space is Ġ), so that the vocabulary is text, and a token's id is its place in the file. A vocabulary may
-# lack some bytes: SmolLM2's lacks 21 that its training text never had (control characters such as \x1d,
-# and bytes that UTF-8 never or hardly uses), and its tokenizer drops them.
+# A released tokenizer adds three steps around the merges. A special token's text (<|im_start|>) is cut out
+# first and becomes that token. A pre-tokenizer splits the rest into pieces (words, numbers, runs of spaces)
+# that merges never cross, so " dog" is one token whether "." or "!" follows it. The vocabulary file spells
+# each token's bytes in GPT-2's 256 printable stand-ins (a space is Ġ), and a token's id is its place in it.
+# A vocabulary may lack bytes: SmolLM2's lacks 21 that its training text never had (controls such as \x1d,
+# bytes that UTF-8 never or hardly uses), and its tokenizer drops them.
 
 def byte_to_char():
     """GPT-2's stand-ins, {byte: character} (bytes_to_unicode in its encoder.py). A printable byte stands
@@ -1891,9 +1890,8 @@ def unicode_classes():
 
 # \s as Unicode's White_Space, which the reference tokenizers match; Python's \s also counts \x1c-\x1f
 WHITESPACE = "\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
-# GPT-2's split (its encoder.py) takes the contractions 's 't 're 've 'm 'll 'd, then a word, a number or a
-# run of other symbols, each with at most one space before it, then spaces. A run of spaces leaves its last
-# space to the word after it, except at the end of the text.
+# GPT-2's split (its encoder.py): the contractions 's 't 're 've 'm 'll 'd; a word, a number or a run of
+# other symbols, each with at most one space before it; then spaces, a run leaving its last to the next word.
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(?![^{S}])|[{S}]+"
 # tokenizer.ggml.pre -> the patterns that split in turn, each inside the pieces the one before it left.
 # SmolLM2's "smollm" (its tokenizer.json: Digits(individual_digits=True), then ByteLevel) first makes each
@@ -1944,7 +1942,7 @@ class BPETokenizer(BasicTokenizer):
         """The pre-tokenizer's pieces of text: each pattern's matches, and the text between them."""
         pieces = [text]
         for split in self.splits:
-            pieces = [part for piece in pieces for part in split.split(piece) if part]
+            pieces = [part for piece in pieces for part in split.split(piece) if part]  # [str, ...]
         return pieces
 
     def encode(self, text):
@@ -1956,7 +1954,8 @@ class BPETokenizer(BasicTokenizer):
                 ids.append(self.specials[part])
             else:
                 for piece in self.pieces(part):
-                    ids += self.apply_merges([self.byte_ids[b] for b in piece.encode("utf-8") if b in self.byte_ids])
+                    byte_ids = [self.byte_ids[b] for b in piece.encode("utf-8") if b in self.byte_ids]  # [int, ...]
+                    ids += self.apply_merges(byte_ids)                     # [int, ...]
         return ids
 
 
