@@ -2082,8 +2082,6 @@ def quantize_weights(model, fmt):
 #   >>> {fmt: round(((dequantize(quantize(w, fmt), fmt, w.shape) - w).norm() / w.norm()).item(), 3)
 #   ...  for fmt in QUANT_BYTES}
 #   {'Q8_0': 0.005, 'Q4_0': 0.086, 'Q4_1': 0.078}
-#   >>> {fmt: 8 * size / 32 for fmt, size in QUANT_BYTES.items()}     # bits a weight
-#   {'Q8_0': 8.5, 'Q4_0': 4.5, 'Q4_1': 5.0}
 #   >>> {fmt: round(50e9 / (135e6 * size / 32)) for fmt, size in {"float32": 128, **QUANT_BYTES}.items()}
 #   {'float32': 93, 'Q8_0': 349, 'Q4_0': 658, 'Q4_1': 593}
 
@@ -5755,12 +5753,11 @@ import os
 import struct
 import tempfile
 
-# Part IV's files (sections 24-27). safetensors (what transformers saves) is an 8-byte length, a JSON
-# header {name: dtype, shape, byte offsets}, then the raw tensors. GGUF (llama.cpp's) is one file with
-# all a runtime needs: typed key-value metadata (the configuration and the tokenizer), a table of tensors
-# (name, shape, type, offset), then the data, each tensor at a multiple of general.alignment (32 bytes),
-# most of them in section 25's blocks. Each names the weights its own way, so tables of renamings copy
-# them into the file's classes; each family's entry follows below (Parts V and VI add theirs).
+# Part IV's files. safetensors (what transformers saves) is an 8-byte length, a JSON header {name: dtype,
+# shape, byte offsets}, then the raw tensors. GGUF (llama.cpp's) holds typed key-value metadata (the
+# configuration, the tokenizer), a table of tensors (name, shape, type, offset), then the data, each tensor
+# at a multiple of general.alignment (32 bytes), most in section 25's blocks. Tables of renamings copy the
+# weights into the file's classes; each family adds its entry below (Parts V and VI theirs).
 
 # GGUF's metadata types (8 a string, 9 an array) as struct codes; the ggml tensor types read here
 GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -5981,12 +5978,13 @@ def hf_llama_keywords(config):
     hf_refuse(config, hidden_act="silu", attention_bias=False, mlp_bias=False, use_sliding_window=False)
     n_heads = hf_field(config, "num_attention_heads")
     keywords = dict(vocab_size=hf_field(config, "vocab_size"), d_model=hf_field(config, "hidden_size"),
-                n_layers=hf_field(config, "num_hidden_layers"), n_heads=n_heads,
-                n_kv_heads=hf_field(config, "num_key_value_heads", n_heads), d_ff=hf_field(config, "intermediate_size"),
-                max_len=hf_field(config, "max_position_embeddings", 2048), rope_theta=hf_rope_theta(config),
-                norm_eps=hf_number(config, "rms_norm_eps", 1e-6),
-                tie_weights=hf_field(config, "tie_word_embeddings", False),
-                qkv_bias=config.get("model_type") == "qwen2")  # Qwen2: biases on q, k and v
+                    n_layers=hf_field(config, "num_hidden_layers"), n_heads=n_heads,
+                    n_kv_heads=hf_field(config, "num_key_value_heads", n_heads),
+                    d_ff=hf_field(config, "intermediate_size"),
+                    max_len=hf_field(config, "max_position_embeddings", 2048),
+                    rope_theta=hf_rope_theta(config), norm_eps=hf_number(config, "rms_norm_eps", 1e-6),
+                    tie_weights=hf_field(config, "tie_word_embeddings", False),
+                    qkv_bias=config.get("model_type") == "qwen2")  # Qwen2: biases on q, k and v
     hf_sizes(keywords, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_len")
     for key, low, high in (("rope_theta", 1.0, 1e30), ("norm_eps", torch.finfo(torch.float32).tiny, 1.0)):
         if not low <= keywords[key] <= high:  # NaN too; an eps of 0 gives 0 / sqrt(0) = NaN
