@@ -1856,7 +1856,8 @@ def train_bpe(text, vocab_size):
 # A released tokenizer adds three steps around the merges. A special token's text (<|im_start|>) is cut out
 # first and becomes that token. A pre-tokenizer splits the rest into pieces (words, numbers, runs of spaces)
 # that merges never cross, so " dog" is one token whether "." or "!" follows it. The vocabulary file spells
-# each token's bytes in GPT-2's 256 printable stand-ins (a space is Ġ), and a token's id is its place in it.
+# each token's bytes in GPT-2's 256 printable stand-ins (a space is Ġ), so that it is printable text, and a
+# token's id is its place in the file.
 # A vocabulary may lack bytes: SmolLM2's lacks 21 that its training text never had (controls such as \x1d,
 # bytes that UTF-8 never or hardly uses), and its tokenizer drops them.
 
@@ -1891,11 +1892,13 @@ def unicode_classes():
 # \s as Unicode's White_Space, which the reference tokenizers match; Python's \s also counts \x1c-\x1f
 WHITESPACE = "\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 # GPT-2's split (its encoder.py): the contractions 's 't 're 've 'm 'll 'd; a word, a number or a run of
-# other symbols, each with at most one space before it; then spaces, a run leaving its last to the next word.
+# other symbols, each with at most one space before it; then spaces. A run of spaces leaves its last space
+# to the word after it, except at the end.
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(?![^{S}])|[{S}]+"
 # tokenizer.ggml.pre -> the patterns that split in turn, each inside the pieces the one before it left.
-# SmolLM2's "smollm" (its tokenizer.json: Digits(individual_digits=True), then ByteLevel) first makes each
-# number character a piece: Unicode Nd, Nl and No, so ½, Ⅷ and ² as well as 0-9, but not the letter 三.
+# SmolLM2's "smollm" (llama.cpp's name; its tokenizer.json: Digits(individual_digits=True), then ByteLevel)
+# first makes each number character a piece: Unicode Nd, Nl and No, so ½, Ⅷ and ² as well as 0-9, but not
+# the letter 三.
 # transformers 5.24 builds this file's tokenizer without that step. No merge of SmolLM2 joins a digit 0-9
 # to anything, so " 2024" comes out the same either way, but " ½" is two pieces with the step and one
 # without, and its ids differ ([Ġ, Â½] against [ĠÂ, ½]). Such details make hand-written tokenizers disagree.
@@ -2092,12 +2095,13 @@ def quantize_weights(model, fmt):
 # Two formats carry most released weights: safetensors, which transformers saves, and GGUF, llama.cpp's
 # one file that also holds the configuration and the tokenizer. Each names the weights its own way (the
 # query projection is model.layers.0.self_attn.q_proj.weight in transformers, blk.0.attn_q.weight in
-# llama.cpp). Reading them is plumbing, so it lives with the tools (read_gguf, load_gguf, ...); one idea in
-# it is the pitfall of every hand-written GGUF loader. llama.cpp's RoPE for "llama" files pairs neighbours
-# (x[2i], x[2i+1]), Meta's way, while transformers' checkpoints are laid out for section 19's halves (x[i],
-# x[i + dk/2]). So convert_hf_to_gguf.py reorders the rows of w_q and w_k within each head into Meta's
-# order, and a half-split loader must put them back, as transformers' does. Left as they are, they make
-# nothing fail: the model turns the wrong pairs and attends to the wrong places.
+# llama.cpp, layers.0.attn.w_q.weight here). Reading them is plumbing, so it lives with the tools
+# (read_gguf, load_gguf, ...). One idea in it is the pitfall of every hand-written GGUF loader. llama.cpp's
+# RoPE for "llama" files pairs neighbours (x[2i], x[2i+1]), Meta's way, while transformers' checkpoints are
+# laid out for section 19's halves (x[i], x[i + dk/2]). So convert_hf_to_gguf.py reorders the rows of w_q
+# and w_k within each head into Meta's order, and a half-split loader must put them back, as transformers'
+# does. Left as they are, they make nothing fail: the model turns the wrong pairs and attends to the wrong
+# places.
 
 def unpermute_rope_rows(w, n_heads):
     """w_q or w_k [H * dk, D] from llama.cpp's row order back to transformers'. In each head, the rows of
@@ -5757,7 +5761,8 @@ import tempfile
 # shape, byte offsets}, then the raw tensors. GGUF (llama.cpp's) holds typed key-value metadata (the
 # configuration, the tokenizer), a table of tensors (name, shape, type, offset), then the data, each tensor
 # at a multiple of general.alignment (32 bytes), most in section 25's blocks. Tables of renamings copy the
-# weights into the file's classes; each family adds its entry below (Parts V and VI theirs).
+# weights into the file's classes; each family adds its entry below (Parts V and VI theirs). The standard
+# library reads the files, and torch does the rest.
 
 # GGUF's metadata types (8 a string, 9 an array) as struct codes; the ggml tensor types read here
 GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
