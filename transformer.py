@@ -2062,16 +2062,6 @@ def dequantize(data, fmt, shape):
         x = d * (q - 8) if fmt == "Q4_0" else d * q + blocks[:, 2:4].view(torch.float16).float()  # [n/32, 32]
     return x.reshape(shape)                                                # [*shape]
 
-
-@torch.no_grad()
-def quantize_weights(model, fmt):
-    """Every weight matrix of model whose rows are whole blocks, in place, as fmt stores it (quantized,
-    then dequantized: the numbers a runtime reading fmt multiplies by) -> model."""
-    for w in model.parameters():
-        if w.dim() == 2 and w.size(1) % 32 == 0:
-            w.copy_(dequantize(quantize(w, fmt), fmt, w.shape))              # [out, in]
-    return model
-
 # A Q4_1 block whose values need no rounding, byte by byte; then each format's error, relative to the
 # weights' norm, on Gaussian weights; then the most tokens a second 135M weights allow at 50 GB/s.
 # Try it:
@@ -6083,6 +6073,17 @@ def load_gguf(path):
     if model.config["tie_weights"]:
         model.lm_head.weight = model.token_embedding.weight
     return load_hf_state_dict(model, state).eval(), tokenizer
+
+
+# Part IV's run: the toy's accuracy with its weights in section 25's blocks (the demo prints it)
+@torch.no_grad()
+def quantize_weights(model, fmt):
+    """Every weight matrix of model whose rows are whole blocks, in place, as fmt stores it (quantized,
+    then dequantized: the numbers a runtime reading fmt multiplies by) -> model."""
+    for w in model.parameters():
+        if w.dim() == 2 and w.size(1) % 32 == 0:
+            w.copy_(dequantize(quantize(w, fmt), fmt, w.shape))              # [out, in]
+    return model
 
 
 def quantized_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, formats=("Q8_0", "Q4_1")):
