@@ -3638,20 +3638,17 @@ def brute_force_bpe(words, n_merges):
         best = max(counts.values())
         pair = next(p for word in words for p in zip(word, word[1:]) if counts[p] == best)  # the first counted
         merges.append(pair)
-        words = [sum(([new_id] if w == [-1] else w for w in split_at(word, pair)), []) for word in words]
+        words = [merged(word, pair, new_id) for word in words]
     return merges, words
 
 
-def split_at(word, pair):
-    """word's pieces, with each occurrence of pair (left to right) as [-1]."""
+def merged(word, pair, new_id):
+    """word with each occurrence of pair, left to right, made new_id."""
     out, i = [], 0
     while i < len(word):
-        if tuple(word[i:i + 2]) == pair:
-            out.append([-1])
-            i += 2
-        else:
-            out.append([word[i]])
-            i += 1
+        take = tuple(word[i:i + 2]) == pair
+        out.append(new_id if take else word[i])
+        i += 1 + take
     return out
 
 
@@ -3987,6 +3984,10 @@ def test_hf_load_llama_from_a_config_dict_and_transformers_names():
     (dict(head_dim=16), "config's head_dim is 16: this file's llama has only head_dim=8"),
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0}), "config's rope_type is 'llama3'"),
     (dict(hidden_size=None), "config has no 'hidden_size'"),
+    (dict(num_hidden_layers=0), "n_layers must be an integer >= 1, got 0"),        # checked before a model is built
+    (dict(tie_word_embeddings="yes"), "tie_weights must be True or False, got 'yes'"),
+    (dict(rms_norm_eps=0.0), "norm_eps must be a number from 1.17549e-38 to 1, got 0.0"),
+    (dict(rope_parameters={"rope_theta": float("nan")}), "rope_theta must be a number from 1 to 1e+30, got nan"),
     (dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
      "config's sliding_window is 16: this file's mixtral has only sliding_window=None"),
     (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
