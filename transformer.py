@@ -1804,7 +1804,7 @@ class BasicTokenizer:
             self.vocab[new_id] = self.vocab[a] + self.vocab[b]
 
     def apply_merges(self, ids):
-        """While some pair of neighbours is a merge, the earliest learned one merges wherever it stands."""
+        """While some pair of neighbours is a merge, the one learned earliest merges wherever it stands."""
         while len(ids) > 1:
             counts = pair_counts(ids)
             pair = min(counts, key=lambda p: self.ranks.get(p, math.inf))
@@ -1949,8 +1949,8 @@ class BPETokenizer(BasicTokenizer):
         return pieces
 
     def encode(self, text):
-        """The special tokens' text first, then the pieces, then the merges inside each piece. A byte the
-        vocabulary lacks is dropped before the merges, as transformers drops it."""
+        """It cuts out the special tokens' text first, then splits the rest into pieces and merges inside
+        each piece. A byte the vocabulary lacks is dropped before the merges, as transformers drops it."""
         ids = []
         for part in self.special_split.split(text) if self.special_split else [text]:
             if part in self.specials:  # re.split hands back the matches themselves
@@ -1963,8 +1963,8 @@ class BPETokenizer(BasicTokenizer):
 
 
 def train_gpt2_bpe(text, vocab_size, pre="gpt-2"):
-    """The merges learned from the pre-tokenizer's pieces of text, so that none crosses two pieces (minbpe's
-    RegexTokenizer) -> a BPETokenizer spelled in GPT-2's stand-ins."""
+    """It learns the merges on the pre-tokenizer's pieces of text, so that none crosses two pieces (minbpe's
+    RegexTokenizer), and spells the tokens in GPT-2's stand-ins -> a BPETokenizer."""
     merges = learn_merges([list(piece.encode("utf-8")) for piece in BPETokenizer([], [], pre).pieces(text)], vocab_size)
     char, vocab = byte_to_char(), BasicTokenizer(merges).vocab
     tokens = ["".join(char[b] for b in vocab[i]) for i in range(len(vocab))]
