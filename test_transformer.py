@@ -3638,47 +3638,75 @@ BPE_TEXT = ("the cat sat on the mat; the cat ate the rat. That cat's hat! 3 cats
             "猫坐在垫子上。猫吃了老鼠。 naïve café 👍🏽👍🏽")
 
 
-def brute_force_bpe(text, n_merges, tokenizer):
-    """minbpe's training loop, written again: -> (merges, the final words)."""
-    words = [[tokenizer.char[b] for b in piece.encode()] for piece in tokenizer.pieces(text)]
+def brute_force_bpe(words, n_merges):
+    """minbpe's training loop on lists of byte values, written again: -> (merges, the final words)."""
     merges = []
-    for _ in range(n_merges):
+    for new_id in range(256, 256 + n_merges):
         counts = collections.Counter(pair for word in words for pair in zip(word, word[1:]))
         if not counts:
             break
         best = max(counts.values())
         pair = next(p for word in words for p in zip(word, word[1:]) if counts[p] == best)  # the first counted
         merges.append(pair)
-        words = [tf.merge_pair(word, pair) for word in words]
+        words = [merged(word, pair, new_id) for word in words]
     return merges, words
 
 
-def test_bpe_train_merges_the_most_frequent_pair_and_encodes_its_text_as_it_trained():
+def merged(word, pair, new_id):
+    """word with each occurrence of pair, left to right, made new_id."""
+    out, i = [], 0
+    while i < len(word):
+        take = tuple(word[i:i + 2]) == pair
+        out.append(new_id if take else word[i])
+        i += 1 + take
+    return out
+
+
+def string_merges(tok):
+    """A BPETokenizer's merges as the file spells them: pairs of tokens, earliest first."""
+    return [(tok.tokens[a], tok.tokens[b]) for a, b in tok.ranks]
+
+
+def test_bpe_train_merges_the_most_frequent_pair_of_bytes_and_encodes_its_text_as_it_trained():
     tok = tf.train_bpe(BPE_TEXT, vocab_size=300)
-    merges, words = brute_force_bpe(BPE_TEXT, 300 - 256, tok)
-    assert list(tok.ranks) == merges and len(tok.tokens) == 300
-    assert tok.tokens[256] == "at" and merges[0] == ("a", "t")          # cat, sat, mat, hat: the commonest pair
-    assert tok.encode(BPE_TEXT) == [tok.ids[t] for word in words for t in word]  # the same segmentation
+    merges, words = brute_force_bpe([list(BPE_TEXT.encode())], 300 - 256)
+    assert list(tok.merges) == merges and list(tok.merges.values()) == list(range(256, 300)) and len(tok.vocab) == 300
+    assert tok.vocab[256] == b"at" and merges[0] == (ord("a"), ord("t"))  # cat, sat, mat, hat: the commonest pair
+    assert tok.encode(BPE_TEXT) == words[0]                               # the same segmentation
     assert len(tok.encode(BPE_TEXT)) < len(BPE_TEXT.encode())
+
+
+def test_bpe_train_on_pieces_never_merges_across_them_and_encodes_its_text_as_it_trained():
+    tok = tf.train_gpt2_bpe(BPE_TEXT, vocab_size=300)
+    merges, words = brute_force_bpe([list(piece.encode()) for piece in tok.pieces(BPE_TEXT)], 300 - 256)
+    spelled = tf.BasicTokenizer(dict(zip(merges, range(256, 300)))).vocab  # id -> bytes
+    stand_in = lambda i: "".join(tf.byte_to_char()[b] for b in spelled[i])  # noqa: E731
+    assert string_merges(tok) == [(stand_in(a), stand_in(b)) for a, b in merges] and len(tok.tokens) == 300
+    assert tok.tokens[256] == "at" and merges[0] == (ord("a"), ord("t"))
+    assert tok.encode(BPE_TEXT) == [tok.ids[stand_in(i)] for word in words for i in word]
+    assert not any(" " in token[1:] or "Ġ" in token[1:] for token in tok.tokens)  # a space only leads a piece
 
 
 @pytest.mark.parametrize("text", ["", " ", "   ", "\n\n\t", "a", "naïve 😀 中文, e\u0301 \x00\x1d\xff",
                                   "👩‍👩‍👧‍👦 🇫🇷", "x" * 300, "  leading and trailing  ", "\ud7ff\ue000\U0010ffff"])
 def test_bpe_decode_encode_is_the_identity_with_every_byte_in_the_vocabulary(text):
-    tok = tf.train_bpe(BPE_TEXT, vocab_size=300, pre="smollm")
-    assert tok.decode(tok.encode(text)) == text
+    for tok in (tf.train_bpe(BPE_TEXT, vocab_size=300), tf.train_gpt2_bpe(BPE_TEXT, vocab_size=300, pre="smollm")):
+        assert tok.decode(tok.encode(text)) == text
 
 
 def test_bpe_train_stops_when_no_pair_is_left():
     tok = tf.train_bpe("ab ab", vocab_size=1000)
+    assert [tok.vocab[i] for i in range(256, len(tok.vocab))] == [b"ab", b"ab ", b"ab ab"]
+    assert tok.encode("ab ab ab") == [257, 258]                             # "ab ", then "ab ab"
+    tok = tf.train_gpt2_bpe("ab ab", vocab_size=1000)
     assert tok.tokens[256:] == ["ab", "Ġab"]
     assert tok.encode("ab ab ab") == [256, 257, 257]
 
 
 def test_bpe_special_tokens_inside_text_become_those_tokens_longest_first():
-    base = tf.train_bpe(BPE_TEXT, vocab_size=280)
+    base = tf.train_gpt2_bpe(BPE_TEXT, vocab_size=280)
     tokens = base.tokens + ["<|im|>", "<|im|>x", "<|end|>"]
-    tok = tf.BPETokenizer(tokens, list(base.ranks), specials=[280, 281, 282], eos_id=282)
+    tok = tf.BPETokenizer(tokens, string_merges(base), specials=[280, 281, 282], eos_id=282)
     ids = tok.encode("cat<|im|>x<|im|>y<|end|><|end|>")
     assert ids == base.encode("cat") + [281, 280] + base.encode("y") + [282, 282]
     assert tok.decode(ids) == "cat<|im|>x<|im|>y<|end|><|end|>"
@@ -3692,20 +3720,19 @@ def test_bpe_a_byte_missing_from_the_vocabulary_is_dropped_before_merging():
     assert tok.encode("!\x1d!") == [255] and tok.encode("a\x1db") == [tok.ids["a"], tok.ids["b"]]
 
 
-def test_bpe_bad_arguments_raise_value_errors_naming_them():
+def test_bpe_bad_arguments_raise_errors_naming_them():
     tok = tf.train_bpe("abc", vocab_size=256)
-    with pytest.raises(ValueError, match="vocab_size must be at least 256"):
-        tf.train_bpe("abc", vocab_size=100)
-    with pytest.raises(ValueError, match="text must be a str, got b'abc'"):
-        tok.encode(b"abc")
-    with pytest.raises(ValueError, match="token_ids must be integers from 0 to vocab_size - 1"):
+    for train in (tf.train_bpe, tf.train_gpt2_bpe):  # fewer ids than bytes would drop text in silence
+        with pytest.raises(ValueError, match="vocab_size must be at least 256"):
+            train("abc", vocab_size=100)
+    with pytest.raises(KeyError):                                            # no id 256, nor -1
         tok.decode([1, 256])
-    with pytest.raises(ValueError, match="pre must be 'gpt-2' or 'smollm', got 'llama-bpe'"):
-        tf.BPETokenizer([], [], pre="llama-bpe")
+    with pytest.raises(ValueError, match="specials holds -1: expected ids of tokens, 0 to 255"):
+        tf.BPETokenizer([c for _, c in sorted(tf.byte_to_char().items())], [], specials=[-1])
     with pytest.raises(ValueError, match="the file's tokenizer is 'llama' split as 'gpt-2': this file reads"):
-        tf.BPETokenizer.from_gguf({"tokenizer.ggml.model": "llama"})
+        tf.tokenizer_from_gguf({"tokenizer.ggml.model": "llama"})
     with pytest.raises(ValueError, match="is 'gpt2' split as 'llama-bpe': .* split as 'gpt-2' or 'smollm'"):
-        tf.BPETokenizer.from_gguf({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe"})
+        tf.tokenizer_from_gguf({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe"})
 
 
 # --- 25. Quantized blocks ----------------------------------------------------
@@ -3787,7 +3814,7 @@ def test_quant_toy_accuracy_at_each_format_leaves_the_model_as_it_was(gpt_overfi
 
 
 def test_quant_bad_arguments_raise_value_errors_naming_them():
-    with pytest.raises(ValueError, match="fmt must be 'Q8_0' or 'Q4_0' or 'Q4_1', got 'Q5_0'"):
+    with pytest.raises(ValueError, match="fmt must be one of Q8_0, Q4_0, Q4_1, got 'Q5_0'"):
         tf.quantize(torch.zeros(32), "Q5_0")
     with pytest.raises(ValueError, match="x must hold a positive multiple of 32 values"):
         tf.quantize(torch.zeros(31), "Q8_0")
@@ -3967,6 +3994,10 @@ def test_hf_load_llama_from_a_config_dict_and_transformers_names():
     (dict(head_dim=16), "config's head_dim is 16: this file's llama has only head_dim=8"),
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0}), "config's rope_type is 'llama3'"),
     (dict(hidden_size=None), "config has no 'hidden_size'"),
+    (dict(num_hidden_layers=0), "n_layers must be an integer >= 1, got 0"),        # checked before a model is built
+    (dict(tie_word_embeddings="yes"), "tie_weights must be True or False, got 'yes'"),
+    (dict(rms_norm_eps=0.0), "norm_eps must be a number from 1.17549e-38 to 1, got 0.0"),
+    (dict(rope_parameters={"rope_theta": float("nan")}), "rope_theta must be a number from 1 to 1e+30, got nan"),
     (dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
      "config's sliding_window is 16: this file's mixtral has only sliding_window=None"),
     (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
@@ -4000,7 +4031,7 @@ def test_hf_load_missing_unexpected_and_misshapen_tensors_are_named():
 def tiny_gguf_llama(tmp_path, permute=True, change=None):
     """A tiny Llama and its tokenizer written as llama.cpp writes a GGUF (q and k rows reordered,
     the embedding in Q8_0) -> (path, the model with the embedding as the file holds it, tokenizer)."""
-    tok = tf.train_bpe(BPE_TEXT, vocab_size=280)
+    tok = tf.train_gpt2_bpe(BPE_TEXT, vocab_size=280)
     tokens = tok.tokens + ["<|im_start|>", "<|im_end|>"]
     model = tf.Llama(vocab_size=282, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_len=128,
                      rope_theta=1000.0, norm_eps=1e-5).eval()
@@ -4026,7 +4057,7 @@ def tiny_gguf_llama(tmp_path, permute=True, change=None):
     metadata = {"general.architecture": (8, "llama"), **arch, "llama.rope.freq_base": (6, 1000.0),
                 "llama.attention.layer_norm_rms_epsilon": (6, 1e-5), "tokenizer.ggml.model": (8, "gpt2"),
                 "tokenizer.ggml.pre": (8, "gpt-2"), "tokenizer.ggml.tokens": (9, (8, tokens)),
-                "tokenizer.ggml.merges": (9, (8, [" ".join(pair) for pair in tok.ranks])),
+                "tokenizer.ggml.merges": (9, (8, [" ".join(pair) for pair in string_merges(tok)])),
                 "tokenizer.ggml.token_type": (9, (5, [1] * 280 + [3, 3])), "tokenizer.ggml.eos_token_id": (4, 281),
                 "tokenizer.chat_template": (8, "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}...")}
     metadata.update(change or {})  # {key: (type, value)}, None a key dropped
@@ -4068,6 +4099,8 @@ def test_gguf_load_refuses_an_architecture_it_does_not_have_before_reading_a_ten
     ({"tokenizer.ggml.tokens": (4, 7)}, "tokenizer.ggml.tokens is not a list of strs"),
     ({"tokenizer.ggml.merges": (9, (4, [1, 2]))}, "tokenizer.ggml.merges is not a list of strs"),
     ({"tokenizer.ggml.merges": None}, "tokenizer.ggml.merges is not a list of strs"),
+    ({"tokenizer.ggml.merges": (9, (8, ["a t", "Ġ c a"]))}, "merges holds 'Ġ c a': expected two of its tokens"),
+    ({"tokenizer.ggml.merges": (9, (8, ["a t", "q z"]))}, "merges holds 'q z': expected two of its tokens"),
     ({"tokenizer.ggml.token_type": (9, (5, [1] * 280 + [3] * 3))}, "specials holds 282: expected ids of tokens, 0 to 281"),
     ({"tokenizer.ggml.pre": (9, (8, ["gpt-2"]))}, "split as ['gpt-2']: this file reads byte-level BPE"),
     ({"tokenizer.ggml.eos_token_id": (8, "2")}, "eos_token_id is '2' and its chat_template a str: expected an integer"),
@@ -4138,21 +4171,21 @@ def test_chat_prints_whole_characters_only_and_stops_at_the_end_of_turn():
 
 
 def test_chat_prompt_is_chatml_with_the_templates_system_line_or_plain_text():
-    tok = tf.train_bpe("abc", vocab_size=256)
+    tok = tf.train_gpt2_bpe("abc", vocab_size=256)
     assert tf.chat_prompt(tok, "hi") == "hi"                                # no template: plain completion
     tok.chat_template = "{% if x %}{{ '<|im_start|>system\\nYou are kind.<|im_end|>\\n' }}{% endif %}..."
     assert tf.chat_prompt(tok, "hi").startswith("<|im_start|>system\nYou are kind.<|im_end|>\n<|im_start|>user\nhi")
 
 
-def test_chat_refuses_bad_arguments_and_prompts_too_long():
-    tok = tf.train_bpe("abc", vocab_size=256)
+def test_chat_refuses_prompts_too_long_or_empty():
+    tok = tf.train_gpt2_bpe("abc", vocab_size=256)
     model = tf.Llama(vocab_size=256, d_model=16, n_layers=1, n_heads=2, max_len=8)
-    with pytest.raises(ValueError, match="top_p must be > 0"):
-        tf.chat((model, tok), "hi", top_p=0.0)
-    with pytest.raises(ValueError, match="prompt_length \\+ max_new_tokens must be at most max_len"):
+    with pytest.raises(ValueError, match="prompt_length \\+ max_new_tokens must be at most max_len: 13 \\+ 4 > 8"):
         tf.chat((model, tok), "a long prompt", max_new_tokens=4)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        tf.chat((model, tok), "")
     with pytest.raises(ValueError, match="cannot read"):
-        tf.chat("/nonexistent/model.gguf", "hi")
+        tf.load_gguf("/nonexistent/model.gguf")
 
 
 # --- Against the references on the released file ----------------------------

@@ -1731,41 +1731,118 @@ LLAMA_CONFIGS = [
 # ===========================================================================
 # Part IV: a released model through this code (第四部分：用这份代码运行一个发布的模型)
 # ===========================================================================
-# So far every model ran on weights it trained itself or on random ones. Here a
-# released model answers through section 22's Llama: SmolLM2-135M-Instruct, read from
-# the GGUF file llama.cpp users download, with its own tokenizer. Four pieces take it
-# there: byte-level BPE, the quantized blocks the file holds, reading the checkpoint
-# formats, and the chat loop. The standard library reads the files; torch does the rest.
+# So far every model ran on weights it trained itself or on random ones. Here a released model,
+# SmolLM2-135M-Instruct, answers through section 22's Llama, read from the GGUF file that llama.cpp users
+# download, with its own tokenizer. Three ideas take it there: byte-level BPE, the quantized blocks the
+# file holds, and the chat loop. Reading the file is plumbing, so it lives with the tools after the article.
 
 import codecs
-import json
-import os
 import re
-import struct
-import tempfile
 import unicodedata
 
 
 # ===========================================================================
 # 24. Byte-level BPE (字节级 BPE)
 # ===========================================================================
-# A model reads ids; people write text. Byte-pair encoding (Gage, 1994, a compression
-# scheme; Sennrich et al., 2016, for translation) starts from an alphabet and merges the
-# most frequent adjacent pair into a new token, again and again. GPT-2 (Radford et al.,
-# 2019) took the 256 bytes of UTF-8 as the alphabet: any string in any script encodes,
-# with no unknown token, and decodes back exactly (where the vocabulary holds all 256:
-# SmolLM2's lacks 21 its training text never had, control characters such as \x1d and
-# bytes UTF-8 never or hardly uses, and drops them). Around the merges, three steps:
-#   1. a special token's text inside the text (<|im_start|>) is cut out and becomes it;
-#   2. a pre-tokenizer splits the rest into pieces (words, numbers, runs of spaces) that
-#      merges never cross, so " dog" is one token whether "." or "!" follows it;
-#   3. each piece's bytes are spelled in GPT-2's 256 printable stand-ins (a space is Ġ),
-#      and the merges apply by rank: the earliest learned pair present merges first.
+# A model reads ids, but people write text. Byte-pair encoding (Gage, 1994, as a compression scheme;
+# Sennrich et al., 2016, for translation) starts from an alphabet and merges the most frequent adjacent
+# pair into a new token, again and again. GPT-2 (Radford et al., 2019) took the 256 byte values of UTF-8
+# as the alphabet, so any string in any script encodes without an unknown token and decodes back exactly.
+# The base tokenizer is minbpe's loop on bytes: ids 0-255 are the bytes, and the merge learned n-th makes
+# id 256 + n. Encoding applies the merges in the order they were learned.
+
+def pair_counts(ids, counts=None):
+    """{(a, b): how often b follows a in ids}, added to counts when it is given (minbpe's get_stats)."""
+    counts = {} if counts is None else counts
+    for pair in zip(ids, ids[1:]):
+        counts[pair] = counts.get(pair, 0) + 1
+    return counts
+
+
+def merge_pair(ids, pair, new_id):
+    """ids with every occurrence of pair, from left to right, replaced by new_id."""
+    out, i = [], 0
+    while i < len(ids):
+        if i + 1 < len(ids) and (ids[i], ids[i + 1]) == pair:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+class BasicTokenizer:
+    """Byte-level BPE on ids: merges {(a, b): new id} in the order learned, vocab {id: its bytes}."""
+
+    def __init__(self, merges=None):
+        self.merges = merges or {}
+        self.ranks = {pair: rank for rank, pair in enumerate(self.merges)}  # learned earlier, applied sooner
+        self.vocab = {i: bytes([i]) for i in range(256)}
+        for (a, b), new_id in self.merges.items():
+            self.vocab[new_id] = self.vocab[a] + self.vocab[b]
+
+    def apply_merges(self, ids):
+        """While some pair of neighbours is a merge, the one learned earliest merges wherever it stands."""
+        while len(ids) > 1:
+            counts = pair_counts(ids)
+            pair = min(counts, key=lambda p: self.ranks.get(p, math.inf))
+            if pair not in self.ranks:
+                break
+            ids = merge_pair(ids, pair, self.merges[pair])
+        return ids
+
+    def encode(self, text):
+        return self.apply_merges(list(text.encode("utf-8")))               # [int, ...]
+
+    def decode(self, ids):
+        """Bytes that end no character (a cut-off list of ids) read as U+FFFD, as transformers' do."""
+        return b"".join(self.vocab[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def learn_merges(words, vocab_size):
+    """vocab_size - 256 merges learned from words, lists of byte values (minbpe's train): count the pairs,
+    merge the most frequent into a new id, repeat, until no pair is left. Among equal counts, the pair
+    counted first wins."""
+    if vocab_size < 256:
+        raise ValueError(f"vocab_size must be at least 256, since the bytes come first, got {vocab_size}")
+    merges = {}
+    for new_id in range(256, vocab_size):
+        counts = {}
+        for word in words:
+            pair_counts(word, counts)
+        if not counts:
+            break
+        pair = max(counts, key=counts.get)
+        words = [merge_pair(word, pair, new_id) for word in words]
+        merges[pair] = new_id
+    return merges
+
+
+def train_bpe(text, vocab_size):
+    """A BasicTokenizer with the merges learned from text (minbpe's basic.py)."""
+    return BasicTokenizer(learn_merges([list(text.encode("utf-8"))], vocab_size))
+
+# Try it: three merges learned from three words, then the same encoder on new text.
+#   >>> tok = train_bpe("low lower lowest", vocab_size=259)
+#   >>> [tok.vocab[i] for i in range(256, 259)]
+#   [b'lo', b'low', b' low']
+#   >>> tok.encode("lowest low")                                       # e, s, t: their bytes
+#   [257, 101, 115, 116, 258]
+#   >>> tok.decode(tok.encode("naïve 😀, 中文")) == "naïve 😀, 中文"   # any text, unseen bytes too
+#   True
+
+# A released tokenizer adds three steps around the merges. A special token's text (<|im_start|>) is cut out
+# first and becomes that token. A pre-tokenizer splits the rest into pieces (words, numbers, runs of spaces)
+# that merges never cross, so " dog" is one token whether "." or "!" follows it. The vocabulary file spells
+# each token's bytes in GPT-2's 256 printable stand-ins (a space is Ġ), so that it is printable text, and a
+# token's id is its place in the file.
+# A vocabulary may lack bytes: SmolLM2's lacks 21 that its training text never had (controls such as \x1d,
+# bytes that UTF-8 never or hardly uses), and its tokenizer drops them.
 
 def byte_to_char():
-    """GPT-2's stand-ins, {byte: character}: a printable byte stands for itself, each of the
-    other 68 (controls, space, ...) for chr(256 + n), n counting them in order, so that a
-    vocabulary is printable text (bytes_to_unicode in GPT-2's encoder.py)."""
+    """GPT-2's stand-ins, {byte: character} (bytes_to_unicode in its encoder.py). A printable byte stands
+    for itself; each of the other 68 (controls, space, ...) stands for chr(256 + n), n counting them."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
@@ -1775,9 +1852,9 @@ UNICODE_CLASSES = {}  # "L" letters, "N" numbers -> a character class's body for
 
 
 def unicode_classes():
-    """{"L": ..., "N": ...}: ranges of every code point whose Unicode category starts with L
-    (Lu, Ll, Lt, Lm, Lo) or N (Nd, Nl, No), the regex module's \\p{L} and \\p{N} that the
-    standard re lacks. Built once (a pass over the 1.1M code points), then kept."""
+    """{"L": ..., "N": ...}: the ranges of the code points whose Unicode category starts with L (letters)
+    or N (numbers), the regex module's \\p{L} and \\p{N}, which re lacks. One pass over the 1.1M code
+    points builds them, once."""
     if not UNICODE_CLASSES:
         spans = {"L": [], "N": []}
         for code in range(0x110000):
@@ -1791,36 +1868,20 @@ def unicode_classes():
     return UNICODE_CLASSES
 
 
-# \s as Unicode's White_Space property, which the reference tokenizers' regex engine
-# matches; Python's \s (str.isspace) also counts the separators \x1c-\x1f
+# \s as Unicode's White_Space, which the reference tokenizers match; Python's \s also counts \x1c-\x1f
 WHITESPACE = "\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
-# GPT-2's split (its encoder.py): the contractions 's 't 're 've 'm 'll 'd; a word, a
-# number, a run of other symbols, each with at most one space before it; then spaces: a
-# run leaves its last space to the word after it, except at the end
+# GPT-2's split (its encoder.py): the contractions 's 't 're 've 'm 'll 'd; a word, a number or a run of
+# other symbols, each with at most one space before it; then spaces. A run of spaces leaves its last space
+# to the word after it, except at the end.
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(?![^{S}])|[{S}]+"
-# tokenizer.ggml.pre -> the patterns that split in turn, each isolating its matches inside
-# the pieces the one before left. SmolLM2's "smollm" (llama.cpp's name; its tokenizer.json:
-# Digits(individual_digits=True), then ByteLevel) first makes every number character a
-# piece alone: Unicode Nd, Nl and No, so ½, Ⅷ and ² as well as 0-9, but not 三 (a
-# letter, Lo). transformers 5.24 builds this file's tokenizer without that step. No merge of
-# SmolLM2 joins a digit 0-9 to anything, so " 2024" comes out the same, but " ½" is two
-# pieces with the step and one without, and its ids differ ([Ġ, Â½] against [ĠÂ, ½]): the
-# kind of detail that makes hand-written tokenizers disagree.
+# tokenizer.ggml.pre -> the patterns that split in turn, each inside the pieces the one before it left.
+# SmolLM2's "smollm" (llama.cpp's name; its tokenizer.json: Digits(individual_digits=True), then ByteLevel)
+# first makes each number character a piece: Unicode Nd, Nl and No, so ½, Ⅷ and ² as well as 0-9, but not
+# the letter 三.
+# transformers 5.24 builds this file's tokenizer without that step. No merge of SmolLM2 joins a digit 0-9
+# to anything, so " 2024" comes out the same either way, but " ½" is two pieces with the step and one
+# without, and its ids differ ([Ġ, Â½] against [ĠÂ, ½]). Such details make hand-written tokenizers disagree.
 PRE_TOKENIZERS = {"gpt-2": [GPT2_SPLIT], "smollm": ["[{N}]", GPT2_SPLIT]}
-
-
-def merge_pair(symbols, pair):
-    """symbols with every occurrence of the adjacent pair, left to right, made one symbol."""
-    out, i = [], 0
-    while i < len(symbols):
-        if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == pair:
-            out.append(symbols[i] + symbols[i + 1])
-            i += 2
-        else:
-            out.append(symbols[i])
-            i += 1
-    return out
-
 
 ARGUMENTS.update(pre=("one of", *PRE_TOKENIZERS), text=(str,), token_ids=(list,))
 RELATIONS.update({
@@ -1831,121 +1892,69 @@ RELATIONS.update({
 })
 
 
-class BPETokenizer:
-    """Byte-level BPE: tokens spelled in GPT-2's stand-ins (a token's id is its index), merges
-    as pairs of tokens, earliest first, pre the pre-tokenizer; specials: the ids of tokens
-    matched whole in the text before anything else (<|im_start|>)."""
+class BPETokenizer(BasicTokenizer):
+    """BasicTokenizer as a released file holds it: tokens spelled in GPT-2's stand-ins (a token's id is its
+    index), merges as pairs of tokens, earliest first, and pre the pre-tokenizer's name. specials holds the
+    ids of tokens matched whole in the text before anything else (<|im_start|>)."""
 
     def __init__(self, tokens, merges, pre="gpt-2", specials=(), eos_id=None, chat_template=""):
-        check(pre=pre)
+        super().__init__()
         self.tokens, self.eos_id, self.chat_template = list(tokens), eos_id, chat_template
         self.ids = {token: i for i, token in enumerate(self.tokens)}
-        self.ranks = {tuple(pair): rank for rank, pair in enumerate(merges)}  # lower merges first
+        bad = [i for i in specials if not 0 <= i < len(self.tokens)]
+        if bad:  # -1 would name the last token in silence
+            raise ValueError(f"specials holds {bad[0]!r}: expected ids of tokens, 0 to {len(self.tokens) - 1}")
+        self.specials = {self.tokens[i]: i for i in specials}
+        # the merges on ids, for BasicTokenizer's loop; their ranks are the file's order
+        self.merges = {(self.ids[a], self.ids[b]): self.ids[a + b] for a, b in merges}
+        self.ranks = {(self.ids[a], self.ids[b]): rank for rank, (a, b) in enumerate(merges)}
+        char = byte_to_char()
+        byte = {c: b for b, c in char.items()}                             # stand-in -> byte
+        self.byte_ids = {b: self.ids[c] for b, c in char.items() if c in self.ids}  # a byte it lacks: none
+        # a special token's bytes are its text, as are those of a token with characters that are no stand-ins
+        self.vocab = {i: t.encode("utf-8") if self.specials.get(t) == i or not set(t) <= byte.keys()
+                      else bytes(byte[c] for c in t) for i, t in enumerate(self.tokens)}
         classes = unicode_classes()
         self.splits = [re.compile(f"({p.format(L=classes['L'], N=classes['N'], S=WHITESPACE)})")
                        for p in PRE_TOKENIZERS[pre]]
-        if any(type(i) is not int or not 0 <= i < len(self.tokens) for i in specials):
-            bad = [i for i in specials if type(i) is not int or not 0 <= i < len(self.tokens)]
-            raise ValueError(f"specials holds {bad[0]!r}: expected ids of tokens, 0 to {len(self.tokens) - 1}")
-        self.specials = {self.tokens[i]: i for i in specials}
-        # longest first: at one position re takes the first alternative that matches
-        longest = sorted(self.specials, key=len, reverse=True)
+        longest = sorted(self.specials, key=len, reverse=True)  # re takes the first alternative that matches
         self.special_split = re.compile(f"({'|'.join(map(re.escape, longest))})") if longest else None
-        self.char = byte_to_char()                                         # byte -> its stand-in
-        self.byte = {c: b for b, c in self.char.items()}                   # stand-in -> byte
 
     def pieces(self, text):
-        """The pre-tokenizer's pieces of text: each pattern's matches and the text between them."""
+        """The pre-tokenizer's pieces of text: each pattern's matches, and the text between them."""
         pieces = [text]
         for split in self.splits:
             pieces = [part for piece in pieces for part in split.split(piece) if part]  # [str, ...]
         return pieces
 
-    def merge(self, piece):
-        """One piece -> its tokens: its bytes' stand-ins, then, while any adjacent pair is a
-        merge, the pair of lowest rank merged wherever it stands (minbpe's encode). A byte
-        the vocabulary lacks is dropped first, as transformers drops it (no unknown token)."""
-        symbols = [self.char[b] for b in piece.encode("utf-8") if self.char[b] in self.ids]
-        while len(symbols) > 1:
-            pair = min(zip(symbols, symbols[1:]), key=lambda p: self.ranks.get(p, math.inf))
-            if pair not in self.ranks:
-                break
-            symbols = merge_pair(symbols, pair)
-        return symbols
-
     def encode(self, text):
-        """text -> ids: special tokens' text first, then the pieces, then the merges in each."""
-        check(text=text)
+        """It cuts out the special tokens' text first, then splits the rest into pieces and merges inside
+        each piece. A byte the vocabulary lacks is dropped before the merges, as transformers drops it."""
         ids = []
         for part in self.special_split.split(text) if self.special_split else [text]:
             if part in self.specials:  # re.split hands back the matches themselves
                 ids.append(self.specials[part])
             else:
-                ids += [self.ids[token] for piece in self.pieces(part) for token in self.merge(piece)]  # [int, ...]
+                for piece in self.pieces(part):
+                    byte_ids = [self.byte_ids[b] for b in piece.encode("utf-8") if b in self.byte_ids]  # [int, ...]
+                    ids += self.apply_merges(byte_ids)                     # [int, ...]
         return ids
 
-    def token_bytes(self, i):
-        """Token i's bytes: a special token's text as written, any other through the stand-ins."""
-        token = self.tokens[i]
-        return token.encode("utf-8") if self.specials.get(token) == i else bytes(self.byte[c] for c in token)
 
-    def decode(self, ids):
-        """ids -> text; bytes that end no character (a cut-off id list) read as U+FFFD, as transformers'."""
-        check("ids in the vocabulary", token_ids=ids, vocab_size=len(self.tokens))
-        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")  # [bytes, ...] -> str
+def train_gpt2_bpe(text, vocab_size, pre="gpt-2"):
+    """It learns the merges on the pre-tokenizer's pieces of text, so that none crosses two pieces (minbpe's
+    RegexTokenizer), and spells the tokens in GPT-2's stand-ins -> a BPETokenizer."""
+    merges = learn_merges([list(piece.encode("utf-8")) for piece in BPETokenizer([], [], pre).pieces(text)], vocab_size)
+    char, vocab = byte_to_char(), BasicTokenizer(merges).vocab
+    tokens = ["".join(char[b] for b in vocab[i]) for i in range(len(vocab))]
+    return BPETokenizer(tokens, [(tokens[a], tokens[b]) for a, b in merges], pre)
 
-    @classmethod
-    def from_gguf(cls, metadata):
-        """The tokenizer a GGUF file's metadata describes, under llama.cpp's keys: tokens,
-        merges ("Ġ t": two tokens and a space), the pre-tokenizer's name, the token types
-        (3 control, 4 user-defined: both matched whole, as transformers and llama.cpp do)."""
-        kind, pre = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre", "gpt-2")
-        if kind != "gpt2" or str(pre) not in PRE_TOKENIZERS:
-            raise ValueError(f"the file's tokenizer is {kind!r} split as {pre!r}: this file reads byte-level BPE"
-                             f" ('gpt2') split as {' or '.join(map(repr, PRE_TOKENIZERS))}")
-        lists = {key: metadata.get(f"tokenizer.ggml.{key}", [] if key == "token_type" else None)
-                 for key in ("tokens", "merges", "token_type")}
-        for (key, value), item in zip(lists.items(), (str, str, int)):
-            if type(value) is not list or any(type(v) is not item for v in value):
-                raise ValueError(f"the file's tokenizer.ggml.{key} is not a list of {item.__name__}s")
-        eos, template = metadata.get("tokenizer.ggml.eos_token_id"), metadata.get("tokenizer.chat_template", "")
-        if not isinstance(eos, (int, type(None))) or not isinstance(template, str):
-            raise ValueError(f"the file's tokenizer.ggml.eos_token_id is {eos!r} and its chat_template a"
-                             f" {type(template).__name__}: expected an integer (or none) and text")
-        return cls(lists["tokens"], [m.split(" ") for m in lists["merges"]], pre,
-                   [i for i, t in enumerate(lists["token_type"]) if t in (3, 4)], eos, template)
-
-
-def train_bpe(text, vocab_size, pre="gpt-2"):
-    """A BPETokenizer with vocab_size - 256 merges learned from text: start from the 256
-    bytes, count every adjacent pair inside the pre-tokenizer's pieces, merge the most
-    frequent into a new token, repeat (minbpe's basic.py, by brute force; among equal
-    counts the pair counted first). Stops early when no pair is left."""
-    check("room for the bytes", text=text, vocab_size=vocab_size, pre=pre)
-    chars = byte_to_char()
-    tokenizer = BPETokenizer([chars[b] for b in range(256)], [], pre)
-    words = [tokenizer.merge(piece) for piece in tokenizer.pieces(text)]  # no merges yet: the stand-ins
-    merges = []
-    for _ in range(vocab_size - 256):
-        counts = {}
-        for word in words:
-            for pair in zip(word, word[1:]):
-                counts[pair] = counts.get(pair, 0) + 1
-        if not counts:
-            break
-        pair = max(counts, key=counts.get)
-        merges.append(pair)
-        words = [merge_pair(word, pair) for word in words]
-    return BPETokenizer(tokenizer.tokens + [a + b for a, b in merges], merges, pre)
-
-# Try it: three merges learned from three words, then the same encoder on new text.
-#   >>> tok = train_bpe("low lower lowest", vocab_size=259)
+# Try it: the same three words, now split into pieces first; then SmolLM2's split.
+#   >>> tok = train_gpt2_bpe("low lower lowest", vocab_size=259)
 #   >>> tok.tokens[256:]                                               # Ġ: a space
 #   ['lo', 'low', 'Ġlow']
-#   >>> tok.encode("lowest low")                                       # e, s, t: their bytes
+#   >>> tok.encode("lowest low")
 #   [257, 101, 115, 116, 258]
-#   >>> tok.decode(tok.encode("naïve 😀, 中文")) == "naïve 😀, 中文"   # any text, unknown bytes too
-#   True
 #   >>> BPETokenizer([], [], pre="smollm").pieces("I'm 2½ years old  ")
 #   ['I', "'m", ' ', '2', '½', ' years', ' old', '  ']
 
@@ -1953,28 +1962,31 @@ def train_bpe(text, vocab_size, pre="gpt-2"):
 # ===========================================================================
 # 25. Quantized blocks: Q8_0, Q4_0, Q4_1 (量化块)
 # ===========================================================================
-# Released weights are stored at fewer bits than they were trained in: SmolLM2's 135M
-# weights take 540 MB in float32 and 98 MB in its GGUF file. llama.cpp's formats cut the
-# weights, row by row, into blocks of 32 and store a float16 scale d per block (Q4_1 also a
-# float16 minimum m) beside small integers q:
+# Released weights are stored at fewer bits than they were trained in: SmolLM2's 135M weights take 540 MB
+# in float32 and 98 MB in its GGUF file. The bits matter most when a model decodes. With the cache, each new
+# token multiplies one vector by every weight matrix, so every weight is read once for a multiply and an
+# add, and a processor computes far more than that in the time it reads a weight. So a token takes at least
+# the bytes of the weights divided by the memory's bandwidth, and fewer bits mean more tokens a second.
+# (This file dequantizes the weights as it loads them; llama.cpp multiplies by the blocks themselves.)
+# llama.cpp's formats cut the weights, row by row, into blocks of 32 values. Each block stores a float16
+# scale d (Q4_1 also a float16 minimum m) beside small integers q:
 #   Q8_0  d, then 32 int8            x = d q          d = max |x| / 127
 #   Q4_0  d, then 16 bytes of 4 bits x = d (q - 8)    d = (the x of largest |x|) / -8
 #   Q4_1  d, m, then 16 bytes        x = d q + m      d = (max - min) / 15, m = min
-# Byte j of the 4-bit ones holds value j in its low nibble and value j + 16 in its high
-# one. Bits a weight, the scales counted: Q8_0 34 bytes / 32 = 8.5, Q4_0 18 / 32 = 4.5,
-# Q4_1 20 / 32 = 5.0. Q4_1 spends half a bit more on m: a block's values need not straddle
-# 0 evenly. The rounding is the gguf package's (llama.cpp's reference quantizer), bit for
-# bit: d is inverted once in float32 and each x multiplied by 1 / d (x / d differs in the
-# last bit now and then, and a q flips: 2 of 3.2 million Gaussian values); Q8_0 rounds
-# halves away from zero, the 4-bit ones take trunc(... + 0.5); Q4_0's d takes its sign
-# from the first of tied largest |x|.
+# Byte j of the 4-bit formats holds value j in its low nibble and value j + 16 in its high one. With the
+# scales counted, a weight takes 34 bytes / 32 = 8.5 bits in Q8_0, 18 / 32 = 4.5 in Q4_0 and 20 / 32 = 5.0
+# in Q4_1. Q4_1 spends half a bit more on m because a block's values need not straddle 0 evenly.
+# The rounding is the gguf package's (llama.cpp's reference quantizer), bit for bit: x is multiplied by
+# 1 / d, inverted once in float32, because x / d differs in the last bit now and then and flips a q (2 of
+# 3.2 million Gaussian values). Q8_0 rounds halves away from zero, the 4-bit formats take trunc(... + 0.5),
+# and Q4_0's d takes its sign from the first of the tied largest |x|.
 
-QUANT_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # bytes a block of 32 values takes, scales first
+QUANT_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # the bytes a block of 32 values takes, scales first
 ARGUMENTS.update(fmt=("one of", *QUANT_BYTES))
 
 
 def inverse(d):
-    """1 / d in float32, 0 where d is 0 (a block of zeros then stores q = 0; Q4_0's 8)."""
+    """1 / d in float32, and 0 where d is 0 (a block of zeros then stores q = 0, or Q4_0's 8)."""
     return torch.where(d == 0, 0.0, 1 / d)                                 # [n, 1]
 
 
@@ -1988,7 +2000,8 @@ def as_bytes(*parts):
 
 def quantize(x, fmt):
     """x (a multiple of 32 values, read in row-major order) -> the bytes of fmt's blocks."""
-    check(fmt=fmt)
+    if fmt not in QUANT_BYTES:  # the last branch would store Q4_1 under any other name
+        raise ValueError(f"fmt must be one of {', '.join(QUANT_BYTES)}, got {fmt!r}")
     if x.numel() == 0 or x.numel() % 32:
         raise ValueError(f"x must hold a positive multiple of 32 values (blocks of 32), got {x.numel()}")
     blocks = x.detach().float().reshape(-1, 32)                            # [n, 32]
@@ -2013,7 +2026,6 @@ def quantize(x, fmt):
 
 def dequantize(data, fmt, shape):
     """The bytes of fmt's blocks (bytes, or a uint8 tensor) -> a float32 tensor of shape."""
-    check(fmt=fmt)
     n, size = math.prod(shape), data.numel() if isinstance(data, torch.Tensor) else len(data)
     if n == 0 or n % 32 or size != n // 32 * QUANT_BYTES[fmt]:
         raise ValueError(f"data holds {size} bytes: {fmt} blocks of a shape {tuple(shape)} hold"
@@ -2029,26 +2041,8 @@ def dequantize(data, fmt, shape):
         x = d * (q - 8) if fmt == "Q4_0" else d * q + blocks[:, 2:4].view(torch.float16).float()  # [n/32, 32]
     return x.reshape(shape)                                                # [*shape]
 
-@torch.no_grad()
-def quantize_weights(model, fmt):
-    """Every weight matrix of model whose rows are whole blocks, in place, as fmt stores it
-    (quantized, then dequantized: the numbers a runtime reading fmt multiplies by) -> model."""
-    check(model=model, fmt=fmt)
-    for w in model.parameters():
-        if w.dim() == 2 and w.size(1) % 32 == 0:
-            w.copy_(dequantize(quantize(w, fmt), fmt, w.shape))              # [out, in]
-    return model
-
-
-def quantized_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, formats=("Q8_0", "Q4_1")):
-    """A toy model of Part II's held-out exact match (section 16's one teacher-forced pass) at float32 and
-    with its weights stored in each format -> {"float32": accuracy, fmt: accuracy, ...}; model is not changed."""
-    accuracy = lambda m: teacher_forced_accuracy(kind, m, pairs, src_vocab, tgt_vocab, readings)  # noqa: E731
-    return {"float32": accuracy(model), **{fmt: accuracy(quantize_weights(copy.deepcopy(model), fmt))
-                                           for fmt in formats}}
-
-# A Q4_1 block whose values need no rounding, byte by byte; then each format's error,
-# relative to the weights' norm, on Gaussian weights.
+# A Q4_1 block whose values need no rounding, byte by byte; then each format's error, relative to the
+# weights' norm, on Gaussian weights; then the most tokens a second 135M weights allow at 50 GB/s.
 # Try it:
 #   >>> x = torch.arange(32.0) % 16                                    # [32]: 0..15 twice
 #   >>> data = quantize(x, "Q4_1")
@@ -2060,353 +2054,53 @@ def quantized_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, 
 #   >>> {fmt: round(((dequantize(quantize(w, fmt), fmt, w.shape) - w).norm() / w.norm()).item(), 3)
 #   ...  for fmt in QUANT_BYTES}
 #   {'Q8_0': 0.005, 'Q4_0': 0.086, 'Q4_1': 0.078}
-#   >>> {fmt: 8 * size / 32 for fmt, size in QUANT_BYTES.items()}     # bits a weight
-#   {'Q8_0': 8.5, 'Q4_0': 4.5, 'Q4_1': 5.0}
+#   >>> {fmt: round(50e9 / (135e6 * size / 32)) for fmt, size in {"float32": 128, **QUANT_BYTES}.items()}
+#   {'float32': 93, 'Q8_0': 349, 'Q4_0': 658, 'Q4_1': 593}
 
 
 # ===========================================================================
 # 26. Reading a checkpoint: GGUF, safetensors, transformers' names (读取检查点)
 # ===========================================================================
-# Two formats carry most released weights. safetensors (what transformers saves): an
-# 8-byte length, a JSON header {name: dtype, shape, byte offsets}, then the raw tensors.
-# GGUF (llama.cpp's): one file with all a runtime needs: the configuration and the
-# tokenizer as typed key-value metadata, a table of tensors (name, shape, type, offset),
-# then the data, each tensor at a multiple of general.alignment (32 bytes), most of them
-# in section 25's blocks. Each names the weights its own way: the query projection is
-# model.layers.0.self_attn.q_proj.weight in transformers, blk.0.attn_q.weight in
-# llama.cpp, layers.0.attn.w_q.weight here; tables of renamings copy them into the
-# file's classes, and each model family's section adds its entry (as the argument rules).
-# The pitfall of every hand-written GGUF loader: llama.cpp's converter reorders the rows
-# of w_q and w_k within each head. Its RoPE for "llama" files pairs neighbours (x[2i],
-# x[2i+1]), Meta's way, while transformers' checkpoints are laid out for section 19's
-# halves (x[i], x[i + dk/2]); so convert_hf_to_gguf.py permutes them to Meta's order, and a
-# half-split loader must permute them back (transformers' GGUF loader does). Left in,
-# nothing fails: the model turns the wrong pairs and attends to the wrong places.
-
-# GGUF's metadata types (8 a string, 9 an array) as struct codes; the ggml tensor types read here
-GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-GGML_TYPES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1"}
-FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-def read_bytes(path):
-    """The whole file, in a bytearray (writable: torch.frombuffer shares it without a copy)."""
-    try:
-        with open(path, "rb") as f:
-            data = bytearray(os.fstat(f.fileno()).st_size)
-            f.readinto(data)
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror}") from None
-    return data
-
+# Two formats carry most released weights: safetensors, which transformers saves, and GGUF, llama.cpp's
+# one file that also holds the configuration and the tokenizer. Each names the weights its own way (the
+# query projection is model.layers.0.self_attn.q_proj.weight in transformers, blk.0.attn_q.weight in
+# llama.cpp, layers.0.attn.w_q.weight here). Reading them is plumbing, so it lives with the tools
+# (read_gguf, load_gguf, ...). One idea in it is the pitfall of every hand-written GGUF loader. llama.cpp's
+# RoPE for "llama" files pairs neighbours (x[2i], x[2i+1]), Meta's way, while transformers' checkpoints are
+# laid out for section 19's halves (x[i], x[i + dk/2]). So convert_hf_to_gguf.py reorders the rows of w_q
+# and w_k within each head into Meta's order, and a half-split loader must put them back, as transformers'
+# does. Left as they are, they make nothing fail: the model turns the wrong pairs and attends to the wrong
+# places.
 
 def unpermute_rope_rows(w, n_heads):
-    """w_q or w_k [H * dk, D] from llama.cpp's row order back to transformers': in each head
-    the rows of pair i were placed at 2i and 2i + 1; they go back to i and i + dk/2."""
+    """w_q or w_k [H * dk, D] from llama.cpp's row order back to transformers'. In each head, the rows of
+    pair i were placed at 2i and 2i + 1; they go back to i and i + dk/2."""
     return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)  # [H * dk, D]
 
 
-def read_gguf(path, architectures=None):
-    """A GGUF file -> (metadata {key: value}, tensors {llama.cpp's name: float32 tensor in
-    torch's shape}): every tensor dequantized, a "llama" file's w_q and w_k rows reordered back.
-    architectures: those the caller runs (None: any); a file of another is refused before its tensors are read."""
-    data, pos = read_bytes(path), 0
-
-    def take(code, count=1):  # count little-endian values of the struct code at pos
-        nonlocal pos
-        size = count * struct.calcsize(code)
-        if pos + size > len(data):
-            raise ValueError(f"{path} is truncated: its header runs past the file's end ({len(data):,} bytes)")
-        pos += size
-        return struct.unpack_from(f"<{count}{code}", data, pos - size)
-
-    def value(kind):  # one metadata value of GGUF type kind: 8 a string, 9 an array
-        if kind == 8:
-            text = take("s", take("Q")[0])[0]
-            try:
-                return text.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}: the metadata string ending at byte {pos:,} is not UTF-8 ({e.reason})")
-        if kind == 9:
-            item, n = take("I")[0], take("Q")[0]
-            return list(take(GGUF_SCALARS[item], n)) if item in GGUF_SCALARS else [value(item) for _ in range(n)]
-        if kind not in GGUF_SCALARS:
-            raise ValueError(f"{path} holds a metadata value of type {kind}, which GGUF does not define")
-        return take(GGUF_SCALARS[kind])[0]
-
-    if data[:4] != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file: it starts with {bytes(data[:4])!r}, not b'GGUF'")
-    pos = 4
-    version, n_tensors, n_keys = take("I")[0], take("Q")[0], take("Q")[0]
-    if version not in (2, 3):  # version 1 counted in 32 bits
-        raise ValueError(f"{path} is GGUF version {version}: this file reads versions 2 and 3")
-    metadata = {value(8): value(take("I")[0]) for _ in range(n_keys)}
-    table = [(value(8), take("Q", take("I")[0])[::-1], *take("I"), *take("Q")) for _ in range(n_tensors)]
-    arch, align, tensors = metadata.get("general.architecture"), metadata.get("general.alignment", 32), {}
-    if architectures is not None and arch not in architectures:
-        raise ValueError(f"{path}: architecture {arch!r} is not one this file runs ({', '.join(architectures)})")
-    if type(align) is not int or align < 1:
-        raise ValueError(f"{path}: general.alignment is {align!r}, expected an integer >= 1")
-    start = -(-pos // align) * align                                       # the data, after the padding
-    for name, shape, kind, offset in table:  # shapes reversed: ggml lists the fastest-moving dim first
-        if kind not in GGML_TYPES:
-            raise ValueError(f"{path}: tensor {name} has ggml type {kind}, which this file does not read"
-                             f" (it reads {', '.join(GGML_TYPES.values())})")
-        fmt, n = GGML_TYPES[kind], math.prod(shape)
-        if fmt in QUANT_BYTES and (not shape or shape[-1] % 32):
-            raise ValueError(f"{path}: tensor {name} {list(shape)} is {fmt}, whose rows must be whole blocks of 32")
-        size = n * FLOATS[fmt].itemsize if fmt in FLOATS else n // 32 * QUANT_BYTES[fmt]
-        if start + offset + size > len(data):
-            raise ValueError(f"{path} is truncated: tensor {name} ends at byte {start + offset + size:,},"
-                             f" the file at {len(data):,}")
-        raw = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=start + offset)  # [size]
-        if fmt in FLOATS:
-            w = raw.view(FLOATS[fmt]).to(torch.float32, copy=True).reshape(shape)  # [*shape]
-        else:
-            w = dequantize(raw, fmt, shape)                                # [*shape]
-        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
-            key = "llama.attention.head_count"
-            key += "_kv" * ("attn_k" in name and key + "_kv" in metadata)
-            heads = metadata.get(key)
-            if type(heads) is not int or heads < 1 or shape[0] % (2 * heads):
-                raise ValueError(f"{path}: {key} is {heads!r}, expected a count of heads that divides"
-                                 f" {name}'s {shape[0]} rows into pairs")
-            w = unpermute_rope_rows(w, heads)                              # [H * dk, D]
-        tensors[name] = w
-    return metadata, tensors
-
-
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool}
-
-
-def read_safetensors(path):
-    """A .safetensors file -> {name: tensor}, in the dtypes it stores."""
-    data = read_bytes(path)
-    n = struct.unpack_from("<Q", data)[0] if len(data) >= 8 else math.inf  # the JSON header's length
-    if 8 + n > len(data):
-        raise ValueError(f"{path} is not a safetensors file or is truncated: its header needs {n} bytes")
-    header, tensors = json.loads(data[8:8 + n]), {}
-    for name, info in header.items():
-        if name == "__metadata__":  # free-form strings, no tensor
-            continue
-        begin, end = info["data_offsets"]
-        if info["dtype"] not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{path}: tensor {name} is {info['dtype']}; this file reads"
-                             f" {', '.join(SAFETENSORS_DTYPES)}")
-        if 8 + n + end > len(data):
-            raise ValueError(f"{path} is truncated: tensor {name} ends at byte {8 + n + end:,},"
-                             f" the file at {len(data):,}")
-        # the slice is a copy, so every tensor starts aligned for its dtype
-        raw = data[8 + n + begin:8 + n + end]
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]
-        tensors[name] = (torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)).reshape(
-            info["shape"])                                                 # [*shape]
-    return tensors
-
-
-# transformers' names -> this file's, each pattern re.sub-ed in turn; the families below add
-# theirs. HF_CONVERSIONS: functions {name: tensor} -> {name: tensor} for tensors transformers
-# stores otherwise (experts fused in one tensor); HF_FAMILIES: model_type -> (the class, a
-# function from the configuration's dict to its keywords)
-HF_NAMES = [(r"^model\.embed_tokens\.", "token_embedding."), (r"^model\.norm\.", "final_norm."),
-            (r"^model\.layers\.", "layers."), (r"\.input_layernorm\.", ".attn_norm."),
-            (r"\.post_attention_layernorm\.", ".ffn_norm."), (r"\.self_attn\.([qkvo])_proj\.", r".attn.w_\1."),
-            (r"\.self_attn\.", ".attn."), (r"\.mlp\.", ".ffn."), (r"\.gate_proj\.", ".w1."), (r"\.up_proj\.", ".w3."),
-            (r"\.down_proj\.", ".w2.")]
-HF_CONVERSIONS = []
-HF_FAMILIES = {}
 ARGUMENTS.update(state_dict=(dict,), config=(dict,))
 
-
-def few(names):
-    """At most 8 of names, then how many more: an error message stays one readable line."""
-    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") if names else "none"
-
-
-def load_hf_state_dict(model, state_dict):
-    """Copy a transformers state dict (its names, any float dtype) into model, a family of
-    this file, in place -> model. Every tensor must have its place, every place its tensor
-    of the same shape; else a ValueError names them."""
-    check(model=model, state_dict=state_dict)
-    renamed, theirs = {}, {}                                               # ours -> tensor, ours -> their name
-    for name, tensor in state_dict.items():
-        ours = name
-        for pattern, replacement in HF_NAMES:
-            ours = re.sub(pattern, replacement, ours)
-        renamed[ours], theirs[ours] = tensor, name
-    for convert in HF_CONVERSIONS:
-        renamed = convert(renamed)
-    places = model.state_dict()
-    if model.lm_head.weight is model.token_embedding.weight:  # tied: one matrix, two names
-        del places["lm_head.weight"]
-        head = renamed.pop("lm_head.weight", None)
-        if head is not None and not torch.equal(head, renamed.get("token_embedding.weight", head)):
-            raise ValueError("state_dict's lm_head.weight differs from its embedding, which the model ties to it")
-    missing = [name for name in places if name not in renamed]
-    unexpected = [theirs.get(name, name) for name in renamed if name not in places]
-    if missing or unexpected:
-        raise ValueError(f"state_dict does not fit {type(model).__name__}: missing {few(missing)};"
-                         f" unexpected {few(unexpected)}")
-    wrong = [f"{theirs.get(k, k)} {list(renamed[k].shape)} (the model's {list(v.shape)})"
-             for k, v in places.items() if renamed[k].shape != v.shape]
-    if wrong:
-        raise ValueError(f"state_dict's shapes do not fit {type(model).__name__}: {few(wrong)}")
-    with torch.no_grad():
-        for name, place in places.items():
-            place.copy_(renamed[name])
-    return model
-
-
-def hf_field(config, key, *default):
-    """config[key], or default when it is missing or None; a ValueError names a missing key without one."""
-    if config.get(key) is not None:
-        return config[key]
-    if default:
-        return default[0]
-    raise ValueError(f"config has no {key!r}")
-
-
-def hf_number(config, key, *default):
-    """hf_field's value as a float; a ValueError names a key that holds no number."""
-    value = hf_field(config, key, *default)
-    if type(value) not in (int, float):
-        raise ValueError(f"config's {key} is {value!r}, expected a number")
-    return float(value)
-
-
-def hf_refuse(config, **plain):
-    """A ValueError naming the first field of config whose value asks for what the family here
-    lacks; plain: the value each field must have (missing or None: transformers' default)."""
-    for key, value in plain.items():
-        if config.get(key) not in (value, None):
-            raise ValueError(f"config's {key} is {config[key]!r}: this file's {config.get('model_type')}"
-                             f" has only {key}={value!r}")
-
-
-def hf_rope_theta(config):
-    """RoPE's base (rope_parameters in transformers 5, rope_theta and rope_scaling in 4.x); a
-    stretched RoPE is refused."""
-    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-    hf_refuse(dict(rope_type=rope.get("rope_type", rope.get("type")), model_type=config.get("model_type")),
-              rope_type="default")
-    return hf_number({"rope_theta": rope.get("rope_theta", config.get("rope_theta"))}, "rope_theta", 10000.0)
-
-
-def hf_llama_keywords(config):
-    """The keywords of Llama's constructor from a LlamaConfig's (or Qwen2Config's) fields."""
-    hf_refuse(config, hidden_act="silu", attention_bias=False, mlp_bias=False, use_sliding_window=False)
-    n_heads = hf_field(config, "num_attention_heads")
-    return dict(vocab_size=hf_field(config, "vocab_size"), d_model=hf_field(config, "hidden_size"),
-                n_layers=hf_field(config, "num_hidden_layers"), n_heads=n_heads,
-                n_kv_heads=hf_field(config, "num_key_value_heads", n_heads), d_ff=hf_field(config, "intermediate_size"),
-                max_len=hf_field(config, "max_position_embeddings", 2048), rope_theta=hf_rope_theta(config),
-                norm_eps=hf_number(config, "rms_norm_eps", 1e-6),
-                tie_weights=hf_field(config, "tie_word_embeddings", False),
-                qkv_bias=config.get("model_type") == "qwen2")  # Qwen2: biases on q, k and v
-
-
-def hf_llama(config):
-    """Llama's keywords, its heads d_model / n_heads wide."""
-    keywords = hf_llama_keywords(config)
-    check(d_model=keywords["d_model"], n_heads=keywords["n_heads"])  # before the division
-    hf_refuse(config, head_dim=keywords["d_model"] // keywords["n_heads"])
-    return keywords
-
-
-HF_FAMILIES.update(llama=(Llama, hf_llama), qwen2=(Llama, hf_llama))
-
-
-def from_hf_config(config):
-    """This file's model for a transformers configuration (the dict of its config.json),
-    the family chosen by model_type."""
-    check(config=config)
-    kind = config.get("model_type")
-    if kind not in HF_FAMILIES:
-        raise ValueError(f"config's model_type is {kind!r}, not a family this file has ({', '.join(HF_FAMILIES)})")
-    family, keywords = HF_FAMILIES[kind]
-    return family(**keywords(config))
-
-
-# llama.cpp's tensor names and configuration keys ("llama.block_count") -> transformers', so
-# that from_hf_config and load_hf_state_dict do the rest
-GGUF_NAMES = [(r"^token_embd\.", "model.embed_tokens."), (r"^output_norm\.", "model.norm."), (r"^output\.", "lm_head."),
-              (r"^blk\.", "model.layers."), (r"\.attn_norm\.", ".input_layernorm."),
-              (r"\.ffn_norm\.", ".post_attention_layernorm."), (r"\.attn_([qkv])\.", r".self_attn.\1_proj."),
-              (r"\.attn_output\.", ".self_attn.o_proj."), (r"\.ffn_(gate|up|down)\.", r".mlp.\1_proj.")]
-GGUF_CONFIG = {"vocab_size": "vocab_size", "embedding_length": "hidden_size", "block_count": "num_hidden_layers",
-               "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
-               "feed_forward_length": "intermediate_size", "context_length": "max_position_embeddings",
-               "rope.freq_base": "rope_theta", "attention.layer_norm_rms_epsilon": "rms_norm_eps"}
-GGUF_ARCHITECTURES = ("llama", "qwen2")
-
-
-def load_gguf(path):
-    """A GGUF file -> (this file's model of its family, float32, in eval mode, and its
-    BPETokenizer); the model's max_len is the file's context length."""
-    metadata, tensors = read_gguf(path, GGUF_ARCHITECTURES)
-    arch = metadata["general.architecture"]
-    config = {field: metadata[f"{arch}.{key}"] for key, field in GGUF_CONFIG.items() if f"{arch}.{key}" in metadata}
-    config.update(model_type=arch, tie_word_embeddings="output.weight" not in tensors)
-    tokenizer = BPETokenizer.from_gguf(metadata)  # its file's metadata checked before any tensor is copied
-    config.setdefault("vocab_size", len(tokenizer.tokens))
-    state = {}
-    for name, tensor in tensors.items():
-        for pattern, replacement in GGUF_NAMES:
-            name = re.sub(pattern, replacement, name)
-        state[name] = tensor
-    with torch.device("meta"):  # shapes only: drawing 135M random weights to overwrite them costs seconds
-        model = load_hf_state_dict(from_hf_config(config), state)  # names and shapes checked, nothing copied
-    # memory for every tensor, uninitialized: the weights come from the file, the RoPE tables
-    # (no weights) are computed again, and the embeddings tied again (to_empty parts them)
-    model = model.to_empty(device="cpu")
-    model.cos, model.sin = model.rope_tables(model.max_len, model.config["rope_theta"])  # [max_len, dk] each
-    if model.config["tie_weights"]:
-        model.lm_head.weight = model.token_embedding.weight
-    return load_hf_state_dict(model, state).eval(), tokenizer
-
-# The released file is already 4-bit: its Q4_1 weights, dequantized and quantized to Q4_1
-# again, come back bit for bit (a block's min is one of its values and its max is d q + m
-# at q = 15), a check of both sections at once that a test makes.
-#
-# A GGUF file written by hand: the header, one metadata key, one tensor's entry, zeros up
-# to a multiple of 32 bytes, then the tensor, two float32 values.
+# The released file is already 4-bit: its Q4_1 weights, dequantized and quantized again, come back bit for
+# bit (a block's min is one of its values, its max d q + m at q = 15), which a test checks.
 # Try it:
-#   >>> head = b"GGUF" + struct.pack("<IQQ", 3, 1, 1)                  # version 3, 1 tensor, 1 key
-#   >>> head += struct.pack("<Q12sIQ5s", 12, b"general.name", 8, 5, b"tiny!")  # the key, type 8 (a string), its value
-#   >>> head += struct.pack("<Q1sIQIQ", 1, b"w", 1, 2, 0, 0)           # tensor w: 1 dim of 2, type 0 (F32), offset 0
-#   >>> with tempfile.TemporaryDirectory() as folder:
-#   ...     path = os.path.join(folder, "tiny.gguf")
-#   ...     with open(path, "wb") as f:
-#   ...         _ = f.write(head + bytes(-len(head) % 32) + struct.pack("<2f", 0.5, -2.0))
-#   ...     read_gguf(path)
-#   ({'general.name': 'tiny!'}, {'w': tensor([ 0.5000, -2.0000])})
 #   >>> unpermute_rope_rows(torch.arange(8.0)[:, None], n_heads=2).flatten()  # rows 2i, 2i + 1 -> i, i + dk/2
 #   tensor([0., 2., 1., 3., 4., 6., 5., 7.])
-#   >>> llama = from_hf_config({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
-#   ...                         "num_attention_heads": 2, "intermediate_size": 16})
-#   >>> load_hf_state_dict(llama, {"model.embed_tokens.weight": torch.zeros(10, 8)})
-#   Traceback (most recent call last):
-#   ValueError: state_dict does not fit Llama: missing layers.0.attn_norm.weight, ... and 3 more; unexpected none
 
 
 # ===========================================================================
 # 27. The released model answers (发布的模型来回答)
 # ===========================================================================
-# An instruct model was fine-tuned on conversations in one format and answers well only
-# in it. SmolLM2's is ChatML: each turn "<|im_start|>role\ntext<|im_end|>\n", the
-# answer after "<|im_start|>assistant\n", ended by the model itself writing <|im_end|>.
-# Its chat template (a Jinja program in the file's tokenizer.chat_template) puts a
-# default system turn first, "You are a helpful AI assistant named SmolLM, trained by
-# Hugging Face"; the line is read from the template, no template engine needed. The
-# answer is written token by token as the model makes it: but a token is bytes, and a
-# Chinese character or an emoji (3-4 bytes) can be cut between two tokens, so bytes are
-# printed only once their character is whole (an incremental UTF-8 decoder holds the rest).
+# An instruct model was fine-tuned on conversations in one format, and it answers well only in that format.
+# SmolLM2's is ChatML: each turn is "<|im_start|>role\ntext<|im_end|>\n", the answer comes after
+# "<|im_start|>assistant\n", and the model ends it by writing <|im_end|> itself. Its chat template (Jinja,
+# in the file's tokenizer.chat_template) puts a default system turn first, "You are a helpful AI assistant
+# named SmolLM, trained by Hugging Face"; the line is read from the template, with no template engine. The
+# answer is printed as it is made. A Chinese character or an emoji (3-4 bytes) can be cut between two
+# tokens, so an incremental UTF-8 decoder holds the bytes back until their character is whole.
 
 def chat_prompt(tokenizer, prompt):
-    """prompt in ChatML, with the template's own system line, where the tokenizer's chat
-    template uses <|im_start|>; else prompt itself, for plain completion."""
+    """prompt in ChatML, with the template's own system line, where the tokenizer's chat template uses
+    <|im_start|>; else prompt itself, for plain completion."""
     if "<|im_start|>" not in tokenizer.chat_template:
         return prompt
     system = re.search(r"<\|im_start\|>system(?:\n|\\n)(.*?)<\|im_end\|>", tokenizer.chat_template, re.S)
@@ -2418,15 +2112,17 @@ ARGUMENTS.update(prompt=(str,))
 
 
 @torch.no_grad()
-def chat(path_or_loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=None, out=None):
-    """Answer prompt with a GGUF file's model (a path, or load_gguf's (model, tokenizer)),
-    printing the answer to out (None: standard output) as it is made, until the end-of-turn
-    token or max_new_tokens; greedy at temperature 0, else next_token's sampling. -> (the
-    answer, tokens a second: every token made, the end of turn too, over the whole time)."""
-    check("top_p > 0", prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
-    model, tokenizer = load_gguf(path_or_loaded) if isinstance(path_or_loaded, (str, os.PathLike)) else path_or_loaded
-    ids = torch.tensor([tokenizer.encode(chat_prompt(tokenizer, prompt))])  # [1, T]
-    check("prompt fits", prompt_length=ids.size(1), max_new_tokens=max_new_tokens, max_len=model.max_len)
+def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=None, out=None):
+    """Answer prompt with loaded, a (model, BPETokenizer) pair, printing the answer to out (None: standard
+    output) as it is made, until the end of turn or max_new_tokens; greedy at temperature 0, else next_token
+    samples. -> (the answer, tokens a second: every token made, the end of turn too, over the whole time)."""
+    model, tokenizer = loaded
+    ids = torch.tensor([tokenizer.encode(chat_prompt(tokenizer, prompt))], dtype=torch.long)  # [1, T]
+    if ids.size(1) == 0:
+        raise ValueError("the prompt is empty: the model needs a token to continue")
+    if ids.size(1) + max_new_tokens > model.max_len:  # the cache and RoPE's tables hold max_len positions
+        raise ValueError(f"prompt_length + max_new_tokens must be at most max_len: {ids.size(1)} +"
+                         f" {max_new_tokens} > {model.max_len}")
     stop = {tokenizer.eos_id, tokenizer.ids.get("<|im_end|>")} - {None}
     utf8, answer, made = codecs.getincrementaldecoder("utf-8")(errors="replace"), [], 0
     start = time.perf_counter()
@@ -2437,19 +2133,19 @@ def chat(path_or_loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None
             if token.item() in stop:
                 break
             ids = torch.cat([ids, token], dim=1)                           # [1, T + made]
-            answer.append(utf8.decode(tokenizer.token_bytes(token.item())))  # '' until a character is whole
+            answer.append(utf8.decode(tokenizer.vocab[token.item()]))      # '' until a character is whole
             print(answer[-1], end="", file=out, flush=True)
     answer.append(utf8.decode(b"", final=True))                            # a character cut off: U+FFFD
     print(answer[-1], end="", file=out, flush=True)
     return "".join(answer), made / (time.perf_counter() - start)
 
-# A character's bytes cut across three tokens come out once whole; then a model built to
-# repeat its last token (one-hot embeddings, tied to the output; blocks that add nothing).
+# A character's bytes cut across three tokens come out once whole; then a model built to repeat its last
+# token (one-hot embeddings tied to the output, and blocks that add nothing).
 # Try it:
 #   >>> utf8 = codecs.getincrementaldecoder("utf-8")()
 #   >>> [utf8.decode(piece) for piece in (b"\xe4", b"\xb8", b"\xad!")]    # 中 is e4 b8 ad
 #   ['', '', '中!']
-#   >>> tok = train_bpe("hello hello", vocab_size=261)                 # he, hel, hell, hello, Ġhello
+#   >>> tok = train_gpt2_bpe("hello hello", vocab_size=261)            # he, hel, hell, hello, Ġhello
 #   >>> echo = Llama(vocab_size=261, d_model=264, n_layers=1, n_heads=4, max_len=32, tie_weights=True)
 #   >>> with torch.no_grad():
 #   ...     _ = echo.token_embedding.weight.copy_(torch.eye(261, 264))     # [V, D]: token i -> unit vector i
@@ -6025,8 +5721,356 @@ from unittest import mock
 # Reading released checkpoints: GGUF, safetensors, transformers' names (读取发布的检查点)
 # ===========================================================================
 # >>> ANCHOR P4: Part IV's plumbing goes directly below this line (keep this line)
+import json
+import os
+import struct
+import tempfile
+
+# Part IV's files. safetensors (what transformers saves) is an 8-byte length, a JSON header {name: dtype,
+# shape, byte offsets}, then the raw tensors. GGUF (llama.cpp's) holds typed key-value metadata (the
+# configuration, the tokenizer), a table of tensors (name, shape, type, offset), then the data, each tensor
+# at a multiple of general.alignment (32 bytes), most in section 25's blocks. Tables of renamings copy the
+# weights into the file's classes; each family adds its entry below (Parts V and VI theirs). The standard
+# library reads the files, and torch does the rest.
+
+# GGUF's metadata types (8 a string, 9 an array) as struct codes; the ggml tensor types read here
+GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+GGML_TYPES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1"}
+FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
+def read_bytes(path):
+    """The whole file, in a bytearray (writable: torch.frombuffer shares it without a copy)."""
+    try:
+        with open(path, "rb") as f:
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            f.readinto(data)
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    return data
+
+
+def read_gguf(path, architectures=None):
+    """A GGUF file -> (metadata {key: value}, tensors {llama.cpp's name: float32 tensor in
+    torch's shape}): every tensor dequantized, a "llama" file's w_q and w_k rows reordered back.
+    architectures: those the caller runs (None: any); a file of another is refused before its tensors are read."""
+    data, pos = read_bytes(path), 0
+
+    def take(code, count=1):  # count little-endian values of the struct code at pos
+        nonlocal pos
+        size = count * struct.calcsize(code)
+        if pos + size > len(data):
+            raise ValueError(f"{path} is truncated: its header runs past the file's end ({len(data):,} bytes)")
+        pos += size
+        return struct.unpack_from(f"<{count}{code}", data, pos - size)
+
+    def value(kind):  # one metadata value of GGUF type kind: 8 a string, 9 an array
+        if kind == 8:
+            text = take("s", take("Q")[0])[0]
+            try:
+                return text.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: the metadata string ending at byte {pos:,} is not UTF-8 ({e.reason})")
+        if kind == 9:
+            item, n = take("I")[0], take("Q")[0]
+            return list(take(GGUF_SCALARS[item], n)) if item in GGUF_SCALARS else [value(item) for _ in range(n)]
+        if kind not in GGUF_SCALARS:
+            raise ValueError(f"{path} holds a metadata value of type {kind}, which GGUF does not define")
+        return take(GGUF_SCALARS[kind])[0]
+
+    if data[:4] != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file: it starts with {bytes(data[:4])!r}, not b'GGUF'")
+    pos = 4
+    version, n_tensors, n_keys = take("I")[0], take("Q")[0], take("Q")[0]
+    if version not in (2, 3):  # version 1 counted in 32 bits
+        raise ValueError(f"{path} is GGUF version {version}: this file reads versions 2 and 3")
+    metadata = {value(8): value(take("I")[0]) for _ in range(n_keys)}
+    table = [(value(8), take("Q", take("I")[0])[::-1], *take("I"), *take("Q")) for _ in range(n_tensors)]
+    arch, align, tensors = metadata.get("general.architecture"), metadata.get("general.alignment", 32), {}
+    if architectures is not None and arch not in architectures:
+        raise ValueError(f"{path}: architecture {arch!r} is not one this file runs ({', '.join(architectures)})")
+    if type(align) is not int or align < 1:
+        raise ValueError(f"{path}: general.alignment is {align!r}, expected an integer >= 1")
+    start = -(-pos // align) * align                                       # the data, after the padding
+    for name, shape, kind, offset in table:  # shapes reversed: ggml lists the fastest-moving dim first
+        if kind not in GGML_TYPES:
+            raise ValueError(f"{path}: tensor {name} has ggml type {kind}, which this file does not read"
+                             f" (it reads {', '.join(GGML_TYPES.values())})")
+        fmt, n = GGML_TYPES[kind], math.prod(shape)
+        if fmt in QUANT_BYTES and (not shape or shape[-1] % 32):
+            raise ValueError(f"{path}: tensor {name} {list(shape)} is {fmt}, whose rows must be whole blocks of 32")
+        size = n * FLOATS[fmt].itemsize if fmt in FLOATS else n // 32 * QUANT_BYTES[fmt]
+        if start + offset + size > len(data):
+            raise ValueError(f"{path} is truncated: tensor {name} ends at byte {start + offset + size:,},"
+                             f" the file at {len(data):,}")
+        raw = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=start + offset)  # [size]
+        if fmt in FLOATS:
+            w = raw.view(FLOATS[fmt]).to(torch.float32, copy=True).reshape(shape)  # [*shape]
+        else:
+            w = dequantize(raw, fmt, shape)                                # [*shape]
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            key = "llama.attention.head_count"
+            key += "_kv" * ("attn_k" in name and key + "_kv" in metadata)
+            heads = metadata.get(key)
+            if type(heads) is not int or heads < 1 or shape[0] % (2 * heads):
+                raise ValueError(f"{path}: {key} is {heads!r}, expected a count of heads that divides"
+                                 f" {name}'s {shape[0]} rows into pairs")
+            w = unpermute_rope_rows(w, heads)                              # [H * dk, D]
+        tensors[name] = w
+    return metadata, tensors
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def read_safetensors(path):
+    """A .safetensors file -> {name: tensor}, in the dtypes it stores."""
+    data = read_bytes(path)
+    n = struct.unpack_from("<Q", data)[0] if len(data) >= 8 else math.inf  # the JSON header's length
+    if 8 + n > len(data):
+        raise ValueError(f"{path} is not a safetensors file or is truncated: its header needs {n} bytes")
+    header, tensors = json.loads(data[8:8 + n]), {}
+    for name, info in header.items():
+        if name == "__metadata__":  # free-form strings, no tensor
+            continue
+        begin, end = info["data_offsets"]
+        if info["dtype"] not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: tensor {name} is {info['dtype']}; this file reads"
+                             f" {', '.join(SAFETENSORS_DTYPES)}")
+        if 8 + n + end > len(data):
+            raise ValueError(f"{path} is truncated: tensor {name} ends at byte {8 + n + end:,},"
+                             f" the file at {len(data):,}")
+        # the slice is a copy, so every tensor starts aligned for its dtype
+        raw = data[8 + n + begin:8 + n + end]
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        tensors[name] = (torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)).reshape(
+            info["shape"])                                                 # [*shape]
+    return tensors
+
+
+# transformers' names -> this file's, each pattern re.sub-ed in turn; the families below add
+# theirs. HF_CONVERSIONS: functions {name: tensor} -> {name: tensor} for tensors transformers
+# stores otherwise (experts fused in one tensor); HF_FAMILIES: model_type -> (the class, a
+# function from the configuration's dict to its keywords)
+HF_NAMES = [(r"^model\.embed_tokens\.", "token_embedding."), (r"^model\.norm\.", "final_norm."),
+            (r"^model\.layers\.", "layers."), (r"\.input_layernorm\.", ".attn_norm."),
+            (r"\.post_attention_layernorm\.", ".ffn_norm."), (r"\.self_attn\.([qkvo])_proj\.", r".attn.w_\1."),
+            (r"\.self_attn\.", ".attn."), (r"\.mlp\.", ".ffn."), (r"\.gate_proj\.", ".w1."), (r"\.up_proj\.", ".w3."),
+            (r"\.down_proj\.", ".w2.")]
+HF_CONVERSIONS = []
+HF_FAMILIES = {}
+
+
+def few(names):
+    """At most 8 of names, then how many more: an error message stays one readable line."""
+    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") if names else "none"
+
+
+def load_hf_state_dict(model, state_dict):
+    """Copy a transformers state dict (its names, any float dtype) into model, a family of
+    this file, in place -> model. Every tensor must have its place, every place its tensor
+    of the same shape; else a ValueError names them."""
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    renamed, theirs = {}, {}                                               # ours -> tensor, ours -> their name
+    for name, tensor in state_dict.items():
+        ours = name
+        for pattern, replacement in HF_NAMES:
+            ours = re.sub(pattern, replacement, ours)
+        renamed[ours], theirs[ours] = tensor, name
+    for convert in HF_CONVERSIONS:
+        renamed = convert(renamed)
+    places = model.state_dict()
+    if model.lm_head.weight is model.token_embedding.weight:  # tied: one matrix, two names
+        del places["lm_head.weight"]
+        head = renamed.pop("lm_head.weight", None)
+        if head is not None and not torch.equal(head, renamed.get("token_embedding.weight", head)):
+            raise ValueError("state_dict's lm_head.weight differs from its embedding, which the model ties to it")
+    missing = [name for name in places if name not in renamed]
+    unexpected = [theirs.get(name, name) for name in renamed if name not in places]
+    if missing or unexpected:
+        raise ValueError(f"state_dict does not fit {type(model).__name__}: missing {few(missing)};"
+                         f" unexpected {few(unexpected)}")
+    wrong = [f"{theirs.get(k, k)} {list(renamed[k].shape)} (the model's {list(v.shape)})"
+             for k, v in places.items() if renamed[k].shape != v.shape]
+    if wrong:
+        raise ValueError(f"state_dict's shapes do not fit {type(model).__name__}: {few(wrong)}")
+    with torch.no_grad():
+        for name, place in places.items():
+            place.copy_(renamed[name])
+    return model
+
+
+def hf_field(config, key, *default):
+    """config[key], or default when it is missing or None; a ValueError names a missing key without one."""
+    if config.get(key) is not None:
+        return config[key]
+    if default:
+        return default[0]
+    raise ValueError(f"config has no {key!r}")
+
+
+def hf_number(config, key, *default):
+    """hf_field's value as a float; a ValueError names a key that holds no number."""
+    value = hf_field(config, key, *default)
+    if type(value) not in (int, float):
+        raise ValueError(f"config's {key} is {value!r}, expected a number")
+    return float(value)
+
+
+def hf_refuse(config, **plain):
+    """A ValueError naming the first field of config whose value asks for what the family here
+    lacks; plain: the value each field must have (missing or None: transformers' default)."""
+    for key, value in plain.items():
+        if config.get(key) not in (value, None):
+            raise ValueError(f"config's {key} is {config[key]!r}: this file's {config.get('model_type')}"
+                             f" has only {key}={value!r}")
+
+
+def hf_rope_theta(config):
+    """RoPE's base (rope_parameters in transformers 5, rope_theta and rope_scaling in 4.x); a
+    stretched RoPE is refused."""
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    hf_refuse(dict(rope_type=rope.get("rope_type", rope.get("type")), model_type=config.get("model_type")),
+              rope_type="default")
+    return hf_number({"rope_theta": rope.get("rope_theta", config.get("rope_theta"))}, "rope_theta", 10000.0)
+
+
+def hf_sizes(keywords, *names):
+    """keywords, once each of names holds an integer >= 1 (a file's "64" or 0 is refused here, naming it)."""
+    bad = next((name for name in names if type(keywords[name]) is not int or keywords[name] < 1), None)
+    if bad is not None:
+        raise ValueError(f"{bad} must be an integer >= 1, got {keywords[bad]!r}")
+    return keywords
+
+
+def hf_llama_keywords(config):
+    """The keywords of Llama's constructor from a LlamaConfig's (or Qwen2Config's) fields, each checked
+    as a file's value must be before a model is built."""
+    hf_refuse(config, hidden_act="silu", attention_bias=False, mlp_bias=False, use_sliding_window=False)
+    n_heads = hf_field(config, "num_attention_heads")
+    keywords = dict(vocab_size=hf_field(config, "vocab_size"), d_model=hf_field(config, "hidden_size"),
+                    n_layers=hf_field(config, "num_hidden_layers"), n_heads=n_heads,
+                    n_kv_heads=hf_field(config, "num_key_value_heads", n_heads),
+                    d_ff=hf_field(config, "intermediate_size"),
+                    max_len=hf_field(config, "max_position_embeddings", 2048),
+                    rope_theta=hf_rope_theta(config), norm_eps=hf_number(config, "rms_norm_eps", 1e-6),
+                    tie_weights=hf_field(config, "tie_word_embeddings", False),
+                    qkv_bias=config.get("model_type") == "qwen2")  # Qwen2: biases on q, k and v
+    hf_sizes(keywords, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_len")
+    for key, low, high in (("rope_theta", 1.0, 1e30), ("norm_eps", torch.finfo(torch.float32).tiny, 1.0)):
+        if not low <= keywords[key] <= high:  # NaN too; an eps of 0 gives 0 / sqrt(0) = NaN
+            raise ValueError(f"{key} must be a number from {low:g} to {high:g}, got {keywords[key]!r}")
+    if type(keywords["tie_weights"]) is not bool:
+        raise ValueError(f"tie_weights must be True or False, got {keywords['tie_weights']!r}")
+    return keywords
+
+
+def hf_llama(config):
+    """Llama's keywords, its heads d_model / n_heads wide."""
+    keywords = hf_llama_keywords(config)
+    hf_refuse(config, head_dim=keywords["d_model"] // keywords["n_heads"])
+    return keywords
+
+
+HF_FAMILIES.update(llama=(Llama, hf_llama), qwen2=(Llama, hf_llama))
+
+
+def from_hf_config(config):
+    """This file's model for a transformers configuration (the dict of its config.json),
+    the family chosen by model_type."""
+    if not isinstance(config, dict):
+        raise ValueError(f"config must be a dict, got {type(config).__name__}")
+    kind = config.get("model_type")
+    if kind not in HF_FAMILIES:
+        raise ValueError(f"config's model_type is {kind!r}, not a family this file has ({', '.join(HF_FAMILIES)})")
+    family, keywords = HF_FAMILIES[kind]
+    return family(**keywords(config))
+
+
+# llama.cpp's tensor names and configuration keys ("llama.block_count") -> transformers', so
+# that from_hf_config and load_hf_state_dict do the rest
+GGUF_NAMES = [(r"^token_embd\.", "model.embed_tokens."), (r"^output_norm\.", "model.norm."), (r"^output\.", "lm_head."),
+              (r"^blk\.", "model.layers."), (r"\.attn_norm\.", ".input_layernorm."),
+              (r"\.ffn_norm\.", ".post_attention_layernorm."), (r"\.attn_([qkv])\.", r".self_attn.\1_proj."),
+              (r"\.attn_output\.", ".self_attn.o_proj."), (r"\.ffn_(gate|up|down)\.", r".mlp.\1_proj.")]
+GGUF_CONFIG = {"vocab_size": "vocab_size", "embedding_length": "hidden_size", "block_count": "num_hidden_layers",
+               "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+               "feed_forward_length": "intermediate_size", "context_length": "max_position_embeddings",
+               "rope.freq_base": "rope_theta", "attention.layer_norm_rms_epsilon": "rms_norm_eps"}
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+
+def tokenizer_from_gguf(metadata):
+    """The BPETokenizer a GGUF file's metadata describes, under llama.cpp's keys: tokens,
+    merges ("Ġ t": two tokens and a space), the pre-tokenizer's name, the token types
+    (3 control, 4 user-defined: both matched whole, as transformers and llama.cpp do)."""
+    kind, pre = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre", "gpt-2")
+    if kind != "gpt2" or str(pre) not in PRE_TOKENIZERS:
+        raise ValueError(f"the file's tokenizer is {kind!r} split as {pre!r}: this file reads byte-level BPE"
+                         f" ('gpt2') split as {' or '.join(map(repr, PRE_TOKENIZERS))}")
+    lists = {key: metadata.get(f"tokenizer.ggml.{key}", [] if key == "token_type" else None)
+             for key in ("tokens", "merges", "token_type")}
+    for (key, value), item in zip(lists.items(), (str, str, int)):
+        if type(value) is not list or any(type(v) is not item for v in value):
+            raise ValueError(f"the file's tokenizer.ggml.{key} is not a list of {item.__name__}s")
+    eos, template = metadata.get("tokenizer.ggml.eos_token_id"), metadata.get("tokenizer.chat_template", "")
+    if not isinstance(eos, (int, type(None))) or not isinstance(template, str):
+        raise ValueError(f"the file's tokenizer.ggml.eos_token_id is {eos!r} and its chat_template a"
+                         f" {type(template).__name__}: expected an integer (or none) and text")
+    tokens, merges = set(lists["tokens"]), [m.split(" ") for m in lists["merges"]]
+    bad = next((" ".join(m) for m in merges if len(m) != 2 or not {*m, "".join(m)} <= tokens), None)
+    if bad is not None:  # as the tokenizers library refuses it
+        raise ValueError(f"the file's tokenizer.ggml.merges holds {bad!r}: expected two of its tokens, a space"
+                         f" between, that join into a third")
+    return BPETokenizer(lists["tokens"], merges, pre, [i for i, t in enumerate(lists["token_type"]) if t in (3, 4)],
+                        eos, template)
+
+
+def load_gguf(path):
+    """A GGUF file -> (this file's model of its family, float32, in eval mode, and its
+    BPETokenizer, section 24's); the model's max_len is the file's context length."""
+    metadata, tensors = read_gguf(path, GGUF_ARCHITECTURES)
+    arch = metadata["general.architecture"]
+    config = {field: metadata[f"{arch}.{key}"] for key, field in GGUF_CONFIG.items() if f"{arch}.{key}" in metadata}
+    config.update(model_type=arch, tie_word_embeddings="output.weight" not in tensors)
+    tokenizer = tokenizer_from_gguf(metadata)  # its file's metadata checked before any tensor is copied
+    config.setdefault("vocab_size", len(tokenizer.tokens))
+    state = {}
+    for name, tensor in tensors.items():
+        for pattern, replacement in GGUF_NAMES:
+            name = re.sub(pattern, replacement, name)
+        state[name] = tensor
+    with torch.device("meta"):  # shapes only: drawing 135M random weights to overwrite them costs seconds
+        model = load_hf_state_dict(from_hf_config(config), state)  # names and shapes checked, nothing copied
+    # memory for every tensor, uninitialized: the weights come from the file, the RoPE tables
+    # (no weights) are computed again, and the embeddings tied again (to_empty parts them)
+    model = model.to_empty(device="cpu")
+    model.cos, model.sin = model.rope_tables(model.max_len, model.config["rope_theta"])  # [max_len, dk] each
+    if model.config["tie_weights"]:
+        model.lm_head.weight = model.token_embedding.weight
+    return load_hf_state_dict(model, state).eval(), tokenizer
+
+
+# Part IV's run: the toy's accuracy with its weights in section 25's blocks (the demo prints it)
+@torch.no_grad()
+def quantize_weights(model, fmt):
+    """Every weight matrix of model whose rows are whole blocks, in place, as fmt stores it (quantized,
+    then dequantized: the numbers a runtime reading fmt multiplies by) -> model."""
+    for w in model.parameters():
+        if w.dim() == 2 and w.size(1) % 32 == 0:
+            w.copy_(dequantize(quantize(w, fmt), fmt, w.shape))              # [out, in]
+    return model
+
+
+def quantized_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, formats=("Q8_0", "Q4_1")):
+    """A toy model of Part II's held-out exact match (section 16's one teacher-forced pass) at float32 and
+    with its weights stored in each format -> {"float32": accuracy, fmt: accuracy, ...}; model is not changed."""
+    accuracy = lambda m: teacher_forced_accuracy(kind, m, pairs, src_vocab, tgt_vocab, readings)  # noqa: E731
+    return {"float32": accuracy(model), **{fmt: accuracy(quantize_weights(copy.deepcopy(model), fmt))
+                                           for fmt in formats}}
 
 
 # >>> ANCHOR P5: Part V's plumbing goes directly below this line (keep this line)
