@@ -2591,7 +2591,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(d_model, n_experts, bias=False)            # a score per expert
         self.experts = nn.ModuleList([SwiGLU(d_model, d_ff) for _ in range(n_experts)])
         self.shared = None                                                 # an expert that every token runs
-        self.register_buffer("router_bias", torch.zeros(n_experts))       # [E]
+        self.register_buffer("router_bias", torch.zeros(n_experts))       # [E]; saved: V3's e_score_correction_bias
         self.router_logits = self.tokens_per_expert = None                # [N, E], [E] after a forward
 
     def logits(self, flat):
@@ -2641,10 +2641,9 @@ def load_balancing_loss(router_logits, top_k):
     P = probs.mean(dim=0)                                                  # [E]: sums to 1
     return E * (f * P).sum()                                               # []
 
-# The two MoE families have n_experts SwiGLU experts, each expert_d_ff wide (None means d_ff).
 
 class Mixtral(Llama):
-    """Mixtral = Llama with every feed-forward a MoE, its top_k weights divided by their sum."""
+    """Mixtral = Llama with every feed-forward a MoE of n_experts SwiGLUs expert_d_ff wide (None: d_ff)."""
     norm_topk = True
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
@@ -2670,8 +2669,7 @@ class Qwen3MoE(Qwen3):
                          tie_weights, qkv_bias, head_dim)
         self.config.update(n_experts=n_experts, top_k=top_k, expert_d_ff=expert_d_ff, norm_topk=norm_topk)
 
-    def feed_forward(self, i, d_model, d_ff):
-        return MoE(d_model, self.expert_d_ff or d_ff, self.n_experts, self.top_k, norm_topk=self.norm_topk)
+    feed_forward = Mixtral.feed_forward                                    # the same method: Mixtral's MoE
 
 
 def moe_params(d_model, expert_d_ff, n_experts, top_k, n_shared=0, active=False):
@@ -3037,10 +3035,7 @@ class MultiTokenPrediction(nn.Module):
 
 def mtp_module(model):
     """model's MTP module on the model's device. Its block is what the model's own attention() and feed_forward()
-    would build as block n_layers (for DeepSeek-V3: MLA and the DeepSeekMoE)."""
-    if not isinstance(model, Llama):
-        raise ValueError(f"model must be a Llama family of this file (MTP reads its RoPE tables), got"
-                         f" {type(model).__name__}")
+    would build as block n_layers (for DeepSeek-V3: MLA and the DeepSeekMoE), so model is a Llama family."""
     c = model.config
     attn = model.attention(model.d_model, c["n_heads"], c.get("n_kv_heads") or c["n_heads"], c.get("qkv_bias"))
     ffn = model.feed_forward(len(model.layers), model.d_model, c["d_ff"] or llama_ffn_dim(model.d_model))
