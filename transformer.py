@@ -2580,8 +2580,7 @@ RELATIONS.update({
 
 
 class MoE(nn.Module):
-    """Mixtral's mixture of experts: each token runs its top_k SwiGLU experts, weighted by the router's softmax.
-    Every MoE keeps the names shared (None here) and router_bias (zeros here), which DeepSeek's (section 31) uses."""
+    """Mixtral's mixture of experts: each token runs its top_k SwiGLU experts, weighted by the router's softmax."""
 
     def __init__(self, d_model, d_ff, n_experts, top_k, norm_topk=True):
         super().__init__()
@@ -2590,31 +2589,26 @@ class MoE(nn.Module):
         self.n_experts, self.top_k, self.norm_topk = n_experts, top_k, norm_topk
         self.router = nn.Linear(d_model, n_experts, bias=False)            # a score per expert
         self.experts = nn.ModuleList([SwiGLU(d_model, d_ff) for _ in range(n_experts)])
-        self.shared = None                                                 # an expert that every token runs
-        self.register_buffer("router_bias", torch.zeros(n_experts))       # [E]; saved: V3's e_score_correction_bias
+        self.shared = None                                                 # none in Mixtral; DeepSeek's: section 31
+        self.register_buffer("router_bias", torch.zeros(n_experts))       # [E]: 0 here; DeepSeek's ranks by it
         self.router_logits = self.tokens_per_expert = None                # [N, E], [E] after a forward
 
-    def logits(self, flat):
-        """Tokens [N, D] -> router logits [N, E]: the router in the model's dtype, the softmax later in float32."""
+    def logits(self, flat):  # the router in the model's dtype, the softmax (in route) in float32
         return self.router(flat).float()                                   # [N, E]
 
-    def route(self, logits):
-        """Router logits [N, E] -> each token's chosen experts [N, k] and their weights [N, k]."""
+    def route(self, logits):  # logits [N, E] -> each token's chosen experts [N, k] and their weights [N, k]
         weights, chosen = logits.softmax(dim=-1).topk(self.top_k, dim=-1)  # [N, k] each
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)          # [N, k]
+        weights = weights / weights.sum(dim=-1, keepdim=True) if self.norm_topk else weights  # [N, k]
         return chosen, weights                                             # [N, k], [N, k]
 
-    def forward(self, x):
-        """x [B, T, D] -> [B, T, D]; keeps router_logits [N, E] and tokens_per_expert [E] for balancing."""
+    def forward(self, x):  # x [B, T, D]; keeps router_logits and tokens_per_expert for balancing
         flat = x.reshape(-1, x.size(-1))                                   # [N, D], N = B * T tokens
         logits = self.logits(flat)                                         # [N, E]
         chosen, weights = self.route(logits)                               # [N, k] each
         self.router_logits = logits                                        # [N, E], still in the graph
         self.tokens_per_expert = torch.bincount(chosen.flatten(), minlength=self.n_experts)  # [E]
         out = torch.zeros_like(flat)                                       # [N, D]
-        # Each expert runs on its own tokens only: gather them, compute, add the results back. Running every expert
-        # on every token and multiplying the unchosen by 0 gives the same numbers for E / top_k times the compute.
+        # an expert runs on its tokens only; all experts on all tokens (the unchosen times 0) cost E / top_k times more
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(chosen == e)                         # [n_e] each: which tokens, which of their k
             if len(token):  # an idle expert does not run, so it gets no gradient rather than a zero one
@@ -2734,7 +2728,7 @@ RELATIONS.update({
 
 
 class LatentCache:
-    """One MLA module's cache, with KVCache's append and len: the latents [B, t, r], the turned rope keys [B, t, rope]."""
+    """One MLA module's cache, with KVCache's append and len: latents [B, t, r] and turned rope keys [B, t, rope]."""
 
     def __init__(self):
         self.latent, self.k_rope = None, None                             # [B, t, r], [B, t, rope] once filled
@@ -2835,8 +2829,9 @@ class MultiHeadLatentAttention(nn.Module):
 # of MoE. That MoE extends Mixtral's in four ways. A token runs 8 of 256 routed experts and also a shared expert that
 # every token runs. The router scores each expert with a sigmoid, s = sigmoid(logits), not a softmax. The load is
 # balanced without an auxiliary loss: s + router_bias ranks the experts, and s alone weighs the chosen ones, divided by
-# their sum and times routed_scale (2.5). So the bias steers which experts run, never how much they count, and after
-# each optimizer step it moves against each expert's load. Last, with n_groups > 1 (V3 has 8 groups of 32 experts, one
+# their sum and times routed_scale (2.5). So the bias steers which experts run, never how much they count. After each
+# optimizer step the bias moves by rate against each expert's load in the last forward, padded positions counted too; V3
+# trained with rate 0.001, then 0 for its last 500B tokens. Last, with n_groups > 1 (V3 has 8 groups of 32 experts, one
 # node's each), a token chooses only from the topk_groups groups (V3: 4) whose best two experts score highest, so each
 # token's experts sit on few nodes.
 
@@ -2849,14 +2844,11 @@ class DeepSeekMoE(MoE):
         if n_experts % n_groups:
             raise ValueError(f"n_experts ({n_experts}) must be divisible by n_groups ({n_groups})")
         if not topk_groups <= n_groups or topk_groups * (n_experts // n_groups) < top_k:  # else -inf gets chosen
-            raise ValueError(f"topk_groups ({topk_groups}) of the n_groups ({n_groups}) groups must hold at least"
-                             f" top_k ({top_k}) of the n_experts ({n_experts}) experts")
+            raise ValueError(f"topk_groups ({topk_groups}) of n_groups ({n_groups}) must hold top_k ({top_k}) experts")
         self.n_groups, self.topk_groups, self.routed_scale = n_groups, topk_groups, routed_scale
-        # the shared experts are one SwiGLU n_shared times as wide, run on every token, with no gate
-        self.shared = SwiGLU(d_model, n_shared * d_ff) if n_shared else None
+        self.shared = SwiGLU(d_model, n_shared * d_ff) if n_shared else None  # n_shared experts as one, no gate
 
-    def logits(self, flat):
-        """The matmul in float32, as transformers ports DeepSeek-V3 (DeepSeek's own code runs it in bf16)."""
+    def logits(self, flat):  # in float32 as transformers' DeepSeek-V3 (DeepSeek's own code: in bf16)
         return F.linear(flat.float(), self.router.weight.float())          # [N, E]
 
     def route(self, logits):
@@ -2869,7 +2861,6 @@ class DeepSeekMoE(MoE):
             best_two = grouped.topk(min(2, grouped.size(-1)), dim=-1).values  # [N, G, 2]
             groups = best_two.sum(dim=-1).topk(self.topk_groups, dim=-1).indices  # [N, topk_groups]
             allowed = grouped.new_zeros(grouped.shape[:2], dtype=torch.bool).scatter(1, groups, True)  # [N, G]
-            # -inf is safe here: __init__ made sure that at least top_k experts stay finite
             choice = grouped.masked_fill(~allowed[:, :, None], float("-inf")).flatten(1)  # [N, E]
         chosen = choice.topk(self.top_k, dim=-1).indices                   # [N, k]
         weights = scores.gather(1, chosen)                                 # [N, k]: s, without the bias
@@ -2880,9 +2871,7 @@ class DeepSeekMoE(MoE):
 
 @torch.no_grad()
 def update_router_bias(model, rate=1e-3):
-    """DeepSeek-V3's balancing without an auxiliary loss, run after each optimizer step. Every DeepSeekMoE in model
-    does router_bias += rate * sign(mean load - its load), from the tokens_per_expert of its last forward (padded
-    positions count too). V3 trained with rate 0.001, then 0 for its last 500B tokens. Returns how many it updated."""
+    """After an optimizer step, each DeepSeekMoE's router_bias += rate * sign(mean load - its load) -> how many."""
     if not 0 <= rate < math.inf:  # an infinite rate would make the bias infinite
         raise ValueError(f"rate must be a finite number >= 0, got {rate}")
     moes = [m for m in model.modules() if isinstance(m, DeepSeekMoE) and m.tokens_per_expert is not None]
@@ -2968,8 +2957,7 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
     if n_experts % n_groups:
         raise ValueError(f"n_experts ({n_experts}) must be divisible by n_groups ({n_groups})")
     if not topk_groups <= n_groups or topk_groups * (n_experts // n_groups) < top_k:
-        raise ValueError(f"topk_groups ({topk_groups}) of the n_groups ({n_groups}) groups must hold at least"
-                         f" top_k ({top_k}) of the n_experts ({n_experts}) experts")
+        raise ValueError(f"topk_groups ({topk_groups}) of n_groups ({n_groups}) must hold top_k ({top_k}) experts")
     q_width = n_heads * (qk_nope_dim + qk_rope_dim)
     attention = (d_model + 1 + q_width) * q_lora_rank if q_lora_rank else d_model * q_width  # w_dq, q_norm, w_uq; w_q
     attention += d_model * (kv_lora_rank + qk_rope_dim) + kv_lora_rank     # w_dkv, kv_norm
