@@ -3022,8 +3022,8 @@ class MultiTokenPrediction(nn.Module):
 
 
 def mtp_module(model):
-    """model's MTP module on the model's device. Its block is what the model's own attention() and feed_forward()
-    would build as block n_layers (for DeepSeek-V3: MLA and the DeepSeekMoE), so model is a Llama family."""
+    """model's MTP module, on the model's device. model is a Llama family: the module's block is what its own
+    attention() and feed_forward() would build as block n_layers (DeepSeek-V3's: MLA and the DeepSeekMoE)."""
     c = model.config
     attn = model.attention(model.d_model, c["n_heads"], c.get("n_kv_heads") or c["n_heads"], c.get("qkv_bias"))
     ffn = model.feed_forward(len(model.layers), model.d_model, c["d_ff"] or llama_ffn_dim(model.d_model))
