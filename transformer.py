@@ -5923,7 +5923,8 @@ from unittest import mock
 
 
 # >>> ANCHOR P5: Part V's plumbing goes directly below this line (keep this line)
-# Part V's families for transformers (section 26's tables): Qwen3's q_norm and k_norm keep their names here.
+# Part V's families in transformers' tables (HF_NAMES, HF_CONVERSIONS, HF_FAMILIES): Qwen3's q_norm and k_norm keep
+# their names here.
 
 def hf_qwen3(config):
     return dict(hf_llama_keywords(config), head_dim=hf_field(config, "head_dim", None))
