@@ -2159,32 +2159,32 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
 # ===========================================================================
 # Part V: the frontier, mixture of experts and latent attention (第五部分：前沿)
 # ===========================================================================
-# What the large open models since late 2023 add to Part III's decoder, each family a subclass of Llama that swaps what
-# differs (as transformers' modular files write them): QK-norm and free head widths (Qwen3), experts (Mixtral,
-# Qwen3-MoE), latent attention, then DeepSeek-V3 and what "671B parameters, 37B active" counts.
+# This part adds what the large open models since late 2023 put into Part III's decoder. Each family is a subclass of
+# Llama that swaps only what differs, as transformers' modular files write them: QK-norm and free head widths (Qwen3),
+# experts (Mixtral, Qwen3-MoE), latent attention, then DeepSeek-V3 and what "671B parameters, 37B active" counts.
 
 # ===========================================================================
 # 28. QK-norm and free head widths: Qwen3 (QK 归一化与自由头宽)
 # ===========================================================================
-# Qwen3's attention differs from Llama's in two places. head_dim frees a head's width from D / H (Qwen3-30B-A3B: D 2048,
-# 32 heads of 128, so w_q is 4096 wide and w_o brings H * dk back to D). QK-norm keeps the scores from growing with the
-# lengths of q and k until the softmax is one-hot and its gradient vanishes (Dehghani et al., 2023, "Scaling Vision
-# Transformers to 22 Billion Parameters", saw such logits diverge training): Qwen3 and Gemma 3 apply an RMSNorm over
-# each head's dk dims (one weight [dk] for all heads) to q and k BEFORE RoPE; OLMo 2 normalizes all H * dk dims before
-# splitting heads. The order matters once the weight is learned: RoPE keeps each pair's length, a weight that scales dim
-# i and not its partner does not.
+# Qwen3's attention differs from Llama's in two places. First, head_dim frees a head's width from D / H: Qwen3-30B-A3B
+# has D 2048 and 32 heads of 128, so w_q is 4096 wide and w_o brings the H * dk values back to D. Second, QK-norm keeps
+# the scores from growing with the lengths of q and k. Left to grow, they make the softmax one-hot, and its gradient
+# vanishes; Dehghani et al. (2023, "Scaling Vision Transformers to 22 Billion Parameters") saw such logits make training
+# diverge. Qwen3 and Gemma 3 apply an RMSNorm over each head's dk dims to q and k BEFORE RoPE, with one weight [dk]
+# shared by all heads. OLMo 2 instead normalizes all H * dk dims before it splits the heads. The order matters once the
+# weight is learned: RoPE keeps the length of each pair, but a weight that scales dim i and not its partner does not.
 
 class QKNormAttention(GroupedQueryAttention):
     """GQA with heads head_dim wide and an RMSNorm on each head's q and k (q_norm, k_norm)."""
 
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, bias=False, norm_eps=1e-6):
-        nn.Module.__init__(self)  # not GQA's __init__: it sizes the heads D / H
-        check("kv heads divide heads", **arguments_of(locals()))
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.w_q = nn.Linear(d_model, n_heads * head_dim, bias=bias)
-        self.w_k = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
-        self.w_v = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
-        self.w_o = nn.Linear(n_heads * head_dim, d_model, bias=False)
+        super().__init__(d_model, n_heads, n_kv_heads, bias)
+        if head_dim != self.head_dim:  # GQA made heads D / H wide, so the four projections are rebuilt head_dim wide
+            self.head_dim = head_dim
+            self.w_q = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+            self.w_k = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+            self.w_v = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+            self.w_o = nn.Linear(n_heads * head_dim, d_model, bias=False)
         self.q_norm, self.k_norm = RMSNorm(head_dim, norm_eps), RMSNorm(head_dim, norm_eps)
 
     def project(self, x):  # q and k normalized over each head's dk dims, before RoPE
@@ -2193,11 +2193,10 @@ class QKNormAttention(GroupedQueryAttention):
 
 
 class Qwen3(Llama):
-    """Qwen3 = Llama + QK-norm + a free head width (head_dim None: D / H)."""
+    """Qwen3 = Llama + QK-norm + a free head width (head_dim None means D / H)."""
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None):
-        check(d_model=d_model, n_heads=n_heads, head_dim=head_dim)
         self.head_dim = d_model // n_heads if head_dim is None else head_dim  # read by attention() below
         super().__init__(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta, norm_eps,
                          tie_weights, qkv_bias)
@@ -2209,12 +2208,10 @@ class Qwen3(Llama):
 
 def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                         rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None):
-    """Closed form of count_parameters(Qwen3(...)), same keywords and rules: Llama's, heads head_dim wide, + QK-norm."""
+    """Closed form of count_parameters(Qwen3(...)), same keywords: Llama's, heads head_dim wide, and QK-norm."""
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-    check("kv heads divide heads", **locals())
     head_dim = d_model // n_heads if head_dim is None else head_dim
-    check("even head_dim", head_dim=head_dim)
-    attention = gqa_params(d_model, n_heads, n_kv_heads, head_dim, qkv_bias) + 2 * head_dim
+    attention = gqa_params(d_model, n_heads, n_kv_heads, head_dim, qkv_bias) + 2 * head_dim  # + q_norm, k_norm
     d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
     return decoder_params(vocab_size, d_model, n_layers, attention, 3 * d_model * d_ff, tie_weights)
 
@@ -2226,28 +2223,16 @@ def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
 #   (torch.Size([1, 6, 100]), True)
 
 
-# Section 26's table, for transformers' Qwen3 (its q_norm and k_norm keep their names here)
-
-def hf_qwen3(config):
-    return dict(hf_llama_keywords(config), head_dim=hf_field(config, "head_dim", None))
-
-
-HF_FAMILIES["qwen3"] = (Qwen3, hf_qwen3)
-
-
 # ===========================================================================
-# 29. Mixture of experts: Mixtral, Qwen3-MoE, DeepSeek's router (混合专家)
+# 29. Mixture of experts: Mixtral and Qwen3-MoE (混合专家)
 # ===========================================================================
-# A mixture of experts (Shazeer et al., 2017; in Transformers GShard and Switch) holds E feed-forwards, the experts, and
-# a router that sends each token to top_k of them: E times the parameters for about top_k times the compute
-# (Mixtral-8x7B: 2 of 8 SwiGLU experts a token; DeepSeek-V3: 8 of 256, and a shared expert every token runs). Left
-# alone, a router sends most tokens to a few experts, which learn more and are chosen more; a loss or DeepSeek's bias
-# balances them. How the reference implementations weigh the chosen experts:
-#   softmax (Mixtral, Qwen3-MoE): p = softmax(logits) over all E, the top_k kept and divided by their sum (norm_topk): a
-#     softmax over the top_k logits; without that division (Qwen1.5-MoE), top-k before or after the softmax differ.
-#   sigmoid (DeepSeek-V3): s = sigmoid(logits); s + router_bias ranks, s alone weighs (the bias steers which experts
-#     run, never how much they count), over their sum, times routed_scale (2.5). n_groups > 1 (V3: 8 groups of 32
-#     experts, a node's each) choose only from the topk_groups (V3: 4) whose best two score highest: few nodes a token.
+# A mixture of experts (Shazeer et al., 2017; in Transformers, GShard and Switch) holds E feed-forwards, the experts,
+# and a router that sends each token to top_k of them. The model gets E times the parameters for about top_k times the
+# compute: Mixtral-8x7B runs 2 of its 8 SwiGLU experts a token. Left alone, a router sends most tokens to a few experts,
+# which then learn more and are chosen more; an auxiliary loss (below) or DeepSeek's bias (section 31) balances them.
+# Mixtral and Qwen3-MoE weigh the chosen experts alike. They take p = softmax(logits) over all E experts, keep the
+# top_k, and divide them by their sum (norm_topk); after that division the weights are a softmax over the top_k logits.
+# Without the division (Qwen1.5-MoE), taking the top k before the softmax or after it gives two different models.
 
 ARGUMENTS.update(n_experts=(int, 1, MAX_SIZE), n_shared=(int, 0, MAX_SIZE), router=("one of", "softmax", "sigmoid"),
                  norm_topk=(bool,), n_groups=(int, 1, MAX_SIZE), topk_groups=(int, 1, MAX_SIZE),
@@ -2270,59 +2255,38 @@ RELATIONS.update({
 
 
 class MoE(nn.Module):
-    """Each token's top_k experts, weighted, plus the shared expert on every token:
-    out = sum_{e chosen} w_e * experts[e](x) + shared(x); router "softmax" or "sigmoid"."""
+    """Mixtral's mixture of experts: each token runs its top_k SwiGLU experts, weighted by the router's softmax."""
 
-    def __init__(self, d_model, d_ff, n_experts, top_k, n_shared=0, router="softmax", norm_topk=True,
-                 n_groups=1, topk_groups=1, routed_scale=1.0):
+    def __init__(self, d_model, d_ff, n_experts, top_k, norm_topk=True):
         super().__init__()
-        check("d_ff given", "top_k <= n_experts", "groups divide experts", "groups from sigmoids",
-              "topk_groups <= n_groups", "enough experts in the groups", **arguments_of(locals()))
-        self.n_experts, self.top_k, self.scoring, self.norm_topk = n_experts, top_k, router, norm_topk
-        self.n_groups, self.topk_groups, self.routed_scale = n_groups, topk_groups, routed_scale
-        self.router = nn.Linear(d_model, n_experts, bias=False)          # a score per expert
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k ({top_k}) must be from 1 to n_experts ({n_experts})")
+        self.n_experts, self.top_k, self.norm_topk = n_experts, top_k, norm_topk
+        self.router = nn.Linear(d_model, n_experts, bias=False)            # a score per expert
         self.experts = nn.ModuleList([SwiGLU(d_model, d_ff) for _ in range(n_experts)])
-        # the shared experts are one SwiGLU n_shared times as wide, run on every token, no gate
-        self.shared = SwiGLU(d_model, n_shared * d_ff) if n_shared else None
-        # persistent: the balance it learned is part of the model (V3's e_score_correction_bias)
-        self.register_buffer("router_bias", torch.zeros(n_experts))       # [E]
+        self.shared = None                                                 # none in Mixtral; DeepSeek's: section 31
+        self.register_buffer("router_bias", torch.zeros(n_experts))       # [E]: 0 here; DeepSeek's ranks by it
         self.router_logits = self.tokens_per_expert = None                # [N, E], [E] after a forward
 
-    def route(self, logits):
-        """Router logits [N, E] (float32) -> chosen experts [N, k] and their weights [N, k]."""
-        check("a score per expert", shapes=dict(logits=logits.shape, router_bias=self.router_bias.shape))
-        scores = logits.softmax(dim=-1) if self.scoring == "softmax" else logits.sigmoid()  # [N, E]: p or s
-        choice = scores + self.router_bias                                 # [N, E]: ranks; never weighs
-        if self.n_groups > 1:
-            grouped = choice.view(len(choice), self.n_groups, -1)          # [N, G, E/G]
-            best_two = grouped.topk(min(2, grouped.size(-1)), dim=-1).values  # [N, G, 2]
-            groups = best_two.sum(dim=-1).topk(self.topk_groups, dim=-1).indices  # [N, topk_groups]
-            allowed = grouped.new_zeros(grouped.shape[:2], dtype=torch.bool).scatter(1, groups, True)  # [N, G]
-            # -inf is safe here: at least top_k experts stay finite (checked in __init__)
-            choice = grouped.masked_fill(~allowed[:, :, None], float("-inf")).flatten(1)  # [N, E]
-        chosen = choice.topk(self.top_k, dim=-1).indices                   # [N, k]
-        weights = scores.gather(1, chosen)                                 # [N, k]: p or s, no bias
-        if self.norm_topk:
-            # + 1e-20 as Hugging Face's DeepSeek-V3: k sigmoids can all underflow to 0
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # [N, k]
-        return chosen, weights * self.routed_scale                         # [N, k], [N, k]
+    def logits(self, flat):  # the router in the model's dtype, the softmax (in route) in float32
+        return self.router(flat).float()                                   # [N, E]
 
-    def forward(self, x):
-        """x [B, T, D] -> [B, T, D]; keeps router_logits [N, E] and tokens_per_expert [E]."""
+    def route(self, logits):  # logits [N, E] -> each token's chosen experts [N, k] and their weights [N, k]
+        weights, chosen = logits.softmax(dim=-1).topk(self.top_k, dim=-1)  # [N, k] each
+        weights = weights / weights.sum(dim=-1, keepdim=True) if self.norm_topk else weights  # [N, k]
+        return chosen, weights                                             # [N, k], [N, k]
+
+    def forward(self, x):  # x [B, T, D]; keeps router_logits and tokens_per_expert for balancing
         flat = x.reshape(-1, x.size(-1))                                   # [N, D], N = B * T tokens
-        if self.scoring == "softmax":  # Mixtral: the router in the model's dtype, the softmax in float32
-            logits = self.router(flat).float()                             # [N, E]
-        else:  # DeepSeek-V3 as transformers ports it, the matmul in float32 (DeepSeek's own: in bf16)
-            logits = F.linear(flat.float(), self.router.weight.float())    # [N, E]
+        logits = self.logits(flat)                                         # [N, E]
         chosen, weights = self.route(logits)                               # [N, k] each
         self.router_logits = logits                                        # [N, E], still in the graph
         self.tokens_per_expert = torch.bincount(chosen.flatten(), minlength=self.n_experts)  # [E]
         out = torch.zeros_like(flat)                                       # [N, D]
-        # each expert runs on its tokens only (gather, compute, index_add back): every expert on every
-        # token, the unchosen times 0, gives the same numbers at E / top_k times the compute
+        # an expert runs on its tokens only; all experts on all tokens (the unchosen times 0) cost E / top_k times more
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(chosen == e)                         # [n_e] each: which tokens, which of their k
-            if len(token):  # an idle expert is not run (and gets no gradient, not a zero one)
+            if len(token):  # an idle expert does not run, so it gets no gradient rather than a zero one
                 y = expert(flat[token]) * weights[token, slot, None].to(x.dtype)  # [n_e, D]
                 out.index_add_(0, token, y)                                # [N, D]
         if self.shared is not None:
@@ -2331,13 +2295,15 @@ class MoE(nn.Module):
 
 
 def load_balancing_loss(router_logits, top_k):
-    """The Switch Transformer's auxiliary loss as HF's Mixtral computes it from router logits [N, E], E * sum_e
-    f_e * P_e: f_e the top-k slots expert e got / N (a count: no gradient), P_e the mean of softmax(logits)[:, e].
-    top_k when uniform, larger where the probability piles up. Add it times a small factor (Switch: 0.01)."""
-    if router_logits.dim() != 2 or len(router_logits) == 0:
+    """The Switch Transformer's auxiliary loss, as transformers' Mixtral computes it from router logits [N, E]:
+    E * sum_e f_e * P_e. Here f_e is the share of the N tokens' top-k slots that expert e took (a count, so it has no
+    gradient), and P_e is the mean of softmax(logits)[:, e]. The loss is top_k when routing is uniform and grows where
+    the probability piles up. Add it to the loss times a small factor (Switch used 0.01)."""
+    if router_logits.dim() != 2 or len(router_logits) == 0:  # no tokens would give 0 / 0
         raise ValueError(f"router_logits must be [N, E] with N >= 1 tokens, got shape {list(router_logits.shape)}")
     E = router_logits.size(-1)
-    check("top_k <= n_experts", top_k=top_k, n_experts=E)
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k ({top_k}) must be from 1 to n_experts ({E})")
     probs = router_logits.float().softmax(dim=-1)                          # [N, E]
     chosen = probs.topk(top_k, dim=-1).indices                             # [N, k]
     f = torch.bincount(chosen.flatten(), minlength=E).float() / len(probs)  # [E]: sums to top_k
@@ -2345,29 +2311,13 @@ def load_balancing_loss(router_logits, top_k):
     return E * (f * P).sum()                                               # []
 
 
-@torch.no_grad()
-def update_router_bias(model, rate=1e-3):
-    """DeepSeek-V3's auxiliary-loss-free balancing, after each optimizer step: every sigmoid MoE in model does
-    router_bias += rate * sign(mean load - its load), from its last forward's tokens_per_expert (padded positions
-    count too). V3 trained with rate 0.001, then 0 for its last 500B tokens. -> the MoEs updated."""
-    check(model=model, rate=rate)
-    moes = [m for m in model.modules() if isinstance(m, MoE) and m.scoring == "sigmoid"
-            and m.tokens_per_expert is not None]
-    for moe in moes:
-        load = moe.tokens_per_expert.float()                               # [E]
-        moe.router_bias += rate * torch.sign(load.mean() - load)           # [E]: overloaded down, idle up
-    return len(moes)
-
-# The two MoE families, n_experts SwiGLUs expert_d_ff wide (None: d_ff); their counts from their dense model's.
-
 class Mixtral(Llama):
-    """Mixtral = Llama with every feed-forward a MoE, its top_k weights divided by their sum."""
+    """Mixtral = Llama with every feed-forward a MoE of n_experts SwiGLUs expert_d_ff wide (None: d_ff)."""
     norm_topk = True
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, n_experts=8, top_k=2,
                  expert_d_ff=None):
-        check("top_k <= n_experts", n_experts=n_experts, top_k=top_k, expert_d_ff=expert_d_ff)
         self.n_experts, self.top_k, self.expert_d_ff = n_experts, top_k, expert_d_ff  # read by feed_forward()
         super().__init__(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta, norm_eps,
                          tie_weights, qkv_bias)
@@ -2378,30 +2328,30 @@ class Mixtral(Llama):
 
 
 class Qwen3MoE(Qwen3):
-    """Qwen3-MoE = Qwen3 with Mixtral's feed-forward, norm_topk its option."""
+    """Qwen3-MoE = Qwen3 with Mixtral's feed-forward, where norm_topk is an option."""
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None, n_experts=8,
                  top_k=2, expert_d_ff=None, norm_topk=True):
-        check("top_k <= n_experts", n_experts=n_experts, top_k=top_k, expert_d_ff=expert_d_ff, norm_topk=norm_topk)
         self.n_experts, self.top_k, self.expert_d_ff, self.norm_topk = n_experts, top_k, expert_d_ff, norm_topk
         super().__init__(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta, norm_eps,
                          tie_weights, qkv_bias, head_dim)
         self.config.update(n_experts=n_experts, top_k=top_k, expert_d_ff=expert_d_ff, norm_topk=norm_topk)
 
-    feed_forward = Mixtral.feed_forward
+    feed_forward = Mixtral.feed_forward                                    # the same method: Mixtral's MoE
 
 
 def moe_params(d_model, expert_d_ff, n_experts, top_k, n_shared=0, active=False):
-    """The router's [E, D] and the experts; active=True: only the top_k a token runs (section 33)."""
+    """The router's [E, D] and the experts; with active=True only the top_k experts a token runs (section 33)."""
+    if not 1 <= top_k <= n_experts:  # MoE's own check: a formula refuses what its class refuses
+        raise ValueError(f"top_k ({top_k}) must be from 1 to n_experts ({n_experts})")
     return n_experts * d_model + ((top_k if active else n_experts) + n_shared) * 3 * d_model * expert_d_ff
 
 
 def mixtral_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                           rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, n_experts=8,
                           top_k=2, expert_d_ff=None, active=False):
-    """Closed form of count_parameters(Mixtral(...)), same keywords and rules; active=True: one token's."""
-    check("top_k <= n_experts", **locals())
+    """Closed form of count_parameters(Mixtral(...)), same keywords; active=True counts one token's."""
     d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
     dense = llama_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta,
                                 norm_eps, tie_weights, qkv_bias)
@@ -2412,8 +2362,7 @@ def mixtral_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=Non
 def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                             rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None,
                             n_experts=8, top_k=2, expert_d_ff=None, norm_topk=True, active=False):
-    """Closed form of count_parameters(Qwen3MoE(...)), same keywords and rules; active=True: one token's."""
-    check("top_k <= n_experts", **locals())
+    """Closed form of count_parameters(Qwen3MoE(...)), same keywords; active=True counts one token's."""
     d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
     dense = qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta,
                                 norm_eps, tie_weights, qkv_bias, head_dim)
@@ -2426,118 +2375,21 @@ def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=N
 #   (torch.Size([3, 4, 16]), torch.Size([12, 4]), 24)
 #   >>> round(load_balancing_loss(torch.zeros(12, 4), top_k=2).item(), 6)    # uniform routing: top_k
 #   2.0
-#   >>> ds = MoE(16, 32, n_experts=8, top_k=2, n_shared=1, router="sigmoid", n_groups=4, topk_groups=2)
-#   >>> _ = ds(torch.randn(2, 5, 16))                                       # 10 tokens, 20 slots, mean load 2.5
-#   >>> update_router_bias(ds), torch.equal(ds.router_bias > 0, ds.tokens_per_expert < 2.5)  # idle up, busy down
-#   (1, True)
-
-
-def with_router_bias(update, model, rate):
-    """Section 13's update step, then update_router_bias(model, rate): DeepSeek-V3's balancing, each step."""
-    check(model=model, rate=rate)
-    def step():
-        update()
-        update_router_bias(model, rate)
-    return step
-
-
-# On the toy task of Part II: the router bias moved after every step, then where the tokens went.
-
-@torch.no_grad()
-def expert_load(model, pairs, vocab):
-    """Share of the routed slots each expert took over "pinyin <sep> hanzi <eos>" of pairs: {MoE layer:
-    [E] summing to 1}. Sequences of one length share a batch, so no padding is routed."""
-    check(model=model)
-    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
-    by_length = {}
-    for pinyin, hanzi in pairs:
-        ids = vocab.encode(pinyin.split() + [SEP]) + vocab.encode(list(hanzi)) + [Vocab.EOS]
-        by_length.setdefault(len(ids), []).append(ids)
-    moes = {i: layer.ffn for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoE)}
-    totals = {i: torch.zeros(moe.n_experts) for i, moe in moes.items()}  # [E] each
-    with eval_mode(model):
-        for rows in by_length.values():
-            model(torch.tensor(rows, device=model.lm_head.weight.device))  # [B, L, V]; fills tokens_per_expert
-            for i, moe in moes.items():
-                totals[i] += moe.tokens_per_expert.cpu()                   # [E]
-    return {i: total / total.sum() for i, total in totals.items()}         # [E] each
-
-
-def render_expert_load(loads, uniform=10):
-    """{layer: shares [E]} -> text bars, `uniform` blocks for a share of exactly 1 / E."""
-    lines = []
-    for i, load in loads.items():
-        E = len(load)
-        lines.append(f"layer {i}, {E} experts (uniform: {1 / E:.1%} each, {uniform} blocks)")
-        for e, share in enumerate(load.tolist()):
-            lines.append(f"  expert {e:2d} {'█' * round(share * E * uniform):{3 * uniform}s} {share:6.1%}")
-    return "\n".join(lines)
-
-# Try it: a layer of 3 experts, one of them idle.
-#   >>> print(render_expert_load({1: torch.tensor([0.75, 0.25, 0.0])}, uniform=4))
-#   layer 1, 3 experts (uniform: 33.3% each, 4 blocks)
-#     expert  0 █████████     75.0%
-#     expert  1 ███           25.0%
-#     expert  2                0.0%
-
-
-# Section 26's tables, for transformers' Mixtral and Qwen3-MoE. Their router is mlp.gate
-# (Mixtral's saved files: block_sparse_moe.gate, its experts named w1, w3, w2 as here).
-
-HF_NAMES.extend([(r"\.block_sparse_moe\.", ".ffn."), (r"\.ffn\.gate\.", ".ffn.router.")])
-
-
-def hf_unfuse_experts(state):
-    """transformers 5 keeps a layer's experts in two tensors, experts.gate_up_proj [E, 2 Dff, D] (each expert's
-    gate rows, then its up rows) and experts.down_proj [E, D, Dff]: one SwiGLU each here; their routers: no bias."""
-    out = {}
-    for name, w in state.items():
-        base, _, kind = name.rpartition(".")
-        if kind == "gate_up_proj":
-            for e, (gate, up) in enumerate(zip(*w.chunk(2, dim=1))):       # [Dff, D] each
-                out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = gate, up
-        elif kind == "down_proj" and base.endswith(".experts"):
-            out.update({f"{base}.{e}.w2.weight": down for e, down in enumerate(w)})  # [D, Dff] each
-        else:
-            out[name] = w
-        bias = name.replace(".router.weight", ".router_bias")
-        if name.endswith(".router.weight") and bias not in state:
-            out[bias] = torch.zeros(len(w))                                # [E]
-    return out
-
-
-def hf_mixtral(config):
-    """Mixtral's keywords: Llama's, and num_local_experts SwiGLUs, intermediate_size wide."""
-    hf_refuse(config, sliding_window=None)
-    return dict(hf_llama(config), n_experts=hf_field(config, "num_local_experts"),
-                top_k=hf_field(config, "num_experts_per_tok"))
-
-
-def hf_qwen3_moe(config):
-    """Qwen3-MoE's keywords: Qwen3's, and num_experts SwiGLUs (transformers 5 writes num_local_experts),
-    moe_intermediate_size wide, in every block."""
-    hf_refuse(config, decoder_sparse_step=1, mlp_only_layers=[])
-    return dict(hf_qwen3(config), n_experts=config.get("num_experts") or hf_field(config, "num_local_experts"),
-                top_k=hf_field(config, "num_experts_per_tok"), expert_d_ff=hf_field(config, "moe_intermediate_size"),
-                norm_topk=hf_field(config, "norm_topk_prob", False))
-
-
-HF_CONVERSIONS.append(hf_unfuse_experts)
-HF_FAMILIES.update(mixtral=(Mixtral, hf_mixtral), qwen3_moe=(Qwen3MoE, hf_qwen3_moe))
 
 
 # ===========================================================================
 # 30. Multi-head latent attention, MLA (多头潜在注意力)
 # ===========================================================================
-# GQA shrinks the cache by sharing heads; MLA (DeepSeek-V2, 2024, and V3) by compressing: w_dkv maps each token to a
-# latent c of kv_lora_rank dims (512 in V3), normalized by kv_norm, plus one rope key (64) for all heads; w_ukv expands
-# c to every head's key (its nope part, 128) and value (128). The cache keeps c and the rope key, 576 values a token a
-# layer in V3, against 128 x (192 + 128) = 40,960 for per-head keys and values. Queries pass a low-rank bottleneck of
-# their own (w_dq, q_norm, w_uq) "to reduce the activation memory during training" (DeepSeek-V2). A head's q and k are
-# [nope | rope], RoPE turning the rope part, decoupled: with a rotation between the query and W_uk, the score
-# q^T R(m)^T R(n) W_uk c_n = q^T R(n - m) W_uk c_n depends on the pair of positions, and W_uk could not be folded into
-# the query once for all keys (3a). DeepSeek's checkpoints pair neighbours (x[2i], x[2i+1]) in the rope part
-# (rope_interleave=True): section 19's halves after a fixed permutation of the rope rows of w_uq (or w_q) and w_dkv.
+# GQA shrinks the cache by sharing heads; MLA (DeepSeek-V2, 2024, and V3) shrinks it by compressing. w_dkv maps each
+# token to a latent c of kv_lora_rank dims (512 in V3), which kv_norm normalizes, and to one rope key (64 dims) for all
+# heads. w_ukv expands c into every head's key (its nope part, 128 dims) and value (128 dims). So the cache keeps only c
+# and the rope key, 576 values a token a layer in V3, against 128 x (192 + 128) = 40,960 for per-head keys and values.
+# The queries pass a low-rank bottleneck of their own (w_dq, q_norm, w_uq) "to reduce the activation memory during
+# training" (DeepSeek-V2). A head's q and k are [nope | rope], and RoPE turns only the rope part. The rope part is kept
+# apart because a rotation between the query and W_uk would make the score q^T R(m)^T R(n) W_uk c_n = q^T R(n - m)
+# W_uk c_n depend on the pair of positions, and W_uk could then not be folded into the query once for all keys (3a
+# below). DeepSeek's checkpoints pair neighbours (x[2i], x[2i+1]) in the rope part (rope_interleave=True); that is
+# section 19's halves after a fixed permutation of the rope rows of w_uq (or w_q) and w_dkv.
 
 ARGUMENTS.update(kv_lora_rank=(int, 1, MAX_SIZE), q_lora_rank=(int, 1, MAX_SIZE, "or None"),
                  qk_nope_dim=(int, 1, MAX_SIZE), qk_rope_dim=(int, 1, MAX_SIZE), v_head_dim=(int, 1, MAX_SIZE),
@@ -2551,7 +2403,7 @@ RELATIONS.update({
 
 
 class LatentCache:
-    """One MLA module's cache, append and len as KVCache's: latent [B, t, r], turned rope key [B, t, rope]."""
+    """One MLA module's cache, with KVCache's append and len: latents [B, t, r] and turned rope keys [B, t, rope]."""
 
     def __init__(self):
         self.latent, self.k_rope = None, None                             # [B, t, r], [B, t, rope] once filled
@@ -2560,7 +2412,9 @@ class LatentCache:
         return 0 if self.latent is None else self.latent.size(1)
 
     def append(self, latent, k_rope):
-        check("a latent and a rope key a token", shapes=dict(latent=latent.shape, k_rope=k_rope.shape))
+        if latent.dim() != 3 or latent.shape[:2] != k_rope.shape[:2]:  # else the cache would hold two lengths
+            raise ValueError(f"latent [B, Tn, r] and k_rope [B, Tn, rope] must share B and Tn, got"
+                             f" {list(latent.shape)} and {list(k_rope.shape)}")
         if self.latent is not None:
             latent = torch.cat([self.latent, latent], dim=1)               # [B, t+Tn, r]
             k_rope = torch.cat([self.k_rope, k_rope], dim=1)               # [B, t+Tn, rope]
@@ -2569,66 +2423,65 @@ class LatentCache:
 
 
 class MultiHeadLatentAttention(nn.Module):
-    """DeepSeek-V2/V3's MLA in DeepSeek's layout (its wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b, wo are
-    w_dq, q_norm, w_uq, w_dkv, kv_norm, w_ukv, w_o here), no biases; q_lora_rank=None: one w_q."""
+    """DeepSeek-V2/V3's MLA in DeepSeek's layout, no biases: its wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b and wo are
+    w_dq, q_norm, w_uq, w_dkv, kv_norm, w_ukv and w_o here. With q_lora_rank=None one w_q makes the queries."""
 
     def __init__(self, d_model, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim, q_lora_rank=None,
                  norm_eps=1e-6, rope_interleave=True):
         super().__init__()
-        check("even qk_rope_dim", **arguments_of(locals()))
+        if qk_rope_dim % 2:
+            raise ValueError(f"qk_rope_dim ({qk_rope_dim}) must be even: RoPE turns pairs of dims")
         self.n_heads, self.kv_lora_rank, self.q_lora_rank = n_heads, kv_lora_rank, q_lora_rank
         self.nope, self.rope, self.v_dim, self.rope_interleave = qk_nope_dim, qk_rope_dim, v_head_dim, rope_interleave
         q_width = n_heads * (qk_nope_dim + qk_rope_dim)                   # every head's [nope | rope]
         if q_lora_rank is None:
             self.w_q = nn.Linear(d_model, q_width, bias=False)
-        else:
-            self.w_dq = nn.Linear(d_model, q_lora_rank, bias=False)       # down: D -> q rank
+        else:  # down to q_lora_rank, normalized, up to every head's query
+            self.w_dq = nn.Linear(d_model, q_lora_rank, bias=False)
             self.q_norm = RMSNorm(q_lora_rank, norm_eps)
-            self.w_uq = nn.Linear(q_lora_rank, q_width, bias=False)       # up: q rank -> H * (nope + rope)
+            self.w_uq = nn.Linear(q_lora_rank, q_width, bias=False)
         self.w_dkv = nn.Linear(d_model, kv_lora_rank + qk_rope_dim, bias=False)  # the latent, then the rope key
         self.kv_norm = RMSNorm(kv_lora_rank, norm_eps)
         self.w_ukv = nn.Linear(kv_lora_rank, n_heads * (qk_nope_dim + v_head_dim), bias=False)  # per head: k, then v
         self.w_o = nn.Linear(n_heads * v_head_dim, d_model, bias=False)
 
     def forward(self, x, cos, sin, mask=None, cache=None, absorb=None):
-        """x [B, Tn, D]; cos, sin [Tn, rope] at the new tokens' positions; mask [1, 1, Tn, t + Tn]; cache
-        a LatentCache. absorb None: absorbed when the cache holds tokens (decoding), expanded otherwise."""
+        """x [B, Tn, D]; cos, sin [Tn, rope] at the new tokens' positions; mask [1, 1, Tn, t + Tn]; cache a
+        LatentCache. absorb=None absorbs when the cache holds tokens (decoding) and expands otherwise (a prefill)."""
         B, Tn, _ = x.shape
         H, past = self.n_heads, len(cache) if cache is not None else 0
         # 1. every head's query, split into the part without position and the part RoPE turns
         q = self.w_q(x) if self.q_lora_rank is None else self.w_uq(self.q_norm(self.w_dq(x)))  # [B, Tn, H*(nope+rope)]
         q = q.view(B, Tn, H, self.nope + self.rope).transpose(1, 2)        # [B, H, Tn, nope+rope]
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)           # [B, H, Tn, nope], [B, H, Tn, rope]
-        # 2. one projection gives the latent and the rope key shared by every head
+        # 2. one projection gives the latent and the rope key that every head shares
         latent, k_rope = self.w_dkv(x).split([self.kv_lora_rank, self.rope], dim=-1)  # [B, Tn, r], [B, Tn, rope]
         latent = self.kv_norm(latent)                                      # [B, Tn, r]
         if self.rope_interleave:  # x0, x2, ... then x1, x3, ...: neighbour pairs become section 19's halves
             q_rope, k_rope = (torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
                               for x in (q_rope, k_rope))                   # [B, H, Tn, rope], [B, Tn, rope]
         q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)  # [B, H, Tn, rope], [B, Tn, rope]
-        if cache is not None:  # the cache: r + rope values a token, nothing per head
+        if cache is not None:  # r + rope values a token, nothing per head
             latent, k_rope = cache.append(latent, k_rope)                  # [B, t, r], [B, t, rope], t = past + Tn
-        # w_ukv's rows are, per head, the nope key's then the value's: W_uk, W_uv
+        # w_ukv's rows are, per head, the nope key's (W_uk) and then the value's (W_uv)
         w_ukv = self.w_ukv.weight.view(H, self.nope + self.v_dim, self.kv_lora_rank)  # [H, nope+v, r]
         w_uk, w_uv = w_ukv.split([self.nope, self.v_dim], dim=1)          # [H, nope, r], [H, v, r]
         absorbed = past > 0 if absorb is None else absorb                  # decoding: absorbed; a prefill: expanded
         if absorbed:
-            # 3a. absorbed: q_nope . (W_uk c) = (W_uk^T q_nope) . c, one query of width r per head
+            # 3a. absorbed: q_nope . (W_uk c) = (W_uk^T q_nope) . c, so each head has one query of width r, and all H
+            # heads share one key [c | k_rope] and one value c (broadcast, as in MQA). Section 2 divides the scores
+            # by sqrt(r + rope) where they need sqrt(nope + rope), so q makes up the difference.
             q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)        # [B, H, Tn, r]
-            # one key [c | k_rope] and one value c for all H heads (broadcast, as MQA); section 2
-            # divides by sqrt(r + rope), the scores need sqrt(nope + rope): q makes up the difference
             q = torch.cat([q_latent, q_rope], dim=-1) * math.sqrt(
                 (self.kv_lora_rank + self.rope) / (self.nope + self.rope))  # [B, H, Tn, r+rope]
             k = torch.cat([latent, k_rope], dim=-1)[:, None]               # [B, 1, t, r+rope]
             out, _ = scaled_dot_product_attention(q, k, latent[:, None], mask)  # [B, H, Tn, r]
             out = torch.einsum("bhtr,hvr->bhtv", out, w_uv)                # [B, H, Tn, v]: W_uv after the sum
-        else:
-            # 3b. expanded: every head's key [W_uk c | k_rope] and value W_uv c, for all t tokens
+        else:  # 3b. expanded: every head's key [W_uk c | k_rope] and value W_uv c, for all t tokens
             kv = self.w_ukv(latent).view(B, -1, H, self.nope + self.v_dim).transpose(1, 2)  # [B, H, t, nope+v]
             k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)          # [B, H, t, nope], [B, H, t, v]
             k = torch.cat([k_nope, k_rope[:, None].expand(-1, H, -1, -1)], dim=-1)  # [B, H, t, nope+rope]
-            q = torch.cat([q_nope, q_rope], dim=-1)                        # [B, H, Tn, nope+rope]
-            out, _ = scaled_dot_product_attention(q, k, v, mask)           # [B, H, Tn, v]
+            out, _ = scaled_dot_product_attention(torch.cat([q_nope, q_rope], dim=-1), k, v, mask)  # [B, H, Tn, v]
         return self.w_o(out.transpose(1, 2).reshape(B, Tn, H * self.v_dim))  # [B, Tn, D]
 
 # Try it: DeepSeek-V3's shapes, 16 times narrower; the cache holds 32 + 4 values a token.
@@ -2647,9 +2500,80 @@ class MultiHeadLatentAttention(nn.Module):
 # ===========================================================================
 # 31. The DeepSeek-V3 model (DeepSeek-V3 模型)
 # ===========================================================================
-# Llama with MLA for attention and, after the first n_dense_layers dense blocks (3 in V3), a sigmoid-routed MoE with
-# shared experts; RoPE tables as wide as the rope part, a LatentCache a layer. Its multi-token-prediction module is the
-# next section; YaRN, which stretches its RoPE from 4K to 128K tokens, section 37.
+# DeepSeek-V3 is Llama with MLA for attention and, after the first n_dense_layers dense blocks (3 in V3), its own kind
+# of MoE. That MoE extends Mixtral's in four ways. A token runs 8 of 256 routed experts and also a shared expert that
+# every token runs. The router scores each expert with a sigmoid, s = sigmoid(logits), not a softmax. The load is
+# balanced without an auxiliary loss: s + router_bias ranks the experts, and s alone weighs the chosen ones, divided by
+# their sum and times routed_scale (2.5). So the bias steers which experts run, never how much they count. After each
+# optimizer step the bias moves by rate against each expert's load in the last forward, padded positions counted too; V3
+# trained with rate 0.001, then 0 for its last 500B tokens. Last, with n_groups > 1 (V3 has 8 groups of 32 experts, one
+# node's each), a token chooses only from the topk_groups groups (V3: 4) whose best two experts score highest, so each
+# token's experts sit on few nodes.
+
+class DeepSeekMoE(MoE):
+    """DeepSeek-V3's MoE: sigmoid scores, router_bias in the ranking only, group-limited choice, n_shared experts."""
+
+    def __init__(self, d_model, d_ff, n_experts, top_k, n_shared=0, norm_topk=True, n_groups=1, topk_groups=1,
+                 routed_scale=1.0):
+        super().__init__(d_model, d_ff, n_experts, top_k, norm_topk)
+        if n_experts % n_groups:
+            raise ValueError(f"n_experts ({n_experts}) must be divisible by n_groups ({n_groups})")
+        if not topk_groups <= n_groups or topk_groups * (n_experts // n_groups) < top_k:  # else -inf gets chosen
+            raise ValueError(f"topk_groups ({topk_groups}) of n_groups ({n_groups}) must hold top_k ({top_k}) experts")
+        self.n_groups, self.topk_groups, self.routed_scale = n_groups, topk_groups, routed_scale
+        self.shared = SwiGLU(d_model, n_shared * d_ff) if n_shared else None  # n_shared experts as one, no gate
+
+    def logits(self, flat):  # in float32 as transformers' DeepSeek-V3 (DeepSeek's own code: in bf16)
+        return F.linear(flat.float(), self.router.weight.float())          # [N, E]
+
+    def route(self, logits):
+        if logits.dim() != 2 or logits.size(1) != len(self.router_bias):  # else the bias [E] would broadcast
+            raise ValueError(f"logits must be [N, E], a score per expert, got shape {list(logits.shape)}")
+        scores = logits.sigmoid()                                          # [N, E]
+        choice = scores + self.router_bias                                 # [N, E]: ranks; never weighs
+        if self.n_groups > 1:
+            grouped = choice.view(len(choice), self.n_groups, -1)          # [N, G, E/G]
+            best_two = grouped.topk(min(2, grouped.size(-1)), dim=-1).values  # [N, G, 2]
+            groups = best_two.sum(dim=-1).topk(self.topk_groups, dim=-1).indices  # [N, topk_groups]
+            allowed = grouped.new_zeros(grouped.shape[:2], dtype=torch.bool).scatter(1, groups, True)  # [N, G]
+            choice = grouped.masked_fill(~allowed[:, :, None], float("-inf")).flatten(1)  # [N, E]
+        chosen = choice.topk(self.top_k, dim=-1).indices                   # [N, k]
+        weights = scores.gather(1, chosen)                                 # [N, k]: s, without the bias
+        if self.norm_topk:  # + 1e-20 as transformers' DeepSeek-V3: k sigmoids can all underflow to 0
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # [N, k]
+        return chosen, weights * self.routed_scale                         # [N, k], [N, k]
+
+
+@torch.no_grad()
+def update_router_bias(model, rate=1e-3):
+    """After an optimizer step, each DeepSeekMoE's router_bias += rate * sign(mean load - its load) -> how many."""
+    if not 0 <= rate < math.inf:  # an infinite rate would make the bias infinite
+        raise ValueError(f"rate must be a finite number >= 0, got {rate}")
+    moes = [m for m in model.modules() if isinstance(m, DeepSeekMoE) and m.tokens_per_expert is not None]
+    for moe in moes:
+        load = moe.tokens_per_expert.float()                               # [E]
+        moe.router_bias += rate * torch.sign(load.mean() - load)           # [E]: overloaded down, idle up
+    return len(moes)
+
+
+def with_router_bias(update, model, rate):
+    """Section 13's update step, then update_router_bias(model, rate): DeepSeek-V3's balancing, each step."""
+    if not 0 <= rate < math.inf:  # refused now, not at the first step
+        raise ValueError(f"rate must be a finite number >= 0, got {rate}")
+
+    def step():
+        update()
+        update_router_bias(model, rate)
+    return step
+
+# Try it: 10 tokens fill 20 slots, a mean load of 2.5; the bias goes up for the idle experts and down for the busy.
+#   >>> ds = DeepSeekMoE(16, 32, n_experts=8, top_k=2, n_shared=1, n_groups=4, topk_groups=2)
+#   >>> _ = ds(torch.randn(2, 5, 16))                                       # [2, 5, 16]
+#   >>> update_router_bias(ds), torch.equal(ds.router_bias > 0, ds.tokens_per_expert < 2.5)
+#   (1, True)
+
+# The model: RoPE tables as wide as the rope part, and a LatentCache a layer. Its multi-token-prediction module is the
+# next section; YaRN, which stretches its RoPE from 4K to 128K tokens, is section 37.
 
 ARGUMENTS.update(n_dense_layers=(int, 0, 1024))
 RELATIONS.update({
@@ -2657,20 +2581,18 @@ RELATIONS.update({
                                    "n_dense_layers must be at most n_layers"),
     "expert width": (("expert_d_ff",), lambda width: width is not None, "expert_d_ff must be an integer >= 1"),
 })
-DEEPSEEK_RULES = ("n_dense_layers <= n_layers", "expert width", "d_ff given", "top_k <= n_experts", "even qk_rope_dim",
-                  "groups divide experts", "topk_groups <= n_groups", "enough experts in the groups")
 
 
 class DeepSeekV3(Llama):
-    """Llama with MLA in every block, SwiGLU in the first n_dense_layers, then a sigmoid MoE."""
+    """Llama with MLA in every block, SwiGLU in the first n_dense_layers, then a DeepSeekMoE."""
     cache_kind = LatentCache                                               # [B, t, r] and [B, t, rope] a layer
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim,
                  d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1, n_dense_layers=1, n_groups=1,
                  topk_groups=1, routed_scale=1.0, norm_topk=True, max_len=4096, rope_theta=10000.0, norm_eps=1e-6,
                  tie_weights=False, rope_interleave=True):
-        config = arguments_of(locals())
-        check(*DEEPSEEK_RULES, **config)                                   # every block's rules, before building
+        if n_dense_layers > n_layers:
+            raise ValueError(f"n_dense_layers ({n_dense_layers}) must be at most n_layers ({n_layers})")
         # read by attention() and feed_forward() while Llama builds the blocks
         self.mla = dict(kv_lora_rank=kv_lora_rank, qk_nope_dim=qk_nope_dim, qk_rope_dim=qk_rope_dim,
                         v_head_dim=v_head_dim, q_lora_rank=q_lora_rank, rope_interleave=rope_interleave)
@@ -2679,13 +2601,19 @@ class DeepSeekV3(Llama):
         self.n_dense_layers = n_dense_layers
         super().__init__(vocab_size, d_model, n_layers, n_heads, None, d_ff, max_len, rope_theta, norm_eps,
                          tie_weights)  # N(0, 0.02) as Llama's (V3's paper: std 0.006)
-        self.config = config                                               # for checkpoints
+        self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,  # checkpoints
+                           kv_lora_rank=kv_lora_rank, qk_nope_dim=qk_nope_dim, qk_rope_dim=qk_rope_dim,
+                           v_head_dim=v_head_dim, d_ff=d_ff, expert_d_ff=expert_d_ff, n_experts=n_experts, top_k=top_k,
+                           q_lora_rank=q_lora_rank, n_shared=n_shared, n_dense_layers=n_dense_layers, n_groups=n_groups,
+                           topk_groups=topk_groups, routed_scale=routed_scale, norm_topk=norm_topk, max_len=max_len,
+                           rope_theta=rope_theta, norm_eps=norm_eps, tie_weights=tie_weights,
+                           rope_interleave=rope_interleave)
 
     def attention(self, d_model, n_heads, n_kv_heads, qkv_bias):
         return MultiHeadLatentAttention(d_model, n_heads, **self.mla, norm_eps=self.config["norm_eps"])
 
     def feed_forward(self, i, d_model, d_ff):
-        return SwiGLU(d_model, d_ff) if i < self.n_dense_layers else MoE(d_model, router="sigmoid", **self.moe)
+        return SwiGLU(d_model, d_ff) if i < self.n_dense_layers else DeepSeekMoE(d_model, **self.moe)
 
     def rope_tables(self, max_len, theta):
         return rope_cos_sin(self.mla["qk_rope_dim"], max_len, theta)      # [max_len, rope]: the rope part only
@@ -2695,9 +2623,16 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
                            d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1, n_dense_layers=1,
                            n_groups=1, topk_groups=1, routed_scale=1.0, norm_topk=True, max_len=4096,
                            rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, rope_interleave=True, active=False):
-    """Closed form of count_parameters(DeepSeekV3(...)), same keywords and rules; active=True: the
+    """Closed form of count_parameters(DeepSeekV3(...)), same keywords and the same checks; active=True counts the
     parameters one token's forward uses. router_bias is a buffer, not a parameter."""
-    check(*DEEPSEEK_RULES, **locals())                                     # every argument
+    if n_dense_layers > n_layers:
+        raise ValueError(f"n_dense_layers ({n_dense_layers}) must be at most n_layers ({n_layers})")
+    if qk_rope_dim % 2:
+        raise ValueError(f"qk_rope_dim ({qk_rope_dim}) must be even: RoPE turns pairs of dims")
+    if n_experts % n_groups:
+        raise ValueError(f"n_experts ({n_experts}) must be divisible by n_groups ({n_groups})")
+    if not topk_groups <= n_groups or topk_groups * (n_experts // n_groups) < top_k:
+        raise ValueError(f"topk_groups ({topk_groups}) of n_groups ({n_groups}) must hold top_k ({top_k}) experts")
     q_width = n_heads * (qk_nope_dim + qk_rope_dim)
     attention = (d_model + 1 + q_width) * q_lora_rank if q_lora_rank else d_model * q_width  # w_dq, q_norm, w_uq; w_q
     attention += d_model * (kv_lora_rank + qk_rope_dim) + kv_lora_rank     # w_dkv, kv_norm
@@ -2711,55 +2646,17 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
 #   >>> ds = DeepSeekV3(vocab_size=100, d_model=32, n_layers=3, n_heads=4, kv_lora_rank=16, qk_nope_dim=8,
 #   ...                 qk_rope_dim=4, v_head_dim=8, d_ff=64, expert_d_ff=16, n_experts=8, top_k=2, q_lora_rank=24)
 #   >>> [type(layer.ffn).__name__ for layer in ds.layers], ds.layers[1].ffn.shared.w1.weight.shape
-#   (['SwiGLU', 'MoE', 'MoE'], torch.Size([16, 32]))
-
-
-# On the toy task (section 16): MLA, a dense block, then 8 sigmoid-routed experts (2 a token)
-# and a shared one, balanced after every step (V3's rate, 0.001, moves too little in 150 steps).
-TOY_MODELS["deepseek"] = dict(
-    name="DeepSeek-style", model=DeepSeekV3, epochs=2, batch_size=32,
-    update=lambda model: with_router_bias(adam_noam(model, lr_factor=0.35, warmup=50), model, rate=0.01),
-    config=dict(d_model=64, n_heads=4, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, d_ff=256,
-                expert_d_ff=32, n_experts=8, top_k=2, n_shared=1, n_layers=2, n_dense_layers=1))
-
-
-# Section 26's tables, for transformers' DeepSeek-V3: MLA's projections (q_a_proj is w_dq, ...), shared experts, bias
-
-HF_NAMES.extend([(r"\.attn\.q_a_proj\.", ".attn.w_dq."), (r"\.attn\.q_a_layernorm\.", ".attn.q_norm."),
-                 (r"\.attn\.q_b_proj\.", ".attn.w_uq."), (r"\.attn\.kv_a_proj_with_mqa\.", ".attn.w_dkv."),
-                 (r"\.attn\.kv_a_layernorm\.", ".attn.kv_norm."), (r"\.attn\.kv_b_proj\.", ".attn.w_ukv."),
-                 (r"\.shared_experts\.", ".shared."), (r"\.router\.e_score_correction_bias$", ".router_bias")])
-# DeepSeekV3's keyword -> DeepseekV3Config's field
-HF_DEEPSEEK_FIELDS = dict(vocab_size="vocab_size", d_model="hidden_size", n_layers="num_hidden_layers",
-                          n_heads="num_attention_heads", kv_lora_rank="kv_lora_rank", qk_nope_dim="qk_nope_head_dim",
-                          qk_rope_dim="qk_rope_head_dim", v_head_dim="v_head_dim", d_ff="intermediate_size",
-                          expert_d_ff="moe_intermediate_size", n_experts="n_routed_experts",
-                          top_k="num_experts_per_tok", n_dense_layers="first_k_dense_replace", n_groups="n_group",
-                          topk_groups="topk_group", routed_scale="routed_scaling_factor", norm_topk="norm_topk_prob",
-                          max_len="max_position_embeddings", tie_weights="tie_word_embeddings")
-
-
-def hf_deepseek_v3(config):
-    """DeepSeekV3's keywords from a DeepseekV3Config, its multi-token-prediction layers left out as transformers
-    leaves them; rms_norm_eps must be 1e-6, which transformers gives q_a_layernorm and kv_a_layernorm regardless."""
-    hf_refuse(config, hidden_act="silu", attention_bias=False, rms_norm_eps=1e-6)
-    keywords = {ours: hf_field(config, theirs) for ours, theirs in HF_DEEPSEEK_FIELDS.items()}
-    return dict(keywords, routed_scale=hf_number(config, "routed_scaling_factor"), rope_theta=hf_rope_theta(config),
-                q_lora_rank=hf_field(config, "q_lora_rank", None), n_shared=hf_field(config, "n_shared_experts", 0),
-                rope_interleave=hf_field(config, "rope_interleave", True), norm_eps=1e-6)  # 4.x: always interleaved
-
-
-HF_FAMILIES["deepseek_v3"] = (DeepSeekV3, hf_deepseek_v3)
+#   (['SwiGLU', 'DeepSeekMoE', 'DeepSeekMoE'], torch.Size([16, 32]))
 
 
 # ===========================================================================
 # 32. Multi-token prediction (多词元预测)
 # ===========================================================================
-# DeepSeek-V3 trains one more block to predict the token after next: from the model's
-# final-normed hidden state at t and the embedding of token t + 1, a block of the model's own
-# kind gives logits for token t + 2 through the shared head. The extra loss densifies the
-# training signal (DeepSeek-V3 report, section 2.2); at inference the module is a free draft
-# for speculative decoding (section 48): it reads the target's hidden state, no model of its own.
+# DeepSeek-V3 trains one more block to predict the token after next. The block takes the model's final-normed hidden
+# state at t and the embedding of token t + 1, is of the model's own kind, and gives logits for token t + 2 through the
+# shared head. The extra loss makes the training signal denser (DeepSeek-V3 report, section 2.2). At inference the
+# module is a free draft for speculative decoding (section 48): it reads the target's hidden state and needs no model
+# of its own.
 
 ARGUMENTS.update(model_kind=(type,), weight=(float, 0.0, FINITE), block=(nn.Module,))
 RELATIONS["MTP on a Llama family"] = (("model_kind",), lambda cls: issubclass(cls, Llama),
@@ -2767,31 +2664,32 @@ RELATIONS["MTP on a Llama family"] = (("model_kind",), lambda cls: issubclass(cl
 
 
 class MultiTokenPrediction(nn.Module):
-    """DeepSeek-V3's MTP module: RMSNorm each input, concatenate, project 2D -> D, one block, a final norm;
-    the embedding and the output head are the model's own, shared (passed to forward)."""
+    """DeepSeek-V3's MTP module: an RMSNorm on each input, a concatenation, a projection 2D -> D, one block and a final
+    norm. The embedding and the output head are the model's own, shared (the model is passed to forward)."""
 
     def __init__(self, d_model, block, norm_eps=1e-6):
         super().__init__()
-        check(d_model=d_model, block=block, norm_eps=norm_eps)
         self.d_model = d_model
         self.enorm, self.hnorm = RMSNorm(d_model, norm_eps), RMSNorm(d_model, norm_eps)
         self.eh_proj = nn.Linear(2 * d_model, d_model, bias=False)         # DeepSeek's and transformers' names
         self.block, self.final_norm = block, RMSNorm(d_model, norm_eps)
 
     def forward(self, model, hidden, next_ids, cache=None):
-        """hidden [B, Tn, D]: model's final-normed states at t = past .. past + Tn - 1; next_ids [B, Tn]: tokens
-        t + 1; cache: the block's layer cache -> (logits [B, Tn, V] for tokens t + 2, the states [B, Tn, D] the
-        head read: the module's own stand-in for the model's state at t + 1)."""
+        """hidden [B, Tn, D] is the model's final-normed states at t = past .. past + Tn - 1, next_ids [B, Tn] the
+        tokens t + 1, cache the block's layer cache. Returns logits [B, Tn, V] for the tokens t + 2 and the states
+        [B, Tn, D] the head read, which are the module's own stand-in for the model's state at t + 1."""
         past = len(cache) if cache is not None else 0                      # positions 1 .. past already run
-        check_ids("next_ids", next_ids, model.vocab_size, model.max_len - 1 - past)
         if hidden.shape[:2] != next_ids.shape:
             raise ValueError(f"hidden {list(hidden.shape)} must have next_ids' {list(next_ids.shape)} first dims")
-        # embedding first, as DeepSeek's code and transformers' MtpLayer do; the report's equation writes
-        # [RMSNorm(h); RMSNorm(Emb)], and the two orders give other numbers on the same weights
+        if past + 1 + next_ids.size(1) > model.max_len:  # else fewer RoPE angles than tokens, which could broadcast
+            raise ValueError(f"next_ids has length {next_ids.size(1)} after {past} cached, expected 1 to"
+                             f" max_len - 1 - {past} = {model.max_len - 1 - past}")
+        # The embedding comes first, as in DeepSeek's code and transformers' MtpLayer. The report's equation writes
+        # [RMSNorm(h); RMSNorm(Emb)], and the two orders give other numbers on the same weights.
         x = torch.cat([self.enorm(model.token_embedding(next_ids)), self.hnorm(hidden)], dim=-1)  # [B, Tn, 2D]
         x = self.eh_proj(x)                                                # [B, Tn, D]
-        # the block reads token t + 1: RoPE's angles of position t + 1 (transformers' position_ids; RoPE is
-        # relative, so any offset gives these numbers), its own causal mask
+        # The block reads token t + 1, so it takes RoPE's angles of position t + 1 (transformers' position_ids; RoPE
+        # is relative, so any offset gives these numbers) and its own causal mask.
         cos, sin = model.cos[past + 1:past + 1 + x.size(1)], model.sin[past + 1:past + 1 + x.size(1)]  # [Tn, dk]
         mask = make_causal_mask(x.size(1), x.device, past)                 # [1, 1, Tn, past+Tn]
         states = self.final_norm(self.block(x, cos, sin, mask, cache))    # [B, Tn, D]
@@ -2799,9 +2697,8 @@ class MultiTokenPrediction(nn.Module):
 
 
 def mtp_module(model):
-    """model's MTP module, its block built by the model's own attention() and feed_forward() as block n_layers
-    would be (DeepSeek-V3's: MLA and the MoE), on the model's device."""
-    check("MTP on a Llama family", model_kind=type(model))
+    """model's MTP module, on the model's device. model is a Llama family: the module's block is what its own
+    attention() and feed_forward() would build as block n_layers (DeepSeek-V3's: MLA and the DeepSeekMoE)."""
     c = model.config
     attn = model.attention(model.d_model, c["n_heads"], c.get("n_kv_heads") or c["n_heads"], c.get("qkv_bias"))
     ffn = model.feed_forward(len(model.layers), model.d_model, c["d_ff"] or llama_ffn_dim(model.d_model))
@@ -2810,8 +2707,8 @@ def mtp_module(model):
 
 
 def logits_and_hidden(model, input_ids, cache=None):
-    """model(input_ids, cache) [B, Tn, V] and its final_norm's output [B, Tn, D], the states its lm_head read: what
-    MTP reads. A hook catches them: the families' forward returns logits only."""
+    """model(input_ids, cache) [B, Tn, V] and the output of its final_norm [B, Tn, D], the states its lm_head read and
+    MTP reads. A hook catches them, because the families' forward returns logits only."""
     read = []
     hook = model.final_norm.register_forward_hook(lambda module, args, out: read.append(out))
     try:
@@ -2822,10 +2719,9 @@ def logits_and_hidden(model, input_ids, cache=None):
 
 
 def mtp_loss(model, mtp, input_ids, target, weight=0.3, ignore_index=-100):
-    """DeepSeek-V3's training loss with one MTP module: the next-token cross-entropy + weight x the module's,
-    token t + 2's (weight: lambda, 0.3 for V3's first 10T tokens, then 0.1). input_ids [B, T]; target [B, T]: the
-    next tokens, ignore_index where none is learned (Vocab.PAD in section 16's PromptDataset). -> loss []."""
-    check(weight=weight)
+    """DeepSeek-V3's training loss with one MTP module: the next token's cross-entropy plus weight times the module's
+    for token t + 2 (weight is lambda: 0.3 for V3's first 10T tokens, then 0.1). input_ids [B, T]; target [B, T] holds
+    the next tokens, with ignore_index where none is learned (Vocab.PAD in section 16's PromptDataset). -> loss []."""
     logits, hidden = logits_and_hidden(model, input_ids)                   # [B, T, V], [B, T, D]
     extra, _ = mtp(model, hidden[:, :-1], input_ids[:, 1:])                # [B, T-1, V]: tokens 2 .. T
     next_one = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=ignore_index)  # []
@@ -2848,45 +2744,21 @@ def mtp_loss(model, mtp, input_ids, target, weight=0.3, ignore_index=-100):
 #   [False, True]
 
 
-# On the toy task (section 16): an MTP module for a trained model, the model frozen (its loss
-# term then constant; V3 trains both together), a few seconds.
-
-def train_mtp(model, pairs, vocab, epochs=2, batch_size=32, seed=0):
-    """A new mtp_module(model) trained on pairs with mtp_loss, the model's weights frozen -> the module (eval)."""
-    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
-    check(epochs=epochs, batch_size=batch_size)
-    torch.manual_seed(seed)
-    mtp, device = mtp_module(model), model.lm_head.weight.device
-    update = with_router_bias(adam_noam(mtp, lr_factor=0.35, warmup=50), mtp, rate=0.01)  # a MoE block balanced
-    loader = torch.utils.data.DataLoader(PromptDataset(pairs, vocab), batch_size=batch_size, shuffle=True,
-                                         collate_fn=collate, generator=torch.Generator().manual_seed(seed))
-    frozen = [p for p in model.parameters() if p.requires_grad]
-    with eval_mode(model):
-        try:
-            for p in frozen:
-                p.requires_grad_(False)
-            for _ in range(epochs):
-                for ids, target in loader:                                 # [B, T] each
-                    mtp_loss(model, mtp, ids.to(device), target.to(device), 1.0, Vocab.PAD).backward()
-                    update()
-        finally:
-            for p in frozen:
-                p.requires_grad_(True)
-    return mtp.eval()
 # ===========================================================================
 # 33. Total and active parameters, the latent cache (总参数、激活参数与潜在缓存)
 # ===========================================================================
-# A MoE model has two sizes: the total, which must fit in memory, and the active parameters one token's forward uses,
-# which set the compute; each family's formula gives both, the meta-device count checks the total. The active count
-# takes all of the input embedding table (0.93B in DeepSeek-V3; a token reads one row): 37.55B, against DeepSeek's 37B.
+# A MoE model has two sizes. The total must fit in memory; the active parameters, the ones one token's forward uses,
+# set the compute. Each family's formula gives both, and the count on the meta device checks the total. The active
+# count takes all of the input embedding table (0.93B in DeepSeek-V3), although a token reads one row: so it gives
+# 37.55B where DeepSeek says 37B.
 
 def mla_cache_bytes_per_token(n_layers, kv_lora_rank, qk_rope_dim, bytes_per_value=2):
-    """MLA's cache memory one token takes: its latent and its rope key, in every layer; 2 bytes in bf16."""
-    check(**locals())
+    """The cache memory one token takes in MLA: its latent and its rope key in every layer, 2 bytes a value in bf16."""
     return n_layers * (kv_lora_rank + qk_rope_dim) * bytes_per_value
 
-# (name, kind, configuration as released but DeepSeek-V3's max_len, 4K before YaRN; total, active, what the release
-# reports). Mixtral and Qwen3 publish exact totals, DeepSeek 671B: 671,026,404,352 is transformers' DeepseekV3's count.
+# Each row: name, kind, the configuration as released (but DeepSeek-V3's max_len, 4K before YaRN), total, active, and
+# what the release reports. Mixtral and Qwen3 publish exact totals and DeepSeek 671B; 671,026,404,352 is the count of
+# transformers' DeepseekV3.
 FRONTIER_CONFIGS = [
     ("Mixtral-8x7B", "mixtral", dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                                    d_ff=14336, max_len=32768, rope_theta=1000000.0, norm_eps=1e-5,
@@ -2900,9 +2772,9 @@ FRONTIER_CONFIGS = [
                                      n_groups=8, topk_groups=4, routed_scale=2.5),
      671_026_404_352, 37_552_282_624, "671B / 37B (685B with the MTP module)"),
 ]
-# Where DeepSeek-V3's 671B go: 58 MoE layers x 256 experts x 3 x 7168 x 2048 = 654B in routed experts (97%). A token
+# Where DeepSeek-V3's 671B go: 58 MoE layers x 256 experts x 3 x 7168 x 2048 = 654B sit in routed experts (97%). A token
 # runs 8 of them, 20.4B, plus 11.4B of attention (61 layers), 2.6B of shared experts, 1.2B of dense feed-forward (3
-# layers), 1.9B of embeddings and lm_head: 37.6B.
+# layers) and 1.9B of embeddings and lm_head: 37.6B.
 
 # Try it: DeepSeek-V3's totals, and the bf16 cache a token takes, latent against per-head (68.6 KiB, 4.77 MiB).
 #   >>> name, kind, config, total, active, reported = FRONTIER_CONFIGS[2]
@@ -6074,6 +5946,89 @@ def quantized_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, 
 
 
 # >>> ANCHOR P5: Part V's plumbing goes directly below this line (keep this line)
+# Part V's families in transformers' tables (HF_NAMES, HF_CONVERSIONS, HF_FAMILIES): Qwen3's q_norm and k_norm keep
+# their names here.
+
+def hf_qwen3(config):
+    return dict(hf_llama_keywords(config), head_dim=hf_field(config, "head_dim", None))
+
+
+HF_FAMILIES["qwen3"] = (Qwen3, hf_qwen3)
+
+
+# transformers' Mixtral and Qwen3-MoE. Their router is mlp.gate (in Mixtral's saved files block_sparse_moe.gate, its
+# experts named w1, w3 and w2 as here).
+
+HF_NAMES.extend([(r"\.block_sparse_moe\.", ".ffn."), (r"\.ffn\.gate\.", ".ffn.router.")])
+
+
+def hf_unfuse_experts(state):
+    """transformers 5 keeps a layer's experts in two tensors, experts.gate_up_proj [E, 2 Dff, D] (each expert's
+    gate rows, then its up rows) and experts.down_proj [E, D, Dff]: one SwiGLU each here; their routers: no bias."""
+    out = {}
+    for name, w in state.items():
+        base, _, kind = name.rpartition(".")
+        if kind == "gate_up_proj":
+            for e, (gate, up) in enumerate(zip(*w.chunk(2, dim=1))):       # [Dff, D] each
+                out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = gate, up
+        elif kind == "down_proj" and base.endswith(".experts"):
+            out.update({f"{base}.{e}.w2.weight": down for e, down in enumerate(w)})  # [D, Dff] each
+        else:
+            out[name] = w
+        bias = name.replace(".router.weight", ".router_bias")
+        if name.endswith(".router.weight") and bias not in state:
+            out[bias] = torch.zeros(len(w))                                # [E]
+    return out
+
+
+def hf_mixtral(config):
+    """Mixtral's keywords: Llama's, and num_local_experts SwiGLUs, intermediate_size wide."""
+    hf_refuse(config, sliding_window=None)
+    return dict(hf_llama(config), n_experts=hf_field(config, "num_local_experts"),
+                top_k=hf_field(config, "num_experts_per_tok"))
+
+
+def hf_qwen3_moe(config):
+    """Qwen3-MoE's keywords: Qwen3's, and num_experts SwiGLUs (transformers 5 writes num_local_experts),
+    moe_intermediate_size wide, in every block."""
+    hf_refuse(config, decoder_sparse_step=1, mlp_only_layers=[])
+    return dict(hf_qwen3(config), n_experts=config.get("num_experts") or hf_field(config, "num_local_experts"),
+                top_k=hf_field(config, "num_experts_per_tok"), expert_d_ff=hf_field(config, "moe_intermediate_size"),
+                norm_topk=hf_field(config, "norm_topk_prob", False))
+
+
+HF_CONVERSIONS.append(hf_unfuse_experts)
+HF_FAMILIES.update(mixtral=(Mixtral, hf_mixtral), qwen3_moe=(Qwen3MoE, hf_qwen3_moe))
+
+
+# transformers' DeepSeek-V3: MLA's projections (q_a_proj is w_dq, ...), the shared experts and the router's bias.
+
+HF_NAMES.extend([(r"\.attn\.q_a_proj\.", ".attn.w_dq."), (r"\.attn\.q_a_layernorm\.", ".attn.q_norm."),
+                 (r"\.attn\.q_b_proj\.", ".attn.w_uq."), (r"\.attn\.kv_a_proj_with_mqa\.", ".attn.w_dkv."),
+                 (r"\.attn\.kv_a_layernorm\.", ".attn.kv_norm."), (r"\.attn\.kv_b_proj\.", ".attn.w_ukv."),
+                 (r"\.shared_experts\.", ".shared."), (r"\.router\.e_score_correction_bias$", ".router_bias")])
+# DeepSeekV3's keyword -> DeepseekV3Config's field
+HF_DEEPSEEK_FIELDS = dict(vocab_size="vocab_size", d_model="hidden_size", n_layers="num_hidden_layers",
+                          n_heads="num_attention_heads", kv_lora_rank="kv_lora_rank", qk_nope_dim="qk_nope_head_dim",
+                          qk_rope_dim="qk_rope_head_dim", v_head_dim="v_head_dim", d_ff="intermediate_size",
+                          expert_d_ff="moe_intermediate_size", n_experts="n_routed_experts",
+                          top_k="num_experts_per_tok", n_dense_layers="first_k_dense_replace", n_groups="n_group",
+                          topk_groups="topk_group", routed_scale="routed_scaling_factor", norm_topk="norm_topk_prob",
+                          max_len="max_position_embeddings", tie_weights="tie_word_embeddings")
+
+
+def hf_deepseek_v3(config):
+    """DeepSeekV3's keywords from a DeepseekV3Config, its multi-token-prediction layers left out as transformers
+    leaves them; rms_norm_eps must be 1e-6, which transformers gives q_a_layernorm and kv_a_layernorm regardless."""
+    hf_refuse(config, hidden_act="silu", attention_bias=False, rms_norm_eps=1e-6)
+    keywords = {ours: hf_field(config, theirs) for ours, theirs in HF_DEEPSEEK_FIELDS.items()}
+    return dict(keywords, routed_scale=hf_number(config, "routed_scaling_factor"), rope_theta=hf_rope_theta(config),
+                q_lora_rank=hf_field(config, "q_lora_rank", None), n_shared=hf_field(config, "n_shared_experts", 0),
+                rope_interleave=hf_field(config, "rope_interleave", True), norm_eps=1e-6)  # 4.x: always interleaved
+
+
+HF_FAMILIES["deepseek_v3"] = (DeepSeekV3, hf_deepseek_v3)
+
 
 
 
@@ -6097,6 +6052,79 @@ def quantized_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, 
 
 
 # >>> ANCHOR R5: Part V's runs and registries go directly below this line (keep this line)
+# Part V on the toy task of Part II (section 16): where the routed tokens went, DeepSeek-V3's recipe, an MTP module.
+
+@torch.no_grad()
+def expert_load(model, pairs, vocab):
+    """Share of the routed slots each expert took over "pinyin <sep> hanzi <eos>" of pairs: {MoE layer:
+    [E] summing to 1}. Sequences of one length share a batch, so no padding is routed."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
+    by_length = {}
+    for pinyin, hanzi in pairs:
+        ids = vocab.encode(pinyin.split() + [SEP]) + vocab.encode(list(hanzi)) + [Vocab.EOS]
+        by_length.setdefault(len(ids), []).append(ids)
+    moes = {i: layer.ffn for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoE)}
+    totals = {i: torch.zeros(moe.n_experts) for i, moe in moes.items()}  # [E] each
+    with eval_mode(model):
+        for rows in by_length.values():
+            model(torch.tensor(rows, device=model.lm_head.weight.device))  # [B, L, V]; fills tokens_per_expert
+            for i, moe in moes.items():
+                totals[i] += moe.tokens_per_expert.cpu()                   # [E]
+    return {i: total / total.sum() for i, total in totals.items()}         # [E] each
+
+
+def render_expert_load(loads, uniform=10):
+    """{layer: shares [E]} -> text bars, `uniform` blocks for a share of exactly 1 / E."""
+    lines = []
+    for i, load in loads.items():
+        E = len(load)
+        lines.append(f"layer {i}, {E} experts (uniform: {1 / E:.1%} each, {uniform} blocks)")
+        for e, share in enumerate(load.tolist()):
+            lines.append(f"  expert {e:2d} {'█' * round(share * E * uniform):{3 * uniform}s} {share:6.1%}")
+    return "\n".join(lines)
+
+# Try it: a layer of 3 experts, one of them idle.
+#   >>> print(render_expert_load({1: torch.tensor([0.75, 0.25, 0.0])}, uniform=4))
+#   layer 1, 3 experts (uniform: 33.3% each, 4 blocks)
+#     expert  0 █████████     75.0%
+#     expert  1 ███           25.0%
+#     expert  2                0.0%
+
+
+# MLA, a dense block, then 8 sigmoid-routed experts (2 a token) and a shared one, balanced after every step (V3's
+# rate, 0.001, moves too little in 150 steps).
+TOY_MODELS["deepseek"] = dict(
+    name="DeepSeek-style", model=DeepSeekV3, epochs=2, batch_size=32,
+    update=lambda model: with_router_bias(adam_noam(model, lr_factor=0.35, warmup=50), model, rate=0.01),
+    config=dict(d_model=64, n_heads=4, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, d_ff=256,
+                expert_d_ff=32, n_experts=8, top_k=2, n_shared=1, n_layers=2, n_dense_layers=1))
+
+
+# An MTP module for a trained model, the model frozen (its loss term is then constant; V3 trains both together): a
+# few seconds.
+
+def train_mtp(model, pairs, vocab, epochs=2, batch_size=32, seed=0):
+    """A new mtp_module(model) trained on pairs with mtp_loss, the model's weights frozen -> the module (eval)."""
+    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
+    torch.manual_seed(seed)
+    mtp, device = mtp_module(model), model.lm_head.weight.device
+    update = with_router_bias(adam_noam(mtp, lr_factor=0.35, warmup=50), mtp, rate=0.01)  # a MoE block balanced
+    loader = torch.utils.data.DataLoader(PromptDataset(pairs, vocab), batch_size=batch_size, shuffle=True,
+                                         collate_fn=collate, generator=torch.Generator().manual_seed(seed))
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    with eval_mode(model):
+        try:
+            for p in frozen:
+                p.requires_grad_(False)
+            for _ in range(epochs):
+                for ids, target in loader:                                 # [B, T] each
+                    mtp_loss(model, mtp, ids.to(device), target.to(device), 1.0, Vocab.PAD).backward()
+                    update()
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
+    return mtp.eval()
+
 
 
 
