@@ -3466,13 +3466,6 @@ class Mistral(Llama):
         return [RollingKVCache(self.window) for _ in self.layers]
 
 
-def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
-    """Closed form of count_parameters(Mistral(...)): Llama's, since the window holds no parameters."""
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    return llama_param_formula(*llama_arguments, **llama_keywords)
-
-
 def window_reach(n_layers, window):
     """How many positions back a stack of n_layers sliding-window layers can see."""
     return n_layers * (window - 1)
@@ -3591,11 +3584,13 @@ class PagedKVCache(KVCache):
         self.blocks, self.n = [], 0
 
 
-class PagedLatentCache(PagedKVCache, LatentCache):
-    """MLA's cache (section 30) in a KVPool's blocks: the latent and the rope key are stored as one head's k and v."""
+class PagedLatentCache(LatentCache):
+    """MLA's cache (section 30) in a KVPool's blocks, by PagedKVCache's code: the latent and the rope key are stored
+    as one head's k and v. It is a LatentCache, not a KVCache, so a Llama refuses it."""
+    __init__, __len__, crop, free = PagedKVCache.__init__, PagedKVCache.__len__, PagedKVCache.crop, PagedKVCache.free
 
     def append(self, latent, k_rope):
-        keys, values = super().append(latent[:, None], k_rope[:, None])    # [1, 1, t, r], [1, 1, t, rope]
+        keys, values = PagedKVCache.append(self, latent[:, None], k_rope[:, None])  # [1, 1, t, r], [1, 1, t, rope]
         return keys[:, 0], values[:, 0]                                    # [1, t, r], [1, t, rope]
 
 
@@ -6031,7 +6026,15 @@ from unittest import mock
 
 # >>> ANCHOR P6A: sections 34-37's plumbing goes directly below this line (keep this line)
 
-# Section 35's Mistral in transformers' names: Llama's names and fields, and the window
+# Section 35's Mistral for checkpoints (its parameter count, checked before a model is built) and in transformers'
+# names (Llama's names and fields, and the window)
+
+def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
+    """Closed form of count_parameters(Mistral(...)): Llama's, since the window holds no parameters."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return llama_param_formula(*llama_arguments, **llama_keywords)
+
 
 def hf_mistral(config):
     """Mistral's keywords: Llama's, and sliding_window (None: the whole context)."""
