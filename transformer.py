@@ -6068,7 +6068,7 @@ HF_FAMILIES["mistral"] = (Mistral, hf_mistral)
 # >>> ANCHOR R6: Part VI's runs and registries go directly below this line (keep this line)
 
 # Section 34's fused kernels, for --bench: a model's attention and LayerNorms rebuilt on PyTorch's kernels, holding
-# the very same weights (the same Linear modules and Parameters, so an optimizer keeps training them).
+# the same Linear modules and Parameters (an optimizer keeps training them).
 
 class FusedAttention(MultiHeadAttention):
     """Section 3's attention with step 2 in PyTorch's kernel (on a CPU without dropout too: no [Tq, Tk] weights)."""
@@ -6092,16 +6092,15 @@ class FusedLayerNorm(LayerNorm):
 
 
 def fused_twin(module, fused):
-    """A MultiHeadAttention or LayerNorm rebuilt as the fused class (fused=False: as written), on module's weights."""
-    with torch.device("meta"):  # nothing allocated, no random numbers drawn: the weights come from module
+    """A MultiHeadAttention or LayerNorm rebuilt as the fused class (fused=False: as written) on module's very weights,
+    on the meta device: nothing is allocated and no random number drawn."""
+    with torch.device("meta"):
         if isinstance(module, MultiHeadAttention):
             twin = (FusedAttention if fused else MultiHeadAttention)(module.d_model, module.n_heads, module.dropout.p)
+            twin.w_q, twin.w_k, twin.w_v, twin.w_o = module.w_q, module.w_k, module.w_v, module.w_o
         else:
             twin = (FusedLayerNorm if fused else LayerNorm)(module.weight.numel(), module.eps)
-    if isinstance(module, MultiHeadAttention):
-        twin.w_q, twin.w_k, twin.w_v, twin.w_o = module.w_q, module.w_k, module.w_v, module.w_o
-    else:
-        twin.weight, twin.bias = module.weight, module.bias
+            twin.weight, twin.bias = module.weight, module.bias
     return twin.train(module.training)
 
 
