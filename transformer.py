@@ -2787,47 +2787,46 @@ FRONTIER_CONFIGS = [
 # ===========================================================================
 # Part VI: long sequences (第六部分：长序列)
 # ===========================================================================
-# Past a few thousand tokens four things break: the [Tq, Tk] scores (16 M a head at 4k tokens), the cache growing with
-# every token, the memory a batch reserves for its longest request, RoPE angles never seen in training. FlashAttention
-# and the paged cache are proven equal to what they replace; the window and RoPE scaling change the model.
+# Past a few thousand tokens, four things break. The [Tq, Tk] scores grow to 16 M numbers a head at 4k tokens; the
+# cache grows with every token; a batch reserves memory for its longest request; and RoPE meets angles that training
+# never showed. FlashAttention and the paged cache are proven equal to what they replace. The window and the RoPE
+# scaling change the model.
 
 # ===========================================================================
 # 34. FlashAttention's tiles, the online softmax; fused kernels (FlashAttention 的分块：在线 softmax)
 # ===========================================================================
-# Section 2's [Tq, Tk] scores take memory Tq * Tk. FlashAttention (Dao et al., 2022; FlashAttention-2, Dao, 2023)
-# computes the same output one [block, block] tile at a time, keeping per query a running max and a running sum: nothing
-# of size Tq * Tk ever exists. The recurrence, for one block of queries and key block j (S_j its scaled scores):
-#   m_new = max(m, rowmax(S_j))                 the largest score so far (m starts at -inf)
-#   acc   = e^(m - m_new) acc + e^(S_j - m_new) V_j   rescale what was summed under the old max
+# Section 2 writes all [Tq, Tk] scores, so its memory grows as Tq * Tk. FlashAttention (Dao et al., 2022;
+# FlashAttention-2, Dao, 2023) computes the same output one [block, block] tile at a time. It keeps a running max and
+# a running sum for each query, so nothing of size Tq * Tk ever exists. For one block of queries and key block j, with
+# S_j its scaled scores, the recurrence is:
+#   m_new = max(m, rowmax(S_j))                       the largest score so far (m starts at -inf)
+#   acc   = e^(m - m_new) acc + e^(S_j - m_new) V_j   the old sum rescaled to the new max, then the new terms
 #   l     = e^(m - m_new) l   + rowsum(e^(S_j - m_new))
-#   and at the end: out = acc / l (one division, FlashAttention-2's order), lse = m + ln l.
-# In numbers (the Try it below), scores (1, 2 | 3, 0) and values (10, 20 | 30, 40) in two blocks: block 1 gives m = 2,
-#   l = e^-1 + e^0 = 1.3679, acc = 0.3679 * 10 + 20 = 23.679; in block 2 the max grows to 3, l and acc shrink by
-#   e^(2 - 3) before adding: l = 1.5530, acc = 40.70, out = 26.21, lse = 3 + ln l = 3.4402, as one softmax over all
-#   four. The max keeps every e^x <= 1 (no overflow); the rescale makes the blocks' order irrelevant.
-# A GPU gains because the tiles stay in on-chip SRAM (an A100's: 19 TB/s, against 1.5-2.0 TB/s of HBM, the paper's
-# numbers) where section 2 writes S and P to HBM and reads them back: the fused kernel does more arithmetic and is
-# faster. Here a tile is a dozen torch calls: the code proves the math and the memory, O(T * block); --bench measures
-# its speed. The backward saves q, k, v, out and the lse [Tq], recomputes each tile's P = e^(S - lse) (more FLOPs, less
-# memory; on a GPU still faster than reading a saved [T, T] P), and with delta = rowsum(dO * O) (softmax's Jacobian: the
-# sum over keys of P * dP is dO . O):
-# dV += P^T dO, dP = dO V^T, dS = P * (dP - delta), dQ += dS K / sqrt(dk), dK += dS^T Q / sqrt(dk).
+#   and at the end out = acc / l (one division, FlashAttention-2's order) and lse = m + ln l.
+# A worked example (the Try it below) has scores (1, 2 | 3, 0) and values (10, 20 | 30, 40) in two blocks. Block 1
+# gives m = 2, l = e^-1 + e^0 = 1.3679 and acc = 0.3679 * 10 + 20 = 23.679. In block 2 the max grows to 3, so l and
+# acc shrink by e^(2 - 3) before the new terms join: l = 1.5530, acc = 40.70, out = 26.21 and lse = 3 + ln l = 3.4402,
+# as one softmax over all four gives. The max keeps every e^x <= 1, so nothing overflows, and the rescaling makes the
+# order of the blocks irrelevant.
+# A GPU gains because the tiles stay in on-chip SRAM (19 TB/s on an A100, against 1.5-2.0 TB/s of HBM, the paper's
+# numbers), where section 2 writes S and P to HBM and reads them back. The fused kernel does more arithmetic and is
+# still faster. Here a tile is a dozen torch calls, so the code proves the math and the O(T * block) memory, and
+# --bench measures its speed.
+# The backward saves q, k, v, out and the lse [Tq], and recomputes each tile's P = e^(S - lse): more FLOPs for less
+# memory, which on a GPU is still faster than reading a saved [T, T] P. Softmax's Jacobian enters through
+# delta = rowsum(dO * O), which equals the sum over keys of P * dP. Then dV += P^T dO, dP = dO V^T,
+# dS = P * (dP - delta), dQ += dS K / sqrt(dk) and dK += dS^T Q / sqrt(dk).
 
 def flash_tile_scores(q_block, k_block, q_start, k_start, offset, causal):
-    """Scaled scores of a tile, [B, H, bq, bk], keys after a query -inf when causal (query i is key i + offset)."""
+    """A tile's scaled scores [B, H, bq, bk]; causal: -inf on the keys after each query (query i is key i + offset)."""
     scores = q_block @ k_block.transpose(-2, -1)                           # [B, H, bq, bk]
     if causal and k_start + k_block.size(2) - 1 > q_start + offset:        # the tile crosses the diagonal
         rows = torch.arange(q_start, q_start + q_block.size(2), device=q_block.device) + offset  # [bq]
         cols = torch.arange(k_start, k_start + k_block.size(2), device=q_block.device)  # [bk]
-        # -inf is safe here, unlike in section 2's masks: every query sees key 0 (Tq <= Tk),
-        # so its running max is finite after the first tile and e^-inf is an exact 0
+        # -inf is safe here, unlike in section 2's masks: every query sees key 0 (Tq <= Tk), so its running max is
+        # finite after the first tile, and e^-inf is an exact 0
         scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))  # [B, H, bq, bk]
     return scores
-
-
-def last_key_block(q_end, Tk, offset, causal):
-    """One past the last key the queries before q_end may read: a key block wholly above the diagonal never runs."""
-    return min(Tk, q_end + offset) if causal else Tk
 
 
 class FlashAttention(torch.autograd.Function):
@@ -2835,28 +2834,27 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, block_size):
-        (B, H, Tq, dk), Tk, dv = q.shape, k.size(2), v.size(-1)
-        scale, offset = dk ** -0.5, Tk - Tq                                # 1 / sqrt(dk); query i is key i + offset
-        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp16, bf16 sum in fp32
-        out = torch.empty(B, H, Tq, dv, dtype=q.dtype, device=q.device)  # [B, H, Tq, dv]
-        lse = torch.empty(B, H, Tq, dtype=acc_dtype, device=q.device)   # [B, H, Tq]
-        for qs in range(0, Tq, block_size):
-            qe = min(qs + block_size, Tq)
-            q_block = q[:, :, qs:qe].to(acc_dtype) * scale                # [B, H, bq, dk]
-            m = torch.full((B, H, qe - qs), float("-inf"), dtype=acc_dtype, device=q.device)  # [B, H, bq]
-            l = torch.zeros(B, H, qe - qs, dtype=acc_dtype, device=q.device)  # [B, H, bq]
-            acc = torch.zeros(B, H, qe - qs, dv, dtype=acc_dtype, device=q.device)  # [B, H, bq, dv]
-            for ks in range(0, last_key_block(qe, Tk, offset, causal), block_size):
-                ke = min(ks + block_size, Tk)
-                s = flash_tile_scores(q_block, k[:, :, ks:ke].to(acc_dtype), qs, ks, offset, causal)  # [B, H, bq, bk]
+        (B, H, Tq, dk), Tk, size = q.shape, k.size(2), block_size
+        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp16 and bf16 sum in fp32
+        out = torch.empty(B, H, Tq, v.size(-1), dtype=q.dtype, device=q.device)  # [B, H, Tq, dv]
+        lse = torch.empty(B, H, Tq, dtype=acc_dtype, device=q.device)    # [B, H, Tq]
+        for qs in range(0, Tq, size):
+            q_block = q[:, :, qs:qs + size].to(acc_dtype) * dk ** -0.5    # [B, H, bq, dk]: scaled by 1 / sqrt(dk)
+            m = torch.full(q_block.shape[:3], float("-inf"), dtype=acc_dtype, device=q.device)  # [B, H, bq]
+            l = torch.zeros_like(m)                                        # [B, H, bq]
+            acc = torch.zeros(*m.shape, v.size(-1), dtype=acc_dtype, device=q.device)  # [B, H, bq, dv]
+            # query i is key i + Tk - Tq; causal: a key block after the block's last query never runs
+            for ks in range(0, min(Tk, qs + size + Tk - Tq) if causal else Tk, size):
+                k_block, v_block = (t[:, :, ks:ks + size].to(acc_dtype) for t in (k, v))  # [B, H, bk, dk|dv]
+                s = flash_tile_scores(q_block, k_block, qs, ks, Tk - Tq, causal)  # [B, H, bq, bk]
                 m_new = torch.maximum(m, s.amax(dim=-1))                   # [B, H, bq]
                 rescale = torch.exp(m - m_new)                             # [B, H, bq]: 0 at the first tile
                 p = torch.exp(s - m_new[..., None])                        # [B, H, bq, bk], each <= 1
                 l = rescale * l + p.sum(dim=-1)                            # [B, H, bq]
-                acc = rescale[..., None] * acc + p @ v[:, :, ks:ke].to(acc_dtype)  # [B, H, bq, dv]
+                acc = rescale[..., None] * acc + p @ v_block               # [B, H, bq, dv]
                 m = m_new
-            out[:, :, qs:qe] = (acc / l[..., None]).to(q.dtype)            # [B, H, bq, dv]: divided once
-            lse[:, :, qs:qe] = m + torch.log(l)                            # [B, H, bq]
+            out[:, :, qs:qs + size] = (acc / l[..., None]).to(q.dtype)    # [B, H, bq, dv]: divided once
+            lse[:, :, qs:qs + size] = m + torch.log(l)                     # [B, H, bq]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.block_size = causal, block_size
         return out, lse
@@ -2864,55 +2862,44 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        Tq, Tk, scale, acc_dtype = q.size(2), k.size(2), q.size(-1) ** -0.5, lse.dtype
-        offset, size = Tk - Tq, ctx.block_size
+        Tq, Tk, scale, size, acc_dtype = q.size(2), k.size(2), q.size(-1) ** -0.5, ctx.block_size, lse.dtype
         # delta = rowsum(dO * O); a gradient on lse adds P * d_lse to dS, so it joins delta
-        delta = (d_out.to(acc_dtype) * out.to(acc_dtype)).sum(dim=-1) - d_lse          # [B, H, Tq]
+        delta = (d_out.to(acc_dtype) * out.to(acc_dtype)).sum(dim=-1) - d_lse  # [B, H, Tq]
         d_q, d_k, d_v = (torch.zeros_like(t, dtype=acc_dtype) for t in (q, k, v))  # [B, H, Tq|Tk, dk|dv]
-        # FlashAttention-2's order: key blocks outside (their dK, dV stay in SRAM), queries inside
+        # FlashAttention-2's order: key blocks outside (their dK and dV stay in SRAM), query blocks inside
         for ks in range(0, Tk, size):
-            ke = min(ks + size, Tk)
-            k_block, v_block = k[:, :, ks:ke].to(acc_dtype), v[:, :, ks:ke].to(acc_dtype)  # [B, H, bk, dk|dv]
+            k_block, v_block = (t[:, :, ks:ks + size].to(acc_dtype) for t in (k, v))  # [B, H, bk, dk|dv]
             for qs in range(0, Tq, size):
-                qe = min(qs + size, Tq)
-                if ks >= last_key_block(qe, Tk, offset, ctx.causal):
-                    continue                                               # the tile is wholly above the diagonal
-                q_block = q[:, :, qs:qe].to(acc_dtype) * scale                   # [B, H, bq, dk]
-                s = flash_tile_scores(q_block, k_block, qs, ks, offset, ctx.causal)  # [B, H, bq, bk]
-                p = torch.exp(s - lse[:, :, qs:qe, None])                  # [B, H, bq, bk]: recomputed
-                do_block = d_out[:, :, qs:qe].to(acc_dtype)                      # [B, H, bq, dv]
-                d_v[:, :, ks:ke] += p.transpose(-2, -1) @ do_block         # [B, H, bk, dv]
-                ds = p * (do_block @ v_block.transpose(-2, -1) - delta[:, :, qs:qe, None])  # [B, H, bq, bk]
-                d_q[:, :, qs:qe] += ds @ k_block * scale                   # [B, H, bq, dk]
-                d_k[:, :, ks:ke] += ds.transpose(-2, -1) @ q_block         # [B, H, bk, dk]: q_block is scaled
+                if ctx.causal and ks >= qs + size + Tk - Tq:
+                    continue                                               # the tile lies wholly above the diagonal
+                q_block = q[:, :, qs:qs + size].to(acc_dtype) * scale      # [B, H, bq, dk]
+                s = flash_tile_scores(q_block, k_block, qs, ks, Tk - Tq, ctx.causal)  # [B, H, bq, bk]
+                p = torch.exp(s - lse[:, :, qs:qs + size, None])           # [B, H, bq, bk]: recomputed
+                do_block = d_out[:, :, qs:qs + size].to(acc_dtype)         # [B, H, bq, dv]
+                d_v[:, :, ks:ks + size] += p.transpose(-2, -1) @ do_block  # [B, H, bk, dv]
+                ds = p * (do_block @ v_block.transpose(-2, -1) - delta[:, :, qs:qs + size, None])  # [B, H, bq, bk]
+                d_q[:, :, qs:qs + size] += ds @ k_block * scale            # [B, H, bq, dk]
+                d_k[:, :, ks:ks + size] += ds.transpose(-2, -1) @ q_block  # [B, H, bk, dk]: q_block is scaled
         return d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None, None  # [B, H, Tq|Tk, dk|dv]
 
 
-def check_qkv(q, k, v, causal):
-    """q [B, H, Tq, dk], k [B, H, Tk, dk], v [B, H, Tk, dv], floating tensors of one dtype, before anything
-    broadcasts (queries of batch 2 against keys of batch 1 would run); Tk >= 1, Tq <= Tk when causal."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype == q.dtype and x.dim() == 4):
-            got = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise TypeError(f"{name} must be a 4-D floating-point tensor, of q's dtype, got {got}")
-    Tq, Tk = q.size(2), k.size(2)
-    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.size(3) != k.size(3) or Tk < 1 or (
-            causal and Tq > Tk):
-        causal_rule = ", Tq <= Tk (causal: the queries are the last Tq positions)" if causal else ""
-        raise ValueError(f"expected q [B, H, Tq, dk], k [B, H, Tk, dk], v [B, H, Tk, dv], Tk >= 1{causal_rule},"
+def flash_attention(q, k, v, causal=False, block_size=64):
+    """softmax(q k^T / sqrt(dk)) v in tiles. q [B, H, Tq, dk], k [B, H, Tk, dk], v [B, H, Tk, dv] -> (out
+    [B, H, Tq, dv], lse [B, H, Tq], each query's logsumexp of scaled scores). causal is bottom-right, as
+    make_causal_mask(Tq, past=Tk - Tq): the queries are the last Tq positions. (is_causal of
+    F.scaled_dot_product_attention is top-left: for Tq < Tk it hides from query i the keys after key i.)"""
+    # refused before anything runs: q @ k^T would broadcast queries of batch 2 against keys of batch 1
+    if q.shape[:2] != k.shape[:2] or k.shape[:3] != v.shape[:3] or q.size(3) != k.size(3) or k.size(2) == 0:
+        raise ValueError(f"expected q [B, H, Tq, dk], k [B, H, Tk, dk], v [B, H, Tk, dv], Tk >= 1,"
                          f" got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+    if causal and q.size(2) > k.size(2):  # the first queries would come before every key and read nothing
+        raise ValueError(f"causal needs Tq <= Tk, got q {list(q.shape)}, k {list(k.shape)}")
+    if block_size < 1:  # a negative step would skip every tile and return empty memory
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    return FlashAttention.apply(q, k, v, causal, block_size)
 
 
 ARGUMENTS.update(block_size=(int, 1, MAX_SIZE), causal=(bool,), fused=(bool,))
-
-
-def flash_attention(q, k, v, causal=False, block_size=64):
-    """softmax(q k^T / sqrt(dk)) v in tiles -> (out [B, H, Tq, dv], lse [B, H, Tq], each query's logsumexp of scaled
-    scores). causal: bottom-right, as make_causal_mask(Tq, past=Tk - Tq), the queries the last Tq positions (is_causal
-    of F.scaled_dot_product_attention is top-left: for Tq < Tk it hides from query i the keys after key i)."""
-    check(block_size=block_size, causal=causal)
-    check_qkv(q, k, v, causal)
-    return FlashAttention.apply(q, k, v, causal, block_size)
 
 # Try it: the two blocks worked out above, and a long causal case against section 2.
 #   >>> q, k = torch.ones(1, 1, 1, 1), torch.tensor([1.0, 2.0, 3.0, 0.0]).view(1, 1, 4, 1)  # scores 1, 2, 3, 0
@@ -2926,51 +2913,23 @@ def flash_attention(q, k, v, causal=False, block_size=64):
 #   >>> torch.allclose(out, plain, atol=1e-5)
 #   True
 
-# F.scaled_dot_product_attention fuses the same formula (a FlashAttention kernel on a GPU), F.layer_norm section 5's
-# nine small operations: a small model's step is a few hundred operations, so fusing them shows.
-
-class FusedAttention(MultiHeadAttention):
-    """Section 3's attention with step 2 in PyTorch's kernel (on a CPU without dropout too, no [Tq, Tk] weights)."""
-
-    def attend(self, q, k, v, mask):
-        check_mask(mask)
-        if mask is not None:
-            # a query that may attend to nothing reads nothing, as in section 2: unmasked (some kernels: NaN), then 0
-            empty = ~mask.any(dim=-1, keepdim=True)                        # [B, 1|H, Tq, 1]
-            mask = mask | empty                                            # [B, 1|H, Tq, Tk]
-        out = F.scaled_dot_product_attention(q, k, v, mask, self.dropout.p if self.training else 0.0)  # [B, H, Tq, dk]
-        return out if mask is None else out.masked_fill(empty, 0.0)        # [B, H, Tq, dk]
-
-
-class FusedLayerNorm(LayerNorm):
-    """Section 5's LayerNorm in one kernel, F.layer_norm."""
-
-    def forward(self, x):
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)  # [B, T, D]
-
-
-def use_fused_kernels(model, fused=True):
-    """Every MultiHeadAttention and LayerNorm of model in PyTorch's fused kernels (or as written). -> model."""
-    check(model=model, fused=fused)
-    for module in model.modules():
-        if isinstance(module, MultiHeadAttention):
-            module.__class__ = FusedAttention if fused else MultiHeadAttention
-        elif isinstance(module, LayerNorm):
-            module.__class__ = FusedLayerNorm if fused else LayerNorm
-    return model
+# F.scaled_dot_product_attention fuses the same formula into one kernel (a FlashAttention kernel on a GPU), and
+# F.layer_norm fuses section 5's nine small operations. A small model's step is a few hundred operations, so fusing
+# them shows: the tools' use_fused_kernels rebuilds a model's attention and LayerNorms on them for --bench.
 
 
 # ===========================================================================
 # 35. Sliding-window attention and the rolling cache: Mistral (滑动窗口注意力与滚动缓存)
 # ===========================================================================
-# Mistral-7B (Jiang et al., 2023) lets each query see only the last `window` keys, itself included (4096 in v0.1): a
-# kernel that skips the hidden keys does T * window work instead of T^2 / 2 (the masks here only hide them), and the
-# cache never holds more than `window` tokens (Mistral-7B: 512 MiB, where 32k tokens take 4 GiB; Mistral's own cache
-# writes token p into slot p mod W of a fixed buffer, ours keeps them in order). Older tokens count through the layers:
-# layer 2 reads layer 1's outputs at p - (W - 1) .. p, so L layers reach back L * (W - 1) positions (Mistral-7B:
-# 32 * 4095 = 131,040; the paper's 4096 x 32 = 131,072 counts W a layer); a token further back changes nothing at all.
-# The pitfall: len(cache) must count every token seen, not the `window` held: RoPE turns the next token by its absolute
-# position and the mask counts from it; a length that stops at `window` restarts the positions.
+# Mistral-7B (Jiang et al., 2023) lets each query see only the last `window` keys, itself included (4096 in v0.1). A
+# kernel that skips the hidden keys does T * window work instead of T^2 / 2; the masks here only hide them. The cache
+# never holds more than `window` tokens: 512 MiB for Mistral-7B, where 32k tokens take 4 GiB. (Mistral's own cache
+# writes token p into slot p mod W of a fixed buffer; this one keeps the tokens in order.)
+# Older tokens still count, through the layers. Layer 2 reads layer 1's outputs at p - (W - 1) .. p, so L layers reach
+# back L * (W - 1) positions: 32 * 4095 = 131,040 for Mistral-7B (the paper's 4096 x 32 = 131,072 counts W a layer).
+# A token further back changes nothing at all.
+# The pitfall: len(cache) must count every token seen, not the `window` held. RoPE turns the next token by its absolute
+# position, and the mask counts from it, so a length that stops at `window` restarts the positions.
 
 ARGUMENTS.update(window=(int, 1, MAX_SIZE), length=(int, 0, MAX_SIZE))
 RELATIONS["keys and values"] = (("shapes",), lambda s: len(s["k"]) == len(s["v"]) == 4 and s["k"][:3] == s["v"][:3],
@@ -2978,10 +2937,14 @@ RELATIONS["keys and values"] = (("shapes",), lambda s: len(s["k"]) == len(s["v"]
 
 
 def make_window_mask(T, window, device=None, past=0):
-    """[1, 1, T, past + T]: the causal mask cut to a band, the query at p seeing keys p - window + 1 .. p."""
-    check(window=window, past=past)                                        # past < 0: a mask of other keys
-    return make_causal_mask(T, device, past) & torch.ones(T, past + T, dtype=torch.bool, device=device).triu(
-        past - window + 1)                                                 # [1, 1, T, past+T]
+    """[1, 1, T, past + T]: the query at position p = past + i sees the keys p - window + 1 .. p."""
+    if window < 1:  # a window of 0 would read no key at all
+        raise ValueError(f"window must be >= 1, got {window}")
+    if past < 0:  # fewer keys than queries: a mask for some other sequence
+        raise ValueError(f"past must be >= 0, got {past}")
+    query = torch.arange(past, past + T, device=device)[:, None]           # [T, 1]: the queries' positions
+    key = torch.arange(past + T, device=device)[None, :]                   # [1, past+T]: the keys' positions
+    return ((key <= query) & (key > query - window))[None, None]           # [1, 1, T, past+T]
 
 
 class RollingKVCache(KVCache):
@@ -2989,15 +2952,18 @@ class RollingKVCache(KVCache):
 
     def __init__(self, window):
         super().__init__()
-        check(window=window)
-        self.window, self.dropped = window, 0                              # dropped: tokens let go
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window, self.dropped = window, 0                              # dropped: the tokens let go
 
     def __len__(self):
         return self.dropped + super().__len__()
 
     def append(self, k, v):
         """Add keys and values [B, Hkv, Tn, dk]; return the kept and the new ones, then keep the last window."""
-        check("keys and values", shapes=dict(k=k.shape, v=v.shape))
+        if k.shape[:3] != v.shape[:3]:  # checked before anything changes: the cache keeps what it held
+            raise ValueError(f"k [B, H, Tn, dk] and v [B, H, Tn, dv] must share B, H and Tn,"
+                             f" got k {list(k.shape)}, v {list(v.shape)}")
         k, v = super().append(k, v)                                        # [B, Hkv, kept+Tn, dk] each
         if k.size(2) > self.window:
             self.dropped += k.size(2) - self.window
@@ -3006,10 +2972,9 @@ class RollingKVCache(KVCache):
         return k, v
 
     def crop(self, length):
-        """Keep the first `length` tokens seen (section 48 takes back rejected ones); not below those let go."""
-        check(length=length)
-        held = min(length, len(self)) - self.dropped                       # tokens left in k and v
-        if held < 0:
+        """Keep the first `length` tokens seen (section 48 takes back rejected ones), but not below those let go."""
+        held = min(length, len(self)) - self.dropped                       # the tokens left in k and v
+        if held < 0:  # a negative length, too: a negative slice would keep the wrong tokens
             raise ValueError(f"cannot cut a rolling cache back to {length} tokens: it let {self.dropped} go")
         if self.k is not None:
             self.k, self.v = self.k[:, :, :held], self.v[:, :, :held]      # [B, Hkv, held, dk] each
@@ -3023,7 +2988,7 @@ class SlidingWindowAttention(GroupedQueryAttention):
         self.window = window
 
     def attend(self, q, k, v, mask):
-        # the band over this step's keys, queries the last Tn; a rolling cache's kept keys are all it needs (causal)
+        # the band over this step's keys, the queries being the last Tn; a rolling cache's kept keys all lie in it
         band = make_window_mask(q.size(2), self.window, q.device, past=k.size(2) - q.size(2))  # [1, 1, Tn, t+Tn]
         return super().attend(q, k, v, band)                               # [B, H, Tn, dk]
 
@@ -3033,28 +2998,23 @@ class Mistral(Llama):
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, window=4096):
-        check(window=window)
-        self.window = window                                               # read by attention() below
+        if window < 1:  # refused before any weight is made
+            raise ValueError(f"window must be >= 1, got {window}")
         super().__init__(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta, norm_eps,
                          tie_weights, qkv_bias)
+        self.window = window
         self.config["window"] = window
-
-    def attention(self, d_model, n_heads, n_kv_heads, qkv_bias):
-        return SlidingWindowAttention(d_model, n_heads, n_kv_heads, self.window, qkv_bias)
+        for layer in self.layers:  # each block's attention banded, on the weights that Llama initialized
+            banded = SlidingWindowAttention(d_model, n_heads, layer.attn.n_kv_heads, window, qkv_bias)
+            banded.load_state_dict(layer.attn.state_dict())
+            layer.attn = banded
 
     def new_cache(self):  # at most window tokens a layer, however long the generation
         return [RollingKVCache(self.window) for _ in self.layers]
 
 
-def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
-    """Closed form of count_parameters(Mistral(...)): Llama's, the window holds no parameters."""
-    check(window=window)
-    return llama_param_formula(*llama_arguments, **llama_keywords)
-
-
 def window_reach(n_layers, window):
     """How many positions back a stack of n_layers sliding-window layers can see."""
-    check(n_layers=n_layers, window=window)
     return n_layers * (window - 1)
 
 # Try it:
@@ -3071,26 +3031,15 @@ def window_reach(n_layers, window):
 #   True
 
 
-# Section 26's table, for transformers' Mistral: Llama's names and fields, and the window
-
-def hf_mistral(config):
-    """Mistral's keywords: Llama's, and sliding_window (None: the whole context)."""
-    keywords = hf_llama(config)
-    return dict(keywords, window=hf_field(config, "sliding_window", keywords["max_len"]))
-
-
-HF_FAMILIES["mistral"] = (Mistral, hf_mistral)
-
-
 # ===========================================================================
 # 36. The paged KV cache (分页 KV 缓存)
 # ===========================================================================
-# A server batching requests of very different lengths wastes most of a padded [B, max_len] cache: a 30-token answer
-# reserves as much as a 4000-token one. vLLM (Kwon et al., 2023, "PagedAttention") cuts the cache into fixed-size
-# blocks, as an operating system pages memory: a sequence takes a block when its last one fills, finds its blocks
-# through a block table, and gives them back when it ends: under one block per sequence is wasted. Here a PagedKVCache
-# holds one layer of one sequence (vLLM shares a block table across the layers) and gathers its blocks into one
-# [1, Hkv, t, dk], where vLLM's kernel reads each block in place.
+# A server that batches requests of very different lengths wastes most of a padded [B, max_len] cache: a 30-token
+# answer reserves as much as a 4000-token one. vLLM (Kwon et al., 2023, "PagedAttention") cuts the cache into
+# fixed-size blocks, as an operating system pages memory. A sequence takes a new block when its last one fills, finds
+# its blocks through a block table, and gives them back when it ends, so it wastes less than one block. Here a
+# PagedKVCache holds one layer of one sequence (vLLM shares one block table across the layers). It gathers its blocks
+# into one [1, Hkv, t, dk] tensor, where vLLM's kernel reads each block in place.
 
 ARGUMENTS.update(n_blocks=(int, 1, MAX_SIZE), lengths=(list,))
 RELATIONS.update({"one sequence": (("shapes",), lambda s: s["k"][0] == 1, "a PagedKVCache holds one sequence: batch 1"),
@@ -3099,14 +3048,15 @@ RELATIONS.update({"one sequence": (("shapes",), lambda s: s["k"][0] == 1, "a Pag
 
 
 class KVPool:
-    """n_blocks blocks of block_size token slots each, shared by many PagedKVCaches; its storage
+    """n_blocks blocks of block_size token slots each, shared by many PagedKVCaches. Its storage
     [n_blocks, Hkv, block_size, dk] takes the shape, dtype and device of the first keys written."""
 
     def __init__(self, n_blocks, block_size):
-        check(n_blocks=n_blocks, block_size=block_size)
+        if n_blocks < 1 or block_size < 1:
+            raise ValueError(f"a KVPool needs n_blocks >= 1 and block_size >= 1, got {n_blocks} and {block_size}")
         self.n_blocks, self.block_size = n_blocks, block_size
         self.k = self.v = None                                             # [n_blocks, Hkv, block_size, dk]
-        self.free_blocks = list(range(n_blocks - 1, -1, -1))               # popped from the end: 0 first
+        self.free_blocks = list(range(n_blocks - 1, -1, -1))               # popped from the end: block 0 first
         self.taken = set()                                                 # the blocks handed out
 
     @property
@@ -3114,7 +3064,7 @@ class KVPool:
         return len(self.free_blocks)
 
     def take(self, n):
-        """n free block ids (all or none)."""
+        """n free block ids, all or none."""
         if n > self.n_free:
             raise ValueError(f"the KVPool is full: a sequence needs {n} more blocks of {self.block_size} tokens,"
                              f" {self.n_free} of {self.n_blocks} are free (free() finished sequences)")
@@ -3124,10 +3074,8 @@ class KVPool:
 
     def give_back(self, blocks):
         """Blocks this pool handed out, each once: a block given back twice would serve two sequences."""
-        wrong = [b for b in blocks if type(b) is not int or b not in self.taken] or (
-            len(set(blocks)) < len(blocks) and "a block twice")
-        if wrong:
-            raise ValueError(f"a KVPool takes back only blocks it handed out, each once: {blocks!r:.60} ({wrong})")
+        if len(set(blocks)) < len(blocks) or not self.taken.issuperset(blocks):
+            raise ValueError(f"a KVPool takes back only blocks it handed out, each once, got {blocks}")
         self.taken.difference_update(blocks)
         self.free_blocks.extend(reversed(blocks))
 
@@ -3143,22 +3091,24 @@ class KVPool:
 
 
 class PagedKVCache(KVCache):
-    """One sequence's keys and values in a KVPool's blocks: a KVCache, same append and len."""
+    """One sequence's keys and values in a KVPool's blocks: a KVCache, with the same append and len."""
 
     def __init__(self, pool):
-        self.pool, self.blocks, self.n = pool, [], 0                       # block table, tokens held
+        self.pool, self.blocks, self.n = pool, [], 0                       # the block table, the tokens held
 
     def __len__(self):
         return self.n
 
     def append(self, k, v):
         """Write this step's keys and values [1, Hkv, Tn, dk] into the blocks; -> all of them, [1, Hkv, t, dk]."""
-        check("keys and values", "one sequence", shapes=dict(k=k.shape, v=v.shape))
+        if k.size(0) != 1 or k.shape[:3] != v.shape[:3]:  # checked before a block is taken or written
+            raise ValueError(f"a PagedKVCache holds one sequence: k [1, Hkv, Tn, dk] and v [1, Hkv, Tn, dv],"
+                             f" got k {list(k.shape)}, v {list(v.shape)}")
         store_k, store_v = self.pool.storage_for(k, v)                     # [n_blocks, Hkv, bs, dk] each
         bs, Tn = self.pool.block_size, k.size(2)
-        # in place: where a model puts its caches back after a failed forward (section 22), the
-        # blocks taken here stay in the table, reserved for the next tokens
-        self.blocks += self.pool.take(-(-(self.n + Tn) // bs) - len(self.blocks))  # ceil: blocks needed
+        # in place: where a model puts its caches back after a failed forward (section 22), the blocks taken here
+        # stay in the table, reserved for the next tokens
+        self.blocks += self.pool.take(-(-(self.n + Tn) // bs) - len(self.blocks))  # ceil: the blocks needed
         position = torch.arange(self.n, self.n + Tn, device=k.device)     # [Tn]
         block = torch.tensor(self.blocks, device=k.device)[position // bs]  # [Tn]: the block table, read
         store_k[block, :, position % bs] = k[0].transpose(0, 1)            # [Tn, Hkv, dk] into their slots
@@ -3169,11 +3119,12 @@ class PagedKVCache(KVCache):
 
     def crop(self, length):
         """Keep the first `length` tokens (section 48 takes back rejected ones); the blocks past them go back."""
-        check(length=length)
-        self.n = min(length, self.n)
-        used = -(-self.n // self.pool.block_size)                          # ceil: the blocks still needed
+        if length < 0:  # would count -1 tokens
+            raise ValueError(f"length must be >= 0, got {length}")
+        n = min(length, self.n)
+        used = -(-n // self.pool.block_size)                               # ceil: the blocks still needed
         self.pool.give_back(self.blocks[used:])
-        self.blocks = self.blocks[:used]
+        self.blocks, self.n = self.blocks[:used], n
 
     def free(self):
         self.pool.give_back(self.blocks)
@@ -3181,18 +3132,19 @@ class PagedKVCache(KVCache):
 
 
 class PagedLatentCache(LatentCache):
-    """MLA's cache in a KVPool's blocks, by PagedKVCache's code: latent and rope key as one head's k and v."""
+    """MLA's cache (section 30) in a KVPool's blocks, by PagedKVCache's code: the latent and the rope key are stored
+    as one head's k and v. It is a LatentCache, not a KVCache, so a Llama refuses it."""
     __init__, __len__, crop, free = PagedKVCache.__init__, PagedKVCache.__len__, PagedKVCache.crop, PagedKVCache.free
 
     def append(self, latent, k_rope):
-        check("a latent and a rope key a token", shapes=dict(latent=latent.shape, k_rope=k_rope.shape))
         keys, values = PagedKVCache.append(self, latent[:, None], k_rope[:, None])  # [1, 1, t, r], [1, 1, t, rope]
         return keys[:, 0], values[:, 0]                                    # [1, t, r], [1, t, rope]
 
 
 def padded_and_paged_slots(lengths, block_size):
-    """Token slots a padded [B, max(lengths)] cache reserves, and those of the blocks a paged one takes."""
-    check("token counts", lengths=lengths, block_size=block_size)
+    """The token slots that a padded [B, max(lengths)] cache reserves, and those of the blocks a paged one takes."""
+    if min(lengths) < 0:
+        raise ValueError(f"lengths must be token counts >= 0, got {lengths}")
     return len(lengths) * max(lengths), sum(-(-n // block_size) * block_size for n in lengths)  # padded, paged
 
 # Try it:
@@ -3214,27 +3166,29 @@ def padded_and_paged_slots(lengths, block_size):
 # ===========================================================================
 # 37. RoPE for long context: interpolation, Llama 3.1, YaRN (长上下文的 RoPE)
 # ===========================================================================
-# A model trained on L positions has never seen RoPE angles past L * theta_i, and falls apart beyond it. Three
-# stretches, each new inverse frequencies in place of section 19's:
-# - linear (position interpolation, Chen et al., 2023): every frequency divided by the factor s, position p looks like
-#   p / s; it squeezes the fast pairs too, which the YaRN paper hypothesizes loses the fine, local order learned.
-# - llama3 (Llama 3.1): wavelength 2 pi / theta_i < L / high_freq_factor kept, > L / low_freq_factor divided by the
-#   factor, blended linearly in L / wavelength between: Llama-3.1-8B (dk 128, theta 500000, factor 8, 1 and 4, L 8192)
-#   keeps pairs 0-28, blends 29-34, slows 35-63: 131,072 positions, Llama-3-8B's 8,030,261,248 parameters.
-# - yarn ("by parts", Peng et al., 2023, after bloc97's NTK-aware base theta * s^(dk/(dk-2))): a pair that turned many
-#   times within L met every angle in training: kept; one that never finished a turn: slowed by s; between, a ramp from
-#   the pair that turns beta_fast (32) times to the one that turns beta_slow (1) time within L, rounded outwards (floor,
-#   ceil) as the references do. And a temperature: cos and sin times 0.1 ln s + 1 (fitted on Llama) sharpen every score,
-#   which more keys would flatten; forgotten, the model just runs worse. MLA turns only its rope dims, so DeepSeek-V3
-#   puts (0.1 * mscale_all_dim * ln s + 1)^2 in its softmax scale instead: with_rope_scaling refuses yarn for MLA.
-# The pitfall: the cache holds keys already turned (section 21). Static scaling, the kind here, is chosen once; turning
-# cached keys again (to switch mid-generation) turns them twice. Dynamic NTK and YaRN rescale with the length, so they
-# cache keys before RoPE (YaRN, 3.3).
+# A model trained on L positions has never seen RoPE angles past L * theta_i, and it falls apart beyond them. Three
+# stretches replace section 19's inverse frequencies with new ones:
+# - linear (position interpolation, Chen et al., 2023) divides every frequency by the factor s, so position p looks like
+#   p / s. It squeezes the fast pairs too, and the YaRN paper hypothesizes that this loses the fine local order learned.
+# - llama3 (Llama 3.1) keeps the pairs whose wavelength 2 pi / theta_i is below L / high_freq_factor, divides those
+#   above L / low_freq_factor by the factor, and blends linearly in L / wavelength between. Llama-3.1-8B (dk 128, theta
+#   500000, factor 8, low and high factors 1 and 4, L 8192) keeps pairs 0-28, blends 29-34 and slows 35-63. It reaches
+#   131,072 positions with Llama-3-8B's 8,030,261,248 parameters.
+# - yarn ("by parts", Peng et al., 2023, after bloc97's NTK-aware base theta * s^(dk/(dk-2))) keeps a pair that turned
+#   many times within L, because training showed it every angle, and slows by s a pair that never finished a turn. A
+#   ramp runs between, from the pair that turns beta_fast (32) times within L to the one that turns beta_slow (1) time,
+#   its ends rounded outwards (floor, ceil) as the references do. YaRN also sets a temperature: cos and sin times
+#   0.1 ln s + 1 (fitted on Llama) sharpen every score, which more keys would flatten. A model that forgets it just runs
+#   worse. MLA turns only its rope dims, so DeepSeek-V3 puts (0.1 * mscale_all_dim * ln s + 1)^2 into its softmax
+#   scale instead, and with_rope_scaling refuses yarn for MLA.
+# The pitfall: the cache holds keys already turned (section 21). A static scaling, the kind here, is chosen once, and
+# turning the cached keys again (to switch mid-generation) turns them twice. Dynamic NTK and YaRN rescale with the
+# length, so they cache the keys before RoPE (the YaRN paper, section 3.3).
 
-SCALING_KEYS = {  # type: (its keys, optional ones, its RELATIONS); each key has its rule in ARGUMENTS
-    "linear": (["factor"], [], ()),
-    "llama3": (["factor", "low_freq_factor", "high_freq_factor", "original_max_len"], [], ("low < high",)),
-    "yarn": (["factor", "original_max_len"], ["beta_fast", "beta_slow"], ("beta_fast > beta_slow",))}
+SCALING_KEYS = {  # each type's keys, then its optional ones
+    "linear": (["factor"], []),
+    "llama3": (["factor", "low_freq_factor", "high_freq_factor", "original_max_len"], []),
+    "yarn": (["factor", "original_max_len"], ["beta_fast", "beta_slow"])}
 ARGUMENTS.update(original_max_len=(int, 1, MAX_SIZE), scaling=(dict,), type=("one of", *SCALING_KEYS),
                  factor=(float, 1.0, FINITE), model_kind=(type,), **dict.fromkeys(
                      ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"),
@@ -3254,10 +3208,24 @@ RELATIONS.update({
 
 
 def check_scaling(scaling):
-    """A RoPE scaling: a dict of a known type, its keys, each in its range (factor >= 1)."""
-    check("a scaling type", scaling=scaling)
-    check(f"{scaling['type']} keys", scaling=scaling)
-    check(*SCALING_KEYS[scaling["type"]][2], **{"beta_fast": 32, "beta_slow": 1, **scaling})  # yarn's defaults
+    """Refuse a scaling that would stretch wrongly: an unknown type, a missing or misspelt key (it would fall back
+    silently), a number that is 0, negative, nan or inf, a factor below 1 (a squeeze) or a ramp that runs backwards."""
+    kind = scaling.get("type") if isinstance(scaling, dict) else None
+    if kind not in SCALING_KEYS:
+        raise ValueError(f"scaling type must be 'linear', 'llama3' or 'yarn' (a dict with a 'type' key), got {scaling!r}")
+    needed, optional = SCALING_KEYS[kind]
+    if not set(needed) <= set(scaling) - {"type"} <= set(needed + optional):
+        raise ValueError(f"scaling {kind!r} needs the keys {needed} (optional: {optional}) and no others, got {scaling}")
+    s = {"beta_fast": 32, "beta_slow": 1, **scaling}                       # yarn's defaults
+    for key in needed + optional:
+        if not (type(s[key]) in (int, float) and 0 < s[key] < math.inf):
+            raise ValueError(f"{key} must be a finite number > 0, got {s[key]!r}")
+    if s["factor"] < 1 or s.get("original_max_len", 1) < 1:
+        raise ValueError(f"factor and original_max_len must be >= 1, got {scaling}")
+    if kind == "llama3" and not s["low_freq_factor"] < s["high_freq_factor"]:
+        raise ValueError(f"low_freq_factor must be below high_freq_factor, got {scaling}")
+    if kind == "yarn" and not s["beta_fast"] > s["beta_slow"]:
+        raise ValueError(f"beta_fast must be above beta_slow, got {s['beta_fast']} and {s['beta_slow']}")
 
 
 def yarn_ends(head_dim, theta, scaling):
@@ -3268,18 +3236,20 @@ def yarn_ends(head_dim, theta, scaling):
 
 
 def yarn_blend(inv_freq, factor, start, end):
-    """inv_freq [dk/2] divided by factor past pair end, kept before start, blended linearly between."""
+    """inv_freq [dk/2] divided by factor past pair end, kept before pair start, blended linearly between."""
     start, end = max(start, 0), min(end, 2 * len(inv_freq) - 1)
-    end = end + 0.001 if end == start else end                            # the references' guard against 0/0
+    end = end + 0.001 if end == start else end                            # the references' guard against 0 / 0
     ramp = ((torch.arange(len(inv_freq)) - start) / (end - start)).clamp(0, 1)  # [dk/2]: 1 where slowed
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)                # [dk/2]
 
 
 def scaled_rope_frequencies(head_dim, theta, scaling):
     """RoPE's inverse frequencies stretched for a longer context, by Hugging Face's formulas
-    (_compute_linear_scaling_rope_parameters, _compute_llama3_parameters, _compute_yarn_parameters;
-    rope_type, original_max_position_embeddings) -> (inv_freq [dk/2], a factor for cos and sin)."""
-    check("even head_dim", head_dim=head_dim, theta=theta)
+    (_compute_linear_scaling_rope_parameters, _compute_llama3_parameters, _compute_yarn_parameters; their rope_type
+    and original_max_position_embeddings are type and original_max_len here) -> (inv_freq [dk/2], a factor for cos
+    and sin)."""
+    if head_dim % 2:  # RoPE turns pairs of dimensions
+        raise ValueError(f"head_dim must be even, got {head_dim}")
     check_scaling(scaling)
     inv_freq, factor = rope_frequencies(head_dim, theta), scaling["factor"]  # [dk/2], s
     if scaling["type"] == "linear":
@@ -3299,7 +3269,6 @@ def scaled_rope_frequencies(head_dim, theta, scaling):
 
 def scaled_rope_cos_sin(head_dim, max_len, theta, scaling):
     """rope_cos_sin's tables [max_len, head_dim], stretched, times yarn's temperature (1 for the others)."""
-    check(max_len=max_len)
     inv_freq, attention_factor = scaled_rope_frequencies(head_dim, theta, scaling)  # [dk/2], a float
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [max_len, dk/2]
     emb = torch.cat([angles, angles], dim=-1)                              # [max_len, dk]
@@ -3307,8 +3276,8 @@ def scaled_rope_cos_sin(head_dim, max_len, theta, scaling):
 
 
 def with_rope_scaling(model, scaling):
-    """A RoPE model of this file (Llama, a family) given the tables of scaling for its max_len, kept in its config."""
-    check("a Llama family", model_kind=type(model))
+    """model, a Llama or a family of it, given RoPE tables stretched by scaling for its max_len; its config keeps scaling
+    (for checkpoints)."""
     check_scaling(scaling)
     if isinstance(model, DeepSeekV3) and scaling["type"] == "yarn":  # refused before any table is made
         raise ValueError("yarn's temperature goes into latent attention's softmax scale (DeepSeek-V3's mscale),"
@@ -6035,6 +6004,24 @@ HF_FAMILIES["deepseek_v3"] = (DeepSeekV3, hf_deepseek_v3)
 
 # >>> ANCHOR P6A: sections 34-37's plumbing goes directly below this line (keep this line)
 
+# Section 35's Mistral for checkpoints (its parameter count, checked before a model is built) and in transformers'
+# names (Llama's names and fields, and the window)
+
+def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
+    """Closed form of count_parameters(Mistral(...)): Llama's, since the window holds no parameters."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return llama_param_formula(*llama_arguments, **llama_keywords)
+
+
+def hf_mistral(config):
+    """Mistral's keywords: Llama's, and sliding_window (None: the whole context)."""
+    keywords = hf_llama(config)
+    return dict(keywords, window=hf_field(config, "sliding_window", keywords["max_len"]))
+
+
+HF_FAMILIES["mistral"] = (Mistral, hf_mistral)
+
 
 
 
@@ -6130,6 +6117,54 @@ def train_mtp(model, pairs, vocab, epochs=2, batch_size=32, seed=0):
 
 
 # >>> ANCHOR R6: Part VI's runs and registries go directly below this line (keep this line)
+
+# Section 34's fused kernels, for --bench: a model's attention and LayerNorms rebuilt on PyTorch's kernels, holding
+# the same Linear modules and Parameters (an optimizer keeps training them).
+
+class FusedAttention(MultiHeadAttention):
+    """Section 3's attention with step 2 in PyTorch's kernel (on a CPU without dropout too: no [Tq, Tk] weights)."""
+
+    def attend(self, q, k, v, mask):
+        if mask is not None and mask.dim() != 4:  # a [B, T, T] mask would broadcast wrongly against the heads
+            raise ValueError(f"mask must be 4-D, broadcastable to [B, H, Tq, Tk], got shape {list(mask.shape)}")
+        if mask is not None:
+            # a query that may attend to nothing reads nothing, as in section 2: unmasked (some kernels: NaN), then 0
+            empty = ~mask.any(dim=-1, keepdim=True)                        # [B, 1|H, Tq, 1]
+            mask = mask | empty                                            # [B, 1|H, Tq, Tk]
+        out = F.scaled_dot_product_attention(q, k, v, mask, self.dropout.p if self.training else 0.0)  # [B, H, Tq, dk]
+        return out if mask is None else out.masked_fill(empty, 0.0)        # [B, H, Tq, dk]
+
+
+class FusedLayerNorm(LayerNorm):
+    """Section 5's LayerNorm in one kernel, F.layer_norm."""
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)  # [B, T, D]
+
+
+def fused_twin(module, fused):
+    """A MultiHeadAttention or LayerNorm rebuilt as the fused class (fused=False: as written) on module's very weights,
+    on the meta device: nothing is allocated and no random number drawn."""
+    with torch.device("meta"):
+        if isinstance(module, MultiHeadAttention):
+            twin = (FusedAttention if fused else MultiHeadAttention)(module.d_model, module.n_heads, module.dropout.p)
+            twin.w_q, twin.w_k, twin.w_v, twin.w_o = module.w_q, module.w_k, module.w_v, module.w_o
+        else:
+            twin = (FusedLayerNorm if fused else LayerNorm)(module.weight.numel(), module.eps)
+            twin.weight, twin.bias = module.weight, module.bias
+    return twin.train(module.training)
+
+
+def use_fused_kernels(model, fused=True):
+    """Every MultiHeadAttention and LayerNorm in model replaced by its fused twin (fused=False: as written again).
+    -> model; a model that is itself one of them comes back as its twin."""
+    if isinstance(model, (MultiHeadAttention, LayerNorm)):
+        return fused_twin(model, fused)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, (MultiHeadAttention, LayerNorm)):
+                setattr(parent, name, fused_twin(child, fused))
+    return model
 
 
 
