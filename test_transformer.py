@@ -2485,7 +2485,7 @@ def test_beam_1_is_greedy_and_a_wider_beam_never_scores_lower():
             src_k = src.repeat_interleave(k, 0)
             step = lambda ids, cache: encdec.decode(ids, memory, src_k, cache)[:, -1]  # noqa: E731
             start = torch.full((len(rows), 1), tf.Vocab.BOS)
-            tokens, score = tf.beam_search(step, start, n, k, allowed, encdec.new_cache())
+            tokens, score = tf.beam_search_keeping_greedy(step, start, n, k, allowed, encdec.new_cache())
             assert torch.allclose(score, _logprob(encdec, src, tokens), atol=1e-4)  # the score is the log-prob
             if k == 1:
                 assert torch.equal(tokens, greedy)
@@ -2715,8 +2715,8 @@ def _table_step(table, n_tokens):
     return step
 
 
-def test_beam_search_keeps_greedy_where_plain_beam_would_end_below_it():
-    """The docstring's claim, on a case made for it: tokens pad 0, bos 1, eos 2, A 3, B 4,
+def test_plain_beam_can_end_below_greedy_and_the_extension_keeps_greedy():
+    """The comment's claim, on a case made for it: tokens pad 0, bos 1, eos 2, A 3, B 4,
     C 5, X 6, Y 7, Z 8, then 9-16 the spread. Greedy: A (.40), X (.21), eos: .084. Beam
     2 keeps A and B (.31); at step 2, B Y .158 and B Z .152 push out A X .084; after Y
     and Z everything is spread over 8 tokens, so plain beam ends at .158 / 8 = .0198,
@@ -2728,8 +2728,10 @@ def test_beam_search_keeps_greedy_where_plain_beam_would_end_below_it():
              **{t: {2: 1.0} for t in range(9, 17)}}
     step, start = _table_step(table, 17), torch.tensor([[1]])
     greedy, g_score = tf.beam_search(step, start, 3, 1)
-    beam, b_score = tf.beam_search(step, start, 3, 2)
+    plain, p_score = tf.beam_search(step, start, 3, 2)
+    beam, b_score = tf.beam_search_keeping_greedy(step, start, 3, 2)
     assert greedy.tolist() == [[3, 6, 2]] and math.isclose(g_score.exp().item(), 0.084, rel_tol=1e-4)
+    assert plain[0, 0].item() == 4 and math.isclose(p_score.exp().item(), 0.158 / 8, rel_tol=1e-3)
     assert beam.tolist() == [[3, 6, 2]] and math.isclose(b_score.exp().item(), 0.084, rel_tol=1e-4)
 
 
@@ -2932,16 +2934,16 @@ def test_gpt_translate_groups_by_length_keeps_input_order(gpt_overfit10, monkeyp
     assert alone == [ha, hb]
     assert tf.gpt_translate(model, [a, b], vocab) == alone
     assert tf.gpt_translate(model, [b, a], vocab) == alone[::-1]
-    # every sentence, shuffled: answers in input order, one beam_search call per length
+    # every sentence, shuffled: answers in input order, one beam search per length
     mixed = [p for p, _ in pairs]
     random.Random(0).shuffle(mixed)
-    prompts, real = [], tf.beam_search
+    prompts, real = [], tf.beam_search_keeping_greedy
 
     def spy(step, start, *args, **kwargs):
         prompts.append(start.clone())
         return real(step, start, *args, **kwargs)
 
-    monkeypatch.setattr(tf, "beam_search", spy)
+    monkeypatch.setattr(tf, "beam_search_keeping_greedy", spy)
     assert tf.gpt_translate(model, mixed, vocab) == [dict(pairs)[p] for p in mixed]
     monkeypatch.undo()
     assert sorted(p.size(1) - 1 for p in prompts) == sorted(by_len)  # one batch per length

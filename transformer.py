@@ -1091,6 +1091,42 @@ def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_i
             reorder_cache(cache, index)  # the cache follows its beam
     return ids.view(B, k, -1)[:, 0, start.size(1):], scores[:, 0]          # [B, n_steps], [B]
 
+# Beam search is a heuristic: a wider beam can end below greedy. A first choice that greedy would not take can look
+# better for a step or two, push greedy's path out of the beam and then lead nowhere. The extension below keeps
+# greedy's path in the beam: when the k best leave it out, it takes the last place. So a beam never ends below
+# greedy. translate() and gpt_translate() answer with it.
+
+@torch.no_grad()
+def beam_search_keeping_greedy(step, start, n_steps, beam_size, allowed=None, cache=None, eos_id=2, pad_id=0):
+    """beam_search, with greedy's path always in the beam (the last place if the k best leave it out)."""
+    B, k = start.size(0), beam_size
+    rows = torch.arange(B, device=start.device)                            # [B]
+    ids = start.repeat_interleave(k, dim=0)                                # [B*k, T0]
+    scores = torch.full((B, k), float("-inf"), device=start.device)        # [B, k]
+    scores[:, 0] = 0.0
+    greedy = torch.zeros(B, dtype=torch.long, device=start.device)         # [B]: the beam on greedy's path
+    done = torch.zeros(B * k, dtype=torch.bool, device=start.device)       # [B*k]
+    for i in range(n_steps):
+        logp = step(ids, cache).float().log_softmax(dim=-1)                # [B*k, V]
+        if allowed is not None:
+            logp = logp.masked_fill(~allowed[:, i].repeat_interleave(k, dim=0), float("-inf"))  # [B*k, V]
+        logp[done] = float("-inf")
+        logp[done, pad_id] = 0.0
+        V = logp.size(-1)
+        total = (scores.view(-1, 1) + logp).view(B, k * V)                 # [B, k*V]: every beam, every token
+        scores, flat = total.topk(k, dim=-1)                               # [B, k], best first
+        greedy_flat = greedy * V + logp.view(B, k, V)[rows, greedy].argmax(dim=-1)  # [B]: greedy's next
+        lost = (flat != greedy_flat[:, None]).all(dim=-1)                  # [B]: pushed out of the beam
+        flat[lost, -1], scores[lost, -1] = greedy_flat[lost], total[rows, greedy_flat][lost]  # it takes the last place
+        greedy = (flat == greedy_flat[:, None]).int().argmax(dim=-1)       # [B]
+        beam, token = flat // V, flat % V                                  # [B, k] each
+        index = (rows[:, None] * k + beam).view(-1)                        # [B*k]
+        ids = torch.cat([ids[index], token.view(-1, 1)], dim=1)            # [B*k, t+1]
+        done = done[index] | (token.view(-1) == eos_id)                    # [B*k]
+        if cache is not None:
+            reorder_cache(cache, index)
+    return ids.view(B, k, -1)[:, 0, start.size(1):], scores[:, 0]          # [B, n_steps], [B]
+
 
 def rows_per_batch(batch_size, length, vocab_size, budget=2 ** 24):
     """Sentences a batch: at most batch_size, few enough that [B, length, V] logits fit budget (64 MB of float32)."""
@@ -1118,8 +1154,9 @@ def translate(model, sentences, src_vocab, tgt_vocab, readings=None, beam_size=1
                 memory = model.encode(src).repeat_interleave(beam_size, dim=0)  # [B*k, S, D]
                 src_k = src.repeat_interleave(beam_size, dim=0)             # [B*k, S]
                 start = torch.full((len(syllables), 1), Vocab.BOS, device=device)  # [B, 1]
-                generated, _ = beam_search(lambda ids, cache: model.decode(ids, memory, src_k, cache)[:, -1],
-                                           start, src.size(1) + 1, beam_size, allowed, model.new_cache())  # [B, S+1]
+                generated, _ = beam_search_keeping_greedy(  # [B, S+1]
+                    lambda ids, cache: model.decode(ids, memory, src_k, cache)[:, -1], start, src.size(1) + 1,
+                    beam_size, allowed, model.new_cache())
         out += ["".join(tgt_vocab.decode(row)) for row in generated.tolist()]
     return out
 
@@ -1176,7 +1213,7 @@ def time_generation(model, prompt, max_new_tokens):
 # the later parts. So the pinyin goes in front as a prompt, and the whole is one sequence:
 # "wo ai xue xi <sep> 我 爱 学 习 <eos>". The model learns to continue after <sep>. The prompt is given, not predicted,
 # so its positions are left out of the loss (their target is pad, which ignore_index skips). The model answers through
-# the same beam_search and masks as the encoder-decoder (section 14).
+# the same beam search and masks as the encoder-decoder (section 14).
 
 SEP = "<sep>"
 
@@ -1218,8 +1255,8 @@ def gpt_translate(model, sentences, vocab, readings=None, beam_size=1, batch_siz
         prompt = torch.tensor([vocab.encode(s + [SEP]) for s in syllables], device=device)  # [B, S+1]
         allowed = answer_masks(syllables, vocab, readings).to(device)      # [B, S+1, V]
         with eval_mode(model):
-            answer, _ = beam_search(lambda ids, cache: model(ids, cache)[:, -1], prompt, S + 1, beam_size,
-                                    allowed, model.new_cache())            # [B, S+1]: S characters, eos
+            answer, _ = beam_search_keeping_greedy(lambda ids, cache: model(ids, cache)[:, -1], prompt, S + 1,
+                                                   beam_size, allowed, model.new_cache())  # [B, S+1]: S chars, eos
         for i, row in zip(rows, answer.tolist()):
             out[i] = "".join(vocab.decode(row))
     return out
