@@ -1333,21 +1333,6 @@ def cross_attention_map(model, src, out, head=None):
     return weights.mean(dim=0) if head is None else weights[head]          # [T, S]
 
 
-def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head=None, readings=None):
-    """Print the encoder-decoder's cross-attention on the held-out sentence of most ambiguous syllables (<= 8)."""
-    pinyin, _ = max((p for p in test_pairs if len(p[0].split()) <= min(8, model.max_len - 2)),
-                    key=lambda p: sum(s in ambiguous for s in p[0].split()), default=test_pairs[0])
-    device = next(model.parameters()).device
-    src = torch.tensor([src_vocab.encode(pinyin.split())], device=device)  # [1, S]
-    allowed = answer_masks([pinyin.split()], tgt_vocab, readings).to(device)  # [1, S+1, V]
-    out = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1, allowed=allowed)  # [1, <= S+1]
-    chars = tgt_vocab.decode(out[0].tolist())
-    weights = cross_attention_map(model, src, out[:, :max(1, len(chars))], head)  # [T, S]
-    which = "averaged over heads" if head is None else f"head {head}"
-    print(f"\ncross-attention of the last decoder layer, {which}: {pinyin} -> {''.join(chars)}")
-    print(render_heatmap(weights, pinyin.split(), chars))
-
-
 # ===========================================================================
 # Part III: the modern decoder, Llama-style (第三部分：现代解码器)
 # ===========================================================================
@@ -6096,6 +6081,22 @@ def train_toy_model(kind, train_pairs, test_pairs, device="cpu", epochs=None, se
     result = train(model, dataset, held_out, epochs=epochs or spec["epochs"], batch_size=spec["batch_size"],
                    seed=seed, log=log, update=update)
     return model, src_vocab, tgt_vocab, result
+
+
+def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head=None, readings=None):
+    """Print the encoder-decoder's cross-attention on the held-out sentence of most ambiguous syllables (<= 8)."""
+    check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
+    pinyin, _ = max((p for p in test_pairs if len(p[0].split()) <= min(8, model.max_len - 2)),
+                    key=lambda p: sum(s in ambiguous for s in p[0].split()), default=test_pairs[0])
+    device = next(model.parameters()).device
+    src = torch.tensor([src_vocab.encode(pinyin.split())], device=device)  # [1, S]
+    allowed = answer_masks([pinyin.split()], tgt_vocab, readings).to(device)  # [1, S+1, V]
+    out = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1, allowed=allowed)  # [1, <= S+1]
+    chars = tgt_vocab.decode(out[0].tolist())
+    weights = cross_attention_map(model, src, out[:, :max(1, len(chars))], head)  # [T, S]
+    which = "averaged over heads" if head is None else f"head {head}"
+    print(f"\ncross-attention of the last decoder layer, {which}: {pinyin} -> {''.join(chars)}")
+    print(render_heatmap(weights, pinyin.split(), chars))
 
 
 
