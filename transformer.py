@@ -1677,6 +1677,8 @@ def llama_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
     if d_model % n_heads or n_heads % n_kv_heads:  # no such Llama: its attention refuses these heads
         raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads}),"
                          f" and n_heads by n_kv_heads ({n_kv_heads})")
+    if (d_model // n_heads) % 2:  # nor one whose RoPE has a dim without a partner
+        raise ValueError(f"RoPE turns pairs of dims: head_dim must be even, got {d_model // n_heads}")
     d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
     attention = gqa_params(d_model, n_heads, n_kv_heads, d_model // n_heads, qkv_bias)
     return decoder_params(vocab_size, d_model, n_layers, attention, 3 * d_model * d_ff, tie_weights)  # w1, w3, w2
