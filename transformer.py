@@ -662,7 +662,8 @@ def decoder_only_param_formula(vocab_size, d_model, n_layers, d_ff, tie_weights=
 # ===========================================================================
 # Part II: teaching it a task (第二部分：教它一个任务)
 # ===========================================================================
-# A task learned in seconds on a CPU, the training loop, the ways to decode an answer, what the models learned.
+# This part teaches a model a task that it learns in seconds on a CPU. It shows the training loop, the ways to decode
+# an answer, and what the models learned.
 
 import contextlib
 import copy
@@ -675,10 +676,11 @@ import time
 # ===========================================================================
 # 11. The toy task: pinyin to hanzi (玩具任务：拼音转汉字)
 # ===========================================================================
-# A task small enough to train in seconds and hard enough to need attention: many syllables are written with different
-# characters depending on the word around them (shi: 是 十 事 时 市 视 师, ji: 几 鸡 机 记 计, yi: 一 医 衣 意 已 ...), so
-# the model must read its neighbours, not map syllable to character. Pinyin is toneless and lowercase, one syllable per
-# character, ü written v; a small grammar composes the sentences, each pinyin with exactly one hanzi answer (checked).
+# The task must be small enough to train in seconds and hard enough to need attention. Many syllables are written
+# with different characters depending on the word around them (shi: 是 十 事 时 市 视 师, ji: 几 鸡 机 记 计, yi: 一 医
+# 衣 意 已 ...), so the model must read a syllable's neighbours; a map from syllable to character is not enough. The
+# pinyin is toneless and lowercase, with one syllable per character and ü written v. A small grammar composes the
+# sentences, and every pinyin sentence has exactly one hanzi answer (make_toy_data checks it).
 
 SUBJECTS = [("wo", "我"), ("ni", "你"), ("ta", "他"), ("wo men", "我们"), ("ni men", "你们"),
             ("ta men", "他们"), ("lao shi", "老师"), ("xue sheng", "学生"), ("yi sheng", "医生"),
@@ -705,7 +707,7 @@ PREDICATES = [
     ("shui jiao", "睡觉"), ("shang ke", "上课"), ("kai hui", "开会"), ("zuo zuo ye", "做作业"),
     ("mai ji ben shu", "买几本书"), ("kan yi sheng", "看医生"), ("yong dian nao", "用电脑"), ("hen gao xing", "很高兴"),
     ("qu lv xing", "去旅行"), ("xue xi li shi", "学习历史"), ("zuo shi", "做事")]
-# each slot is optional except subject and predicate: (words, probability of using the slot)
+# Every slot but the subject and the predicate is optional: (its words, the probability that a sentence uses it).
 GRAMMAR = [(SUBJECTS, 1.0), (TIMES, 0.6), (ADVERBS, 0.5), (PLACES, 0.4), (PREDICATES, 1.0)]
 
 
@@ -724,15 +726,8 @@ def make_toy_data(n_sentences=2400, seed=0, min_chars=3, max_chars=12):
     return sorted(answers.items())
 
 
-def check_list(name, value, items):
-    """A list argument: any iterable but str or bytes ("wo ai" would be 5 sentences) or a dict (its keys)."""
-    if isinstance(value, (str, bytes, bytearray, dict)) or not hasattr(type(value), "__iter__"):
-        raise ValueError(f"{name} must be a list of {items}, got {type(value).__name__} {value!r:.60}")
-
-
 def split_data(pairs, held_out=0.1, seed=0):
-    """Shuffle and hold out a fraction: the held-out sentences are never trained on."""
-    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
+    """Shuffle and hold out a fraction: the model never trains on the held-out sentences."""
     pairs = list(pairs)
     random.Random(seed).shuffle(pairs)
     n_test = max(1, round(len(pairs) * held_out))
@@ -745,7 +740,6 @@ class Vocab:
     SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
     def __init__(self, tokens):
-        check_list("tokens", tokens, "tokens")
         self.itos = self.SPECIALS + sorted(set(tokens) - set(self.SPECIALS))
         self.stoi = {tok: i for i, tok in enumerate(self.itos)}
 
@@ -753,18 +747,18 @@ class Vocab:
         return len(self.itos)
 
     def encode(self, tokens):
-        check_list("tokens", tokens, "tokens (for a hanzi string, list(hanzi))")
+        # a string would be read letter by letter: "wo ai" as w, o, ' ', a, i, mostly unk, with no error
+        if isinstance(tokens, str):
+            raise ValueError(f"tokens must be a list of tokens (for a hanzi string, list(hanzi)), got str {tokens!r}")
         return [self.stoi.get(tok, self.UNK) for tok in tokens]
 
     def decode(self, ids):
         """Ids to tokens, stopping at eos and skipping pad and bos."""
-        check_list("ids", ids, "token ids")
         ids = list(ids) + [self.EOS]  # an eos at the end: where to stop if none came earlier
         return [self.itos[i] for i in ids[:ids.index(self.EOS)] if i not in (self.PAD, self.BOS)]
 
 
 def build_vocabs(pairs):
-    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     return (Vocab(s for pinyin, _ in pairs for s in pinyin.split()),    # ['wo', 'ai', ...]
             Vocab(c for _, hanzi in pairs for c in hanzi))                # ['我', '爱', ...]
 
@@ -773,7 +767,6 @@ class PinyinDataset(torch.utils.data.Dataset):
     """Items (model inputs..., target): source syllable ids, target in (bos + chars), target out (chars + eos)."""
 
     def __init__(self, pairs, src_vocab, tgt_vocab):
-        check_list("pairs", pairs, "(pinyin, hanzi) pairs")
         self.pairs, self.src_vocab, self.tgt_vocab = pairs, src_vocab, tgt_vocab
 
     def __len__(self):
@@ -783,20 +776,18 @@ class PinyinDataset(torch.utils.data.Dataset):
         pinyin, hanzi = self.pairs[i]
         src = torch.tensor(self.src_vocab.encode(pinyin.split()))                         # [S]
         tgt = torch.tensor([Vocab.BOS] + self.tgt_vocab.encode(list(hanzi)) + [Vocab.EOS])  # [T+2]
-        # teacher forcing: read the target shifted right, predict it shifted left
+        # teacher forcing: the model reads the target shifted right and predicts it shifted left
         return src, tgt[:-1], tgt[1:]                                      # [S], [T+1], [T+1]
 
 
 def collate(batch):
     """Items -> each field padded to the batch's longest: (src, tgt_in, tgt_out) give [B, S], [B, T+1], [B, T+1]."""
-    check_list("batch", batch, "dataset items")
     return tuple(nn.utils.rnn.pad_sequence(field, batch_first=True, padding_value=Vocab.PAD)
                  for field in zip(*batch))                                 # [B, longest] each
 
 
 def syllable_readings(pairs):
     """syllable -> the set of characters written for it somewhere in the pairs."""
-    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     readings = {}
     for pinyin, hanzi in pairs:
         for syllable, char in zip(pinyin.split(), hanzi):
@@ -811,9 +802,9 @@ def ambiguous_syllables(pairs):
 # ===========================================================================
 # 12. A baseline to beat: bigram HMM and Viterbi (基线：二元语法与维特比)
 # ===========================================================================
-# Before trusting a Transformer, ask what counting does: one that cannot beat it has not earned its place. A hidden
-# Markov model reads the pinyin as emitted by a hidden chain of characters, each depending only on the one before it
-# (a bigram), each syllable only on its own character. Viterbi finds the likeliest chain by dynamic programming:
+# A Transformer that cannot beat counting has not earned its place, so we first ask what counting does. A hidden Markov
+# model reads the pinyin as emitted by a hidden chain of characters. Each character depends only on the one before it
+# (a bigram), and each syllable only on its own character. Viterbi finds the likeliest chain by dynamic programming:
 #   best[i, c] = max over c' of best[i-1, c'] + log P(c | c') + log P(syllable i | c).
 
 class BigramHMM:
@@ -821,7 +812,6 @@ class BigramHMM:
     c's frequency (a sentence start is a c'), P(syllable | c) counted, an unseen syllable any character."""
 
     def __init__(self, pairs, smoothing=1.0):
-        check_list("pairs", pairs, "(pinyin, hanzi) pairs")
         pairs = list(pairs)
         if not pairs or not all(isinstance(p, tuple) and len(p) == 2 and all(isinstance(s, str) for s in p)
                                 for p in pairs):
@@ -843,14 +833,13 @@ class BigramHMM:
         unigram = bigrams.sum(dim=0) / bigrams.sum()                       # [C]
         char_count = bigrams.sum(dim=0)                                    # [C]
         row_total = bigrams.sum(dim=1, keepdim=True) + smoothing           # [C+1, 1]
-        # in place: the table is (C + 1) x C, so a temporary copy would double the memory
+        # in place, because the table is (C + 1) x C and a temporary copy would double the memory
         self.log_next = bigrams.add_(smoothing * unigram).div_(row_total).log_()  # [C+1, C]
         self.emissions = {s: (torch.tensor(list(c)), (torch.tensor(list(c.values())) / char_count[list(c)]).log())
                           for s, c in emitted.items()}                     # syllable -> ([n], [n])
         self.anything = (torch.arange(C), torch.zeros(C))                  # an unseen syllable: [C], [C]
 
     def decode_one(self, syllables):
-        check_list("syllables", syllables, "syllables")
         if not syllables:
             return ""
         ids, log_emit = self.emissions.get(syllables[0], self.anything)    # [n0], [n0]
@@ -868,7 +857,8 @@ class BigramHMM:
         return "".join(self.chars[ids[position]] for position, ids in zip(reversed(path), candidates))
 
     def decode(self, sentences):
-        check_list("sentences", sentences, "pinyin strings")
+        if isinstance(sentences, str):  # one string would be answered letter by letter
+            raise ValueError(f"sentences must be a list of pinyin strings, got str {sentences!r}")
         return [self.decode_one(sentence.split()) for sentence in sentences]  # [B] hanzi strings
 
 # Try it:
@@ -880,10 +870,11 @@ class BigramHMM:
 # ===========================================================================
 # 13. Training (训练)
 # ===========================================================================
-# Teacher forcing (section 8), with padding left out of the loss (ignore_index) and label smoothing, so the model does
-# not over-trust one character. The update is the 2017 paper's: Adam, its learning rate rising over a warmup (Adam's
-# first steps are noisy) then decaying as 1 / sqrt(step), and the gradient's length clipped, so one bad batch cannot
-# throw the weights far. Here torch's Adam and clip_grad_norm_ do it; Part VII writes each out.
+# The model learns by teacher forcing (section 8). Padding is left out of the loss (ignore_index), and label smoothing
+# keeps the model from over-trusting one character. The update is the 2017 paper's. Adam's first steps are noisy, so
+# its learning rate rises over a warmup and then decays as 1 / sqrt(step). The gradient's length is clipped, so that
+# one bad batch cannot throw the weights far. Here torch's Adam and clip_grad_norm_ do the work; Part VII writes each
+# of them out.
 
 ARGUMENTS.update(step=(int, 0, MAX_SIZE), warmup_steps=(int, 0, MAX_SIZE), epochs=(int, 1, MAX_SIZE),
                  batch_size=(int, 1, MAX_SIZE), model=(nn.Module,))
@@ -893,14 +884,12 @@ RELATIONS["a warmup step"] = (("warmup_steps",), lambda w: w >= 1, "warmup_steps
 def noam(step, warmup_steps, d_model):
     """The paper's learning rate ("Noam" after Noam Shazeer, its second author): d_model^-0.5 *
     min(s^-0.5, s * warmup_steps^-1.5), s = step + 1 (never 0): a linear rise to s = warmup_steps, then 1 / sqrt(s)."""
-    check("a warmup step", step=step, warmup_steps=warmup_steps, d_model=d_model)
     s = step + 1
     return d_model ** -0.5 * min(s ** -0.5, s * warmup_steps ** -1.5)
 
 
 def noam_lambda(d_model, warmup):
     """noam as LambdaLR's function of the step (LambdaLR's base lr is a factor on top of it)."""
-    check("a warmup step", warmup_steps=warmup, d_model=d_model)
     return lambda step: noam(step, warmup, d_model)
 
 
@@ -945,7 +934,6 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
     held-out accuracy. update, run after each backward to step the weights: None for adam_noam(model,
     lr_factor, warmup, clip); section 29 passes one that balances experts, Part VII its own AdamW. -> the
     last epoch's loss, accuracy, seconds in all, interrupted (Ctrl-C), history [(epoch, training s, accuracy)]."""
-    check(model=model, epochs=epochs, batch_size=batch_size)
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collate,
@@ -982,20 +970,20 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
 # ===========================================================================
 # 14. Decoding: greedy, constrained, beam (解码：贪心、约束与束搜索)
 # ===========================================================================
-# At inference there is no target to feed: start with bos, run the decoder, choose a next character, repeat until eos.
-# The source is encoded once, and section 3's KV cache runs only the newest token. Greedy takes the most likely token.
-# Constrained decoding allows only the characters seen with each syllable (its readings), one a syllable: every other
-# logit masked, each answer is well-formed by construction, as in structured generation (JSON, tool calls). Beam search
-# keeps the beam_size best partial answers by summed log-probability: it fixes a first choice that looked best alone
-# but led to a worse sentence, not a model that scores the wrong sentence higher, and costs beam_size times the work.
+# At inference there is no target to feed. Decoding starts with bos, runs the decoder, chooses a next character and
+# repeats until eos. The source is encoded once, and section 3's KV cache runs only the newest token. Greedy decoding
+# takes the most likely token. Constrained decoding allows only the characters seen with each syllable (its readings),
+# one a syllable: every other logit is masked, so each answer is well-formed by construction, as in structured
+# generation (JSON, tool calls). Beam search keeps the beam_size best partial answers by summed log-probability. It
+# fixes a first choice that looked best alone but led to a worse sentence; it cannot fix a model that scores the wrong
+# sentence higher, and it costs beam_size times the work.
 
 def answer_masks(syllable_lists, vocab, readings=None):
     """[B, S+1, V] bool, S the longest sentence: the tokens step i may choose. A character at steps 0 .. len-1
     (with readings, one of that syllable's; without, any character or an early eos), eos at step len, pad
     after. Characters are the vocabulary's non-ASCII tokens: never a special token nor a pinyin syllable."""
-    check_list("syllable_lists", syllable_lists, "lists of syllables")
-    for b, syllables in enumerate(syllable_lists):  # a row "wo ai" would be 5 one-letter syllables
-        check_list(f"syllable_lists[{b}]", syllables, "syllables")
+    if any(isinstance(syllables, str) for syllables in syllable_lists):  # "wo ai" would be 5 one-letter syllables
+        raise ValueError(f"syllable_lists must be a list of lists of syllables, got {syllable_lists!r:.60}")
     S = max((len(syllables) for syllables in syllable_lists), default=0)
     characters = torch.tensor([not token.isascii() for token in vocab.itos])  # [V]
     free = characters | (torch.arange(len(vocab)) == Vocab.EOS)            # [V]: a character or an early eos
@@ -1055,17 +1043,46 @@ def reorder_cache(cache, index):
 
 
 @torch.no_grad()
-def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_id=Vocab.EOS, pad_id=Vocab.PAD):
+def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_id=2, pad_id=0):
     """The beam_size likeliest continuations of start [B, T0] by summed log-probability -> (the best [B, n_steps], its
     log-probability [B]). step(ids [B*k, t], cache) -> next-token logits [B*k, V], row b*k + j beam j of sentence b (the
-    caller repeats its inputs k times); allowed [B, n_steps, V] as in greedy_decode. A finished beam adds pad at no
-    cost, so finished and open beams compare fairly; greedy's path keeps a place (plain beam search can end below)."""
-    check(beam_size=beam_size, n_steps=n_steps)
+    caller repeats its inputs k times); allowed [B, n_steps, V] as in greedy_decode; eos_id and pad_id are Vocab's."""
+    B, k = start.size(0), beam_size
+    ids = start.repeat_interleave(k, dim=0)                                # [B*k, T0]
+    scores = torch.full((B, k), float("-inf"), device=start.device)        # [B, k]
+    scores[:, 0] = 0.0  # k copies of one start: only the first is live, or all k beams would be equal
+    done = torch.zeros(B * k, dtype=torch.bool, device=start.device)       # [B*k]
+    for i in range(n_steps):
+        logp = step(ids, cache).float().log_softmax(dim=-1)                # [B*k, V]
+        if allowed is not None:
+            logp = logp.masked_fill(~allowed[:, i].repeat_interleave(k, dim=0), float("-inf"))  # [B*k, V]
+        # a finished beam adds pad at no cost, so that finished and open beams compare fairly
+        logp[done] = float("-inf")
+        logp[done, pad_id] = 0.0
+        V = logp.size(-1)
+        # every beam with every next token: k * V candidates a sentence, of which the k best stay
+        scores, flat = (scores.view(-1, 1) + logp).view(B, k * V).topk(k, dim=-1)  # [B, k] each, best first
+        beam, token = flat // V, flat % V                                  # [B, k] each
+        index = (torch.arange(B, device=start.device)[:, None] * k + beam).view(-1)  # [B*k]: each one's parent row
+        ids = torch.cat([ids[index], token.view(-1, 1)], dim=1)            # [B*k, t+1]
+        done = done[index] | (token.view(-1) == eos_id)                    # [B*k]
+        if cache is not None:
+            reorder_cache(cache, index)  # the cache follows its beam
+    return ids.view(B, k, -1)[:, 0, start.size(1):], scores[:, 0]          # [B, n_steps], [B]
+
+# Beam search is a heuristic: a wider beam can end below greedy. A first choice that greedy would not take can look
+# better for a step or two, push greedy's path out of the beam and then lead nowhere. The extension below keeps
+# greedy's path in the beam: when the k best leave it out, it takes the last place. So a beam never ends below
+# greedy. translate() and gpt_translate() answer with it.
+
+@torch.no_grad()
+def beam_search_keeping_greedy(step, start, n_steps, beam_size, allowed=None, cache=None, eos_id=2, pad_id=0):
+    """beam_search, with greedy's path always in the beam (the last place if the k best leave it out)."""
     B, k = start.size(0), beam_size
     rows = torch.arange(B, device=start.device)                            # [B]
     ids = start.repeat_interleave(k, dim=0)                                # [B*k, T0]
     scores = torch.full((B, k), float("-inf"), device=start.device)        # [B, k]
-    scores[:, 0] = 0.0  # k copies of one start: only the first is live, or all k beams would be equal
+    scores[:, 0] = 0.0
     greedy = torch.zeros(B, dtype=torch.long, device=start.device)         # [B]: the beam on greedy's path
     done = torch.zeros(B * k, dtype=torch.bool, device=start.device)       # [B*k]
     for i in range(n_steps):
@@ -1086,9 +1103,8 @@ def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_i
         ids = torch.cat([ids[index], token.view(-1, 1)], dim=1)            # [B*k, t+1]
         done = done[index] | (token.view(-1) == eos_id)                    # [B*k]
         if cache is not None:
-            reorder_cache(cache, index)  # the cache follows its beam
-    best = ids.view(B, k, -1)[:, 0, start.size(1):]                        # [B, n_steps]
-    return best, scores[:, 0]                                              # [B, n_steps], [B]
+            reorder_cache(cache, index)
+    return ids.view(B, k, -1)[:, 0, start.size(1):], scores[:, 0]          # [B, n_steps], [B]
 
 
 def rows_per_batch(batch_size, length, vocab_size, budget=2 ** 24):
@@ -1099,8 +1115,8 @@ def rows_per_batch(batch_size, length, vocab_size, budget=2 ** 24):
 def translate(model, sentences, src_vocab, tgt_vocab, readings=None, beam_size=1, batch_size=256):
     """Pinyin strings -> hanzi strings with the encoder-decoder: constrained by the readings when given,
     greedy when beam_size is 1; a batch holds batch_size // beam_size sentences (batch_size rows)."""
-    check_list("sentences", sentences, "pinyin strings")
-    check(beam_size=beam_size, batch_size=batch_size)
+    if isinstance(sentences, str):  # one string would be answered letter by letter
+        raise ValueError(f"sentences must be a list of pinyin strings, got str {sentences!r}")
     device = next(model.parameters()).device
     longest = max((len(s.split()) for s in sentences), default=0)
     out, batch_size = [], rows_per_batch(batch_size // beam_size, longest + 1, len(tgt_vocab))
@@ -1117,8 +1133,9 @@ def translate(model, sentences, src_vocab, tgt_vocab, readings=None, beam_size=1
                 memory = model.encode(src).repeat_interleave(beam_size, dim=0)  # [B*k, S, D]
                 src_k = src.repeat_interleave(beam_size, dim=0)             # [B*k, S]
                 start = torch.full((len(syllables), 1), Vocab.BOS, device=device)  # [B, 1]
-                generated, _ = beam_search(lambda ids, cache: model.decode(ids, memory, src_k, cache)[:, -1],
-                                           start, src.size(1) + 1, beam_size, allowed, model.new_cache())  # [B, S+1]
+                generated, _ = beam_search_keeping_greedy(  # [B, S+1]
+                    lambda ids, cache: model.decode(ids, memory, src_k, cache)[:, -1], start, src.size(1) + 1,
+                    beam_size, allowed, model.new_cache())
         out += ["".join(tgt_vocab.decode(row)) for row in generated.tolist()]
     return out
 
@@ -1126,8 +1143,8 @@ def translate(model, sentences, src_vocab, tgt_vocab, readings=None, beam_size=1
 def evaluate(translate_fn, pairs, ambiguous=()):
     """translate_fn (pinyin list -> hanzi list) on the pairs: exact-match accuracy; character accuracy, right /
     max(len(expected), len(predicted)) summed over sentences; and that on characters of `ambiguous` syllables."""
-    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
-    check_list("ambiguous", ambiguous, "syllables")  # "shi" would hold "s", "h", "hi"...
+    if isinstance(ambiguous, str):  # "shi" would count the syllables "s", "h" and "i"
+        raise ValueError(f"ambiguous must be a set of syllables, got str {ambiguous!r}")
     if not pairs:
         raise ValueError("pairs is empty: there is nothing to evaluate on")
     predictions = translate_fn([pinyin for pinyin, _ in pairs])
@@ -1144,8 +1161,9 @@ def evaluate(translate_fn, pairs, ambiguous=()):
 # ===========================================================================
 # 15. The KV cache, measured (键值缓存实测)
 # ===========================================================================
-# Section 3's cache, timed: the same tokens, less work. A GPU runs asynchronously (a call returns once its work is
-# queued, so a clock read right after it would time the queueing): every timing here waits for the device.
+# This section times section 3's cache: the same tokens come out with less work. A GPU runs asynchronously: a call
+# returns once its work is queued, so a clock read right after it would time only the queueing. Every timing here
+# therefore waits for the device first.
 
 def synchronize(device):
     """Wait until the device has finished its queued work (CUDA, MPS; a CPU computes before returning)."""
@@ -1170,10 +1188,11 @@ def time_generation(model, prompt, max_new_tokens):
 # ===========================================================================
 # 16. The GPT on the task (仅解码器模型做同一任务)
 # ===========================================================================
-# A decoder-only model, the GPT of section 9 (and every decoder of the later parts), has no encoder to read the
-# pinyin, so the pinyin goes in front as a prompt, one sequence: "wo ai xue xi <sep> 我 爱 学 习 <eos>". It learns
-# to continue after <sep>; the prompt is given, not predicted, so its positions are left out of the loss (target =
-# pad, ignore_index). It answers through the same beam_search and masks as the encoder-decoder (section 14).
+# A decoder-only model has no encoder to read the pinyin: this holds for the GPT of section 9 and for every decoder of
+# the later parts. So the pinyin goes in front as a prompt, and the whole is one sequence:
+# "wo ai xue xi <sep> 我 爱 学 习 <eos>". The model learns to continue after <sep>. The prompt is given, not predicted,
+# so its positions are left out of the loss (their target is pad, which ignore_index skips). The model answers through
+# the same beam search and masks as the encoder-decoder (section 14).
 
 SEP = "<sep>"
 
@@ -1195,15 +1214,15 @@ class PromptDataset(PinyinDataset):
         prompt = self.src_vocab.encode(pinyin.split() + [SEP])            # ids of ['wo', 'ai', '<sep>']
         ids = torch.tensor(prompt + self.tgt_vocab.encode(list(hanzi)) + [Vocab.EOS])  # [S+T+2]
         target = ids[1:].clone()                                           # [S+T+1]
-        target[:len(prompt) - 1] = Vocab.PAD  # positions that would predict the prompt
+        target[:len(prompt) - 1] = Vocab.PAD  # the positions that would predict the prompt
         return ids[:-1], target                                            # [S+T+1] each
 
 
 def gpt_translate(model, sentences, vocab, readings=None, beam_size=1, batch_size=256):
     """Pinyin strings -> hanzi, a decoder-only model's continuation of "pinyin <sep>", constrained and searched
     as translate() does; sentences of one length share a batch (batch_size // beam_size at most): no padding."""
-    check_list("sentences", sentences, "pinyin strings")
-    check(beam_size=beam_size, batch_size=batch_size)
+    if isinstance(sentences, str):  # one string would be answered letter by letter
+        raise ValueError(f"sentences must be a list of pinyin strings, got str {sentences!r}")
     device = next(model.parameters()).device
     by_length, out = {}, [""] * len(sentences)
     for i, sentence in enumerate(sentences):
@@ -1215,18 +1234,11 @@ def gpt_translate(model, sentences, vocab, readings=None, beam_size=1, batch_siz
         prompt = torch.tensor([vocab.encode(s + [SEP]) for s in syllables], device=device)  # [B, S+1]
         allowed = answer_masks(syllables, vocab, readings).to(device)      # [B, S+1, V]
         with eval_mode(model):
-            answer, _ = beam_search(lambda ids, cache: model(ids, cache)[:, -1], prompt, S + 1, beam_size,
-                                    allowed, model.new_cache())            # [B, S+1]: S characters, eos
+            answer, _ = beam_search_keeping_greedy(lambda ids, cache: model(ids, cache)[:, -1], prompt, S + 1,
+                                                   beam_size, allowed, model.new_cache())  # [B, S+1]: S chars, eos
         for i, row in zip(rows, answer.tolist()):
             out[i] = "".join(vocab.decode(row))
     return out
-
-
-def translator(kind, model, src_vocab, tgt_vocab, readings=None, beam_size=1):
-    """pinyin list -> hanzi list with the encoder-decoder ("encdec") or a decoder-only model (any other kind)."""
-    if kind == "encdec":
-        return lambda sentences: translate(model, sentences, src_vocab, tgt_vocab, readings, beam_size)
-    return lambda sentences: gpt_translate(model, sentences, tgt_vocab, readings, beam_size)
 
 
 @torch.no_grad()
@@ -1234,7 +1246,6 @@ def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=N
     """Exact match of greedy decoding (constrained by readings, if given) in one forward pass: greedy writes the right
     sentence exactly when, fed the right prefix, the model's top allowed choice is right at every step, which one
     teacher-forced pass checks at once. batch_size sentences a pass: all held-out logits at once could be gigabytes."""
-    check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     longest = max((len(pinyin.split()) for pinyin, _ in pairs), default=0)
     batch_size = rows_per_batch(batch_size, 2 * longest + 2, len(tgt_vocab))
     if len(pairs) > batch_size:
@@ -1257,55 +1268,17 @@ def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=N
     return right.all(dim=1).sum().item() / len(pairs)                     # [B] -> sentences all right / B
 
 
-# Both models of Part I on the task, by recipes that train in seconds on two CPU cores: two epochs, batches of 32 (more
-# updates for the same work), a short warmup, no dropout (no noise in the data to overfit to). Later parts add models.
-TOY_MODELS = {
-    "encdec": dict(name="encoder-decoder", model=Transformer, epochs=2, lr_factor=0.25, warmup=50, batch_size=32,
-                   config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=2, dropout=0.0)),
-    "gpt": dict(name="decoder-only (GPT)", model=DecoderOnlyTransformer, epochs=2, lr_factor=0.35, warmup=30,
-                batch_size=32, config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=3, dropout=0.0)),
-}
-
-
-def train_toy_model(kind, train_pairs, test_pairs, device="cpu", epochs=None, seed=0, log=print, recipes=None):
-    """Build and train (recipes or TOY_MODELS)[kind] on the data -> (model, src_vocab, tgt_vocab, train's result)."""
-    check_list("train_pairs", train_pairs, "(pinyin, hanzi) pairs")
-    check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
-    spec = (recipes or TOY_MODELS)[kind]
-    # room for the longest sentence twice (a decoder-only sequence holds pinyin and hanzi) + <sep> + <eos>
-    max_len = 2 * max(len(pinyin.split()) for pinyin, _ in train_pairs + test_pairs) + 2
-    torch.manual_seed(seed)
-    readings = syllable_readings(train_pairs)
-    if spec["model"] is Transformer:
-        src_vocab, tgt_vocab = build_vocabs(train_pairs)
-        model = Transformer(len(src_vocab), len(tgt_vocab), max_len=max_len, **spec["config"])
-        dataset = PinyinDataset(train_pairs, src_vocab, tgt_vocab)
-    else:
-        src_vocab = tgt_vocab = build_gpt_vocab(train_pairs)
-        model = spec["model"](vocab_size=len(tgt_vocab), max_len=max_len, **spec["config"])
-        dataset = PromptDataset(train_pairs, tgt_vocab)
-    model.to(device)
-    log(f"\n{spec['name']}: {count_parameters(model):,} parameters, {spec['config']}")
-    held_out = lambda: teacher_forced_accuracy(kind, model, test_pairs, src_vocab, tgt_vocab, readings)  # noqa: E731
-    update = spec["update"](model) if "update" in spec else adam_noam(model, spec["lr_factor"], spec["warmup"])
-    result = train(model, dataset, held_out, epochs=epochs or spec["epochs"], batch_size=spec["batch_size"],
-                   seed=seed, log=log, update=update)
-    return model, src_vocab, tgt_vocab, result
-
-
 # ===========================================================================
 # 17. The attention heatmap (注意力热力图)
 # ===========================================================================
-# Which syllables did each character read? The last decoder layer's cross-attention [H, T, S],
-# averaged over heads or for one head, drawn as shades in the terminal: no plotting library needed.
+# Which syllables did each character read? The picture is the last decoder layer's cross-attention [H, T, S],
+# averaged over the heads or for one head. It is drawn as shades in the terminal, so no plotting library is needed.
 
 SHADES = " ░▒▓█"
 
 
 def render_heatmap(weights, col_labels, row_labels):
     """weights [rows, cols] in [0, 1] -> a text grid, one shade per cell, with a legend."""
-    check_list("col_labels", col_labels, "labels")
-    check_list("row_labels", row_labels, "labels")
     widths = [max(2, len(label)) for label in col_labels]
     # a hanzi is two columns wide in a terminal; row labels get a common width
     columns = [sum(1 if c.isascii() else 2 for c in label) for label in row_labels]
@@ -1321,40 +1294,22 @@ def render_heatmap(weights, col_labels, row_labels):
 
 @torch.no_grad()
 def cross_attention_map(model, src, out, head=None):
-    """src [1, S] and the decoded out [1, T] -> the last decoder layer's cross-attention [T, S], row t
-    what the query predicting out[t] read: section 2's weights, caught by an attend() set on that one
-    module for the call (an instance attribute shadows the class's method, the fused one too)."""
+    """src [1, S] and the decoded out [1, T] -> the last decoder layer's cross-attention [T, S]; row t is what the
+    query predicting out[t] read. A forward pre-hook records what the module is given (its query, the memory and
+    the mask), and section 2's function computes the weights from them, whichever kernel the module itself runs."""
     tgt = torch.cat([torch.full_like(out[:, :1], Vocab.BOS), out[:, :-1]], dim=1)  # [1, T]
-    attn, seen = model.decoder_layers[-1].cross_attn, []
-
-    def attend(q, k, v, mask):
-        out, weights = scaled_dot_product_attention(q, k, v, mask)         # [1, H, T, dk], [1, H, T, S]
-        seen.append(weights[0])                                            # [H, T, S]
-        return out
-
-    attn.attend = attend
+    attn, inputs = model.decoder_layers[-1].cross_attn, []
+    hook = attn.register_forward_pre_hook(lambda module, args: inputs.append(args))
     try:
         with eval_mode(model):
             model.decode(tgt, model.encode(src), src)                      # [1, T, V]
     finally:
-        del attn.attend
-    return seen[0].mean(dim=0) if head is None else seen[0][head]          # [T, S]
-
-
-def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head=None, readings=None):
-    """Print the encoder-decoder's cross-attention on the held-out sentence of most ambiguous syllables (<= 8)."""
-    check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
-    pinyin, _ = max((p for p in test_pairs if len(p[0].split()) <= min(8, model.max_len - 2)),
-                    key=lambda p: sum(s in ambiguous for s in p[0].split()), default=test_pairs[0])
-    device = next(model.parameters()).device
-    src = torch.tensor([src_vocab.encode(pinyin.split())], device=device)  # [1, S]
-    allowed = answer_masks([pinyin.split()], tgt_vocab, readings).to(device)  # [1, S+1, V]
-    out = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1, allowed=allowed)  # [1, <= S+1]
-    chars = tgt_vocab.decode(out[0].tolist())
-    weights = cross_attention_map(model, src, out[:, :max(1, len(chars))], head)  # [T, S]
-    which = "averaged over heads" if head is None else f"head {head}"
-    print(f"\ncross-attention of the last decoder layer, {which}: {pinyin} -> {''.join(chars)}")
-    print(render_heatmap(weights, pinyin.split(), chars))
+        hook.remove()
+    query, memory, _, mask = inputs[0][:4]                                 # [1, T, D], [1, S, D], _, [1, 1, 1, S]
+    q = attn.w_q(query).view(1, query.size(1), attn.n_heads, -1).transpose(1, 2)     # [1, H, T, dk]
+    k = attn.w_k(memory).view(1, memory.size(1), attn.n_heads, -1).transpose(1, 2)   # [1, H, S, dk]
+    weights = scaled_dot_product_attention(q, k, k, mask)[1][0]           # [H, T, S]
+    return weights.mean(dim=0) if head is None else weights[head]          # [T, S]
 
 
 # ===========================================================================
@@ -1368,9 +1323,9 @@ def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head=None, 
 # ===========================================================================
 # 18. RMSNorm (均方根归一化)
 # ===========================================================================
-# LayerNorm without the mean and the bias: divide each position by the root mean square of its D features, then
-# rescale; cheaper. That re-centering adds little is the paper's hypothesis, borne out in its experiments, not
-# proved (Zhang & Sennrich, 2019, "Root Mean Square Layer Normalization").
+# RMSNorm is LayerNorm without the mean and the bias: it divides each position by the root mean square of its D
+# features, then rescales. It is cheaper. The paper's hypothesis is that re-centering adds little; its experiments bear
+# that out, but it is not proved (Zhang & Sennrich, 2019, "Root Mean Square Layer Normalization").
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, over the last dimension."""
@@ -1381,8 +1336,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model))                    # [D]
 
     def forward(self, x):
-        # in float32 (a mean of D squares in bf16, 8 significant bits, loses digits), cast back,
-        # THEN scale: Llama's order; eps inside the root, as in LayerNorm (it matters where x is tiny)
+        # in float32, because a mean of D squares in bf16 (8 significant bits) loses digits; then cast back, and
+        # THEN scale: Llama's order. eps sits inside the root, as in LayerNorm (it matters where x is tiny)
         x32 = x.float()                                                    # [B, T, D]
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # [B, T, D]
         return normed.type_as(x) * self.weight                             # [B, T, D]
@@ -1396,9 +1351,10 @@ class RMSNorm(nn.Module):
 # ===========================================================================
 # 19. Rotary position embedding, RoPE (旋转位置编码)
 # ===========================================================================
-# RoPE (Su et al., 2021, "RoFormer") marks a position by turning q and k, not by adding a vector to the input.
-# Each pair of a head's dims is a point in a plane, turned by the angle pos * theta_i: with q at m and k at n,
-# q . k depends only on m - n. Only q and k are turned, never v: the position shapes WHERE a query looks.
+# RoPE (Su et al., 2021, "RoFormer") marks a position by turning q and k, not by adding a vector to the input. Each
+# pair of a head's dims is a point in a plane, turned by the angle pos * theta_i. With q at position m and k at n, the
+# dot product q . k then depends only on m - n. Only q and k are turned, never v, because the position shapes WHERE a
+# query looks, not what it reads there.
 
 ARGUMENTS.update(head_dim=(int, 1, MAX_SIZE, "or None"), theta=(float, 1.0, 1e30), rope_theta=(float, 1.0, 1e30),
                  shapes=(dict,))  # shapes: {name: a tensor's shape}, for the rules that tie tensors together
@@ -1415,7 +1371,8 @@ def rope_frequencies(head_dim, theta=10000.0):
 
 
 def rope_cos_sin(head_dim, max_len, theta=10000.0):
-    check("even head_dim", head_dim=head_dim, max_len=max_len, theta=theta)
+    if head_dim % 2:
+        raise ValueError(f"RoPE turns pairs of dims: head_dim must be even, got {head_dim}")
     positions = torch.arange(max_len, dtype=torch.float32)                 # [max_len]
     angles = torch.outer(positions, rope_frequencies(head_dim, theta))     # [max_len, dk/2]
     emb = torch.cat([angles, angles], dim=-1)                              # [max_len, dk]
@@ -1430,14 +1387,17 @@ def rotate_half(x):
 
 def apply_rope(x, cos, sin):
     """Turn each pair (x[i], x[i + dk/2]) of x [B, H, T, dk] by its angle; cos, sin [T, dk]."""
-    check("cos and sin fit x", shapes=dict(x=x.shape, cos=cos.shape, sin=sin.shape))
+    if not cos.shape == sin.shape == x.shape[-2:]:  # a table of one position would broadcast: every position one angle
+        raise ValueError(f"cos and sin must be [T, dk], the last two dims of x {list(x.shape)},"
+                         f" got {list(cos.shape)} and {list(sin.shape)}")
     # per pair (a, b): (a cos - b sin, b cos + a sin), a 2-D rotation. R(m)q . R(n)k =
     # q . R(n - m)k, since a rotation's transpose is its inverse: only m - n is left
     return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)          # [B, H, T, dk]
 
-# Meta's code pairs neighbours (x[2i], x[2i+1]) as complex numbers (precompute_freqs_cis); Hugging Face's, used here,
-# pairs x[i] with x[i + dk/2]: the same model after a fixed permutation of the rows of w_q and w_k within each head,
-# which HF's conversion applies. A checkpoint read the other way raises no error: it attends to the wrong places.
+# Meta's code pairs neighbours (x[2i], x[2i+1]) as complex numbers (precompute_freqs_cis). Hugging Face's code, used
+# here, pairs x[i] with x[i + dk/2]. The two are the same model after a fixed permutation of the rows of w_q and w_k
+# within each head, which HF's conversion applies. A checkpoint read the other way raises no error: it attends to the
+# wrong places.
 #
 # Try it:
 #   >>> cos, sin = rope_cos_sin(head_dim=8, max_len=16)                    # [16, 8] each
@@ -1451,16 +1411,16 @@ def apply_rope(x, cos, sin):
 # ===========================================================================
 # 20. SwiGLU feed-forward (SwiGLU 前馈网络)
 # ===========================================================================
-# A gated feed-forward (Shazeer, 2020, "GLU Variants Improve Transformer"): one projection, through SiLU
-# (x * sigmoid(x), a smooth ReLU like GELU), opens or closes each channel of another. Three matrices, so the width
-# is 2/3 of 4 D: 3 * D * 8D/3 = 2 * D * 4D, the parameters and FLOPs of the classic feed-forward.
+# SwiGLU is a gated feed-forward (Shazeer, 2020, "GLU Variants Improve Transformer"). One projection goes through SiLU
+# (x * sigmoid(x), a smooth ReLU like GELU) and opens or closes each channel of another projection. It has three
+# matrices, so its width is 2/3 of 4 D: 3 * D * 8D/3 = 2 * D * 4D, the parameters and FLOPs of the classic
+# feed-forward.
 
 ARGUMENTS.update(multiple_of=(int, 1, MAX_SIZE), ffn_dim_multiplier=(float, 1e-30, 1e30, "or None"))
 
 
 def llama_ffn_dim(d_model, multiple_of=256, ffn_dim_multiplier=None):
     """Llama's Dff: 2/3 of 4 D, optionally scaled, rounded UP to a multiple of multiple_of."""
-    check(d_model=d_model, multiple_of=multiple_of, ffn_dim_multiplier=ffn_dim_multiplier)
     hidden = int((ffn_dim_multiplier or 1) * int(2 * 4 * d_model / 3))
     return multiple_of * max(1, -(-hidden // multiple_of))                 # ceil, and never 0
 
@@ -1489,10 +1449,11 @@ class SwiGLU(nn.Module):
 # ===========================================================================
 # 21. Grouped-query attention (分组查询注意力)
 # ===========================================================================
-# Generating, every layer keeps keys and values for every token, and for long or many sequences that cache
-# outgrows the weights: Llama-2-7B in bf16 has 13.5 GB of weights and caches 512 KiB a token (section 23), the
-# larger past about 25,700 cached tokens (batch x length). GQA (Ainslie et al., 2023) lets groups of query heads
-# share a key/value head: n_kv_heads = n_heads is multi-head attention, 1 multi-query attention (MQA).
+# While a model generates, every layer keeps keys and values for every token. For long or many sequences that cache
+# outgrows the weights: Llama-2-7B in bf16 has 13.5 GB of weights and caches 512 KiB a token (section 23), so the cache
+# is the larger past about 25,700 cached tokens (batch x length). GQA (Ainslie et al., 2023) lets a group of query
+# heads share one key/value head. With n_kv_heads = n_heads it is multi-head attention; with 1, multi-query attention
+# (MQA).
 
 ARGUMENTS.update(n_kv_heads=(int, 1, MAX_SIZE, "or None"), qkv_bias=(bool,), bias=(bool,), n_rep=(int, 1, MAX_SIZE))
 RELATIONS["kv heads divide heads"] = (("n_heads", "n_kv_heads"), lambda h, hkv: hkv is not None and h % hkv == 0,
@@ -1501,12 +1462,12 @@ RELATIONS["kv heads divide heads"] = (("n_heads", "n_kv_heads"), lambda h, hkv: 
 
 def repeat_kv(x, n_rep):
     """[B, Hkv, T, dk] -> [B, Hkv * n_rep, T, dk]: query head h reads kv head h // n_rep."""
-    check(n_rep=n_rep)
+    if n_rep < 1:  # 0 would give [B, 0, T, dk]: attention over no heads, without an error
+        raise ValueError(f"n_rep must be an integer >= 1, got {n_rep!r}")
     if n_rep == 1:
         return x
     B, Hkv, T, dk = x.shape
-    # expand is a view: n_rep copies next to each kv head, so heads 0..n_rep-1 read kv
-    # head 0 (x.repeat would tile them, head h reading h % Hkv); reshape copies once
+    # a view of n_rep copies beside each kv head, so heads 0..n_rep-1 read kv head 0 (x.repeat tiles: h reads h % Hkv)
     return x[:, :, None].expand(B, Hkv, n_rep, T, dk).reshape(B, Hkv * n_rep, T, dk)  # [B, H, T, dk]
 
 
@@ -1515,7 +1476,9 @@ class GroupedQueryAttention(nn.Module):
 
     def __init__(self, d_model, n_heads, n_kv_heads, bias=False):
         super().__init__()
-        check("heads divide d_model", "kv heads divide heads", **arguments_of(locals()))
+        if d_model % n_heads or n_heads % n_kv_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads}),"
+                             f" and n_heads by n_kv_heads ({n_kv_heads})")
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
         self.w_q = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
         self.w_k = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
@@ -1557,9 +1520,9 @@ class GroupedQueryAttention(nn.Module):
 # ===========================================================================
 # 22. The Llama block and model (Llama 模型)
 # ===========================================================================
-# Section 9's GPT with the pieces above, pre-norm, no biases, no dropout. Positions enter only through RoPE inside
-# attention: no position table, and no sqrt(D) on the embeddings (it sized them against the sinusoidal table). A forward
-# that fails leaves every cache as it was.
+# The Llama is section 9's GPT with the pieces above: pre-norm, no biases, no dropout. Positions enter only through
+# RoPE inside attention, so there is no position table, and no sqrt(D) on the embeddings (that factor sized them
+# against the sinusoidal table). A forward that fails leaves every cache as it was.
 
 class LlamaBlock(nn.Module):
     """x + attn(attn_norm(x)), then x + ffn(ffn_norm(x)), for the attention and feed-forward given."""
@@ -1587,8 +1550,9 @@ class Llama(nn.Module):
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False):
         super().__init__()
-        self.config = arguments_of(locals())                                # for checkpoints
-        check(**self.config)
+        self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                           n_kv_heads=n_kv_heads, d_ff=d_ff, max_len=max_len, rope_theta=rope_theta,
+                           norm_eps=norm_eps, tie_weights=tie_weights, qkv_bias=qkv_bias)  # for checkpoints
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
@@ -1628,7 +1592,10 @@ class Llama(nn.Module):
     def forward(self, input_ids, cache=None):
         """input_ids [B, T] -> logits [B, T, V]; with a cache, only the tokens not yet cached: [B, T - past, V]."""
         check_ids("input_ids", input_ids, self.vocab_size, self.max_len)
-        check("a cache a layer", cache=cache, n_layers=len(self.layers), cache_kind=self.cache_kind)
+        if cache is not None and not (isinstance(cache, (list, tuple)) and len(cache) == len(self.layers) and all(
+                isinstance(c, self.cache_kind) for c in cache) and len({len(c) for c in cache}) == 1):
+            raise ValueError(f"cache must be None or what new_cache() gives: a list of n_layers caches of cache_kind,"
+                             f" all as long (n_layers={len(self.layers)}, cache_kind={self.cache_kind}), got {cache!r}")
         past = len(cache[0]) if cache else 0                               # tokens already cached
         if past >= input_ids.size(1):
             raise ValueError(f"input_ids holds {input_ids.size(1)} tokens and the cache {past} already:"
@@ -1659,16 +1626,11 @@ class Llama(nn.Module):
 #   True
 
 
-# The Llama on the toy task of Part II, by the GPT's recipe (section 16).
-TOY_MODELS["llama"] = dict(name="Llama-style", model=Llama, epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
-                           config=dict(d_model=64, n_heads=4, n_kv_heads=2, d_ff=256, n_layers=2))
-
-
 # ===========================================================================
 # 23. Counting a modern model: parameters and KV-cache memory (参数量与 KV 缓存显存)
 # ===========================================================================
-# Section 10's check on published models: the formula (with its class's argument rules), the count of the model
-# built on the meta device (shapes only, no memory) and the published total agree to the last parameter. Then
+# This section repeats section 10's check on published models. Three numbers agree to the last parameter: the
+# formula, the count of the model built on the meta device (shapes only, no memory) and the published total. Then comes
 # what decides how many tokens fit on a GPU: the KV cache.
 
 ARGUMENTS.update(bytes_per_value=(int, 1, MAX_SIZE))
@@ -1689,10 +1651,13 @@ def decoder_params(vocab_size, d_model, n_layers, attention, ffn, tie_weights):
 
 def llama_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                         rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False):
-    """Closed form of count_parameters(Llama(...)), same keywords and rules (max_len, rope_theta, norm_eps: none)."""
+    """Closed form of count_parameters(Llama(...)), with the same keywords (max_len, rope_theta, norm_eps: none)."""
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-    check("heads divide d_model", "kv heads divide heads", **locals())     # every argument
-    check("even head_dim", head_dim=d_model // n_heads)
+    if d_model % n_heads or n_heads % n_kv_heads:  # no such Llama: its attention refuses these heads
+        raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads}),"
+                         f" and n_heads by n_kv_heads ({n_kv_heads})")
+    if (d_model // n_heads) % 2:  # nor one whose RoPE has a dim without a partner
+        raise ValueError(f"RoPE turns pairs of dims: head_dim must be even, got {d_model // n_heads}")
     d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
     attention = gqa_params(d_model, n_heads, n_kv_heads, d_model // n_heads, qkv_bias)
     return decoder_params(vocab_size, d_model, n_layers, attention, 3 * d_model * d_ff, tie_weights)  # w1, w3, w2
@@ -1700,7 +1665,6 @@ def llama_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
 
 def kv_cache_bytes_per_token(n_layers, n_kv_heads, head_dim, bytes_per_value=2):
     """Cache memory one token takes: K and V (the 2), in every layer, for every kv head; 2 bytes a value in bf16."""
-    check("cache widths given", **locals())
     return 2 * n_layers * n_kv_heads * head_dim * bytes_per_value
 
 # Where Llama-2-7B's parameters go (V 32000, D 4096, Dff 11008, 32 layers): embeddings and lm_head 2 V D = 262M
@@ -6034,6 +5998,72 @@ HF_FAMILIES["mistral"] = (Mistral, hf_mistral)
 # The runs behind the article's ideas (实验与报告)
 # ===========================================================================
 # >>> ANCHOR R2: Part II-III's runs and registries go directly below this line (keep this line)
+def check_list(name, value, items):
+    """A list argument: any iterable but str or bytes ("wo ai" would be 5 sentences) or a dict (its keys)."""
+    if isinstance(value, (str, bytes, bytearray, dict)) or not hasattr(type(value), "__iter__"):
+        raise ValueError(f"{name} must be a list of {items}, got {type(value).__name__} {value!r:.60}")
+
+
+def translator(kind, model, src_vocab, tgt_vocab, readings=None, beam_size=1):
+    """pinyin list -> hanzi list with the encoder-decoder ("encdec") or a decoder-only model (any other kind)."""
+    if kind == "encdec":
+        return lambda sentences: translate(model, sentences, src_vocab, tgt_vocab, readings, beam_size)
+    return lambda sentences: gpt_translate(model, sentences, tgt_vocab, readings, beam_size)
+
+
+# The toy models on the task, by recipes that train in seconds on two CPU cores: two epochs, batches of 32 (more
+# updates for the same work), a short warmup, no dropout (no noise in the data to overfit to). The Llama takes the
+# GPT's recipe; later parts add their models at their anchors below.
+TOY_MODELS = {
+    "encdec": dict(name="encoder-decoder", model=Transformer, epochs=2, lr_factor=0.25, warmup=50, batch_size=32,
+                   config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=2, dropout=0.0)),
+    "gpt": dict(name="decoder-only (GPT)", model=DecoderOnlyTransformer, epochs=2, lr_factor=0.35, warmup=30,
+                batch_size=32, config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=3, dropout=0.0)),
+    "llama": dict(name="Llama-style", model=Llama, epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
+                  config=dict(d_model=64, n_heads=4, n_kv_heads=2, d_ff=256, n_layers=2)),
+}
+
+
+def train_toy_model(kind, train_pairs, test_pairs, device="cpu", epochs=None, seed=0, log=print, recipes=None):
+    """Build and train (recipes or TOY_MODELS)[kind] on the data -> (model, src_vocab, tgt_vocab, train's result)."""
+    check_list("train_pairs", train_pairs, "(pinyin, hanzi) pairs")
+    check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
+    spec = (recipes or TOY_MODELS)[kind]
+    # room for the longest sentence twice (a decoder-only sequence holds pinyin and hanzi) + <sep> + <eos>
+    max_len = 2 * max(len(pinyin.split()) for pinyin, _ in train_pairs + test_pairs) + 2
+    torch.manual_seed(seed)
+    readings = syllable_readings(train_pairs)
+    if spec["model"] is Transformer:
+        src_vocab, tgt_vocab = build_vocabs(train_pairs)
+        model = Transformer(len(src_vocab), len(tgt_vocab), max_len=max_len, **spec["config"])
+        dataset = PinyinDataset(train_pairs, src_vocab, tgt_vocab)
+    else:
+        src_vocab = tgt_vocab = build_gpt_vocab(train_pairs)
+        model = spec["model"](vocab_size=len(tgt_vocab), max_len=max_len, **spec["config"])
+        dataset = PromptDataset(train_pairs, tgt_vocab)
+    model.to(device)
+    log(f"\n{spec['name']}: {count_parameters(model):,} parameters, {spec['config']}")
+    held_out = lambda: teacher_forced_accuracy(kind, model, test_pairs, src_vocab, tgt_vocab, readings)  # noqa: E731
+    update = spec["update"](model) if "update" in spec else adam_noam(model, spec["lr_factor"], spec["warmup"])
+    result = train(model, dataset, held_out, epochs=epochs or spec["epochs"], batch_size=spec["batch_size"],
+                   seed=seed, log=log, update=update)
+    return model, src_vocab, tgt_vocab, result
+
+
+def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head=None, readings=None):
+    """Print the encoder-decoder's cross-attention on the held-out sentence of most ambiguous syllables (<= 8)."""
+    check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
+    pinyin, _ = max((p for p in test_pairs if len(p[0].split()) <= min(8, model.max_len - 2)),
+                    key=lambda p: sum(s in ambiguous for s in p[0].split()), default=test_pairs[0])
+    device = next(model.parameters()).device
+    src = torch.tensor([src_vocab.encode(pinyin.split())], device=device)  # [1, S]
+    allowed = answer_masks([pinyin.split()], tgt_vocab, readings).to(device)  # [1, S+1, V]
+    out = greedy_decode(model, src, Vocab.BOS, Vocab.EOS, src.size(1) + 1, allowed=allowed)  # [1, <= S+1]
+    chars = tgt_vocab.decode(out[0].tolist())
+    weights = cross_attention_map(model, src, out[:, :max(1, len(chars))], head)  # [T, S]
+    which = "averaged over heads" if head is None else f"head {head}"
+    print(f"\ncross-attention of the last decoder layer, {which}: {pinyin} -> {''.join(chars)}")
+    print(render_heatmap(weights, pinyin.split(), chars))
 
 
 
