@@ -3804,7 +3804,7 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 # - Its layers alternate a window of 128 tokens (section 35, with its rolling cache) and full
 #   attention, in the order the configuration's layer_types lists.
 # - Its attention is GQA with biases on q, k, v and o. 64 query heads 64 wide share 8 key/value
-#   heads, so the heads are 4096 wide in a model 2880 wide (section 28's free head width).
+#   heads, so the heads together are 4096 wide in a model 2880 wide (section 28's free head width).
 # - Its feed-forward is a MoE (section 29) whose router has a bias and softmaxes its top-k logits.
 #   These are Mixtral's weights: the top-k of a softmax over all E, divided by their sum, are the same.
 # - Its experts have biases and a clamped SwiGLU, as OpenAI's reference code (gpt_oss/torch/model.py,
@@ -3915,9 +3915,9 @@ def gpt_oss_yarn_frequencies(head_dim, theta, scaling):
 
 
 class GptOss(Mixtral):
-    """gpt-oss = Mixtral with GptOssAttention (sinks; biases on q, k, v and o when qkv_bias; heads head_dim
-    wide), a window on the layers that layer_types calls sliding (None: every other one, the first sliding),
-    BiasedRouterMoE feed-forwards, and rope_scaling None or its yarn (gpt_oss_yarn_frequencies)."""
+    """gpt-oss: Mixtral with GptOssAttention (sinks; biases on q, k, v and o when qkv_bias; heads head_dim
+    wide) and BiasedRouterMoE feed-forwards. The layers that layer_types calls sliding get the window (None:
+    every other layer, the first one sliding). rope_scaling is None or gpt-oss's yarn."""
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=True, n_experts=8, top_k=2,
@@ -4026,9 +4026,6 @@ GPT_OSS_CONFIGS = [
 #   True
 #   >>> count_parameters(gpt) == gpt_oss_param_formula(**gpt.config)
 #   True
-#   >>> name, kind, config, total, active, reported = GPT_OSS_CONFIGS[0]
-#   >>> name, gpt_oss_param_formula(**config), gpt_oss_param_formula(**config, active=True) - 201088 * 2880
-#   ('gpt-oss-120b', 116829156672, 5132849472)
 
 
 # ===========================================================================
@@ -4152,7 +4149,6 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
 # 1e-15 in float64. In float32, against float64, token by token is within 1e-7 at any decay; chunked
 # is within 1e-7 at mild decay but 1.4e-6 where |g| reaches 20 a token. There e^(gamma_i - gamma_j)
 # subtracts two cumulative log-decays hundreds large, whose rounding (~|gamma| * 6e-8) survives.
-
 def gated_delta_rule_chunked(q, k, v, g, beta, memory, chunk=64):
     """The same, `chunk` tokens at a time (training, the prompt; 64 as transformers and flash-linear-attention)."""
     T, pad = q.size(2), -q.size(2) % chunk  # padded tokens neither fade (g 0) nor write (beta 0, k 0)
@@ -4301,10 +4297,11 @@ RELATIONS.update({
 
 
 class Qwen3Next(Qwen3):
-    """Qwen3 whose blocks mix tokens by GatedDeltaNet or GatedAttention as layer_types says (None: three DeltaNet
-    layers, then one attention, over and over), each with a softmax-routed MoE and a gated shared expert; every
-    norm zero-centred; max_len, theta and eps as Llama's; the DeltaNet and MoE sizes default to Qwen3-Next-80B-A3B's."""
-    cache_kind = object  # the kind differs by layer: forward checks each (new_cache gives them)
+    """Qwen3 with Qwen3-Next's blocks. Each block mixes tokens by a GatedDeltaNet or a GatedAttention, as
+    layer_types says (None: three DeltaNet layers, then one attention layer, over and over), and has a
+    softmax-routed MoE with a gated shared expert. Every norm is zero-centred. The DeltaNet and MoE sizes
+    default to Qwen3-Next-80B-A3B's; max_len, theta and eps default to Llama's."""
+    cache_kind = object  # the kind differs by layer: new_cache() gives them, and forward checks them
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, head_dim=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, partial_rotary=0.25, layer_types=None,
@@ -4331,7 +4328,7 @@ class Qwen3Next(Qwen3):
         super().__init__(vocab_size, d_model, n_layers, n_heads, n_kv_heads, None, max_len, rope_theta, norm_eps,
                          tie_weights, False, head_dim)
         for block, kind in zip(self.layers, self.layer_types):
-            if kind == "linear_attention":  # a DeltaNet in place of the attention; its weights drawn as Llama's
+            if kind == "linear_attention":  # a DeltaNet in place of the attention, its weights drawn as Llama's
                 block.attn = GatedDeltaNet(d_model, linear_k_heads, linear_v_heads, linear_k_dim, linear_v_dim,
                                            conv_size, norm_eps)
                 for linear in (block.attn.in_proj_qkvz, block.attn.in_proj_ba, block.attn.out_proj):
@@ -4443,8 +4440,6 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, 
 #   ValueError: a DeltaNet layer's cache cannot be cut back to 5 tokens: its recurrent memory holds all 6 tokens...
 #   >>> [qwen3_next_cache_bytes(QWEN3_NEXT_80B, n) // 2 ** 20 for n in (4096, 32768, 262144)]  # MiB
 #   [133, 805, 6181]
-#   >>> [kv_cache_bytes_per_token(32, 8, 128) * n // 2 ** 20 for n in (4096, 32768, 262144)]  # Llama-3-8B
-#   [512, 4096, 32768]
 
 
 # ===========================================================================
