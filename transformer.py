@@ -3813,6 +3813,8 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 #   x sigmoid(1.702 x) approximates GELU (Hendrycks and Gimpel, 2016). The + 1 lets a channel whose up
 #   is 0 pass gate's value on. The clamps bound both factors; the limit is 7.0 in both models.
 # - Its RoPE is YaRN (section 37) from 4,096 to 131,072 positions, with the ramp's ends left unrounded.
+#   So a GptOss takes its scaling only as rope_scaling=, where it is built: section 37's with_rope_scaling
+#   would give it the rounded ramp, and its checkpoint would come back with its own.
 
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names in layer_types
 ARGUMENTS.update(layer_types=(list, "or None"), swiglu_limit=(float, torch.finfo(torch.float32).tiny, FINITE),
@@ -3959,11 +3961,9 @@ class GptOss(Mixtral):
         return [KVCache() if layer.attn.window is None else RollingKVCache(layer.attn.window) for layer in self.layers]
 
 
-# Section 37's with_rope_scaling would give a GptOss the rounded YaRN, and its checkpoint would
-# come back with its own: a GptOss takes its scaling only as rope_scaling=, where it is built
-RELATIONS["a Llama family"] = (("model_kind",), lambda cls: issubclass(cls, Llama) and not issubclass(cls, GptOss),
-                               "model must be a RoPE model of this file: a Llama or a family of it, not a GptOss"
-                               " (rope_scaling= builds its YaRN)")
+RELATIONS["a Llama family"] = (  # with_rope_scaling would give a GptOss the rounded YaRN: it takes rope_scaling=
+    ("model_kind",), lambda cls: issubclass(cls, Llama) and not issubclass(cls, GptOss),
+    "model must be a RoPE model of this file: a Llama or a family of it, not a GptOss (rope_scaling= builds its YaRN)")
 
 
 def gpt_oss_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
@@ -4360,10 +4360,9 @@ class Qwen3Next(Qwen3):
         return super().forward(input_ids, cache)                           # [B, Tn, V]
 
 
-# Section 32's MTP module is a block of the model's own: Qwen3-Next's (gated attention, whatever its
-# layer_types) is not built here, so multi-token prediction refuses the family by name
-RELATIONS["MTP on a Llama family"] = (("model_kind",), lambda cls: issubclass(cls, Llama) and not issubclass(
-    cls, Qwen3Next), "model must be a Llama family of this file (MTP reads its RoPE tables), not a Qwen3Next")
+RELATIONS["MTP on a Llama family"] = (  # section 32's MTP block is the model's own: Qwen3-Next's is not built here
+    ("model_kind",), lambda cls: issubclass(cls, Llama) and not issubclass(cls, Qwen3Next),
+    "model must be a Llama family of this file (MTP reads its RoPE tables), not a Qwen3Next")
 
 
 def qwen3_next_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, head_dim=None, max_len=2048,
