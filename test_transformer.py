@@ -6189,7 +6189,7 @@ def test_sinks_copy_at_a_handful_of_lines_over_what_they_extend():
 
 def test_gpt_oss_takes_its_yarn_only_when_it_is_built():
     model = tf.GptOss(vocab_size=50, d_model=32, n_layers=2, n_heads=4, head_dim=8, d_ff=16, n_experts=4, max_len=40)
-    with pytest.raises(ValueError, match="not a GptOss \\(rope_scaling= builds its YaRN\\), got <class 'transformer.GptOss'>"):
+    with pytest.raises(ValueError, match="GptOss"):  # section 37's refusal, naming the class, whatever its words
         tf.with_rope_scaling(model, {"type": "linear", "factor": 2.0})
     assert model.config["rope_scaling"] is None
 
@@ -6481,7 +6481,7 @@ def test_qwen3_next_review_fixes_layer_types_copied_conv_state_small_and_no_mtp(
     model(torch.randint(0, 50, (1, 40)), cache)
     conv = cache[0].conv                                                 # [B, C, K-1]: its storage no larger
     assert conv.untyped_storage().nbytes() == conv.numel() * conv.element_size()
-    with pytest.raises(ValueError, match="not a Qwen3Next"):
+    with pytest.raises(ValueError, match="Qwen3Next"):                  # section 32's refusal, naming the class
         tf.mtp_module(model)
 
 
