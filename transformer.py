@@ -5920,10 +5920,10 @@ from unittest import mock
 # >>> ANCHOR P6B: sections 38-40's plumbing goes directly below this line (keep this line)
 # Sections 38-40's tables, for transformers' gpt-oss, Qwen3-Next and DeepSeek-V3.2 (section 26 reads them).
 
-# gpt-oss: its names are Llama's and Mixtral's (the sinks
-# keep theirs); its experts are fused the other way round from Mixtral's, so they are unfused
-# first, before hf_unfuse_experts would cut them in two halves. The router's bias is the
-# router Linear's own (router.bias); hf_unfuse_experts gives router_bias its zeros.
+# gpt-oss: its names are Llama's and Mixtral's, and the sinks keep theirs. Its experts are fused the other
+# way round from Mixtral's, so they are unfused first, before hf_unfuse_experts would cut them in two
+# halves. The router's bias is the router Linear's own (router.bias); hf_unfuse_experts gives router_bias
+# its zeros.
 
 GPT_OSS_EXPERT_PARTS = {  # transformers' fused tensor -> [(this file's name, one expert's slice -> that tensor)]
     # gate_up_proj [E, D, 2 Dff] multiplies from the right (x @ W: nn.Linear's weight transposed),
@@ -5980,8 +5980,7 @@ HF_CONVERSIONS.insert(0, hf_unfuse_gpt_oss_experts)                        # bef
 HF_FAMILIES["gpt_oss"] = (GptOss, hf_gpt_oss)
 
 
-# Qwen3-Next: linear_attn is the block's attn here, and
-# the shared expert's gate moves inside it
+# Qwen3-Next: linear_attn is the block's attn here, and the shared expert's gate moves inside it.
 
 HF_NAMES.extend([(r"\.linear_attn\.", ".attn."), (r"\.shared_expert\.", ".shared."),
                  (r"\.shared_expert_gate\.", ".shared.gate.")])
@@ -6012,8 +6011,7 @@ def hf_qwen3_next(config):
 HF_FAMILIES["qwen3_next"] = (Qwen3Next, hf_qwen3_next)
 
 
-# DeepSeek-V3.2: the indexer's projections under the
-# names above; everything else is DeepSeek-V3's
+# DeepSeek-V3.2: the indexer's projections get LightningIndexer's names; everything else is DeepSeek-V3's.
 HF_NAMES.extend([(r"\.indexer\.wq_b\.", ".indexer.w_uq."), (r"\.indexer\.wk\.", ".indexer.w_k."),
                  (r"\.indexer\.weights_proj\.", ".indexer.w_heads.")])
 
