@@ -6099,24 +6099,23 @@ def test_gpt_oss_loads_transformers_fused_interleaved_experts():
 
 
 def test_gpt_oss_refuses_bad_configurations_naming_them():
+    """The layer types, the window and the scaling that would build a wrong model raise, naming what is
+    wrong; the hf configs below are the boundary's and keep every refusal."""
     good = dict(vocab_size=30, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=6, d_ff=12, n_experts=4)
     cases = [(dict(layer_types=["sliding_attention"]), "layer_types must list n_layers entries"),
              (dict(layer_types=["sliding_attention", "global"]), "each 'sliding_attention' or 'full_attention'"),
-             (dict(layer_types="sliding_attention"), "layer_types must be a list or None"),
-             (dict(window=0), "window must be an integer >= 1, got 0"),
-             (dict(swiglu_limit=0.0), "swiglu_limit must be a number >= 1.17549e-38, got 0.0"),
-             (dict(swiglu_limit=math.inf), "swiglu_limit must be a finite number"),
+             (dict(layer_types="sliding_attention"), "layer_types must list n_layers entries"),
+             (dict(window=0), "window must be at least 1, got 0"),
              (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling must be None or gpt-oss's yarn"),
-             (dict(rope_scaling={"type": "yarn", "factor": 2.0}), "scaling 'yarn' needs the keys"),
-             (dict(n_kv_heads=3), "n_heads must be divisible by n_kv_heads"),
-             (dict(top_k=5), "top_k must be at most n_experts"),
-             (dict(head_dim=5), "head_dim must be even")]
+             (dict(rope_scaling={"type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_len": 16}), "rope_scaling must be None or gpt-oss's yarn")]
     for bad, words in cases:
-        for make in (tf.GptOss, tf.gpt_oss_param_formula):
-            with pytest.raises(ValueError, match=re.escape(words)):
-                make(**{**good, **bad})
-    with pytest.raises(ValueError, match=re.escape("sinks must be [H], a logit per query head")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            tf.GptOss(**{**good, **bad})
+    with pytest.raises(ValueError, match=re.escape("sinks must be [H], a logit per query head: got [3] for H = 4")):
         tf.flash_attention_with_sinks(*torch.randn(3, 1, 4, 5, 8), torch.zeros(3))
+    with pytest.raises(ValueError, match=re.escape("sinks must be [H]")):  # one sink would broadcast silently
+        tf.flash_attention_with_sinks(*torch.randn(3, 1, 4, 5, 8), torch.zeros(1))
     hf = dict(model_type="gpt_oss", vocab_size=30, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=6, intermediate_size=12, num_local_experts=4, num_experts_per_tok=2,
               sliding_window=3, max_position_embeddings=64,
@@ -6186,14 +6185,11 @@ def test_sinks_copy_at_a_handful_of_lines_over_what_they_extend():
 
 def test_gpt_oss_takes_its_yarn_only_when_it_is_built():
     model = tf.GptOss(vocab_size=50, d_model=32, n_layers=2, n_heads=4, head_dim=8, d_ff=16, n_experts=4, max_len=40)
-    with pytest.raises(ValueError, match="not a GptOss \\(rope_scaling= builds its YaRN\\), got <class 'transformer.GptOss'>"):
+    with pytest.raises(ValueError, match="GptOss"):  # section 37's refusal, naming the class, whatever its words
         tf.with_rope_scaling(model, {"type": "linear", "factor": 2.0})
     assert model.config["rope_scaling"] is None
 
 
-def test_gpt_oss_names_a_d_model_that_is_no_integer():
-    with pytest.raises(ValueError, match="d_model must be an integer >= 1, got '32'"):
-        tf.GptOss(vocab_size=50, d_model="32", n_layers=2, n_heads=4, head_dim=8, d_ff=16, n_experts=4)
 # ===========================================================================
 # 39. Gated attention and Gated DeltaNet: Qwen3-Next
 # ===========================================================================
@@ -6336,9 +6332,9 @@ def test_qwen3_next_cache_bytes_against_llama_3_8b():
 
 
 @pytest.mark.parametrize("key", ["layer_types", "n_kv_heads", "linear_v_dim", "conv_size"])
-def test_qwen3_next_cache_bytes_of_a_config_without_a_key_is_a_value_error_naming_it(key):
+def test_qwen3_next_cache_bytes_of_a_config_without_a_key_is_a_key_error_naming_it(key):
     config = {k: v for k, v in tf.QWEN3_NEXT_80B.items() if k != key}
-    with pytest.raises(ValueError, match=rf"^the formula reads the key '{key}', which its dict argument lacks$"):
+    with pytest.raises(KeyError, match=rf"^'{key}'$"):
         tf.qwen3_next_cache_bytes(config, 4096)
 
 
@@ -6363,21 +6359,17 @@ def test_qwen3_next_cache_refuses_a_crop_and_wrong_caches():
 
 
 def test_qwen3_next_bad_configurations_raise_value_errors():
-    with pytest.raises(ValueError, match=r"linear_v_heads must be divisible by linear_k_heads \(linear_k_heads=2\)"):
+    with pytest.raises(ValueError, match=r"^n_v_heads \(3\) must be divisible by n_k_heads \(2\)"):
         tiny_qwen3_next(linear_v_heads=3)
     with pytest.raises(ValueError, match=r"layer_types must be None or n_layers of"):
         tiny_qwen3_next(layer_types=["full_attention"] * 3)
     with pytest.raises(ValueError, match=r"layer_types must be None or n_layers of"):
         tiny_qwen3_next(layer_types=["sliding_attention"] * 4)
-    for partial_rotary in (0.3125, 0.05):                              # 5 of 16 dims; none at all
+    for partial_rotary, dims in ((0.3125, 5), (0.05, 0)):               # 5 of 16 dims; none at all
         with pytest.raises(ValueError, match=rf"^head_dim \* partial_rotary must give an even number of dims, 2 or"
-                                             rf" more \(RoPE turns pairs\) \(head_dim=16\), got {partial_rotary}$"):
+                                             rf" more: 16 \* {partial_rotary} gives {dims}$"):
             tiny_qwen3_next(partial_rotary=partial_rotary)
-        with pytest.raises(ValueError, match=rf"^head_dim \* partial_rotary .* \(head_dim=16\), got {partial_rotary}$"):
-            tf.qwen3_next_param_formula(**dict(tiny_qwen3_next().config, partial_rotary=partial_rotary))
-    with pytest.raises(ValueError, match=r"top_k must be at most n_experts"):
-        tiny_qwen3_next(top_k=5)
-    with pytest.raises(ValueError, match=r"n_v_heads must be divisible by n_k_heads"):
+    with pytest.raises(ValueError, match=r"n_v_heads \(4\) must be divisible by n_k_heads \(3\)"):
         tf.GatedDeltaNet(32, n_k_heads=3, n_v_heads=4, k_dim=8, v_dim=8)
     with pytest.raises(ValueError, match=r"config's mlp_only_layers is \[1\]"):
         tf.from_hf_config(dict(model_type="qwen3_next", mlp_only_layers=[1]))
@@ -6406,9 +6398,10 @@ def test_hf_keywords_of_the_released_config_json():
 
 def test_copy_sizes_of_gated_attention_and_gated_deltanet():
     """Gated DeltaNet with both forms and its gated norm, over what the file had (RMSNorm, repeat_kv):
-    measured 96 (the issue: at most 130), 114 with its cache; gated attention over Qwen3's: 40."""
-    assert copy_size("GatedDeltaNet") - copy_size("RMSNorm", "repeat_kv", "delta_shapes") <= 100  # checks left out
-    assert copy_size("GatedDeltaNet", "DeltaNetCache") - copy_size("RMSNorm", "repeat_kv", "delta_shapes") <= 130
+    measured 100 with its plain check (the issue: at most 130), 118 with its cache; gated attention over
+    Qwen3's: 40."""
+    assert copy_size("GatedDeltaNet") - copy_size("RMSNorm", "repeat_kv") <= 100
+    assert copy_size("GatedDeltaNet", "DeltaNetCache") - copy_size("RMSNorm", "repeat_kv") <= 130
     assert copy_size("GatedAttention") - copy_size("QKNormAttention") <= 45
 
 
@@ -6484,19 +6477,21 @@ def test_qwen3_next_review_fixes_layer_types_copied_conv_state_small_and_no_mtp(
     model(torch.randint(0, 50, (1, 40)), cache)
     conv = cache[0].conv                                                 # [B, C, K-1]: its storage no larger
     assert conv.untyped_storage().nbytes() == conv.numel() * conv.element_size()
-    with pytest.raises(ValueError, match="not a Qwen3Next"):
+    with pytest.raises(ValueError, match="Qwen3Next"):                  # section 32's refusal, naming the class
         tf.mtp_module(model)
 
 
-def test_the_delta_rule_refuses_tensors_of_the_wrong_shape_naming_them():
+def test_the_delta_rule_refuses_tensors_of_the_wrong_shape():
+    """No shape check of its own: a memory of the wrong shape, or none, or no tokens at all, is torch's
+    or Python's own error, never an answer."""
     q = k = torch.zeros(1, 2, 3, 4)                                       # [B, H, T, dk]
     v, g = torch.zeros(1, 2, 3, 5), torch.zeros(1, 2, 3)                   # [B, H, T, dv], [B, H, T]
     for rule in (tf.gated_delta_rule_recurrent, tf.gated_delta_rule_chunked):
         assert rule(q, k, v, g, g, torch.zeros(1, 2, 4, 5))[1].shape == (1, 2, 4, 5)
         for memory in (None, torch.zeros(1, 2, 5, 4)):
-            with pytest.raises(ValueError, match="q, k, v, g, beta, memory must be tensors of .* got \\[\\[1, 2, 3, 4\\]"):
+            with pytest.raises((RuntimeError, TypeError)):
                 rule(q, k, v, g, g, memory)
-        with pytest.raises(ValueError, match="T >= 1"):
+        with pytest.raises((RuntimeError, ValueError)):                  # torch.cat of no tokens
             rule(q[:, :, :0], k[:, :, :0], v[:, :, :0], g[:, :, :0], g[:, :, :0], torch.zeros(1, 2, 4, 5))
 # ===========================================================================
 # 40. DeepSeek's sparse attention: DeepSeek-V3.2
@@ -6603,8 +6598,8 @@ def test_dsv32_indexer_gets_no_gradient_and_no_backward():
             loss.backward()
         counts.append((forward.get_total_flops(), backward.get_total_flops()))
     assert counts[0][0] - counts[1][0] == tf.indexer_flops(model.config, 2, 10)
-    for key in ("q_lora_rank", "index_head_dim"):  # a config that lacks a key it reads: a ValueError naming it
-        with pytest.raises(ValueError, match=rf"^the formula reads the key '{key}', which its dict argument lacks$"):
+    for key in ("q_lora_rank", "index_head_dim"):  # a config that lacks a key it reads: a KeyError naming it
+        with pytest.raises(KeyError, match=rf"^'{key}'$"):
             tf.indexer_flops({k: v for k, v in model.config.items() if k != key}, 2, 10)
     assert counts[0][1] == counts[1][1]
     indexer = model.layers[1].attn.indexer
@@ -6631,16 +6626,12 @@ def test_dsv32_param_formula_and_cost_per_token():
 
 
 def test_dsv32_bad_configurations_raise_value_errors():
-    with pytest.raises(ValueError, match=r"q_lora_rank must be an integer >= 1 \(the lightning indexer.*, got None"):
+    """No query latent, or a top-k of no token (a query would read every token, later ones too), raise
+    with the idea's reason; the hf config below is the boundary's."""
+    with pytest.raises(ValueError, match=r"q_lora_rank must be given: the lightning indexer's queries start from MLA"):
         tiny_deepseek_v32(q_lora_rank=None)
-    with pytest.raises(ValueError, match=r"index_head_dim must be at least qk_rope_dim \(qk_rope_dim=4\), got 2"):
-        tiny_deepseek_v32(index_head_dim=2)
-    with pytest.raises(ValueError, match=r"index_topk must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"index_topk must be at least 1, got 0"):
         tiny_deepseek_v32(index_topk=0)
-    with pytest.raises(ValueError, match=r"index_n_heads must be an integer >= 1, got 2.0"):
-        tf.deepseek_v32_param_formula(**DSA_CONFIG, index_n_heads=2.0)
-    with pytest.raises(ValueError, match=r"context must be an integer >= 1, got 0"):
-        tf.sparse_attention_flops(0)
     hf = dict(model_type="deepseek_v32", vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
               kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, intermediate_size=48,
               moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
@@ -6653,7 +6644,7 @@ def test_dsv32_bad_configurations_raise_value_errors():
 
 def test_dsv32_lightning_indexer_copies_at_its_size():
     """LightningIndexer and its cache, what the file had before (LayerNorm, apply_rope, LatentCache)
-    left out: at most 60 lines, measured 57."""
+    left out: at most 60 lines, measured 59 with its plain checks."""
     assert copy_size("LightningIndexer", "IndexedLatentCache") - copy_size("LayerNorm", "apply_rope",
                                                                            "LatentCache") <= 60
 
@@ -6730,9 +6721,6 @@ def test_hf_parity_deepseek_v32_greedy_tokens_with_the_cache(hf_dsa):
     assert out.shape == (2, 20) and torch.equal(mine, out)
 
 
-def test_lightning_indexer_refuses_an_odd_rope_width():
-    with pytest.raises(ValueError, match="qk_rope_dim must be even"):
-        tf.LightningIndexer(32, 16, 3, index_n_heads=2, index_head_dim=8, index_topk=4)
 # ===========================================================================
 # Parts III-VI against transformers' classes: run where transformers is installed
 # ===========================================================================

@@ -3273,25 +3273,28 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 # ===========================================================================
 # 38. Attention sinks and alternating windows: gpt-oss (注意力汇与交替窗口)
 # ===========================================================================
-# A softmax row sums to 1, so a head with nothing worth reading must still read something:
-# trained models park that attention on the first tokens (Xiao et al., 2023, "Efficient
-# Streaming Language Models with Attention Sinks"), which a window like section 35's cuts off.
-# OpenAI's gpt-oss (2025) gives each head a learned sink logit instead: one more term in the
-# softmax's denominator that reads no value, so a row sums to less than 1 and a head can attend
+# A softmax row sums to 1, so a head with nothing worth reading must still read something. Trained
+# models park that attention on the first tokens (Xiao et al., 2023, "Efficient Streaming Language
+# Models with Attention Sinks"), and a window like section 35's cuts those tokens off. OpenAI's
+# gpt-oss (2025) gives each head a learned sink logit instead. The sink is one more term in the
+# softmax's denominator, and it reads no value, so a row sums to less than 1 and a head can attend
 # to nothing. A sink fixed at 0 is Evan Miller's softmax_1 ("Attention Is Off By One", 2023).
+#
 # The rest of gpt-oss is earlier sections with small changes:
-# - layers alternate a window of 128 tokens (section 35, its rolling cache) and full attention,
-#   as the configuration's layer_types lists them; q, k, v and o all have biases; GQA, 64 query
-#   heads 64 wide to 8 key/value heads, the heads 4096 wide in a model 2880 wide (section 28);
-# - a MoE (section 29) whose router has a bias and softmaxes its top-k logits (Mixtral's weights:
-#   top-k of softmax over all E, divided by their sum, is the same); experts with biases and a
-#   clamped SwiGLU, as OpenAI's reference code (gpt_oss/torch/model.py, swiglu) writes it:
+# - Its layers alternate a window of 128 tokens (section 35, with its rolling cache) and full
+#   attention, in the order the configuration's layer_types lists.
+# - Its attention is GQA with biases on q, k, v and o. 64 query heads 64 wide share 8 key/value
+#   heads, so the heads together are 4096 wide in a model 2880 wide (section 28's free head width).
+# - Its feed-forward is a MoE (section 29) whose router has a bias and softmaxes its top-k logits.
+#   These are Mixtral's weights: the top-k of a softmax over all E, divided by their sum, are the same.
+# - Its experts have biases and a clamped SwiGLU, as OpenAI's reference code (gpt_oss/torch/model.py,
+#   swiglu) writes it:
 #       gate = min(gate, limit), up = clamp(up, -limit, limit), out = (up + 1) * gate * sigmoid(1.702 gate)
-#   (x sigmoid(1.702 x) is the sigmoid approximation of GELU, Hendrycks and Gimpel, 2016; the
-#   + 1 lets a channel whose up is 0 pass gate's value on; the clamps bound both, 7.0 in both models);
-# - YaRN (section 37) from 4,096 to 131,072 positions, its ramp's ends left unrounded.
-# FlashAttention (section 34) takes a sink in one line: the sink is one more term e^sink of the
-# running sum l, so the output is acc / (l + e^sink) = out * l / (l + e^sink) = out * sigmoid(lse - sink).
+#   x sigmoid(1.702 x) approximates GELU (Hendrycks and Gimpel, 2016). The + 1 lets a channel whose up
+#   is 0 pass gate's value on. The clamps bound both factors; the limit is 7.0 in both models.
+# - Its RoPE is YaRN (section 37) from 4,096 to 131,072 positions, with the ramp's ends left unrounded.
+#   So a GptOss takes its scaling only as rope_scaling=, where it is built: section 37's with_rope_scaling
+#   would give it the rounded ramp, and its checkpoint would come back with its own.
 
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names in layer_types
 ARGUMENTS.update(layer_types=(list, "or None"), swiglu_limit=(float, torch.finfo(torch.float32).tiny, FINITE),
@@ -3304,7 +3307,6 @@ RELATIONS.update({
                      "rope_scaling must be None or gpt-oss's yarn, a dict with 'type': 'yarn'"),
     "a sink per head": (("shapes",), lambda s: s["sinks"] == s["q"][1:2], "sinks must be [H], a logit per query head"),
 })
-GPT_OSS_RULES = ("kv heads divide heads", "top_k <= n_experts", "a type per layer", "gpt-oss yarn")
 
 
 class SinkAttention(GroupedQueryAttention):
@@ -3330,39 +3332,39 @@ class GptOssAttention(SinkAttention):
     attention) or section 35's band of the last `window` keys."""
 
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, bias=True, window=None):
-        nn.Module.__init__(self)  # not GQA's __init__: it sizes the heads D / H and leaves w_o without a bias
-        check("kv heads divide heads", d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-              bias=bias, **({} if window is None else dict(window=window)))
-        self.n_heads, self.n_kv_heads, self.head_dim, self.window = n_heads, n_kv_heads, head_dim, window
+        # GQA's constructor at the width H * head_dim makes the heads head_dim wide. The projections are
+        # built again, because they read d_model and w_o has a bias too.
+        super().__init__(n_heads * head_dim, n_heads, n_kv_heads, bias)
         self.w_q = nn.Linear(d_model, n_heads * head_dim, bias=bias)
         self.w_k = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.w_v = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.w_o = nn.Linear(n_heads * head_dim, d_model, bias=bias)
-        self.sinks = nn.Parameter(torch.zeros(n_heads))                   # [H]
+        self.window = window
 
     def attend(self, q, k, v, mask):
-        if self.window is not None:  # a sliding layer: the band over the keys this step has, as section 35
+        if self.window is not None:  # a sliding layer: the band over the keys this step has, as in section 35
             mask = make_window_mask(q.size(2), self.window, q.device, past=k.size(2) - q.size(2))  # [1, 1, Tn, t+Tn]
         return super().attend(q, k, v, mask)                               # [B, H, Tn, dk]
 
 
+# FlashAttention (section 34) takes a sink in one line. The sink adds e^sink to the running sum l,
+# so the output is acc / (l + e^sink) = out * l / (l + e^sink) = out * sigmoid(lse - sink).
 def flash_attention_with_sinks(q, k, v, sinks, causal=False, block_size=64):
     """Section 34's tiles, then each head's sink as one more term of the running sum -> (out
     [B, H, Tq, dv], lse [B, H, Tq] with the sink in it); sinks [H]. Equal to SinkAttention's softmax."""
+    if sinks.shape != q.shape[1:2]:  # one sink would broadcast over every head without an error
+        raise ValueError(f"sinks must be [H], a logit per query head: got {list(sinks.shape)} for H = {q.size(1)}")
     out, lse = flash_attention(q, k, v, causal, block_size)                # [B, H, Tq, dv], [B, H, Tq]
-    check("a sink per head", sinks=sinks, shapes=dict(sinks=tuple(sinks.shape), q=tuple(q.shape)))
     sink = sinks.to(lse.dtype)[:, None]                                    # [H, 1]
-    # acc / (l + e^sink) = out * l / (l + e^sink) = out / (1 + e^(sink - lse)) = out * sigmoid(lse - sink)
     out = out * torch.sigmoid(lse - sink)[..., None].to(out.dtype)         # [B, H, Tq, dv]
     return out, torch.logaddexp(lse, sink)                                 # [B, H, Tq, dv], [B, H, Tq]
 
 
 class ClampedSwiGLU(SwiGLU):
-    """gpt-oss's expert: SwiGLU's w1 (gate), w3 (up), w2 (down), with biases, and the clamped activation."""
+    """gpt-oss's expert: SwiGLU's w1 (gate), w3 (up) and w2 (down), with biases, and the clamped activation."""
 
     def __init__(self, d_model, d_ff, limit=7.0):
-        nn.Module.__init__(self)  # not SwiGLU's __init__: its Linears have no biases
-        check(d_model=d_model, d_ff=d_ff, swiglu_limit=limit)
+        super().__init__(d_model, d_ff)  # SwiGLU's Linears have no biases: built again, with them
         self.w1, self.w3 = nn.Linear(d_model, d_ff), nn.Linear(d_model, d_ff)  # gate, up: D -> Dff
         self.w2, self.limit = nn.Linear(d_ff, d_model), limit             # down: Dff -> D
 
@@ -3383,29 +3385,31 @@ class BiasedRouterMoE(MoE):
 
 
 def gpt_oss_yarn_frequencies(head_dim, theta, scaling):
-    """Section 37's yarn with the ramp's ends unrounded, as gpt-oss (transformers' truncate=False,
+    """Section 37's yarn with the ramp's ends unrounded, as gpt-oss has it (transformers' truncate=False,
     OpenAI's reference code) -> (inv_freq [dk/2], the temperature for cos and sin)."""
+    if scaling.get("type") != "yarn":  # another stretch would be read as yarn's ramp without an error
+        raise ValueError(f"rope_scaling must be None or gpt-oss's yarn, a dict with 'type': 'yarn', got {scaling!r}")
     _, temperature = scaled_rope_frequencies(head_dim, theta, scaling)     # its checks and its temperature
-    # section 37 rounds the ends outwards (floor, ceil); at gpt-oss's configuration that gives some
-    # pairs 1.76 times the frequency gpt-oss trained with (it is 43% lower): other angles, a worse model
+    # Section 37 rounds the ends outwards (floor, ceil). At gpt-oss's configuration that gives some pairs
+    # 1.76 times the frequency gpt-oss trained with (43% lower): other angles, and a worse model.
     start, end = yarn_ends(head_dim, theta, scaling)
     return yarn_blend(rope_frequencies(head_dim, theta), scaling["factor"], start, end), temperature  # [dk/2], a float
 
 
 class GptOss(Mixtral):
-    """gpt-oss = Mixtral with GptOssAttention (sinks; biases on q, k, v and o when qkv_bias; heads
-    head_dim wide), a window on the layers layer_types calls sliding (None: every other, the first sliding),
-    BiasedRouterMoE feed-forwards, and rope_scaling None or its yarn (gpt_oss_yarn_frequencies)."""
+    """gpt-oss: Mixtral with GptOssAttention (sinks; biases on q, k, v and o when qkv_bias; heads head_dim
+    wide) and BiasedRouterMoE feed-forwards. The layers that layer_types calls sliding get the window (None:
+    every other layer, the first one sliding). rope_scaling is None or gpt-oss's yarn."""
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=True, n_experts=8, top_k=2,
                  expert_d_ff=None, head_dim=None, window=128, layer_types=None, swiglu_limit=7.0, rope_scaling=None):
-        check(*GPT_OSS_RULES, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads if n_kv_heads
-              is None else n_kv_heads, n_experts=n_experts, top_k=top_k, head_dim=head_dim, window=window,
-              layer_types=layer_types, swiglu_limit=swiglu_limit, rope_scaling=rope_scaling)
-        if rope_scaling is not None:
-            check_scaling(rope_scaling)
-        # read by attention(), feed_forward() and rope_tables() while Llama builds the model
+        if layer_types is not None and (len(layer_types) != n_layers or not set(layer_types) <= set(LAYER_TYPES)):
+            raise ValueError(f"layer_types must list n_layers entries, each 'sliding_attention' or 'full_attention':"
+                             f" got {layer_types!r} for n_layers = {n_layers}")
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        # attention(), feed_forward() and rope_tables() read these while Llama builds the model
         self.head_dim = d_model // n_heads if head_dim is None else head_dim
         self.swiglu_limit, self.rope_scaling = swiglu_limit, rope_scaling
         super().__init__(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta, norm_eps,
@@ -3437,25 +3441,19 @@ class GptOss(Mixtral):
         return [KVCache() if layer.attn.window is None else RollingKVCache(layer.attn.window) for layer in self.layers]
 
 
-# Section 37's with_rope_scaling would give a GptOss the rounded YaRN, and its checkpoint would
-# come back with its own: a GptOss takes its scaling only as rope_scaling=, where it is built
-RELATIONS["a Llama family"] = (("model_kind",), lambda cls: issubclass(cls, Llama) and not issubclass(cls, GptOss),
-                               "model must be a RoPE model of this file: a Llama or a family of it, not a GptOss"
-                               " (rope_scaling= builds its YaRN)")
+RELATIONS["a Llama family"] = (  # with_rope_scaling would give a GptOss the rounded YaRN: it takes rope_scaling=
+    ("model_kind",), lambda cls: issubclass(cls, Llama) and not issubclass(cls, GptOss),
+    "model must be a RoPE model of this file: a Llama or a family of it, not a GptOss (rope_scaling= builds its YaRN)")
 
 
 def gpt_oss_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                           rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=True, n_experts=8, top_k=2,
                           expert_d_ff=None, head_dim=None, window=128, layer_types=None, swiglu_limit=7.0,
                           rope_scaling=None, active=False):
-    """Closed form of count_parameters(GptOss(...)), same keywords and rules; active=True: one token's
-    (the whole embedding table counted, as section 33)."""
+    """Closed form of count_parameters(GptOss(...)), the same keywords; active=True: one token's (the
+    whole embedding table counted, as in section 33)."""
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-    check(*GPT_OSS_RULES, **locals())                                      # every argument
-    if rope_scaling is not None:
-        check_scaling(rope_scaling)
     head_dim = d_model // n_heads if head_dim is None else head_dim
-    check("even head_dim", head_dim=head_dim)
     width = expert_d_ff or (llama_ffn_dim(d_model) if d_ff is None else d_ff)
     # GQA's, w_o's bias, a sink per head
     attention = gqa_params(d_model, n_heads, n_kv_heads, head_dim, qkv_bias) + d_model * qkv_bias + n_heads
@@ -3468,79 +3466,19 @@ def gpt_oss_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=Non
 GPT_OSS_YARN = {"type": "yarn", "factor": 32.0, "original_max_len": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
 GPT_OSS_COMMON = dict(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64, d_ff=2880, top_k=4,
                       max_len=131072, rope_theta=150000.0, norm_eps=1e-5, window=128, rope_scaling=GPT_OSS_YARN)
-# (name, kind, configuration as released, total, active as section 33 counts it, what OpenAI reports); the
-# published active counts are these less the input embedding table (V D = 579,133,440, of which a token
-# reads one row): 5,132,849,472 and 3,608,307,264
+# Each entry: the name, the kind, the configuration as released, the total, the active count as
+# section 33 counts it, and what OpenAI reports. OpenAI's active counts leave out the input
+# embedding table (V D = 579,133,440, of which a token reads one row): 5,132,849,472 and 3,608,307,264.
 GPT_OSS_CONFIGS = [
     ("gpt-oss-120b", "gptoss", dict(GPT_OSS_COMMON, n_layers=36, n_experts=128), 116_829_156_672, 5_711_982_912,
      "116.8B / 5.1B (active without the embedding table)"),
     ("gpt-oss-20b", "gptoss", dict(GPT_OSS_COMMON, n_layers=24, n_experts=32), 20_914_757_184, 4_187_440_704,
      "20.9B / 3.6B (active without the embedding table)"),
 ]
-# Where gpt-oss-120b's 116.8B go: 36 layers x 128 experts x (3 x 2880 x 2880 + biases) = 114.7B
-# in experts (98%); a token runs 4 of them, 3.6B, plus 0.96B of attention and 1.16B of
-# embeddings and lm_head. Its cache in bf16: 2 x 8 x 64 x 2 bytes = 2 KiB a token a layer, so
-# 36 KiB a token in the 18 full layers, while the 18 sliding ones hold 128 tokens each, 4.5 MiB in all.
-
-
-# Section 26's tables, for transformers' GptOss: its names are Llama's and Mixtral's (the sinks
-# keep theirs); its experts are fused the other way round from Mixtral's, so they are unfused
-# first, before hf_unfuse_experts would cut them in two halves. The router's bias is the
-# router Linear's own (router.bias); hf_unfuse_experts gives router_bias its zeros.
-
-GPT_OSS_EXPERT_PARTS = {  # transformers' fused tensor -> [(this file's name, one expert's slice -> that tensor)]
-    # gate_up_proj [E, D, 2 Dff] multiplies from the right (x @ W: nn.Linear's weight transposed),
-    # gate in the even columns, up in the odd ones (OpenAI's layout); its bias [E, 2 Dff] the same
-    "gate_up_proj": [("w1.weight", lambda w: w[:, ::2].T), ("w3.weight", lambda w: w[:, 1::2].T)],  # [Dff, D]
-    "gate_up_proj_bias": [("w1.bias", lambda b: b[::2]), ("w3.bias", lambda b: b[1::2])],         # [Dff]
-    "down_proj": [("w2.weight", lambda w: w.T)],                                                   # [D, Dff]
-    "down_proj_bias": [("w2.bias", lambda b: b)]}                                                  # [D]
-
-
-def hf_unfuse_gpt_oss_experts(state):
-    """A layer's experts whose gate_up_proj has a bias (gpt-oss's; Mixtral's have none) -> one
-    ClampedSwiGLU's w1, w3, w2 each; every other tensor as it was."""
-    out = {}
-    for name, w in state.items():
-        base, _, kind = name.rpartition(".")
-        if kind not in GPT_OSS_EXPERT_PARTS or f"{base}.gate_up_proj_bias" not in state:
-            out[name] = w
-            continue
-        for e, one in enumerate(w):                                        # one expert's slice
-            out.update({f"{base}.{e}.{ours}": part(one) for ours, part in GPT_OSS_EXPERT_PARTS[kind]})
-    return out
-
-
-def hf_gpt_oss(config):
-    """GptOss's keywords from a GptOssConfig's fields: its rope_parameters plain RoPE or yarn with
-    unrounded ends (truncate false); other alphas, partial rotary or yarn's own factors refused."""
-    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "yarn"):
-        raise ValueError(f"config's rope_type is {kind!r}: this file's gpt_oss has 'default' or 'yarn'")
-    # transformers rounds when truncate is missing: its default is True
-    hf_refuse(dict(rope, model_type="gpt_oss", truncate=rope.get("truncate", True) if kind == "yarn" else None),
-              truncate=False, attention_factor=None, mscale=None, mscale_all_dim=None, partial_rotary_factor=1.0)
-    hf_refuse(config, swiglu_alpha=1.702)
-    scaling = None if kind == "default" else dict(
-        type="yarn", factor=float(hf_field(rope, "factor")),
-        original_max_len=hf_field(rope, "original_max_position_embeddings"),
-        beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1))
-    n_heads, max_len = hf_field(config, "num_attention_heads"), hf_field(config, "max_position_embeddings", 131072)
-    return dict(vocab_size=hf_field(config, "vocab_size"), d_model=hf_field(config, "hidden_size"),
-                n_layers=hf_field(config, "num_hidden_layers"), n_heads=n_heads,
-                n_kv_heads=hf_field(config, "num_key_value_heads", n_heads), d_ff=hf_field(config, "intermediate_size"),
-                max_len=max_len, rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 150000.0))),
-                norm_eps=float(hf_field(config, "rms_norm_eps", 1e-5)),
-                tie_weights=hf_field(config, "tie_word_embeddings", False),
-                qkv_bias=hf_field(config, "attention_bias", True), n_experts=hf_field(config, "num_local_experts"),
-                top_k=hf_field(config, "num_experts_per_tok"), head_dim=hf_field(config, "head_dim", None),
-                window=hf_field(config, "sliding_window", max_len), layer_types=config.get("layer_types"),
-                swiglu_limit=float(hf_field(config, "swiglu_limit", 7.0)), rope_scaling=scaling)
-
-
-HF_CONVERSIONS.insert(0, hf_unfuse_gpt_oss_experts)                        # before hf_unfuse_experts
-HF_FAMILIES["gpt_oss"] = (GptOss, hf_gpt_oss)
+# Where gpt-oss-120b's 116.8B go: 36 layers x 128 experts x (3 x 2880 x 2880 + biases) = 114.7B are
+# experts (98%). A token runs 4 of them, 3.6B, plus 0.96B of attention and 1.16B of embeddings and
+# lm_head. Its cache in bf16 takes 2 x 8 x 64 x 2 bytes = 2 KiB a token a layer: 36 KiB a token in the
+# 18 full layers, while the 18 sliding ones hold 128 tokens each, 4.5 MiB in all.
 
 # Try it: a sink of -inf is section 2's attention; a large one takes everything, and the head reads nothing.
 #   >>> attn = SinkAttention(d_model=32, n_heads=4, n_kv_heads=2)
@@ -3568,35 +3506,31 @@ HF_FAMILIES["gpt_oss"] = (GptOss, hf_gpt_oss)
 #   True
 #   >>> count_parameters(gpt) == gpt_oss_param_formula(**gpt.config)
 #   True
-#   >>> name, kind, config, total, active, reported = GPT_OSS_CONFIGS[0]
-#   >>> name, gpt_oss_param_formula(**config), gpt_oss_param_formula(**config, active=True) - 201088 * 2880
-#   ('gpt-oss-120b', 116829156672, 5132849472)
 
 
 # ===========================================================================
 # 39. Gated attention and Gated DeltaNet: Qwen3-Next (门控注意力与门控 DeltaNet)
 # ===========================================================================
-# Attention's cache grows with every token. A linear-attention layer keeps one memory of fixed
-# size instead, a [dk, dv] matrix per head that each token writes and each query reads, and
-# costs the same at token 10 and token 10 million. Qwen3-Next (Qwen team, September 2025)
-# stacks three such layers, Gated DeltaNet, to one layer of (gated) attention, which still
-# sees every token exactly; every block's feed-forward is a MoE of 512 experts and a shared
-# one. New symbols here: Hk and Hv the DeltaNet's key and value heads (dk, dv their widths),
-# C = 2 Hk dk + Hv dv the channels of its convolution, K the convolution's taps, c a chunk's
-# tokens and n the chunks.
+# Attention's cache grows with every token. A linear-attention layer keeps a memory of fixed size
+# instead: a [dk, dv] matrix per head, which each token writes and each query reads. It costs the
+# same at token 10 and at token 10 million. Qwen3-Next (Qwen team, September 2025) stacks three such
+# layers, Gated DeltaNet, to one layer of gated attention, which still sees every token exactly.
+# Every block's feed-forward is a MoE of 512 experts and a shared one. The new symbols: Hk and Hv
+# are the DeltaNet's key and value heads, dk and dv their widths, C = 2 Hk dk + Hv dv the channels
+# of its convolution, K the convolution's taps, c a chunk's tokens and n the number of chunks.
 #
-# Three small changes to Qwen3's attention and norms first:
-# - zero-centred RMSNorm: the scale is 1 + w, w starting at 0. The Qwen3-Next blog reports
-#   norm weights that grew abnormally large in Qwen3's QK-norm; with 1 + w, weight decay on w
-#   pulls the scale towards 1 (decay on a plain weight pulls it towards 0, erasing its input).
-# - gated attention (Qiu et al., 2025, "Gated Attention for Large Language Models:
-#   Non-linearity, Sparsity, and Attention-Sink-Free"): w_q is twice as wide, its second half
-#   a gate; the attention's output times sigmoid(gate), per head and dim, before w_o. The paper
-#   reports steadier training and no attention sink (a first token soaking up the attention of
-#   heads with nothing to read): the head can output ~0 itself. It also puts a non-linearity
+# Qwen3's attention and norms change in three small ways first:
+# - A zero-centred RMSNorm scales by 1 + w, with w starting at 0. The Qwen3-Next blog reports that
+#   norm weights grew abnormally large in Qwen3's QK-norm. Weight decay on w pulls the scale towards
+#   1, where decay on a plain weight pulls it towards 0 and erases the input.
+# - Gated attention (Qiu et al., 2025, "Gated Attention for Large Language Models: Non-linearity,
+#   Sparsity, and Attention-Sink-Free") makes w_q twice as wide; the second half is a gate. The
+#   attention's output is multiplied by sigmoid(gate), per head and dim, before w_o. The paper reports
+#   steadier training and no attention sink (a first token that soaks up the attention of heads with
+#   nothing to read), because a head can output about 0 itself. The gate also puts a non-linearity
 #   between w_v and w_o, which are otherwise one low-rank linear map.
-# - partial RoPE: only the first 25% of each head's dims turn (64 of 256); the rest carry no
-#   position, so some of every head matches by content alone, at any distance.
+# - Partial RoPE turns only the first 25% of each head's dims (64 of 256). The rest carry no
+#   position, so part of every head matches by content alone, at any distance.
 
 ARGUMENTS.update(partial_rotary=(float, 1e-30, 1.0))
 RELATIONS["even rotary dims"] = (("partial_rotary", "head_dim"), lambda p, d: int(d * p) in range(2, d + 1, 2),
@@ -3647,37 +3581,20 @@ class GatedAttention(QKNormAttention):
         return self.w_o(out * gate.reshape(B, Tn, -1).sigmoid())          # [B, Tn, D]
 
 
-# Gated DeltaNet (Yang, Kautz & Hatamizadeh, 2024, "Gated Delta Networks: Improving Mamba2 with
-# Delta Rule"). A head's memory S [dk, dv] maps keys to values; a query reads S^T q, the values
-# weighted by how their keys match q (linear attention: no softmax, so no [T, T] scores). Each
-# token first lets S fade by alpha_t = e^(g_t) in (0, 1) (Mamba-2's gate: forget), then writes
-# by the delta rule (Widrow and Hoff's; Schlag et al., 2021, "Linear Transformers Are Secretly
-# Fast Weight Programmers"): recall what S holds for k_t, move it towards v_t by beta_t in (0, 1):
+# Gated DeltaNet (Yang, Kautz & Hatamizadeh, 2024, "Gated Delta Networks: Improving Mamba2 with Delta
+# Rule"). A head's memory S [dk, dv] maps keys to values. A query reads S^T q: the values, weighted by
+# how well their keys match q. This is linear attention, with no softmax and so no [T, T] scores.
+# Each token first lets S fade by alpha_t = e^(g_t) in (0, 1), Mamba-2's forget gate. Then it writes
+# by the delta rule (Widrow and Hoff's; Schlag et al., 2021, "Linear Transformers Are Secretly Fast
+# Weight Programmers"): it recalls what S holds for k_t and moves that towards v_t by beta_t in (0, 1):
 #     S <- alpha_t S,   d_t = beta_t (v_t - S^T k_t),   S <- S + k_t d_t^T,   o_t = S^T q_t
-# With |k_t| = 1 and beta_t = 1, S^T k_t is exactly v_t afterwards: a write replaces what the
-# key held, where plain linear attention (S <- S + k v^T) piles every value on top of the last.
-#
-# Token by token suits decoding; a prompt or a training batch would take T small sequential
-# steps. The chunked form (Yang et al., 2024, "Parallelizing Linear Transformers with the Delta
-# Rule over Sequence Length": the WY/UT transform) does c tokens at once. Inside a chunk, with
-# gamma_i the summed log-decays from its start to token i and S the memory before it, unrolling
-# the recurrence gives, for every i at once,
-#     d_i + sum_{j<i} beta_i e^(gamma_i - gamma_j) (k_i . k_j) d_j = beta_i v_i - beta_i e^(gamma_i) S^T k_i
-#     o_i = e^(gamma_i) S^T q_i + sum_{j<=i} e^(gamma_i - gamma_j) (q_i . k_j) d_j
-#     S  <- e^(gamma_c) S + sum_j e^(gamma_c - gamma_j) k_j d_j^T
-# The first is a unit lower-triangular system in the d_i, so d = u - w S with u and w solved
-# once (right-hand sides beta v and beta e^gamma k) for all chunks together, by matmuls; only
-# "d = u - w S" and the two lines after it run chunk after chunk. Equal up to rounding: float64
-# 1e-15; float32, against float64, 1e-7 token by token at any decay, chunked 1e-7 at mild decay
-# but 1.4e-6 where |g| reaches 20 a token: e^(gamma_i - gamma_j) subtracts two cumulative
-# log-decays, hundreds large, whose rounding (~|gamma| * 6e-8) survives into the difference.
+# With |k_t| = 1 and beta_t = 1, S^T k_t is exactly v_t afterwards. So a write replaces what the key
+# held, where plain linear attention (S <- S + k v^T) piles every value on top of the last.
 
 ARGUMENTS.update(n_k_heads=(int, 1, MAX_SIZE), n_v_heads=(int, 1, MAX_SIZE), k_dim=(int, 1, MAX_SIZE),
                  v_dim=(int, 1, MAX_SIZE), conv_size=(int, 1, MAX_SIZE), chunk=(int, 1, MAX_SIZE))
 RELATIONS["key heads divide value heads"] = (("n_v_heads", "n_k_heads"), lambda hv, hk: hv % hk == 0,
                                              "n_v_heads must be divisible by n_k_heads")
-
-
 ARGUMENTS.update(delta_shapes=(list,))
 RELATIONS["delta rule shapes"] = (("delta_shapes",), lambda s: len(s[0]) == 4 and s[0][2] >= 1 and s[1] == s[0] and len(
     s[2]) == 4 and s[2][:3] == s[0][:3] and s[3] == s[4] == s[0][:3] and s[5] == [*s[0][:2], s[0][3], s[2][3]],
@@ -3685,15 +3602,9 @@ RELATIONS["delta rule shapes"] = (("delta_shapes",), lambda s: len(s[0]) == 4 an
     " [B, H, dk, dv]")
 
 
-def delta_shapes(*tensors):
-    """Each tensor's shape as a list ([None] for what is no tensor), for the rule above."""
-    return [list(t.shape) if isinstance(t, torch.Tensor) else [None] for t in tensors]
-
-
 def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
     """The memory token by token (decoding): q, k [B, H, T, dk] L2-normed, v [B, H, T, dv], g (log-decay, <= 0)
     and beta [B, H, T], memory [B, H, dk, dv] -> (o [B, H, T, dv], the memory after the last token)."""
-    check("delta rule shapes", delta_shapes=delta_shapes(q, k, v, g, beta, memory))
     out = []
     for t in range(q.size(2)):
         q_t, k_t, v_t = q[:, :, t, None], k[:, :, t, None], v[:, :, t, None]  # [B, H, 1, dk|dv]
@@ -3704,9 +3615,22 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
     return torch.cat(out, dim=2), memory                                   # [B, H, T, dv], [B, H, dk, dv]
 
 
+# Token by token suits decoding, but a prompt or a training batch would take T small sequential
+# steps. The chunked form (Yang et al., 2024, "Parallelizing Linear Transformers with the Delta Rule
+# over Sequence Length": the WY/UT transform) does c tokens at once. Inside a chunk, let gamma_i be
+# the summed log-decays from its start to token i, and S the memory before it. Unrolling the
+# recurrence gives, for every i at once:
+#     d_i + sum_{j<i} beta_i e^(gamma_i - gamma_j) (k_i . k_j) d_j = beta_i v_i - beta_i e^(gamma_i) S^T k_i
+#     o_i = e^(gamma_i) S^T q_i + sum_{j<=i} e^(gamma_i - gamma_j) (q_i . k_j) d_j
+#     S  <- e^(gamma_c) S + sum_j e^(gamma_c - gamma_j) k_j d_j^T
+# The first line is a unit lower-triangular system in the d_i, so d = u - w S. One triangular solve
+# gives u and w (right-hand sides beta v and beta e^gamma k) for all chunks together, by matmuls; only
+# "d = u - w S" and the two lines after it run chunk after chunk. The two forms agree up to rounding:
+# 1e-15 in float64. In float32, against float64, token by token is within 1e-7 at any decay; chunked
+# is within 1e-7 at mild decay but 1.4e-6 where |g| reaches 20 a token. There e^(gamma_i - gamma_j)
+# subtracts two cumulative log-decays hundreds large, whose rounding (~|gamma| * 6e-8) survives.
 def gated_delta_rule_chunked(q, k, v, g, beta, memory, chunk=64):
     """The same, `chunk` tokens at a time (training, the prompt; 64 as transformers and flash-linear-attention)."""
-    check("delta rule shapes", chunk=chunk, delta_shapes=delta_shapes(q, k, v, g, beta, memory))
     T, pad = q.size(2), -q.size(2) % chunk  # padded tokens neither fade (g 0) nor write (beta 0, k 0)
     q, k, v = (F.pad(x, (0, 0, 0, pad)).unflatten(2, (-1, chunk)) for x in (q, k, v))  # [B, H, n, c, dk|dv]
     g, beta = (F.pad(x, (0, pad)).unflatten(2, (-1, chunk)) for x in (g, beta))  # [B, H, n, c]
@@ -3741,7 +3665,7 @@ class DeltaNetCache:
         return self.seen
 
     def crop(self, length):
-        """Refused, whatever the length: speculative decoding (section 48) cuts a cache back to take rejected
+        """Refused, whatever the length. Speculative decoding (section 48) cuts a cache back to take rejected
         tokens out, and a memory that folded them in cannot give them back."""
         raise ValueError(f"a DeltaNet layer's cache cannot be cut back to {length} tokens: its recurrent memory "
                          f"holds all {self.seen} tokens folded into one [dk, dv] matrix a head, with no earlier "
@@ -3762,16 +3686,16 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, d_model, n_k_heads, n_v_heads, k_dim, v_dim, conv_size=4, norm_eps=1e-6):
         super().__init__()
-        check("key heads divide value heads", d_model=d_model, n_k_heads=n_k_heads, n_v_heads=n_v_heads,
-              k_dim=k_dim, v_dim=v_dim, conv_size=conv_size, norm_eps=norm_eps)
+        if n_v_heads % n_k_heads:  # each key head serves the same number of value heads
+            raise ValueError(f"n_v_heads ({n_v_heads}) must be divisible by n_k_heads ({n_k_heads})")
         self.n_k_heads, self.n_v_heads, self.k_dim, self.v_dim = n_k_heads, n_v_heads, k_dim, v_dim
         # grouped by key head, as transformers stores them: its q, its k, then its value heads' v, then their z
         self.in_proj_qkvz = nn.Linear(d_model, 2 * n_k_heads * k_dim + 2 * n_v_heads * v_dim, bias=False)
         self.in_proj_ba = nn.Linear(d_model, 2 * n_v_heads, bias=False)    # per key head: its heads' b, then a
         channels = 2 * n_k_heads * k_dim + n_v_heads * v_dim               # C: q, k and v, a filter each
         self.conv1d = nn.Conv1d(channels, channels, conv_size, groups=channels, bias=False)
-        # Mamba-2's decay e^(-A dt): A = e^A_log > 0 a head, from 0.01 to 16 (transformers' init: heads that
-        # remember for hundreds of tokens, heads that forget at once); a step dt = softplus(a + dt_bias) a token
+        # Mamba-2's decay e^(-A dt): A = e^A_log > 0 a head, drawn from 0.01 to 16 as transformers does (heads
+        # that remember for hundreds of tokens, heads that forget at once); a step dt = softplus(a + dt_bias) a token
         self.dt_bias = nn.Parameter(torch.ones(n_v_heads))                 # [Hv]
         self.A_log = nn.Parameter(torch.empty(n_v_heads).uniform_(0.01, 16).log())  # [Hv]
         self.norm = GatedRMSNorm(v_dim, norm_eps)
@@ -3815,8 +3739,9 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(B, Tn, Hv * dv))                    # [B, Tn, D]
 
 
-# The model. Qwen's shared expert has a gate of its own: a sigmoid of the token scales it
-# (DeepSeek's runs at full weight on every token).
+
+# The model. Qwen's shared expert has a gate of its own: a sigmoid of the token scales it, where
+# DeepSeek's shared expert runs at full weight on every token.
 
 class GatedSharedExpert(SwiGLU):
     """A SwiGLU every token runs, scaled by sigmoid(gate(x)), one number a token."""
@@ -3831,7 +3756,6 @@ class GatedSharedExpert(SwiGLU):
 
 def qwen3_next_layer_types(n_layers, interval=4):
     """Every interval-th layer attention, the others Gated DeltaNet: Qwen3-Next's 3 to 1 with interval 4."""
-    check(n_layers=n_layers, interval=interval)
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
 
 
@@ -3850,45 +3774,51 @@ RELATIONS.update({
         "cache must be None or what new_cache() gives: a KVCache for each attention layer, a DeltaNetCache for each"
         " DeltaNet layer"),
 })
-QWEN3_NEXT_RULES = ("DeltaNet or attention layers", "linear key heads divide value heads", "top_k <= n_experts",
-                    "expert width")
 
 
 class Qwen3Next(Qwen3):
-    """Qwen3 whose blocks mix tokens by GatedDeltaNet or GatedAttention as layer_types says (None: three DeltaNet
-    layers, then one attention, over and over), each with a softmax-routed MoE and a gated shared expert; every
-    norm zero-centred; max_len, theta and eps as Llama's; the DeltaNet and MoE sizes default to Qwen3-Next-80B-A3B's."""
-    cache_kind = object  # the kind differs by layer: forward checks each (new_cache gives them)
+    """Qwen3 with Qwen3-Next's blocks. Each block mixes tokens by a GatedDeltaNet or a GatedAttention, as
+    layer_types says (None: three DeltaNet layers, then one attention layer, over and over), and has a
+    softmax-routed MoE with a gated shared expert. Every norm is zero-centred. The DeltaNet and MoE sizes
+    default to Qwen3-Next-80B-A3B's; max_len, theta and eps default to Llama's."""
+    cache_kind = object  # the kind differs by layer: new_cache() gives them, and forward checks them
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, head_dim=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, partial_rotary=0.25, layer_types=None,
                  linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128, conv_size=4,
                  n_experts=512, top_k=10, expert_d_ff=512, shared_d_ff=512, norm_topk=True):
-        config = arguments_of(locals())
-        check(*QWEN3_NEXT_RULES, **config)
-        width = d_model // n_heads if head_dim is None else head_dim
-        check("even rotary dims", partial_rotary=partial_rotary, head_dim=width)
-        self.rotary_dim = int(width * partial_rotary)                      # 64 of 256
+        config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,  # for checkpoints
+                      n_kv_heads=n_kv_heads, head_dim=head_dim, max_len=max_len, rope_theta=rope_theta,
+                      norm_eps=norm_eps, tie_weights=tie_weights, partial_rotary=partial_rotary,
+                      layer_types=layer_types and list(layer_types), linear_k_heads=linear_k_heads,  # a copy
+                      linear_v_heads=linear_v_heads, linear_k_dim=linear_k_dim, linear_v_dim=linear_v_dim,
+                      conv_size=conv_size, n_experts=n_experts, top_k=top_k, expert_d_ff=expert_d_ff,
+                      shared_d_ff=shared_d_ff, norm_topk=norm_topk)
         self.layer_types = list(layer_types or qwen3_next_layer_types(n_layers))  # a copy: the caller's may change
-        config["layer_types"] = layer_types and list(layer_types)
-        self.mixers = iter(self.layer_types)  # read by attention(), which Llama calls block after block
-        self.delta = dict(n_k_heads=linear_k_heads, n_v_heads=linear_v_heads, k_dim=linear_k_dim, v_dim=linear_v_dim,
-                          conv_size=conv_size, norm_eps=norm_eps)
-        self.moe = dict(d_ff=expert_d_ff, n_experts=n_experts, top_k=top_k, norm_topk=norm_topk)
+        if len(self.layer_types) != n_layers or not set(self.layer_types) <= {"linear_attention", "full_attention"}:
+            raise ValueError(f"layer_types must be None or n_layers of 'linear_attention', 'full_attention':"
+                             f" got {layer_types!r} for n_layers = {n_layers}")
+        width = d_model // n_heads if head_dim is None else head_dim
+        self.rotary_dim = int(width * partial_rotary)                      # 64 of 256; read by rope_tables()
+        if self.rotary_dim < 2 or self.rotary_dim % 2:  # RoPE turns pairs; with none, nothing has a position
+            raise ValueError(f"head_dim * partial_rotary must give an even number of dims, 2 or more:"
+                             f" {width} * {partial_rotary} gives {self.rotary_dim}")
+        self.moe = dict(d_ff=expert_d_ff, n_experts=n_experts, top_k=top_k, norm_topk=norm_topk)  # for feed_forward()
         self.shared_d_ff = shared_d_ff
         super().__init__(vocab_size, d_model, n_layers, n_heads, n_kv_heads, None, max_len, rope_theta, norm_eps,
                          tie_weights, False, head_dim)
-        del self.mixers
-        for block in self.layers:  # LlamaBlock's norms, zero-centred
+        for block, kind in zip(self.layers, self.layer_types):
+            if kind == "linear_attention":  # a DeltaNet in place of the attention, its weights drawn as Llama's
+                block.attn = GatedDeltaNet(d_model, linear_k_heads, linear_v_heads, linear_k_dim, linear_v_dim,
+                                           conv_size, norm_eps)
+                for linear in (block.attn.in_proj_qkvz, block.attn.in_proj_ba, block.attn.out_proj):
+                    nn.init.trunc_normal_(linear.weight, std=0.02)
             block.attn_norm = ZeroCenteredRMSNorm(d_model, norm_eps)
             block.ffn_norm = ZeroCenteredRMSNorm(d_model, norm_eps)
         self.final_norm = ZeroCenteredRMSNorm(d_model, norm_eps)
-        self.config = config                                               # for checkpoints
+        self.config = config
 
     def attention(self, d_model, n_heads, n_kv_heads, qkv_bias):
-        """The next block's token mixer, as layer_types says (Llama builds the blocks in order)."""
-        if next(self.mixers) == "linear_attention":
-            return GatedDeltaNet(d_model, **self.delta)
         return GatedAttention(d_model, n_heads, n_kv_heads, self.head_dim, self.config["norm_eps"])
 
     def feed_forward(self, i, d_model, d_ff):
@@ -3904,14 +3834,15 @@ class Qwen3Next(Qwen3):
         return [DeltaNetCache() if kind == "linear_attention" else KVCache() for kind in self.layer_types]
 
     def forward(self, input_ids, cache=None):
-        check("a cache for each layer's kind", cache=cache, layer_types=self.layer_types)
+        if cache is not None and [type(c) for c in cache] != [type(c) for c in self.new_cache()]:
+            raise ValueError("cache must be None or what new_cache() gives: a KVCache for each attention layer,"
+                             " a DeltaNetCache for each DeltaNet layer")
         return super().forward(input_ids, cache)                           # [B, Tn, V]
 
 
-# Section 32's MTP module is a block of the model's own: Qwen3-Next's (gated attention, whatever its
-# layer_types) is not built here, so multi-token prediction refuses the family by name
-RELATIONS["MTP on a Llama family"] = (("model_kind",), lambda cls: issubclass(cls, Llama) and not issubclass(
-    cls, Qwen3Next), "model must be a Llama family of this file (MTP reads its RoPE tables), not a Qwen3Next")
+RELATIONS["MTP on a Llama family"] = (  # section 32's MTP block is the model's own: Qwen3-Next's is not built here
+    ("model_kind",), lambda cls: issubclass(cls, Llama) and not issubclass(cls, Qwen3Next),
+    "model must be a Llama family of this file (MTP reads its RoPE tables), not a Qwen3Next")
 
 
 def qwen3_next_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, head_dim=None, max_len=2048,
@@ -3919,12 +3850,9 @@ def qwen3_next_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=
                              layer_types=None, linear_k_heads=16, linear_v_heads=32, linear_k_dim=128,
                              linear_v_dim=128, conv_size=4, n_experts=512, top_k=10, expert_d_ff=512, shared_d_ff=512,
                              norm_topk=True, active=False):
-    """Closed form of count_parameters(Qwen3Next(...)), same keywords and rules; active=True: one token's."""
-    check(*QWEN3_NEXT_RULES, **locals())                                   # every argument
+    """Closed form of count_parameters(Qwen3Next(...)), the same keywords; active=True: one token's."""
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
     head_dim = d_model // n_heads if head_dim is None else head_dim
-    check("kv heads divide heads", "even rotary dims", n_heads=n_heads, n_kv_heads=n_kv_heads,
-          partial_rotary=partial_rotary, head_dim=head_dim)
     n_attention = (layer_types or qwen3_next_layer_types(n_layers)).count("full_attention")
     # GQA's, w_q's gate rows, q_norm and k_norm
     attention = gqa_params(d_model, n_heads, n_kv_heads, head_dim, False) + d_model * n_heads * head_dim + 2 * head_dim
@@ -3940,10 +3868,8 @@ def qwen3_next_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=
 def qwen3_next_cache_bytes(config, length, bytes_per_value=2):
     """Cache bytes after `length` tokens of the Qwen3Next of config (its keywords, as model.config): section 23's
     keys and values in each attention layer; in each DeltaNet layer its memory and the convolution's last K - 1
-    inputs, the same at any length; bytes_per_value for all (GatedDeltaNet here, as transformers' torch path,
-    keeps the memory in float32 even in a bf16 model: 4 bytes there)."""
-    check(config=config, length=length, bytes_per_value=bytes_per_value)
-    config = Keys(config)
+    inputs, the same at any length. bytes_per_value counts for all; GatedDeltaNet here keeps the memory in
+    float32 even in a bf16 model, as transformers' torch path does: 4 bytes there."""
     n_attention = (config["layer_types"] or qwen3_next_layer_types(config["n_layers"])).count("full_attention")
     head_dim = config["head_dim"] or config["d_model"] // config["n_heads"]
     kv = kv_cache_bytes_per_token(1, config["n_kv_heads"] or config["n_heads"], head_dim, bytes_per_value)  # a layer
@@ -3953,20 +3879,19 @@ def qwen3_next_cache_bytes(config, length, bytes_per_value=2):
     return n_attention * kv * length + (config["n_layers"] - n_attention) * state * bytes_per_value
 
 
-# Qwen3-Next-80B-A3B as released (its config.json; max_len 262,144 without YaRN). Its model card:
-# "80B in total and 3B activated"; the formula: 79,674,391,296 and 3,874,929,408 (all of the
-# embedding table counted as used, as section 33 does; 3.56B without it, 3.25B without the
-# lm_head too). Not here: its multi-token-prediction layer, which transformers skips too.
+# Qwen3-Next-80B-A3B as released (its config.json; max_len 262,144 without YaRN). Its model card says
+# "80B in total and 3B activated"; the formula gives 79,674,391,296 and 3,874,929,408. That counts all
+# of the embedding table as used, as section 33 does: 3.56B without it, 3.25B without the lm_head too.
+# Its multi-token-prediction layer is not built here; transformers skips it too.
 QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, n_kv_heads=2, head_dim=256,
                       max_len=262144, rope_theta=10000000.0, norm_eps=1e-6, tie_weights=False, partial_rotary=0.25,
                       layer_types=None, linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128,
                       conv_size=4, n_experts=512, top_k=10, expert_d_ff=512, shared_d_ff=512, norm_topk=True)
-# Its cache in bf16: 12 attention layers x 2 kv heads x 256 x (K and V) x 2 bytes = 24 KiB a
-# token, and 36 DeltaNet layers x (32 x 128 x 128 + 3 x 8192) x 2 bytes = 37.7 MiB at any
-# length. At 4K, 32K and 256K tokens: 133.7 MiB, 805.7 MiB and 6,181.7 MiB; Llama-3-8B's 128
-# KiB a token, 512, 4,096 and 32,768 MiB. Attention still dominates past ~1,600 tokens. (The
-# memory counted at 2 bytes, as a bf16 kernel keeps it; this file's GatedDeltaNet keeps it in
-# float32: 72 MiB.)
+# Its cache in bf16: 12 attention layers x 2 kv heads x 256 x (K and V) x 2 bytes = 24 KiB a token,
+# and 36 DeltaNet layers x (32 x 128 x 128 + 3 x 8192) x 2 bytes = 37.7 MiB at any length. At 4K,
+# 32K and 256K tokens that is 133.7 MiB, 805.7 MiB and 6,181.7 MiB, against Llama-3-8B's 128 KiB a
+# token: 512, 4,096 and 32,768 MiB. Attention still dominates past about 1,600 tokens. (The memory
+# is counted at 2 bytes, as a bf16 kernel keeps it; this file's GatedDeltaNet keeps it in float32: 72 MiB.)
 
 # Try it: the two forms of the delta rule agree; the hybrid's cache; the memory it saves.
 #   >>> _ = torch.manual_seed(0)
@@ -3994,67 +3919,25 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, 
 #   ValueError: a DeltaNet layer's cache cannot be cut back to 5 tokens: its recurrent memory holds all 6 tokens...
 #   >>> [qwen3_next_cache_bytes(QWEN3_NEXT_80B, n) // 2 ** 20 for n in (4096, 32768, 262144)]  # MiB
 #   [133, 805, 6181]
-#   >>> [kv_cache_bytes_per_token(32, 8, 128) * n // 2 ** 20 for n in (4096, 32768, 262144)]  # Llama-3-8B
-#   [512, 4096, 32768]
-
-
-# On the toy task (section 16), by the Llama's recipe: a DeltaNet layer, then an attention
-# layer (the toy's sentences are short; one of each is the smallest hybrid), 4 experts, 2 a token.
-TOY_MODELS["qwen3_next"] = dict(
-    name="Qwen3-Next-style", model=Qwen3Next, epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
-    config=dict(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, layer_types=["linear_attention",
-                "full_attention"], partial_rotary=0.5, linear_k_heads=2, linear_v_heads=4, linear_k_dim=16,
-                linear_v_dim=16, n_experts=4, top_k=2, expert_d_ff=32, shared_d_ff=32))
-
-
-# Section 26's tables, for transformers' Qwen3-Next: linear_attn is the block's attn here, and
-# the shared expert's gate moves inside it
-
-HF_NAMES.extend([(r"\.linear_attn\.", ".attn."), (r"\.shared_expert\.", ".shared."),
-                 (r"\.shared_expert_gate\.", ".shared.gate.")])
-
-
-def hf_qwen3_next(config):
-    """Qwen3Next's keywords from a Qwen3NextConfig: Qwen3's, its layer_types (a 4.x config.json: every
-    full_attention_interval-th layer attention), partial_rotary_factor, the DeltaNet's and the MoE's sizes.
-    Dense blocks (decoder_sparse_step, mlp_only_layers) are refused."""
-    hf_refuse(config, decoder_sparse_step=1, mlp_only_layers=[])
-    keywords = hf_qwen3(config)
-    del keywords["d_ff"], keywords["qkv_bias"]                             # every block is a MoE; no biases
-    rope = config.get("rope_parameters") or {}
-    rotary = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))  # 5.x, or 4.x's place
-    types = hf_field(config, "layer_types", qwen3_next_layer_types(keywords["n_layers"], hf_field(
-        config, "full_attention_interval", 4)))
-    return dict(keywords, partial_rotary=float(rotary), layer_types=types,
-                linear_k_heads=hf_field(config, "linear_num_key_heads"),
-                linear_v_heads=hf_field(config, "linear_num_value_heads"),
-                linear_k_dim=hf_field(config, "linear_key_head_dim"),
-                linear_v_dim=hf_field(config, "linear_value_head_dim"),
-                conv_size=hf_field(config, "linear_conv_kernel_dim"), n_experts=hf_field(config, "num_experts"),
-                top_k=hf_field(config, "num_experts_per_tok"), expert_d_ff=hf_field(config, "moe_intermediate_size"),
-                shared_d_ff=hf_field(config, "shared_expert_intermediate_size"),
-                norm_topk=hf_field(config, "norm_topk_prob", True))
-
-
-HF_FAMILIES["qwen3_next"] = (Qwen3Next, hf_qwen3_next)
 
 
 # ===========================================================================
 # 40. DeepSeek's sparse attention: DeepSeek-V3.2 (DeepSeek 稀疏注意力)
 # ===========================================================================
-# MLA made the cache small; each new token still reads all of it, so attention's work grows
-# with the context. DeepSeek-V3.2 (DeepSeek Sparse Attention, DSA) lets a cheap scorer, the
-# lightning indexer, pick index_topk earlier tokens (2048) for each query; the latent attention
-# of section 30 reads only those: from O(T^2) to O(T k) for the main attention (the V3.2-Exp report).
-# Shapes: Hi the indexer's heads (64 in V3.2), di their width (128); topk = index_topk.
+# MLA made the cache small, but each new token still reads all of it, so attention's work grows with
+# the context. DeepSeek-V3.2 (DeepSeek Sparse Attention, DSA) lets a cheap scorer, the lightning
+# indexer, pick index_topk earlier tokens (2048) for each query, and section 30's latent attention
+# reads only those. The main attention goes from O(T^2) to O(T k) (the V3.2-Exp report). The new
+# shapes: Hi is the indexer's heads (64 in V3.2), di their width (128), and topk = index_topk.
+#
 # The index score of query t for token s is I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]) (the
-# report's equation 1): Hi small query heads made from MLA's query latent, one key per token
-# shared by them, ReLU rather than a softmax "for throughput", and a weight per head that the
-# query token sets. Its RoPE pairs halves (section 19) where MLA pairs neighbours: DeepSeek's
-# own inference demo turned neighbours here until November 2025, and long-context retrieval
-# suffered (sglang's RULER runs) until the fix. DeepSeek's code also multiplies q and k by a
-# Hadamard matrix before rounding them to FP8; orthogonal, so q . k is unchanged in exact
-# arithmetic: left out here, as transformers leaves it.
+# report's equation 1). Its Hi small query heads are made from MLA's query latent, and one key per
+# token serves all of them. It uses ReLU rather than a softmax "for throughput", and the query token
+# sets a weight per head. Its RoPE pairs halves (section 19), where MLA pairs neighbours. DeepSeek's
+# own inference demo turned neighbours here until November 2025, and long-context retrieval suffered
+# (sglang's RULER runs) until the fix. DeepSeek's code also multiplies q and k by a Hadamard matrix
+# before rounding them to FP8. The matrix is orthogonal, so q . k is unchanged in exact arithmetic,
+# and it is left out here, as transformers leaves it out.
 
 ARGUMENTS.update(index_n_heads=(int, 1, MAX_SIZE), index_head_dim=(int, 1, MAX_SIZE), index_topk=(int, 1, MAX_SIZE),
                  context=(int, 1, MAX_SIZE), seq_len=(int, 1, MAX_SIZE))
@@ -4065,7 +3948,6 @@ RELATIONS.update({
     "index_head_dim holds the rope part": (("index_head_dim", "qk_rope_dim"), lambda d, rope: d >= rope,
                                            "index_head_dim must be at least qk_rope_dim"),  # RoPE turns its first dims
 })
-DSA_RULES = ("the indexer reads the query latent", "index_head_dim holds the rope part")
 
 
 class IndexedLatentCache(LatentCache):
@@ -4087,8 +3969,10 @@ class LightningIndexer(nn.Module):
 
     def __init__(self, d_model, q_lora_rank, qk_rope_dim, index_n_heads=64, index_head_dim=128, index_topk=2048):
         super().__init__()
-        check(*DSA_RULES, "even qk_rope_dim", q_lora_rank=q_lora_rank, index_head_dim=index_head_dim,
-              qk_rope_dim=qk_rope_dim, d_model=d_model, index_n_heads=index_n_heads, index_topk=index_topk)
+        if q_lora_rank is None:
+            raise ValueError("q_lora_rank must be given: the lightning indexer's queries start from MLA's query latent")
+        if index_topk < 1:  # a query that keeps no token would read every token, later ones too
+            raise ValueError(f"index_topk must be at least 1, got {index_topk}")
         self.n_heads, self.head_dim, self.rope, self.topk = index_n_heads, index_head_dim, qk_rope_dim, index_topk
         self.w_uq = nn.Linear(q_lora_rank, index_n_heads * index_head_dim, bias=False)  # from MLA's query latent
         self.w_k = nn.Linear(d_model, index_head_dim, bias=False)         # one key a token, for all Hi heads
@@ -4112,9 +3996,9 @@ class LightningIndexer(nn.Module):
         w = self.w_heads(x) / math.sqrt(self.n_heads)                      # [B, Tn, Hi]
         return torch.einsum("bhts,bth->bts", relu, w)                      # [B, Tn, t]
 
-    # No gradient: top-k is a choice, not a function of the weights that autograd could follow (the
-    # main loss gives the indexer nothing anyway); DeepSeek trains it apart, toward the dense
-    # attention's distribution by a KL loss, so here it runs as an inference-only scorer.
+    # No gradient: top-k is a choice, not a function of the weights that autograd could follow, and the
+    # main loss gives the indexer nothing anyway. DeepSeek trains it apart, towards the dense attention's
+    # distribution by a KL loss, so here it runs as an inference-only scorer.
     @torch.no_grad()
     def forward(self, x, q_latent, cos, sin, mask=None, cache=None):
         """As scores(); mask [1, 1, Tn, t] or None -> [B, 1, Tn, t], True at the tokens each query keeps."""
@@ -4137,7 +4021,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
 
     def forward(self, x, cos, sin, mask=None, cache=None, absorb=None):
         """As MLA's, reading only the tokens the indexer keeps. The query latent is computed again for
-        the indexer (one [D, q rank] product more) so that section 30's forward stays as it is."""
+        the indexer (one [D, q rank] product more), so that section 30's forward stays as it is."""
         keep = self.indexer(x, self.q_norm(self.w_dq(x)), cos, sin, mask, cache)  # [B, 1, Tn, t]
         return super().forward(x, cos, sin, keep, cache, absorb)          # [B, Tn, D]
 
@@ -4150,8 +4034,6 @@ class DeepSeekV32(DeepSeekV3):
     def __init__(self, vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim,
                  d_ff, expert_d_ff, n_experts, top_k, q_lora_rank, index_n_heads=64, index_head_dim=128,
                  index_topk=2048, **deepseek):
-        check(*DSA_RULES, q_lora_rank=q_lora_rank, index_head_dim=index_head_dim, qk_rope_dim=qk_rope_dim,
-              index_n_heads=index_n_heads, index_topk=index_topk)
         self.index = dict(index_n_heads=index_n_heads, index_head_dim=index_head_dim, index_topk=index_topk)
         super().__init__(vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim,
                          d_ff, expert_d_ff, n_experts, top_k, q_lora_rank, **deepseek)
@@ -4164,71 +4046,46 @@ class DeepSeekV32(DeepSeekV3):
 def deepseek_v32_param_formula(index_n_heads=64, index_head_dim=128, index_topk=2048, **deepseek):
     """Closed form of count_parameters(DeepSeekV32(...)), its keywords: deepseek_param_formula's (active
     too) and every layer's indexer, w_uq, w_k, k_norm (weight and bias), w_heads, which every token runs."""
-    check(*DSA_RULES, q_lora_rank=deepseek.get("q_lora_rank"), index_head_dim=index_head_dim,
-          qk_rope_dim=deepseek.get("qk_rope_dim"), index_n_heads=index_n_heads, index_topk=index_topk)
     D, di, Hi = deepseek["d_model"], index_head_dim, index_n_heads
     indexer = deepseek["q_lora_rank"] * Hi * di + D * di + 2 * di + D * Hi
     return deepseek_param_formula(**deepseek) + deepseek["n_layers"] * indexer
 
-# DeepSeek-V3.2 at DeepSeek-V3's sizes (section 33) and the indexer's (64 heads of 128, top 2048):
-# 671,877,929,216 parameters, V3's 671.03B and 61 x 13,959,424 = 0.85B of indexers (the count of
-# transformers' DeepseekV32ForCausalLM on the meta device); 38.40B active.
+# DeepSeek-V3.2 at DeepSeek-V3's sizes (section 33) and the indexer's (64 heads of 128, top 2048) has
+# 671,877,929,216 parameters: V3's 671.03B and 61 x 13,959,424 = 0.85B of indexers (the count of
+# transformers' DeepseekV32ForCausalLM on the meta device). 38.40B of them are active.
 
 
 # What a token costs. Decoding one token over t cached tokens, absorbed MLA (section 30) does, per
-# head, q . [c | k_rope] (r + rope) and the sum over c (r) for every token: 2 H (2 r + rope) t FLOPs
-# a layer. DSA does that for min(t, topk) tokens, plus the indexer: 2 Hi (di + 1) t for ReLU(q . k)
-# and the weighted sum over every token, and its projections, 2 x its parameters, once a token.
+# head, q . [c | k_rope] (r + rope) and the sum over c (r) for every token: 2 H (2 r + rope) t FLOPs a
+# layer. DSA does that for min(t, topk) tokens. The indexer adds 2 Hi (di + 1) t for ReLU(q . k) and
+# the weighted sum over every token, and its projections, 2 x its parameters, once a token.
 def sparse_attention_flops(context, n_heads=128, kv_lora_rank=512, qk_rope_dim=64, d_model=7168, q_lora_rank=1536,
                            index_n_heads=64, index_head_dim=128, index_topk=2048):
     """FLOPs of one layer for a token reading context tokens, (dense latent attention, sparse): what
     grows with the context, and the indexer's projections; the defaults are DeepSeek-V3.2's configuration."""
-    check(context=context, n_heads=n_heads, kv_lora_rank=kv_lora_rank, qk_rope_dim=qk_rope_dim, d_model=d_model,
-          q_lora_rank=q_lora_rank, index_n_heads=index_n_heads, index_head_dim=index_head_dim, index_topk=index_topk)
     per_token = 2 * n_heads * (2 * kv_lora_rank + qk_rope_dim)            # every head, one key and one value
     Hi, di = index_n_heads, index_head_dim
     projections = 2 * (q_lora_rank * Hi * di + d_model * di + d_model * Hi)
     return per_token * context, per_token * min(context, index_topk) + 2 * Hi * (di + 1) * context + projections
 
-# At V3.2's sizes, a layer: at 4K tokens 1.14 GFLOPs dense, 0.67 sparse (58%: 2048 of 4096 tokens
-# read, the indexer 0.10); at 128K 36.5 GFLOPs dense, 2.76 sparse (7.6%), of which the indexer
-# 2.19: past about 35K tokens scoring costs more than attending (its slope is 16,512 FLOPs a token,
-# dense attention's 278,528); DeepSeek keeps it cheap with few heads and FP8. The cache gains
-# di = 128 values a token a layer (576 + 128: 85,888 bytes a token in bf16 over 61 layers).
+# At V3.2's sizes, a layer costs 1.14 GFLOPs dense and 0.67 sparse at 4K tokens (58%: 2048 of 4096
+# tokens read, the indexer 0.10). At 128K it costs 36.5 GFLOPs dense and 2.76 sparse (7.6%), of which
+# the indexer takes 2.19. Past about 35K tokens, scoring costs more than attending: its slope is 16,512
+# FLOPs a token, dense attention's 278,528. DeepSeek keeps it cheap with few heads and FP8. The cache
+# gains di = 128 values a token a layer (576 + 128: 85,888 bytes a token in bf16 over 61 layers).
 #
-# Training. Under no_grad the indexer's forward costs FLOPs and its backward none: a weight costs
-# 2 FLOPs a token (a multiply, an add), not the 6 of a trained one (the backward's 4: gradients of
-# input and weight), and its scores 2 T^2 Hi (di + 1) a layer for a sequence of T, once, not three
-# times. Masked as here, the main attention still computes all T^2 scores; a sparse kernel
+# Training. Under no_grad the indexer's forward costs FLOPs and its backward none. A weight costs 2
+# FLOPs a token (a multiply, an add), not the 6 of a trained one (the backward's 4 compute the
+# gradients of input and weight). Its scores cost 2 T^2 Hi (di + 1) a layer for a sequence of T, once,
+# not three times. Masked as here, the main attention still computes all T^2 scores; a sparse kernel
 # computes T x topk of them. The KL loss DeepSeek trains the indexer with adds its backward back.
 def indexer_flops(config, batch_size, seq_len):
     """FLOPs of every layer's indexer in a forward of [batch_size, seq_len] (config: a DeepSeekV32's),
     with the query latent computed again for it; the same in training: it has no backward."""
-    check(config=config, batch_size=batch_size, seq_len=seq_len)
-    config = Keys(config)
     L, D, qr = config["n_layers"], config["d_model"], config["q_lora_rank"]
     Hi, di = config["index_n_heads"], config["index_head_dim"]
     projections = qr * Hi * di + D * di + D * Hi + D * qr                  # + w_dq again (SparseLatentAttention)
     return 2 * L * batch_size * seq_len * (projections + seq_len * Hi * (di + 1))
-
-
-# Section 26's tables, for transformers' DeepSeek-V3.2: the indexer's projections under the
-# names above; everything else is DeepSeek-V3's
-HF_NAMES.extend([(r"\.indexer\.wq_b\.", ".indexer.w_uq."), (r"\.indexer\.wk\.", ".indexer.w_k."),
-                 (r"\.indexer\.weights_proj\.", ".indexer.w_heads.")])
-
-
-def hf_deepseek_v32(config):
-    """DeepSeekV32's keywords from a DeepseekV32Config: DeepSeek-V3's, its dense then sparse MLP layers
-    as first_k_dense_replace says, and the indexer's sizes."""
-    keywords = hf_deepseek_v3(config)
-    n, dense = keywords["n_layers"], keywords["n_dense_layers"]
-    hf_refuse(config, mlp_layer_types=["dense"] * dense + ["sparse"] * (n - dense))
-    return dict(keywords, index_n_heads=hf_field(config, "index_n_heads", 64),
-                index_head_dim=hf_field(config, "index_head_dim", 128), index_topk=hf_field(config, "index_topk", 2048))
-
-
-HF_FAMILIES["deepseek_v32"] = (DeepSeekV32, hf_deepseek_v32)
 
 # Each query keeps at most index_topk = 3 earlier tokens; the cache changes the speed, not the
 # tokens; with a topk past the length the model is DeepSeek-V3 with the same weights.
@@ -5990,6 +5847,115 @@ HF_FAMILIES["mistral"] = (Mistral, hf_mistral)
 
 
 # >>> ANCHOR P6B: sections 38-40's plumbing goes directly below this line (keep this line)
+# Sections 38-40's tables, for transformers' gpt-oss, Qwen3-Next and DeepSeek-V3.2 (section 26 reads them).
+
+# gpt-oss: its names are Llama's and Mixtral's, and the sinks keep theirs. Its experts are fused the other
+# way round from Mixtral's, so they are unfused first, before hf_unfuse_experts would cut them in two
+# halves. The router's bias is the router Linear's own (router.bias); hf_unfuse_experts gives router_bias
+# its zeros.
+
+GPT_OSS_EXPERT_PARTS = {  # transformers' fused tensor -> [(this file's name, one expert's slice -> that tensor)]
+    # gate_up_proj [E, D, 2 Dff] multiplies from the right (x @ W: nn.Linear's weight transposed),
+    # gate in the even columns, up in the odd ones (OpenAI's layout); its bias [E, 2 Dff] the same
+    "gate_up_proj": [("w1.weight", lambda w: w[:, ::2].T), ("w3.weight", lambda w: w[:, 1::2].T)],  # [Dff, D]
+    "gate_up_proj_bias": [("w1.bias", lambda b: b[::2]), ("w3.bias", lambda b: b[1::2])],         # [Dff]
+    "down_proj": [("w2.weight", lambda w: w.T)],                                                   # [D, Dff]
+    "down_proj_bias": [("w2.bias", lambda b: b)]}                                                  # [D]
+
+
+def hf_unfuse_gpt_oss_experts(state):
+    """A layer's experts whose gate_up_proj has a bias (gpt-oss's; Mixtral's have none) -> one
+    ClampedSwiGLU's w1, w3, w2 each; every other tensor as it was."""
+    out = {}
+    for name, w in state.items():
+        base, _, kind = name.rpartition(".")
+        if kind not in GPT_OSS_EXPERT_PARTS or f"{base}.gate_up_proj_bias" not in state:
+            out[name] = w
+            continue
+        for e, one in enumerate(w):                                        # one expert's slice
+            out.update({f"{base}.{e}.{ours}": part(one) for ours, part in GPT_OSS_EXPERT_PARTS[kind]})
+    return out
+
+
+def hf_gpt_oss(config):
+    """GptOss's keywords from a GptOssConfig's fields: its rope_parameters plain RoPE or yarn with
+    unrounded ends (truncate false); other alphas, partial rotary or yarn's own factors refused."""
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "yarn"):
+        raise ValueError(f"config's rope_type is {kind!r}: this file's gpt_oss has 'default' or 'yarn'")
+    # transformers rounds when truncate is missing: its default is True
+    hf_refuse(dict(rope, model_type="gpt_oss", truncate=rope.get("truncate", True) if kind == "yarn" else None),
+              truncate=False, attention_factor=None, mscale=None, mscale_all_dim=None, partial_rotary_factor=1.0)
+    hf_refuse(config, swiglu_alpha=1.702)
+    scaling = None if kind == "default" else dict(
+        type="yarn", factor=float(hf_field(rope, "factor")),
+        original_max_len=hf_field(rope, "original_max_position_embeddings"),
+        beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1))
+    n_heads, max_len = hf_field(config, "num_attention_heads"), hf_field(config, "max_position_embeddings", 131072)
+    return dict(vocab_size=hf_field(config, "vocab_size"), d_model=hf_field(config, "hidden_size"),
+                n_layers=hf_field(config, "num_hidden_layers"), n_heads=n_heads,
+                n_kv_heads=hf_field(config, "num_key_value_heads", n_heads), d_ff=hf_field(config, "intermediate_size"),
+                max_len=max_len, rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 150000.0))),
+                norm_eps=float(hf_field(config, "rms_norm_eps", 1e-5)),
+                tie_weights=hf_field(config, "tie_word_embeddings", False),
+                qkv_bias=hf_field(config, "attention_bias", True), n_experts=hf_field(config, "num_local_experts"),
+                top_k=hf_field(config, "num_experts_per_tok"), head_dim=hf_field(config, "head_dim", None),
+                window=hf_field(config, "sliding_window", max_len), layer_types=config.get("layer_types"),
+                swiglu_limit=float(hf_field(config, "swiglu_limit", 7.0)), rope_scaling=scaling)
+
+
+HF_CONVERSIONS.insert(0, hf_unfuse_gpt_oss_experts)                        # before hf_unfuse_experts
+HF_FAMILIES["gpt_oss"] = (GptOss, hf_gpt_oss)
+
+
+# Qwen3-Next: linear_attn is the block's attn here, and the shared expert's gate moves inside it.
+
+HF_NAMES.extend([(r"\.linear_attn\.", ".attn."), (r"\.shared_expert\.", ".shared."),
+                 (r"\.shared_expert_gate\.", ".shared.gate.")])
+
+
+def hf_qwen3_next(config):
+    """Qwen3Next's keywords from a Qwen3NextConfig: Qwen3's, its layer_types (a 4.x config.json: every
+    full_attention_interval-th layer attention), partial_rotary_factor, the DeltaNet's and the MoE's sizes.
+    Dense blocks (decoder_sparse_step, mlp_only_layers) are refused."""
+    hf_refuse(config, decoder_sparse_step=1, mlp_only_layers=[])
+    keywords = hf_qwen3(config)
+    del keywords["d_ff"], keywords["qkv_bias"]                             # every block is a MoE; no biases
+    rope = config.get("rope_parameters") or {}
+    rotary = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))  # 5.x, or 4.x's place
+    types = hf_field(config, "layer_types", qwen3_next_layer_types(keywords["n_layers"], hf_field(
+        config, "full_attention_interval", 4)))
+    return dict(keywords, partial_rotary=float(rotary), layer_types=types,
+                linear_k_heads=hf_field(config, "linear_num_key_heads"),
+                linear_v_heads=hf_field(config, "linear_num_value_heads"),
+                linear_k_dim=hf_field(config, "linear_key_head_dim"),
+                linear_v_dim=hf_field(config, "linear_value_head_dim"),
+                conv_size=hf_field(config, "linear_conv_kernel_dim"), n_experts=hf_field(config, "num_experts"),
+                top_k=hf_field(config, "num_experts_per_tok"), expert_d_ff=hf_field(config, "moe_intermediate_size"),
+                shared_d_ff=hf_field(config, "shared_expert_intermediate_size"),
+                norm_topk=hf_field(config, "norm_topk_prob", True))
+
+
+HF_FAMILIES["qwen3_next"] = (Qwen3Next, hf_qwen3_next)
+
+
+# DeepSeek-V3.2: the indexer's projections get LightningIndexer's names; everything else is DeepSeek-V3's.
+HF_NAMES.extend([(r"\.indexer\.wq_b\.", ".indexer.w_uq."), (r"\.indexer\.wk\.", ".indexer.w_k."),
+                 (r"\.indexer\.weights_proj\.", ".indexer.w_heads.")])
+
+
+def hf_deepseek_v32(config):
+    """DeepSeekV32's keywords from a DeepseekV32Config: DeepSeek-V3's, its dense then sparse MLP layers
+    as first_k_dense_replace says, and the indexer's sizes."""
+    keywords = hf_deepseek_v3(config)
+    n, dense = keywords["n_layers"], keywords["n_dense_layers"]
+    hf_refuse(config, mlp_layer_types=["dense"] * dense + ["sparse"] * (n - dense))
+    return dict(keywords, index_n_heads=hf_field(config, "index_n_heads", 64),
+                index_head_dim=hf_field(config, "index_head_dim", 128), index_topk=hf_field(config, "index_topk", 2048))
+
+
+HF_FAMILIES["deepseek_v32"] = (DeepSeekV32, hf_deepseek_v32)
 
 
 
@@ -6147,6 +6113,13 @@ def train_mtp(model, pairs, vocab, epochs=2, batch_size=32, seed=0):
 
 
 # >>> ANCHOR R6: Part VI's runs and registries go directly below this line (keep this line)
+# On the toy task (section 16), by the Llama's recipe: a DeltaNet layer, then an attention
+# layer (the toy's sentences are short; one of each is the smallest hybrid), 4 experts, 2 a token.
+TOY_MODELS["qwen3_next"] = dict(
+    name="Qwen3-Next-style", model=Qwen3Next, epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
+    config=dict(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, layer_types=["linear_attention",
+                "full_attention"], partial_rotary=0.5, linear_k_heads=2, linear_v_heads=4, linear_k_dim=16,
+                linear_v_dim=16, n_experts=4, top_k=2, expert_d_ff=32, shared_d_ff=32))
 
 # Section 34's fused kernels, for --bench: a model's attention and LayerNorms rebuilt on PyTorch's kernels, holding
 # the same Linear modules and Parameters (an optimizer keeps training them).
