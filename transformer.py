@@ -5270,14 +5270,15 @@ class LoRALinear(nn.Module):
 
     def __init__(self, base, r, alpha, dropout=0.0):
         super().__init__()
-        # alpha / r is the paper's scaling, so that a change of r needs less retuning
-        self.base, self.scaling, self.merged = base.requires_grad_(False), alpha / r, False
+        # alpha / r is the paper's scaling, so that a change of r needs less retuning; base is frozen last, so that
+        # a bad argument leaves it as it was
+        self.scaling, self.merged, self.dropout = alpha / r, False, nn.Dropout(dropout)
         self.lora_A = nn.Parameter(base.weight.new_empty(r, base.in_features))   # [r, in]
         self.lora_B = nn.Parameter(base.weight.new_zeros(base.out_features, r))  # [out, r]
         # A is drawn as nn.Linear draws a weight, uniform in +-1/sqrt(in) (as peft and Microsoft's loralib do; the
         # paper says Gaussian). B is zero, so B A = 0 and training starts from the base model.
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        self.dropout = nn.Dropout(dropout)
+        self.base = base.requires_grad_(False)
 
     def forward(self, x):
         if self.merged:
@@ -5515,6 +5516,8 @@ class MTPDraft(nn.Module):
 
     def __init__(self, target, mtp):
         super().__init__()
+        if not isinstance(mtp, MultiTokenPrediction):
+            raise ValueError(f"mtp must be a MultiTokenPrediction, got {mtp!r}")
         if mtp.d_model != target.d_model:
             raise ValueError(f"mtp must be an MTP module of the target's width {target.d_model}, got {mtp.d_model}")
         self.target, self.mtp, self.read = target, mtp, {}
