@@ -9087,11 +9087,8 @@ def test_bad_input_raises_a_value_error_naming_the_argument_and_the_value():
     cases = [  # speculative_generate's own checks, then what the models or torch refuse (any error, never an answer)
         (dict(input_ids=ids.repeat(2, 1)), ValueError, r"takes one sequence \[1, T\] .* got input_ids \[2, 3\]"),
         (dict(temperature=-1.0), ValueError, r"temperature >= 0, .* and temperature -1\.0"),
-        (dict(draft=other), (ValueError, RuntimeError, IndexError), ""),  # its laws are over another vocabulary
-        (dict(max_new_tokens=22), (ValueError, RuntimeError, IndexError), ""),  # past the target's max_len
-        (dict(draft=tf.Llama(vocab_size=SPEC_V, d_model=8, n_layers=1, n_heads=1, max_len=10), max_new_tokens=8),
-         (ValueError, RuntimeError, IndexError), ""),                      # past the draft's max_len
-        (dict(input_ids=torch.tensor([[1, SPEC_V]])), (ValueError, RuntimeError, IndexError), ""),
+        (dict(draft=other), RuntimeError, "must match the size"),         # its laws are over another vocabulary
+        (dict(input_ids=torch.tensor([[1, SPEC_V]])), (ValueError, IndexError), None),  # the models refuse the id
     ]
     for change, error, message in cases:
         arguments = dict(target=target, draft=draft, input_ids=ids, max_new_tokens=4, k=2)

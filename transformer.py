@@ -4776,10 +4776,9 @@ HF_FAMILIES["deepseek_v32"] = (DeepSeekV32, hf_deepseek_v32)
 # ===========================================================================
 # Part VII: training, by hand (第七部分：手写训练)
 # ===========================================================================
-# Training a Transformer takes more than the model. This part writes out each piece and proves it equal to the library
-# it replaces: the optimizer, the schedule, clipping and accumulation. It then counts what training costs, in FLOPs and
-# in memory, by formula and measured. It ends with mixed precision, and with LoRA, which trains a few parameters
-# instead of all of them.
+# Training takes more than the model. This part writes out the optimizer, the schedule, clipping and accumulation, each
+# proven equal to the library it replaces. It counts what training costs in FLOPs and memory, by formula and measured,
+# and ends with mixed precision and LoRA, which trains a few parameters instead of all of them.
 
 # ===========================================================================
 # 41. AdamW, written out (AdamW 优化器)
@@ -4844,11 +4843,10 @@ class AdamW(torch.optim.Optimizer):
 
 
 def decay_groups(model, weight_decay):
-    """AdamW's two groups, by nanoGPT's rule. The trained parameters of 2 or more dims (the weights of nn.Linear and
-    nn.Embedding) get weight_decay, which keeps their size in check. The 1-dim ones get 0: a bias is a shift, and a
-    norm's weight is a gain whose neutral value is 1 (decayed, it would shrink the block's input, and the next matrix
-    would have to grow to undo it). A tied weight comes once. Buffers (positions, MoE's router_bias) are not
-    parameters, so no optimizer sees them."""
+    """AdamW's two groups, by nanoGPT's rule. Matrices (nn.Linear and nn.Embedding weights) get weight_decay, which
+    keeps their size in check. Vectors get 0: a bias is a shift, and a norm's weight is a gain whose neutral value is
+    1 (decayed, it shrinks the block's input, and the next matrix must grow to undo it). A tied weight comes once;
+    buffers (positions, MoE's router_bias) are no parameters, and no optimizer sees them."""
     params = [p for p in model.parameters() if p.requires_grad]  # frozen ones have nothing to update
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -4958,7 +4956,7 @@ def accumulate_gradients(model, micro_batches, ignore_index=-100):
         if not ok or (vocab and len(real) and not 0 <= real.min() <= real.max() < vocab):
             raise ValueError(f"micro_batches[{i}]: targets must be integer ids [B, T] shaped as the last input, each"
                              f" an id of the vocabulary ({vocab}) or ignore_index ({ignore_index})")
-    real = sum(int((batch[-1] != ignore_index).sum()) for batch in micro_batches)  # an int: all the real tokens
+    real = sum(int((batch[-1] != ignore_index).sum()) for batch in micro_batches)  # [] an int: the real tokens
     if real == 0:
         raise ValueError(f"micro_batches must hold a real token, got every target = ignore_index ({ignore_index})")
     total = 0.0
@@ -4981,20 +4979,6 @@ def accumulate_gradients(model, micro_batches, ignore_index=-100):
 #   >>> abs(loss - big.item()) < 1e-6
 #   True
 
-
-def adamw_update(model, lr, warmup_steps, total_steps, weight_decay=0.01, max_norm=1.0):
-    """Section 13's update step, written out with this part's pieces (the LoRA run trains with it). After each
-    backward, update() clips to max_norm and steps AdamW on decay_groups(model) at lr * warmup_cosine(step, ...)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = AdamW(decay_groups(model, weight_decay), lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, warmup_steps, total_steps))
-
-    def update():
-        clip_grad_norm(params, max_norm)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-    return update
 
 
 # ===========================================================================
@@ -5064,10 +5048,6 @@ def training_flops(model, batch_size, seq_len):
 # expert) pairs whichever experts the router chose. The "6N" a token that papers quote (Kaplan et al., 2020; N without
 # embeddings, a MoE's active parameters) is 6 W + 6 T A here. W is N less the table (unless it is tied), the norms and
 # the biases. 6 T A is PaLM's 12 L H Q T (Q the head width), and it adds 29% for Llama-3-8B at 8K.
-TRAINING_BUDGETS = [  # (model, tokens, GPU hours, GPU, peak FLOP/s of one GPU, dense bf16, sequence length)
-    ("Llama-2-7B", 2.0e12, 184_320, "A100-80GB", 312e12, 4096),  # Llama 2 paper, Tables 1, 2; A100 datasheet
-    ("Llama-3-8B", 15e12, 1.3e6, "H100-80GB", 989.4e12, 8192),   # Llama 3 model card; Hopper whitepaper, SXM
-    ("DeepSeek-V3", 14.8e12, 2.664e6, "H800", 989.4e12, 4096)]   # V3 report, Table 1; H100's peak; FP8: twice
 
 
 def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
@@ -5084,12 +5064,11 @@ def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
 # ===========================================================================
 # 45. Mixed precision and loss scaling (混合精度与损失缩放)
 # ===========================================================================
-# Mixed precision (Micikevicius et al., 2018) runs the products in 16 bits and keeps the weights, the updates and the
-# sums in float32. float16 has 5 exponent bits and 11 significant ones: its largest number is 65504, and it is normal
-# down to 2^-14 and subnormal down to 2^-24. bfloat16 has float32's 8 exponent bits and 8 significant ones, so 1 + 0.001
-# is 1 in it. CPU autocast to bf16 runs linear, matmul, bmm and scaled_dot_product_attention in bf16 and the losses in
-# float32 (CUDA's autocast also runs softmax and layer_norm in float32). Everything else runs in its inputs' dtype, and
-# float32 with bf16 gives float32.
+# Mixed precision (Micikevicius et al., 2018) runs the products in 16 bits and keeps weights, updates and sums in
+# float32. float16 has 5 exponent bits and 11 significant ones: its largest number is 65504, normal down to 2^-14 and
+# subnormal down to 2^-24. bfloat16 has float32's 8 exponent bits and 8 significant ones, so 1 + 0.001 is 1 in it. CPU
+# autocast to bf16 runs linear, matmul, bmm and scaled_dot_product_attention in bf16 and the losses in float32 (CUDA's
+# also softmax and layer_norm); the rest runs in its inputs' dtype, and float32 with bf16 gives float32.
 
 ARGUMENTS.update(init_scale=(float, 2.0 ** -126, torch.finfo(torch.float32).max), growth_factor=(float, 1.0, math.inf),
                  backoff_factor=(float, 0.0, 1.0), growth_interval=(int, 1, MAX_SIZE))  # 2^-126: float32's least normal
@@ -5356,30 +5335,28 @@ def merge_lora(model, merge=True):
 # ===========================================================================
 # Part VIII: after pretraining (第八部分：预训练之后)
 # ===========================================================================
-# Once a model is trained, it can answer faster without changing the answer (speculative decoding). It can score whole
-# sequences, and it can be trained on preferences (DPO) and on a reward that a program checks (GRPO). The tools after
-# the article run each of them on the toy task of Part II.
+# A trained model can answer faster without changing its answer (speculative decoding), score whole sequences, and
+# learn from preferences (DPO) and from a reward that a program checks (GRPO). The demo runs each on Part II's task.
 
 # ===========================================================================
 # 48. Speculative decoding (投机解码)
 # ===========================================================================
-# Decoding one sequence a token at a time reads all of the target model's weights for each token. While that reading
-# dominates, scoring k + 1 tokens in one forward costs about what scoring one does. So a small draft model proposes k
-# tokens one at a time, the target scores all k + 1 positions in one forward, and the longest prefix it agrees with is
-# kept, plus one token of its own (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative
-# Decoding"; Chen et al., 2023, "Accelerating Large Language Model Decoding with Speculative Sampling").
-# A drafted token x, drawn from the draft's law q, is kept with chance min(1, p(x) / q(x)), where p is the target's law.
-# At the first rejection, a token is drawn from max(0, p - q), normalized. What comes out then follows p exactly. A
-# token y comes out kept with chance q(y) min(1, p(y) / q(y)) = min(p(y), q(y)). A rejection has chance
-# 1 - sum(min(p, q)) = sum(max(0, p - q)), the residual's own total, so the redraw adds max(0, p - q)(y), and
-# min + max(0, p - q) = p. Redrawing from p itself would give min(p, q) + (1 - sum(min(p, q))) p, too much of the tokens
-# the draft likes. p and q are next_token_probs (section 9), after temperature, top_k and top_p. At temperature 0 they
-# are one-hot, so x is kept exactly when it is the target's argmax, and the tokens are greedy decoding's.
-# The pitfall is the caches. After a rejection, both caches still hold the rejected tokens' keys, and crop_cache cuts
-# them off. A rolling cache (section 35) cannot take back tokens it has let go, so here it holds k tokens more than its
-# window: cut by at most k, it keeps the whole window that the next query reads. A recurrent memory (Gated DeltaNet,
-# section 39) cannot be cut back at all. So speculation_cache asks each fresh cache for a cut to 0, and such a model is
-# refused before anything runs (transformers refuses assisted decoding for its stateful models too).
+# Decoding one sequence reads all of the target model's weights for each token. While that reading dominates, scoring
+# k + 1 tokens in one forward costs about what scoring one does. So a small draft proposes k tokens one at a time, the
+# target scores all k + 1 positions in one forward, and the longest prefix it agrees with is kept, plus one token of its
+# own (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al., 2023,
+# "Accelerating Large Language Model Decoding with Speculative Sampling").
+# A drafted x, drawn from the draft's law q, is kept with chance min(1, p(x) / q(x)), p the target's law; at the first
+# rejection a token is drawn from max(0, p - q), normalized. The output then follows p exactly: y comes out kept with
+# chance q(y) min(1, p(y) / q(y)) = min(p(y), q(y)); a rejection has chance 1 - sum(min(p, q)) = sum(max(0, p - q)),
+# the residual's own total, so the redraw adds max(0, p - q)(y), and min + max(0, p - q) = p. A redraw from p itself
+# would give min(p, q) + (1 - sum(min(p, q))) p, too much of the tokens the draft likes. p and q are next_token_probs
+# (section 9), after temperature, top_k and top_p; at temperature 0 they are one-hot, and the tokens are greedy's.
+# The pitfall is the caches: after a rejection both still hold the rejected tokens' keys, and crop_cache cuts them off.
+# A rolling cache (section 35) cannot take back tokens it has let go, so here it holds k tokens more than its window.
+# A recurrent memory (Gated DeltaNet, section 39) cannot be cut back at all, so speculation_cache asks each fresh cache
+# for a cut to 0, and such a model is refused before anything runs (transformers refuses assisted decoding for its
+# stateful models too).
 
 ARGUMENTS.update(k=(int, 1, MAX_SIZE), target=(type,), draft=(type,), draft_vocab_size=(int, 1, MAX_SIZE))
 RELATIONS.update({
@@ -5394,7 +5371,7 @@ RELATIONS.update({
 
 
 def crop_cache(cache, length):
-    """Every layer's cache cut to `length` tokens: by its own crop, or each tensor's dim -2 ([B, H, t, dk], [B, t, r])."""
+    """Every layer's cache cut to `length` tokens: its own crop, or each tensor's dim -2 ([B, H, t, dk], [B, t, r])."""
     for c in cache:
         if hasattr(c, "crop"):
             c.crop(length)
@@ -5480,14 +5457,14 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 
 
 # Multi-token prediction (section 32) can be the draft. Its module reads the target's last hidden state, so MTPDraft
-# wraps it in the draft's interface, and speculative_generate stays as it is. Each call reads the states that the
-# target's latest forward left, those of the tokens it kept, and runs the module on the tokens it has not seen yet.
-# The first round has nothing to read, so it proposes from a uniform law; that guess is almost always rejected, and
-# the round writes the target's own token, as transformers' MTP drafting does. A second drafted token in a round has
-# no target state before it yet, so the module's own state stands in (vLLM runs one module again for more drafted
-# tokens the same way, and warns that fewer are kept; DeepSeek-V3's report drafts one token and keeps 85-90% of them,
-# for 1.8 times the tokens per second). There the module is one block of 62. On the toy it is one of 3, and of the
-# costliest kind (MLA and the 8-expert MoE cost about a whole target forward), so it saves target forwards, not time.
+# wraps it in the draft's interface. Each call reads the states the target's latest forward left for the tokens it
+# kept, and runs the module on the tokens it has not seen. The first round has nothing to read, so it proposes from a
+# uniform law; the guess is almost always rejected and the round writes the target's own token, as in transformers'
+# MTP drafting. A second drafted token of a round has no target state before it, so the module's own state stands in
+# (vLLM does the same and warns that fewer are kept; DeepSeek-V3's report drafts one token, keeps 85-90% of them, and
+# gets 1.8 times the tokens per second). There the module is one block of 62. On the toy it is one of 3 and of the
+# costliest kind (MLA and the 8-expert MoE cost about a whole target forward), so it saves target forwards, not time
+# (the --after run measures both).
 
 ARGUMENTS.update(mtp=(MultiTokenPrediction,))
 RELATIONS["its model's width"] = (("mtp", "d_model"), lambda mtp, d: mtp.d_model == d,
@@ -5570,11 +5547,10 @@ class MTPDraft(nn.Module):
 # ===========================================================================
 # 49. Sequence log-probabilities (序列对数概率)
 # ===========================================================================
-# Pretraining and section 13 raise the probability of given text. What comes after compares answers: DPO (section 50)
-# weighs two answers to one prompt, and GRPO (section 51) weighs several. Both need log p(answer | prompt), the sum of
-# the log-probabilities of the answer's tokens from one teacher-forced pass (GRPO needs them token by token). The logits
-# at t predict token t + 1, so they are shifted by one, and only the answer's tokens count, not the prompt's or the
-# padding's.
+# Pretraining raises the probability of given text; what comes after compares answers. DPO (section 50) weighs two
+# answers to one prompt and GRPO (section 51) several. Both need log p(answer | prompt), the sum of the answer tokens'
+# log-probabilities from one teacher-forced pass (GRPO takes them token by token). The logits at t predict token t + 1,
+# so they are shifted by one, and only the answer's tokens count, not the prompt's or the padding's.
 
 def token_logprobs(model, input_ids):
     """input_ids [B, T] -> [B, T-1], entry t log p(input_ids[:, t+1] | input_ids[:, :t+1]), any decoder-only model."""
@@ -5607,11 +5583,10 @@ def sequence_logprobs(model, input_ids, response_mask):
 # 50. DPO (直接偏好优化)
 # ===========================================================================
 # RLHF fits a reward model to pairs of answers (one chosen, one rejected), then trains the model against it while a KL
-# penalty holds it near a reference. DPO (Rafailov et al., 2023, "Direct Preference Optimization") solves that
-# KL-penalized problem in closed form. The model that solves it has the reward beta * log(pi / pi_ref), plus a term of
-# the prompt alone, which cancels between two answers to one prompt. So the pairs train the model directly, by a
-# logistic loss on the chosen answer's reward minus the rejected one's. DPO needs no reward model and no sampling
-# during training, only four sequence log-probabilities (section 49) a pair.
+# penalty holds it near a reference. DPO (Rafailov et al., 2023, "Direct Preference Optimization") solves that problem
+# in closed form: its solution has the reward beta * log(pi / pi_ref) plus a term of the prompt alone, which cancels
+# between two answers to one prompt. So the pairs train the model directly, by a logistic loss on the chosen answer's
+# reward minus the rejected one's: no reward model, no sampling, four sequence log-probabilities (section 49) a pair.
 
 ARGUMENTS.update(beta=(float, 0.0, FINITE))
 RELATIONS["beta > 0"] = (("beta",), lambda b: b > 0, "beta must be > 0 (at 0 every pair has the same loss)")
@@ -5631,11 +5606,10 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1)
     loss = -F.logsigmoid(chosen - rejected).mean()                         # []
     return loss, chosen.detach(), rejected.detach()                        # [], [B], [B]
 
-# The paper's section 4 writes the gradient: d loss / d policy_chosen = -beta * sigmoid(rejected - chosen) / B, and the
-# opposite for policy_rejected. Each pair weighs sigmoid of minus its margin of implicit rewards. The weight is near 1
-# while the chosen answer has gained less over the reference than the rejected one, and near 0 once it has gained
-# clearly more, so learned pairs stop pulling. beta = 0.1 is TRL's default; a larger beta holds the model nearer the
-# reference.
+# The gradient (the paper's section 4) is d loss / d policy_chosen = -beta * sigmoid(rejected - chosen) / B, and the
+# opposite for policy_rejected. A pair's weight is near 1 while the chosen answer has gained less over the reference
+# than the rejected one, and near 0 once it has gained clearly more, so learned pairs stop pulling. beta = 0.1 is TRL's
+# default; a larger beta holds the model nearer the reference.
 # Try it: a pair the policy already ranks right, and one it ranks wrong.
 #   >>> pi_c, pi_r = torch.tensor([-2.0, -9.0], requires_grad=True), torch.tensor([-6.0, -3.0])
 #   >>> ref_c, ref_r = torch.tensor([-5.0, -5.0]), torch.tensor([-5.0, -5.0])
@@ -5649,11 +5623,10 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1)
 # ===========================================================================
 # 51. GRPO (组相对策略优化)
 # ===========================================================================
-# Where an answer can be checked (a math result, a test suite, our toy's characters), the model can learn from its own
-# answers. It samples G of them for each prompt, scores each, and raises the probability of those better than their
-# group. GRPO (Shao et al., 2024, "DeepSeekMath"; the RL of DeepSeek-R1, 2025) is PPO with the group's mean reward as
-# the baseline (and its std as the scale) instead of a learned value model. It trains no critic, and it draws G
-# answers a prompt instead.
+# Where an answer can be checked (a math result, a test suite, the toy's characters), a model can learn from its own
+# answers: it samples G for each prompt, scores them, and raises the probability of those better than their group.
+# GRPO (Shao et al., 2024, "DeepSeekMath"; the RL of DeepSeek-R1, 2025) is PPO with the group's mean reward as the
+# baseline (and its std as the scale) instead of a learned value model: no critic to train, G answers a prompt.
 
 ARGUMENTS.update(group_size=(int, 2, MAX_SIZE), clip_eps=(float, 0.0, 1.0), kl_beta=(float, 0.0, FINITE))
 RELATIONS["sampled"] = (("temperature",), lambda t: t > 0, "temperature must be > 0: GRPO learns from answers"
@@ -5699,12 +5672,11 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
     return -per_answer.mean()                                              # []: to minimize
 
 # Two variants change the averaging, one line each. DAPO (Yu et al., 2025) takes one mean over all the batch's tokens,
-# per_token.sum() / mask.sum(), because a mean per answer weighs a long answer's tokens less, and its gibberish and
-# repetition go too little penalized. Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training") divides by one
-# constant, the generation budget, not by each answer's length, which penalizes long wrong answers less (so they grow
-# long). It also divides by no std in group_advantages, which weighs up questions whose rewards barely vary (too easy
-# or too hard). kl_beta = 0.04 and G = 64 are DeepSeekMath's (its section 4.2); it has no clip_eps, and 0.2 is PPO's
-# usual value.
+# per_token.sum() / mask.sum(): a mean per answer weighs a long answer's tokens less, so its gibberish and repetition go
+# too little penalized. Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training") divides by one constant, the
+# generation budget, not each answer's length (which penalizes long wrong answers less, so they grow long), and by no
+# std in group_advantages (which weighs up questions whose rewards barely vary). kl_beta = 0.04 and G = 64 are
+# DeepSeekMath's (its section 4.2); it has no clip_eps, and 0.2 is PPO's usual value.
 # Try it: two groups of 4 answers (the second all alike), then the on-policy gradient.
 #   >>> group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]]))
 #   tensor([[ 0.8659, -0.8659, -0.8659,  0.8659],
@@ -5776,6 +5748,27 @@ from unittest import mock
 # >>> ANCHOR R7: Part VII-VIII's runs go directly below this line (keep this line)
 # The runs of Parts VII and VIII on the toy task: mixed precision, LoRA against full fine-tuning, speculative
 # decoding with a small draft and with the MTP module, and DPO, GRPO and plain supervised steps from one start.
+
+
+def adamw_update(model, lr, warmup_steps, total_steps, weight_decay=0.01, max_norm=1.0):
+    """Section 13's update step, written out with Part VII's pieces: after each backward, update() clips to
+    max_norm and steps AdamW on decay_groups(model) at lr * warmup_cosine(step, ...)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = AdamW(decay_groups(model, weight_decay), lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, warmup_steps, total_steps))
+
+    def update():
+        clip_grad_norm(params, max_norm)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+    return update
+
+
+TRAINING_BUDGETS = [  # (model, tokens, GPU hours, GPU, peak FLOP/s of one GPU, dense bf16, sequence length)
+    ("Llama-2-7B", 2.0e12, 184_320, "A100-80GB", 312e12, 4096),  # Llama 2 paper, Tables 1, 2; A100 datasheet
+    ("Llama-3-8B", 15e12, 1.3e6, "H100-80GB", 989.4e12, 8192),   # Llama 3 model card; Hopper whitepaper, SXM
+    ("DeepSeek-V3", 14.8e12, 2.664e6, "H800", 989.4e12, 4096)]   # V3 report, Table 1; H100's peak; FP8: twice
 
 
 class AutocastGPT(DecoderOnlyTransformer):  # its forward under bf16 autocast: products in bf16, weights float32
