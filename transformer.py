@@ -5353,7 +5353,8 @@ def merge_lora(model, merge=True):
 # would give min(p, q) + (1 - sum(min(p, q))) p, too much of the tokens the draft likes. p and q are next_token_probs
 # (section 9), after temperature, top_k and top_p; at temperature 0 they are one-hot, and the tokens are greedy's.
 # The pitfall is the caches: after a rejection both still hold the rejected tokens' keys, and crop_cache cuts them off.
-# A rolling cache (section 35) cannot take back tokens it has let go, so here it holds k tokens more than its window.
+# A rolling cache (section 35) cannot take back tokens it has let go, so here it holds k tokens more than its window:
+# a round cuts at most k, and the whole window the next query reads stays.
 # A recurrent memory (Gated DeltaNet, section 39) cannot be cut back at all, so speculation_cache asks each fresh cache
 # for a cut to 0, and such a model is refused before anything runs (transformers refuses assisted decoding for its
 # stateful models too).
