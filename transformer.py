@@ -4802,9 +4802,9 @@ class AdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.check()
+        self.check_groups()
 
-    def check(self):
+    def check_groups(self):
         """A scheduler or a user may change a group at any time, so step() checks every group before any weight moves:
         a step that fails leaves the weights and the moments as they were, as torch.optim does."""
         for group in self.param_groups:
@@ -4822,7 +4822,7 @@ class AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self):
         """One update of every parameter that has a gradient (no closure: this file computes the loss before)."""
-        self.check()
+        self.check_groups()
         for group in self.param_groups:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
