@@ -7084,31 +7084,29 @@ def test_pitfall_decay_on_norm_weights():
 
 
 @pytest.mark.parametrize("keyword, value, message", [
-    ("lr", -1e-3, r"lr must be a number >= 0, got -0\.001"),
-    ("betas", (0.9, 1.0), r"betas must be two numbers, each >= 0 and < 1, got \(0\.9, 1\.0\)"),
-    ("betas", (-0.1, 0.999), r"betas must be two numbers, each >= 0 and < 1, got \(-0\.1, 0\.999\)"),
-    ("betas", (0.9,), r"betas must be two numbers"),
-    ("betas", [0.9, 0.999], r"betas must be a tuple, got \[0\.9, 0\.999\]"),
-    ("eps", 0.0, r"eps must be a number >= 1\.17549e-38, got 0\.0"),
-    ("eps", -1e-8, r"eps must be a number >= .*, got -1e-08"),
-    ("weight_decay", -0.1, r"weight_decay must be a number >= 0, got -0\.1"),
+    ("lr", -1e-3, r"AdamW needs finite lr >= 0, .* got lr=-0\.001"),
+    ("betas", (0.9, 1.0), r"AdamW needs .* betas=\(0\.9, 1\.0\)"),
+    ("betas", (-0.1, 0.999), r"AdamW needs .* betas=\(-0\.1, 0\.999\)"),
+    ("betas", (0.9,), r"not enough values to unpack"),                  # Python's own error
+    ("eps", 0.0, r"AdamW needs .* eps=0\.0"),
+    ("eps", -1e-8, r"AdamW needs .* eps=-1e-08"),
+    ("weight_decay", -0.1, r"AdamW needs .* weight_decay=-0\.1"),
 ])
 def test_adamw_bad_input(keyword, value, message):
     with pytest.raises(ValueError, match=message):
         tf.AdamW([nn.Parameter(torch.zeros(1))], **{keyword: value})
 
 
-def test_decay_groups_bad_input():
-    with pytest.raises(ValueError, match=r"weight_decay must be a number >= 0, got -1"):
-        tf.decay_groups(small_llama(), -1)
+def test_a_negative_decay_from_decay_groups_is_refused_by_adamw():
+    with pytest.raises(ValueError, match=r"AdamW needs .* weight_decay=-1"):
+        tf.AdamW(tf.decay_groups(small_llama(), -1))
 
 
 
 
 @pytest.mark.parametrize("group, message", [
-    (dict(betas=(0.9, 1.0)), "betas must be two numbers"), (dict(lr=-0.1), "lr must be a number >= 0"),
-    (dict(lr=math.inf), "lr must be a finite number"), (dict(weight_decay=math.inf), "weight_decay must be a finite"),
-    (dict(eps=math.nan), "eps must be a number")])
+    (dict(betas=(0.9, 1.0)), r"betas=\(0\.9, 1\.0\)"), (dict(lr=-0.1), "lr=-0.1"), (dict(lr=math.inf), "lr=inf"),
+    (dict(weight_decay=math.inf), "weight_decay=inf"), (dict(eps=math.nan), "eps=nan")])
 def test_adamw_checks_every_group_before_any_weight_moves(group, message):
     """A second group changed after construction (as a scheduler or a user may): step() refuses it
     before the first group's weights were decayed or moved, as torch's optimizers validate first."""
@@ -7125,31 +7123,28 @@ def test_adamw_refuses_a_sparse_gradient_before_any_weight_moves():
     a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
     opt = tf.AdamW([a, b], lr=0.1)
     a.grad, b.grad = torch.ones(3), torch.ones(3).to_sparse()
-    with pytest.raises(ValueError, match="AdamW takes dense gradients"):
+    with pytest.raises(ValueError, match="AdamW does not support sparse gradients"):
         opt.step()
     assert torch.equal(a, torch.ones(3)) and not opt.state
 
 
-def test_adamw_refuses_torch_adamw_state_and_loads_its_own():
+def test_adamw_refuses_torch_adamw_state_before_any_weight_moves_and_loads_its_own():
     w = nn.Parameter(torch.ones(3))
     theirs = torch.optim.AdamW([w], lr=0.1)
     w.grad = torch.ones(3)
     theirs.step()
+    ours, before = tf.AdamW([w], lr=0.1), w.detach().clone()
+    ours.load_state_dict(theirs.state_dict())
+    with pytest.raises(ValueError, match=r"AdamW's state holds t, m and v, got \['exp_avg', 'exp_avg_sq', 'step'\]"):
+        ours.step()
+    assert torch.equal(w, before)
     ours = tf.AdamW([w], lr=0.1)
-    with pytest.raises(ValueError, match=r"this AdamW's state_dict\(\).*\['exp_avg', 'exp_avg_sq', 'step'\]"):
-        ours.load_state_dict(theirs.state_dict())
-    with pytest.raises(ValueError, match="got list"):
-        ours.load_state_dict([])
     ours.step()
     again = tf.AdamW([w], lr=0.1)
     again.load_state_dict(ours.state_dict())
     assert again.state[w]["t"] == 1 and torch.equal(again.state[w]["m"], ours.state[w]["m"])
 
 
-@pytest.mark.parametrize("model", ["w_q", None, 3, {"w": 1}])
-def test_decay_groups_refuses_what_is_not_a_model(model):
-    with pytest.raises(ValueError, match=r"model must be a Module, got"):
-        tf.decay_groups(model, 0.1)
 # ===========================================================================
 # 42. Learning-rate schedules
 # ===========================================================================
@@ -7201,18 +7196,12 @@ def test_schedules_drive_lambda_lr():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: tf.warmup_cosine(-1, 10, 100), r"step must be an integer >= 0, got -1"),
-    (lambda: tf.warmup_cosine(0, -5, 100), r"warmup_steps must be an integer >= 0, got -5"),
-    (lambda: tf.warmup_cosine(0, 0, 0), r"total_steps must be an integer >= 1, got 0"),
-    (lambda: tf.warmup_cosine(0, 20, 10), r"warmup_steps must be at most total_steps \(total_steps=10\), got 20"),
-    (lambda: tf.warmup_cosine(0, 1, 10, min_ratio=-0.1), r"min_ratio must be a number from 0 to 1, got -0\.1"),
-    (lambda: tf.warmup_cosine(0, 1, 10, min_ratio=1.5), r"min_ratio must be a number from 0 to 1, got 1\.5"),
-    (lambda: tf.warmup_cosine(1.5, 1, 10), r"step must be an integer >= 0, got 1\.5"),
+    (lambda: tf.warmup_cosine(0, -5, 100), r"warmup_steps \(-5\) must be from 0 to total_steps \(100\)"),
+    (lambda: tf.warmup_cosine(0, 20, 10), r"warmup_steps \(20\) must be from 0 to total_steps \(10\)"),
     (lambda: tf.warmup_stable_decay(0, 10, 100, 95),
-     r"decay_steps must be at most total_steps - warmup_steps \(total_steps=100, warmup_steps=10\), got 95"),
-    (lambda: tf.warmup_stable_decay(0, 10, 100, -1), r"decay_steps must be an integer >= 0, got -1"),
-    (lambda: tf.warmup_stable_decay(0, 200, 100, 0), r"warmup_steps must be at most total_steps"),
-    (lambda: tf.warmup_stable_decay(0, 1, 10, 2, min_ratio=2.0), r"min_ratio must be a number from 0 to 1, got 2\.0"),
+     r"warmup_steps \(10\) and decay_steps \(95\) must be >= 0 and fit in total_steps \(100\) together"),
+    (lambda: tf.warmup_stable_decay(0, 10, 100, -1), r"decay_steps \(-1\) must be >= 0"),
+    (lambda: tf.warmup_stable_decay(0, 200, 100, 0), r"warmup_steps \(200\) and decay_steps \(0\)"),
     (lambda: tf.noam_lambda(64, 0), r"warmup_steps must be >= 1 \(the peak's step\), got 0"),
     (lambda: tf.noam(-3, 10, 64), r"step must be an integer >= 0, got -3"),
 ])
@@ -7282,7 +7271,7 @@ def test_clipping_each_tensor_by_its_own_norm_turns_the_direction():
 
 
 def test_clip_grad_norm_bad_input():
-    with pytest.raises(ValueError, match=r"max_norm must be a number >= 0, got -1\.0"):
+    with pytest.raises(ValueError, match=r"max_norm must be >= 0, got -1\.0"):
         tf.clip_grad_norm([nn.Parameter(torch.zeros(1))], -1.0)
 
 
@@ -7382,12 +7371,6 @@ def counted(run):
 
 
 
-@pytest.mark.parametrize("parameters", [{"w": torch.zeros(1)}, "w", None, 3, [torch.zeros(1), "w"]])
-def test_clip_grad_norm_refuses_what_is_not_parameters(parameters):
-    with pytest.raises(ValueError, match="parameters must be"):
-        tf.clip_grad_norm(parameters, 1.0)
-
-
 def _micro(vocab=20):
     ids = torch.randint(0, vocab, (2, 6))                                # [2, 6]
     return ids, torch.randint(0, vocab, (2, 6))                        # inputs, targets
@@ -7412,8 +7395,8 @@ def test_accumulate_gradients_keeps_ignore_index_and_refuses_a_non_list():
     ids, targets = _micro()
     targets[0, :3] = -100                                              # ignored, not an id outside
     assert math.isfinite(tf.accumulate_gradients(gpt, [(ids, targets)]))
-    with pytest.raises(ValueError, match="micro_batches must be a list"):
-        tf.accumulate_gradients(gpt, "ids and targets")
+    with pytest.raises(ValueError, match=r"micro_batches\[0\]: targets must be integer ids"):
+        tf.accumulate_gradients(gpt, "ids and targets")                   # a string is no list of batches
 # ===========================================================================
 # 44. FLOPs, by formula and counted
 # ===========================================================================
@@ -7532,12 +7515,9 @@ def test_a_model_the_formulas_do_not_know_is_refused_by_name(model, words):
 @pytest.mark.parametrize("call", [tf.forward_flops, tf.training_flops, tf.training_memory])
 def test_bad_sizes_are_refused_naming_the_argument(call):
     model = tiny("llama")
-    with pytest.raises(ValueError, match=r"^batch_size must be an integer >= 1, got 0$"):
-        call(model, 0, 4)
-    with pytest.raises(ValueError, match=r"^seq_len must be an integer >= 1, got 2.5$"):
-        call(model, 1, 2.5)
-    with pytest.raises(ValueError, match=r"^seq_len must be at most max_len \(max_len=16\), got 17$"):
-        call(model, 1, 17)
+    for seq_len in (0, 17):
+        with pytest.raises(ValueError, match=rf"^seq_len must be from 1 to max_len \(16\), got {seq_len}$"):
+            call(model, 1, seq_len)
 
 
 def test_a_model_with_adapters_is_refused_where_the_formulas_would_be_wrong():
@@ -7566,22 +7546,20 @@ def test_training_flops_refuses_a_frozen_weight_and_a_checkpointed_model():
                                          r" which the formula does not count$"):
         tf.training_flops(model, CB, CT)
     model = tf.checkpoint_blocks(tiny("llama"))
-    assert counted(lambda: loss_of(model, ids, targets).backward()) > 3 * tf.forward_flops(model, CB, CT)
-    with pytest.raises(ValueError, match=r"^training_flops counts one forward a block: model's blocks have forwards"):
+    assert counted(lambda: loss_of(model, ids, targets).backward()) > 3 * tf.forward_flops(tiny("llama"), CB, CT)
+    with pytest.raises(ValueError, match=r"^training_flops: model holds a CheckpointedBlock at layers.0, which the"):
         tf.training_flops(model, CB, CT)
     assert tf.training_flops(tf.checkpoint_blocks(model, False), CB, CT) == 3 * tf.forward_flops(model, CB, CT)
 
 
 @pytest.mark.parametrize("kind, key", [("gpt", "d_ff"), ("llama", "d_model"), ("mixtral", "top_k"),
                                        ("deepseek", "kv_lora_rank")])
-def test_a_config_without_a_key_the_formula_reads_is_a_value_error_naming_it(kind, key):
+def test_a_config_without_a_key_the_formula_reads_is_a_key_error_naming_it(kind, key):
     config = {k: v for k, v in tiny(kind).config.items() if k != key}
-    with pytest.raises(ValueError, match=rf"^the formula reads the key '{key}', which its dict argument lacks$"):
+    with pytest.raises(KeyError, match=key):
         tf.matmul_widths(kind, config)
-    with pytest.raises(ValueError, match=rf"^the formula reads the key '{key}', which its dict argument lacks$"):
+    with pytest.raises(KeyError, match=key):
         tf.activation_bytes(kind, config, CB, CT)
-    with pytest.raises(ValueError, match=r"^config must be a dict, got 'llama'$"):
-        tf.matmul_widths(kind, "llama")
     published = {k: v for k, v in tf.LLAMA_CONFIGS[1][1].items() if k not in ("n_kv_heads", "d_ff")}
     assert tf.matmul_widths("llama", published) == tf.matmul_widths("llama", dict(published, n_kv_heads=None,
                                                                                  d_ff=None))  # missing is None
@@ -7723,7 +7701,7 @@ def test_the_scale_stops_at_float32s_smallest_normal_where_grad_scalers_goes_on_
 
 def test_an_init_scale_that_float32_cannot_invert_is_refused():
     """1e-50 is 0 in float32: GradScaler takes it, and its first step makes the weights NaN."""
-    with pytest.raises(ValueError, match=r"^init_scale must be a number from 1.17549e-38 to 3.40282e\+38, got 1e-50$"):
+    with pytest.raises(ValueError, match=r"^LossScaler needs init_scale a normal float32, .* got 1e-50, "):
         tf.LossScaler(init_scale=1e-50)
     assert nan_steps_then_one_good(torch.amp.GradScaler("cpu", init_scale=1e-50), 0)[1].isnan().all()
     scales, p = nan_steps_then_one_good(tf.LossScaler(init_scale=2.0 ** -126), 0)
@@ -7781,17 +7759,15 @@ def test_autocast_on_the_cpu_casts_what_the_comment_says():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(init_scale=0.0), "init_scale must be a number from 1.17549e-38 to 3.40282e+38, got 0.0"),
-    (dict(init_scale=1e39), "init_scale must be a number from 1.17549e-38 to 3.40282e+38, got 1e+39"),
-    (dict(growth_factor=1.0), "growth_factor must be > 1, got 1.0"),
-    (dict(backoff_factor=1.0), "backoff_factor must be in (0, 1), got 1.0"),
-    (dict(backoff_factor=0.0), "backoff_factor must be in (0, 1), got 0.0"),
-    (dict(growth_interval=0), "growth_interval must be an integer >= 1, got 0"),
+    (dict(init_scale=0.0), "got 0.0, 2.0, 0.5, 2000"), (dict(init_scale=1e39), "got 1e+39, 2.0, 0.5, 2000"),
+    (dict(growth_factor=1.0), "got 65536.0, 1.0, 0.5, 2000"), (dict(backoff_factor=1.0), "got 65536.0, 2.0, 1.0, 2000"),
+    (dict(backoff_factor=0.0), "got 65536.0, 2.0, 0.0, 2000"), (dict(growth_interval=0), "got 65536.0, 2.0, 0.5, 0"),
 ])
 def test_loss_scaler_bad_arguments(bad, message):
     with pytest.raises(ValueError) as error:
         tf.LossScaler(**bad)
-    assert str(error.value) == message
+    assert str(error.value) == ("LossScaler needs init_scale a normal float32, growth_factor > 1, backoff_factor in"
+                                " (0, 1) and growth_interval >= 1, " + message)
 
 
 # ===========================================================================
@@ -7828,12 +7804,13 @@ def test_activation_formula_is_within_10_percent_of_what_autograd_saves(kind, mi
     """The Korthikanti-form formula against saved_bytes' measurement, every family and setting. It
     leaves out 1/rms, the masks, RoPE's bf16 cos and sin, the router's scores and autocast's copy of
     a normed input for each projection that reads it, and so falls short by 0.7% to 8.2%."""
-    model = tf.checkpoint_blocks(tiny(kind), checkpointing)
+    model = tiny(kind)
     g = torch.Generator().manual_seed(2)
     ids, targets = torch.randint(0, CV, (2, *shape), generator=g).unbind(0)
     if kind in ("mixtral", "qwen3moe", "deepseek"):                        # every expert receives tokens here
         model(ids)
         assert all((layer.ffn.tokens_per_expert > 0).all() for layer in model.layers if hasattr(layer.ffn, "router"))
+    model = tf.checkpoint_blocks(model, checkpointing)
     measured = tf.saved_bytes(model, ids, targets, mixed_precision)
     formula = tf.activation_bytes(kind, model.config, *shape, mixed_precision, checkpointing)
     assert tf.training_memory(model, *shape, mixed_precision)["activations"] == formula
@@ -7921,7 +7898,7 @@ def test_checkpointing_costs_one_more_forward_of_the_blocks(kind):
     model = tf.checkpoint_blocks(tiny(kind))
     ids, targets = batch()
     training = counted(lambda: loss_of(model, ids, targets).backward())
-    forward, lm_head = tf.forward_flops(model, CB, CT), 2 * CB * CT * model.d_model * CV
+    forward, lm_head = tf.forward_flops(tiny(kind), CB, CT), 2 * CB * CT * model.d_model * CV
     assert training == 3 * forward + forward - lm_head - _last_products(kind, model, CB * CT)
     assert 3.6 < training / forward < 4                                   # measured 3.70 (gpt) to 3.94 (mixtral)
 
@@ -7942,8 +7919,8 @@ def test_checkpointing_changes_the_memory_not_the_gradients():
         loss_of(tf.checkpoint_blocks(model, checkpointing=enabled), ids, targets).backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
-    assert "forward" in vars(model.layers[0])
-    assert "forward" not in vars(tf.checkpoint_blocks(model, False).layers[0])  # switched off again
+    assert isinstance(model.layers[0], tf.CheckpointedBlock)
+    assert type(tf.checkpoint_blocks(model, False).layers[0]) is tf.LlamaBlock  # switched off again
 
 
 def test_training_memory_reads_checkpointing_from_the_model():
@@ -8005,25 +7982,11 @@ def test_zero_stages_reproduce_the_zero_papers_figure_1():
 
 
 @pytest.mark.parametrize("call, words", [
-    (lambda m: tf.training_memory(m, 0, 4), r"^batch_size must be an integer >= 1, got 0$"),
-    (lambda m: tf.training_memory(m, 1, 17), r"^seq_len must be at most max_len \(max_len=16\), got 17$"),
-    (lambda m: tf.training_memory(m, 1, 4, mixed_precision=1), r"^mixed_precision must be True or False, got 1$"),
-    (lambda m: tf.activation_bytes("t5", m.config, 1, 4), r"^kind must be 'gpt' or .* or 'deepseek', got 't5'$"),
-    (lambda m: tf.activation_bytes("llama", "config", 1, 4), r"^config must be a dict, got 'config'$"),
-    (lambda m: tf.activation_bytes("llama", {k: v for k, v in m.config.items() if k != "max_len"}, 1, 4),
-     r"^the formula reads the key 'max_len', which its dict argument lacks$"),
-    (lambda m: tf.memory_bytes(1, 1, 0, "fp8"), r"^precision must be 'float32' or 'autocast' or 'bf16', got 'fp8'$"),
-    (lambda m: tf.zero_memory_per_device(tf.training_memory(m, 1, 4), 0, 3),
-     r"^n_devices must be an integer >= 1, got 0$"),
-    (lambda m: tf.zero_memory_per_device(tf.training_memory(m, 1, 4), 8, 4),
-     r"^zero_stage must be an integer from 0 to 3, got 4$"),
-    (lambda m: tf.zero_memory_per_device({"weights": 1, "gradients": 1}, 8, 3),
-     r"^the formula reads the key 'optimizer', which its dict argument lacks$"),
-    (lambda m: tf.zero_memory_per_device(7, 8, 3), r"^memory must be a dict, got 7$"),
-    (lambda m: tf.checkpoint_blocks(m, "yes"), r"^checkpointing must be True or False, got 'yes'$"),
-    (lambda m: tf.checkpoint_blocks("llama"), r"^model must be a Module, got 'llama'$"),
-], ids=["batch-0", "seq-past-max", "mixed-1", "kind", "config-str", "config-key", "precision", "devices-0",
-        "stage-4", "memory-key", "memory-int", "enabled-str", "model-str"])
+    (lambda m: tf.training_memory(m, 1, 17), r"^seq_len must be from 1 to max_len \(16\), got 17$"),
+    (lambda m: tf.activation_bytes("t5", m.config, 1, 4), r"^kind must be one of gpt, llama, .*, deepseek, got 't5'$"),
+    (lambda m: tf.matmul_widths("t5", m.config), r"^kind must be one of gpt, llama, .*, deepseek, got 't5'$"),
+    (lambda m: tf.zero_memory_per_device(tf.training_memory(m, 1, 4), 8, 4), r"^zero_stage must be 0, 1, 2 or 3, got 4$"),
+], ids=["seq-past-max", "kind", "kind-widths", "stage-4"])
 def test_memory_bad_input_names_the_argument(call, words):
     with pytest.raises(ValueError, match=words):
         call(tiny("llama"))
@@ -8174,44 +8137,26 @@ def test_targets_match_whole_names_only():
     assert [name for name, _ in tf.lora_targets(llama, ("0.attn.w_q",))] == ["layers.0.attn.w_q"]
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(r=0), "r must be an integer >= 1, got 0"),
-    (dict(alpha=0), "alpha must be > 0, got 0"),
-    (dict(alpha=-1.0), "alpha must be a number >= 0, got -1.0"),
-    (dict(dropout=1.0), "dropout must be below 1 (at 1 the update sees only zeros), got 1.0"),
-    (dict(dropout=-0.1), "dropout must be a number from 0 to 1, got -0.1"),
-    (dict(targets=()), "targets must be a non-empty tuple of module names, got ()"),
-    (dict(targets=["w_q"]), "targets must be a tuple, got ['w_q']"),
-    (dict(targets=("w_q", "")), "targets must be a non-empty tuple of module names, got ('w_q', '')"),
+@pytest.mark.parametrize("bad, error, message", [
+    (dict(r=0), ZeroDivisionError, "division by zero"),                   # Python's own error, on alpha / r
+    (dict(dropout=-0.1), ValueError, "dropout probability has to be between 0 and 1, but got -0.1"),  # torch's
+    (dict(targets=()), ValueError, "targets: '' names no nn.Linear of the model"),  # would wrap nothing
+    (dict(targets=("w_q", "q")), ValueError, "targets: 'q' names no nn.Linear of the model"),
 ])
-def test_add_lora_bad_arguments_change_nothing(bad, message):
-    """A ValueError naming the argument, and the model untouched: nothing wrapped, nothing frozen."""
+def test_add_lora_bad_arguments_change_nothing(bad, error, message):
+    """An error, and the model untouched: nothing wrapped, nothing frozen."""
     model = small_models()[0][0]
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(error, match=re.escape(message)):
         tf.add_lora(model, **{"r": 8, "alpha": 16, **bad})
-    assert str(error.value) == message
     assert all(p.requires_grad for p in model.parameters())
     assert not any(isinstance(m, tf.LoRALinear) for m in model.modules())
 
 
-def test_lora_linear_wants_a_linear():
-    with pytest.raises(ValueError, match=r"^base must be a Linear, got Embedding\(4, 2\)$"):
-        tf.LoRALinear(nn.Embedding(4, 2), r=2, alpha=4)
-
-
-
-
-@pytest.mark.parametrize("call", [lambda m: tf.add_lora(m), lambda m: tf.merge_lora(m), lambda m: tf.lora_param_count(m, 8),
-                                  lambda m: tf.lora_targets(m, ("w_q",))])
-@pytest.mark.parametrize("model", ["llama", None, {"w_q": 1}])
-def test_lora_functions_refuse_what_is_not_a_model_naming_it(call, model):
-    with pytest.raises(ValueError, match=r"model must be a Module, got"):
-        call(model)
-
-
-def test_merge_lora_refuses_a_merge_that_is_not_true_or_false():
-    with pytest.raises(ValueError, match=r"merge must be True or False, got 'no'"):
-        tf.merge_lora(nn.Linear(2, 2), "no")
+def test_lora_linear_wants_a_linear_and_leaves_another_module_as_it_was():
+    embedding = nn.Embedding(4, 2)
+    with pytest.raises(AttributeError, match="in_features"):
+        tf.LoRALinear(embedding, r=2, alpha=4)
+    assert embedding.weight.requires_grad
 # ===========================================================================
 # Section 42's schedules against transformers' (run where transformers is installed)
 # ===========================================================================
@@ -9103,12 +9048,15 @@ def test_speculative_report_drafts_with_the_mtp_module_of_the_deepseek_style_mod
 
 
 def test_the_mtp_draft_leaves_the_target_and_its_module_as_they_were():
-    """The hook that reads the target's states lives only as long as the draft's cache; the module's own
-    train/eval mode comes back as it was (eval_mode restores each part's own)."""
+    """The hook that reads the target's states lives only as long as the with block (or until close());
+    the module's own train/eval mode comes back as it was (eval_mode restores each part's own)."""
     target, draft, mtp = mtp_draft()
+    draft.close()
     mtp.train()
     hooks, modes = dict(target.final_norm._forward_hooks), [m.training for m in target.modules()]
-    tf.speculative_generate(target, draft, torch.randint(0, SPEC_V, (1, 5)), 6, k=2)
+    with tf.MTPDraft(target, mtp) as draft:
+        assert len(target.final_norm._forward_hooks) == len(hooks) + 1
+        tf.speculative_generate(target, draft, torch.randint(0, SPEC_V, (1, 5)), 6, k=2)
     assert dict(target.final_norm._forward_hooks) == hooks and mtp.training
     assert [m.training for m in target.modules()] == modes
     pickle.dumps(target)                                                 # nothing of the draft left on it
@@ -9120,25 +9068,16 @@ def test_bad_input_raises_a_value_error_naming_the_argument_and_the_value():
     target, draft = model_pair("gpt, llama")
     ids = torch.tensor([[1, 2, 3]])
     other = tf.Llama(vocab_size=SPEC_V + 1, d_model=8, n_layers=1, n_heads=1, max_len=24)
-    encdec = tf.Transformer(src_vocab_size=SPEC_V, tgt_vocab_size=SPEC_V, d_model=8, n_heads=1, d_ff=8, n_layers=1)
-    cases = [
-        (dict(draft=other), r"draft_vocab_size must equal the target's vocab_size \(vocab_size=24\), got 25"),
-        (dict(k=0), "k must be an integer >= 1, got 0"),
-        (dict(k=2.0), "k must be an integer >= 1, got 2.0"),
-        (dict(input_ids=ids.repeat(2, 1)), "batch_size must be 1, got 2"),
-        (dict(target=encdec), r"target must be a decoder-only model of this file .*, got <class '\w+\.Transformer'>"),
-        (dict(draft="gpt"), "draft must be a decoder-only model of this file .*, got <class 'str'>"),
-        (dict(max_new_tokens=22), r"prompt_length \+ max_new_tokens must be at most max_len \(max_new_tokens=22,"
-                                  r" max_len=24\), got 3"),
-        (dict(draft=tf.Llama(vocab_size=SPEC_V, d_model=8, n_layers=1, n_heads=1, max_len=10), max_new_tokens=8),
-         r"max_len=10\), got 3"),                                          # the draft's max_len counts too
-        (dict(temperature=-1.0), "temperature must be a number >= 0, got -1.0"),
-        (dict(input_ids=torch.tensor([[1, SPEC_V]])), "input_ids holds token id 24, outside the vocabulary"),
+    cases = [  # speculative_generate's own checks, then what the models or torch refuse (any error, never an answer)
+        (dict(input_ids=ids.repeat(2, 1)), ValueError, r"takes one sequence \[1, T\] .* got input_ids \[2, 3\]"),
+        (dict(temperature=-1.0), ValueError, r"temperature >= 0, .* and temperature -1\.0"),
+        (dict(draft=other), RuntimeError, "must match the size"),         # its laws are over another vocabulary
+        (dict(input_ids=torch.tensor([[1, SPEC_V]])), (ValueError, IndexError), None),  # the models refuse the id
     ]
-    for change, message in cases:
+    for change, error, message in cases:
         arguments = dict(target=target, draft=draft, input_ids=ids, max_new_tokens=4, k=2)
         arguments.update(change)
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(error, match=message):
             tf.speculative_generate(**arguments)
 
 
@@ -9272,9 +9211,9 @@ def test_a_mean_ranks_answers_of_different_lengths_wrongly():
     assert abs(mean_not_sum(model, ids, mask).item() - math.log(p[0] * p[1] * p[2])) > 1
 
 
-def test_sequence_logprobs_bad_input():
+def test_sequence_logprobs_refuses_a_mask_of_another_shape():
     model = prefs_gpt()
-    with pytest.raises(ValueError, match=r"one shape .*input_ids \[2, 5\], response_mask \[2, 4\]"):
+    with pytest.raises(RuntimeError, match="size of tensor"):                # torch's own error: no broadcast
         tf.sequence_logprobs(model, torch.ones(2, 5, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool))
 
 
@@ -9369,9 +9308,9 @@ def test_dpo_step_moves_the_policy_and_never_the_reference():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(beta=0.0), "beta must be > 0"), (dict(beta=-0.1), "beta must be a number >= 0, got -0.1"),
-    (dict(beta=1), None), (dict(ref_rejected=torch.zeros(3)), r"one shape .*ref_rejected \[3\]"),
-    (dict(policy_chosen=torch.zeros(4, 1)), r"policy_chosen must be a 1-D floating-point tensor, got torch.float32 \[4, 1\]")])
+    (dict(beta=0.0), "beta > 0 .* got beta=0.0"), (dict(beta=-0.1), "got beta=-0.1"),
+    (dict(beta=1), None), (dict(ref_rejected=torch.zeros(3)), "four tensors of one shape"),
+    (dict(policy_chosen=torch.zeros(4, 1)), "four tensors of one shape")])             # [4, 1] would broadcast
 def test_dpo_loss_bad_input(bad, message):
     args = dict(policy_chosen=torch.zeros(4), policy_rejected=torch.zeros(4), ref_chosen=torch.zeros(4),
                 ref_rejected=torch.zeros(4), beta=0.1)
@@ -9384,16 +9323,6 @@ def test_dpo_loss_bad_input(bad, message):
 
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(beta=math.inf), "beta must be a finite number"), (dict(policy_chosen=[-1.0, -2.0]), "got list"),
-    (dict(policy_chosen=torch.tensor([1, 2])), "floating-point"),
-    (dict(policy_chosen=torch.zeros(0), policy_rejected=torch.zeros(0), ref_chosen=torch.zeros(0),
-          ref_rejected=torch.zeros(0)), "at least one row")])
-def test_dpo_loss_refuses_infinite_untyped_and_empty_input(change, message):
-    args = dict(policy_chosen=torch.zeros(2), policy_rejected=torch.zeros(2), ref_chosen=torch.zeros(2),
-                ref_rejected=torch.zeros(2))
-    with pytest.raises(ValueError, match=message):
-        tf.dpo_loss(**{**args, **change})
 # ===========================================================================
 # 51. GRPO
 # ===========================================================================
@@ -9422,12 +9351,10 @@ def test_equal_rewards_give_exact_zeros_never_nan():
     assert torch.equal(tf.group_advantages(torch.zeros(3, 2), eps=1e-8), torch.zeros(3, 2))
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(rewards=torch.zeros(4, 1)), "group_size must be an integer >= 2, got 1"),
-    (dict(eps=0.0), "eps must be a number"), (dict(eps=-1e-4), "eps must be a number")])
-def test_group_advantages_bad_input(bad, message):
-    with pytest.raises(ValueError, match=message):
-        tf.group_advantages(**{**dict(rewards=torch.zeros(4, 3), eps=1e-4), **bad})
+@pytest.mark.parametrize("rewards", [torch.zeros(4, 1), torch.zeros(4), torch.tensor(1.0)])
+def test_group_advantages_refuses_a_group_of_one_and_rewards_that_are_not_b_by_g(rewards):
+    with pytest.raises(ValueError, match=r"rewards must be \[B, G\] with G >= 2"):
+        tf.group_advantages(rewards)
 
 
 def grpo_inputs(seed=3):
@@ -9565,16 +9492,15 @@ def test_padding_is_out_of_every_mean():
     assert abs(with_empty - rest * 3 / 4) < 1e-12
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(mask=torch.ones(4, 4, dtype=torch.bool)), r"one shape .*mask \[4, 4\]"),
-    (dict(ref_logprobs=torch.zeros(4, 6)), r"one shape .*ref_logprobs \[4, 6\]"),
-    (dict(advantages=torch.zeros(3)), r"one shape .*advantages \[3\], logprobs_rows \[4\]"),
-    (dict(clip_eps=-0.1), "clip_eps must be a number from 0 to 1, got -0.1"),
-    (dict(kl_beta=-0.04), "kl_beta must be a number >= 0, got -0.04")])
-def test_grpo_loss_bad_input(bad, message):
+@pytest.mark.parametrize("bad, error, message", [
+    (dict(mask=torch.ones(4, 4, dtype=torch.bool)), RuntimeError, "size of tensor"),  # torch's own errors
+    (dict(ref_logprobs=torch.zeros(4, 6)), RuntimeError, "size of tensor"),
+    (dict(advantages=torch.zeros(3)), ValueError, r"advantages \[N\], got \[4, 5\] and \[3\]"),
+    (dict(advantages=torch.zeros(4, 1)), ValueError, r"advantages \[N\], got \[4, 5\] and \[4, 1\]")])
+def test_grpo_loss_bad_input(bad, error, message):
     args = dict(logprobs=torch.zeros(4, 5), old_logprobs=torch.zeros(4, 5), ref_logprobs=torch.zeros(4, 5),
                 advantages=torch.zeros(4), mask=torch.ones(4, 5, dtype=torch.bool))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         tf.grpo_loss(**{**args, **bad})
 
 
@@ -9583,28 +9509,8 @@ def test_grpo_loss_bad_input(bad, message):
 def test_grpo_loss_refuses_one_dimensional_answers_that_would_broadcast():
     """[N] log-probabilities against [N] advantages broadcast to [N, N] inside; refused."""
     logp = torch.randn(4)
-    with pytest.raises(ValueError, match="logprobs must be a 2-D floating-point tensor"):
+    with pytest.raises(ValueError, match=r"logprobs must be \[N, T\] and advantages \[N\], got \[4\] and \[4\]"):
         tf.grpo_loss(logp, logp, logp, torch.randn(4), torch.ones(4, dtype=torch.bool))
-
-
-@pytest.mark.parametrize("change, message", [
-    (dict(kl_beta=math.inf), "kl_beta must be a finite number"), (dict(logprobs=[[0.0, 1.0]]), "got list"),
-    (dict(advantages=torch.zeros(4, 1)), "advantages must be a 1-D"),
-    (dict(logprobs=torch.zeros(0, 3), old_logprobs=torch.zeros(0, 3), ref_logprobs=torch.zeros(0, 3),
-          mask=torch.ones(0, 3, dtype=torch.bool), advantages=torch.zeros(0)), "at least one row")])
-def test_grpo_loss_refuses_infinite_untyped_misshaped_and_empty_input(change, message):
-    args = dict(logprobs=torch.zeros(4, 3), old_logprobs=torch.zeros(4, 3), ref_logprobs=torch.zeros(4, 3),
-                advantages=torch.zeros(4), mask=torch.ones(4, 3, dtype=torch.bool))
-    with pytest.raises(ValueError, match=message):
-        tf.grpo_loss(**{**args, **change})
-
-
-@pytest.mark.parametrize("rewards, message", [
-    (torch.tensor([[1, 0, 1]]), "floating-point"), (torch.tensor(1.0), "2-D"), ([[1.0, 0.0]], "got list"),
-    (torch.zeros(0, 4), "at least one row")])
-def test_group_advantages_refuses_integer_scalar_untyped_and_empty_rewards(rewards, message):
-    with pytest.raises(ValueError, match=message):
-        tf.group_advantages(rewards)
 
 
 def test_run_grpo_refuses_temperature_zero_before_training():

@@ -4113,18 +4113,18 @@ def indexer_flops(config, batch_size, seq_len):
 # ===========================================================================
 # Part VII: training, by hand (第七部分：手写训练)
 # ===========================================================================
-# What training a Transformer takes besides the model, each piece written out and proven equal to the library it
-# replaces: the optimizer, the schedule, clipping and accumulation; then what training costs, in FLOPs and in memory, by
-# formula and measured; mixed precision; and LoRA, which trains a few parameters instead of all.
+# Training takes more than the model. This part writes out the optimizer, the schedule, clipping and accumulation, each
+# proven equal to the library it replaces. It counts what training costs in FLOPs and memory, by formula and measured,
+# and ends with mixed precision and LoRA, which trains a few parameters instead of all of them.
 
 # ===========================================================================
 # 41. AdamW, written out (AdamW 优化器)
 # ===========================================================================
-# Adam steps each weight by a running mean of its gradient over the root of a running mean of its square: about lr per
-# step whatever the gradient's scale, so one lr fits every layer. Weight decay added to the gradient (L2,
-# torch.optim.Adam(weight_decay=...)) is divided by that root too, and a weight with large gradients is hardly decayed.
-# AdamW (Loshchilov and Hutter, "Decoupled Weight Decay Regularization", ICLR 2019) shrinks the weight itself, apart
-# from the gradient: p <- p * (1 - lr * weight_decay).
+# Adam divides a running mean of each weight's gradient by the root of a running mean of its square. A step then moves
+# each weight by about lr, whatever the scale of its gradient, so one lr fits every layer. Weight decay that is added
+# to the gradient (L2, as torch.optim.Adam(weight_decay=...) does it) is divided by that root too, so a weight with
+# large gradients is hardly decayed. AdamW (Loshchilov and Hutter, "Decoupled Weight Decay Regularization", ICLR 2019)
+# therefore shrinks the weight itself, apart from the gradient: p <- p * (1 - lr * weight_decay).
 
 ARGUMENTS.update(lr=(float, 0.0, FINITE), betas=(tuple,), eps=(float, torch.finfo(torch.float32).tiny, FINITE),
                  weight_decay=(float, 0.0, FINITE))
@@ -4134,63 +4134,61 @@ RELATIONS["betas in [0, 1)"] = (("betas",), lambda b: len(b) == 2 and all(
 
 class AdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update in torch's order of operations: another order rounds differently in the last bit,
-    and training carries that on (a test shows the paper's order drifting). As in torch, the decay is multiplied by
-    the whole lr; the paper's Algorithm 2 by the schedule's factor alone, so its lambda is peak lr * weight_decay.
-    params: parameters, or groups (dicts) with their own lr and weight_decay."""
+    and training carries that on. As in torch, the decay is multiplied by the whole lr; the paper's Algorithm 2
+    multiplies it by the schedule's factor alone, so the paper's lambda is peak lr * weight_decay."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
-        check("betas in [0, 1)", lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.check_groups()
+
+    def check_groups(self):
+        """A scheduler or a user may change a group at any time, so step() checks every group before any weight moves:
+        a step that fails leaves the weights and the moments as they were, as torch.optim does."""
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            if not (0 <= lr < math.inf and 0 <= beta1 < 1 and 0 <= beta2 < 1 and 0 < eps < math.inf
+                    and 0 <= decay < math.inf):
+                raise ValueError(f"AdamW needs finite lr >= 0, betas in [0, 1), eps > 0 and weight_decay >= 0, got"
+                                 f" lr={lr}, betas={group['betas']}, eps={eps}, weight_decay={decay}")
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise ValueError("AdamW does not support sparse gradients")
+                if p in self.state and set(self.state[p]) != {"t", "m", "v"}:  # torch.optim.AdamW's names differ
+                    raise ValueError(f"AdamW's state holds t, m and v, got {sorted(self.state[p])}")
 
     @torch.no_grad()
     def step(self):
-        """One update of every parameter with a gradient (no closure: this file computes the loss before)."""
-        for group in self.param_groups:  # every group and gradient checked before any weight moves
-            check("betas in [0, 1)", **{name: group[name] for name in ("lr", "betas", "eps", "weight_decay")})
-            bad = next((p for p in group["params"] if p.grad is not None and (
-                p.grad.layout != torch.strided or p.grad.shape != p.shape)), None)
-            if bad is not None:
-                raise ValueError(f"AdamW takes dense gradients of the parameter's shape, got a {bad.grad.layout}"
-                                 f" gradient {list(bad.grad.shape)} for a parameter {list(bad.shape)}")
+        """One update of every parameter that has a gradient (no closure: this file computes the loss before)."""
+        self.check_groups()
         for group in self.param_groups:
             lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
-                    continue  # not used this step: no update and no decay, as torch
+                    continue  # a parameter this step did not use gets no update and no decay, as in torch
                 state = self.state[p]
                 if not state:
                     state.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))  # both means start at 0
                 state["t"] += 1
                 t, g, m, v = state["t"], p.grad, state["m"], state["v"]
-                p.mul_(1 - lr * decay)  # decoupled: the weight shrinks, m and v never see it
+                p.mul_(1 - lr * decay)  # decoupled: the weight shrinks, and m and v never see the decay
                 m.lerp_(g, 1 - beta1)   # m <- beta1 * m + (1 - beta1) * g: the mean gradient
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v <- beta2 * v + (1 - beta2) * g^2
-                # means started at 0 are too small by 1 - beta^t (the weight real gradients have had so far):
-                # m_hat = m / (1 - beta1^t), v_hat = v / (1 - beta2^t); else step 1 is 3.16 lr at the default betas
+                # The means start at 0, so they are too small by 1 - beta^t. Dividing corrects them; without it,
+                # the first step would be 3.16 lr at the default betas.
                 denom = v.sqrt() / math.sqrt(1 - beta2 ** t) + eps        # [as p]: sqrt(v_hat) + eps
                 p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))       # p -= lr * m_hat / denom
 
-    def load_state_dict(self, state_dict):
-        """torch's, for this AdamW's t, m, v only: torch.optim.AdamW's step, exp_avg, exp_avg_sq are refused first."""
-        states = state_dict.get("state") if isinstance(state_dict, dict) else None
-        wrong = next((sorted(s) for s in (states or {}).values() if set(s) != {"t", "m", "v"}), None)
-        if not isinstance(states, dict) or wrong is not None:
-            raise ValueError(f"state_dict must be this AdamW's state_dict() (per parameter t, m, v), got"
-                             f" {wrong if wrong is not None else type(state_dict).__name__}")
-        super().load_state_dict(state_dict)
-
 
 def decay_groups(model, weight_decay):
-    """AdamW's two groups, by nanoGPT's rule: model's trained parameters of 2+ dims (nn.Linear and nn.Embedding
-    weights), whose size decay keeps in check, with weight_decay; the 1-dim ones with 0: a bias is a shift, a norm's
-    weight a gain whose neutral value is 1 (decayed, it shrinks the block's input and the next matrix must grow to undo
-    it). A tied weight comes once; buffers (positions, MoE's router_bias) are not parameters: no optimizer sees them."""
-    check(model=model, weight_decay=weight_decay)
+    """AdamW's two groups, by nanoGPT's rule. Matrices (nn.Linear and nn.Embedding weights) get weight_decay, which
+    keeps their size in check. Vectors get 0: a bias is a shift, and a norm's weight is a gain whose neutral value is
+    1 (decayed, it shrinks the block's input, and the next matrix must grow to undo it). A tied weight comes once;
+    buffers (positions, MoE's router_bias) are no parameters, and no optimizer sees them."""
     params = [p for p in model.parameters() if p.requires_grad]  # frozen ones have nothing to update
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
-# Try it: a first step moves each weight by lr, whatever its gradient's size; decay shrinks matrices only.
+# Try it: a first step moves each weight by lr, whatever the size of its gradient; decay shrinks matrices only.
 #   >>> w = nn.Parameter(torch.tensor([1.0, -2.0])); opt = AdamW([w], lr=0.1, weight_decay=0.0)
 #   >>> w.grad = torch.tensor([0.5, 100.0]); opt.step(); w.data
 #   tensor([ 0.9000, -2.1000])
@@ -4204,10 +4202,10 @@ def decay_groups(model, weight_decay):
 # ===========================================================================
 # 42. Learning-rate schedules (学习率调度)
 # ===========================================================================
-# A schedule multiplies the peak learning rate by a function of the step, for LambdaLR (section
-# 13's noam is the learning rate itself): a warmup, as there, and a fall at the end (a smaller
-# step settles lower). Cosine needs the run's length in advance; WSD (warmup-stable-decay) holds
-# the peak and decays only over the last steps, so a run can be extended and decayed at any point.
+# A schedule multiplies the peak learning rate by a function of the step, for LambdaLR (section 13's noam is the
+# learning rate itself). It warms up, as noam does, and falls at the end, because a smaller step settles lower. Cosine
+# needs the run's length in advance. WSD (warmup-stable-decay) holds the peak and decays only over the last steps, so
+# a run can be extended, and decayed at any point.
 
 ARGUMENTS.update(total_steps=(int, 1, MAX_SIZE), decay_steps=(int, 0, MAX_SIZE), min_ratio=(float, 0.0, 1.0))
 RELATIONS.update({"warmup <= total": (("warmup_steps", "total_steps"), lambda w, t: w <= t,
@@ -4219,21 +4217,24 @@ RELATIONS.update({"warmup <= total": (("warmup_steps", "total_steps"), lambda w,
 def warmup_cosine(step, warmup_steps, total_steps, min_ratio=0.0):
     """The multiplier at step: step / warmup_steps during the warmup (0 at step 0, so the first step moves no
     weight: transformers' convention), then half a cosine from 1 down to min_ratio at total_steps, then min_ratio."""
-    check("warmup <= total", step=step, warmup_steps=warmup_steps, total_steps=total_steps, min_ratio=min_ratio)
+    if not 0 <= warmup_steps <= total_steps:
+        raise ValueError(f"warmup_steps ({warmup_steps}) must be from 0 to total_steps ({total_steps})")
     if step < warmup_steps:
         return step / warmup_steps
-    if step >= total_steps:  # transformers' cosine goes on past total_steps and climbs back
-        return min_ratio     # toward 1; a run longer than planned should keep its lowest rate
+    if step >= total_steps:  # transformers' cosine goes on past total_steps and climbs back toward 1; a run
+        return min_ratio     # longer than planned should keep its lowest rate
     progress = (step - warmup_steps) / (total_steps - warmup_steps)        # 0 -> 1
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))  # [] a float, 1 down to min_ratio
 
 
 def warmup_stable_decay(step, warmup_steps, total_steps, decay_steps, min_ratio=0.0):
-    """MiniCPM's WSD (Hu et al., 2024): the multiplier at step, from min_ratio up to 1 over the warmup, 1 until
-    the last decay_steps before total_steps, down to min_ratio over them, then min_ratio. Its decay may be any
-    falling function (its runs: exponential); here linear, as transformers' get_wsd_schedule(decay_type="linear")."""
-    check("warmup <= total", "decay after warmup", step=step, warmup_steps=warmup_steps, total_steps=total_steps,
-          decay_steps=decay_steps, min_ratio=min_ratio)
+    """MiniCPM's WSD (Hu et al., 2024): the multiplier at step rises from min_ratio to 1 over the warmup, stays 1
+    until the last decay_steps before total_steps, falls to min_ratio over them, then stays there. The paper allows
+    any falling function (its runs decay exponentially); this one is linear, as transformers' get_wsd_schedule(
+    decay_type="linear")."""
+    if not (0 <= warmup_steps and 0 <= decay_steps <= total_steps - warmup_steps):
+        raise ValueError(f"warmup_steps ({warmup_steps}) and decay_steps ({decay_steps}) must be >= 0 and fit in"
+                         f" total_steps ({total_steps}) together")
     if step < warmup_steps:
         return min_ratio + (1 - min_ratio) * step / warmup_steps
     if step < total_steps - decay_steps:
@@ -4242,7 +4243,7 @@ def warmup_stable_decay(step, warmup_steps, total_steps, decay_steps, min_ratio=
         return min_ratio + (1 - min_ratio) * (total_steps - step) / decay_steps
     return min_ratio
 
-# Try it: 2 steps of warmup, 10 in all; WSD decays over the last 4.
+# Try it: 2 steps of warmup and 10 in all; WSD decays over the last 4.
 #   >>> [round(warmup_cosine(s, 2, 10, min_ratio=0.1), 3) for s in (0, 1, 2, 6, 10, 12)]  # 6: the midpoint
 #   [0.0, 0.5, 1.0, 0.55, 0.1, 0.1]
 #   >>> [round(warmup_stable_decay(s, 2, 10, 4, min_ratio=0.1), 3) for s in (0, 1, 2, 6, 8, 10, 12)]
@@ -4252,52 +4253,47 @@ def warmup_stable_decay(step, warmup_steps, total_steps, decay_steps, min_ratio=
 # ===========================================================================
 # 43. Clipping and gradient accumulation (梯度裁剪与梯度累积)
 # ===========================================================================
-# Clipping (section 13's clip_grad_norm_) scales the whole gradient down to max_norm when it is
-# longer, keeping its direction. A batch too big for memory runs as micro-batches whose
-# gradients add up in .grad before one step; the sum must be the big batch's gradient.
+# Clipping (section 13's clip_grad_norm_) scales the whole gradient down to max_norm when it is longer, and keeps its
+# direction. A batch too big for memory runs as micro-batches, whose gradients add up in .grad before one step; their
+# sum must be the big batch's gradient.
 
 ARGUMENTS.update(max_norm=(float, 0.0, math.inf), ignore_index=(int, -MAX_SIZE, MAX_SIZE))
 
 
 @torch.no_grad()
 def clip_grad_norm(parameters, max_norm):
-    """torch.nn.utils.clip_grad_norm_: every gradient of parameters (a tensor or an iterable; those without
-    one skipped) times min(1, max_norm / (norm + 1e-6)), norm their length laid end to end -> that norm, []."""
-    check(max_norm=max_norm)
-    check_list("parameters", parameters, "tensors (model.parameters())")
+    """torch.nn.utils.clip_grad_norm_: every gradient of parameters (a tensor or an iterable; a parameter without a
+    gradient is skipped) times min(1, max_norm / (norm + 1e-6)), norm their length laid end to end -> that norm, []."""
+    if max_norm < 0:  # a negative factor would turn the gradient around
+        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    if not all(isinstance(p, torch.Tensor) for p in parameters):
-        raise ValueError(f"parameters must be tensors, got {sorted({type(p).__name__ for p in parameters})}")
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
-        return torch.tensor(0.0)                                           # []: nothing to clip, as torch
+        return torch.tensor(0.0)                                           # []: nothing to clip, as in torch
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))  # []
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)                      # []: 1 when shorter; 1e-6 for norm 0
     for g in grads:
         g.mul_(scale)  # one factor for all: clipping each tensor by its own norm would turn the direction
     return norm
 
-# Accumulation's pitfall: a language model's loss is a mean over real tokens (padding is ignore_index), and the mean of
-# the micro-batches' means is not the big batch's mean when they hold different numbers of real tokens (2 and 8: each
-# token of the first weighs 1/4, of the second 1/16, where the big batch weighs all 1/10; transformers' Trainer did this
-# until October 2024, pull request 34191). Right: sum the micro-batches' token losses, divide by all real tokens.
+# Accumulation has a pitfall. A language model's loss is a mean over real tokens (padding is ignore_index), and the
+# mean of the micro-batches' means is not the big batch's mean when they hold different numbers of real tokens. With 2
+# and 8, each token of the first weighs 1/4 and each of the second 1/16, where the big batch weighs them all 1/10
+# (transformers' Trainer did this until October 2024, pull request 34191). The right way sums the micro-batches' token
+# losses and divides by all the real tokens.
 
 def accumulate_gradients(model, micro_batches, ignore_index=-100):
-    """Add the big batch's gradient to .grad from micro-batches (inputs..., targets [B, T]), model(*inputs)
-    -> logits [B, T, V]; -> the big batch's loss, the mean cross-entropy over real tokens (!= ignore_index)."""
-    check(model=model, ignore_index=ignore_index)
-    check_list("micro_batches", micro_batches, "(inputs..., targets) tuples")
+    """Add the big batch's gradient to .grad from micro_batches (inputs..., targets [B, T]), model(*inputs) -> logits
+    [B, T, V]. Returns the big batch's loss, the mean cross-entropy over real tokens (those != ignore_index)."""
     micro_batches = list(micro_batches)
     vocab = getattr(model, "vocab_size", getattr(model, "tgt_vocab_size", None))  # this file's models say it
-    for i, (*inputs, targets) in enumerate(micro_batches):  # all checked before the first backward
-        integer = isinstance(targets, torch.Tensor) and not targets.is_floating_point() and targets.dim() == 2
-        shape = list(inputs[-1].shape) if inputs and isinstance(inputs[-1], torch.Tensor) else None
-        real = targets[targets != ignore_index] if integer else None       # [n]
-        outside = integer and vocab and len(real) and not 0 <= real.min() <= real.max() < vocab  # [] a bool
-        if not integer or list(targets.shape) != shape or outside:
-            raise ValueError(f"micro_batches[{i}]: targets must be integer ids [B, T], the shape of the last input"
-                             f" {shape}, each an id of the vocabulary ({vocab}) or ignore_index ({ignore_index})")
-    real = sum(int((batch[-1] != ignore_index).sum()) for batch in micro_batches)  # [] ints: real tokens
+    for i, (*inputs, targets) in enumerate(micro_batches):  # all checked first: a bad one adds nothing to .grad
+        ok = isinstance(targets, torch.Tensor) and not targets.is_floating_point() and targets.shape == inputs[-1].shape
+        real = targets[targets != ignore_index] if ok else None            # [n]
+        if not ok or (vocab and len(real) and not 0 <= real.min() <= real.max() < vocab):
+            raise ValueError(f"micro_batches[{i}]: targets must be integer ids [B, T] shaped as the last input, each"
+                             f" an id of the vocabulary ({vocab}) or ignore_index ({ignore_index})")
+    real = sum(int((batch[-1] != ignore_index).sum()) for batch in micro_batches)  # [] an int: the real tokens
     if real == 0:
         raise ValueError(f"micro_batches must hold a real token, got every target = ignore_index ({ignore_index})")
     total = 0.0
@@ -4305,7 +4301,7 @@ def accumulate_gradients(model, micro_batches, ignore_index=-100):
         logits = model(*inputs)                                            # [B, T, V]
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index,
                                reduction="sum") / real                     # []: its share of the big mean
-        loss.backward()  # each micro-batch's graph is freed here: memory for one at a time
+        loss.backward()  # each micro-batch's graph is freed here, so memory holds one at a time
         total += loss.item()
     return total
 
@@ -4321,25 +4317,12 @@ def accumulate_gradients(model, micro_batches, ignore_index=-100):
 #   True
 
 
-def adamw_update(model, lr, warmup_steps, total_steps, weight_decay=0.01, max_norm=1.0):
-    """Section 13's update step, written out (section 47 trains with it): after each backward, clip_grad_norm to
-    max_norm, AdamW on decay_groups(model) at lr * warmup_cosine(step, warmup_steps, total_steps) -> update()."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = AdamW(decay_groups(model, weight_decay), lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, warmup_steps, total_steps))
-
-    def update():
-        clip_grad_norm(params, max_norm)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-    return update
-
 
 # ===========================================================================
 # 44. FLOPs, by formula and counted (计算量)
 # ===========================================================================
-# A product [M, K] @ [K, N] is 2 M N K FLOPs, most of a Transformer's work: FlopCounterMode counts them.
+# A product [M, K] @ [K, N] costs 2 M N K FLOPs, and products are most of a Transformer's work. FlopCounterMode
+# counts them, so the formulas below can be checked against it exactly.
 
 MODEL_KINDS = {DecoderOnlyTransformer: "gpt", Llama: "llama", Mistral: "mistral", Qwen3: "qwen3",
                Mixtral: "mixtral", Qwen3MoE: "qwen3moe", DeepSeekV3: "deepseek"}  # exact classes
@@ -4350,11 +4333,13 @@ ARGUMENTS.update(seq_len=(int, 1, MAX_SIZE), kind=("one of", *MODEL_KINDS.values
 RELATIONS["seq_len <= max_len"] = (("seq_len", "max_len"), lambda t, most: t <= most, "seq_len must be at most max_len")
 
 
-def model_kind(model, formula="model_kind", trains=False):
-    """model's family; ValueError for another class, a module the formulas do not model, a frozen weight."""
+def model_kind(model, formula="model_kind", trains=False, parts=()):
+    """model's family. A formula would count wrong in silence for another class, for a module it does not model (an
+    adapter, a fused kernel; parts adds modules a caller knows) or for a frozen weight (no dW): each is refused."""
     if type(model) not in MODEL_KINDS:
         raise ValueError(f"model must be one of {', '.join(k.__name__ for k in MODEL_KINDS)}, got {type(model).__name__}")
-    odd = [f" holds a {type(m).__name__} at {n}" for n, m in model.named_modules() if n and type(m) not in MODEL_PARTS]
+    odd = [f" holds a {type(m).__name__} at {n}" for n, m in model.named_modules()
+           if n and type(m) not in MODEL_PARTS + parts]
     odd += [f"'s {name} is frozen (no dW)" for name, p in model.named_parameters() if trains and not p.requires_grad]
     if odd:
         raise ValueError(f"{formula}: model{odd[0]}, which the formula does not count")
@@ -4362,10 +4347,12 @@ def model_kind(model, formula="model_kind", trains=False):
 
 
 def matmul_widths(kind, config, active=True):
-    """(W, A): W the weights of every nn.Linear a token's forward runs (active=False: every expert), not
-    the embedding table, which is read; A = sum over layers of heads x (q.k + v widths)."""
-    check(kind=kind, config=config)
-    c = Keys(config)
+    """(W, A) for a model of kind with config. W counts the weights of every nn.Linear a token's forward runs
+    (active=False: every expert), without the embedding table, which is read, not multiplied. A is the sum over
+    layers of heads x (q.k width + v width)."""
+    if kind not in MODEL_KINDS.values():  # another kind would be counted as a Llama
+        raise ValueError(f"kind must be one of {', '.join(MODEL_KINDS.values())}, got {kind!r}")
+    c = config
     D, V, L, H = c["d_model"], c["vocab_size"], c["n_layers"], c["n_heads"]
     if kind == "gpt":
         return L * (4 * D * D + 2 * D * c["d_ff"]) + V * D, L * 2 * D      # biases: added, not multiplied
@@ -4382,26 +4369,22 @@ def matmul_widths(kind, config, active=True):
 
 
 def forward_flops(model, batch_size, seq_len):
-    """FLOPs of model(ids), ids [batch_size, seq_len]: 2 W a token for the weights, 2 T A for q k^T and @ v."""
+    """FLOPs of model(ids) for ids [batch_size, seq_len]: 2 W a token for the weights, 2 T A for q k^T and for @ v."""
     W, A = matmul_widths(model_kind(model, "forward_flops"), model.config)
-    check("seq_len <= max_len", batch_size=batch_size, seq_len=seq_len, max_len=model.max_len)
+    if not 1 <= seq_len <= model.max_len:
+        raise ValueError(f"seq_len must be from 1 to max_len ({model.max_len}), got {seq_len}")
     return 2 * batch_size * seq_len * (W + seq_len * A)
 
 
 def training_flops(model, batch_size, seq_len):
-    """FLOPs of a forward and loss.backward(): 3 forwards, as Y = X W needs dX = dY W^T and dW = X^T dY."""
+    """FLOPs of a forward and loss.backward(): 3 forwards, because Y = X W needs both dX = dY W^T and dW = X^T dY."""
     model_kind(model, "training_flops", trains=True)
-    if any("forward" in vars(block) for block in model.layers):  # checkpointed, say: a block runs twice
-        raise ValueError("training_flops counts one forward a block: model's blocks have forwards of their own")
     return 3 * forward_flops(model, batch_size, seq_len)
 
-# Counted as computed: all [T, T] scores (a causal kernel skips half), N * top_k (token, expert) pairs whatever the
-# router chose. "6N" a token (Kaplan et al., 2020; N without embeddings, a MoE's active) is 6 W + 6 T A here: W is N
-# less the table (unless tied), norms, biases; 6 T A, +29% for Llama-3-8B at 8K, is PaLM's 12 L H Q T (Q: head width).
-TRAINING_BUDGETS = [  # (model, tokens, GPU hours, GPU, peak FLOP/s of one GPU, dense bf16, sequence length)
-    ("Llama-2-7B", 2.0e12, 184_320, "A100-80GB", 312e12, 4096),  # Llama 2 paper, Tables 1, 2; A100 datasheet
-    ("Llama-3-8B", 15e12, 1.3e6, "H100-80GB", 989.4e12, 8192),   # Llama 3 model card; Hopper whitepaper, SXM
-    ("DeepSeek-V3", 14.8e12, 2.664e6, "H800", 989.4e12, 4096)]   # V3 report, Table 1; H100's peak; FP8: twice
+# The formula counts what is computed: all [T, T] scores (a causal kernel skips half of them), and N * top_k (token,
+# expert) pairs whichever experts the router chose. The "6N" a token that papers quote (Kaplan et al., 2020; N without
+# embeddings, a MoE's active parameters) is 6 W + 6 T A here. W is N less the table (unless it is tied), the norms and
+# the biases. 6 T A is PaLM's 12 L H Q T (Q the head width), and it adds 29% for Llama-3-8B at 8K.
 
 
 def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
@@ -4418,10 +4401,11 @@ def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
 # ===========================================================================
 # 45. Mixed precision and loss scaling (混合精度与损失缩放)
 # ===========================================================================
-# Mixed precision (Micikevicius et al., 2018): products in 16 bits; weights, updates and sums in float32. float16:
-# 5 exponent bits, 11 significant, largest 65504, normal to 2^-14, subnormal to 2^-24; bfloat16: float32's 8 exponent
-# bits, 8 significant (1 + 0.001 is 1). CPU autocast to bf16 runs linear, matmul, bmm and scaled_dot_product_attention
-# in bf16, losses (CUDA's: softmax, layer_norm too) in float32, the rest in its inputs' dtype (float32 + bf16: float32).
+# Mixed precision (Micikevicius et al., 2018) runs the products in 16 bits and keeps weights, updates and sums in
+# float32. float16 has 5 exponent bits and 11 significant ones: its largest number is 65504, normal down to 2^-14 and
+# subnormal down to 2^-24. bfloat16 has float32's 8 exponent bits and 8 significant ones, so 1 + 0.001 is 1 in it. CPU
+# autocast to bf16 runs linear, matmul, bmm and scaled_dot_product_attention in bf16 and the losses in float32 (CUDA's
+# also softmax and layer_norm); the rest runs in its inputs' dtype, and float32 with bf16 gives float32.
 
 ARGUMENTS.update(init_scale=(float, 2.0 ** -126, torch.finfo(torch.float32).max), growth_factor=(float, 1.0, math.inf),
                  backoff_factor=(float, 0.0, 1.0), growth_interval=(int, 1, MAX_SIZE))  # 2^-126: float32's least normal
@@ -4431,10 +4415,16 @@ RELATIONS.update({"growth_factor > 1": (("growth_factor",), lambda g: g > 1, "gr
 
 class LossScaler:
     """torch.amp.GradScaler's loss scaling: scale(loss).backward(), step(optimizer), update(). float16 rounds a
-    gradient of 1e-8 to 0: loss times S gives gradients times S, divided by S before the step; clip at max_norm * S."""
+    gradient of 1e-8 to 0. The loss times S gives gradients times S, which are divided by S before the step; so a
+    clip between backward and step clips at max_norm * S."""
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
-        check("growth_factor > 1", "backoff in (0, 1)", **arguments_of(locals()))  # every argument
+        # The scale must stay a normal float32 (2^-126 is its least normal), or its inverse is inf and 0 * inf a NaN
+        if not (2.0 ** -126 <= init_scale <= torch.finfo(torch.float32).max and growth_factor > 1
+                and 0 < backoff_factor < 1 and growth_interval >= 1):
+            raise ValueError(f"LossScaler needs init_scale a normal float32, growth_factor > 1, backoff_factor in"
+                             f" (0, 1) and growth_interval >= 1, got {init_scale}, {growth_factor}, {backoff_factor},"
+                             f" {growth_interval}")
         self.loss_scale, self.good_steps, self.found_inf = torch.tensor(init_scale, dtype=torch.float32), 0, False  # []
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
 
@@ -4442,7 +4432,8 @@ class LossScaler:
         return loss * self.loss_scale.to(loss.device)                      # as loss, [] for a loss
 
     def step(self, optimizer):
-        """Gradients times the scale's inverse (in float64, as GradScaler), a step unless one held inf or NaN."""
+        """The gradients times the scale's inverse (in float64, as GradScaler), then a step unless one held inf or
+        NaN."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         self.found_inf = not all(torch.isfinite(g).all() for g in grads)  # bool, from a [] test a gradient
         for g in grads:  # unscaled even when the step is skipped, as GradScaler does
@@ -4451,60 +4442,48 @@ class LossScaler:
             optimizer.step()
 
     def update(self):
-        """S times backoff_factor after a skipped step, times growth_factor after growth_interval good ones in a row,
-        in float32 as torch's _amp_update_scale_; never to inf nor below 2^-126 (torch's goes on: inf weights)."""
+        """S times backoff_factor after a skipped step, times growth_factor after growth_interval good steps in a row,
+        in float32 as torch's _amp_update_scale_ does. S never becomes inf nor falls below 2^-126 (torch's goes on,
+        and the weights become inf)."""
         self.good_steps = 0 if self.found_inf else self.good_steps + 1
         if self.found_inf or self.good_steps == self.growth_interval:
             new = (self.loss_scale.double() * (self.growth_factor, self.backoff_factor)[self.found_inf]).float()  # []
             self.loss_scale, self.good_steps = new if 2.0 ** -126 <= new < math.inf else self.loss_scale, 0
 
 
-class AutocastGPT(DecoderOnlyTransformer):  # its forward under bf16 autocast: products in bf16, weights float32
-    def forward(self, *inputs):
-        with torch.autocast(inputs[0].device.type, dtype=torch.bfloat16):
-            return super().forward(*inputs).float()                        # [B, T, V]
-
-
-def mixed_precision_report(seed=0, device="cpu", lr=1e-2, n_sentences=2400, epochs=None):  # lr: 1e-2 beat 3e-3, seed 3
-    """The toy GPT trained by adamw_update, float32 and under bf16 autocast: as accurate (bf16 rounds only the
-    products), faster only on a CPU that multiplies bf16 (AVX512-BF16, AMX). -> {precision: (held-out exact, s)}."""
-    train_pairs, test_pairs = split_data(make_toy_data(n_sentences, seed), seed=seed)
-    spec, rows = dict(TOY_MODELS["gpt"], epochs=epochs or TOY_MODELS["gpt"]["epochs"]), {}
-    steps = spec["epochs"] * -(-len(train_pairs) // spec["batch_size"])    # ceil: batches an epoch
-    update = lambda model: adamw_update(model, lr, min(spec["warmup"], steps), steps)  # noqa: E731
-    print(f"\nmixed precision on the toy task (section 45): the GPT, {spec['epochs']} epochs, seed {seed}")
-    for name, build in (("float32", DecoderOnlyTransformer), ("bf16 autocast", AutocastGPT)):
-        *_, result = train_toy_model("gpt", train_pairs, test_pairs, device, seed=seed, log=lambda line: None,
-                                     recipes={"gpt": dict(spec, model=build, update=update)})
-        rows[name] = result["accuracy"], result["history"][-1][1]
-        print(f"  {name:14s} held-out exact match {100 * rows[name][0]:5.1f}%, {rows[name][1]:5.1f} s of training")
-    return rows
-
-
 # ===========================================================================
 # 46. Memory, by formula and measured (显存)
 # ===========================================================================
-# Training holds weights, gradients, AdamW's m and v (section 41) and activations (what autograd saves).
+# Training holds the weights, the gradients, AdamW's m and v (section 41) and the activations, which are what
+# autograd saves for the backward.
 
 ARGUMENTS.update(mixed_precision=(bool,), checkpointing=(bool,), precision=("one of", "float32", "autocast", "bf16"),
                  n_devices=(int, 1, MAX_SIZE), zero_stage=(int, 0, 3), memory=(dict,))
 PRECISIONS = {"float32": (4, 4, 8, 0), "autocast": (4, 4, 8, 0), "bf16": (2, 2, 8, 4)}  # bytes a parameter
 
 
+class CheckpointedBlock(nn.Module):
+    """Activation checkpointing: the block keeps only its inputs for the backward and runs its forward again there."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *inputs):
+        return torch.utils.checkpoint.checkpoint(self.block, *inputs, use_reentrant=False)  # as the block's output
+
+
 def checkpoint_blocks(model, checkpointing=True):
-    """Checkpointing on (or off): each block keeps its inputs only, and reruns its forward in the backward."""
-    check(model=model, checkpointing=checkpointing)
-    for block in model.layers:
-        vars(block).pop("forward", None)                                   # the class's forward again
-        if checkpointing:  # an instance attribute: nn.Module's __call__ finds it before the class's forward
-            block.forward = lambda *inputs, block=block: torch.utils.checkpoint.checkpoint(
-                type(block).forward, block, *inputs, use_reentrant=False)
+    """Wrap every block of model.layers in a CheckpointedBlock (checkpointing=False: unwrap them) -> model."""
+    for i, block in enumerate(model.layers):
+        block = block.block if isinstance(block, CheckpointedBlock) else block
+        model.layers[i] = CheckpointedBlock(block) if checkpointing else block
     return model
 
 
 def saved_bytes(model, input_ids, targets, mixed_precision=False):
     """Measured: what autograd saves for cross_entropy(model(input_ids), targets), less parameters and their copies."""
-    saved = []  # weak references: a branch that leads nowhere near the loss (section 29) is freed
+    saved = []  # weak references, so a branch that leads nowhere near the loss (section 29) is freed
 
     def copied_parameter(tensor):  # its grad_fn leads through casts and transposes to a parameter
         node = tensor.grad_fn
@@ -4520,17 +4499,20 @@ def saved_bytes(model, input_ids, targets, mixed_precision=False):
                 if t is not None and not copied_parameter(t) and t.untyped_storage().data_ptr() not in own}.values())
 
 
-# Korthikanti et al. (2022): 34 D + 5 H T bytes a token a GPT layer (16-bit, dropout). Here, s a product's output bytes
-# (4; autocast's bf16: 2): norms' inputs and outputs 16 D (float32), projections' inputs 8 D, q, k, v and attention
-# output 4 s D (H x head width = D), the [T, T] weights twice 2 s H T, GELU's 2 s Dff or SwiGLU's 4 s Dff (a MoE: top_k
-# of them, + (8 + s) D each), QK-norm's or MLA's norms; a GPT layer (Dff = 4 D): 72 D + 8 H T in float32, 48 D + 4 H T
-# under autocast, dropout + 6 s D + s H T. Once: (8 + s) D + 4 V. Left out, 1% to 8%: 1/rms, masks, RoPE's bf16 cos,
-# sin, router scores, autocast's copies of norm outputs. Checkpointed: 4 D a block (3.72 forwards, Llama-3-8B at 4K).
+# The formula follows Korthikanti et al. (2022), who count 34 D + 5 H T bytes a token for a GPT layer (16-bit, with
+# dropout). Here s is a product's output size in bytes (4, or 2 for autocast's bf16). A layer saves the norms' inputs
+# and outputs, 16 D (float32); the projections' inputs, 8 D; q, k, v and the attention's output, 4 s D (H x head width
+# = D); the [T, T] weights twice, 2 s H T; GELU's 2 s Dff or SwiGLU's 4 s Dff (a MoE saves top_k of them, and (8 + s) D
+# more each); and QK-norm's or MLA's norms. A GPT layer (Dff = 4 D) thus saves 72 D + 8 H T in float32 and 48 D + 4 H T
+# under autocast, and dropout adds 6 s D + s H T. The model saves (8 + s) D + 4 V once. The formula leaves out 1% to 8%:
+# 1/rms, the masks, RoPE's bf16 cos and sin, the router's scores, and autocast's copies of the norms' outputs.
+# Checkpointed, a block saves only its input, 4 D, and training costs 3.72 forwards (Llama-3-8B at 4K).
 def activation_bytes(kind, config, batch_size, seq_len, mixed_precision=False, checkpointing=False):
     """Bytes a training step on [batch_size, seq_len] saves for the backward, by the formula above."""
-    _, c = matmul_widths(kind, config), Keys(config)                       # checks kind and the keys it reads
-    check("seq_len <= max_len", batch_size=batch_size, seq_len=seq_len, max_len=c["max_len"],
-          mixed_precision=mixed_precision, checkpointing=checkpointing)
+    matmul_widths(kind, config)                                            # refuses a kind it does not know
+    c = config
+    if not 1 <= seq_len <= c["max_len"]:
+        raise ValueError(f"seq_len must be from 1 to max_len ({c['max_len']}), got {seq_len}")
     s, D, V, L, H, T = 2 if mixed_precision else 4, c["d_model"], c["vocab_size"], c["n_layers"], c["n_heads"], seq_len
     dropout = c.get("dropout", 0.0) > 0                                    # the GPT's: the embedding's mask too
     head = (8 + s) * D + 4 * V + 16 + dropout * 4 * D                      # 16: ids and targets, int64
@@ -4548,8 +4530,7 @@ def activation_bytes(kind, config, batch_size, seq_len, mixed_precision=False, c
 
 
 def memory_bytes(params, trainable, activations, precision="float32", matrices=0):
-    """A step's bytes with AdamW, by PRECISIONS; autocast adds a bf16 copy of the matrices products read."""
-    check(precision=precision)
+    """A step's bytes with AdamW, by PRECISIONS; autocast adds a bf16 copy of the matrices that products read."""
     w, g, o, m = PRECISIONS[precision]
     memory = dict(weights=w * params + (2 * matrices if precision == "autocast" else 0), gradients=g * trainable,
                   optimizer=o * trainable, master_weights=m * trainable, activations=activations)
@@ -4557,20 +4538,22 @@ def memory_bytes(params, trainable, activations, precision="float32", matrices=0
 
 
 def training_memory(model, batch_size, seq_len, mixed_precision=False):
-    """memory_bytes of model training with AdamW, in float32 or bf16 autocast, checkpointed if it is."""
-    kind = model_kind(model, "training_memory", trains=True)
+    """memory_bytes of model training with AdamW, in float32 or under bf16 autocast, checkpointed if it is."""
+    kind = model_kind(model, "training_memory", trains=True, parts=(CheckpointedBlock,))
     config = model.config if model.training else dict(model.config, dropout=0.0)  # eval(): no dropout
-    activations = activation_bytes(kind, config, batch_size, seq_len, mixed_precision,
-                                   any("forward" in vars(block) for block in model.layers))
+    checkpointing = isinstance(model.layers[0], CheckpointedBlock)
+    activations = activation_bytes(kind, config, batch_size, seq_len, mixed_precision, checkpointing)
     return memory_bytes(count_parameters(model), count_parameters(model), activations,
                         "autocast" if mixed_precision else "float32", matmul_widths(kind, config, active=False)[0])
 
 
 def zero_memory_per_device(memory, n_devices, zero_stage):
-    """memory_bytes a device of N = n_devices, ZeRO (Rajbhandari et al., 2020) splitting from stage 1 AdamW's states
-    and master weights, 2 gradients, 3 weights: in bf16 16, 4 + 12/N, 2 + 14/N, 16/N bytes a parameter."""
-    check(memory=memory, n_devices=n_devices, zero_stage=zero_stage)
-    split, memory = dict(optimizer=1, master_weights=1, gradients=2, weights=3, activations=4), Keys(memory)
+    """memory_bytes on each of N = n_devices devices. ZeRO (Rajbhandari et al., 2020) splits AdamW's states and the
+    master weights from stage 1, the gradients from stage 2 and the weights at stage 3: in bf16 that is 16, 4 + 12/N,
+    2 + 14/N and 16/N bytes a parameter."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    split = dict(optimizer=1, master_weights=1, gradients=2, weights=3, activations=4)
     share = {key: -(-memory[key] // n_devices) if zero_stage >= stage else memory[key] for key, stage in split.items()}
     return dict(share, total=sum(share.values()))
 
@@ -4583,11 +4566,11 @@ def zero_memory_per_device(memory, n_devices, zero_stage):
 # ===========================================================================
 # 47. LoRA (低秩适配)
 # ===========================================================================
-# Fine-tuning all of a model keeps a gradient and AdamW's two moments beside every weight. LoRA (Hu et al., 2021, "LoRA:
-# Low-Rank Adaptation of Large Language Models") freezes a pretrained W [out, in] and trains only a change of rank r:
-# W x + (alpha / r) B A x, A [r, in] and B [out, r], r (in + out) numbers for the in * out of W; the paper's hypothesis
-# is that adapting a model needs a change of low "intrinsic rank". Merged, W + (alpha / r) B A runs at the base model's
-# cost; unmerged, the base serves other adapters.
+# Fine-tuning all of a model keeps a gradient and AdamW's two moments beside every weight. LoRA (Hu et al., 2021,
+# "LoRA: Low-Rank Adaptation of Large Language Models") freezes a pretrained W [out, in] and trains only a change of
+# rank r: W x + (alpha / r) B A x, with A [r, in] and B [out, r]. That is r (in + out) numbers for the in * out of W.
+# The paper's hypothesis is that adapting a model needs a change of low "intrinsic rank". Merged, W + (alpha / r) B A
+# runs at the base model's cost; unmerged, the base can serve other adapters.
 
 ARGUMENTS.update(merge=(bool,), base=(nn.Linear,), r=(int, 1, MAX_SIZE), alpha=(float, 0.0, FINITE), targets=(tuple,))
 RELATIONS.update({
@@ -4603,15 +4586,15 @@ class LoRALinear(nn.Module):
 
     def __init__(self, base, r, alpha, dropout=0.0):
         super().__init__()
-        check("alpha > 0", "dropout < 1", base=base, r=r, alpha=alpha, dropout=dropout)
-        # alpha / r: the paper's scaling, so that a change of r needs less retuning
-        self.base, self.scaling, self.merged = base.requires_grad_(False), alpha / r, False
+        # alpha / r is the paper's scaling, so that a change of r needs less retuning; base is frozen last, so that
+        # a bad argument leaves it as it was
+        self.scaling, self.merged, self.dropout = alpha / r, False, nn.Dropout(dropout)
         self.lora_A = nn.Parameter(base.weight.new_empty(r, base.in_features))   # [r, in]
         self.lora_B = nn.Parameter(base.weight.new_zeros(base.out_features, r))  # [out, r]
-        # A drawn as nn.Linear draws a weight, uniform in +-1/sqrt(in) (peft and Microsoft's
-        # loralib; the paper says Gaussian), B zero: B A = 0, training starts from the base model
+        # A is drawn as nn.Linear draws a weight, uniform in +-1/sqrt(in) (as peft and Microsoft's loralib do; the
+        # paper says Gaussian). B is zero, so B A = 0 and training starts from the base model.
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        self.dropout = nn.Dropout(dropout)
+        self.base = base.requires_grad_(False)
 
     def forward(self, x):
         if self.merged:
@@ -4624,51 +4607,52 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def merge(self, merge=True):
-        """W += (alpha / r) B A, once: forward is then base's one matmul (a tied weight changes in both places);
-        merge=False: W -= (alpha / r) B A, the base weight back up to float rounding."""
+        """W += (alpha / r) B A, once, so forward is base's one matmul (a tied weight changes in both places).
+        merge=False subtracts it again: the base weight comes back up to float rounding."""
         if merge != self.merged:
             self.base.weight += self.delta_weight() * (1 if merge else -1)  # [out, in]
             self.merged = merge
 
 
 def lora_targets(model, targets):
-    """[(name, nn.Linear)] whose qualified name is a target or ends in "." + target (peft's: not "x_w_q" for "w_q")."""
-    check("targets named", model=model, targets=targets)  # lora_param_count and add_lora check through here
-    named = lambda name, t: name == t or name.endswith("." + t)  # noqa: E731
+    """[(name, nn.Linear)] whose qualified name is a target or ends in "." + target (peft's rule: "w_q" is not
+    "x_w_q"). A target that names no Linear is refused; so is an empty tuple, which would wrap nothing."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for t in targets:
+    named = lambda name, t: name == t or name.endswith("." + t)  # noqa: E731
+    for t in targets or [""]:
         if not any(named(name, t) for name, _ in linears):
             have = sorted({name.rpartition(".")[2] for name, _ in linears})
             raise ValueError(f"targets: {t!r} names no nn.Linear of the model (its Linears: {', '.join(have)})")
     return [(name, m) for name, m in linears if any(named(name, t) for t in targets)]
 
 
-def lora_param_count(model, r, targets=("w_q", "w_v")):
-    """What add_lora(model, r, ..., targets) trains: r * (in + out) per Linear it wraps."""
-    check(r=r)
-    return sum(r * (m.in_features + m.out_features) for _, m in lora_targets(model, targets))
-
-
 def add_lora(model, r=8, alpha=16, targets=("w_q", "w_v"), dropout=0.0):
-    """Wrap each Linear that targets names (lora_targets) in a LoRALinear, freeze the rest -> model, in place."""
+    """Wrap each Linear that targets names in a LoRALinear and freeze the rest -> model, changed in place."""
     wrapped = [(name, LoRALinear(m, r, alpha, dropout)) for name, m in lora_targets(model, targets)]
-    model.requires_grad_(False)  # the new A and B are not in the model yet: they stay trainable
+    model.requires_grad_(False)  # the new A and B are not in the model yet, so they stay trainable
     for name, lora in wrapped:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, lora)
     return model
 
 
+def lora_param_count(model, r, targets=("w_q", "w_v")):
+    """What add_lora(model, r, ..., targets) trains: r * (in + out) for each Linear it wraps."""
+    return sum(r * (m.in_features + m.out_features) for _, m in lora_targets(model, targets))
+
+
 def merge_lora(model, merge=True):
-    """Merge every LoRALinear of model (merge=False: unmerge them). -> model."""
-    check(model=model, merge=merge)
+    """Merge every LoRALinear of model (merge=False: unmerge them) -> model."""
     for module in model.modules():
         if isinstance(module, LoRALinear):
             module.merge(merge)
     return model
 
-# What it saves: a frozen float32 weight needs no gradient (4 bytes) and no AdamW moments (8), 12 bytes a parameter
-# (Llama-2-7B's in the Try-it). The weights stay, and backward still runs through every layer to the first adapter.
+# On the toy task, the demo adapts the trained encoder-decoder to five new predicates, by LoRA and by full
+# fine-tuning, and prints both against the base model.
+# What LoRA saves: a frozen float32 weight needs no gradient (4 bytes) and no AdamW moments (8), 12 bytes a parameter
+# (75 GiB for Llama-2-7B, below). The weights stay, and the backward still runs through every layer down to the first
+# adapter.
 # Try it: a LoRA of rank 2 starts as its base and merges exactly; Llama-2-7B's numbers.
 #   >>> _ = torch.manual_seed(0); lora = LoRALinear(nn.Linear(16, 8), r=2, alpha=4); x = torch.randn(3, 16)  # [3, in]
 #   >>> torch.equal(lora(x), lora.base(x))                                 # B = 0 at the start
@@ -4685,103 +4669,32 @@ def merge_lora(model, merge=True):
 #   (4194304, 4194304, '75.3 GiB saved')
 
 
-# LoRA on the toy task: five predicates the base model never sees, each a new character for a
-# syllable it already reads otherwise (xi 洗, shi 视, qi 气, ji 鸡, yi 意): the adapted model learns when.
-LORA_NEW_PREDICATES = [("xi yi fu", "洗衣服"), ("kan dian shi", "看电视"), ("sheng qi", "生气"),
-                       ("chi ji dan", "吃鸡蛋"), ("hen you yi si", "很有意思")]
-# adapting by section 43's adamw_update; each method's lr the best of a sweep on seed 3 (mean of new and old)
-LORA_RECIPE = dict(epochs=12, batch_size=32, warmup_steps=5)
-LORA_LR, FULL_LR = 2e-2, 1e-3
-
-
-def lora_task(seed):
-    """The toy sentences in four: old (without LORA_NEW_PREDICATES) for training and held out, new for adapting
-    and held out; vocabularies of all (new characters' rows there, untrained), the trained-on readings."""
-    pairs = make_toy_data(seed=seed)
-    is_new = lambda p, h: any(p.endswith(" " + q) and h.endswith(g) for q, g in LORA_NEW_PREDICATES)  # noqa: E731
-    new = [pair for pair in pairs if is_new(*pair)]
-    old_train, old_test = split_data([pair for pair in pairs if not is_new(*pair)], seed=seed)
-    new_train, new_test = split_data(new, held_out=0.5, seed=seed)
-    src_vocab, tgt_vocab = build_vocabs(pairs)
-    return dict(old_train=old_train, old_test=old_test, new_train=new_train, new_test=new_test, src_vocab=src_vocab,
-                tgt_vocab=tgt_vocab, readings=syllable_readings(old_train + new_train), max_len=max(
-                    2 * len(p.split()) + 2 for p, _ in pairs))
-
-
-def lora_train(model, task, part, seed, update=None, epochs=2, batch_size=32):
-    """train() on task[part + "_train"] -> seconds (no held-out score an epoch: lora_report scores at the end)."""
-    data = PinyinDataset(task[part + "_train"], task["src_vocab"], task["tgt_vocab"])
-    return train(model, data, lambda: 0.0, epochs, batch_size, seed=seed, log=lambda line: None,
-                 update=update)["history"][-1][1]
-
-
-def lora_adapt(base, task, seed, lr, r=None, alpha=16, targets=("w_q", "w_v")):
-    """A copy of base trained on the new sentences by adamw_update: LoRA of rank r, or all (r None) -> (model, s)."""
-    model = copy.deepcopy(base)
-    if r is not None:
-        add_lora(model, r=r, alpha=alpha, targets=targets)
-    steps = LORA_RECIPE["epochs"] * -(-len(task["new_train"]) // LORA_RECIPE["batch_size"])  # ceil: batches an epoch
-    update = adamw_update(model, lr, LORA_RECIPE["warmup_steps"], steps)
-    return model, lora_train(model, task, "new", seed, update, LORA_RECIPE["epochs"], LORA_RECIPE["batch_size"])
-
-
-def lora_report(device="cpu", seed=0):
-    """Print held-out exact match on new and old sentences, before and after adapting, and LoRA merged -> rows."""
-    start, task, spec = time.perf_counter(), lora_task(seed), TOY_MODELS["encdec"]
-    torch.manual_seed(seed)  # the base: section 16's encoder-decoder recipe, trained on the old sentences
-    base = Transformer(src_vocab_size=len(task["src_vocab"]), tgt_vocab_size=len(task["tgt_vocab"]),
-                       max_len=task["max_len"], **spec["config"]).to(device)
-    update = adam_noam(base, spec["lr_factor"], spec["warmup"])
-    seconds = lora_train(base, task, "old", seed, update, spec["epochs"], spec["batch_size"])
-    rows = [("base model", base, seconds)] + [(name, *lora_adapt(base, task, seed, lr, r)) for name, lr, r in (
-        ("LoRA r=8 on w_q, w_v", LORA_LR, 8), ("full fine-tuning", FULL_LR, None))]
-    score = lambda model, part: teacher_forced_accuracy(  # noqa: E731
-        "encdec", model, task[part + "_test"], task["src_vocab"], task["tgt_vocab"], task["readings"])
-    print(f"\nLoRA against full fine-tuning: the encoder-decoder trained on {len(task['old_train']):,} sentences"
-          f" without {len(LORA_NEW_PREDICATES)} predicates ({' '.join(h for _, h in LORA_NEW_PREDICATES)}),"
-          f" then adapted on {len(task['new_train'])} that hold them")
-    print(f"  {'':22s} {'trainable':>10s} {'train s':>8s}  {'new sentences':>13s}  {'old sentences':>13s}")
-    for name, model, seconds in rows:
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        print(f"  {name:22s} {trainable:10,d} {seconds:8.1f}  {100 * score(model, 'new'):12.1f}%"
-              f"  {100 * score(model, 'old'):12.1f}%")
-    lora = rows[1][1]
-    with torch.no_grad(), eval_mode(lora):
-        new_test = PinyinDataset(task["new_test"], task["src_vocab"], task["tgt_vocab"])
-        src, tgt, _ = (t.to(device) for t in collate(list(new_test)))      # [B, S], [B, T], [B, T]
-        unmerged = lora(src, tgt)                                          # [B, T, V]
-        merged = merge_lora(lora)(src, tgt)                                # [B, T, V]
-    print(f"  held out: {len(task['new_test'])} new and {len(task['old_test'])} old sentences; LoRA merged into"
-          f" the weights: logits within {(merged - unmerged).abs().max().item():.1e} of unmerged"
-          f" ({time.perf_counter() - start:.0f} s in all)")
-    return rows
-
-
 # ===========================================================================
 # Part VIII: after pretraining (第八部分：预训练之后)
 # ===========================================================================
-# What is done with a model once it is trained: answer faster without changing the answer (speculative decoding), score
-# whole sequences, and train on preferences (DPO) and on a reward a program checks (GRPO), on the toy task of Part II.
+# A trained model can answer faster without changing its answer (speculative decoding), score whole sequences, and
+# learn from preferences (DPO) and from a reward that a program checks (GRPO). The demo runs each on Part II's task.
 
 # ===========================================================================
 # 48. Speculative decoding (投机解码)
 # ===========================================================================
-# Decoding one sequence a token at a time reads all the target's weights for each token; while that dominates, scoring
-# k + 1 tokens in one forward costs about what scoring one does. So a small draft proposes k tokens one at a time,
-# the target scores all k + 1 positions in one forward, and the longest prefix it agrees with is kept, plus one token of
-# its own (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al., 2023,
-# "Accelerating Large Language Model Decoding with Speculative Sampling"). A drafted x, drawn from the draft's q,
-# is kept with chance min(1, p(x) / q(x)), p the target's; at the first rejection, drawn from max(0, p - q) normalized.
-# What comes out is exactly p: y comes out kept with q(y) min(1, p(y) / q(y)) = min(p(y), q(y)), and a rejection, of
-# chance 1 - sum(min(p, q)) = sum(max(0, p - q)), the residual's own total, then a redraw adds max(0, p - q)(y):
-# min + max(0, p - q) = p. Redrawing from p itself would give min(p, q) + (1 - sum(min(p, q))) p: too much of the tokens
-# the draft likes. p and q are next_token_probs (section 9), after temperature, top_k and top_p; at temperature 0 they
-# are one-hot: x is kept exactly when it is the target's argmax, and the tokens are greedy's.
-# The pitfall: after a rejection both caches still hold the rejected tokens' keys; crop_cache cuts them off. A rolling
-# cache (section 35) cannot take back tokens it let go, so here it holds k more than its window: cut by at most k, it
-# keeps the whole window the next query reads. A recurrent memory (Gated DeltaNet, section 39) cannot be cut back at
-# all: speculation_cache asks each fresh cache for a cut to 0, so such a model is refused before anything runs
-# (transformers refuses assisted decoding for its stateful models too).
+# Decoding one sequence reads all of the target model's weights for each token. While that reading dominates, scoring
+# k + 1 tokens in one forward costs about what scoring one does. So a small draft proposes k tokens one at a time, the
+# target scores all k + 1 positions in one forward, and the longest prefix it agrees with is kept, plus one token of its
+# own (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al., 2023,
+# "Accelerating Large Language Model Decoding with Speculative Sampling").
+# A drafted x, drawn from the draft's law q, is kept with chance min(1, p(x) / q(x)), p the target's law; at the first
+# rejection a token is drawn from max(0, p - q), normalized. The output then follows p exactly: y comes out kept with
+# chance q(y) min(1, p(y) / q(y)) = min(p(y), q(y)); a rejection has chance 1 - sum(min(p, q)) = sum(max(0, p - q)),
+# the residual's own total, so the redraw adds max(0, p - q)(y), and min + max(0, p - q) = p. A redraw from p itself
+# would give min(p, q) + (1 - sum(min(p, q))) p, too much of the tokens the draft likes. p and q are next_token_probs
+# (section 9), after temperature, top_k and top_p; at temperature 0 they are one-hot, and the tokens are greedy's.
+# The pitfall is the caches: after a rejection both still hold the rejected tokens' keys, and crop_cache cuts them off.
+# A rolling cache (section 35) cannot take back tokens it has let go, so here it holds k tokens more than its window:
+# a round cuts at most k, and the whole window the next query reads stays.
+# A recurrent memory (Gated DeltaNet, section 39) cannot be cut back at all, so speculation_cache asks each fresh cache
+# for a cut to 0, and such a model is refused before anything runs (transformers refuses assisted decoding for its
+# stateful models too).
 
 ARGUMENTS.update(k=(int, 1, MAX_SIZE), target=(type,), draft=(type,), draft_vocab_size=(int, 1, MAX_SIZE))
 RELATIONS.update({
@@ -4825,13 +4738,11 @@ def rejection_rule(p, q):
 @torch.no_grad()
 def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperature=0.0, top_k=None, top_p=None,
                          generator=None):
-    """input_ids [1, T] -> [1, T + max_new_tokens], target.generate's tokens or law; draft proposes k a round."""
-    check("target decodes", "draft decodes", target=type(target), draft=type(draft))
-    check_ids("input_ids", input_ids, target.vocab_size, target.max_len)
-    check("one vocabulary", "batch 1", "prompt fits", "top_p > 0", draft_vocab_size=draft.vocab_size,
-          vocab_size=target.vocab_size, batch_size=input_ids.size(0), prompt_length=input_ids.size(1),
-          max_new_tokens=max_new_tokens, max_len=min(target.max_len, draft.max_len), k=k, temperature=temperature,
-          top_k=top_k, top_p=top_p, generator=generator)
+    """input_ids [1, T] -> [1, T + max_new_tokens]: target.generate's tokens, or their law when sampling. The draft is
+    any model that maps token ids and a cache (its new_cache()) to logits over the target's vocabulary."""
+    if input_ids.size(0) != 1 or temperature < 0:  # rows would keep different numbers of tokens
+        raise ValueError(f"speculative decoding takes one sequence [1, T] and a temperature >= 0, got input_ids"
+                         f" {list(input_ids.shape)} and temperature {temperature}")
 
     def draw(probs):  # [n, V] -> [n, 1], as next_token chooses
         if temperature == 0:
@@ -4847,10 +4758,10 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
             for i in range(n_draft):
                 q.append(next_token_probs(draft(ids, draft_cache)[:, -1], temperature, top_k, top_p))  # [1, V]
                 ids = torch.cat([ids, draw(q[-1])], dim=1)                 # [1, n+i+1]
-            # 2. one forward of the target: its distributions after each of the n_draft + 1 prefixes
+            # 2. one forward of the target gives its laws after each of the n_draft + 1 prefixes
             logits = target(ids, target_cache)[0, -(n_draft + 1):]        # [n_draft+1, V]
             p = next_token_probs(logits, temperature, top_k, top_p)        # [n_draft+1, V]
-            # 3. the drafted tokens up to the first rejection, then one token of the target's
+            # 3. the drafted tokens up to the first rejection are kept, then one token of the target's
             kept = 0
             while kept < n_draft:
                 keep, residual = rejection_rule(p[kept], q[kept][0])       # [V] each
@@ -4858,12 +4769,12 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
                 if u >= keep[ids[0, n + kept]]:
                     break
                 kept += 1
-            if kept < n_draft:  # rejected: redraw from the residual (from p if p = q: float noise)
+            if kept < n_draft:  # rejected: redraw from the residual (from p when p = q up to float noise)
                 last = draw(residual[None] if residual.sum() > 0 else p[kept:kept + 1])  # [1, 1]
-            else:               # every drafted token kept: the last distribution gives one more
+            else:               # every drafted token kept: the last law gives one more
                 last = draw(p[n_draft:])                                   # [1, 1]
             ids = torch.cat([ids[:, :n + kept], last], dim=1)              # [1, n+kept+1]
-            # 4. both caches forget the rejected tokens (the newest token is run next round)
+            # 4. both caches forget the rejected tokens (the newest token runs in the next round)
             crop_cache(target_cache, ids.size(1) - 1)
             crop_cache(draft_cache, ids.size(1) - 1)
     return ids                                                             # [1, T + max_new_tokens]
@@ -4883,15 +4794,15 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 #   tensor([0.5000, 0.3000, 0.2000, 0.0000])
 
 
-# Multi-token prediction as the draft (section 32): the module reads the target's last hidden state, so it is wrapped to
-# the draft's interface (speculative_generate stays as it is): each call reads the states the target's latest forward
-# left, those of the tokens it kept, and runs the module on the tokens it has not seen. The first round has nothing to
-# read: it proposes from a uniform law (almost always rejected), a round that writes the target's own token, as
-# transformers' MTP drafting does. A second drafted token of a round has no target state before it yet: the module's own
-# state stands in (as vLLM runs one module again for more drafted tokens, warning that fewer are kept; DeepSeek-V3's
-# report drafts one and keeps 85-90% of the second tokens, for 1.8 times the tokens per second). There the module is one
-# block of 62; on the toy it is one of 3, and the costliest kind (MLA and the 8-expert MoE cost about a whole target
-# forward): it saves target forwards, not time (speculative_report(kind="deepseek") measures both).
+# Multi-token prediction (section 32) can be the draft. Its module reads the target's last hidden state, so MTPDraft
+# wraps it in the draft's interface. Each call reads the states the target's latest forward left for the tokens it
+# kept, and runs the module on the tokens it has not seen. The first round has nothing to read, so it proposes from a
+# uniform law; the guess is almost always rejected and the round writes the target's own token, as in transformers'
+# MTP drafting. A second drafted token of a round has no target state before it, so the module's own state stands in
+# (vLLM does the same and warns that fewer are kept; DeepSeek-V3's report drafts one token, keeps 85-90% of them, and
+# gets 1.8 times the tokens per second). There the module is one block of 62. On the toy it is one of 3 and of the
+# costliest kind (MLA and the 8-expert MoE cost about a whole target forward), so it saves target forwards, not time
+# (the --after run measures both).
 
 ARGUMENTS.update(mtp=(MultiTokenPrediction,))
 RELATIONS["its model's width"] = (("mtp", "d_model"), lambda mtp, d: mtp.d_model == d,
@@ -4899,14 +4810,10 @@ RELATIONS["its model's width"] = (("mtp", "d_model"), lambda mtp, d: mtp.d_model
 
 
 class MTPCache:
-    """MTPDraft's cache: the target's states it has read [1, t, D], its block's layer cache, its own last state;
-    hook: the handle of the target's hook that reads them, removed with the cache (the target is left as it was)."""
+    """MTPDraft's cache: the target's states it has read [1, t, D], its block's layer cache, its own last state."""
 
-    def __init__(self, hidden, block, hook):
-        self.hidden, self.block, self.last, self.hook = hidden, block, None, hook  # [1, 0, D], a layer cache, [1, 1, D]
-
-    def __del__(self):
-        self.hook.remove()
+    def __init__(self, hidden, block):
+        self.hidden, self.block, self.last = hidden, block, None            # [1, 0, D], a layer cache, [1, 1, D]
 
     def __len__(self):
         return self.hidden.size(1)
@@ -4918,29 +4825,41 @@ class MTPCache:
 
 
 class MTPDraft(nn.Module):
-    """A draft for speculative_generate made of target and its MTP module (mtp_module, trained): no model of its
-    own; forward(input_ids [1, n], cache) -> logits [1, 1, V] for token n."""
+    """A draft for speculative_generate made of target and its trained MTP module (mtp_module): forward(input_ids
+    [1, n], cache) -> logits [1, 1, V] for token n. A hook on the target's final_norm keeps the states of its latest
+    forward; close() removes the hook, and so does the end of a `with MTPDraft(target, mtp) as draft:` block."""
 
     def __init__(self, target, mtp):
         super().__init__()
-        check("MTP on a Llama family", "its model's width", model_kind=type(target), mtp=mtp, d_model=target.d_model)
+        if not isinstance(mtp, MultiTokenPrediction):
+            raise ValueError(f"mtp must be a MultiTokenPrediction, got {mtp!r}")
+        if mtp.d_model != target.d_model:
+            raise ValueError(f"mtp must be an MTP module of the target's width {target.d_model}, got {mtp.d_model}")
         self.target, self.mtp, self.read = target, mtp, {}
-        self.vocab_size, self.max_len = target.vocab_size, target.max_len
+        # final_norm's output, not the lm_head's input: the module's logits go through that head too
+        self.hook = target.final_norm.register_forward_hook(self.keep)
+
+    def keep(self, module, inputs, out):
+        self.read["hidden"] = out.detach()                                 # [1, Tn, D]
+
+    def close(self):
+        self.hook.remove()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def new_cache(self):
-        """[MTPCache]; a new sequence: nothing the target read before is its. While the cache lives, every forward
-        of the target leaves in self.read its final_norm's output [1, Tn, D] (not the lm_head's input: the
-        module's logits go through that head too)."""
+        """[MTPCache] for a new sequence: nothing the target read before belongs to it."""
         self.read.clear()
-        read = self.read  # not self: the hook must not keep the draft, and so its cache, alive
-        keep = lambda module, args, out: read.update(hidden=out.detach())  # noqa: E731  out [1, Tn, D]
-        hook = self.target.final_norm.register_forward_hook(keep)
         empty = self.target.lm_head.weight.new_zeros(1, 0, self.target.d_model)  # [1, 0, D]
-        return [MTPCache(empty, self.target.cache_kind(), hook)]
+        return [MTPCache(empty, self.target.cache_kind())]
 
     def forward(self, input_ids, cache):
         c, n = cache[0], input_ids.size(1)
-        # the target's latest forward began where the states read end; of it, keep tokens 0 .. n - 2 (kept ones)
+        # The target's latest forward began where the states read so far end; keep tokens 0 .. n - 2 (the kept ones)
         fresh = self.read.pop("hidden", c.hidden[:, :0])                   # [1, Tn, D]
         c.hidden = torch.cat([c.hidden, fresh], dim=1)[:, :n - 1]          # [1, <=n-1, D]
         past = len(c.block)                                                # the block has run positions 1 .. past
@@ -4949,149 +4868,45 @@ class MTPDraft(nn.Module):
         elif c.last is not None:
             hidden = c.last                                                # [1, 1, D]: its own, at n - 2
         else:
-            return torch.zeros(1, 1, self.vocab_size, device=input_ids.device)  # [1, 1, V]: the first round
+            return torch.zeros(1, 1, self.target.vocab_size, device=input_ids.device)  # [1, 1, V]: the first round
         logits, states = self.mtp(self.target, hidden, input_ids[:, past + 1:], c.block)  # [1, m, V], [1, m, D]
         c.last = states[:, -1:]                                            # [1, 1, D]
         return logits[:, -1:]                                              # [1, 1, V]
 
-
-# speculative_generate's rule on the draft, widened to this one
-RELATIONS["draft decodes"] = (("draft",), lambda cls: issubclass(cls, (DecoderOnlyTransformer, Llama, MTPDraft)),
-                              "draft must be a decoder-only model of this file (DecoderOnlyTransformer, a Llama"
-                              " family) or an MTPDraft")
-
-# Try it: a Llama's own greedy tokens, drafted by its MTP module (untrained: mostly rejected).
+# Try it: a Llama's own greedy tokens, drafted by its MTP module (untrained, so mostly rejected).
 #   >>> _ = torch.manual_seed(0)
 #   >>> target = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=32)
-#   >>> draft = MTPDraft(target, mtp_module(target))
 #   >>> ids = torch.randint(0, 50, (1, 5))                                 # [1, 5]
-#   >>> [torch.equal(speculative_generate(target, draft, ids, 12, k=k), target.generate(ids, 12)) for k in (1, 3)]
+#   >>> with MTPDraft(target, mtp_module(target)) as draft:
+#   ...     [torch.equal(speculative_generate(target, draft, ids, 12, k=k), target.generate(ids, 12)) for k in (1, 3)]
 #   [True, True]
-
-# speculative_report's drafts: each decoder-only toy recipe at one layer of half the width (same vocabulary).
-DRAFT_MODELS = {"gpt": dict(TOY_MODELS["gpt"], name="GPT, 1 layer of 32",
-                            config=dict(d_model=32, n_heads=2, d_ff=128, n_layers=1, dropout=0.0)),
-                "llama": dict(TOY_MODELS["llama"], name="Llama-style, 1 layer of 32",
-                              config=dict(d_model=32, n_heads=2, n_kv_heads=1, d_ff=128, n_layers=1))}
-DRAFT_MODELS["deepseek"] = DRAFT_MODELS["llama"]  # a draft of another family needs only the same vocabulary
-
-
-@contextlib.contextmanager
-def count_forwards(*models):
-    """Within the block, {model: forwards run so far}, counted by forward pre-hooks."""
-    counts = {model: 0 for model in models}
-    hooks = [model.register_forward_pre_hook(lambda m, args: counts.__setitem__(m, counts[m] + 1)) for model in models]
-    try:
-        yield counts
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
-def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), mtp_ks=(1, 2), device="cpu", log=print):
-    """Train the toy target (TOY_MODELS[kind]) and its draft (DRAFT_MODELS[kind]) on seed's split, and for a Llama
-    family an MTP module (train_mtp); answer n_prompts held-out prompts "pinyin <sep>" greedily (S + 1 tokens) with
-    the target's generate, speculative_generate for each k (the MTP draft for each of mtp_ks), and the draft alone;
-    check the tokens are the target's, count the drafted tokens kept (not the MTP's first-round guess), and time each
-    way, prompt by prompt in a changing order (a busy moment falls on all): medians of repeats -> {way: table row}."""
-    device = torch.device(device)
-    train_pairs, test_pairs = split_data(make_toy_data(), seed=seed)
-    quiet = lambda line: None  # noqa: E731
-    target, _, vocab, result = train_toy_model(kind, train_pairs, test_pairs, device, seed=seed, log=quiet)
-    draft, _, _, draft_result = train_toy_model(kind, train_pairs, test_pairs, device, seed=seed, log=quiet,
-                                                 recipes=DRAFT_MODELS)
-    mtp = train_mtp(target, train_pairs, vocab, seed=seed) if isinstance(target, Llama) else None
-    prompts = [(torch.tensor([vocab.encode(pinyin.split() + [SEP])], device=device), len(pinyin.split()) + 1)
-               for pinyin, _ in test_pairs[:n_prompts]]                    # ([1, S+1], S+1 new tokens) each
-    ways = {"target alone": lambda ids, n: target.generate(ids, n)}
-    ways.update({f"speculative k={k}": lambda ids, n, k=k: speculative_generate(target, draft, ids, n, k=k)
-                 for k in ks})
-    if mtp is not None:
-        mtp_draft = MTPDraft(target, mtp)
-        ways.update({f"MTP k={k}": lambda ids, n, k=k: speculative_generate(target, mtp_draft, ids, n, k=k)
-                     for k in mtp_ks})
-    ways["draft alone"] = lambda ids, n: draft.generate(ids, n)
-    drafters = [draft] + ([mtp] if mtp is not None else [])
-    rows, new_tokens = {}, sum(n for _, n in prompts)
-    for way, answer in ways.items():  # once, counted: the tokens, and the forwards each model ran
-        with count_forwards(target, *drafters) as forwards:
-            outputs = [answer(ids, n) for ids, n in prompts]               # [1, S+1+S+1] each
-        rows[way] = dict(outputs=outputs, target_forwards=forwards[target], drafted=sum(map(forwards.get, drafters)),
-                         seconds=[0.0] * repeats)
-    names = list(ways)
-    for r in range(repeats):
-        for i, (ids, n) in enumerate(prompts):
-            turn = (r + i) % len(names)
-            for way in names[turn:] + names[:turn]:
-                synchronize(device)
-                start = time.perf_counter()
-                ways[way](ids, n)
-                synchronize(device)
-                rows[way]["seconds"][r] += time.perf_counter() - start
-    median = {way: sorted(row["seconds"])[repeats // 2] for way, row in rows.items()}
-    log(f"\nspeculative decoding, seed {seed}: target {TOY_MODELS[kind]['name']}, {count_parameters(target):,}"
-        f" parameters; draft {DRAFT_MODELS[kind]['name']}, {count_parameters(draft):,} (held-out exact match,"
-        f" constrained as in training: {100 * result['accuracy']:.1f}% and {100 * draft_result['accuracy']:.1f}%)")
-    if mtp is not None:
-        log(f"MTP draft: the target's MTP module (section 32), {count_parameters(mtp):,} parameters of its own"
-            f" (embedding and head the target's), trained with the target frozen")
-    log(f"{len(prompts)} held-out prompts, {new_tokens} tokens written by plain greedy decoding (unconstrained),"
-        f" medians of {repeats} runs")
-    log(f"  {'way':18s} {'kept':>6s} {'tokens/target forward':>22s} {'tokens/s':>9s} {'speed-up':>8s}"
-        f"  same tokens as the target")
-    for way, row in rows.items():
-        same = all(torch.equal(a, b) for a, b in zip(row["outputs"], rows["target alone"]["outputs"]))  # [1, T] each
-        drafting = "k=" in way  # each round: 1 target forward, the kept tokens + 1 written
-        row.update(median_seconds=median[way], speedup=median["target alone"] / median[way],
-                   tokens_per_second=new_tokens / median[way], same=same,
-                   acceptance=(new_tokens - row["target_forwards"]) / row["drafted"] if drafting else None)
-        kept = f"{100 * row['acceptance']:5.1f}%" if row["acceptance"] is not None else f"{'-':>6s}"
-        per_forward = f"{new_tokens / row['target_forwards']:22.2f}" if row["target_forwards"] else f"{'-':>22s}"
-        log(f"  {way:18s} {kept} {per_forward} {row['tokens_per_second']:9.0f} {row['speedup']:7.2f}x"
-            f"  {'yes' if same else 'no' if way == 'draft alone' else 'NO'}")
-    return rows
 
 
 # ===========================================================================
 # 49. Sequence log-probabilities (序列对数概率)
 # ===========================================================================
-# Pretraining and section 13 raise the probability of given text; what comes after compares answers: DPO (section 50)
-# weighs two answers to one prompt, GRPO (section 51) several. Both need log p(answer | prompt), the sum of the
-# log-probabilities of the answer's tokens from one teacher-forced pass (GRPO token by token). The logits at t predict
-# token t + 1, so they are shifted by one, and only the answer's tokens count: not the prompt's, not the padding's.
-
-def check_batch(dims, any_dtype=(), **tensors):
-    """The related tensors of a batch, checked together before any is used: each `dims`-D, floating point
-    (those in any_dtype: any dtype), all of one shape, at least one row (an empty batch has no mean)."""
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor) or t.dim() != dims or not (name in any_dtype or t.is_floating_point()):
-            found = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a {dims}-D {'' if name in any_dtype else 'floating-point '}tensor,"
-                             f" got {found}")
-    shapes = [(name, list(t.shape)) for name, t in tensors.items()]
-    if len({str(shape) for _, shape in shapes}) > 1 or not shapes[0][1][0]:
-        raise ValueError("the tensors must have one shape and at least one row, got "
-                         + ", ".join(f"{name} {shape}" for name, shape in shapes))
-
+# Pretraining raises the probability of given text; what comes after compares answers. DPO (section 50) weighs two
+# answers to one prompt and GRPO (section 51) several. Both need log p(answer | prompt), the sum of the answer tokens'
+# log-probabilities from one teacher-forced pass (GRPO takes them token by token). The logits at t predict token t + 1,
+# so they are shifted by one, and only the answer's tokens count, not the prompt's or the padding's.
 
 def token_logprobs(model, input_ids):
     """input_ids [B, T] -> [B, T-1], entry t log p(input_ids[:, t+1] | input_ids[:, :t+1]), any decoder-only model."""
     logits = model(input_ids)[:, :-1].float()                              # [B, T-1, V]: t predicts t + 1
-    # log_softmax, then the row of the token that came, in float32: a sum of bfloat16's would drift (7-bit mantissa)
+    # float32, because a sum of bfloat16 log-probabilities would drift (7-bit mantissa)
     return logits.log_softmax(dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
 
 
 def sequence_logprobs(model, input_ids, response_mask):
-    """input_ids [B, T] (prompt, answer, then padding on the right), response_mask [B, T] True on the answer's
-    tokens -> [B]: log p(answer | prompt), the sum of its tokens' log-probabilities. A sum, not a mean: an answer's
-    probability is the product of its tokens', and a mean would rank a long answer as if it were a short one."""
-    check_batch(2, ("input_ids", "response_mask"), input_ids=input_ids, response_mask=response_mask)
+    """input_ids [B, T] (prompt, answer, then padding on the right), response_mask [B, T] True on the answer's tokens
+    -> [B]: log p(answer | prompt), a sum, not a mean. An answer's probability is the product of its tokens', and a
+    mean would rank a long answer as if it were a short one."""
     answer = response_mask[:, 1:].bool()                                   # [B, T-1]: which predictions count
-    # where, not a product: padding's log-probabilities are dropped even were one -inf
+    # where, not a product, so that padding's log-probabilities are dropped even when one is -inf
     return torch.where(answer, token_logprobs(model, input_ids), 0.0).sum(dim=-1)  # [B]
 
-# The padding goes on the right: these models have no padding mask, so a pad on the left would be read as context, and
-# would move the answer's positions. Position 0 predicts nothing: its mask entry is ignored (it is always a prompt).
+# The padding goes on the right. These models have no padding mask, so a pad on the left would be read as context and
+# would move the answer's positions. Position 0 predicts nothing, so its mask entry is ignored (it is always prompt).
 # Try it: the answer 8 9 after the prompt 5 6 7, padded to 7.
 #   >>> _ = torch.manual_seed(0)
 #   >>> gpt = DecoderOnlyTransformer(vocab_size=10, d_model=16, n_layers=1, n_heads=2, d_ff=32, dropout=0.0)
@@ -5102,51 +4917,37 @@ def sequence_logprobs(model, input_ids, response_mask):
 #   (True, torch.Size([1, 6]))
 
 
-def answer_batch(vocab, prompts, answers):
-    """This part's toy batches: prompts (id lists) and hanzi answers -> "prompt answer <eos>" ids
-    [N, L], padded on the right, and the response mask [N, L], True on the answer and its eos."""
-    rows = [(p, vocab.encode(list(a)) + [Vocab.EOS]) for p, a in zip(prompts, answers)]
-    L = max(len(p) + len(a) for p, a in rows)
-    ids = torch.full((len(rows), L), Vocab.PAD)                                # [N, L]
-    mask = torch.zeros(len(rows), L, dtype=torch.bool)                        # [N, L]
-    for n, (p, a) in enumerate(rows):
-        ids[n, :len(p) + len(a)] = torch.tensor(p + a)                        # [len(p) + len(a)]
-        mask[n, len(p):len(p) + len(a)] = True
-    return ids, mask
-
-
 # ===========================================================================
 # 50. DPO (直接偏好优化)
 # ===========================================================================
 # RLHF fits a reward model to pairs of answers (one chosen, one rejected), then trains the model against it while a KL
-# penalty holds it near a reference. DPO (Rafailov et al., 2023, "Direct Preference Optimization") solves that
-# KL-penalized problem in closed form: the model that solves it has the reward beta * log(pi / pi_ref) plus a term of
-# the prompt alone, which cancels between two answers to one prompt. So the pairs train the model directly, a logistic
-# loss on the chosen answer's reward minus the rejected one's: no reward model, no sampling during training, four
-# sequence log-probabilities (section 49) per pair.
+# penalty holds it near a reference. DPO (Rafailov et al., 2023, "Direct Preference Optimization") solves that problem
+# in closed form: its solution has the reward beta * log(pi / pi_ref) plus a term of the prompt alone, which cancels
+# between two answers to one prompt. So the pairs train the model directly, by a logistic loss on the chosen answer's
+# reward minus the rejected one's: no reward model, no sampling, four sequence log-probabilities (section 49) a pair.
 
 ARGUMENTS.update(beta=(float, 0.0, FINITE))
 RELATIONS["beta > 0"] = (("beta",), lambda b: b > 0, "beta must be > 0 (at 0 every pair has the same loss)")
 
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1):
-    """Sequence log-probabilities [B] of the chosen and rejected answers under the model trained and the
-    frozen reference -> (loss [], chosen_rewards [B], rejected_rewards [B]): -log sigmoid(chosen - rejected)
-    averaged over the pairs, each reward beta * (log pi - log pi_ref), detached (logged, as TRL's DPOTrainer)."""
-    check("beta > 0", beta=beta)
-    check_batch(1, policy_chosen=policy_chosen, policy_rejected=policy_rejected, ref_chosen=ref_chosen,
-                ref_rejected=ref_rejected)
-    # the reference is a fixed anchor, detached: computed outside no_grad, it gets no gradient (nor keeps a graph)
+    """Sequence log-probabilities [B] of the chosen and the rejected answers, under the model trained and under the
+    frozen reference -> (loss [], chosen_rewards [B], rejected_rewards [B]): the mean of -log sigmoid(chosen -
+    rejected) over the pairs, each reward beta * (log pi - log pi_ref), detached (for logging, as TRL's DPOTrainer)."""
+    if beta <= 0 or not policy_chosen.shape == policy_rejected.shape == ref_chosen.shape == ref_rejected.shape:
+        raise ValueError(f"dpo_loss needs beta > 0 (at 0 every pair has the same loss) and four tensors of one shape"
+                         f" [B], got beta={beta}")
+    # The reference is a fixed anchor, detached: computed outside no_grad, it gets no gradient and keeps no graph
     chosen = beta * (policy_chosen - ref_chosen.detach())                  # [B]: implicit rewards
     rejected = beta * (policy_rejected - ref_rejected.detach())            # [B]
-    # logsigmoid, not log(sigmoid(.)): at a margin of -100 float32's sigmoid is 0 and its log -inf
+    # logsigmoid, not log(sigmoid(.)): at a margin of -100, float32's sigmoid is 0 and its log -inf
     loss = -F.logsigmoid(chosen - rejected).mean()                         # []
     return loss, chosen.detach(), rejected.detach()                        # [], [B], [B]
 
-# The gradient, as the paper's section 4 writes it: d loss / d policy_chosen = -beta * sigmoid(rejected - chosen) / B,
-# the opposite for policy_rejected. Each pair weighs sigmoid of minus its margin of implicit rewards: near 1 while the
-# chosen answer has gained less over the reference than the rejected one, near 0 once it has gained clearly more, so
-# learned pairs stop pulling. beta = 0.1 is TRL's default; a larger beta holds the model nearer the reference.
+# The gradient (the paper's section 4) is d loss / d policy_chosen = -beta * sigmoid(rejected - chosen) / B, and the
+# opposite for policy_rejected. A pair's weight is near 1 while the chosen answer has gained less over the reference
+# than the rejected one, and near 0 once it has gained clearly more, so learned pairs stop pulling. beta = 0.1 is TRL's
+# default; a larger beta holds the model nearer the reference.
 # Try it: a pair the policy already ranks right, and one it ranks wrong.
 #   >>> pi_c, pi_r = torch.tensor([-2.0, -9.0], requires_grad=True), torch.tensor([-6.0, -3.0])
 #   >>> ref_c, ref_r = torch.tensor([-5.0, -5.0]), torch.tensor([-5.0, -5.0])
@@ -5157,35 +4958,13 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1)
 #   tensor([-0.0298, -0.2381])
 
 
-def run_dpo(model, vocab, train_pairs, seed, p):
-    """DPO on the toy (run in section 51): the right answer (chosen) against the model's wrong free greedy one
-    (rejected) on the training sentences it gets wrong, the model before as reference, p["prompts"] pairs a step."""
-    reference = copy.deepcopy(model).requires_grad_(False)
-    greedy = gpt_translate(model, [pinyin for pinyin, _ in train_pairs], vocab)
-    wrong = [(pinyin, hanzi, g) for (pinyin, hanzi), g in zip(train_pairs, greedy) if g != hanzi]
-    optimizer = AdamW(model.parameters(), weight_decay=0.0, lr=p["dpo_lr"])
-    rng = random.Random(seed)
-    for _ in range(p["steps"]):
-        batch = rng.sample(wrong, min(p["prompts"], len(wrong)))
-        prompts = [vocab.encode(pinyin.split() + [SEP]) for pinyin, _, _ in batch]
-        ids, mask = answer_batch(vocab, prompts * 2, [h for _, h, _ in batch] + [g for _, _, g in batch])  # [2P, L]
-        with torch.no_grad():
-            ref_chosen, ref_rejected = sequence_logprobs(reference, ids, mask).chunk(2)  # [P] each
-        chosen, rejected = sequence_logprobs(model, ids, mask).chunk(2)        # [P] each
-        loss, _, _ = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, p["beta"])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return f"{len(wrong)} pairs"
-
-
 # ===========================================================================
 # 51. GRPO (组相对策略优化)
 # ===========================================================================
-# Where an answer can be checked (a math result, a test suite, our toy's characters), the model can learn from its own
-# answers: sample G of them for each prompt, score each, and raise the probability of those better than their group.
+# Where an answer can be checked (a math result, a test suite, the toy's characters), a model can learn from its own
+# answers: it samples G for each prompt, scores them, and raises the probability of those better than their group.
 # GRPO (Shao et al., 2024, "DeepSeekMath"; the RL of DeepSeek-R1, 2025) is PPO with the group's mean reward as the
-# baseline (and its std as the scale) instead of a learned value model: no critic to train, G answers a prompt instead.
+# baseline (and its std as the scale) instead of a learned value model: no critic to train, G answers a prompt.
 
 ARGUMENTS.update(group_size=(int, 2, MAX_SIZE), clip_eps=(float, 0.0, 1.0), kl_beta=(float, 0.0, FINITE))
 RELATIONS["sampled"] = (("temperature",), lambda t: t > 0, "temperature must be > 0: GRPO learns from answers"
@@ -5193,48 +4972,49 @@ RELATIONS["sampled"] = (("temperature",), lambda t: t > 0, "temperature must be 
 
 
 def group_advantages(rewards, eps=1e-4):
-    """rewards [B, G], G answers to each of B prompts -> advantages [B, G]: each reward
-    against its own group, (r - mean) / (std + eps), std unbiased (torch.std's, TRL's)."""
-    check_batch(2, rewards=rewards)
-    check(eps=eps, group_size=rewards.size(-1))  # one answer has no group to compare with
-    # shifted by the first reward first: the same advantages, and a group of equal rewards gets exactly 0
-    # (it teaches nothing), where the mean's rounding would leave about 1e-3; eps keeps that 0 / 0 from NaN
+    """rewards [B, G], G answers to each of B prompts -> advantages [B, G]: each reward against its own group,
+    (r - mean) / (std + eps), with torch.std's unbiased std (as TRL)."""
+    if rewards.dim() != 2 or rewards.size(-1) < 2:  # one answer has no group to compare with
+        raise ValueError(f"rewards must be [B, G] with G >= 2, got {list(rewards.shape)}")
+    # Shifted by the first reward first: the advantages are the same, and a group of equal rewards gets exactly 0
+    # (it teaches nothing), where the mean's rounding would leave about 1e-3. eps keeps that 0 / 0 from a NaN.
     rewards = rewards - rewards[..., :1]                                   # [B, G]
     return (rewards - rewards.mean(dim=-1, keepdim=True)) / (rewards.std(dim=-1, keepdim=True) + eps)  # [B, G]
 
 
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0.2, kl_beta=0.04):
     """Per-token log-probabilities [N, T] of N sampled answers under the model trained (logprobs), the model that
-    sampled them (old) and the frozen reference (ref); one advantage [N] an answer; mask [N, T], True on the answers'
-    tokens -> the loss [], minus GRPO's objective: per token min(rho A, clip(rho, 1 - clip_eps, 1 + clip_eps) A) -
-    kl_beta * KL with rho = exp(logprobs - old), averaged over each answer's tokens, then over answers."""
-    check(clip_eps=clip_eps, kl_beta=kl_beta)
-    check_batch(2, ("mask",), logprobs=logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask)
-    check_batch(1, advantages=advantages, logprobs_rows=logprobs[:, 0])  # one advantage an answer: [N], not [N, 1]
-    # rho is 1 in value when the model trained is the one that sampled (one step a batch), not in gradient:
+    sampled them (old) and the frozen reference (ref); an advantage [N] an answer; mask [N, T], True on the answers'
+    tokens -> the loss [], minus GRPO's objective. Per token, that objective is min(rho A, clip(rho, 1 - clip_eps,
+    1 + clip_eps) A) - kl_beta * KL, with rho = exp(logprobs - old), averaged over each answer's tokens, then over
+    the answers."""
+    if logprobs.dim() != 2 or advantages.shape != logprobs.shape[:1]:  # else A [N, 1] or [N] would broadcast
+        raise ValueError(f"logprobs must be [N, T] and advantages [N], got {list(logprobs.shape)} and"
+                         f" {list(advantages.shape)}")
+    # rho is 1 in value when the model trained is the one that sampled (one step a batch), but not in gradient:
     # d rho / d logprobs = rho, so the surrogate's gradient is A times logprobs', the policy gradient (old: constant)
     rho = torch.exp(logprobs - old_logprobs.detach())                      # [N, T]
     A = advantages[:, None]                                                # [N, 1]
-    # PPO's clip: once rho has moved past 1 +- clip_eps in the direction A favors, the
-    # clipped term is the smaller and its gradient is 0: no step pushes further off-policy
+    # PPO's clip: once rho has moved past 1 +- clip_eps in the direction A favors, the clipped term is the smaller,
+    # and its gradient is 0, so no step pushes further off-policy
     surrogate = torch.min(rho * A, rho.clamp(1 - clip_eps, 1 + clip_eps) * A)  # [N, T]
-    # KL(pi || pi_ref) per token by the "k3" estimator (Schulman, 2020, "Approximating KL Divergence"),
-    # DeepSeekMath's: exp(d) - d - 1, d = ref - logprobs, never negative, its mean over sampled tokens
-    # KL(model || reference). It carries the gradient (1 - exp(d)): under no_grad it would hold nothing back
+    # KL(pi || pi_ref) per token by the "k3" estimator (Schulman, 2020, "Approximating KL Divergence"), DeepSeekMath's:
+    # exp(d) - d - 1 with d = ref - logprobs. It is never negative, and its mean over sampled tokens is
+    # KL(model || reference). It carries the gradient (1 - exp(d)); under no_grad it would hold nothing back.
     d = ref_logprobs.detach() - logprobs                                   # [N, T]
     per_token = surrogate - kl_beta * (torch.exp(d) - d - 1)               # [N, T]: the objective
     mask = mask.bool()                                                     # [N, T]
     per_token = torch.where(mask, per_token, 0.0)                          # [N, T]: padding is out of every mean
-    # GRPO's average: over each answer's tokens, then over answers (an empty answer counts 0)
+    # GRPO's average: over each answer's tokens, then over the answers (an empty answer counts 0)
     per_answer = per_token.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)     # [N]
     return -per_answer.mean()                                              # []: to minimize
 
-# Two variants change the averaging, one line each. DAPO (Yu et al., 2025) takes one mean over all the batch's
-# tokens, per_token.sum() / mask.sum(): a mean per answer weighs a long answer's tokens less, and its gibberish and
-# repetition go too little penalized. Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training") divides by
-# one constant, the generation budget, not each answer's length (which penalizes long wrong answers less: they grow
-# long), and by no std in group_advantages (which weighs up questions whose rewards barely vary: too easy or hard).
-# kl_beta = 0.04 and G = 64 are DeepSeekMath's (its section 4.2; no clip_eps there, 0.2 is PPO's usual).
+# Two variants change the averaging, one line each. DAPO (Yu et al., 2025) takes one mean over all the batch's tokens,
+# per_token.sum() / mask.sum(): a mean per answer weighs a long answer's tokens less, so its gibberish and repetition go
+# too little penalized. Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training") divides by one constant, the
+# generation budget, not each answer's length (which penalizes long wrong answers less, so they grow long), and by no
+# std in group_advantages (which weighs up questions whose rewards barely vary). kl_beta = 0.04 and G = 64 are
+# DeepSeekMath's (its section 4.2); it has no clip_eps, and 0.2 is PPO's usual value.
 # Try it: two groups of 4 answers (the second all alike), then the on-policy gradient.
 #   >>> group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]]))
 #   tensor([[ 0.8659, -0.8659, -0.8659,  0.8659],
@@ -5247,123 +5027,6 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
 #   >>> loss.backward(); logp.grad                                         # -A / (tokens * N); not 0
 #   tensor([[-0.1667, -0.1667, -0.1667],
 #           [ 0.2500,  0.2500, ...0.0000]])
-
-
-# After pretraining, on the toy: each method starts from the demo's GPT after only start_steps
-# batches. The reward is verifiable: evaluate's character accuracy. Learning rates: each method's
-# best on seed 3 (DPO's beta the best of 0.1, 0.5 and 1); GRPO samples at temperature 1 and 0.5.
-PREFERENCE = dict(start_steps=60, steps=40, prompts=16, group=8, grpo_lr=1e-3, clip_eps=0.2, kl_beta=0.04,
-                  dpo_lr=2e-4, beta=0.5, sft_lr=3e-3)
-
-
-def char_reward(answer, reference):
-    """Fraction of characters right, position by position, over max(len): 1 for the reference only."""
-    return sum(a == r for a, r in zip(answer, reference)) / max(len(answer), len(reference), 1)
-
-
-@torch.no_grad()
-def sampled_answers(model, vocab, pairs, group, generator, temperature=1.0):
-    """group answers drawn for each of P pairs of one length, one character a syllable then eos -> (ids [N, L],
-    response mask [N, L], rewards [P, group]), N = P * group, a prompt's answers consecutive."""
-    syllables = [pinyin.split() for pinyin, _ in pairs for _ in range(group)]  # N lists of S
-    prompt = torch.tensor([vocab.encode(s + [SEP]) for s in syllables])       # [N, S+1]
-    allowed, ids, cache = answer_masks(syllables, vocab), prompt, model.new_cache()  # [N, S+1, V], ...
-    done = torch.zeros(len(prompt), dtype=torch.bool)                         # [N]
-    with eval_mode(model):
-        for i in range(allowed.size(1)):
-            # -1e9, not -inf or float32's lowest: next_token refuses either once divided by a temperature
-            logits = model(ids, cache)[:, -1].masked_fill(~allowed[:, i], -1e9)  # [N, V]
-            token = next_token(logits, temperature, generator=generator)[:, 0].masked_fill(done, Vocab.PAD)  # [N]
-            done |= token == Vocab.EOS
-            ids = torch.cat([ids, token[:, None]], dim=1)                      # [N, t+1]
-    texts = ["".join(vocab.decode(row)) for row in ids[:, prompt.size(1):].tolist()]
-    references = [hanzi for _, hanzi in pairs for _ in range(group)]
-    rewards = torch.tensor([char_reward(text, hanzi) for text, hanzi in zip(texts, references)])  # [N]
-    return *answer_batch(vocab, prompt.tolist(), texts), rewards.view(len(pairs), group)  # [N, L] x2, [P, G]
-
-
-def pairs_by_length(pairs):
-    """{syllable count: pairs}: prompts of one length share a batch with no padding."""
-    buckets = {}
-    for pair in pairs:
-        buckets.setdefault(len(pair[0].split()), []).append(pair)
-    return buckets
-
-
-def sampled_reward(model, vocab, pairs, seed=0, group=2):
-    """Mean reward of answers drawn at temperature 1 (what GRPO raises), over the pairs."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.cat([sampled_answers(model, vocab, bucket, group, generator)[2].flatten()  # [n * group] each
-                      for bucket in pairs_by_length(pairs).values()]).mean().item()  # [all] -> a float
-
-
-def run_grpo(model, vocab, train_pairs, seed, p, temperature=1.0):
-    """Each step: p["prompts"] prompts of one length (a random prompt's), G answers each, one step on
-    grpo_loss, old = the sampling model (on-policy), the model before GRPO the reference. The policy
-    is the model at `temperature`: log-probabilities of logits / temperature, the law sampled."""
-    check("sampled", temperature=temperature)
-    reference = copy.deepcopy(model).requires_grad_(False)
-    optimizer = AdamW(model.parameters(), weight_decay=0.0, lr=p["grpo_lr"])
-    rng, generator, buckets = random.Random(seed), torch.Generator().manual_seed(seed), pairs_by_length(train_pairs)
-    for _ in range(p["steps"]):
-        bucket = buckets[len(rng.choice(train_pairs)[0].split())]
-        batch = rng.sample(bucket, min(p["prompts"], len(bucket)))
-        ids, mask, rewards = sampled_answers(model, vocab, batch, p["group"], generator, temperature)
-        with torch.no_grad():
-            ref_logprobs = token_logprobs(lambda ids: reference(ids) / temperature, ids)  # [N, L-1]
-        logprobs = token_logprobs(lambda ids: model(ids) / temperature, ids)   # [N, L-1]: the policy's
-        advantages = group_advantages(rewards).flatten()                       # [N]
-        loss = grpo_loss(logprobs, logprobs.detach(), ref_logprobs, advantages, mask[:, 1:], p["clip_eps"],
-                         p["kl_beta"])                                         # []
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return f"{p['steps'] * p['prompts'] * p['group']} answers drawn"
-
-
-def run_sft(model, vocab, train_pairs, seed, p):
-    """Plain supervised steps: cross-entropy on the right answers of p["prompts"] sentences."""
-    optimizer = AdamW(model.parameters(), weight_decay=0.0, lr=p["sft_lr"])
-    rng, data = random.Random(seed), PromptDataset(train_pairs, vocab)
-    for _ in range(p["steps"]):
-        ids, target = collate([data[i] for i in rng.sample(range(len(data)), p["prompts"])])  # [B, T] each
-        loss = F.cross_entropy(model(ids).flatten(0, 1), target.flatten(), ignore_index=Vocab.PAD)  # []
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return f"{p['steps'] * p['prompts']} sentences"
-
-
-def preference_report(seed=0, **changes):
-    """One table for one seed: held-out free greedy exact match and the mean reward of answers drawn at
-    temperature 1, before and after GRPO, DPO and run_sft, each from one start -> {method: (exact, reward, s)}."""
-    p, rows, spec = {**PREFERENCE, **changes}, {}, TOY_MODELS["gpt"]
-    clock = time.perf_counter()
-    pairs = make_toy_data(seed=seed)
-    train_pairs, test_pairs = split_data(pairs, seed=seed)
-    vocab = build_gpt_vocab(train_pairs)
-    torch.manual_seed(seed)  # the one start of every method
-    base = DecoderOnlyTransformer(vocab_size=len(vocab), max_len=2 * max(len(s.split()) for s, _ in pairs) + 2,
-                                  **spec["config"])
-    train(base, PromptDataset(train_pairs[:p["start_steps"] * spec["batch_size"]], vocab), lambda: 0.0, epochs=1,
-          batch_size=spec["batch_size"], lr_factor=spec["lr_factor"], warmup=spec["warmup"], seed=seed,
-          log=lambda line: None)
-    exact = lambda model: evaluate(lambda s: gpt_translate(model, s, vocab), test_pairs)["accuracy"]  # noqa: E731
-    before = (exact(base), sampled_reward(base, vocab, test_pairs, seed))
-    print(f"seed {seed}: the GPT after {p['start_steps']} batches ({time.perf_counter() - clock:.1f} s); "
-          f"{p['steps']} steps of each method, {p['prompts']} prompts a step, {len(test_pairs)} held-out sentences")
-    print(f"  {'method':16s} {'exact match (greedy, free)':>27s} {'sampled reward':>17s} {'seconds':>8s}  data")
-    for name, method in [("GRPO", run_grpo), ("GRPO, T = 0.5", lambda *a: run_grpo(*a, temperature=0.5)),
-                         ("DPO", run_dpo), ("SFT", run_sft)]:
-        model = copy.deepcopy(base)
-        torch.manual_seed(seed)
-        clock = time.perf_counter()
-        data = method(model, vocab, train_pairs, seed, p)
-        seconds = time.perf_counter() - clock
-        rows[name] = (exact(model), sampled_reward(model, vocab, test_pairs, seed), seconds)
-        print(f"  {name:16s} {100 * before[0]:12.1f}% -> {100 * rows[name][0]:5.1f}%"
-              f" {before[1]:8.3f} -> {rows[name][1]:.3f} {seconds:8.1f}  {data}")
-    return {"before": before, **rows}
 
 
 # ===========================================================================
@@ -6173,6 +5836,364 @@ def use_fused_kernels(model, fused=True):
 
 
 # >>> ANCHOR R7: Part VII-VIII's runs go directly below this line (keep this line)
+# The runs of Parts VII and VIII on the toy task: mixed precision, LoRA against full fine-tuning, speculative
+# decoding with a small draft and with the MTP module, and DPO, GRPO and plain supervised steps from one start.
+
+
+def adamw_update(model, lr, warmup_steps, total_steps, weight_decay=0.01, max_norm=1.0):
+    """Section 13's update step, written out with Part VII's pieces: after each backward, update() clips to
+    max_norm and steps AdamW on decay_groups(model) at lr * warmup_cosine(step, ...)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = AdamW(decay_groups(model, weight_decay), lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, warmup_steps, total_steps))
+
+    def update():
+        clip_grad_norm(params, max_norm)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+    return update
+
+
+TRAINING_BUDGETS = [  # (model, tokens, GPU hours, GPU, peak FLOP/s of one GPU, dense bf16, sequence length)
+    ("Llama-2-7B", 2.0e12, 184_320, "A100-80GB", 312e12, 4096),  # Llama 2 paper, Tables 1, 2; A100 datasheet
+    ("Llama-3-8B", 15e12, 1.3e6, "H100-80GB", 989.4e12, 8192),   # Llama 3 model card; Hopper whitepaper, SXM
+    ("DeepSeek-V3", 14.8e12, 2.664e6, "H800", 989.4e12, 4096)]   # V3 report, Table 1; H100's peak; FP8: twice
+
+
+class AutocastGPT(DecoderOnlyTransformer):  # its forward under bf16 autocast: products in bf16, weights float32
+    def forward(self, *inputs):
+        with torch.autocast(inputs[0].device.type, dtype=torch.bfloat16):
+            return super().forward(*inputs).float()                        # [B, T, V]
+
+
+def mixed_precision_report(seed=0, device="cpu", lr=1e-2, n_sentences=2400, epochs=None):  # lr: 1e-2 beat 3e-3, seed 3
+    """The toy GPT trained by adamw_update, float32 and under bf16 autocast: as accurate (bf16 rounds only the
+    products), faster only on a CPU that multiplies bf16 (AVX512-BF16, AMX). -> {precision: (held-out exact, s)}."""
+    train_pairs, test_pairs = split_data(make_toy_data(n_sentences, seed), seed=seed)
+    spec, rows = dict(TOY_MODELS["gpt"], epochs=epochs or TOY_MODELS["gpt"]["epochs"]), {}
+    steps = spec["epochs"] * -(-len(train_pairs) // spec["batch_size"])    # ceil: batches an epoch
+    update = lambda model: adamw_update(model, lr, min(spec["warmup"], steps), steps)  # noqa: E731
+    print(f"\nmixed precision on the toy task (section 45): the GPT, {spec['epochs']} epochs, seed {seed}")
+    for name, build in (("float32", DecoderOnlyTransformer), ("bf16 autocast", AutocastGPT)):
+        *_, result = train_toy_model("gpt", train_pairs, test_pairs, device, seed=seed, log=lambda line: None,
+                                     recipes={"gpt": dict(spec, model=build, update=update)})
+        rows[name] = result["accuracy"], result["history"][-1][1]
+        print(f"  {name:14s} held-out exact match {100 * rows[name][0]:5.1f}%, {rows[name][1]:5.1f} s of training")
+    return rows
+
+
+# LoRA on the toy task: five predicates the base model never sees, each a new character for a
+# syllable it already reads otherwise (xi 洗, shi 视, qi 气, ji 鸡, yi 意): the adapted model learns when.
+LORA_NEW_PREDICATES = [("xi yi fu", "洗衣服"), ("kan dian shi", "看电视"), ("sheng qi", "生气"),
+                       ("chi ji dan", "吃鸡蛋"), ("hen you yi si", "很有意思")]
+# adapting by section 43's adamw_update; each method's lr the best of a sweep on seed 3 (mean of new and old)
+LORA_RECIPE = dict(epochs=12, batch_size=32, warmup_steps=5)
+LORA_LR, FULL_LR = 2e-2, 1e-3
+
+
+def lora_task(seed):
+    """The toy sentences in four: old (without LORA_NEW_PREDICATES) for training and held out, new for adapting
+    and held out; vocabularies of all (new characters' rows there, untrained), the trained-on readings."""
+    pairs = make_toy_data(seed=seed)
+    is_new = lambda p, h: any(p.endswith(" " + q) and h.endswith(g) for q, g in LORA_NEW_PREDICATES)  # noqa: E731
+    new = [pair for pair in pairs if is_new(*pair)]
+    old_train, old_test = split_data([pair for pair in pairs if not is_new(*pair)], seed=seed)
+    new_train, new_test = split_data(new, held_out=0.5, seed=seed)
+    src_vocab, tgt_vocab = build_vocabs(pairs)
+    return dict(old_train=old_train, old_test=old_test, new_train=new_train, new_test=new_test, src_vocab=src_vocab,
+                tgt_vocab=tgt_vocab, readings=syllable_readings(old_train + new_train), max_len=max(
+                    2 * len(p.split()) + 2 for p, _ in pairs))
+
+
+def lora_train(model, task, part, seed, update=None, epochs=2, batch_size=32):
+    """train() on task[part + "_train"] -> seconds (no held-out score an epoch: lora_report scores at the end)."""
+    data = PinyinDataset(task[part + "_train"], task["src_vocab"], task["tgt_vocab"])
+    return train(model, data, lambda: 0.0, epochs, batch_size, seed=seed, log=lambda line: None,
+                 update=update)["history"][-1][1]
+
+
+def lora_adapt(base, task, seed, lr, r=None, alpha=16, targets=("w_q", "w_v")):
+    """A copy of base trained on the new sentences by adamw_update: LoRA of rank r, or all (r None) -> (model, s)."""
+    model = copy.deepcopy(base)
+    if r is not None:
+        add_lora(model, r=r, alpha=alpha, targets=targets)
+    steps = LORA_RECIPE["epochs"] * -(-len(task["new_train"]) // LORA_RECIPE["batch_size"])  # ceil: batches an epoch
+    update = adamw_update(model, lr, LORA_RECIPE["warmup_steps"], steps)
+    return model, lora_train(model, task, "new", seed, update, LORA_RECIPE["epochs"], LORA_RECIPE["batch_size"])
+
+
+def lora_report(device="cpu", seed=0):
+    """Print held-out exact match on new and old sentences, before and after adapting, and LoRA merged -> rows."""
+    start, task, spec = time.perf_counter(), lora_task(seed), TOY_MODELS["encdec"]
+    torch.manual_seed(seed)  # the base: section 16's encoder-decoder recipe, trained on the old sentences
+    base = Transformer(src_vocab_size=len(task["src_vocab"]), tgt_vocab_size=len(task["tgt_vocab"]),
+                       max_len=task["max_len"], **spec["config"]).to(device)
+    update = adam_noam(base, spec["lr_factor"], spec["warmup"])
+    seconds = lora_train(base, task, "old", seed, update, spec["epochs"], spec["batch_size"])
+    rows = [("base model", base, seconds)] + [(name, *lora_adapt(base, task, seed, lr, r)) for name, lr, r in (
+        ("LoRA r=8 on w_q, w_v", LORA_LR, 8), ("full fine-tuning", FULL_LR, None))]
+    score = lambda model, part: teacher_forced_accuracy(  # noqa: E731
+        "encdec", model, task[part + "_test"], task["src_vocab"], task["tgt_vocab"], task["readings"])
+    print(f"\nLoRA against full fine-tuning: the encoder-decoder trained on {len(task['old_train']):,} sentences"
+          f" without {len(LORA_NEW_PREDICATES)} predicates ({' '.join(h for _, h in LORA_NEW_PREDICATES)}),"
+          f" then adapted on {len(task['new_train'])} that hold them")
+    print(f"  {'':22s} {'trainable':>10s} {'train s':>8s}  {'new sentences':>13s}  {'old sentences':>13s}")
+    for name, model, seconds in rows:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        print(f"  {name:22s} {trainable:10,d} {seconds:8.1f}  {100 * score(model, 'new'):12.1f}%"
+              f"  {100 * score(model, 'old'):12.1f}%")
+    lora = rows[1][1]
+    with torch.no_grad(), eval_mode(lora):
+        new_test = PinyinDataset(task["new_test"], task["src_vocab"], task["tgt_vocab"])
+        src, tgt, _ = (t.to(device) for t in collate(list(new_test)))      # [B, S], [B, T], [B, T]
+        unmerged = lora(src, tgt)                                          # [B, T, V]
+        merged = merge_lora(lora)(src, tgt)                                # [B, T, V]
+    print(f"  held out: {len(task['new_test'])} new and {len(task['old_test'])} old sentences; LoRA merged into"
+          f" the weights: logits within {(merged - unmerged).abs().max().item():.1e} of unmerged"
+          f" ({time.perf_counter() - start:.0f} s in all)")
+    return rows
+
+
+# speculative_report's drafts: each decoder-only toy recipe at one layer of half the width (same vocabulary).
+DRAFT_MODELS = {"gpt": dict(TOY_MODELS["gpt"], name="GPT, 1 layer of 32",
+                            config=dict(d_model=32, n_heads=2, d_ff=128, n_layers=1, dropout=0.0)),
+                "llama": dict(TOY_MODELS["llama"], name="Llama-style, 1 layer of 32",
+                              config=dict(d_model=32, n_heads=2, n_kv_heads=1, d_ff=128, n_layers=1))}
+DRAFT_MODELS["deepseek"] = DRAFT_MODELS["llama"]  # a draft of another family needs only the same vocabulary
+
+
+@contextlib.contextmanager
+def count_forwards(*models):
+    """Within the block, {model: forwards run so far}, counted by forward pre-hooks."""
+    counts = {model: 0 for model in models}
+    hooks = [model.register_forward_pre_hook(lambda m, args: counts.__setitem__(m, counts[m] + 1)) for model in models]
+    try:
+        yield counts
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), mtp_ks=(1, 2), device="cpu", log=print):
+    """Train the toy target (TOY_MODELS[kind]) and its draft (DRAFT_MODELS[kind]) on seed's split, and for a Llama
+    family an MTP module (train_mtp); answer n_prompts held-out prompts "pinyin <sep>" greedily (S + 1 tokens) with
+    the target's generate, speculative_generate for each k (the MTP draft for each of mtp_ks), and the draft alone;
+    check the tokens are the target's, count the drafted tokens kept (not the MTP's first-round guess), and time each
+    way, prompt by prompt in a changing order (a busy moment falls on all): medians of repeats -> {way: table row}."""
+    device = torch.device(device)
+    train_pairs, test_pairs = split_data(make_toy_data(), seed=seed)
+    quiet = lambda line: None  # noqa: E731
+    target, _, vocab, result = train_toy_model(kind, train_pairs, test_pairs, device, seed=seed, log=quiet)
+    draft, _, _, draft_result = train_toy_model(kind, train_pairs, test_pairs, device, seed=seed, log=quiet,
+                                                 recipes=DRAFT_MODELS)
+    mtp = train_mtp(target, train_pairs, vocab, seed=seed) if isinstance(target, Llama) else None
+    prompts = [(torch.tensor([vocab.encode(pinyin.split() + [SEP])], device=device), len(pinyin.split()) + 1)
+               for pinyin, _ in test_pairs[:n_prompts]]                    # ([1, S+1], S+1 new tokens) each
+    ways = {"target alone": lambda ids, n: target.generate(ids, n)}
+    ways.update({f"speculative k={k}": lambda ids, n, k=k: speculative_generate(target, draft, ids, n, k=k)
+                 for k in ks})
+    if mtp is not None:
+        mtp_draft = MTPDraft(target, mtp)
+        ways.update({f"MTP k={k}": lambda ids, n, k=k: speculative_generate(target, mtp_draft, ids, n, k=k)
+                     for k in mtp_ks})
+    ways["draft alone"] = lambda ids, n: draft.generate(ids, n)
+    drafters = [draft] + ([mtp] if mtp is not None else [])
+    rows, new_tokens = {}, sum(n for _, n in prompts)
+    for way, answer in ways.items():  # once, counted: the tokens, and the forwards each model ran
+        with count_forwards(target, *drafters) as forwards:
+            outputs = [answer(ids, n) for ids, n in prompts]               # [1, S+1+S+1] each
+        rows[way] = dict(outputs=outputs, target_forwards=forwards[target], drafted=sum(map(forwards.get, drafters)),
+                         seconds=[0.0] * repeats)
+    names = list(ways)
+    for r in range(repeats):
+        for i, (ids, n) in enumerate(prompts):
+            turn = (r + i) % len(names)
+            for way in names[turn:] + names[:turn]:
+                synchronize(device)
+                start = time.perf_counter()
+                ways[way](ids, n)
+                synchronize(device)
+                rows[way]["seconds"][r] += time.perf_counter() - start
+    median = {way: sorted(row["seconds"])[repeats // 2] for way, row in rows.items()}
+    if mtp is not None:
+        mtp_draft.close()  # the hook on the target goes: its forwards keep no states after this
+    log(f"\nspeculative decoding, seed {seed}: target {TOY_MODELS[kind]['name']}, {count_parameters(target):,}"
+        f" parameters; draft {DRAFT_MODELS[kind]['name']}, {count_parameters(draft):,} (held-out exact match,"
+        f" constrained as in training: {100 * result['accuracy']:.1f}% and {100 * draft_result['accuracy']:.1f}%)")
+    if mtp is not None:
+        log(f"MTP draft: the target's MTP module (section 32), {count_parameters(mtp):,} parameters of its own"
+            f" (embedding and head the target's), trained with the target frozen")
+    log(f"{len(prompts)} held-out prompts, {new_tokens} tokens written by plain greedy decoding (unconstrained),"
+        f" medians of {repeats} runs")
+    log(f"  {'way':18s} {'kept':>6s} {'tokens/target forward':>22s} {'tokens/s':>9s} {'speed-up':>8s}"
+        f"  same tokens as the target")
+    for way, row in rows.items():
+        same = all(torch.equal(a, b) for a, b in zip(row["outputs"], rows["target alone"]["outputs"]))  # [1, T] each
+        drafting = "k=" in way  # each round: 1 target forward, the kept tokens + 1 written
+        row.update(median_seconds=median[way], speedup=median["target alone"] / median[way],
+                   tokens_per_second=new_tokens / median[way], same=same,
+                   acceptance=(new_tokens - row["target_forwards"]) / row["drafted"] if drafting else None)
+        kept = f"{100 * row['acceptance']:5.1f}%" if row["acceptance"] is not None else f"{'-':>6s}"
+        per_forward = f"{new_tokens / row['target_forwards']:22.2f}" if row["target_forwards"] else f"{'-':>22s}"
+        log(f"  {way:18s} {kept} {per_forward} {row['tokens_per_second']:9.0f} {row['speedup']:7.2f}x"
+            f"  {'yes' if same else 'no' if way == 'draft alone' else 'NO'}")
+    return rows
+
+
+def answer_batch(vocab, prompts, answers):
+    """This part's toy batches: prompts (id lists) and hanzi answers -> "prompt answer <eos>" ids
+    [N, L], padded on the right, and the response mask [N, L], True on the answer and its eos."""
+    rows = [(p, vocab.encode(list(a)) + [Vocab.EOS]) for p, a in zip(prompts, answers)]
+    L = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((len(rows), L), Vocab.PAD)                                # [N, L]
+    mask = torch.zeros(len(rows), L, dtype=torch.bool)                        # [N, L]
+    for n, (p, a) in enumerate(rows):
+        ids[n, :len(p) + len(a)] = torch.tensor(p + a)                        # [len(p) + len(a)]
+        mask[n, len(p):len(p) + len(a)] = True
+    return ids, mask
+
+
+def run_dpo(model, vocab, train_pairs, seed, p):
+    """DPO on the toy (run in section 51): the right answer (chosen) against the model's wrong free greedy one
+    (rejected) on the training sentences it gets wrong, the model before as reference, p["prompts"] pairs a step."""
+    reference = copy.deepcopy(model).requires_grad_(False)
+    greedy = gpt_translate(model, [pinyin for pinyin, _ in train_pairs], vocab)
+    wrong = [(pinyin, hanzi, g) for (pinyin, hanzi), g in zip(train_pairs, greedy) if g != hanzi]
+    optimizer = AdamW(model.parameters(), weight_decay=0.0, lr=p["dpo_lr"])
+    rng = random.Random(seed)
+    for _ in range(p["steps"]):
+        batch = rng.sample(wrong, min(p["prompts"], len(wrong)))
+        prompts = [vocab.encode(pinyin.split() + [SEP]) for pinyin, _, _ in batch]
+        ids, mask = answer_batch(vocab, prompts * 2, [h for _, h, _ in batch] + [g for _, _, g in batch])  # [2P, L]
+        with torch.no_grad():
+            ref_chosen, ref_rejected = sequence_logprobs(reference, ids, mask).chunk(2)  # [P] each
+        chosen, rejected = sequence_logprobs(model, ids, mask).chunk(2)        # [P] each
+        loss, _, _ = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, p["beta"])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return f"{len(wrong)} pairs"
+
+
+# After pretraining, on the toy: each method starts from the demo's GPT after only start_steps
+# batches. The reward is verifiable: evaluate's character accuracy. Learning rates: each method's
+# best on seed 3 (DPO's beta the best of 0.1, 0.5 and 1); GRPO samples at temperature 1 and 0.5.
+PREFERENCE = dict(start_steps=60, steps=40, prompts=16, group=8, grpo_lr=1e-3, clip_eps=0.2, kl_beta=0.04,
+                  dpo_lr=2e-4, beta=0.5, sft_lr=3e-3)
+
+
+def char_reward(answer, reference):
+    """Fraction of characters right, position by position, over max(len): 1 for the reference only."""
+    return sum(a == r for a, r in zip(answer, reference)) / max(len(answer), len(reference), 1)
+
+
+@torch.no_grad()
+def sampled_answers(model, vocab, pairs, group, generator, temperature=1.0):
+    """group answers drawn for each of P pairs of one length, one character a syllable then eos -> (ids [N, L],
+    response mask [N, L], rewards [P, group]), N = P * group, a prompt's answers consecutive."""
+    syllables = [pinyin.split() for pinyin, _ in pairs for _ in range(group)]  # N lists of S
+    prompt = torch.tensor([vocab.encode(s + [SEP]) for s in syllables])       # [N, S+1]
+    allowed, ids, cache = answer_masks(syllables, vocab), prompt, model.new_cache()  # [N, S+1, V], ...
+    done = torch.zeros(len(prompt), dtype=torch.bool)                         # [N]
+    with eval_mode(model):
+        for i in range(allowed.size(1)):
+            # -1e9, not -inf or float32's lowest: next_token refuses either once divided by a temperature
+            logits = model(ids, cache)[:, -1].masked_fill(~allowed[:, i], -1e9)  # [N, V]
+            token = next_token(logits, temperature, generator=generator)[:, 0].masked_fill(done, Vocab.PAD)  # [N]
+            done |= token == Vocab.EOS
+            ids = torch.cat([ids, token[:, None]], dim=1)                      # [N, t+1]
+    texts = ["".join(vocab.decode(row)) for row in ids[:, prompt.size(1):].tolist()]
+    references = [hanzi for _, hanzi in pairs for _ in range(group)]
+    rewards = torch.tensor([char_reward(text, hanzi) for text, hanzi in zip(texts, references)])  # [N]
+    return *answer_batch(vocab, prompt.tolist(), texts), rewards.view(len(pairs), group)  # [N, L] x2, [P, G]
+
+
+def pairs_by_length(pairs):
+    """{syllable count: pairs}: prompts of one length share a batch with no padding."""
+    buckets = {}
+    for pair in pairs:
+        buckets.setdefault(len(pair[0].split()), []).append(pair)
+    return buckets
+
+
+def sampled_reward(model, vocab, pairs, seed=0, group=2):
+    """Mean reward of answers drawn at temperature 1 (what GRPO raises), over the pairs."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.cat([sampled_answers(model, vocab, bucket, group, generator)[2].flatten()  # [n * group] each
+                      for bucket in pairs_by_length(pairs).values()]).mean().item()  # [all] -> a float
+
+
+def run_grpo(model, vocab, train_pairs, seed, p, temperature=1.0):
+    """Each step: p["prompts"] prompts of one length (a random prompt's), G answers each, one step on
+    grpo_loss, old = the sampling model (on-policy), the model before GRPO the reference. The policy
+    is the model at `temperature`: log-probabilities of logits / temperature, the law sampled."""
+    if not temperature > 0:  # at 0 all G answers are one, and logits / 0 are infinite
+        raise ValueError(f"temperature must be > 0: GRPO learns from answers drawn at random, got {temperature}")
+    reference = copy.deepcopy(model).requires_grad_(False)
+    optimizer = AdamW(model.parameters(), weight_decay=0.0, lr=p["grpo_lr"])
+    rng, generator, buckets = random.Random(seed), torch.Generator().manual_seed(seed), pairs_by_length(train_pairs)
+    for _ in range(p["steps"]):
+        bucket = buckets[len(rng.choice(train_pairs)[0].split())]
+        batch = rng.sample(bucket, min(p["prompts"], len(bucket)))
+        ids, mask, rewards = sampled_answers(model, vocab, batch, p["group"], generator, temperature)
+        with torch.no_grad():
+            ref_logprobs = token_logprobs(lambda ids: reference(ids) / temperature, ids)  # [N, L-1]
+        logprobs = token_logprobs(lambda ids: model(ids) / temperature, ids)   # [N, L-1]: the policy's
+        advantages = group_advantages(rewards).flatten()                       # [N]
+        loss = grpo_loss(logprobs, logprobs.detach(), ref_logprobs, advantages, mask[:, 1:], p["clip_eps"],
+                         p["kl_beta"])                                         # []
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return f"{p['steps'] * p['prompts'] * p['group']} answers drawn"
+
+
+def run_sft(model, vocab, train_pairs, seed, p):
+    """Plain supervised steps: cross-entropy on the right answers of p["prompts"] sentences."""
+    optimizer = AdamW(model.parameters(), weight_decay=0.0, lr=p["sft_lr"])
+    rng, data = random.Random(seed), PromptDataset(train_pairs, vocab)
+    for _ in range(p["steps"]):
+        ids, target = collate([data[i] for i in rng.sample(range(len(data)), p["prompts"])])  # [B, T] each
+        loss = F.cross_entropy(model(ids).flatten(0, 1), target.flatten(), ignore_index=Vocab.PAD)  # []
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return f"{p['steps'] * p['prompts']} sentences"
+
+
+def preference_report(seed=0, **changes):
+    """One table for one seed: held-out free greedy exact match and the mean reward of answers drawn at
+    temperature 1, before and after GRPO, DPO and run_sft, each from one start -> {method: (exact, reward, s)}."""
+    p, rows, spec = {**PREFERENCE, **changes}, {}, TOY_MODELS["gpt"]
+    clock = time.perf_counter()
+    pairs = make_toy_data(seed=seed)
+    train_pairs, test_pairs = split_data(pairs, seed=seed)
+    vocab = build_gpt_vocab(train_pairs)
+    torch.manual_seed(seed)  # the one start of every method
+    base = DecoderOnlyTransformer(vocab_size=len(vocab), max_len=2 * max(len(s.split()) for s, _ in pairs) + 2,
+                                  **spec["config"])
+    train(base, PromptDataset(train_pairs[:p["start_steps"] * spec["batch_size"]], vocab), lambda: 0.0, epochs=1,
+          batch_size=spec["batch_size"], lr_factor=spec["lr_factor"], warmup=spec["warmup"], seed=seed,
+          log=lambda line: None)
+    exact = lambda model: evaluate(lambda s: gpt_translate(model, s, vocab), test_pairs)["accuracy"]  # noqa: E731
+    before = (exact(base), sampled_reward(base, vocab, test_pairs, seed))
+    print(f"seed {seed}: the GPT after {p['start_steps']} batches ({time.perf_counter() - clock:.1f} s); "
+          f"{p['steps']} steps of each method, {p['prompts']} prompts a step, {len(test_pairs)} held-out sentences")
+    print(f"  {'method':16s} {'exact match (greedy, free)':>27s} {'sampled reward':>17s} {'seconds':>8s}  data")
+    for name, method in [("GRPO", run_grpo), ("GRPO, T = 0.5", lambda *a: run_grpo(*a, temperature=0.5)),
+                         ("DPO", run_dpo), ("SFT", run_sft)]:
+        model = copy.deepcopy(base)
+        torch.manual_seed(seed)
+        clock = time.perf_counter()
+        data = method(model, vocab, train_pairs, seed, p)
+        seconds = time.perf_counter() - clock
+        rows[name] = (exact(model), sampled_reward(model, vocab, test_pairs, seed), seconds)
+        print(f"  {name:16s} {100 * before[0]:12.1f}% -> {100 * rows[name][0]:5.1f}%"
+              f" {before[1]:8.3f} -> {rows[name][1]:.3f} {seconds:8.1f}  {data}")
+    return {"before": before, **rows}
+
+
 
 
 
