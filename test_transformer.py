@@ -11947,10 +11947,12 @@ def test_cli_beam_beyond_its_cap_is_one_line_before_the_work(hard, beam):
 # ===========================================================================
 
 def test_every_configuration_field_of_every_kind_has_a_rule():
-    # a new keyword of a model class needs a rule in ARGUMENTS, or its checkpoints cannot load
+    # a new keyword of a model class needs a rule in CONFIG_RULES, or its checkpoints cannot load
     for kind, cls in tf.MODEL_CLASSES.items():
         fields = set(tf.constructor_keywords(cls))  # through **keywords to the parent's
-        assert fields <= set(tf.ARGUMENTS), (kind, fields - set(tf.ARGUMENTS))
+        assert fields <= set(tf.CONFIG_RULES), (kind, fields - set(tf.CONFIG_RULES))
+    # and each optional field is one a class takes None for
+    assert tf.OPTIONAL_FIELDS <= set(tf.CONFIG_RULES)
 
 
 NAN, INF = float("nan"), float("inf")
@@ -11993,6 +11995,13 @@ FORGED_FIELDS = [  # (kind, field, value, words of the message)
     ("llama", "head_dim", 0, "head_dim must be an integer from 1"),
     ("llama", "window", 0, "window must be an integer from 1"),
     ("llama", "rope_scaling", "yarn", "rope_scaling must be a dict or None, got 'yarn'"),
+    # fields that each pass their rule but not together: refused by name too, before any formula
+    ("gpt", "d_model", 15, "d_model must be even (sin/cos pairs), got 15"),
+    ("llama", "n_kv_heads", 3, "n_heads must be divisible by n_kv_heads (n_kv_heads=3), got 2"),
+    ("llama", "n_heads", 16, "RoPE turns pairs of dims: head_dim"),
+    ("deepseek", "top_k", 5, "top_k must be at most n_experts (n_experts=4), got 5"),
+    ("deepseek", "n_groups", 3, "n_experts must be divisible by n_groups (n_groups=3), got 4"),
+    ("deepseek", "n_dense_layers", 3, "n_dense_layers must be at most n_layers (n_layers=2), got 3"),
 ]
 FORGED_FIELDS = [case for case in FORGED_FIELDS if case[0] in tf.MODEL_CLASSES
                  and (case[2] == "missing" or case[1] in inspect.signature(tf.MODEL_CLASSES[case[0]]).parameters

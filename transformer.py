@@ -6267,8 +6267,119 @@ def constructor_keywords(cls):
     return own if len(own) == len(parameters) else {**constructor_keywords(cls.__mro__[1]), **own}
 
 
+# A config's fields, each with its rule: (type, smallest, largest) for numbers, where largest None means no bound but
+# torch's indexing for an integer (2^31 - 1) and a finite value for a float; (type,) for the others. A forged size is
+# refused here, by name, before any formula or model is computed from it.
+TINY = torch.finfo(torch.float32).tiny  # the smallest positive float32: an eps, a limit or a scale of 0 computes NaN
+CONFIG_RULES = {
+    **dict.fromkeys(("vocab_size src_vocab_size tgt_vocab_size d_model n_heads max_len window n_experts n_groups"
+                     " topk_groups kv_lora_rank qk_nope_dim qk_rope_dim v_head_dim linear_k_heads linear_v_heads"
+                     " linear_k_dim linear_v_dim conv_size shared_d_ff index_n_heads index_head_dim index_topk"
+                     " original_max_len d_ff n_kv_heads head_dim top_k expert_d_ff q_lora_rank").split(), (int, 1, None)),
+    **dict.fromkeys("norm_first share_embeddings tie_weights qkv_bias norm_topk rope_interleave".split(), (bool,)),
+    **dict.fromkeys("factor low_freq_factor high_freq_factor beta_fast beta_slow swiglu_limit".split(),
+                    (float, TINY, None)),
+    "n_layers": (int, 1, 1024), "n_dense_layers": (int, 0, 1024), "n_shared": (int, 0, None),
+    "pad_id": (int, 0, 2 ** 31 - 2), "dropout": (float, 0.0, 1.0), "norm_eps": (float, TINY, 1.0),
+    "rope_theta": (float, 1.0, 1e30), "routed_scale": (float, TINY, 1e30), "partial_rotary": (float, 1e-30, 1.0),
+    "layer_types": (list,), "rope_scaling": (dict,)}
+CONFIG_RULES["factor"] = (float, 1.0, None)  # a scaling's factor stretches, never shrinks
+OPTIONAL_FIELDS = {"d_ff", "n_kv_heads", "head_dim", "top_k", "expert_d_ff", "q_lora_rank", "layer_types",
+                   "rope_scaling"}  # None: the class derives them, or goes without
+ROPE_SCALINGS = {"linear": (["factor"], []), "yarn": (["factor", "original_max_len"], ["beta_fast", "beta_slow"]),
+                 "llama3": (["factor", "low_freq_factor", "high_freq_factor", "original_max_len"], [])}
+
+
+def check_field(name, value):
+    """A ValueError naming the field, the value and what was expected, unless value follows CONFIG_RULES[name]."""
+    kind, *bounds = CONFIG_RULES[name]
+    if value is None and name in OPTIONAL_FIELDS: return
+    if bounds:  # an int counts as a float, a bool as neither; NaN is in no range
+        low, high = bounds
+        top = high if high is not None else 2 ** 31 - 1 if kind is int else sys.float_info.max
+        ok = isinstance(value, (int, kind)) and not isinstance(value, bool) and low <= value <= top
+        show = (lambda x: f"{x:,}") if kind is int else (lambda x: f"{x:g}")  # noqa: E731
+        what = ("an integer" if kind is int else "a finite number" if isinstance(value, float) and math.isinf(value)
+                and high is None else "a number") + (f" >= {show(low)}" if high is None else
+                                                   f" from {show(low)} to {show(high)}")
+    else:
+        ok, what = isinstance(value, kind), "True or False" if kind is bool else f"a {kind.__name__}"
+    if not ok: raise ValueError(f"{name} must be {what}{' or None' * (name in OPTIONAL_FIELDS)}, got {value!r}")
+
+
+def check_scaling_config(scaling):
+    """A RoPE scaling as section 37 takes it: a dict of a known type, exactly its keys, each in its range."""
+    check_field("rope_scaling", scaling)
+    if (kind := scaling.get("type")) not in ROPE_SCALINGS:
+        raise ValueError(f"scaling type must be 'linear', 'llama3' or 'yarn' (a dict with a 'type' key), got {scaling!r}")
+    needed, optional = ROPE_SCALINGS[kind]
+    if not set(needed) <= set(scaling) - {"type"} <= set(needed + optional):
+        raise ValueError(f"scaling {kind!r} needs the keys {needed} (optional: {optional}) and no others, got"
+                         f" {scaling!r}")
+    for key in needed + optional:
+        if key in scaling: check_field(key, scaling[key])
+    if kind == "llama3" and not scaling["low_freq_factor"] < scaling["high_freq_factor"]:
+        raise ValueError(f"low_freq_factor must be below high_freq_factor, got {scaling['low_freq_factor']}")
+    if not scaling.get("beta_fast", 32) > scaling.get("beta_slow", 1):  # YaRN's defaults
+        raise ValueError(f"beta_fast must be above beta_slow, got {scaling.get('beta_fast', 32)}")
+
+
+def check_config_relations(kind, c):
+    """What the classes need of a config's values together (c: every keyword, defaults filled in), refused before any
+    formula or model is computed; a relation the weights' count and shapes cannot show is among them."""
+    def need(holds, expected, first, *others):  # the message names the first field, and the others' values
+        if holds: return
+        values = ", ".join(f"{name}={c.get(name)!r}" for name in others)
+        raise ValueError(f"{expected}{f' ({values})' if values else ''}, got {c.get(first)!r}")
+    width = c.get("head_dim") or c["d_model"] // c["n_heads"]
+    if kind in ("encdec", "gpt"):
+        need(c["d_model"] % 2 == 0, "d_model must be even (sin/cos pairs)", "d_model")
+        need(c["d_model"] % c["n_heads"] == 0, "d_model must be divisible by n_heads", "d_model", "n_heads")
+    if kind == "encdec" and c["share_embeddings"]:
+        need(c["tgt_vocab_size"] == c["src_vocab_size"], "tgt_vocab_size must equal src_vocab_size to share"
+             " embeddings", "tgt_vocab_size", "src_vocab_size")
+    if "n_kv_heads" in c:
+        need(c["n_heads"] % (c["n_kv_heads"] or c["n_heads"]) == 0, "n_heads must be divisible by n_kv_heads",
+             "n_heads", "n_kv_heads")
+    if kind == "qwen3_next":
+        need(int(width * c["partial_rotary"]) in range(2, width + 1, 2), "head_dim * partial_rotary must give an even"
+             " number of dims, 2 or more (RoPE turns pairs)", "partial_rotary", "head_dim")
+        need(c["linear_v_heads"] % c["linear_k_heads"] == 0, "linear_v_heads must be divisible by linear_k_heads",
+             "linear_v_heads", "linear_k_heads")
+    elif "rope_theta" in c and "qk_rope_dim" not in c:
+        need(width % 2 == 0, "RoPE turns pairs of dims: head_dim (d_model / n_heads if None) must be even", "head_dim",
+             "d_model", "n_heads")
+    if "n_experts" in c:
+        need(c["top_k"] is not None and c["top_k"] <= c["n_experts"], "top_k must be at most n_experts", "top_k",
+             "n_experts")
+    if "qk_rope_dim" in c:  # DeepSeek's
+        for field in ("d_ff", "expert_d_ff"):
+            need(c[field] is not None, f"{field} must be an integer >= 1", field)
+        need(c["n_dense_layers"] <= c["n_layers"], "n_dense_layers must be at most n_layers", "n_dense_layers",
+             "n_layers")
+        need(c["qk_rope_dim"] % 2 == 0, "RoPE turns pairs of dims: qk_rope_dim must be even", "qk_rope_dim")
+        need(c["n_experts"] % c["n_groups"] == 0, "n_experts must be divisible by n_groups", "n_experts", "n_groups")
+        need(c["topk_groups"] <= c["n_groups"], "topk_groups must be at most n_groups", "topk_groups", "n_groups")
+        need(c["topk_groups"] * (c["n_experts"] // c["n_groups"]) >= c["top_k"], "topk_groups groups of n_experts /"
+             " n_groups experts must hold at least top_k", "topk_groups", "n_groups", "n_experts", "top_k")
+    if "index_head_dim" in c:
+        need(c["q_lora_rank"] is not None, "q_lora_rank must be an integer >= 1 (the lightning indexer's queries"
+             " start from MLA's query latent)", "q_lora_rank")
+        need(c["index_head_dim"] >= c["qk_rope_dim"], "index_head_dim must be at least qk_rope_dim",
+             "index_head_dim", "qk_rope_dim")
+    types = {"gptoss": ("sliding_attention", "full_attention"), "qwen3_next": ("linear_attention", "full_attention")}
+    if c.get("layer_types") is not None:
+        need(len(c["layer_types"]) == c["n_layers"] and all(t in types[kind] for t in c["layer_types"]),
+             f"layer_types must be None or n_layers of {', '.join(map(repr, types[kind]))}", "layer_types",
+             "n_layers")
+    if c.get("rope_scaling") is not None:
+        check_scaling_config(c["rope_scaling"])
+        need(c["rope_scaling"]["type"] == "yarn", "rope_scaling must be None or gpt-oss's yarn, a dict with 'type':"
+             " 'yarn'", "rope_scaling")
+
+
 def check_model_config(kind, config):
-    """-> (keywords, rope_scaling or None): exactly the class's keywords, as ARGUMENTS (section 0) rules them."""
+    """-> (keywords, rope_scaling or None): exactly the class's keywords, each by its rule and together, or ValueError."""
     if not isinstance(kind, str) or kind not in MODEL_CLASSES:
         raise ValueError(f"kind {quote(str(kind))}: expected one of {', '.join(MODEL_CLASSES)}")
     if not isinstance(config, dict): raise ValueError(f"config is a {type(config).__name__}, expected a dict")
@@ -6276,7 +6387,7 @@ def check_model_config(kind, config):
     config = {key: value for key, value in config.items()
               if not (key in old and type(value) is type(old[key]) and value == old[key])}
     scaling = config.pop("rope_scaling", None) if kind in ROPE_KINDS else None
-    if scaling is not None: check_scaling(scaling)
+    if scaling is not None: check_scaling_config(scaling)
     parameters = constructor_keywords(MODEL_CLASSES[kind])
     unknown = next((key for key in config if key not in parameters), None)
     if unknown in old:
@@ -6285,7 +6396,8 @@ def check_model_config(kind, config):
     if unknown is not None: raise ValueError(f"config field {quote(str(unknown))} is not one a {kind} model takes")
     missing = next((n for n, p in parameters.items() if p.default is p.empty and n not in config), None)
     if missing: raise ValueError(f"config lacks {missing}, which a {kind} model needs")
-    check(**config)
+    for key, value in config.items(): check_field(key, value)
+    check_config_relations(kind, {**{n: p.default for n, p in parameters.items() if p.default is not p.empty}, **config})
     return config, scaling
 
 
