@@ -6091,8 +6091,9 @@ from unittest import mock
 # ===========================================================================
 # 52. Your own data (自己的数据)
 # ===========================================================================
-# --data FILE.tsv trains on your pairs instead of the generated ones: UTF-8, one "pinyin<TAB>hanzi" a line, one
-# syllable per character, blank lines and # comments skipped. A line that does not fit is reported as FILE:LINE.
+# With --data FILE.tsv the models train on your pairs instead of the generated ones. The file is UTF-8 text with one
+# "pinyin<TAB>hanzi" pair a line and one syllable per character; blank lines and # comments are skipped. A line that
+# does not fit is reported as FILE:LINE.
 
 SYLLABLE = re.compile("[a-z]+")  # toneless lowercase pinyin, ü written v: the one rule for input
 MAX_DATA_BYTES = 64 * 2 ** 20    # a --data file past this is refused, not read into memory
@@ -6182,8 +6183,9 @@ def read_pairs(path):
 # ===========================================================================
 # 53. Saving and loading (保存与加载)
 # ===========================================================================
-# A checkpoint is data (configuration, weights, vocabularies) that torch.load(weights_only=True) reads without
-# running pickled code, written to a temporary file and renamed over the target: a cut save leaves the old file.
+# A checkpoint holds data only (the configuration, the weights, the vocabularies), so torch.load(weights_only=True)
+# reads it without running pickled code. It is written to a temporary file and renamed over the target, so a save
+# that is cut short leaves the old file as it was.
 
 CHECKPOINT_FORMAT = "transformer.py checkpoint v1"
 MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer, "llama": Llama, "qwen3": Qwen3,
@@ -6195,7 +6197,7 @@ PARAMETER_FORMULAS = {"encdec": transformer_param_formula, "gpt": decoder_only_p
                       "deepseek": deepseek_param_formula, "gptoss": gpt_oss_param_formula,
                       "qwen3_next": qwen3_next_param_formula, "deepseek_v32": deepseek_v32_param_formula}
 ROPE_KINDS = ("llama", "qwen3", "mixtral", "qwen3moe", "mistral", "deepseek", "qwen3_next", "deepseek_v32")  # scaled?
-# an older "llama" checkpoint's config held the families' options; at these values (a Llama's) they are dropped
+# An older "llama" checkpoint's config held the families' options. At these values (a Llama's) they are dropped.
 OLD_LLAMA_OPTIONS = dict(head_dim=None, qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True,
                          window=None, rope_scaling=None)
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what a model's weights may be
@@ -6514,8 +6516,9 @@ def load_checkpoint(path, device="cpu"):
 # ===========================================================================
 # 54. The demo (演示): python transformer.py
 # ===========================================================================
-# Shapes and parameter counts first (the tutorials' own configuration among them) and the cache measured; then the
-# toy models learn pinyin to hanzi, answer sentences they never saw, and the encoder-decoder shows where it looked.
+# The demo first shows shapes and parameter counts (the tutorials' own configuration among them) and measures the
+# cache. Then the toy models learn pinyin to hanzi and answer sentences they never saw, and the encoder-decoder shows
+# where it looked.
 
 TUTORIAL_GPT_CONFIG = dict(vocab_size=50257, d_model=512, n_layers=6, n_heads=8, d_ff=2048, max_len=1024)
 VASWANI = dict(src_vocab_size=37000, tgt_vocab_size=37000, share_embeddings=True)  # base and big: one vocabulary
@@ -6525,8 +6528,9 @@ CLASSIC_CONFIGS = [  # (name, model kind, configuration, what the source reports
     ("GPT-2 small (Radford 2019)", "gpt", dict(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, d_ff=3072,
                                                max_len=1024, tie_weights=True), "117M in the paper, 124M corrected"),
     ("GPT of the decoder-only tutorial", "gpt", TUTORIAL_GPT_CONFIG, "3000多万 (30-odd M)")]
-# --size base, the default for --data, measured on the README's 2,500 everyday sentences: twice the width, a further
-# layer, dropout, each sentence and a random piece of it; 12 epochs, 5 minutes on 2 cores (DeepSeek's: not measured).
+# --size base is the default with --data. It was measured on the README's 2,500 everyday sentences: twice the width,
+# one more layer, dropout, and each sentence with a random piece of it. Its 12 epochs take 5 minutes on 2 cores
+# (DeepSeek's recipe was not measured).
 BASE = dict(epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1)
 BASE_MODELS = {kind: dict(TOY_MODELS[kind], **BASE, config=config) for kind, config in [
     ("encdec", dict(d_model=128, n_heads=4, d_ff=512, n_layers=3, dropout=0.1)),
@@ -6758,8 +6762,9 @@ def run(args, device, pairs, loaded):
 # ===========================================================================
 # 55. The benchmark (基准测试): python transformer.py --bench
 # ===========================================================================
-# Where the time goes, in one run: training the hand-written model against nn.Transformer with the same weights, the
-# KV cache against the memory-bandwidth bound, FlashAttention's tiles against section 2 at long lengths (time, memory).
+# The benchmark shows where the time goes, in one run. The hand-written model trains against nn.Transformer with the
+# same weights, the KV cache runs against the memory-bandwidth bound, and FlashAttention's tiles run against section 2
+# at long lengths (time and memory).
 
 class TorchTransformer(nn.Module):
     """Our encoder-decoder's weights in nn.Transformer (in_proj_weight packs w_q, w_k, w_v), our embeddings around."""
@@ -6935,7 +6940,8 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
 # ===========================================================================
 # 56. The command line (命令行)
 # ===========================================================================
-# Every mistake is one line on stderr and exit status 2, found before the work where it can be; answers go to stdout.
+# Every mistake is one line on stderr with exit status 2, found before the work wherever it can be. Answers go to
+# stdout.
 
 MAX_LINE = 2 ** 20  # characters in one --translate - line; a sentence takes at most MAX_SYLLABLES syllables
 MAX_BEAM = 64       # --beam: wider beams cost memory and time and, on this task, gain nothing
