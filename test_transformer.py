@@ -12004,7 +12004,7 @@ FORGED_FIELDS = [  # (kind, field, value, words of the message)
     ("deepseek", "n_dense_layers", 3, "n_dense_layers must be at most n_layers (n_layers=2), got 3"),
 ]
 FORGED_FIELDS = [case for case in FORGED_FIELDS if case[0] in tf.MODEL_CLASSES
-                 and (case[2] == "missing" or case[1] in inspect.signature(tf.MODEL_CLASSES[case[0]]).parameters
+                 and (case[2] == "missing" or case[1] in tf.constructor_keywords(tf.MODEL_CLASSES[case[0]])
                       or case[1] == "surprise")]
 
 
