@@ -6196,7 +6196,8 @@ PARAMETER_FORMULAS = {"encdec": transformer_param_formula, "gpt": decoder_only_p
                       "qwen3moe": qwen3_moe_param_formula, "mistral": mistral_param_formula,
                       "deepseek": deepseek_param_formula, "gptoss": gpt_oss_param_formula,
                       "qwen3_next": qwen3_next_param_formula, "deepseek_v32": deepseek_v32_param_formula}
-ROPE_KINDS = ("llama", "qwen3", "mixtral", "qwen3moe", "mistral", "deepseek", "qwen3_next", "deepseek_v32")  # scaled?
+# the kinds whose checkpoints may hold a RoPE scaling (section 37) beside the constructor's keywords
+ROPE_KINDS = ("llama", "qwen3", "mixtral", "qwen3moe", "mistral", "deepseek", "qwen3_next", "deepseek_v32")
 # An older "llama" checkpoint's config held the families' options. At these values (a Llama's) they are dropped.
 OLD_LLAMA_OPTIONS = dict(head_dim=None, qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True,
                          window=None, rope_scaling=None)
@@ -6277,15 +6278,15 @@ CONFIG_RULES = {
     **dict.fromkeys(("vocab_size src_vocab_size tgt_vocab_size d_model n_heads max_len window n_experts n_groups"
                      " topk_groups kv_lora_rank qk_nope_dim qk_rope_dim v_head_dim linear_k_heads linear_v_heads"
                      " linear_k_dim linear_v_dim conv_size shared_d_ff index_n_heads index_head_dim index_topk"
-                     " original_max_len d_ff n_kv_heads head_dim top_k expert_d_ff q_lora_rank").split(), (int, 1, None)),
+                     " original_max_len d_ff n_kv_heads head_dim top_k expert_d_ff q_lora_rank").split(),
+                    (int, 1, None)),
     **dict.fromkeys("norm_first share_embeddings tie_weights qkv_bias norm_topk rope_interleave".split(), (bool,)),
-    **dict.fromkeys("factor low_freq_factor high_freq_factor beta_fast beta_slow swiglu_limit".split(),
-                    (float, TINY, None)),
+    **dict.fromkeys("low_freq_factor high_freq_factor beta_fast beta_slow swiglu_limit".split(), (float, TINY, None)),
+    "factor": (float, 1.0, None),  # a RoPE scaling's factor stretches the context, never shrinks it
     "n_layers": (int, 1, 1024), "n_dense_layers": (int, 0, 1024), "n_shared": (int, 0, None),
     "pad_id": (int, 0, 2 ** 31 - 2), "dropout": (float, 0.0, 1.0), "norm_eps": (float, TINY, 1.0),
     "rope_theta": (float, 1.0, 1e30), "routed_scale": (float, TINY, 1e30), "partial_rotary": (float, 1e-30, 1.0),
     "layer_types": (list,), "rope_scaling": (dict,)}
-CONFIG_RULES["factor"] = (float, 1.0, None)  # a scaling's factor stretches, never shrinks
 OPTIONAL_FIELDS = {"d_ff", "n_kv_heads", "head_dim", "top_k", "expert_d_ff", "q_lora_rank", "layer_types",
                    "rope_scaling"}  # None: the class derives them, or goes without
 ROPE_SCALINGS = {"linear": (["factor"], []), "yarn": (["factor", "original_max_len"], ["beta_fast", "beta_slow"]),
@@ -6313,7 +6314,8 @@ def check_scaling_config(scaling):
     """A RoPE scaling as section 37 takes it: a dict of a known type, exactly its keys, each in its range."""
     check_field("rope_scaling", scaling)
     if (kind := scaling.get("type")) not in ROPE_SCALINGS:
-        raise ValueError(f"scaling type must be 'linear', 'llama3' or 'yarn' (a dict with a 'type' key), got {scaling!r}")
+        raise ValueError(f"scaling type must be 'linear', 'llama3' or 'yarn' (a dict with a 'type' key), got"
+                         f" {scaling!r}")
     needed, optional = ROPE_SCALINGS[kind]
     if not set(needed) <= set(scaling) - {"type"} <= set(needed + optional):
         raise ValueError(f"scaling {kind!r} needs the keys {needed} (optional: {optional}) and no others, got"
@@ -6381,7 +6383,8 @@ def check_config_relations(kind, c):
 
 
 def check_model_config(kind, config):
-    """-> (keywords, rope_scaling or None): exactly the class's keywords, each by its rule and together, or ValueError."""
+    """-> (keywords, rope_scaling or None): exactly the class's keywords, each by its rule and all together; or a
+    ValueError naming the field."""
     if not isinstance(kind, str) or kind not in MODEL_CLASSES:
         raise ValueError(f"kind {quote(str(kind))}: expected one of {', '.join(MODEL_CLASSES)}")
     if not isinstance(config, dict): raise ValueError(f"config is a {type(config).__name__}, expected a dict")
@@ -6399,7 +6402,8 @@ def check_model_config(kind, config):
     missing = next((n for n, p in parameters.items() if p.default is p.empty and n not in config), None)
     if missing: raise ValueError(f"config lacks {missing}, which a {kind} model needs")
     for key, value in config.items(): check_field(key, value)
-    check_config_relations(kind, {**{n: p.default for n, p in parameters.items() if p.default is not p.empty}, **config})
+    defaults = {name: p.default for name, p in parameters.items() if p.default is not p.empty}
+    check_config_relations(kind, {**defaults, **config})
     return config, scaling
 
 
