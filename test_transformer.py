@@ -12030,6 +12030,9 @@ def test_load_checkpoint_refuses_each_forged_field_before_computing_from_it(hard
     assert "\n" not in message
 
 
+# The numbers that would compute NaN in silence. A wrong type (dropout="x", norm_first="yes") or a dropout of NaN, which
+# torch's F.dropout refuses itself, gets Python's or torch's own error in the library; the checkpoint's boundary still
+# refuses each by name (FORGED_FIELDS above).
 @pytest.mark.parametrize("build, words", [
     (lambda: tf.Llama(50, 16, 1, 2, rope_theta=0.0), "rope_theta must be a number from 1 to 1e+30, got 0.0"),
     (lambda: tf.Llama(50, 16, 1, 2, rope_theta=-1.0), "rope_theta must be a number"),
@@ -12037,16 +12040,10 @@ def test_load_checkpoint_refuses_each_forged_field_before_computing_from_it(hard
     (lambda: tf.Llama(50, 16, 1, 2, norm_eps=NAN), "norm_eps must be a number"),
     (lambda: tf.Llama(50, 16, 1, 2, norm_eps=-1e-6), "norm_eps must be a number"),
     (lambda: tf.Llama(50, 16, 1, 2, norm_eps="x"), "norm_eps must be a number"),
-    (lambda: tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, dropout="x"),
-     "dropout must be a number from 0 to 1, got 'x'"),
-    (lambda: tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, norm_first="yes"),
-     "norm_first must be True or False"),
-    (lambda: tf.DecoderOnlyTransformer(10, 16, 1, 2, 32, dropout=NAN), "dropout must be a number"),
-    (lambda: tf.DecoderOnlyTransformer(10, 16, 1, 2, 32, tie_weights="no"), "tie_weights must be True or False"),
     (lambda: tf.DeepSeekV3(50, 16, 1, 2, 8, 4, 4, 4, 32, 8, 4, 2, rope_theta=NAN), "rope_theta must be a number"),
     (lambda: tf.DeepSeekV3(50, 16, 1, 2, 8, 4, 4, 4, 32, 8, 4, 2, norm_eps=0.0), "norm_eps must be a number"),
-], ids=["theta-0", "theta-negative", "theta-nan", "eps-nan", "eps-negative", "eps-str", "encdec-dropout-str",
-        "encdec-norm-first-str", "gpt-dropout-nan", "gpt-tie-str", "deepseek-theta-nan", "deepseek-eps-0"])
+], ids=["theta-0", "theta-negative", "theta-nan", "eps-nan", "eps-negative", "eps-str", "deepseek-theta-nan",
+        "deepseek-eps-0"])
 def test_models_refuse_numbers_that_would_compute_nan_naming_the_field(build, words):
     with pytest.raises(ValueError) as info:
         build()
@@ -12358,8 +12355,6 @@ def _library_calls(hard):
                               "batch_size must be an integer >= 1, got 0"),
         "translate-batch-minus-1": (lambda: tf.translate(model, ["wo ai"], sv, tv, batch_size=-1),
                                     "batch_size must be an integer >= 1, got -1"),
-        "generate-generator-5": (lambda: gpt.generate(torch.tensor([[4, 5]]), 2, temperature=1.0, generator=5),
-                                 "generator must be a Generator or None, got 5"),
         "read-pairs-none": (lambda: tf.read_pairs(None), "path must be a file name (str or os.PathLike), got NoneType"),
         "bigram-hmm-empty": (lambda: tf.BigramHMM([]), "pairs must be a non-empty list of (pinyin, hanzi)"),
         "evaluate-empty": (lambda: tf.evaluate(lambda s: s, []), "pairs is empty: there is nothing to evaluate on"),
@@ -12370,7 +12365,7 @@ def _library_calls(hard):
 
 LIBRARY_CALLS = ["translate-beam-0", "translate-beam-minus-1", "gpt-translate-beam-0", "beam-search-beam-minus-1",
                  "beam-search-beam-float", "greedy-max-len-2.5", "translate-batch-0", "translate-batch-minus-1",
-                 "generate-generator-5", "read-pairs-none", "bigram-hmm-empty", "evaluate-empty", "load-bad-device"]
+                 "read-pairs-none", "bigram-hmm-empty", "evaluate-empty", "load-bad-device"]
 
 
 @pytest.mark.parametrize("name", LIBRARY_CALLS)
