@@ -6278,19 +6278,14 @@ CONFIG_RULES = {
     **dict.fromkeys(("vocab_size src_vocab_size tgt_vocab_size d_model n_heads max_len window n_experts n_groups"
                      " topk_groups kv_lora_rank qk_nope_dim qk_rope_dim v_head_dim linear_k_heads linear_v_heads"
                      " linear_k_dim linear_v_dim conv_size shared_d_ff index_n_heads index_head_dim index_topk"
-                     " original_max_len d_ff n_kv_heads head_dim top_k expert_d_ff q_lora_rank").split(),
-                    (int, 1, None)),
+                     " d_ff n_kv_heads head_dim top_k expert_d_ff q_lora_rank").split(), (int, 1, None)),
     **dict.fromkeys("norm_first share_embeddings tie_weights qkv_bias norm_topk rope_interleave".split(), (bool,)),
-    **dict.fromkeys("low_freq_factor high_freq_factor beta_fast beta_slow swiglu_limit".split(), (float, TINY, None)),
-    "factor": (float, 1.0, None),  # a RoPE scaling's factor stretches the context, never shrinks it
     "n_layers": (int, 1, 1024), "n_dense_layers": (int, 0, 1024), "n_shared": (int, 0, None),
     "pad_id": (int, 0, 2 ** 31 - 2), "dropout": (float, 0.0, 1.0), "norm_eps": (float, TINY, 1.0),
     "rope_theta": (float, 1.0, 1e30), "routed_scale": (float, TINY, 1e30), "partial_rotary": (float, 1e-30, 1.0),
-    "layer_types": (list,), "rope_scaling": (dict,)}
+    "swiglu_limit": (float, TINY, None), "layer_types": (list,), "rope_scaling": (dict,)}
 OPTIONAL_FIELDS = {"d_ff", "n_kv_heads", "head_dim", "top_k", "expert_d_ff", "q_lora_rank", "layer_types",
                    "rope_scaling"}  # None: the class derives them, or goes without
-ROPE_SCALINGS = {"linear": (["factor"], []), "yarn": (["factor", "original_max_len"], ["beta_fast", "beta_slow"]),
-                 "llama3": (["factor", "low_freq_factor", "high_freq_factor", "original_max_len"], [])}
 
 
 def check_field(name, value):
@@ -6308,24 +6303,6 @@ def check_field(name, value):
     else:
         ok, what = isinstance(value, kind), "True or False" if kind is bool else f"a {kind.__name__}"
     if not ok: raise ValueError(f"{name} must be {what}{' or None' * (name in OPTIONAL_FIELDS)}, got {value!r}")
-
-
-def check_scaling_config(scaling):
-    """A RoPE scaling as section 37 takes it: a dict of a known type, exactly its keys, each in its range."""
-    check_field("rope_scaling", scaling)
-    if (kind := scaling.get("type")) not in ROPE_SCALINGS:
-        raise ValueError(f"scaling type must be 'linear', 'llama3' or 'yarn' (a dict with a 'type' key), got"
-                         f" {scaling!r}")
-    needed, optional = ROPE_SCALINGS[kind]
-    if not set(needed) <= set(scaling) - {"type"} <= set(needed + optional):
-        raise ValueError(f"scaling {kind!r} needs the keys {needed} (optional: {optional}) and no others, got"
-                         f" {scaling!r}")
-    for key in needed + optional:
-        if key in scaling: check_field(key, scaling[key])
-    if kind == "llama3" and not scaling["low_freq_factor"] < scaling["high_freq_factor"]:
-        raise ValueError(f"low_freq_factor must be below high_freq_factor, got {scaling['low_freq_factor']}")
-    if not scaling.get("beta_fast", 32) > scaling.get("beta_slow", 1):  # YaRN's defaults
-        raise ValueError(f"beta_fast must be above beta_slow, got {scaling.get('beta_fast', 32)}")
 
 
 def check_config_relations(kind, c):
@@ -6377,7 +6354,7 @@ def check_config_relations(kind, c):
              f"layer_types must be None or n_layers of {', '.join(map(repr, types[kind]))}", "layer_types",
              "n_layers")
     if c.get("rope_scaling") is not None:
-        check_scaling_config(c["rope_scaling"])
+        check_scaling(c["rope_scaling"])
         need(c["rope_scaling"]["type"] == "yarn", "rope_scaling must be None or gpt-oss's yarn, a dict with 'type':"
              " 'yarn'", "rope_scaling")
 
@@ -6392,7 +6369,9 @@ def check_model_config(kind, config):
     config = {key: value for key, value in config.items()
               if not (key in old and type(value) is type(old[key]) and value == old[key])}
     scaling = config.pop("rope_scaling", None) if kind in ROPE_KINDS else None
-    if scaling is not None: check_scaling_config(scaling)
+    if scaling is not None:  # a dict, then section 37's own check of its type, keys and values
+        check_field("rope_scaling", scaling)
+        check_scaling(scaling)
     parameters = constructor_keywords(MODEL_CLASSES[kind])
     unknown = next((key for key in config if key not in parameters), None)
     if unknown in old:
