@@ -6201,8 +6201,9 @@ def preference_report(seed=0, **changes):
 # ===========================================================================
 # 52. Your own data (自己的数据)
 # ===========================================================================
-# --data FILE.tsv trains on your pairs instead of the generated ones: UTF-8, one "pinyin<TAB>hanzi" a line, one
-# syllable per character, blank lines and # comments skipped. A line that does not fit is reported as FILE:LINE.
+# With --data FILE.tsv the models train on your pairs instead of the generated ones. The file is UTF-8 text with one
+# "pinyin<TAB>hanzi" pair a line and one syllable per character; blank lines and # comments are skipped. A line that
+# does not fit is reported as FILE:LINE.
 
 SYLLABLE = re.compile("[a-z]+")  # toneless lowercase pinyin, ü written v: the one rule for input
 MAX_DATA_BYTES = 64 * 2 ** 20    # a --data file past this is refused, not read into memory
@@ -6292,8 +6293,9 @@ def read_pairs(path):
 # ===========================================================================
 # 53. Saving and loading (保存与加载)
 # ===========================================================================
-# A checkpoint is data (configuration, weights, vocabularies) that torch.load(weights_only=True) reads without
-# running pickled code, written to a temporary file and renamed over the target: a cut save leaves the old file.
+# A checkpoint holds data only (the configuration, the weights, the vocabularies), so torch.load(weights_only=True)
+# reads it without running pickled code. It is written to a temporary file and renamed over the target, so a save
+# that is cut short leaves the old file as it was.
 
 CHECKPOINT_FORMAT = "transformer.py checkpoint v1"
 MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer, "llama": Llama, "qwen3": Qwen3,
@@ -6304,8 +6306,9 @@ PARAMETER_FORMULAS = {"encdec": transformer_param_formula, "gpt": decoder_only_p
                       "qwen3moe": qwen3_moe_param_formula, "mistral": mistral_param_formula,
                       "deepseek": deepseek_param_formula, "gptoss": gpt_oss_param_formula,
                       "qwen3_next": qwen3_next_param_formula, "deepseek_v32": deepseek_v32_param_formula}
-ROPE_KINDS = ("llama", "qwen3", "mixtral", "qwen3moe", "mistral", "deepseek", "qwen3_next", "deepseek_v32")  # scaled?
-# an older "llama" checkpoint's config held the families' options; at these values (a Llama's) they are dropped
+# the kinds whose checkpoints may hold a RoPE scaling (section 37) beside the constructor's keywords
+ROPE_KINDS = ("llama", "qwen3", "mixtral", "qwen3moe", "mistral", "deepseek", "qwen3_next", "deepseek_v32")
+# An older "llama" checkpoint's config held the families' options. At these values (a Llama's) they are dropped.
 OLD_LLAMA_OPTIONS = dict(head_dim=None, qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True,
                          window=None, rope_scaling=None)
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what a model's weights may be
@@ -6377,8 +6380,98 @@ def constructor_keywords(cls):
     return own if len(own) == len(parameters) else {**constructor_keywords(cls.__mro__[1]), **own}
 
 
+# A config's fields, each with its rule: (type, smallest, largest) for numbers, where largest None means no bound but
+# torch's indexing for an integer (2^31 - 1) and a finite value for a float; (type,) for the others. A forged size is
+# refused here, by name, before any formula or model is computed from it.
+TINY = torch.finfo(torch.float32).tiny  # the smallest positive float32: an eps, a limit or a scale of 0 computes NaN
+CONFIG_RULES = {
+    **dict.fromkeys(("vocab_size src_vocab_size tgt_vocab_size d_model n_heads max_len window n_experts n_groups"
+                     " topk_groups kv_lora_rank qk_nope_dim qk_rope_dim v_head_dim linear_k_heads linear_v_heads"
+                     " linear_k_dim linear_v_dim conv_size shared_d_ff index_n_heads index_head_dim index_topk"
+                     " d_ff n_kv_heads head_dim top_k expert_d_ff q_lora_rank").split(), (int, 1, None)),
+    **dict.fromkeys("norm_first share_embeddings tie_weights qkv_bias norm_topk rope_interleave".split(), (bool,)),
+    "n_layers": (int, 1, 1024), "n_dense_layers": (int, 0, 1024), "n_shared": (int, 0, None),
+    "pad_id": (int, 0, 2 ** 31 - 2), "dropout": (float, 0.0, 1.0), "norm_eps": (float, TINY, 1.0),
+    "rope_theta": (float, 1.0, 1e30), "routed_scale": (float, TINY, 1e30), "partial_rotary": (float, 1e-30, 1.0),
+    "swiglu_limit": (float, TINY, None), "layer_types": (list,), "rope_scaling": (dict,)}
+OPTIONAL_FIELDS = {"d_ff", "n_kv_heads", "head_dim", "top_k", "expert_d_ff", "q_lora_rank", "layer_types",
+                   "rope_scaling"}  # None: the class derives them, or goes without
+
+
+def check_field(name, value):
+    """A ValueError naming the field, the value and what was expected, unless value follows CONFIG_RULES[name]."""
+    kind, *bounds = CONFIG_RULES[name]
+    if value is None and name in OPTIONAL_FIELDS: return
+    if bounds:  # an int counts as a float, a bool as neither; NaN is in no range
+        low, high = bounds
+        top = high if high is not None else 2 ** 31 - 1 if kind is int else sys.float_info.max
+        ok = isinstance(value, (int, kind)) and not isinstance(value, bool) and low <= value <= top
+        show = (lambda x: f"{x:,}") if kind is int else (lambda x: f"{x:g}")  # noqa: E731
+        what = ("an integer" if kind is int else "a finite number" if isinstance(value, float) and math.isinf(value)
+                and high is None else "a number") + (f" >= {show(low)}" if high is None else
+                                                   f" from {show(low)} to {show(high)}")
+    else:
+        ok, what = isinstance(value, kind), "True or False" if kind is bool else f"a {kind.__name__}"
+    if not ok: raise ValueError(f"{name} must be {what}{' or None' * (name in OPTIONAL_FIELDS)}, got {value!r}")
+
+
+def check_config_relations(kind, c):
+    """What the classes need of a config's values together (c: every keyword, defaults filled in), refused before any
+    formula or model is computed; a relation the weights' count and shapes cannot show is among them."""
+    def need(holds, expected, first, *others):  # the message names the first field, and the others' values
+        if holds: return
+        values = ", ".join(f"{name}={c.get(name)!r}" for name in others)
+        raise ValueError(f"{expected}{f' ({values})' if values else ''}, got {c.get(first)!r}")
+    width = c.get("head_dim") or c["d_model"] // c["n_heads"]
+    if kind in ("encdec", "gpt"):
+        need(c["d_model"] % 2 == 0, "d_model must be even (sin/cos pairs)", "d_model")
+        need(c["d_model"] % c["n_heads"] == 0, "d_model must be divisible by n_heads", "d_model", "n_heads")
+    if kind == "encdec" and c["share_embeddings"]:
+        need(c["tgt_vocab_size"] == c["src_vocab_size"], "tgt_vocab_size must equal src_vocab_size to share"
+             " embeddings", "tgt_vocab_size", "src_vocab_size")
+    if "n_kv_heads" in c:
+        need(c["n_heads"] % (c["n_kv_heads"] or c["n_heads"]) == 0, "n_heads must be divisible by n_kv_heads",
+             "n_heads", "n_kv_heads")
+    if kind == "qwen3_next":
+        need(int(width * c["partial_rotary"]) in range(2, width + 1, 2), "head_dim * partial_rotary must give an even"
+             " number of dims, 2 or more (RoPE turns pairs)", "partial_rotary", "head_dim")
+        need(c["linear_v_heads"] % c["linear_k_heads"] == 0, "linear_v_heads must be divisible by linear_k_heads",
+             "linear_v_heads", "linear_k_heads")
+    elif "rope_theta" in c and "qk_rope_dim" not in c:
+        need(width % 2 == 0, "RoPE turns pairs of dims: head_dim (d_model / n_heads if None) must be even", "head_dim",
+             "d_model", "n_heads")
+    if "n_experts" in c:
+        need(c["top_k"] is not None and c["top_k"] <= c["n_experts"], "top_k must be at most n_experts", "top_k",
+             "n_experts")
+    if "qk_rope_dim" in c:  # DeepSeek's
+        for field in ("d_ff", "expert_d_ff"):
+            need(c[field] is not None, f"{field} must be an integer >= 1", field)
+        need(c["n_dense_layers"] <= c["n_layers"], "n_dense_layers must be at most n_layers", "n_dense_layers",
+             "n_layers")
+        need(c["qk_rope_dim"] % 2 == 0, "RoPE turns pairs of dims: qk_rope_dim must be even", "qk_rope_dim")
+        need(c["n_experts"] % c["n_groups"] == 0, "n_experts must be divisible by n_groups", "n_experts", "n_groups")
+        need(c["topk_groups"] <= c["n_groups"], "topk_groups must be at most n_groups", "topk_groups", "n_groups")
+        need(c["topk_groups"] * (c["n_experts"] // c["n_groups"]) >= c["top_k"], "topk_groups groups of n_experts /"
+             " n_groups experts must hold at least top_k", "topk_groups", "n_groups", "n_experts", "top_k")
+    if "index_head_dim" in c:
+        need(c["q_lora_rank"] is not None, "q_lora_rank must be an integer >= 1 (the lightning indexer's queries"
+             " start from MLA's query latent)", "q_lora_rank")
+        need(c["index_head_dim"] >= c["qk_rope_dim"], "index_head_dim must be at least qk_rope_dim",
+             "index_head_dim", "qk_rope_dim")
+    types = {"gptoss": ("sliding_attention", "full_attention"), "qwen3_next": ("linear_attention", "full_attention")}
+    if c.get("layer_types") is not None:
+        need(len(c["layer_types"]) == c["n_layers"] and all(t in types[kind] for t in c["layer_types"]),
+             f"layer_types must be None or n_layers of {', '.join(map(repr, types[kind]))}", "layer_types",
+             "n_layers")
+    if c.get("rope_scaling") is not None:
+        check_scaling(c["rope_scaling"])
+        need(c["rope_scaling"]["type"] == "yarn", "rope_scaling must be None or gpt-oss's yarn, a dict with 'type':"
+             " 'yarn'", "rope_scaling")
+
+
 def check_model_config(kind, config):
-    """-> (keywords, rope_scaling or None): exactly the class's keywords, as ARGUMENTS (section 0) rules them."""
+    """-> (keywords, rope_scaling or None): exactly the class's keywords, each by its rule and all together; or a
+    ValueError naming the field."""
     if not isinstance(kind, str) or kind not in MODEL_CLASSES:
         raise ValueError(f"kind {quote(str(kind))}: expected one of {', '.join(MODEL_CLASSES)}")
     if not isinstance(config, dict): raise ValueError(f"config is a {type(config).__name__}, expected a dict")
@@ -6386,7 +6479,9 @@ def check_model_config(kind, config):
     config = {key: value for key, value in config.items()
               if not (key in old and type(value) is type(old[key]) and value == old[key])}
     scaling = config.pop("rope_scaling", None) if kind in ROPE_KINDS else None
-    if scaling is not None: check_scaling(scaling)
+    if scaling is not None:  # a dict, then section 37's own check of its type, keys and values
+        check_field("rope_scaling", scaling)
+        check_scaling(scaling)
     parameters = constructor_keywords(MODEL_CLASSES[kind])
     unknown = next((key for key in config if key not in parameters), None)
     if unknown in old:
@@ -6395,7 +6490,9 @@ def check_model_config(kind, config):
     if unknown is not None: raise ValueError(f"config field {quote(str(unknown))} is not one a {kind} model takes")
     missing = next((n for n, p in parameters.items() if p.default is p.empty and n not in config), None)
     if missing: raise ValueError(f"config lacks {missing}, which a {kind} model needs")
-    check(**config)
+    for key, value in config.items(): check_field(key, value)
+    defaults = {name: p.default for name, p in parameters.items() if p.default is not p.empty}
+    check_config_relations(kind, {**defaults, **config})
     return config, scaling
 
 
@@ -6512,8 +6609,9 @@ def load_checkpoint(path, device="cpu"):
 # ===========================================================================
 # 54. The demo (演示): python transformer.py
 # ===========================================================================
-# Shapes and parameter counts first (the tutorials' own configuration among them) and the cache measured; then the
-# toy models learn pinyin to hanzi, answer sentences they never saw, and the encoder-decoder shows where it looked.
+# The demo first shows shapes and parameter counts (the tutorials' own configuration among them) and measures the
+# cache. Then the toy models learn pinyin to hanzi and answer sentences they never saw, and the encoder-decoder shows
+# where it looked.
 
 TUTORIAL_GPT_CONFIG = dict(vocab_size=50257, d_model=512, n_layers=6, n_heads=8, d_ff=2048, max_len=1024)
 VASWANI = dict(src_vocab_size=37000, tgt_vocab_size=37000, share_embeddings=True)  # base and big: one vocabulary
@@ -6523,8 +6621,9 @@ CLASSIC_CONFIGS = [  # (name, model kind, configuration, what the source reports
     ("GPT-2 small (Radford 2019)", "gpt", dict(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, d_ff=3072,
                                                max_len=1024, tie_weights=True), "117M in the paper, 124M corrected"),
     ("GPT of the decoder-only tutorial", "gpt", TUTORIAL_GPT_CONFIG, "3000多万 (30-odd M)")]
-# --size base, the default for --data, measured on the README's 2,500 everyday sentences: twice the width, a further
-# layer, dropout, each sentence and a random piece of it; 12 epochs, 5 minutes on 2 cores (DeepSeek's: not measured).
+# --size base is the default with --data. It was measured on the README's 2,500 everyday sentences: twice the width,
+# one more layer, dropout, and each sentence with a random piece of it. Its 12 epochs take 5 minutes on 2 cores
+# (DeepSeek's recipe was not measured).
 BASE = dict(epochs=12, lr_factor=0.25, warmup=150, batch_size=32, spans=1)
 BASE_MODELS = {kind: dict(TOY_MODELS[kind], **BASE, config=config) for kind, config in [
     ("encdec", dict(d_model=128, n_heads=4, d_ff=512, n_layers=3, dropout=0.1)),
@@ -6756,8 +6855,9 @@ def run(args, device, pairs, loaded):
 # ===========================================================================
 # 55. The benchmark (基准测试): python transformer.py --bench
 # ===========================================================================
-# Where the time goes, in one run: training the hand-written model against nn.Transformer with the same weights, the
-# KV cache against the memory-bandwidth bound, FlashAttention's tiles against section 2 at long lengths (time, memory).
+# The benchmark shows where the time goes, in one run. The hand-written model trains against nn.Transformer with the
+# same weights, the KV cache runs against the memory-bandwidth bound, and FlashAttention's tiles run against section 2
+# at long lengths (time and memory).
 
 class TorchTransformer(nn.Module):
     """Our encoder-decoder's weights in nn.Transformer (in_proj_weight packs w_q, w_k, w_v), our embeddings around."""
@@ -6933,7 +7033,8 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
 # ===========================================================================
 # 56. The command line (命令行)
 # ===========================================================================
-# Every mistake is one line on stderr and exit status 2, found before the work where it can be; answers go to stdout.
+# Every mistake is one line on stderr with exit status 2, found before the work wherever it can be. Answers go to
+# stdout.
 
 MAX_LINE = 2 ** 20  # characters in one --translate - line; a sentence takes at most MAX_SYLLABLES syllables
 MAX_BEAM = 64       # --beam: wider beams cost memory and time and, on this task, gain nothing
