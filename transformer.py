@@ -53,78 +53,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Argument checks cost one line: check(name=value, ...) looks each keyword up in ARGUMENTS (every section adds its
-# own) and raises a ValueError naming the argument, the value and what was expected, before anything is built. A rule
-# tying arguments together (d_model divisible by n_heads) is a named entry of RELATIONS: check("rule", ...).
-
-MAX_SIZE = 2 ** 31 - 1  # past any model and torch's indexing
-FINITE = torch.finfo(torch.float64).max  # the bound of a number that must not be inf (an lr: inf turns weights to NaN)
-ARGUMENTS = {}  # name -> (int or float, smallest, largest), (a type,) or ("one of", values...); "or None" at the end
-RELATIONS = {}  # rule -> (argument names, test on their values, what is expected of the first)
-ARGUMENTS.update(d_model=(int, 1, MAX_SIZE), max_len=(int, 1, MAX_SIZE), dropout=(float, 0.0, 1.0))
-RELATIONS["even d_model"] = (("d_model",), lambda d: d % 2 == 0, "d_model must be even (sin/cos pairs)")
-ARGUMENTS.update(past=(int, 0, MAX_SIZE))  # a count of cached tokens: below 0 the mask has fewer keys than queries
-ARGUMENTS.update(n_heads=(int, 1, MAX_SIZE))
-RELATIONS["heads divide d_model"] = (("d_model", "n_heads"), lambda d, h: d % h == 0,
-                                     "d_model must be divisible by n_heads")
-ARGUMENTS.update(d_ff=(int, 1, MAX_SIZE, "or None"), activation=("one of", "relu", "gelu"))  # None: Llama derives it
-RELATIONS["d_ff given"] = (("d_ff",), lambda width: width is not None, "d_ff must be an integer >= 1")
-ARGUMENTS.update(src_vocab_size=(int, 1, MAX_SIZE), tgt_vocab_size=(int, 1, MAX_SIZE), n_layers=(int, 1, 1024),
-                 pad_id=(int, 0, MAX_SIZE - 1), norm_first=(bool,), share_embeddings=(bool,))
-RELATIONS["one vocabulary to share"] = (("tgt_vocab_size", "src_vocab_size", "share_embeddings"),
-                                        lambda t, s, shared: not shared or s == t,
-                                        "tgt_vocab_size must equal src_vocab_size to share embeddings")
-RELATIONS["pad_id in both vocabularies"] = (("pad_id", "src_vocab_size", "tgt_vocab_size"),
-                                            lambda p, s, t: p < min(s, t), "pad_id must be an id in both vocabularies")
-ARGUMENTS.update(vocab_size=(int, 1, MAX_SIZE), tie_weights=(bool,), max_new_tokens=(int, 0, MAX_SIZE),
-                 prompt_length=(int, 1, MAX_SIZE), temperature=(float, 0.0, FINITE),
-                 top_k=(int, 1, MAX_SIZE, "or None"), top_p=(float, 0.0, 1.0, "or None"),
-                 generator=(torch.Generator, "or None"), cache=(object,), cache_kind=(type,))
-RELATIONS["prompt fits"] = (("prompt_length", "max_new_tokens", "max_len"), lambda t, n, most: t + n <= most,
-                            "prompt_length + max_new_tokens must be at most max_len")
-RELATIONS["top_p > 0"] = (("top_p",), lambda p: p is None or p > 0, "top_p must be > 0 (the nucleus holds a token)")
-RELATIONS["a cache a layer"] = (("cache", "n_layers", "cache_kind"), lambda c, n, kind: c is None or isinstance(
-    c, (list, tuple)) and len(c) == n and all(isinstance(x, kind) for x in c) and len({len(x) for x in c}) == 1,
-    "cache must be None or what new_cache() gives: a list of n_layers caches of cache_kind, all as long")
-
-
-def check(*relations, **arguments):
-    for name, value in arguments.items():
-        kind, *rule = ARGUMENTS[name]
-        optional = rule[-1:] == ["or None"]
-        if value is None and optional:
-            continue
-        rule = rule[:-1] if optional else rule
-        if kind in (int, float):  # an int counts as a float, a bool as neither; NaN is in no range
-            low, high = rule
-            ok = isinstance(value, (int, kind)) and not isinstance(value, bool) and low <= value <= high
-            show = lambda x: f"{x:,}" if isinstance(x, int) else f"{x:g}"  # noqa: E731
-            unbounded = high in (MAX_SIZE, math.inf, FINITE)
-            what = ("an integer" if kind is int else "a finite number" if unbounded and value in (math.inf, -math.inf)
-                    else "a number") + (f" >= {show(low)}" if unbounded else f" from {show(low)} to {show(high)}")
-        elif kind == "one of":
-            ok, what = isinstance(value, str) and value in rule, " or ".join(map(repr, rule))
-        else:
-            ok, what = isinstance(value, kind), "True or False" if kind is bool else f"a {kind.__name__}"
-        if not ok:
-            raise ValueError(f"{name} must be {what}{' or None' if optional else ''}, got {value!r}")
-    for rule in relations:  # the first argument a rule names is the one its message is about
-        names, holds, expected = RELATIONS[rule]
-        if not holds(*(arguments[name] for name in names)):
-            others = ", ".join(f"{name}={arguments[name]!r}" for name in names[1:])
-            raise ValueError(f"{expected}{f' ({others})' if others else ''}, got {arguments[names[0]]!r}")
-
-
-def arguments_of(scope):
-    """A constructor's locals(), taken before it assigns anything: its arguments, self left out. A model keeps
-    them as its config, which a checkpoint saves and the model is built again from."""
-    return {name: value for name, value in scope.items() if name not in ("self", "__class__")}
-
-
-class Keys(dict):  # a formula's dict argument, such as a model's config
-    def __missing__(self, key):  # d[key] of a key it lacks is a ValueError naming it; d.get(key) stays None
-        raise ValueError(f"the formula reads the key {key!r}, which its dict argument lacks")
-
 
 # ===========================================================================
 # 1. Positional encoding (位置编码)
@@ -876,10 +804,6 @@ class BigramHMM:
 # one bad batch cannot throw the weights far. Here torch's Adam and clip_grad_norm_ do the work; Part VII writes each
 # of them out.
 
-ARGUMENTS.update(step=(int, 0, MAX_SIZE), warmup_steps=(int, 0, MAX_SIZE), epochs=(int, 1, MAX_SIZE),
-                 batch_size=(int, 1, MAX_SIZE), model=(nn.Module,))
-RELATIONS["a warmup step"] = (("warmup_steps",), lambda w: w >= 1, "warmup_steps must be >= 1 (the peak's step)")
-
 
 def noam(step, warmup_steps, d_model):
     """The paper's learning rate ("Noam" after Noam Shazeer, its second author): d_model^-0.5 *
@@ -1027,9 +951,6 @@ def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True, allowed=N
             if done.all():
                 break
     return ys[:, 1:]                                                       # [B, <= max_len]
-
-
-ARGUMENTS.update(beam_size=(int, 1, MAX_SIZE), n_steps=(int, 1, MAX_SIZE))  # batch_size: section 13
 
 
 def reorder_cache(cache, index):
@@ -1356,13 +1277,6 @@ class RMSNorm(nn.Module):
 # dot product q . k then depends only on m - n. Only q and k are turned, never v, because the position shapes WHERE a
 # query looks, not what it reads there.
 
-ARGUMENTS.update(head_dim=(int, 1, MAX_SIZE, "or None"), theta=(float, 1.0, 1e30), rope_theta=(float, 1.0, 1e30),
-                 shapes=(dict,))  # shapes: {name: a tensor's shape}, for the rules that tie tensors together
-RELATIONS["even head_dim"] = (("head_dim",), lambda d: d is not None and d % 2 == 0,
-                              "RoPE turns pairs of dims: head_dim must be even")
-RELATIONS["cos and sin fit x"] = (("shapes",), lambda s: s["cos"] == s["sin"] == s["x"][-2:],  # [1, dk] would broadcast
-                                  "cos and sin must be [T, dk], the last two dims of x")
-
 
 def rope_frequencies(head_dim, theta=10000.0):
     """[dk/2]: pair i turns theta^(-2i/dk) radians per position, the first pairs fast, the last slowly;
@@ -1416,8 +1330,6 @@ def apply_rope(x, cos, sin):
 # matrices, so its width is 2/3 of 4 D: 3 * D * 8D/3 = 2 * D * 4D, the parameters and FLOPs of the classic
 # feed-forward.
 
-ARGUMENTS.update(multiple_of=(int, 1, MAX_SIZE), ffn_dim_multiplier=(float, 1e-30, 1e30, "or None"))
-
 
 def llama_ffn_dim(d_model, multiple_of=256, ffn_dim_multiplier=None):
     """Llama's Dff: 2/3 of 4 D, optionally scaled, rounded UP to a multiple of multiple_of."""
@@ -1454,10 +1366,6 @@ class SwiGLU(nn.Module):
 # is the larger past about 25,700 cached tokens (batch x length). GQA (Ainslie et al., 2023) lets a group of query
 # heads share one key/value head. With n_kv_heads = n_heads it is multi-head attention; with 1, multi-query attention
 # (MQA).
-
-ARGUMENTS.update(n_kv_heads=(int, 1, MAX_SIZE, "or None"), qkv_bias=(bool,), bias=(bool,), n_rep=(int, 1, MAX_SIZE))
-RELATIONS["kv heads divide heads"] = (("n_heads", "n_kv_heads"), lambda h, hkv: hkv is not None and h % hkv == 0,
-                                      "n_heads must be divisible by n_kv_heads")
 
 
 def repeat_kv(x, n_rep):
@@ -1536,9 +1444,6 @@ class LlamaBlock(nn.Module):
         """x [B, Tn, D]; cos, sin [Tn, dk]; mask [1, 1, Tn, t + Tn]; cache a KVCache."""
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)        # [B, Tn, D]
         return x + self.ffn(self.ffn_norm(x))                              # [B, Tn, D]
-
-
-ARGUMENTS.update(norm_eps=(float, torch.finfo(torch.float32).tiny, 1.0))  # > 0 in float32: 0 / sqrt(0) is NaN
 
 
 class Llama(nn.Module):
@@ -1632,10 +1537,6 @@ class Llama(nn.Module):
 # This section repeats section 10's check on published models. Three numbers agree to the last parameter: the
 # formula, the count of the model built on the meta device (shapes only, no memory) and the published total. Then comes
 # what decides how many tokens fit on a GPU: the KV cache.
-
-ARGUMENTS.update(bytes_per_value=(int, 1, MAX_SIZE))
-RELATIONS["cache widths given"] = (("n_kv_heads", "head_dim"), lambda h, d: None not in (h, d),
-                                  "n_kv_heads and head_dim must be integers >= 1")
 
 
 def gqa_params(d_model, n_heads, n_kv_heads, head_dim, bias):
@@ -1847,14 +1748,6 @@ GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(
 # without, and its ids differ ([Ġ, Â½] against [ĠÂ, ½]). Such details make hand-written tokenizers disagree.
 PRE_TOKENIZERS = {"gpt-2": [GPT2_SPLIT], "smollm": ["[{N}]", GPT2_SPLIT]}
 
-ARGUMENTS.update(pre=("one of", *PRE_TOKENIZERS), text=(str,), token_ids=(list,))
-RELATIONS.update({
-    "ids in the vocabulary": (("token_ids", "vocab_size"), lambda ids, v: all(
-        type(i) is int and 0 <= i < v for i in ids), "token_ids must be integers from 0 to vocab_size - 1"),
-    "room for the bytes": (("vocab_size",), lambda v: v >= 256,
-                           "vocab_size must be at least 256: the bytes come first"),
-})
-
 
 class BPETokenizer(BasicTokenizer):
     """BasicTokenizer as a released file holds it: tokens spelled in GPT-2's stand-ins (a token's id is its
@@ -1946,7 +1839,6 @@ def train_gpt2_bpe(text, vocab_size, pre="gpt-2"):
 # and Q4_0's d takes its sign from the first of the tied largest |x|.
 
 QUANT_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # the bytes a block of 32 values takes, scales first
-ARGUMENTS.update(fmt=("one of", *QUANT_BYTES))
 
 
 def inverse(d):
@@ -2042,8 +1934,6 @@ def unpermute_rope_rows(w, n_heads):
     return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)  # [H * dk, D]
 
 
-ARGUMENTS.update(state_dict=(dict,), config=(dict,))
-
 # The released file is already 4-bit: its Q4_1 weights, dequantized and quantized again, come back bit for
 # bit (a block's min is one of its values, its max d q + m at q = 15), which a test checks.
 # Try it:
@@ -2070,9 +1960,6 @@ def chat_prompt(tokenizer, prompt):
     system = re.search(r"<\|im_start\|>system(?:\n|\\n)(.*?)<\|im_end\|>", tokenizer.chat_template, re.S)
     head = f"<|im_start|>system\n{system.group(1)}<|im_end|>\n" if system else ""
     return f"{head}<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
-
-
-ARGUMENTS.update(prompt=(str,))
 
 
 @torch.no_grad()
@@ -2197,25 +2084,6 @@ def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
 # Mixtral and Qwen3-MoE weigh the chosen experts alike. They take p = softmax(logits) over all E experts, keep the
 # top_k, and divide them by their sum (norm_topk); after that division the weights are a softmax over the top_k logits.
 # Without the division (Qwen1.5-MoE), taking the top k before the softmax or after it gives two different models.
-
-ARGUMENTS.update(n_experts=(int, 1, MAX_SIZE), n_shared=(int, 0, MAX_SIZE), router=("one of", "softmax", "sigmoid"),
-                 norm_topk=(bool,), n_groups=(int, 1, MAX_SIZE), topk_groups=(int, 1, MAX_SIZE),
-                 routed_scale=(float, torch.finfo(torch.float32).tiny, 1e30), expert_d_ff=(int, 1, MAX_SIZE, "or None"),
-                 rate=(float, 0.0, FINITE), active=(bool,))
-RELATIONS.update({
-    "top_k <= n_experts": (("top_k", "n_experts"), lambda k, e: k is not None and k <= e,
-                           "top_k must be at most n_experts"),
-    "groups divide experts": (("n_experts", "n_groups"), lambda e, g: e % g == 0,
-                              "n_experts must be divisible by n_groups"),
-    "groups from sigmoids": (("n_groups", "router"), lambda g, router: g == 1 or router == "sigmoid",
-                             "n_groups > 1 is DeepSeek-V3's group-limited routing: it needs router='sigmoid'"),
-    "topk_groups <= n_groups": (("topk_groups", "n_groups"), lambda kg, g: kg <= g,
-                                "topk_groups must be at most n_groups"),
-    "enough experts in the groups": (("topk_groups", "n_groups", "n_experts", "top_k"), lambda kg, g, e, k: kg * (
-        e // g) >= k, "topk_groups groups of n_experts / n_groups experts must hold at least top_k"),
-    "a score per expert": (("shapes",), lambda s: len(s["logits"]) == 2 and s["logits"][1:] == s["router_bias"],
-                           "logits must be [N, E], a score per expert"),
-})
 
 
 class MoE(nn.Module):
@@ -2354,16 +2222,6 @@ def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=N
 # W_uk c_n depend on the pair of positions, and W_uk could then not be folded into the query once for all keys (3a
 # below). DeepSeek's checkpoints pair neighbours (x[2i], x[2i+1]) in the rope part (rope_interleave=True); that is
 # section 19's halves after a fixed permutation of the rope rows of w_uq (or w_q) and w_dkv.
-
-ARGUMENTS.update(kv_lora_rank=(int, 1, MAX_SIZE), q_lora_rank=(int, 1, MAX_SIZE, "or None"),
-                 qk_nope_dim=(int, 1, MAX_SIZE), qk_rope_dim=(int, 1, MAX_SIZE), v_head_dim=(int, 1, MAX_SIZE),
-                 rope_interleave=(bool,))
-RELATIONS.update({
-    "even qk_rope_dim": (("qk_rope_dim",), lambda d: d % 2 == 0, "RoPE turns pairs of dims: qk_rope_dim must be even"),
-    "a latent and a rope key a token": (("shapes",), lambda s: len(s["latent"]) == len(s["k_rope"]) == 3
-                                        and s["latent"][:2] == s["k_rope"][:2],
-                                        "latent [B, Tn, r] and k_rope [B, Tn, rope] must share B and Tn"),
-})
 
 
 class LatentCache:
@@ -2539,13 +2397,6 @@ def with_router_bias(update, model, rate):
 # The model: RoPE tables as wide as the rope part, and a LatentCache a layer. Its multi-token-prediction module is the
 # next section; YaRN, which stretches its RoPE from 4K to 128K tokens, is section 37.
 
-ARGUMENTS.update(n_dense_layers=(int, 0, 1024))
-RELATIONS.update({
-    "n_dense_layers <= n_layers": (("n_dense_layers", "n_layers"), lambda dense, n: dense <= n,
-                                   "n_dense_layers must be at most n_layers"),
-    "expert width": (("expert_d_ff",), lambda width: width is not None, "expert_d_ff must be an integer >= 1"),
-})
-
 
 class DeepSeekV3(Llama):
     """Llama with MLA in every block, SwiGLU in the first n_dense_layers, then a DeepSeekMoE."""
@@ -2621,10 +2472,6 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
 # shared head. The extra loss makes the training signal denser (DeepSeek-V3 report, section 2.2). At inference the
 # module is a free draft for speculative decoding (section 48): it reads the target's hidden state and needs no model
 # of its own.
-
-ARGUMENTS.update(model_kind=(type,), weight=(float, 0.0, FINITE), block=(nn.Module,))
-RELATIONS["MTP on a Llama family"] = (("model_kind",), lambda cls: issubclass(cls, Llama),
-                                      "model must be a Llama family of this file (MTP reads its RoPE tables)")
 
 
 class MultiTokenPrediction(nn.Module):
@@ -2863,8 +2710,6 @@ def flash_attention(q, k, v, causal=False, block_size=64):
     return FlashAttention.apply(q, k, v, causal, block_size)
 
 
-ARGUMENTS.update(block_size=(int, 1, MAX_SIZE), causal=(bool,), fused=(bool,))
-
 # Try it: the two blocks worked out above, and a long causal case against section 2.
 #   >>> q, k = torch.ones(1, 1, 1, 1), torch.tensor([1.0, 2.0, 3.0, 0.0]).view(1, 1, 4, 1)  # scores 1, 2, 3, 0
 #   >>> v = torch.tensor([10.0, 20.0, 30.0, 40.0]).view(1, 1, 4, 1)      # [1, 1, 4, 1]
@@ -2894,10 +2739,6 @@ ARGUMENTS.update(block_size=(int, 1, MAX_SIZE), causal=(bool,), fused=(bool,))
 # A token further back changes nothing at all.
 # The pitfall: len(cache) must count every token seen, not the `window` held. RoPE turns the next token by its absolute
 # position, and the mask counts from it, so a length that stops at `window` restarts the positions.
-
-ARGUMENTS.update(window=(int, 1, MAX_SIZE), length=(int, 0, MAX_SIZE))
-RELATIONS["keys and values"] = (("shapes",), lambda s: len(s["k"]) == len(s["v"]) == 4 and s["k"][:3] == s["v"][:3],
-                                "k [B, H, Tn, dk] and v [B, H, Tn, dv] must share B, H and Tn")
 
 
 def make_window_mask(T, window, device=None, past=0):
@@ -3004,11 +2845,6 @@ def window_reach(n_layers, window):
 # its blocks through a block table, and gives them back when it ends, so it wastes less than one block. Here a
 # PagedKVCache holds one layer of one sequence (vLLM shares one block table across the layers). It gathers its blocks
 # into one [1, Hkv, t, dk] tensor, where vLLM's kernel reads each block in place.
-
-ARGUMENTS.update(n_blocks=(int, 1, MAX_SIZE), lengths=(list,))
-RELATIONS.update({"one sequence": (("shapes",), lambda s: s["k"][0] == 1, "a PagedKVCache holds one sequence: batch 1"),
-                  "token counts": (("lengths",), lambda ns: len(ns) > 0 and all(type(n) is int and n >= 0 for n in ns),
-                                   "lengths must be a non-empty list of token counts, integers >= 0")})
 
 
 class KVPool:
@@ -3153,22 +2989,6 @@ SCALING_KEYS = {  # each type's keys, then its optional ones
     "linear": (["factor"], []),
     "llama3": (["factor", "low_freq_factor", "high_freq_factor", "original_max_len"], []),
     "yarn": (["factor", "original_max_len"], ["beta_fast", "beta_slow"])}
-ARGUMENTS.update(original_max_len=(int, 1, MAX_SIZE), scaling=(dict,), type=("one of", *SCALING_KEYS),
-                 factor=(float, 1.0, FINITE), model_kind=(type,), **dict.fromkeys(
-                     ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"),
-                     (float, torch.finfo(torch.float32).tiny, FINITE)))      # > 0: they divide or take logs
-RELATIONS.update({
-    "a scaling type": (("scaling",), lambda s: s.get("type") in tuple(SCALING_KEYS),
-                       "scaling type must be 'linear', 'llama3' or 'yarn' (a dict with a 'type' key)"),
-    **{f"{kind} keys": (("scaling",), lambda s, keys=keys: set(keys[0]) <= set(s) - {"type"} <= set(keys[0] + keys[1]),
-                        f"scaling {kind!r} needs the keys {keys[0]} (optional: {keys[1]}) and no others")
-       for kind, keys in SCALING_KEYS.items()},
-    "low < high": (("low_freq_factor", "high_freq_factor"), lambda low, high: low < high,
-                   "low_freq_factor must be below high_freq_factor"),
-    "beta_fast > beta_slow": (("beta_fast", "beta_slow"), lambda f, s: f > s, "beta_fast must be above beta_slow"),
-    "a Llama family": (("model_kind",), lambda cls: issubclass(cls, Llama),
-                       "model must be a RoPE model of this file: a Llama or a family of it"),
-})
 
 
 def check_scaling(scaling):
@@ -3297,16 +3117,6 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 #   would give it the rounded ramp, and its checkpoint would come back with its own.
 
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names in layer_types
-ARGUMENTS.update(layer_types=(list, "or None"), swiglu_limit=(float, torch.finfo(torch.float32).tiny, FINITE),
-                 rope_scaling=(dict, "or None"), sinks=(torch.Tensor,))
-RELATIONS.update({
-    "a type per layer": (("layer_types", "n_layers"), lambda types, n: types is None or (
-        len(types) == n and all(t in LAYER_TYPES for t in types)),
-        "layer_types must list n_layers entries, each 'sliding_attention' or 'full_attention'"),
-    "gpt-oss yarn": (("rope_scaling",), lambda s: s is None or s.get("type") == "yarn",
-                     "rope_scaling must be None or gpt-oss's yarn, a dict with 'type': 'yarn'"),
-    "a sink per head": (("shapes",), lambda s: s["sinks"] == s["q"][1:2], "sinks must be [H], a logit per query head"),
-})
 
 
 class SinkAttention(GroupedQueryAttention):
@@ -3441,11 +3251,6 @@ class GptOss(Mixtral):
         return [KVCache() if layer.attn.window is None else RollingKVCache(layer.attn.window) for layer in self.layers]
 
 
-RELATIONS["a Llama family"] = (  # with_rope_scaling would give a GptOss the rounded YaRN: it takes rope_scaling=
-    ("model_kind",), lambda cls: issubclass(cls, Llama) and not issubclass(cls, GptOss),
-    "model must be a RoPE model of this file: a Llama or a family of it, not a GptOss (rope_scaling= builds its YaRN)")
-
-
 def gpt_oss_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                           rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=True, n_experts=8, top_k=2,
                           expert_d_ff=None, head_dim=None, window=128, layer_types=None, swiglu_limit=7.0,
@@ -3532,11 +3337,6 @@ GPT_OSS_CONFIGS = [
 # - Partial RoPE turns only the first 25% of each head's dims (64 of 256). The rest carry no
 #   position, so part of every head matches by content alone, at any distance.
 
-ARGUMENTS.update(partial_rotary=(float, 1e-30, 1.0))
-RELATIONS["even rotary dims"] = (("partial_rotary", "head_dim"), lambda p, d: int(d * p) in range(2, d + 1, 2),
-                                 "head_dim * partial_rotary must give an even number of dims, 2 or more (RoPE turns"
-                                 " pairs)")
-
 
 class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm scaled by 1 + weight, weight starting at 0: every norm of Qwen3-Next, q_norm and k_norm too."""
@@ -3590,16 +3390,6 @@ class GatedAttention(QKNormAttention):
 #     S <- alpha_t S,   d_t = beta_t (v_t - S^T k_t),   S <- S + k_t d_t^T,   o_t = S^T q_t
 # With |k_t| = 1 and beta_t = 1, S^T k_t is exactly v_t afterwards. So a write replaces what the key
 # held, where plain linear attention (S <- S + k v^T) piles every value on top of the last.
-
-ARGUMENTS.update(n_k_heads=(int, 1, MAX_SIZE), n_v_heads=(int, 1, MAX_SIZE), k_dim=(int, 1, MAX_SIZE),
-                 v_dim=(int, 1, MAX_SIZE), conv_size=(int, 1, MAX_SIZE), chunk=(int, 1, MAX_SIZE))
-RELATIONS["key heads divide value heads"] = (("n_v_heads", "n_k_heads"), lambda hv, hk: hv % hk == 0,
-                                             "n_v_heads must be divisible by n_k_heads")
-ARGUMENTS.update(delta_shapes=(list,))
-RELATIONS["delta rule shapes"] = (("delta_shapes",), lambda s: len(s[0]) == 4 and s[0][2] >= 1 and s[1] == s[0] and len(
-    s[2]) == 4 and s[2][:3] == s[0][:3] and s[3] == s[4] == s[0][:3] and s[5] == [*s[0][:2], s[0][3], s[2][3]],
-    "q, k, v, g, beta, memory must be tensors of [B, H, T >= 1, dk] twice, [B, H, T, dv], [B, H, T] twice and"
-    " [B, H, dk, dv]")
 
 
 def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
@@ -3739,7 +3529,6 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(B, Tn, Hv * dv))                    # [B, Tn, D]
 
 
-
 # The model. Qwen's shared expert has a gate of its own: a sigmoid of the token scales it, where
 # DeepSeek's shared expert runs at full weight on every token.
 
@@ -3757,23 +3546,6 @@ class GatedSharedExpert(SwiGLU):
 def qwen3_next_layer_types(n_layers, interval=4):
     """Every interval-th layer attention, the others Gated DeltaNet: Qwen3-Next's 3 to 1 with interval 4."""
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
-
-
-ARGUMENTS.update(interval=(int, 1, MAX_SIZE), layer_types=(list, "or None"), linear_k_heads=(int, 1, MAX_SIZE),
-                 linear_v_heads=(int, 1, MAX_SIZE), linear_k_dim=(int, 1, MAX_SIZE), linear_v_dim=(int, 1, MAX_SIZE),
-                 shared_d_ff=(int, 1, MAX_SIZE))
-RELATIONS.update({
-    "DeltaNet or attention layers": (("layer_types", "n_layers"), lambda types, n: types is None or len(types) == n
-                                     and set(types) <= {"linear_attention", "full_attention"},
-                                     "layer_types must be None or n_layers of 'linear_attention', 'full_attention'"),
-    "linear key heads divide value heads": (("linear_v_heads", "linear_k_heads"), lambda hv, hk: hv % hk == 0,
-                                            "linear_v_heads must be divisible by linear_k_heads"),
-    "a cache for each layer's kind": (("cache", "layer_types"), lambda c, types: c is None or isinstance(
-        c, (list, tuple)) and [{KVCache: "full_attention", DeltaNetCache: "linear_attention"}.get(type(x))
-                               for x in c] == types,
-        "cache must be None or what new_cache() gives: a KVCache for each attention layer, a DeltaNetCache for each"
-        " DeltaNet layer"),
-})
 
 
 class Qwen3Next(Qwen3):
@@ -3838,11 +3610,6 @@ class Qwen3Next(Qwen3):
             raise ValueError("cache must be None or what new_cache() gives: a KVCache for each attention layer,"
                              " a DeltaNetCache for each DeltaNet layer")
         return super().forward(input_ids, cache)                           # [B, Tn, V]
-
-
-RELATIONS["MTP on a Llama family"] = (  # section 32's MTP block is the model's own: Qwen3-Next's is not built here
-    ("model_kind",), lambda cls: issubclass(cls, Llama) and not issubclass(cls, Qwen3Next),
-    "model must be a Llama family of this file (MTP reads its RoPE tables), not a Qwen3Next")
 
 
 def qwen3_next_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, head_dim=None, max_len=2048,
@@ -3938,16 +3705,6 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, 
 # (sglang's RULER runs) until the fix. DeepSeek's code also multiplies q and k by a Hadamard matrix
 # before rounding them to FP8. The matrix is orthogonal, so q . k is unchanged in exact arithmetic,
 # and it is left out here, as transformers leaves it out.
-
-ARGUMENTS.update(index_n_heads=(int, 1, MAX_SIZE), index_head_dim=(int, 1, MAX_SIZE), index_topk=(int, 1, MAX_SIZE),
-                 context=(int, 1, MAX_SIZE), seq_len=(int, 1, MAX_SIZE))
-RELATIONS.update({
-    "the indexer reads the query latent": (("q_lora_rank",), lambda r: r is not None,
-                                           "q_lora_rank must be an integer >= 1 (the lightning indexer's queries"
-                                           " start from MLA's query latent)"),
-    "index_head_dim holds the rope part": (("index_head_dim", "qk_rope_dim"), lambda d, rope: d >= rope,
-                                           "index_head_dim must be at least qk_rope_dim"),  # RoPE turns its first dims
-})
 
 
 class IndexedLatentCache(LatentCache):
@@ -4126,11 +3883,6 @@ def indexer_flops(config, batch_size, seq_len):
 # large gradients is hardly decayed. AdamW (Loshchilov and Hutter, "Decoupled Weight Decay Regularization", ICLR 2019)
 # therefore shrinks the weight itself, apart from the gradient: p <- p * (1 - lr * weight_decay).
 
-ARGUMENTS.update(lr=(float, 0.0, FINITE), betas=(tuple,), eps=(float, torch.finfo(torch.float32).tiny, FINITE),
-                 weight_decay=(float, 0.0, FINITE))
-RELATIONS["betas in [0, 1)"] = (("betas",), lambda b: len(b) == 2 and all(
-    isinstance(x, (int, float)) and 0 <= x < 1 for x in b), "betas must be two numbers, each >= 0 and < 1")
-
 
 class AdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update in torch's order of operations: another order rounds differently in the last bit,
@@ -4207,12 +3959,6 @@ def decay_groups(model, weight_decay):
 # needs the run's length in advance. WSD (warmup-stable-decay) holds the peak and decays only over the last steps, so
 # a run can be extended, and decayed at any point.
 
-ARGUMENTS.update(total_steps=(int, 1, MAX_SIZE), decay_steps=(int, 0, MAX_SIZE), min_ratio=(float, 0.0, 1.0))
-RELATIONS.update({"warmup <= total": (("warmup_steps", "total_steps"), lambda w, t: w <= t,
-                                      "warmup_steps must be at most total_steps"),
-                  "decay after warmup": (("decay_steps", "total_steps", "warmup_steps"), lambda d, t, w: d <= t - w,
-                                         "decay_steps must be at most total_steps - warmup_steps")})
-
 
 def warmup_cosine(step, warmup_steps, total_steps, min_ratio=0.0):
     """The multiplier at step: step / warmup_steps during the warmup (0 at step 0, so the first step moves no
@@ -4256,8 +4002,6 @@ def warmup_stable_decay(step, warmup_steps, total_steps, decay_steps, min_ratio=
 # Clipping (section 13's clip_grad_norm_) scales the whole gradient down to max_norm when it is longer, and keeps its
 # direction. A batch too big for memory runs as micro-batches, whose gradients add up in .grad before one step; their
 # sum must be the big batch's gradient.
-
-ARGUMENTS.update(max_norm=(float, 0.0, math.inf), ignore_index=(int, -MAX_SIZE, MAX_SIZE))
 
 
 @torch.no_grad()
@@ -4317,7 +4061,6 @@ def accumulate_gradients(model, micro_batches, ignore_index=-100):
 #   True
 
 
-
 # ===========================================================================
 # 44. FLOPs, by formula and counted (计算量)
 # ===========================================================================
@@ -4329,8 +4072,6 @@ MODEL_KINDS = {DecoderOnlyTransformer: "gpt", Llama: "llama", Mistral: "mistral"
 MODEL_PARTS = (nn.Embedding, nn.Linear, nn.ModuleList, nn.Dropout, PositionalEncoding, EncoderLayer, LayerNorm,
                MultiHeadAttention, FeedForward, RMSNorm, LlamaBlock, GroupedQueryAttention, SlidingWindowAttention,
                QKNormAttention, SwiGLU, MoE, MultiHeadLatentAttention)  # the modules the formulas model
-ARGUMENTS.update(seq_len=(int, 1, MAX_SIZE), kind=("one of", *MODEL_KINDS.values()))  # batch_size, config: above
-RELATIONS["seq_len <= max_len"] = (("seq_len", "max_len"), lambda t, most: t <= most, "seq_len must be at most max_len")
 
 
 def model_kind(model, formula="model_kind", trains=False, parts=()):
@@ -4407,11 +4148,6 @@ def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
 # autocast to bf16 runs linear, matmul, bmm and scaled_dot_product_attention in bf16 and the losses in float32 (CUDA's
 # also softmax and layer_norm); the rest runs in its inputs' dtype, and float32 with bf16 gives float32.
 
-ARGUMENTS.update(init_scale=(float, 2.0 ** -126, torch.finfo(torch.float32).max), growth_factor=(float, 1.0, math.inf),
-                 backoff_factor=(float, 0.0, 1.0), growth_interval=(int, 1, MAX_SIZE))  # 2^-126: float32's least normal
-RELATIONS.update({"growth_factor > 1": (("growth_factor",), lambda g: g > 1, "growth_factor must be > 1"),
-                  "backoff in (0, 1)": (("backoff_factor",), lambda b: 0 < b < 1, "backoff_factor must be in (0, 1)")})
-
 
 class LossScaler:
     """torch.amp.GradScaler's loss scaling: scale(loss).backward(), step(optimizer), update(). float16 rounds a
@@ -4457,8 +4193,6 @@ class LossScaler:
 # Training holds the weights, the gradients, AdamW's m and v (section 41) and the activations, which are what
 # autograd saves for the backward.
 
-ARGUMENTS.update(mixed_precision=(bool,), checkpointing=(bool,), precision=("one of", "float32", "autocast", "bf16"),
-                 n_devices=(int, 1, MAX_SIZE), zero_stage=(int, 0, 3), memory=(dict,))
 PRECISIONS = {"float32": (4, 4, 8, 0), "autocast": (4, 4, 8, 0), "bf16": (2, 2, 8, 4)}  # bytes a parameter
 
 
@@ -4571,14 +4305,6 @@ def zero_memory_per_device(memory, n_devices, zero_stage):
 # rank r: W x + (alpha / r) B A x, with A [r, in] and B [out, r]. That is r (in + out) numbers for the in * out of W.
 # The paper's hypothesis is that adapting a model needs a change of low "intrinsic rank". Merged, W + (alpha / r) B A
 # runs at the base model's cost; unmerged, the base can serve other adapters.
-
-ARGUMENTS.update(merge=(bool,), base=(nn.Linear,), r=(int, 1, MAX_SIZE), alpha=(float, 0.0, FINITE), targets=(tuple,))
-RELATIONS.update({
-    "alpha > 0": (("alpha",), lambda a: a > 0, "alpha must be > 0"),
-    "dropout < 1": (("dropout",), lambda p: p < 1, "dropout must be below 1 (at 1 the update sees only zeros)"),
-    "targets named": (("targets",), lambda t: len(t) > 0 and all(isinstance(n, str) and n for n in t),
-                      "targets must be a non-empty tuple of module names"),
-})
 
 
 class LoRALinear(nn.Module):
@@ -4696,17 +4422,6 @@ def merge_lora(model, merge=True):
 # for a cut to 0, and such a model is refused before anything runs (transformers refuses assisted decoding for its
 # stateful models too).
 
-ARGUMENTS.update(k=(int, 1, MAX_SIZE), target=(type,), draft=(type,), draft_vocab_size=(int, 1, MAX_SIZE))
-RELATIONS.update({
-    "target decodes": (("target",), lambda cls: issubclass(cls, (DecoderOnlyTransformer, Llama)),
-                       "target must be a decoder-only model of this file (DecoderOnlyTransformer, a Llama family)"),
-    "draft decodes": (("draft",), lambda cls: issubclass(cls, (DecoderOnlyTransformer, Llama)),
-                      "draft must be a decoder-only model of this file (DecoderOnlyTransformer, a Llama family)"),
-    "one vocabulary": (("draft_vocab_size", "vocab_size"), lambda d, t: d == t,
-                       "draft_vocab_size must equal the target's vocab_size"),
-    "batch 1": (("batch_size",), lambda b: b == 1, "speculative decoding takes one sequence: batch_size must be 1"),
-})
-
 
 def crop_cache(cache, length):
     """Every layer's cache cut to `length` tokens: its own crop, or each tensor's dim -2 ([B, H, t, dk], [B, t, r])."""
@@ -4803,10 +4518,6 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 # gets 1.8 times the tokens per second). There the module is one block of 62. On the toy it is one of 3 and of the
 # costliest kind (MLA and the 8-expert MoE cost about a whole target forward), so it saves target forwards, not time
 # (the --after run measures both).
-
-ARGUMENTS.update(mtp=(MultiTokenPrediction,))
-RELATIONS["its model's width"] = (("mtp", "d_model"), lambda mtp, d: mtp.d_model == d,
-                                  "mtp must be an MTP module of the target's width (mtp_module(target))")
 
 
 class MTPCache:
@@ -4926,9 +4637,6 @@ def sequence_logprobs(model, input_ids, response_mask):
 # between two answers to one prompt. So the pairs train the model directly, by a logistic loss on the chosen answer's
 # reward minus the rejected one's: no reward model, no sampling, four sequence log-probabilities (section 49) a pair.
 
-ARGUMENTS.update(beta=(float, 0.0, FINITE))
-RELATIONS["beta > 0"] = (("beta",), lambda b: b > 0, "beta must be > 0 (at 0 every pair has the same loss)")
-
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1):
     """Sequence log-probabilities [B] of the chosen and the rejected answers, under the model trained and under the
@@ -4965,10 +4673,6 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1)
 # answers: it samples G for each prompt, scores them, and raises the probability of those better than their group.
 # GRPO (Shao et al., 2024, "DeepSeekMath"; the RL of DeepSeek-R1, 2025) is PPO with the group's mean reward as the
 # baseline (and its std as the scale) instead of a learned value model: no critic to train, G answers a prompt.
-
-ARGUMENTS.update(group_size=(int, 2, MAX_SIZE), clip_eps=(float, 0.0, 1.0), kl_beta=(float, 0.0, FINITE))
-RELATIONS["sampled"] = (("temperature",), lambda t: t > 0, "temperature must be > 0: GRPO learns from answers"
-                        " drawn at random (at 0 all G answers are one, and logits / 0 are infinite)")
 
 
 def group_advantages(rewards, eps=1e-4):
@@ -5483,9 +5187,6 @@ def hf_deepseek_v3(config):
 HF_FAMILIES["deepseek_v3"] = (DeepSeekV3, hf_deepseek_v3)
 
 
-
-
-
 # >>> ANCHOR P6A: sections 34-37's plumbing goes directly below this line (keep this line)
 
 # Section 35's Mistral for checkpoints (its parameter count, checked before a model is built) and in transformers'
@@ -5505,8 +5206,6 @@ def hf_mistral(config):
 
 
 HF_FAMILIES["mistral"] = (Mistral, hf_mistral)
-
-
 
 
 # >>> ANCHOR P6B: sections 38-40's plumbing goes directly below this line (keep this line)
@@ -5621,8 +5320,6 @@ def hf_deepseek_v32(config):
 HF_FAMILIES["deepseek_v32"] = (DeepSeekV32, hf_deepseek_v32)
 
 
-
-
 # ===========================================================================
 # The runs behind the article's ideas (实验与报告)
 # ===========================================================================
@@ -5693,8 +5390,6 @@ def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head=None, 
     which = "averaged over heads" if head is None else f"head {head}"
     print(f"\ncross-attention of the last decoder layer, {which}: {pinyin} -> {''.join(chars)}")
     print(render_heatmap(weights, pinyin.split(), chars))
-
-
 
 
 # >>> ANCHOR R5: Part V's runs and registries go directly below this line (keep this line)
@@ -5772,9 +5467,6 @@ def train_mtp(model, pairs, vocab, epochs=2, batch_size=32, seed=0):
     return mtp.eval()
 
 
-
-
-
 # >>> ANCHOR R6: Part VI's runs and registries go directly below this line (keep this line)
 # On the toy task (section 16), by the Llama's recipe: a DeltaNet layer, then an attention
 # layer (the toy's sentences are short; one of each is the smallest hybrid), 4 experts, 2 a token.
@@ -5831,8 +5523,6 @@ def use_fused_kernels(model, fused=True):
             if isinstance(child, (MultiHeadAttention, LayerNorm)):
                 setattr(parent, name, fused_twin(child, fused))
     return model
-
-
 
 
 # >>> ANCHOR R7: Part VII-VIII's runs go directly below this line (keep this line)
@@ -6192,10 +5882,6 @@ def preference_report(seed=0, **changes):
         print(f"  {name:16s} {100 * before[0]:12.1f}% -> {100 * rows[name][0]:5.1f}%"
               f" {before[1]:8.3f} -> {rows[name][1]:.3f} {seconds:8.1f}  {data}")
     return {"before": before, **rows}
-
-
-
-
 
 
 # ===========================================================================
