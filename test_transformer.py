@@ -9,8 +9,9 @@ What it proves:
   nn.RMSNorm, grouped-query attention with enable_gqa, RoPE with Meta's complex form.
 - Properties: a future token never changes an earlier output, a padded position
   never changes a real one, a cached step equals the full pass.
-- Pitfalls: each mistake of the design guide's list has a test named after it
-  (test_pitfallN_...), written so that the mistaken version would fail.
+- The tutorials' mistakes: each has a test named after the mistake it catches
+  (test_pitfall_mask_minus_1e9_overflows_fp16, ...), written so that the mistaken
+  version would fail.
 - Parts V and VI, which have no PyTorch counterpart: against brute-force and
   closed-form references (a dense MoE, MLA expanded against absorbed, attention
   computed whole against FlashAttention's tiles, the contiguous cache against the
@@ -22,25 +23,17 @@ What it proves:
   anything learned carries, beside it, the range measured under
   ATEN_CPU_CAPABILITY=default/avx2/avx512, 1 and 2 threads, torch 2.5.1 and 2.13.0.
 - The file as a whole: its "Try it" examples print what they show, the README's
-  section map is right, and each model's section runs cut out of the file.
+  section map is right, each model's section runs cut out of the file, and each
+  interview piece runs pasted alone.
 
-How it is laid out: one banner per section of transformer.py, in its order, so
-that a section's tests sit under its number; helpers sit beside the tests that
-use them. Everything runs in-process (main(argv) with capsys and tmp_path),
-except the few checks that need a real `python transformer.py`: signals, a
-closed or full standard stream, a process's own peak memory, the sections cut
-out and run alone. Those start together with the session (`processes` below;
-the hardening's with its first test), as forks of one interpreter that imported
-torch once, and each test waits on its own. The tests that compute for seconds
-have that part (`computed_in_the_background`), or the whole test
-(`run_in_the_background`), computed beside the others on the second core, and
-check its outcome where they stand; the first core to get to one computes it.
+How it runs: one banner per section of transformer.py, in its order, so that a
+section's tests sit under its number; helpers sit beside the tests that use them.
+Everything runs in-process (main(argv) with capsys and tmp_path), except the few
+checks that need a real `python transformer.py` (signals, a closed or full standard
+stream, a process's own peak memory, the sections cut out and run alone): those use
+subprocess with a timeout. pytest-xdist spreads the tests over the cores:
 
-    python -m pytest -q
-
-PYTEST_DONT_REWRITE: pytest's rewriting of this file's 1,500 asserts costs 3-4 s of
-CPU each run (more than any test), so a failing assert shows its line, not its values:
-the comparisons that matter carry their own message (assert_close, max_diff).
+    python -m pytest -q -n auto
 """
 
 import argparse
@@ -50,7 +43,6 @@ import copy
 import doctest
 from fractions import Fraction
 import functools
-import gc
 import inspect
 import io
 import itertools
@@ -61,8 +53,6 @@ import pathlib
 import pickle
 import random
 import re
-import resource
-import select
 import signal
 import stat
 import statistics
@@ -70,102 +60,11 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import unicodedata
 from unittest import mock
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-# --- the checks that need a real process -------------------------------------
-# A fresh interpreter spends over 2 s of CPU importing torch, and 2 cores running
-# seventeen of them beside the tests spent half the suite's time there. So a check
-# that needs a process of its own, but not a fresh interpreter, runs in a fork of one
-# interpreter that has imported torch and transformer once (FORKER): the fork sets
-# its standard streams, environment and argv as a shell would, runs what
-# `python transformer.py ARGS` runs, sys.exit(command_line()) (or `python -c CODE`'s
-# code), and exits through the interpreter's own shutdown: stdout's last flush, the
-# exit status, a traceback if one escapes. What an interpreter settles as it starts
-# (PYTHONIOENCODING, a closed stdout) gets a fresh one: the fork execs it (exec=).
-# The forker runs the jobs started with the session one at a time, in the order they
-# came, and a job a test starts and waits for (now=True) at once, all at a lower
-# priority (nice 10): the tests keep one core, the jobs have the other. Each check registers,
-# beside its test, what starts its process (@started_with_the_session); `processes`
-# starts them all before the first test. Each test then reads its own process's
-# output where it stands in the file.
-
-FORKER = r"""
-import gc, json, os, select, signal, sys
-import torch
-import torch._dynamo  # what the first fused Adam step imports: 2 s a process, once here for every fork
-import transformer as tf
-gc.freeze()  # what is here stays: a fork's collections and exit need not touch (and copy) its pages
-
-def put(path, value):  # whole or not at all: the test polls for the file
-    with open(path + ".tmp", "w") as f:
-        f.write(str(value))
-    os.replace(path + ".tmp", path)
-
-jobs = os.fdopen(os.dup(0), "rb", buffering=0)
-queue, running = [], {}                             # jobs waiting their turn; pid -> job
-while True:
-    for pid in list(running):                       # the jobs that ended: their exit status
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            put(running.pop(pid)["files"] + ".status", os.waitstatus_to_exitcode(status))
-    if queue and all(job["now"] for job in running.values()):
-        job = queue.pop(0)                          # the next in line, once the one before it ended
-    elif select.select([jobs], [], [], 0.005 if running else None)[0]:
-        line = jobs.readline()
-        if not line:
-            break
-        job = json.loads(line)
-        if not job["now"]:                          # "now": a test started it and waits for it
-            queue.append(job)
-            continue
-    else:
-        continue
-    child = os.fork()
-    if child:
-        put(job["files"] + ".pid", child)
-        running[child] = job
-        continue
-    jobs.close()
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh python: even where pytest ignores it
-    os.environ.update(job["env"])
-    for fd, (path, flags) in enumerate(job["streams"]):
-        if path is None:                            # a pipe whose reader is gone
-            reader, path = os.pipe()
-            os.close(reader)
-        else:
-            path = os.open(path, flags, 0o644)
-        os.dup2(path, fd)
-        os.close(path)
-    if job["exec"]:
-        os.execv(job["exec"][0], job["exec"])
-    sys.argv = job["argv"]
-    if job["code"] is None:
-        sys.exit(tf.command_line())
-    exec(compile(job["code"], "<string>", "exec"), {"__name__": "__main__"})
-    sys.exit(0)
-"""
-FORKS = {}  # "jobs": the forker's stdin, "folder": where the jobs' files go, "n": jobs so far
-
-
-def behind(nice=10):
-    """For preexec_fn: a process started beside the tests runs at a lower priority (nice 10),
-    so that the tests keep a core of their own."""
-    os.nice(nice)
-
-
-# The forker starts as this module is imported, before it imports torch, in a process group
-# of its own: its 4 s of imports overlap this module's and pytest's collecting. What runs in
-# it (the background runner imports this module) starts no other; without a session (pytest
-# --collect-only) it ends when its stdin does.
-FORKER_PROCESS = None if os.environ.get("IN_THE_FORKER") else subprocess.Popen(
-    [sys.executable, "-c", FORKER], cwd=HERE, stdin=subprocess.PIPE, preexec_fn=behind, start_new_session=True,
-    env=dict(os.environ, OMP_NUM_THREADS="1", IN_THE_FORKER="1"))
-
 
 import pytest
 import torch
@@ -188,13 +87,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def frozen_heap():
-    """torch, this module and the collected tests live to the end: the collector need not
-    walk them again in each of the 2,000 collections a run makes (1 s of CPU)."""
-    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
@@ -252,253 +144,21 @@ def _tiny_tsv(tmp_path, n=30):
     return str(path)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def forker(tmp_path_factory):
-    """The forker's jobs, for the session: their files in a folder of its own; it ends with the session."""
-    FORKS.update(jobs=FORKER_PROCESS.stdin, folder=tmp_path_factory.mktemp("forks"), n=0)
-    yield
-    os.killpg(FORKER_PROCESS.pid, signal.SIGKILL)  # it and any job still running: nothing to finish
-    FORKER_PROCESS.wait()
+def run(args, timeout=120, env=(), **kw):
+    """A real process in this folder, on one thread, its stdin empty unless given: subprocess.run,
+    killed past timeout seconds. -> CompletedProcess."""
+    kw.setdefault("stdin", subprocess.DEVNULL)
+    return subprocess.run(args, cwd=HERE, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", **dict(env)),
+                          **kw)
 
 
-class Forked:
-    """A job of the forker, with the part of Popen's interface the tests use;
-    its stdout and stderr are files (self.stdout_path, self.stderr_path)."""
-
-    def __init__(self, argv, code=None, stdin=None, stdout=None, stderr=None, append_stderr=False,
-                 broken_pipe=False, env=(), exec=None, now=False):
-        FORKS["n"] += 1
-        self.files = str(FORKS["folder"] / f"job{FORKS['n']}")
-        self.stdout_path = None if broken_pipe else str(stdout or self.files + ".stdout")
-        self.stderr_path = str(stderr or self.files + ".stderr")
-        write, add = os.O_WRONLY | os.O_CREAT | os.O_TRUNC, os.O_WRONLY | os.O_CREAT | os.O_APPEND
-        streams = [(str(stdin or os.devnull), os.O_RDONLY), (self.stdout_path, write),
-                   (self.stderr_path, add if append_stderr else write)]
-        job = dict(files=self.files, argv=argv, code=code, streams=streams, env=dict(env), exec=exec, now=now)
-        FORKS["jobs"].write(json.dumps(job).encode() + b"\n")
-        FORKS["jobs"].flush()
-        self.returncode = None
-
-    def _read(self, what, timeout):
-        path, deadline = self.files + what, time.monotonic() + timeout
-        while not os.path.exists(path):
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.files, timeout)
-            time.sleep(0.01)
-        with open(path) as f:
-            return int(f.read())
-
-    @property
-    def pid(self):
-        return self._read(".pid", 120)
-
-    def poll(self):
-        if self.returncode is None and os.path.exists(self.files + ".status"):
-            self.returncode = self._read(".status", 0)
-        return self.returncode
-
-    def wait(self, timeout=None):
-        if self.returncode is None:
-            self.returncode = self._read(".status", 3600 if timeout is None else timeout)
-        return self.returncode
-
-    def send_signal(self, sig):
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def kill(self):
-        if os.path.exists(self.files + ".pid"):  # not started yet: it never will be (the forker goes first)
-            self.send_signal(signal.SIGKILL)
-
-    def communicate(self, timeout=None):
-        self.wait(timeout)
-        read = lambda path: open(path, encoding="utf-8").read() if path and path.startswith(self.files) else ""  # noqa
-        return read(self.stdout_path), read(self.stderr_path)
+PROGRAM = [sys.executable, "transformer.py"]
 
 
-def python(args, **kw):
-    """python ARGS, a process of its own in this folder, on one thread: a job of the forker
-    (keywords: Forked's)."""
-    code = args[1] if args[0] == "-c" else None
-    return Forked(["-c", *args[2:]] if code else args, code=code, **kw)
-
-
-def cli(argv, **kw):
-    """The real command line, as a user runs it: python transformer.py ARGV."""
-    return python(["transformer.py", *argv], **kw)
-
-
-def finished(proc, timeout=120):
-    """-> (exit status, stdout, stderr) once proc ends; killed if it runs too long."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    return proc.returncode, out, err
-
-
-# --- the heavy computations, on the other core ------------------------------
-# The suite runs on one thread in one process, and 2 cores would leave one idle. So
-# the few tests that train a model for seconds register that part, a function of a
-# folder (@computed_in_the_background), and BACKGROUND_RUNNER runs the registered
-# ones of the selected tests, one after the other in the file's order, each in a
-# fork of its own (as if it were a test: the same seed, nothing left behind), while
-# the tests run; each test then checks the result (background_result) where it
-# stands, with the assertions it always made. Whoever comes first computes it: where
-# the session reaches a test before the runner reached its computation, the session
-# computes it itself (the first to create NAME.claim takes it), so that on a machine
-# where one core falls behind the other does not wait for it.
-BACKGROUND = {}  # name -> function(folder) -> a picklable result
-TAKEN = {}  # name -> ("ok", its result) or None: what the session computes itself
-BACKGROUND_RUNNER = r"""
-import gc, os, pickle, sys, traceback
-import torch
-import test_transformer as t
-gc.freeze()
-
-folder, names = sys.argv[1], sys.argv[2:]
-for name in names:
-    try:
-        os.close(os.open(os.path.join(folder, name + ".claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:  # the session got there first
-        continue
-    os.makedirs(os.path.join(folder, name))
-    child = os.fork()
-    if child == 0:
-        torch.default_generator.manual_seed(0)
-        try:
-            result = ("ok", t.BACKGROUND[name](os.path.join(folder, name)))
-        except BaseException:
-            result = ("failed", traceback.format_exc())
-        with open(os.path.join(folder, name + ".tmp"), "wb") as f:
-            pickle.dump(result, f)
-        os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name + ".pickle"))
-        os._exit(0)
-    status = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
-    if not os.path.exists(os.path.join(folder, name + ".pickle")):
-        with open(os.path.join(folder, name + ".pickle"), "wb") as f:
-            pickle.dump(("failed", f"its process ended with status {status}"), f)
-"""
-
-
-def computed_in_the_background(name):
-    """Register the decorated function(folder) -> result as the computation `name` needs."""
-    def register(compute):
-        BACKGROUND[name] = compute
-        return compute
-    return register
-
-
-def taken(name):
-    """Whether the session computes `name` itself: it asked before the runner started it."""
-    if name not in TAKEN:
-        try:
-            os.close(os.open(FORKS["background"] / f"{name}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return False
-        TAKEN[name] = None
-    return True
-
-
-def background_result(name, timeout=600):
-    """The result of BACKGROUND[name]: the runner's once it has it, or, where the session asks
-    first, computed here as the runner does (from seed 0; the test's random state kept)."""
-    if taken(name):
-        if TAKEN[name] is None:
-            (FORKS["background"] / name).mkdir(exist_ok=True)
-            with torch.random.fork_rng(devices=[]):
-                torch.default_generator.manual_seed(0)
-                TAKEN[name] = ("ok", BACKGROUND[name](str(FORKS["background"] / name)))
-        return TAKEN[name][1]
-    path, deadline = FORKS["background"] / f"{name}.pickle", time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{name}: no result after {timeout} s"
-        time.sleep(0.01)
-    status, result = pickle.loads(path.read_bytes())
-    if status != "ok":
-        pytest.fail(f"{name}, computed in the background, failed:\n{result}")
-    return result
-
-
-def parametrized_cases(test):
-    """[{argument: value}] for each case of test's @pytest.mark.parametrize marks, in one fixed order."""
-    cases = [{}]
-    for mark in getattr(test, "pytestmark", []):
-        if mark.name == "parametrize":
-            names = [n.strip() for n in mark.args[0].split(",")] if isinstance(mark.args[0], str) else mark.args[0]
-            rows = [row.values if hasattr(row, "marks") else row if len(names) > 1 else (row,) for row in mark.args[1]]
-            cases = [dict(case, **dict(zip(names, row))) for case in cases for row in rows]
-    return cases
-
-
-def run_in_the_background(test):
-    """A test that takes no fixture and computes for a while: its body runs in the background,
-    each parametrized case in turn, seeded as `seed` seeds a test; here each case waits for its
-    outcome and passes, fails (with the traceback from there) or skips as it did there (or,
-    where the session comes first, runs here as any test)."""
-    def every_case(folder):
-        outcomes = []
-        for case in parametrized_cases(waits):
-            torch.default_generator.manual_seed(0)
-            try:
-                test(**case)
-                outcomes.append(("passed", ""))
-            except pytest.skip.Exception as skip:
-                outcomes.append(("skipped", skip.msg))
-            except Exception:
-                outcomes.append(("failed", traceback.format_exc()))
-        return outcomes
-
-    @functools.wraps(test)
-    def waits(**case):
-        if taken(test.__name__):                    # the runner has not started it: a test as any other
-            return test(**case)
-        index = next(i for i, c in enumerate(parametrized_cases(waits)) if all(c[k] is v for k, v in case.items()))
-        outcome, text = background_result(test.__name__)[index]
-        if outcome == "skipped":
-            pytest.skip(text)
-        if outcome == "failed":
-            pytest.fail(f"{test.__name__}, run in the background, failed there:\n{text}", pytrace=False)
-    BACKGROUND[test.__name__] = every_case
-    return waits
-
-
-STARTS = {}  # test name -> start(folder, request) -> its Popen (None where the check cannot run)
-
-
-def started_with_the_session(test_name):
-    """Register the decorated start(folder, request) -> Popen or None for test_name."""
-    def register(start):
-        STARTS[test_name] = start
-        return start
-    return register
-
-
-@pytest.fixture(scope="session", autouse=True)
-def processes(request, tmp_path_factory, forker):
-    """Starts the process of each selected test in STARTS -> {test name: (Popen, its folder)}."""
-    selected = {item.originalname for item in request.session.items}
-    selected |= {name for item in request.session.items for name in item.fixturenames}
-    started = {}
-    FORKS["background"] = tmp_path_factory.mktemp("background")
-    try:
-        names = [name for name in BACKGROUND if name in selected]
-        if names:
-            started["background"] = (python(["-c", BACKGROUND_RUNNER, str(FORKS["background"]), *names]), None)
-        for name, start in STARTS.items():
-            if name in selected:
-                folder = tmp_path_factory.mktemp(name[5:40])
-                proc = start(folder, request)
-                if proc is not None:
-                    started[name] = (proc, folder)
-        yield started
-    finally:
-        for proc, _ in started.values():
-            if proc.poll() is None:
-                proc.kill()
-            if isinstance(proc, subprocess.Popen):
-                proc.communicate()
+def cli(argv):
+    """The real command line, as a user runs it: python transformer.py ARGV. -> (status, stdout, stderr)."""
+    proc = run(PROGRAM + argv, capture_output=True, text=True, encoding="utf-8", errors="replace")
+    return proc.returncode, proc.stdout, proc.stderr
 
 
 # ===========================================================================
@@ -625,7 +285,7 @@ def test_attention_gradcheck_float64_with_mask():
         lambda q, k, v: tf.scaled_dot_product_attention(q, k, v, mask)[0], (q, k, v))
 
 
-def test_pitfall5_fp16_mask_no_overflow_no_nan():
+def test_pitfall_fully_masked_row_gives_nan_or_overflow_in_fp16():
     # the masked scores are filled with the dtype's own minimum: finite in fp16 and bf16,
     # and the result agrees with the float32 computation
     q, k, v = _qkv(Tq=4, Tk=6)
@@ -641,7 +301,7 @@ def test_pitfall5_fp16_mask_no_overflow_no_nan():
     assert torch.isnan(scores.softmax(-1)[1]).all()
 
 
-def test_pitfall5_minus_1e9_overflows_float16():
+def test_pitfall_mask_minus_1e9_overflows_fp16():
     assert torch.tensor(-1e9, dtype=torch.float16).item() == float("-inf")
     scores16 = torch.randn(2, 4, dtype=torch.float16)
     with pytest.raises(RuntimeError, match="overflow"):
@@ -652,7 +312,7 @@ def test_pitfall5_minus_1e9_overflows_float16():
     assert torch.isfinite(out).all() and torch.isfinite(w).all()
 
 
-def test_pitfall8_mask_3d_broadcasts_wrongly():
+def test_pitfall_3d_mask_broadcasts_wrongly_against_the_heads():
     # our masks are 4-D, so they broadcast over heads
     assert tf.make_pad_mask(torch.ones(2, 5, dtype=torch.long), 0).dim() == 4
     assert tf.make_causal_mask(5).dim() == 4
@@ -788,7 +448,7 @@ def test_mha_cross_attention_with_key_padding_matches_nn():
     assert_close(weights.mean(1), ref_w)
 
 
-def test_pitfall4_cross_attention_with_different_lengths():
+def test_pitfall_keys_reshaped_with_the_querys_length():
     # the build-it-yourself tutorial reshaped K and V with the query's length: fails once S != T
     ours, ref = _mha_pair(D=24, H=3)
     for Tq, Tk in ((3, 8), (8, 3), (1, 5)):
@@ -804,7 +464,7 @@ def test_mha_bad_heads_raises():
     assert "30" in str(err.value) and "4" in str(err.value)
 
 
-def test_pitfall7_view_before_transpose():
+def test_pitfall_view_before_transpose_scrambles_the_heads():
     B, T, D, H = 2, 5, 12, 3
     dk = D // H
     mha = tf.MultiHeadAttention(D, H)
@@ -823,7 +483,7 @@ def test_pitfall7_view_before_transpose():
         x.transpose(1, 2).view(B, H, T, dk)
 
 
-def test_pitfall1_mha_stores_its_heads_and_the_gpt_has_a_forward():
+def test_pitfall_attention_without_its_head_count_and_a_gpt_without_forward():
     # the decoder-only tutorial's MultiHeadAttention never stored n_heads / d_model (crash on first use),
     # and its DecoderOnlyTransformer had no forward. Same structure, small vocab:
     # DecoderOnlyTransformer(vocab_size, d_model=512, n_layers=6, n_heads=8, d_ff=2048)
@@ -915,7 +575,7 @@ def test_layernorm_matches_nn(D, eps):
     assert [n for n, _ in ours.named_parameters()] == ["weight", "bias"]
 
 
-def test_pitfall6_layernorm_eps_inside_sqrt_biased_var():
+def test_pitfall_layernorm_dividing_by_std_plus_eps():
     D, eps = 4, 1e-1
     ours = tf.LayerNorm(D, eps=eps)
     x = torch.randn(3, 5, D)
@@ -1222,7 +882,7 @@ def test_transformer_matches_nn_transformer(norm_first):
     assert_close(model.decode(TGT, model.encode(SRC), SRC), logits)
 
 
-def test_pitfall10_post_ln_no_double_norm():
+def test_pitfall_post_ln_stack_with_a_second_final_norm():
     post, pre = _seq2seq(norm_first=False), _seq2seq(norm_first=True)
     assert post.encoder_norm is None and post.decoder_norm is None
     assert isinstance(pre.encoder_norm, tf.LayerNorm) and isinstance(pre.decoder_norm, tf.LayerNorm)
@@ -1263,7 +923,7 @@ def test_transformer_decoder_causality():
         assert max_diff(new[:, j:], logits[:, j:]) > 1e-4, j             # it did change something
 
 
-def test_pitfall3_decoder_is_causal_in_training(monkeypatch):
+def test_pitfall_decoder_trained_without_a_causal_mask(monkeypatch):
     # the build-it-yourself tutorial's forward gave the decoder no causal mask: position 0 read the answer
     model = _seq2seq(norm_first=True)
     src = SRC[:1]
@@ -1885,7 +1545,7 @@ def test_tied_weights_counted_once():
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_pitfall2_the_tutorial_gpts_parameter_count(tie):
+def test_pitfall_the_tutorial_gpts_parameter_count_misstated(tie):
     # the decoder-only tutorial: vocab 50257, d 512, 6 layers, 8 heads, d_ff 2048, said to have "3000多万"
     V0, D0, L0, H0, F0 = 50257, 512, 6, 8, 2048
     with torch.device("meta"):  # shapes only: no memory, no time
@@ -2041,7 +1701,7 @@ def test_pinyin_dataset_item():
     assert tgt_out.tolist() == chars + [tf.Vocab.EOS]
 
 
-def test_pitfall9_bos_and_eos_not_swapped():
+def test_pitfall_bos_and_eos_swapped():
     pairs, sv, tv = _tiny_vocabs()
     assert tf.Vocab.BOS != tf.Vocab.EOS
     for src, tgt_in, tgt_out in tf.PinyinDataset(pairs, sv, tv):
@@ -2147,10 +1807,10 @@ def _train_args(model, pairs, sv, tv, **kw):
 OVERFIT_EPOCHS = 20
 
 
-@computed_in_the_background("overfit10")
-def _overfit10(folder):
-    """Seed 002's check, done right: a tiny model trained to memorize 10 sentences
-    (about 1 s), shared by the tests below."""
+@pytest.fixture(scope="module")
+def overfit10(one_thread):
+    """The build-it-yourself tutorial's check, done right: a tiny model trained to memorize 10
+    sentences (about 1 s), shared by the tests below."""
     pairs = tf.make_toy_data(n_sentences=10, seed=2)
     sv, tv = tf.build_vocabs(pairs)
     torch.manual_seed(0)
@@ -2166,12 +1826,7 @@ def _overfit10(folder):
     return model, pairs, sv, tv, result, logs
 
 
-@pytest.fixture(scope="module")
-def overfit10():
-    return background_result("overfit10")
-
-
-def test_pitfall3_causal_decoder_overfits_ten_sentences_and_decodes_them(overfit10):
+def test_pitfall_perfect_training_loss_that_greedy_decoding_fails(overfit10):
     # the build-it-yourself tutorial had no causal mask: its loss went to ~0 while greedy decoding failed.
     # Here the loss goes to ~0 AND greedy decoding reproduces every sentence
     # (about 0.9 s; the margins: see OVERFIT_EPOCHS).
@@ -2194,7 +1849,7 @@ def test_translate_batches_and_unknown_syllables(overfit10):
     assert model.training                               # train() left it training; still is
 
 
-def test_pitfall9_padding_not_counted_in_loss(monkeypatch):
+def test_pitfall_padding_counted_in_the_loss(monkeypatch):
     # Behaviour: the loss on a batch equals the loss on the same batch with extra
     # pad columns when pad is ignored, and differs when it is not.
     logits = torch.randn(2, 4, 7)
@@ -2272,8 +1927,8 @@ def test_train_logs_and_stops_on_ctrl_c():
 TRAIN_EPOCHS, LR_FACTOR, MIN_HELD_OUT_ACCURACY = 3, 0.35, 0.65
 
 
-@computed_in_the_background("test_short_training_generalizes_to_held_out_sentences")
-def _short_training(folder):
+@pytest.fixture(scope="module")
+def short_training(one_thread):
     """The demo's encoder-decoder trained on 1,080 sentences, then real greedy decoding of
     the 120 held out. -> the training's log lines, train's result, evaluate's, the split."""
     pairs = tf.make_toy_data(n_sentences=1200, seed=0)
@@ -2294,9 +1949,8 @@ def _short_training(folder):
     return logs, result, detail, train_pairs, test_pairs
 
 
-def test_short_training_generalizes_to_held_out_sentences():
-    logs, result, detail, train_pairs, test_pairs = background_result(
-        "test_short_training_generalizes_to_held_out_sentences")
+def test_short_training_generalizes_to_held_out_sentences(short_training):
+    logs, result, detail, train_pairs, test_pairs = short_training
     # one line per epoch: its number, the loss, the held-out accuracy and the seconds so far
     assert len(logs) == TRAIN_EPOCHS >= 2
     line = re.compile(r"epoch +(\d+) +loss (\d+\.\d{3}) +held-out accuracy +(\d+\.\d)% +(\d+\.\d)s")
@@ -2369,7 +2023,7 @@ def test_greedy_decode_max_len_and_eval_mode_kept():
     assert not model.training
 
 
-def test_pitfall9_greedy_decode_refuses_to_start_from_pad():
+def test_pitfall_decoding_that_starts_from_the_pad_id():
     model = _tiny_seq2seq()
     with pytest.raises(ValueError, match="pad"):
         tf.greedy_decode(model, SRC, bos_id=PAD, eos_id=EOS, max_len=5)
@@ -2671,8 +2325,8 @@ def test_greedy_decode_on_a_model_with_no_room_after_bos_says_so():
         tf.greedy_decode(model, torch.tensor([[4]]), tf.Vocab.BOS, tf.Vocab.EOS, 2)
 
 
-def test_pitfall3_greedy_decode_refuses_a_3d_source():
-    """Seed 002 decodes torch.tensor([src_seq]).unsqueeze(0), a [1, 1, S] source."""
+def test_pitfall_greedy_decode_with_a_3d_source():
+    """The build-it-yourself tutorial decodes torch.tensor([src_seq]).unsqueeze(0), a [1, 1, S] source."""
     model = tf.Transformer(10, 10, d_model=16, n_heads=2, d_ff=32, n_layers=1, max_len=8)
     src = torch.tensor([[4, 5, 6]]).unsqueeze(0)                          # [1, 1, 3]
     with pytest.raises(ValueError, match=r"2-D integer tensor \[B, T\].*\[1, 1, 3\]"):
@@ -2893,8 +2547,8 @@ def test_prompt_dataset_item_exact_ids():
 GPT_OVERFIT_EPOCHS = 25
 
 
-@computed_in_the_background("gpt_overfit10")
-def _gpt_overfit10(folder):
+@pytest.fixture(scope="module")
+def gpt_overfit10(one_thread):
     """A tiny GPT trained with transformer.train on PromptDataset to memorize 10
     sentences (about 0.3 s), shared by the tests below. Accuracy is measured after
     the first and the last epoch only (nan between): generating every epoch would
@@ -2916,11 +2570,6 @@ def _gpt_overfit10(folder):
     result = tf.train(model, tf.PromptDataset(pairs, vocab), accuracy, epochs=GPT_OVERFIT_EPOCHS, batch_size=10,
                       label_smoothing=0.0, lr_factor=0.8, warmup=8, log=logs.append)
     return model, pairs, vocab, result, logs
-
-
-@pytest.fixture(scope="module")
-def gpt_overfit10():
-    return background_result("gpt_overfit10")
 
 
 def test_gpt_overfits_ten_sentences(gpt_overfit10):
@@ -4968,7 +4617,7 @@ def test_deepseek_v3s_mtp_module_counts_what_deepseek_publishes():
 
 
 def test_mtp_copies_at_its_anchors_size():
-    """The issue's size for the module: 60 lines, what the file had before it (RMSNorm,
+    """The module's size: at most 60 lines, what the file had before it (RMSNorm,
     make_causal_mask) left out; measured 29 (55 with them)."""
     own = copy_size("MultiTokenPrediction") - copy_size("RMSNorm", "make_causal_mask")
     assert own <= 60 and copy_size("MultiTokenPrediction") <= 60, own
@@ -5125,7 +4774,7 @@ TABLE = {"Mixtral-8x7B": (46_702_792_704, 12_879_925_248), "Qwen3-30B-A3B": (30_
 
 
 def test_published_table_exactly_total_and_active():
-    """The formulas give the issue's table; the meta-device count agrees at the
+    """The formulas give the published table; the meta-device count agrees at the
     released widths: the whole of Mixtral, and Qwen3 and DeepSeek-V3 at two depths
     (a count is affine in the number of layers, so two depths pin every layer's share;
     the full DeepSeek-V3 on the meta device takes seconds, the demo counts it)."""
@@ -5235,7 +4884,6 @@ CASES = [  # (Tq, Tk, causal, block_size): odd sizes, blocks of 1, 7 and larger 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
 @pytest.mark.parametrize("Tq, Tk, causal, block_size", CASES)
-@run_in_the_background
 def test_flash_attention_equals_section_2_and_torch(Tq, Tk, causal, block_size, dtype, tol):
     q, k, v = qkv(2, 3, Tq, Tk, 16, dv=12, dtype=dtype)
     mask = bottom_right(Tq, Tk) if causal else None
@@ -5288,7 +4936,6 @@ def test_flash_attention_gradients_equal_autograd_through_the_plain_formula(Tq, 
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@run_in_the_background
 def test_flash_attention_gradcheck_float64(causal):
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 5, 7, 4, dv=3, dtype=torch.float64))
     assert torch.autograd.gradcheck(lambda q, k, v: tf.flash_attention(q, k, v, causal, 3), (q, k, v))
@@ -6398,7 +6045,7 @@ def test_hf_keywords_of_the_released_config_json():
 
 def test_copy_sizes_of_gated_attention_and_gated_deltanet():
     """Gated DeltaNet with both forms and its gated norm, over what the file had (RMSNorm, repeat_kv):
-    measured 100 with its plain check (the issue: at most 130), 118 with its cache; gated attention over
+    measured 100 with its plain check (at most 130), 118 with its cache; gated attention over
     Qwen3's: 40."""
     assert copy_size("GatedDeltaNet") - copy_size("RMSNorm", "repeat_kv") <= 100
     assert copy_size("GatedDeltaNet", "DeltaNetCache") - copy_size("RMSNorm", "repeat_kv") <= 130
@@ -7402,7 +7049,6 @@ def test_accumulate_gradients_keeps_ignore_index_and_refuses_a_non_list():
 # ===========================================================================
 
 @pytest.mark.parametrize("kind", KINDS)
-@run_in_the_background
 def test_flops_formula_equals_flop_counter_forward_and_training(kind):
     model = tiny(kind)
     assert tf.model_kind(model) == kind
@@ -7799,7 +7445,6 @@ def _saved_split(model, ids, targets, mixed_precision):
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("mixed_precision", [False, True], ids=["float32", "bf16"])
 @pytest.mark.parametrize("kind", KINDS)
-@run_in_the_background
 def test_activation_formula_is_within_10_percent_of_what_autograd_saves(kind, mixed_precision, checkpointing, shape):
     """The Korthikanti-form formula against saved_bytes' measurement, every family and setting. It
     leaves out 1/rms, the masks, RoPE's bf16 cos and sin, the router's scores and autocast's copy of
@@ -7851,7 +7496,6 @@ def test_a_gpt_layer_saves_a_d_plus_b_h_t_bytes_a_token(mixed_precision, per_lay
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama", "deepseek"])
-@run_in_the_background
 def test_saved_bytes_leaves_autocasts_copies_of_the_weights_to_memory_bytes(kind):
     """Under autocast each product saves a bf16 copy of its weight, 2 bytes for each parameter of
     a matrix (all of them; checkpointed: lm_head's only): weights' memory, not activations."""
@@ -7893,7 +7537,6 @@ def _last_products(kind, model, tokens):
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama", "mixtral", "deepseek"])  # each kind of last product
-@run_in_the_background
 def test_checkpointing_costs_one_more_forward_of_the_blocks(kind):
     model = tf.checkpoint_blocks(tiny(kind))
     ids, targets = batch()
@@ -8439,34 +8082,25 @@ new = new[0, chat.size(1):].tolist()
 generated["chat"] = tok.decode(new[:new.index(2)] if 2 in new else new)
 publish("generated.json", lambda name: json.dump(generated, open(name, "w", encoding="utf-8")))
 '''
-RELEASED_FIRST = "test_released_every_tensor_read_gguf_returns_equals_what_transformers_loads"
 
 
-@started_with_the_session(RELEASED_FIRST)
-def _released_reference(folder, request):
-    """transformers' side, started with the session (None where the packages are missing)."""
-    if RELEASED_MISSING:
-        return None
+def _released_reference(folder):
+    """transformers' side, a process of its own (it imports transformers, and works while ours loads)."""
     (folder / "inputs.json").write_text(json.dumps(RELEASED_INPUTS), encoding="utf-8")
     with open(folder / "log.txt", "w") as log:  # a file, not a pipe that could fill while nobody reads
         return subprocess.Popen([sys.executable, "-c", RELEASED_REFERENCE, released_path(), str(folder)], cwd=HERE,
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=functools.partial(behind, nice=5),  # its tests come early: ahead of the jobs
                                 env=dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1"))
 
 
 class Released(argparse.Namespace):
-    """Ours, loaded; transformers' results read as its process publishes them (the tokens, then the
-    weights, then the logits and generations): a test waits only for what it compares."""
+    """Ours, loaded; transformers' results, read once its process has ended."""
 
     def ready(self, name):
-        path, deadline = self.folder / name, time.monotonic() + 600
-        while not path.exists():
-            if (self.proc.poll() is not None and not path.exists()) or time.monotonic() > deadline:
-                pytest.fail(f"transformers' process wrote no {name}, status {self.proc.poll()}:\n"
-                            + (self.folder / "log.txt").read_text(errors="replace")[-3000:])
-            time.sleep(0.05)
-        return path
+        status = self.proc.wait(timeout=600)
+        assert status == 0, f"transformers' process ended with status {status}:\n" + (
+            self.folder / "log.txt").read_text(errors="replace")[-3000:]
+        return self.folder / name
 
     @functools.cached_property
     def tokens(self):
@@ -8481,24 +8115,26 @@ class Released(argparse.Namespace):
         return torch.load(self.ready("logits.pt"), weights_only=True)
 
     @functools.cached_property
-    def generated(self):  # its last: the process ends well after it
-        generated = json.loads(self.ready("generated.json").read_text(encoding="utf-8"))
-        assert self.proc.wait(timeout=600) == 0, (self.folder / "log.txt").read_text(errors="replace")[-3000:]
-        return generated
+    def generated(self):
+        return json.loads(self.ready("generated.json").read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")
-def released(processes, tmp_path_factory):
+def released(tmp_path_factory):
     """SmolLM2 loaded once by this file (load_gguf, timed, and read_gguf's tensors), and what
-    transformers' process computes (started here if the session did not)."""
-    proc, folder = processes.get(RELEASED_FIRST) or (None, tmp_path_factory.mktemp("released"))
-    proc = proc or _released_reference(folder, None)
-    start = time.perf_counter()
-    model, tokenizer = tf.load_gguf(released_path())
-    seconds = time.perf_counter() - start
-    metadata, tensors = tf.read_gguf(released_path())
-    return Released(model=model, tokenizer=tokenizer, seconds=seconds, metadata=metadata, tensors=tensors, proc=proc,
-                    folder=folder)
+    transformers' process computes meanwhile."""
+    folder = tmp_path_factory.mktemp("released")
+    proc = _released_reference(folder)
+    try:
+        start = time.perf_counter()
+        model, tokenizer = tf.load_gguf(released_path())
+        seconds = time.perf_counter() - start
+        metadata, tensors = tf.read_gguf(released_path())
+        yield Released(model=model, tokenizer=tokenizer, seconds=seconds, metadata=metadata, tensors=tensors,
+                       proc=proc, folder=folder)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @needs_released
@@ -8659,7 +8295,6 @@ def rounds(target, draft, ids, n, k, **kw):
 
 
 @pytest.mark.parametrize("name", PAIRS)
-@run_in_the_background
 def test_greedy_writes_exactly_the_targets_own_tokens(name):
     """Every family, its cache (KVCache, LatentCache, RollingKVCache that drops tokens) and
     each length case; the noisy copies both keep and reject drafted tokens (each round
@@ -8910,7 +8545,6 @@ def joint_of_two_tokens(temperature=1.0, top_k=None, top_p=None, rule=None, tabl
 # residual's at most 2.1e-8 (T = 1): the threshold 1e-6 sits between. With a fixed seed the
 # outcome is fixed; the margin is for another torch's random stream.
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.7, 4, 0.9)])
-@run_in_the_background
 def test_what_speculative_generate_writes_follows_the_targets_joint_law(temperature, top_k, top_p):
     """Both tokens: the first goes through the rule (kept or redrawn), the second is the
     bonus token after a kept one or the next round's after a rejection; under top_k/top_p
@@ -8963,7 +8597,6 @@ def mtp_draft(seed=0):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-@run_in_the_background
 def test_greedy_with_the_mtp_draft_writes_exactly_the_targets_own_tokens(k):
     """Each length case: the draft reads the states the target's forwards left, keeps them
     across rounds and cuts them with the rejected tokens; the tokens are generate's. Kept
@@ -9024,8 +8657,8 @@ def _tiny_toy():
             mock.patch.object(tf, "DRAFT_MODELS", {kind: dict(spec, epochs=1) for kind, spec in tf.DRAFT_MODELS.items()})]
 
 
-@computed_in_the_background("test_speculative_report_drafts_with_the_mtp_module_of_the_deepseek_style_model")
-def _mtp_report(folder):
+@pytest.fixture(scope="module")
+def mtp_report(one_thread):
     """speculative_report with the DeepSeek-style target at a tiny size. -> its rows, what it printed."""
     train_mtp, out = tf.train_mtp, io.StringIO()
     with contextlib.ExitStack() as stack:
@@ -9037,10 +8670,10 @@ def _mtp_report(folder):
     return rows, out.getvalue()
 
 
-def test_speculative_report_drafts_with_the_mtp_module_of_the_deepseek_style_model():
+def test_speculative_report_drafts_with_the_mtp_module_of_the_deepseek_style_model(mtp_report):
     """At a tiny size (40 toy sentences, an epoch each): the MTP rows give the target's own
     tokens, their kept share is a fraction, the module's parameters are its own."""
-    rows, out = background_result("test_speculative_report_drafts_with_the_mtp_module_of_the_deepseek_style_model")
+    rows, out = mtp_report
     assert list(rows) == ["target alone", "speculative k=2", "MTP k=1", "MTP k=2", "draft alone"]
     for way in ("MTP k=1", "MTP k=2"):
         assert rows[way]["same"] and 0 <= rows[way]["acceptance"] <= 1 and rows[way]["drafted"] > 0
@@ -9141,7 +8774,7 @@ def test_sequence_logprobs_sums_the_answer_tokens_by_hand():
     assert largest_difference(tf.sequence_logprobs(model, ids, mask), torch.tensor(expected)) <= 2e-6
 
 
-# The mistaken versions the issue names, each written out: the tests below must catch every one.
+# The usual mistakes of DPO and GRPO code, each written out: the tests below must catch every one.
 def no_shift(model, ids, mask):                                                # logits at t scored against token t
     logp = model(ids).log_softmax(-1).gather(-1, ids[..., None]).squeeze(-1)  # [B, T]
     return (logp * mask).sum(-1)
@@ -10138,16 +9771,31 @@ def test_load_checkpoint_refuses_forged_contents_naming_the_path(tmp_path, what)
     assert message.startswith(f"{path}: ") and "\n" not in message and len(message) < len(path) + 200, message
 
 
+@contextlib.contextmanager
+def peak_growth():
+    """-> [the MiB this process's resident peak grew by in the block], the peak reset first (Linux's
+    /proc/self/clear_refs), so that what an earlier test allocated cannot hide it."""
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("measures the peak through Linux's /proc")
+
+    def peak():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # kB -> MiB
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                                    # the peak is now what the process holds
+    start, grown = peak(), []
+    yield grown
+    grown.append(peak() - start)
+
+
 def test_load_checkpoint_refuses_a_stride_0_forgery_before_allocating(tmp_path):
     path = _bad_checkpoint(tmp_path, "stride-0")
     assert os.path.getsize(path) < 100_000                # a small file that claims 2 x 2 GB of weights
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     start = time.perf_counter()
-    with pytest.raises(ValueError) as info:
+    with peak_growth() as grown, pytest.raises(ValueError) as info:
         tf.load_checkpoint(path)
     assert time.perf_counter() - start < 5 and str(info.value).startswith(f"{path}: ")  # measured 0.01-0.02 s
-    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024  # MiB
-    assert grown < 200, f"peak memory grew by {grown:.0f} MiB"
+    assert grown[0] < 200, f"peak memory grew by {grown[0]:.0f} MiB"
 
 
 def test_load_checkpoint_forged_llama_max_len_does_not_allocate(tmp_path):
@@ -10161,13 +9809,12 @@ def test_load_checkpoint_forged_llama_max_len_does_not_allocate(tmp_path):
     checkpoint = torch.load(good, weights_only=True)
     path = str(tmp_path / "long.pt")
     torch.save(dict(checkpoint, config=dict(checkpoint["config"], max_len=5 * 10 ** 6)), path)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    try:
-        tf.load_checkpoint(path)
-    except ValueError as e:
-        assert str(e).startswith(f"{path}: ") and "\n" not in str(e)
-    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024
-    assert grown < 200, f"peak memory grew by {grown:.0f} MiB"
+    with peak_growth() as grown:
+        try:
+            tf.load_checkpoint(path)
+        except ValueError as e:
+            assert str(e).startswith(f"{path}: ") and "\n" not in str(e)
+    assert grown[0] < 200, f"peak memory grew by {grown[0]:.0f} MiB"
 
 
 def _weights_as(tmp_path, dtype, name=None, value=None):
@@ -10475,8 +10122,8 @@ def _shallow_frontier():
     return shallow
 
 
-@computed_in_the_background("test_main_short_run")
-def _main_short_run(folder):
+@pytest.fixture(scope="module")
+def main_short_run(one_thread):
     """The demo end to end, on 60 toy sentences (one epoch each) so that it is quick, the frontier
     models shallow, 8 new tokens timed for the 64 the cache's line names. -> (status, stdout)."""
     timed, out = tf.time_generation, io.StringIO()
@@ -10488,9 +10135,9 @@ def _main_short_run(folder):
     return status, out.getvalue()
 
 
-def test_main_short_run():
+def test_main_short_run(main_short_run):
     """Every number the demo prints that can be checked is checked."""
-    status, out = background_result("test_main_short_run")
+    status, out = main_short_run
     assert status == 0
     shallow = _shallow_frontier()
     lines = out.splitlines()
@@ -10705,8 +10352,8 @@ def fake_peak_bytes(kind, T, H, dk):
     return 2 ** 20 * T // 8 if kind == "plain" else 2 ** 19
 
 
-@computed_in_the_background("bench_run")
-def _bench_run(folder):
+@pytest.fixture(scope="module")
+def bench_run(one_thread):
     """python transformer.py --bench through main(), each benchmark at its TINY_BENCH size:
     -> (exit status, stdout, stderr, the calls to attention_peak_bytes)."""
     peak_calls = []
@@ -10715,11 +10362,6 @@ def _bench_run(folder):
             patch.setattr(tf, name, functools.partial(getattr(tf, name), **sizes))
         patch.setattr(tf, "attention_peak_bytes", lambda *args: peak_calls.append(args) or fake_peak_bytes(*args))
         return (*_main(["--bench", "--device", "cpu"]), peak_calls)
-
-
-@pytest.fixture(scope="module")
-def bench_run():
-    return background_result("bench_run")
 
 
 def test_bench_runs_every_benchmark_in_order(bench_run):
@@ -10773,8 +10415,8 @@ def test_bench_long_sequences_flash_equals_section_2(bench_run):
         assert scores == f"{heads * T * T * 4 / 2 ** 20:.0f}" and float(diff) < 1e-5
 
 
-@computed_in_the_background("test_after_runs_speculative_decoding_then_the_preference_methods_on_the_toy")
-def _after_runs(folder):
+@pytest.fixture(scope="module")
+def after_runs(one_thread):
     """--after at a tiny size (40 toy sentences, 1 epoch, 2 prompts, a few steps). -> the
     speculative rows, the preference report, what they printed."""
     out = io.StringIO()
@@ -10788,11 +10430,10 @@ def _after_runs(folder):
     return rows, report, out.getvalue()
 
 
-def test_after_runs_speculative_decoding_then_the_preference_methods_on_the_toy():
+def test_after_runs_speculative_decoding_then_the_preference_methods_on_the_toy(after_runs):
     """The speculative rows give the target's own tokens, their kept share is a fraction, the
     draft alone writes other tokens or the same; each preference method reports its row."""
-    rows, report, out = background_result(
-        "test_after_runs_speculative_decoding_then_the_preference_methods_on_the_toy")
+    rows, report, out = after_runs
     for way in ("speculative k=2", "speculative k=4"):
         assert rows[way]["same"] and 0 <= rows[way]["acceptance"] <= 1
     assert rows["speculative k=4"]["target_forwards"] <= rows["target alone"]["target_forwards"]  # k + 1 at most a forward
@@ -10827,18 +10468,14 @@ def test_attention_peak_bytes_runs_the_program_in_a_fresh_process(monkeypatch):
                     [sys.executable, "-c", tf.PEAK_MEMORY_PROGRAM, tf.__file__, "flash", "8", "2", "16"]]
 
 
-@started_with_the_session("test_peak_memory_program_sees_section_2s_scores")
-def _peak_memory(folder, request):
-    if not os.path.exists("/proc/self/status"):
-        return None
-    return python(["-c", tf.PEAK_MEMORY_PROGRAM, tf.__file__, "plain", "1024", "4", "64"])
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="measures through Linux's /proc")
-def test_peak_memory_program_sees_section_2s_scores(processes):
-    """Section 2 at 1024 tokens, 4 heads, measured as --bench does: at least its [T, T] scores
-    (16 MiB in float32; it holds scores, masked scores and weights at once: measured 50 MiB)."""
-    status, out, err = finished(processes["test_peak_memory_program_sees_section_2s_scores"][0])
+def test_peak_memory_program_sees_section_2s_scores():
+    """Section 2 at 1024 tokens, 4 heads, measured as --bench does, in a process of its own: at least
+    its [T, T] scores (16 MiB in float32; it holds scores, masked scores and weights at once: measured
+    50 MiB)."""
+    proc = run([sys.executable, "-c", tf.PEAK_MEMORY_PROGRAM, tf.__file__, "plain", "1024", "4", "64"],
+               capture_output=True, text=True)
+    status, out, err = proc.returncode, proc.stdout, proc.stderr
     assert status == 0, err
     assert 4 * 1024 * 1024 * 4 <= int(out.split()[-1]) < 2 ** 30
 
@@ -10879,14 +10516,9 @@ def test_main_help(capsys):
         assert flag in out
 
 
-@started_with_the_session("test_cli_bad_device_is_one_line_subprocess")
-def _bad_device(folder, request):
-    return cli(["--device", "tpu"])
-
-
-def test_cli_bad_device_is_one_line_subprocess(processes):
+def test_cli_bad_device_is_one_line_subprocess():
     # the real command line, as a user runs it: python transformer.py --device tpu
-    status, out, err = finished(processes["test_cli_bad_device_is_one_line_subprocess"][0])
+    status, out, err = cli(["--device", "tpu"])
     assert status == 2
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err
@@ -10929,14 +10561,14 @@ def test_cli_seed_out_of_range_is_one_line(capsys, tmp_path):
     assert len(err.strip().splitlines()) == 1 and "--seed" in err
 
 
-@computed_in_the_background("cli_runs")
-def _cli_runs(folder):
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory, one_thread):
     """Two short runs of main() on 30 toy pairs, one epoch, shared by the tests
     below: the default (all five models) with --head 1 and --save (which
     saves the first, the encoder-decoder), and --model gpt with --save.
     -> dict: folder, tsv, train/test pairs, checkpoint paths, and (status, stdout,
     stderr) of each run."""
-    folder = pathlib.Path(folder)
+    folder = tmp_path_factory.mktemp("cli_runs")
     tsv = folder / "pairs.tsv"
     pairs = tf.make_toy_data(n_sentences=30, seed=0)
     tsv.write_text("".join(f"{p}\t{h}\n" for p, h in pairs), encoding="utf-8")
@@ -10950,11 +10582,6 @@ def _cli_runs(folder):
                               *extra])
         runs[name] = (status, out.getvalue(), err.getvalue())
     return runs
-
-
-@pytest.fixture(scope="module")
-def cli_runs():
-    return background_result("cli_runs")
 
 
 def test_cli_default_trains_all_and_compares(cli_runs):
@@ -11116,19 +10743,13 @@ def test_cli_save_to_missing_folder_is_one_line(capsys, tmp_path):
     assert "Traceback" not in err and not target.parent.exists()
 
 
-@started_with_the_session("test_cli_load_missing_or_garbage_is_one_line_subprocess")
-def _load_garbage(folder, request):
-    (folder / "garbage.pt").write_bytes(b"\x00\x01 this is not a checkpoint \xff" * 40)
-    return cli(["--load", str(folder / "garbage.pt")])
-
-
-def test_cli_load_missing_or_garbage_is_one_line_subprocess(processes, tmp_path):
-    # python transformer.py --load garbage.pt, a real process (started with the session);
-    # a missing file takes the same way out (load_checkpoint's ValueError -> one line),
-    # checked in-process here: one interpreter proves the real exit prints no traceback
-    proc, folder = processes["test_cli_load_missing_or_garbage_is_one_line_subprocess"]
-    missing = tmp_path / "missing.pt"
-    runs = ((folder / "garbage.pt", *finished(proc)), (missing, *_main(["--load", str(missing)])))
+def test_cli_load_missing_or_garbage_is_one_line_subprocess(tmp_path):
+    # python transformer.py --load garbage.pt, a real process; a missing file takes the same way
+    # out (load_checkpoint's ValueError -> one line), checked in-process here: one interpreter
+    # proves the real exit prints no traceback
+    garbage, missing = tmp_path / "garbage.pt", tmp_path / "missing.pt"
+    garbage.write_bytes(b"\x00\x01 this is not a checkpoint \xff" * 40)
+    runs = ((garbage, *cli(["--load", str(garbage)])), (missing, *_main(["--load", str(missing)])))
     for path, status, out, err in runs:
         assert status == 2, err
         lines = [line for line in err.splitlines() if line.strip()]
@@ -11142,16 +10763,22 @@ def test_cli_ctrl_c_stops_training_reports_and_saves(tmp_path):
     # python transformer.py --data pairs.tsv --size small --model encdec --epochs 200 --save model.pt,
     # Ctrl-C as soon as it reports its first epoch (started here, not with the session:
     # by the time this test ran, 200 epochs would be over)
-    tsv, model_path = _tiny_tsv(tmp_path), tmp_path / "model.pt"
-    proc = cli(["--data", tsv, "--size", "small", "--model", "encdec", "--epochs", "200", "--device", "cpu",
-                "--save", str(model_path)], now=True)
-    deadline = time.monotonic() + 60
-    while not (os.path.exists(proc.stdout_path)
-               and re.search("^epoch", open(proc.stdout_path, encoding="utf-8").read(), re.M)):  # flushed as it ends
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGINT)
-    status, out, err = finished(proc, timeout=60)
+    tsv, model_path, log = _tiny_tsv(tmp_path), tmp_path / "model.pt", tmp_path / "stdout.txt"
+    with open(log, "w") as stdout:
+        proc = subprocess.Popen(PROGRAM + ["--data", tsv, "--size", "small", "--model", "encdec", "--epochs", "200",
+                                           "--device", "cpu", "--save", str(model_path)], cwd=HERE, text=True,
+                                stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.PIPE,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 60
+        while not re.search("^epoch", log.read_text(encoding="utf-8"), re.M):  # flushed as each epoch ends
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    status, out = proc.returncode, log.read_text(encoding="utf-8")
     assert status == 0, err
     assert "Traceback" not in err
     epochs = [int(n) for n in re.findall(r"^epoch +(\d+) ", out, re.M)]
@@ -11299,18 +10926,13 @@ def test_cli_translate_the_longest_sentence_the_model_takes(tiny_checkpoints, na
                    f"in {tf.quote(over)}\n")
 
 
-@started_with_the_session("test_cli_stdout_on_a_full_disk_is_one_line_subprocess")
-def _full_disk(folder, request):
-    if not os.path.exists("/dev/full"):
-        return None
-    return cli(["--load", request.getfixturevalue("tiny_checkpoints")["encdec"], "--device", "cpu",
-                "--translate", "wo ai"], stdout="/dev/full")
-
-
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_cli_stdout_on_a_full_disk_is_one_line_subprocess(processes):
+def test_cli_stdout_on_a_full_disk_is_one_line_subprocess(tiny_checkpoints):
     # python transformer.py --load encdec.pt --translate "wo ai" > /dev/full
-    status, _, err = finished(processes["test_cli_stdout_on_a_full_disk_is_one_line_subprocess"][0])
+    with open("/dev/full", "w") as full:
+        proc = run(PROGRAM + ["--load", tiny_checkpoints["encdec"], "--device", "cpu", "--translate", "wo ai"],
+                   stdout=full, stderr=subprocess.PIPE, text=True)
+    status, err = proc.returncode, proc.stderr
     assert status == 2, err
     assert err == "transformer.py: error: writing the output: No space left on device\n", err
 
@@ -11318,26 +10940,27 @@ def test_cli_stdout_on_a_full_disk_is_one_line_subprocess(processes):
 @pytest.mark.skipif(sys.platform == "win32", reason="sends SIGINT to a child process")
 def test_cli_ctrl_c_while_waiting_on_stdin_exits_130_subprocess(tiny_checkpoints, tmp_path):
     # python transformer.py --load encdec.pt --translate -: given "wo ai", it answers;
-    # Ctrl-C while it waits for the next line. Its standard streams are named pipes, opened
-    # here in the order the process opens them (stdin, stdout, stderr)
-    pipes = [tmp_path / name for name in ("stdin", "stdout", "stderr")]
-    for pipe in pipes:
-        os.mkfifo(pipe)
-    proc = cli(["--load", tiny_checkpoints["encdec"], "--device", "cpu", "--translate", "-"],
-               stdin=pipes[0], stdout=pipes[1], stderr=pipes[2], now=True)
-    with open(pipes[0], "w") as stdin, open(pipes[1]) as stdout, open(pipes[2]) as stderr:
-        stdin.write("wo ai\n")
-        stdin.flush()
-        answer = stdout.readline()             # answered: on its way to wait for the next line
+    # Ctrl-C while it waits for the next line
+    import select  # waits on a pipe: POSIX
+    proc = subprocess.Popen(PROGRAM + ["--load", tiny_checkpoints["encdec"], "--device", "cpu", "--translate", "-"],
+                            cwd=HERE, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        proc.stdin.write("wo ai\n")
+        proc.stdin.flush()
+        answer = proc.stdout.readline()        # answered: on its way to wait for the next line
         # A Ctrl-C that lands a moment before the read starts is only seen once the read
         # returns (CPython checks for signals when a read is interrupted, not as it enters
         # one), so Ctrl-C again every 0.5 s until the program says it was interrupted.
         # stdin stays open: Ctrl-C, not the end of input, is what stops it
         for _ in range(60):
             proc.send_signal(signal.SIGINT)
-            if select.select([stderr], [], [], 0.5)[0]:
+            if select.select([proc.stderr], [], [], 0.5)[0]:
                 break
-        status, out, err = proc.wait(timeout=60), stdout.read(), stderr.read()
+        status, out, err = proc.wait(timeout=60), proc.stdout.read(), proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.stdin.close()
     kind, model, sv, tv, readings = tf.load_checkpoint(tiny_checkpoints["encdec"])
     assert answer == tf.translator(kind, model, sv, tv, readings, 4)(["wo ai"])[0] + "\n"
     assert status == 130 and out == ""
@@ -11583,7 +11206,7 @@ def _as_fd(fd, f):
 
 
 # ---------------------------------------------------------------------------
-# The real processes: all started at once, each test waits for its own
+# The checks that need a real process of their own (POSIX: signals, /dev files, peak memory)
 # ---------------------------------------------------------------------------
 
 # python -c MEASURED: imports torch and transformer, notes the peak memory, runs
@@ -11621,9 +11244,7 @@ for call in calls:
         outcomes.append(f"{type(e).__name__}: {e}")
 report(outcomes)
 """
-# A fresh process for what an interpreter settles as it starts (see FORKER): the
-# encoding of stdout, a closed stdout ("; exit $?" keeps sh from replacing itself).
-PROGRAM = [sys.executable, "transformer.py"]
+# A closed stdout, as a shell makes it ("; exit $?" keeps sh from replacing itself)
 STDOUT_CLOSED = ["/bin/sh", "-c", '"$@" >&-; exit $?', "sh", *PROGRAM]
 BIGRAM_PAIRS = ("chars = [chr(0x4E00 + i) for i in range(3000)]\n"
                 "pairs = [(f's{i % 50}'.replace('0', 'o').replace('1', 'i')"
@@ -11649,84 +11270,18 @@ def _views_checkpoint(hard, path):
     torch.save(dict(checkpoint, config=config, state_dict=state), path)
 
 
-def _start(folder, name, args, measured=False, fresh=False, env=(), **kw):
-    """python transformer.py ARGS (or python -c MEASURED ARGS) as a job of the forker, or with
-    fresh=True the command ARGS, its own program (exec'd), stdout and stderr to files unless
-    given. -> a dict for _finish, with facts the test needs (the keywords _start does not take)."""
-    paths = {what: folder / f"{name}.{what}" for what in ("stdout", "stderr", "report")}
-    streams = {key: kw.pop(key) for key in ("stdin", "stderr", "append_stderr", "broken_pipe") if key in kw}
-    streams.setdefault("stderr", paths["stderr"])
-    if not fresh:
-        args = ["-c", MEASURED, *args] if measured else ["transformer.py", *args]
-    proc = python(args, stdout=paths["stdout"], env=dict(env, HARDENING_REPORT=str(paths["report"])),
-                  exec=args if fresh else None, **streams)
-    return dict(proc=proc, **paths, **kw)
+def measured(tmp_path, args, **kw):
+    """python -c MEASURED ARGS, a real process. -> (status, stdout bytes, stderr text, MB its peak
+    memory grew by or None, outcomes or None, seconds or None)."""
+    report = tmp_path / "report.json"
+    proc = run([sys.executable, "-c", MEASURED, *args], env={"HARDENING_REPORT": str(report)}, capture_output=True,
+               **kw)
+    facts = json.loads(report.read_text()) if report.exists() else {}
+    return (proc.returncode, proc.stdout, proc.stderr.decode("utf-8", "replace"), facts.get("grown"),
+            facts.get("outcomes"), facts.get("seconds"))
 
 
-def _finish(started, timeout=180):
-    """Wait for a process _start began. -> (status, stdout bytes, stderr text,
-    MB its peak memory grew by or None, outcomes or None)."""
-    status = started["proc"].wait(timeout=timeout)
-    read = lambda path: path.read_bytes() if path.exists() else b""  # noqa: E731
-    report = json.loads(read(started["report"]) or "null") or {}
-    return (status, read(started["stdout"]), read(started["stderr"]).decode("utf-8", "replace"),
-            report.get("grown"), report.get("outcomes"))
-
-
-@pytest.fixture(scope="module")
-def real(hard, tmp_path_factory):
-    """Every check that needs a real process, started at once: -> dict of name to _start's dict."""
-    folder = tmp_path_factory.mktemp("real")
-    started = {}
-    try:
-        # data loss: python transformer.py ... --save /dev/stderr 2>>train.log
-        log = folder / "train.log"
-        log.write_bytes(b"yesterday's training log\n")
-        started["dev-stderr"] = _start(folder, "dev-stderr", [
-            "--model", "encdec", "--epochs", "1", "--save", "/dev/stderr"], stderr=log, append_stderr=True, log=log)
-        # the stand-ins' proof: PYTHONIOENCODING=ascii python transformer.py ..., and ... >&-
-        started["ascii"] = _start(folder, "ascii", PROGRAM + ["--load", hard["encdec"], "--translate", "wo ai"],
-                                  fresh=True, env={"PYTHONIOENCODING": "ascii"})
-        started["stdout-closed"] = _start(folder, "stdout-closed", STDOUT_CLOSED + [
-            "--load", hard["encdec"], "--translate", "wo ai"], fresh=True)
-        # python transformer.py ... --save m.pt | head -1, the reader gone before the first line
-        started["broken-pipe"] = _start(folder, "broken-pipe", [
-            "--data", hard["tsv"], "--size", "small", "--epochs", "1", "--model", "gpt",
-            "--save", str(folder / "piped.pt")], broken_pipe=True, saved=folder / "piped.pt")
-        # memory
-        started["widest-beam"] = _start(folder, "widest-beam", [
-            "--command-line", "--load", hard["encdec"], "--beam", str(tf.MAX_BEAM)], measured=True)
-        started["dev-zero"] = _start(folder, "dev-zero", [
-            "--command-line", "--load", hard["encdec"], "--translate", "-"], measured=True, stdin="/dev/zero")
-        views = folder / "views.pt"
-        _views_checkpoint(hard, views)
-        started["views"] = _start(folder, "views", [
-            "--call", f"path = {str(views)!r}", "tf.load_checkpoint(path)"], measured=True, path=views)
-        started["bigram"] = _start(folder, "bigram", ["--call", BIGRAM_PAIRS, "tf.BigramHMM(pairs)"], measured=True)
-        blank = folder / "blank.tsv"
-        blank.write_bytes(b"\n" * (16 * 2 ** 20) + "wo\t我\nni\t你\n".encode())
-        started["blank"] = _start(folder, "blank", [
-            "--call", f"path = {str(blank)!r}", "tf.read_pairs(path)"], measured=True, path=blank)
-        long_paths = []
-        for what, line, _ in LONG_LINES:
-            long_paths.append(folder / f"long-{what}.tsv")
-            long_paths[-1].write_text("wo\t我\n" + line + "\n", encoding="utf-8")
-        started["long-lines"] = _start(folder, "long-lines", [
-            "--call", f"paths = {[str(p) for p in long_paths]!r}",
-            *(f"tf.read_pairs(paths[{i}])" for i in range(len(long_paths)))], measured=True, paths=long_paths)
-        yield started
-    finally:
-        for one in started.values():
-            if one["proc"].poll() is None:
-                one["proc"].kill()
-            one["proc"].wait()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def real_processes_start_with_the_first_test(request):
-    """`real` starts with the first test of this file, when a test selected waits for it."""
-    if any(item.path == request.path and "real" in item.fixturenames for item in request.session.items):
-        request.getfixturevalue("real")
+posix_only = pytest.mark.skipif(sys.platform == "win32", reason="a POSIX process: /dev files, resource, sh")
 
 
 def _no_training(monkeypatch):
@@ -12371,24 +11926,31 @@ def test_read_pairs_refuses_marks_and_invisible_characters_as_hanzi(tmp_path, ha
 
 
 # ===========================================================================
-# In a real process of their own (see `real`): started together with the
-# first test of the file, so they come last, and are waited for here
+# In a real process of their own: what Python does with its standard streams as it starts and
+# exits, and a process's peak memory, are part of the promise
 # ===========================================================================
 
-def test_save_to_dev_stderr_appended_to_a_log_is_refused_and_the_log_kept(real):
+@posix_only
+def test_save_to_dev_stderr_appended_to_a_log_is_refused_and_the_log_kept(tmp_path):
     # python transformer.py --model encdec --epochs 1 --save /dev/stderr 2>>train.log: a real process
-    status, out, _, _, _ = _finish(real["dev-stderr"])
-    text = real["dev-stderr"]["log"].read_bytes()
-    assert status == 2 and out == b""
+    log = tmp_path / "train.log"
+    log.write_bytes(b"yesterday's training log\n")
+    with open(log, "ab") as stderr:
+        proc = run(PROGRAM + ["--model", "encdec", "--epochs", "1", "--save", "/dev/stderr"],
+                   stdout=subprocess.PIPE, stderr=stderr)
+    text = log.read_bytes()
+    assert proc.returncode == 2 and proc.stdout == b""
     assert text.startswith(b"yesterday's training log\n")
     line = _one_error_line(text[len(b"yesterday's training log\n"):].decode())
     assert line == ("transformer.py: error: --save '/dev/stderr': that is standard error (file descriptor 2),"
                     " not a file to save to; name the file itself")
 
 
-def test_a_real_python_with_an_ascii_stdout_is_refused_in_one_line(hard, real):
+def test_a_real_python_with_an_ascii_stdout_is_refused_in_one_line(hard):
     # the in-process stand-ins above stand for this: PYTHONIOENCODING=ascii python transformer.py ...
-    status, out, err, _, _ = _finish(real["ascii"])
+    proc = run(PROGRAM + ["--load", hard["encdec"], "--translate", "wo ai"], env={"PYTHONIOENCODING": "ascii"},
+               capture_output=True)
+    status, out, err = proc.returncode, proc.stdout, proc.stderr.decode("utf-8", "replace")
     assert status == 2 and out == b""
     assert _one_error_line(err) == ("transformer.py: error: standard output's encoding (ascii) cannot write hanzi;"
                                     " set PYTHONIOENCODING=utf-8 or use a UTF-8 locale")
@@ -12396,9 +11958,11 @@ def test_a_real_python_with_an_ascii_stdout_is_refused_in_one_line(hard, real):
     assert _command_line(["--load", hard["encdec"], "--translate", "wo ai"], encoding="ascii") == (2, b"", err)
 
 
-def test_closed_stdout_refuses_answers_and_saves_without_a_traceback(hard, tmp_path, real):
+@posix_only
+def test_closed_stdout_refuses_answers_and_saves_without_a_traceback(hard, tmp_path):
     # python transformer.py --load m.pt --translate "wo ai" >&-: a real process, and its stand-in here
-    status, _, err, _, _ = _finish(real["stdout-closed"])
+    proc = run(STDOUT_CLOSED + ["--load", hard["encdec"], "--translate", "wo ai"], stderr=subprocess.PIPE)
+    status, err = proc.returncode, proc.stderr.decode("utf-8", "replace")
     assert status == 2
     assert _one_error_line(err) == ("transformer.py: error: --translate: standard output is closed;"
                                     " the answers would be lost")
@@ -12414,71 +11978,93 @@ def test_closed_stdout_refuses_answers_and_saves_without_a_traceback(hard, tmp_p
     assert status == 2
 
 
-def test_translate_stdin_from_dev_zero_stops_at_once_in_bounded_memory(real):
+@posix_only
+def test_translate_stdin_from_dev_zero_stops_at_once_in_bounded_memory(hard, tmp_path):
     # python transformer.py --load m.pt --translate - < /dev/zero, in a process of its own for the memory
-    status, out, err, grown, _ = _finish(real["dev-zero"])
-    seconds = json.loads(real["dev-zero"]["report"].read_text())["seconds"]
+    with open("/dev/zero", "rb") as zero:
+        status, out, err, grown, _, seconds = measured(
+            tmp_path, ["--command-line", "--load", hard["encdec"], "--translate", "-"], stdin=zero)
     assert status == 2 and out == b"" and seconds < 10
     assert _one_error_line(err).endswith(f"line 1: longer than {tf.MAX_LINE:,} characters; stopped reading")
     assert grown < 150, f"{grown} MB"
 
 
-def test_views_of_one_storage_under_made_up_names_are_refused_before_building(real):
+@posix_only
+def test_views_of_one_storage_under_made_up_names_are_refused_before_building(hard, tmp_path):
     # a 4 MB storage, cut into views that add up to what d_ff 2,000,000 needs (the model: 2.2 GB)
-    path = real["views"]["path"]                                         # _views_checkpoint made it
+    path = tmp_path / "views.pt"
+    _views_checkpoint(hard, path)
     assert os.path.getsize(path) < 8 * 2 ** 20
-    status, _, err, grown, outcomes = _finish(real["views"])
+    status, _, err, grown, outcomes, _ = measured(tmp_path, ["--call", f"path = {str(path)!r}",
+                                                             "tf.load_checkpoint(path)"])
     assert status == 0 and outcomes, err
     outcome = outcomes[0]
     assert outcome.startswith(f"ValueError: {path}: damaged checkpoint") and "view into the storage" in outcome
     assert grown < 100, f"{grown} MB"
 
 
-def test_bigram_hmm_memory_stays_near_one_table(real):
+@posix_only
+def test_bigram_hmm_memory_stays_near_one_table(tmp_path):
     # 3,000 characters (BIGRAM_PAIRS): one (C + 1) x C float table is 36 MB; out-of-place steps held three or four
-    status, _, err, grown, outcomes = _finish(real["bigram"])
+    status, _, err, grown, outcomes, _ = measured(tmp_path, ["--call", BIGRAM_PAIRS, "tf.BigramHMM(pairs)"])
     assert status == 0 and outcomes == ["ok"] and grown < 90, (err, outcomes, grown)
 
 
-def test_data_line_of_millions_of_tabs_or_syllables_is_refused_without_listing_them(real):
+@posix_only
+def test_data_line_of_millions_of_tabs_or_syllables_is_refused_without_listing_them(tmp_path):
     # split, either would be a list of two million strings: over 100 MB for a 4 MB line. Both are read
     # in one process, one after the other: its peak bounds each one's
-    status, _, err, grown, outcomes = _finish(real["long-lines"])
+    paths = []
+    for what, line, _ in LONG_LINES:
+        paths.append(tmp_path / f"long-{what}.tsv")
+        paths[-1].write_text("wo\t我\n" + line + "\n", encoding="utf-8")
+    status, _, err, grown, outcomes, _ = measured(tmp_path, [
+        "--call", f"paths = {[str(p) for p in paths]!r}", *(f"tf.read_pairs(paths[{i}])" for i in range(len(paths)))])
     assert status == 0 and outcomes, err
-    for (_, _, words), path, outcome in zip(LONG_LINES, real["long-lines"]["paths"], outcomes, strict=True):
+    for (_, _, words), path, outcome in zip(LONG_LINES, paths, outcomes, strict=True):
         assert outcome == f"ValueError: {path}:2: {words}", outcome
     assert grown < 50, f"{grown} MB"
 
 
-def test_data_file_of_blank_lines_reads_in_memory_proportional_to_the_file(real):
+@posix_only
+def test_data_file_of_blank_lines_reads_in_memory_proportional_to_the_file(tmp_path):
     # 16 MB of blank lines: listed, they cost ~0.5 GB; visited one by one, a small multiple of the file
-    path = real["blank"]["path"]
-    status, _, err, grown, outcomes = _finish(real["blank"])
+    path = tmp_path / "blank.tsv"
+    path.write_bytes(b"\n" * (16 * 2 ** 20) + "wo\t我\nni\t你\n".encode())
+    status, _, err, grown, outcomes, _ = measured(tmp_path, ["--call", f"path = {str(path)!r}", "tf.read_pairs(path)"])
     assert status == 0 and outcomes == ["ok"], (err, outcomes)
     assert grown < 100, f"{grown} MB"
     assert tf.read_pairs(str(path)) == [("ni", "你"), ("wo", "我")]
 
 
-def test_cli_widest_beam_stays_within_a_few_hundred_mb(real):
+@posix_only
+def test_cli_widest_beam_stays_within_a_few_hundred_mb(hard, tmp_path):
     # the report answers 240 held-out sentences: with every one in a batch, beam 64 took 163 MB
     # here and beam 100 1.3 GB; in batches of 256 rows it takes about 30 MB
-    status, out, err, grown, _ = _finish(real["widest-beam"])
+    status, out, err, grown, _, _ = measured(tmp_path, ["--command-line", "--load", hard["encdec"],
+                                                        "--beam", str(tf.MAX_BEAM)])
     assert status == 0 and err == "", err
     assert grown < 100, f"{grown} MB"
 
 
-def test_broken_pipe_mid_training_still_saves_the_model(hard, real):
+@posix_only
+def test_broken_pipe_mid_training_still_saves_the_model(hard, tmp_path):
     # python transformer.py ... --save m.pt | head -1: the reader leaves, the model is still saved
     # (a real process: what Python does at exit with a broken stdout is part of the promise)
-    target = real["broken-pipe"]["saved"]
-    status, _, err, _, _ = _finish(real["broken-pipe"])
+    target = tmp_path / "piped.pt"
+    r, w = os.pipe()
+    os.close(r)                                         # the reader has gone before the first line
+    with open(w, "wb") as gone:
+        proc = run(PROGRAM + ["--data", hard["tsv"], "--size", "small", "--epochs", "1", "--model", "gpt",
+                              "--save", str(target)], stdout=gone, stderr=subprocess.PIPE)
+    status, err = proc.returncode, proc.stderr.decode("utf-8", "replace")
     assert status == 0, err
     assert err == ("transformer.py: note: the reader of standard output left early (broken pipe); the rest of"
                    " the output was dropped, the work was done\n")
     assert tf.load_checkpoint(str(target))[0] == "gpt"
     # without --save there is nothing to finish for: it stops at once, status 1, as before
     r, w = os.pipe()
-    os.close(r)                                         # the reader has gone before the first line
+    os.close(r)
     with open(w, "w", encoding="utf-8") as stdout:
         status, _, err = _command_line(["--data", hard["tsv"], "--size", "small", "--epochs", "1"], stdout=stdout)
     assert (status, err) == (1, "")
@@ -12517,18 +12103,12 @@ def run_try_it(source, globs, filename, line):
     return runner.failures, "".join(out)
 
 
-@computed_in_the_background("test_try_it_blocks_run_as_written")
-def _try_it_reports(folder):
-    """-> (how many Try it blocks, the report of each that failed)."""
-    with open(tf.__file__, encoding="utf-8") as f:
-        blocks = try_it_blocks(f.read())
-    reports = [run_try_it(source, dict(vars(tf)), tf.__file__, line) for line, source in blocks]
-    return len(blocks), [report for failures, report in reports if failures]
-
-
 def test_try_it_blocks_run_as_written():
     """Every example in the file's comments gives the output the comment shows."""
-    blocks, failed = background_result("test_try_it_blocks_run_as_written")
+    with open(tf.__file__, encoding="utf-8") as f:
+        found = try_it_blocks(f.read())
+    reports = [run_try_it(source, dict(vars(tf)), tf.__file__, line) for line, source in found]
+    blocks, failed = len(found), [report for failures, report in reports if failures]
     assert blocks >= 6, f"expected a Try it block per Part III section, found {blocks}"
     assert not failed, "\n".join(failed)
 
@@ -12662,13 +12242,15 @@ def test_every_command_the_readme_shows_has_a_test():
         assert all(callable(globals().get(name)) and name.startswith("test_") for name in tests), tests
 
 
-def test_top_level_holds_exactly_the_four_files():
+def test_top_level_holds_the_one_program_and_its_one_test_file():
+    """The project is one file to read and one to prove it: no other Python module at the top (a
+    LICENSE or another ordinary file may sit beside them)."""
     root = os.path.dirname(tf.__file__)
     tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True).stdout.split()
-    if tracked:  # a git checkout: only these at the top, plus .ci/
-        assert {p for p in tracked if "/" not in p} == {
-            "transformer.py", "test_transformer.py", "README.md", "requirements.txt"}
-        assert {p.split("/")[0] for p in tracked if "/" in p} == {".ci"}
+    if tracked:  # a git checkout
+        top = {p for p in tracked if "/" not in p}
+        assert {"transformer.py", "test_transformer.py", "README.md", "requirements.txt"} <= top
+        assert {p for p in top if p.endswith(".py")} == {"transformer.py", "test_transformer.py"}
 
 
 # The reader's contract: each model's section, cut out of the file, runs alone.
@@ -12767,18 +12349,14 @@ CUT_RUNNER = ("import sys, json\nfor n, prog in json.load(open(sys.argv[1], enco
               "    exec(compile(prog, 'section' + n, 'exec'), {'__name__': 'cut'})\n    print('ok', n)\n")
 
 
-@started_with_the_session("test_each_model_section_runs_cut_out_of_the_file_with_only_the_core_imports")
-def _cut_sections(folder, request):
-    (folder / "cut-programs.json").write_text(json.dumps(cut_programs()), encoding="utf-8")
-    return python(["-c", CUT_RUNNER, str(folder / "cut-programs.json")])
-
-
-def test_each_model_section_runs_cut_out_of_the_file_with_only_the_core_imports(processes):
+def test_each_model_section_runs_cut_out_of_the_file_with_only_the_core_imports(tmp_path):
     """For each model section: the file up to its end, in a fresh interpreter, with
     the four core imports and nothing else imported (cut_programs checks them),
     builds that model, runs a forward pass and generates."""
-    proc, _ = processes["test_each_model_section_runs_cut_out_of_the_file_with_only_the_core_imports"]
-    status, out, err = finished(proc)
+    (tmp_path / "cut-programs.json").write_text(json.dumps(cut_programs()), encoding="utf-8")
+    proc = run([sys.executable, "-c", CUT_RUNNER, str(tmp_path / "cut-programs.json")], capture_output=True,
+               text=True)
+    status, out, err = proc.returncode, proc.stdout, proc.stderr
     assert status == 0, err[-3000:]
     assert out.split() == [w for n in CONTRACT for w in ("ok", str(n))]
 
