@@ -4071,7 +4071,7 @@ MODEL_KINDS = {DecoderOnlyTransformer: "gpt", Llama: "llama", Mistral: "mistral"
                Mixtral: "mixtral", Qwen3MoE: "qwen3moe", DeepSeekV3: "deepseek"}  # exact classes
 MODEL_PARTS = (nn.Embedding, nn.Linear, nn.ModuleList, nn.Dropout, PositionalEncoding, EncoderLayer, LayerNorm,
                MultiHeadAttention, FeedForward, RMSNorm, LlamaBlock, GroupedQueryAttention, SlidingWindowAttention,
-               QKNormAttention, SwiGLU, MoE, MultiHeadLatentAttention)  # the modules the formulas model
+               QKNormAttention, SwiGLU, MoE, DeepSeekMoE, MultiHeadLatentAttention)  # the modules the formulas model
 
 
 def model_kind(model, formula="model_kind", trains=False, parts=()):
