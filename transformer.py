@@ -6086,19 +6086,18 @@ OPTIONAL_FIELDS = {"d_ff", "n_kv_heads", "head_dim", "top_k", "expert_d_ff", "q_
 
 def check_field(name, value):
     """A ValueError naming the field, the value and what was expected, unless value follows CONFIG_RULES[name]."""
-    kind, *bounds = CONFIG_RULES[name]
-    if value is None and name in OPTIONAL_FIELDS: return
-    if bounds:  # an int counts as a float, a bool as neither; NaN is in no range
-        low, high = bounds
+    (kind, *bounds), optional = CONFIG_RULES[name], name in OPTIONAL_FIELDS
+    if value is None and optional: return
+    if not bounds:
+        ok, what = isinstance(value, kind), "True or False" if kind is bool else f"a {kind.__name__}"
+    else:  # an int counts as a float, a bool as neither; NaN is in no range
+        (low, high), spec = bounds, "," if kind is int else "g"
         top = high if high is not None else 2 ** 31 - 1 if kind is int else sys.float_info.max
         ok = isinstance(value, (int, kind)) and not isinstance(value, bool) and low <= value <= top
-        show = (lambda x: f"{x:,}") if kind is int else (lambda x: f"{x:g}")  # noqa: E731
-        what = ("an integer" if kind is int else "a finite number" if isinstance(value, float) and math.isinf(value)
-                and high is None else "a number") + (f" >= {show(low)}" if high is None else
-                                                   f" from {show(low)} to {show(high)}")
-    else:
-        ok, what = isinstance(value, kind), "True or False" if kind is bool else f"a {kind.__name__}"
-    if not ok: raise ValueError(f"{name} must be {what}{' or None' * (name in OPTIONAL_FIELDS)}, got {value!r}")
+        infinite = high is None and isinstance(value, float) and math.isinf(value)
+        what = ("an integer" if kind is int else "a finite number" if infinite else "a number") + (
+            f" >= {low:{spec}}" if high is None else f" from {low:{spec}} to {high:{spec}}")
+    if not ok: raise ValueError(f"{name} must be {what}{' or None' * optional}, got {value!r}")
 
 
 def check_config_relations(kind, c):
@@ -6108,35 +6107,33 @@ def check_config_relations(kind, c):
         if holds: return
         values = ", ".join(f"{name}={c.get(name)!r}" for name in others)
         raise ValueError(f"{expected}{f' ({values})' if values else ''}, got {c.get(first)!r}")
+    def divisible(a, b):  # b None (n_kv_heads): b is a
+        need(c[a] % (c[b] or c[a]) == 0, f"{a} must be divisible by {b}", a, b)
+    def at_most(a, b):
+        need(c[a] is not None and c[a] <= c[b], f"{a} must be at most {b}", a, b)
     width = c.get("head_dim") or c["d_model"] // c["n_heads"]
     if kind in ("encdec", "gpt"):
         need(c["d_model"] % 2 == 0, "d_model must be even (sin/cos pairs)", "d_model")
-        need(c["d_model"] % c["n_heads"] == 0, "d_model must be divisible by n_heads", "d_model", "n_heads")
+        divisible("d_model", "n_heads")
     if kind == "encdec" and c["share_embeddings"]:
         need(c["tgt_vocab_size"] == c["src_vocab_size"], "tgt_vocab_size must equal src_vocab_size to share"
              " embeddings", "tgt_vocab_size", "src_vocab_size")
-    if "n_kv_heads" in c:
-        need(c["n_heads"] % (c["n_kv_heads"] or c["n_heads"]) == 0, "n_heads must be divisible by n_kv_heads",
-             "n_heads", "n_kv_heads")
+    if "n_kv_heads" in c: divisible("n_heads", "n_kv_heads")
     if kind == "qwen3_next":
         need(int(width * c["partial_rotary"]) in range(2, width + 1, 2), "head_dim * partial_rotary must give an even"
              " number of dims, 2 or more (RoPE turns pairs)", "partial_rotary", "head_dim")
-        need(c["linear_v_heads"] % c["linear_k_heads"] == 0, "linear_v_heads must be divisible by linear_k_heads",
-             "linear_v_heads", "linear_k_heads")
+        divisible("linear_v_heads", "linear_k_heads")
     elif "rope_theta" in c and "qk_rope_dim" not in c:
         need(width % 2 == 0, "RoPE turns pairs of dims: head_dim (d_model / n_heads if None) must be even", "head_dim",
              "d_model", "n_heads")
-    if "n_experts" in c:
-        need(c["top_k"] is not None and c["top_k"] <= c["n_experts"], "top_k must be at most n_experts", "top_k",
-             "n_experts")
+    if "n_experts" in c: at_most("top_k", "n_experts")
     if "qk_rope_dim" in c:  # DeepSeek's
         for field in ("d_ff", "expert_d_ff"):
             need(c[field] is not None, f"{field} must be an integer >= 1", field)
-        need(c["n_dense_layers"] <= c["n_layers"], "n_dense_layers must be at most n_layers", "n_dense_layers",
-             "n_layers")
+        at_most("n_dense_layers", "n_layers")
         need(c["qk_rope_dim"] % 2 == 0, "RoPE turns pairs of dims: qk_rope_dim must be even", "qk_rope_dim")
-        need(c["n_experts"] % c["n_groups"] == 0, "n_experts must be divisible by n_groups", "n_experts", "n_groups")
-        need(c["topk_groups"] <= c["n_groups"], "topk_groups must be at most n_groups", "topk_groups", "n_groups")
+        divisible("n_experts", "n_groups")
+        at_most("topk_groups", "n_groups")
         need(c["topk_groups"] * (c["n_experts"] // c["n_groups"]) >= c["top_k"], "topk_groups groups of n_experts /"
              " n_groups experts must hold at least top_k", "topk_groups", "n_groups", "n_experts", "top_k")
     if "index_head_dim" in c:
