@@ -5954,8 +5954,7 @@ def read_pairs(path):
         if line.isspace() or line.lstrip().startswith("#"): continue
         where, tabs = f"{path}:{number}:", line.count("\t")
         if tabs != 1: raise ValueError(f"{where} expected 'pinyin<TAB>hanzi', found {tabs + 1} tab-separated fields")
-        pinyin, hanzi = line.split("\t")
-        # at most MAX_SYLLABLES + 1 pieces: a megabyte of syllables is never a list of them
+        pinyin, hanzi = line.split("\t")  # pinyin cut in at most MAX_SYLLABLES + 1 pieces: never a megabyte's list
         syllables, hanzi = pinyin.split(None, MAX_SYLLABLES), hanzi.strip()  # ['wo', 'ai'], '我爱'
         if not (syllables and hanzi): raise ValueError(f"{where} empty {'hanzi' if syllables else 'pinyin'}")
         if len(syllables) > MAX_SYLLABLES:
@@ -6165,6 +6164,7 @@ def check_model_config(kind, config):
     if scaling is not None:  # a dict, then section 37's own check of its type, keys and values
         check_field("rope_scaling", scaling)
         check_scaling(scaling)
+
     parameters = constructor_keywords(MODEL_CLASSES[kind])
     unknown = next((key for key in config if key not in parameters), None)
     if unknown in old:
@@ -6212,8 +6212,7 @@ def checked_checkpoint(checkpoint, device):
                     in config else 2 * (config.get("head_dim") or config["d_model"] // config["n_heads"]))  # cos, sin
     if config["max_len"] * per_position > max(held, 2 ** 24):  # the position tables
         raise ValueError(f"max_len {config['max_len']} asks for position tables far larger than the model")
-    cls = MODEL_CLASSES[kind]
-    model = cls(**config).to(device)
+    model = MODEL_CLASSES[kind](**config).to(device)
     if scaling is not None: with_rope_scaling(model, scaling)
     shapes = {name: list(t.shape) for name, t in model.state_dict().items()}
     wrong = next((n for n in {**shapes, **state} if shapes.get(n) != list(getattr(state.get(n), "shape", ()))), None)
@@ -6340,8 +6339,7 @@ def show_models(device):
     models = {}
     for kind, cfg in small.items():  # each named as the toy task's model of its kind
         cfg = dict(cfg, d_model=128, n_layers=2, n_heads=4)
-        model = models[kind] = MODEL_CLASSES[kind](**cfg).eval()
-        model.to(device)
+        model = models[kind] = MODEL_CLASSES[kind](**cfg).eval().to(device)
         logits = model(src, tgt) if kind == "encdec" else model(tgt)       # [B, T, V]
         inputs = "src [2, 7], tgt [2, 5]" if kind == "encdec" else "input [2, 5]"
         print(f"  {TOY_MODELS[kind]['name']:19s} {inputs:22s} -> output {list(logits.shape)}; parameters "
@@ -6396,6 +6394,7 @@ def show_training_costs(seq_len=4096, lora_rank=16, n_devices=64):
     print(f"\ntraining GFLOPs a token at T = {seq_len}: 6N (N active) against the count of every product")
     for name, (kind, config, active) in models.items():
         print(f"  {name:15} {6 * active / 1e9:8.1f} {per_token(name, seq_len) / 1e9:8.1f}")
+
     print("the MFU published pretraining budgets imply, by the count (by 6N):")
     for name, tokens, hours, gpu, peak, T in TRAINING_BUDGETS:
         print(f"  {name:12} {tokens / 1e12:5.1f}T tokens, {hours / 1e6:.3f}M {gpu} hours: " + " ".join(
@@ -6552,8 +6551,7 @@ class TorchTransformer(nn.Module):
         core = self.core = nn.Transformer(c["d_model"], c["n_heads"], c["n_layers"], c["n_layers"], c["d_ff"],
                                           c["dropout"], batch_first=True, norm_first=c["norm_first"])
         core.encoder.enable_nested_tensor = core.encoder.use_nested_tensor = False  # plain tensors
-        if not c["norm_first"]:  # post-LN: no second, final LayerNorm (pytorch issue 24930)
-            core.encoder.norm = core.decoder.norm = None
+        if not c["norm_first"]: core.encoder.norm = core.decoder.norm = None  # post-LN: no final norm (pytorch 24930)
         state = {}  # ours under their names: encoder_layers.0.ffn.fc1.weight is encoder.layers.0.linear1.weight
         for name, t in ours.state_dict().items():
             for mine, theirs in [("coder_", "coder."), ("cross_attn", "multihead_attn"), ("ffn.fc", "linear"),
@@ -6865,7 +6863,8 @@ def main(argv=None):
         loaded = load_checkpoint(args.load, device) if args.load else None
     except ValueError as e:
         parser.error(str(e))
-    if loaded and not longest_sentence(loaded[0], loaded[1]):  # not "takes at most -1 syllables", later
+    if loaded and not longest_sentence(*loaded[:2]):  # not "takes at most -1 syllables", later
+
         need = "3 (bos, its character, eos)" if loaded[0] == "encdec" else f"4 (syllable, {SEP}, character, eos)"
         parser.error(f"--load {shown(args.load)}: a model of max_len {loaded[1].max_len} can answer no sentence at"
                      f" all; one syllable needs max_len {need}")
@@ -6880,8 +6879,7 @@ def main(argv=None):
                 speculative_report(args.seed, kind="deepseek", device=device)  # a small draft, and its MTP
                 preference_report(args.seed)
             else:
-                for bench in (bench_training, bench_kv_cache, bench_long_sequences):
-                    bench(device)
+                for bench in (bench_training, bench_kv_cache, bench_long_sequences): bench(device)
                 mixed_precision_report(args.seed, device)
         return 0
     if args.translate is None:
