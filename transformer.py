@@ -6127,8 +6127,7 @@ def check_config_relations(kind, c):
              "d_model", "n_heads")
     if "n_experts" in c: at_most("top_k", "n_experts")
     if "qk_rope_dim" in c:  # DeepSeek's
-        for field in ("d_ff", "expert_d_ff"):
-            need(c[field] is not None, f"{field} must be an integer >= 1", field)
+        for field in ("d_ff", "expert_d_ff"): need(c[field] is not None, f"{field} must be an integer >= 1", field)
         at_most("n_dense_layers", "n_layers")
         need(c["qk_rope_dim"] % 2 == 0, "RoPE turns pairs of dims: qk_rope_dim must be even", "qk_rope_dim")
         divisible("n_experts", "n_groups")
@@ -6868,10 +6867,10 @@ def main(argv=None):
         need = "3 (bos, its character, eos)" if loaded[0] == "encdec" else f"4 (syllable, {SEP}, character, eos)"
         parser.error(f"--load {shown(args.load)}: a model of max_len {loaded[1].max_len} can answer no sentence at"
                      f" all; one syllable needs max_len {need}")
-    n_heads = (loaded[1].config if loaded else SIZES[args.size]["encdec"]["config"])["n_heads"]
-    if args.head is not None and args.head >= n_heads:
-        parser.error(f"--head {args.head}: the model has " + (f"heads 0 to {n_heads - 1}" if n_heads > 1 else
-                                                                 "only head 0"))
+    heads = (loaded[1].config if loaded else SIZES[args.size]["encdec"]["config"])["n_heads"]
+    if args.head is not None and args.head >= heads:
+        parser.error(f"--head {args.head}: the model has {f'heads 0 to {heads - 1}' if heads > 1 else 'only head 0'}")
+
     if args.after or args.bench:  # each trains with train(), which takes Ctrl-C as "stop this training" and goes on
         print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads" + "\n" * args.bench)
         with mock.patch.dict(globals(), stop_on_ctrl_c=lambda: contextlib.nullcontext([])):  # Ctrl-C stops it all
