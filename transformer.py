@@ -6100,8 +6100,7 @@ def check_field(name, value):
 
 
 def check_config_relations(kind, c):
-    """What the classes need of a config's values together (c: every keyword, defaults filled in), refused before any
-    formula or model is computed; a relation the weights' count and shapes cannot show is among them."""
+    """What the classes need of c's values together (all keywords, defaults in): some no weight's shape would show."""
     def need(holds, expected, first, *others):  # the message names the first field, and the others' values
         if holds: return
         values = ", ".join(f"{name}={c.get(name)!r}" for name in others)
@@ -6151,8 +6150,8 @@ def check_config_relations(kind, c):
 
 
 def check_model_config(kind, config):
-    """-> (keywords, rope_scaling or None): exactly the class's keywords, each by its rule and all together; or a
-    ValueError naming the field."""
+    """-> (config, rope_scaling | None): the class's keywords exactly, each valid alone and together; or ValueError."""
+
     if not isinstance(kind, str) or kind not in MODEL_CLASSES:
         raise ValueError(f"kind {quote(str(kind))}: expected one of {', '.join(MODEL_CLASSES)}")
     if not isinstance(config, dict): raise ValueError(f"config is a {type(config).__name__}, expected a dict")
@@ -6637,8 +6636,8 @@ def bench_kv_cache(device, lengths=(64, 256, 1024), d_model=512, n_heads=8, d_ff
     weights = 4 * (count_parameters(gpt) - gpt.token_embedding.weight.numel())  # bytes a step reads (fp32)
     bandwidth = memory_bandwidth(device, megabytes)
     print(f"\nKV cache: decoder-only, d_model {d_model}, {n_heads} heads, d_ff {d_ff}, {n_layers} layers, vocab 1000,"
-          f" batch 1, prompt 8")
-    print(f"  {'new tokens':>10s} {'with cache':>11s} {'without':>9s} {'speedup':>8s} {'ms/step cached':>15s}")
+          f" batch 1, prompt 8\n  new tokens  with cache   without  speedup  ms/step cached")
+
     for n in lengths:
         with_cache, without, same = time_generation(gpt, prompt, n)
         print(f"  {n:10d} {with_cache:10.2f}s {without:8.2f}s {without / with_cache:7.1f}x "
@@ -6713,8 +6712,7 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
 # ===========================================================================
 # 56. The command line (命令行)
 # ===========================================================================
-# Every mistake is one line on stderr with exit status 2, found before the work wherever it can be. Answers go to
-# stdout.
+# Every mistake is one line on stderr with exit status 2, found before the work where it can be. Answers go to stdout.
 
 MAX_LINE = 2 ** 20  # characters in one --translate - line; a sentence takes at most MAX_SYLLABLES syllables
 MAX_BEAM = 64       # --beam: wider beams cost memory and time and, on this task, gain nothing
