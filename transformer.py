@@ -5991,8 +5991,8 @@ PARAMETER_FORMULAS = {"encdec": transformer_param_formula, "gpt": decoder_only_p
                       "qwen3moe": qwen3_moe_param_formula, "mistral": mistral_param_formula,
                       "deepseek": deepseek_param_formula, "gptoss": gpt_oss_param_formula,
                       "qwen3_next": qwen3_next_param_formula, "deepseek_v32": deepseek_v32_param_formula}
-# the kinds whose checkpoints may hold a RoPE scaling (section 37) beside the constructor's keywords
-ROPE_KINDS = ("llama", "qwen3", "mixtral", "qwen3moe", "mistral", "deepseek", "qwen3_next", "deepseek_v32")
+ROPE_KINDS = set(MODEL_CLASSES) - {"encdec", "gpt", "gptoss"}  # a checkpoint may hold a RoPE scaling (section 37)
+
 # An older "llama" checkpoint's config held the families' options. At these values (a Llama's) they are dropped.
 OLD_LLAMA_OPTIONS = dict(head_dim=None, qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True,
                          window=None, rope_scaling=None)
