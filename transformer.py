@@ -6501,8 +6501,8 @@ def run(args, device, pairs, loaded):
                 answer = translator(kind, model, src_vocab, tgt_vocab, allowed, args.beam)
                 result.update(report(answer, fits, ambiguous), quantized=quantized_accuracy(
                     kind, model, fits, src_vocab, tgt_vocab, allowed))
-                if not args.data:  # the tutorials' own example
-                    print(f"  wo ai xue xi -> {answer(['wo ai xue xi'])[0]}")
+                if not args.data: print(f"  wo ai xue xi -> {answer(['wo ai xue xi'])[0]}")  # the tutorials' example
+
                 if kind == "encdec":
                     show_heatmap(model, src_vocab, tgt_vocab, fits, ambiguous, args.head, allowed)
                 elif any(isinstance(m, MoE) for m in model.modules()):
