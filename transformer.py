@@ -5992,7 +5992,6 @@ PARAMETER_FORMULAS = {"encdec": transformer_param_formula, "gpt": decoder_only_p
                       "deepseek": deepseek_param_formula, "gptoss": gpt_oss_param_formula,
                       "qwen3_next": qwen3_next_param_formula, "deepseek_v32": deepseek_v32_param_formula}
 ROPE_KINDS = set(MODEL_CLASSES) - {"encdec", "gpt", "gptoss"}  # a checkpoint may hold a RoPE scaling (section 37)
-
 # An older "llama" checkpoint's config held the families' options. At these values (a Llama's) they are dropped.
 OLD_LLAMA_OPTIONS = dict(head_dim=None, qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True,
                          window=None, rope_scaling=None)
@@ -6141,8 +6140,7 @@ def check_config_relations(kind, c):
     types = {"gptoss": ("sliding_attention", "full_attention"), "qwen3_next": ("linear_attention", "full_attention")}
     if c.get("layer_types") is not None:
         need(len(c["layer_types"]) == c["n_layers"] and all(t in types[kind] for t in c["layer_types"]),
-             f"layer_types must be None or n_layers of {', '.join(map(repr, types[kind]))}", "layer_types",
-             "n_layers")
+             f"layer_types must be None or n_layers of {', '.join(map(repr, types[kind]))}", "layer_types", "n_layers")
     if c.get("rope_scaling") is not None:
         check_scaling(c["rope_scaling"])
         need(c["rope_scaling"]["type"] == "yarn", "rope_scaling must be None or gpt-oss's yarn, a dict with 'type':"
@@ -6151,7 +6149,6 @@ def check_config_relations(kind, c):
 
 def check_model_config(kind, config):
     """-> (config, rope_scaling | None): the class's keywords exactly, each valid alone and together; or ValueError."""
-
     if not isinstance(kind, str) or kind not in MODEL_CLASSES:
         raise ValueError(f"kind {quote(str(kind))}: expected one of {', '.join(MODEL_CLASSES)}")
     if not isinstance(config, dict): raise ValueError(f"config is a {type(config).__name__}, expected a dict")
@@ -6162,7 +6159,6 @@ def check_model_config(kind, config):
     if scaling is not None:  # a dict, then section 37's own check of its type, keys and values
         check_field("rope_scaling", scaling)
         check_scaling(scaling)
-
     parameters = constructor_keywords(MODEL_CLASSES[kind])
     unknown = next((key for key in config if key not in parameters), None)
     if unknown in old:
@@ -6392,7 +6388,6 @@ def show_training_costs(seq_len=4096, lora_rank=16, n_devices=64):
     print(f"\ntraining GFLOPs a token at T = {seq_len}: 6N (N active) against the count of every product")
     for name, (kind, config, active) in models.items():
         print(f"  {name:15} {6 * active / 1e9:8.1f} {per_token(name, seq_len) / 1e9:8.1f}")
-
     print("the MFU published pretraining budgets imply, by the count (by 6N):")
     for name, tokens, hours, gpu, peak, T in TRAINING_BUDGETS:
         print(f"  {name:12} {tokens / 1e12:5.1f}T tokens, {hours / 1e6:.3f}M {gpu} hours: " + " ".join(
@@ -6502,7 +6497,6 @@ def run(args, device, pairs, loaded):
                 result.update(report(answer, fits, ambiguous), quantized=quantized_accuracy(
                     kind, model, fits, src_vocab, tgt_vocab, allowed))
                 if not args.data: print(f"  wo ai xue xi -> {answer(['wo ai xue xi'])[0]}")  # the tutorials' example
-
                 if kind == "encdec":
                     show_heatmap(model, src_vocab, tgt_vocab, fits, ambiguous, args.head, allowed)
                 elif any(isinstance(m, MoE) for m in model.modules()):
@@ -6637,7 +6631,6 @@ def bench_kv_cache(device, lengths=(64, 256, 1024), d_model=512, n_heads=8, d_ff
     bandwidth = memory_bandwidth(device, megabytes)
     print(f"\nKV cache: decoder-only, d_model {d_model}, {n_heads} heads, d_ff {d_ff}, {n_layers} layers, vocab 1000,"
           f" batch 1, prompt 8\n  new tokens  with cache   without  speedup  ms/step cached")
-
     for n in lengths:
         with_cache, without, same = time_generation(gpt, prompt, n)
         print(f"  {n:10d} {with_cache:10.2f}s {without:8.2f}s {without / with_cache:7.1f}x "
@@ -6734,9 +6727,8 @@ def answer_lines(answer, src_vocab, longest, lines):
                 raise ValueError(f"standard input, line {number}: longer than {MAX_LINE:,} characters")
             syllables = line.split()                                       # ['wo', 'ai', ...]
             unknown = next((s for s in syllables if not (SYLLABLE.fullmatch(s) and s in src_vocab.stoi)), None)
-            problem = (f"unknown syllable {quote(unknown)}" if unknown else
-                       f"{len(syllables)} syllables, this model takes at most {longest}" if len(syllables) > longest
-                       else None)
+            problem = (f"unknown syllable {quote(unknown)}" if unknown else f"{len(syllables)} syllables, this model"
+                       f" takes at most {longest}" if len(syllables) > longest else None)
             if problem:
                 print(f"transformer.py: error: {problem} in {quote(line.strip())}", file=sys.stderr)
                 status = 2
@@ -6861,14 +6853,12 @@ def main(argv=None):
     except ValueError as e:
         parser.error(str(e))
     if loaded and not longest_sentence(*loaded[:2]):  # not "takes at most -1 syllables", later
-
         need = "3 (bos, its character, eos)" if loaded[0] == "encdec" else f"4 (syllable, {SEP}, character, eos)"
         parser.error(f"--load {shown(args.load)}: a model of max_len {loaded[1].max_len} can answer no sentence at"
                      f" all; one syllable needs max_len {need}")
     heads = (loaded[1].config if loaded else SIZES[args.size]["encdec"]["config"])["n_heads"]
     if args.head is not None and args.head >= heads:
         parser.error(f"--head {args.head}: the model has {f'heads 0 to {heads - 1}' if heads > 1 else 'only head 0'}")
-
     if args.after or args.bench:  # each trains with train(), which takes Ctrl-C as "stop this training" and goes on
         print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads" + "\n" * args.bench)
         with mock.patch.dict(globals(), stop_on_ctrl_c=lambda: contextlib.nullcontext([])):  # Ctrl-C stops it all
