@@ -5954,8 +5954,7 @@ def read_pairs(path):
         if line.isspace() or line.lstrip().startswith("#"): continue
         where, tabs = f"{path}:{number}:", line.count("\t")
         if tabs != 1: raise ValueError(f"{where} expected 'pinyin<TAB>hanzi', found {tabs + 1} tab-separated fields")
-        pinyin, hanzi = line.split("\t")
-        # at most MAX_SYLLABLES + 1 pieces: a megabyte of syllables is never a list of them
+        pinyin, hanzi = line.split("\t")  # pinyin cut in at most MAX_SYLLABLES + 1 pieces: never a megabyte's list
         syllables, hanzi = pinyin.split(None, MAX_SYLLABLES), hanzi.strip()  # ['wo', 'ai'], '我爱'
         if not (syllables and hanzi): raise ValueError(f"{where} empty {'hanzi' if syllables else 'pinyin'}")
         if len(syllables) > MAX_SYLLABLES:
@@ -5992,8 +5991,7 @@ PARAMETER_FORMULAS = {"encdec": transformer_param_formula, "gpt": decoder_only_p
                       "qwen3moe": qwen3_moe_param_formula, "mistral": mistral_param_formula,
                       "deepseek": deepseek_param_formula, "gptoss": gpt_oss_param_formula,
                       "qwen3_next": qwen3_next_param_formula, "deepseek_v32": deepseek_v32_param_formula}
-# the kinds whose checkpoints may hold a RoPE scaling (section 37) beside the constructor's keywords
-ROPE_KINDS = ("llama", "qwen3", "mixtral", "qwen3moe", "mistral", "deepseek", "qwen3_next", "deepseek_v32")
+ROPE_KINDS = set(MODEL_CLASSES) - {"encdec", "gpt", "gptoss"}  # a checkpoint may hold a RoPE scaling (section 37)
 # An older "llama" checkpoint's config held the families' options. At these values (a Llama's) they are dropped.
 OLD_LLAMA_OPTIONS = dict(head_dim=None, qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True,
                          window=None, rope_scaling=None)
@@ -6086,57 +6084,52 @@ OPTIONAL_FIELDS = {"d_ff", "n_kv_heads", "head_dim", "top_k", "expert_d_ff", "q_
 
 def check_field(name, value):
     """A ValueError naming the field, the value and what was expected, unless value follows CONFIG_RULES[name]."""
-    kind, *bounds = CONFIG_RULES[name]
-    if value is None and name in OPTIONAL_FIELDS: return
-    if bounds:  # an int counts as a float, a bool as neither; NaN is in no range
-        low, high = bounds
+    (kind, *bounds), optional = CONFIG_RULES[name], name in OPTIONAL_FIELDS
+    if value is None and optional: return
+    if not bounds:
+        ok, what = isinstance(value, kind), "True or False" if kind is bool else f"a {kind.__name__}"
+    else:  # an int counts as a float, a bool as neither; NaN is in no range
+        (low, high), spec = bounds, "," if kind is int else "g"
         top = high if high is not None else 2 ** 31 - 1 if kind is int else sys.float_info.max
         ok = isinstance(value, (int, kind)) and not isinstance(value, bool) and low <= value <= top
-        show = (lambda x: f"{x:,}") if kind is int else (lambda x: f"{x:g}")  # noqa: E731
-        what = ("an integer" if kind is int else "a finite number" if isinstance(value, float) and math.isinf(value)
-                and high is None else "a number") + (f" >= {show(low)}" if high is None else
-                                                   f" from {show(low)} to {show(high)}")
-    else:
-        ok, what = isinstance(value, kind), "True or False" if kind is bool else f"a {kind.__name__}"
-    if not ok: raise ValueError(f"{name} must be {what}{' or None' * (name in OPTIONAL_FIELDS)}, got {value!r}")
+        infinite = high is None and isinstance(value, float) and math.isinf(value)
+        what = ("an integer" if kind is int else "a finite number" if infinite else "a number") + (
+            f" >= {low:{spec}}" if high is None else f" from {low:{spec}} to {high:{spec}}")
+    if not ok: raise ValueError(f"{name} must be {what}{' or None' * optional}, got {value!r}")
 
 
 def check_config_relations(kind, c):
-    """What the classes need of a config's values together (c: every keyword, defaults filled in), refused before any
-    formula or model is computed; a relation the weights' count and shapes cannot show is among them."""
+    """What the classes need of c's values together (all keywords, defaults in): some no weight's shape would show."""
     def need(holds, expected, first, *others):  # the message names the first field, and the others' values
         if holds: return
         values = ", ".join(f"{name}={c.get(name)!r}" for name in others)
         raise ValueError(f"{expected}{f' ({values})' if values else ''}, got {c.get(first)!r}")
+    def divisible(a, b):  # b None (n_kv_heads): b is a
+        need(c[a] % (c[b] or c[a]) == 0, f"{a} must be divisible by {b}", a, b)
+    def at_most(a, b):
+        need(c[a] is not None and c[a] <= c[b], f"{a} must be at most {b}", a, b)
     width = c.get("head_dim") or c["d_model"] // c["n_heads"]
     if kind in ("encdec", "gpt"):
         need(c["d_model"] % 2 == 0, "d_model must be even (sin/cos pairs)", "d_model")
-        need(c["d_model"] % c["n_heads"] == 0, "d_model must be divisible by n_heads", "d_model", "n_heads")
+        divisible("d_model", "n_heads")
     if kind == "encdec" and c["share_embeddings"]:
         need(c["tgt_vocab_size"] == c["src_vocab_size"], "tgt_vocab_size must equal src_vocab_size to share"
              " embeddings", "tgt_vocab_size", "src_vocab_size")
-    if "n_kv_heads" in c:
-        need(c["n_heads"] % (c["n_kv_heads"] or c["n_heads"]) == 0, "n_heads must be divisible by n_kv_heads",
-             "n_heads", "n_kv_heads")
+    if "n_kv_heads" in c: divisible("n_heads", "n_kv_heads")
     if kind == "qwen3_next":
         need(int(width * c["partial_rotary"]) in range(2, width + 1, 2), "head_dim * partial_rotary must give an even"
              " number of dims, 2 or more (RoPE turns pairs)", "partial_rotary", "head_dim")
-        need(c["linear_v_heads"] % c["linear_k_heads"] == 0, "linear_v_heads must be divisible by linear_k_heads",
-             "linear_v_heads", "linear_k_heads")
+        divisible("linear_v_heads", "linear_k_heads")
     elif "rope_theta" in c and "qk_rope_dim" not in c:
         need(width % 2 == 0, "RoPE turns pairs of dims: head_dim (d_model / n_heads if None) must be even", "head_dim",
              "d_model", "n_heads")
-    if "n_experts" in c:
-        need(c["top_k"] is not None and c["top_k"] <= c["n_experts"], "top_k must be at most n_experts", "top_k",
-             "n_experts")
+    if "n_experts" in c: at_most("top_k", "n_experts")
     if "qk_rope_dim" in c:  # DeepSeek's
-        for field in ("d_ff", "expert_d_ff"):
-            need(c[field] is not None, f"{field} must be an integer >= 1", field)
-        need(c["n_dense_layers"] <= c["n_layers"], "n_dense_layers must be at most n_layers", "n_dense_layers",
-             "n_layers")
+        for field in ("d_ff", "expert_d_ff"): need(c[field] is not None, f"{field} must be an integer >= 1", field)
+        at_most("n_dense_layers", "n_layers")
         need(c["qk_rope_dim"] % 2 == 0, "RoPE turns pairs of dims: qk_rope_dim must be even", "qk_rope_dim")
-        need(c["n_experts"] % c["n_groups"] == 0, "n_experts must be divisible by n_groups", "n_experts", "n_groups")
-        need(c["topk_groups"] <= c["n_groups"], "topk_groups must be at most n_groups", "topk_groups", "n_groups")
+        divisible("n_experts", "n_groups")
+        at_most("topk_groups", "n_groups")
         need(c["topk_groups"] * (c["n_experts"] // c["n_groups"]) >= c["top_k"], "topk_groups groups of n_experts /"
              " n_groups experts must hold at least top_k", "topk_groups", "n_groups", "n_experts", "top_k")
     if "index_head_dim" in c:
@@ -6147,8 +6140,7 @@ def check_config_relations(kind, c):
     types = {"gptoss": ("sliding_attention", "full_attention"), "qwen3_next": ("linear_attention", "full_attention")}
     if c.get("layer_types") is not None:
         need(len(c["layer_types"]) == c["n_layers"] and all(t in types[kind] for t in c["layer_types"]),
-             f"layer_types must be None or n_layers of {', '.join(map(repr, types[kind]))}", "layer_types",
-             "n_layers")
+             f"layer_types must be None or n_layers of {', '.join(map(repr, types[kind]))}", "layer_types", "n_layers")
     if c.get("rope_scaling") is not None:
         check_scaling(c["rope_scaling"])
         need(c["rope_scaling"]["type"] == "yarn", "rope_scaling must be None or gpt-oss's yarn, a dict with 'type':"
@@ -6156,8 +6148,7 @@ def check_config_relations(kind, c):
 
 
 def check_model_config(kind, config):
-    """-> (keywords, rope_scaling or None): exactly the class's keywords, each by its rule and all together; or a
-    ValueError naming the field."""
+    """-> (config, rope_scaling | None): the class's keywords exactly, each valid alone and together; or ValueError."""
     if not isinstance(kind, str) or kind not in MODEL_CLASSES:
         raise ValueError(f"kind {quote(str(kind))}: expected one of {', '.join(MODEL_CLASSES)}")
     if not isinstance(config, dict): raise ValueError(f"config is a {type(config).__name__}, expected a dict")
@@ -6215,8 +6206,7 @@ def checked_checkpoint(checkpoint, device):
                     in config else 2 * (config.get("head_dim") or config["d_model"] // config["n_heads"]))  # cos, sin
     if config["max_len"] * per_position > max(held, 2 ** 24):  # the position tables
         raise ValueError(f"max_len {config['max_len']} asks for position tables far larger than the model")
-    cls = MODEL_CLASSES[kind]
-    model = cls(**config).to(device)
+    model = MODEL_CLASSES[kind](**config).to(device)
     if scaling is not None: with_rope_scaling(model, scaling)
     shapes = {name: list(t.shape) for name, t in model.state_dict().items()}
     wrong = next((n for n in {**shapes, **state} if shapes.get(n) != list(getattr(state.get(n), "shape", ()))), None)
@@ -6343,8 +6333,7 @@ def show_models(device):
     models = {}
     for kind, cfg in small.items():  # each named as the toy task's model of its kind
         cfg = dict(cfg, d_model=128, n_layers=2, n_heads=4)
-        model = models[kind] = MODEL_CLASSES[kind](**cfg).eval()
-        model.to(device)
+        model = models[kind] = MODEL_CLASSES[kind](**cfg).eval().to(device)
         logits = model(src, tgt) if kind == "encdec" else model(tgt)       # [B, T, V]
         inputs = "src [2, 7], tgt [2, 5]" if kind == "encdec" else "input [2, 5]"
         print(f"  {TOY_MODELS[kind]['name']:19s} {inputs:22s} -> output {list(logits.shape)}; parameters "
@@ -6507,8 +6496,7 @@ def run(args, device, pairs, loaded):
                 answer = translator(kind, model, src_vocab, tgt_vocab, allowed, args.beam)
                 result.update(report(answer, fits, ambiguous), quantized=quantized_accuracy(
                     kind, model, fits, src_vocab, tgt_vocab, allowed))
-                if not args.data:  # the tutorials' own example
-                    print(f"  wo ai xue xi -> {answer(['wo ai xue xi'])[0]}")
+                if not args.data: print(f"  wo ai xue xi -> {answer(['wo ai xue xi'])[0]}")  # the tutorials' example
                 if kind == "encdec":
                     show_heatmap(model, src_vocab, tgt_vocab, fits, ambiguous, args.head, allowed)
                 elif any(isinstance(m, MoE) for m in model.modules()):
@@ -6555,8 +6543,7 @@ class TorchTransformer(nn.Module):
         core = self.core = nn.Transformer(c["d_model"], c["n_heads"], c["n_layers"], c["n_layers"], c["d_ff"],
                                           c["dropout"], batch_first=True, norm_first=c["norm_first"])
         core.encoder.enable_nested_tensor = core.encoder.use_nested_tensor = False  # plain tensors
-        if not c["norm_first"]:  # post-LN: no second, final LayerNorm (pytorch issue 24930)
-            core.encoder.norm = core.decoder.norm = None
+        if not c["norm_first"]: core.encoder.norm = core.decoder.norm = None  # post-LN: no final norm (pytorch 24930)
         state = {}  # ours under their names: encoder_layers.0.ffn.fc1.weight is encoder.layers.0.linear1.weight
         for name, t in ours.state_dict().items():
             for mine, theirs in [("coder_", "coder."), ("cross_attn", "multihead_attn"), ("ffn.fc", "linear"),
@@ -6643,8 +6630,7 @@ def bench_kv_cache(device, lengths=(64, 256, 1024), d_model=512, n_heads=8, d_ff
     weights = 4 * (count_parameters(gpt) - gpt.token_embedding.weight.numel())  # bytes a step reads (fp32)
     bandwidth = memory_bandwidth(device, megabytes)
     print(f"\nKV cache: decoder-only, d_model {d_model}, {n_heads} heads, d_ff {d_ff}, {n_layers} layers, vocab 1000,"
-          f" batch 1, prompt 8")
-    print(f"  {'new tokens':>10s} {'with cache':>11s} {'without':>9s} {'speedup':>8s} {'ms/step cached':>15s}")
+          f" batch 1, prompt 8\n  new tokens  with cache   without  speedup  ms/step cached")
     for n in lengths:
         with_cache, without, same = time_generation(gpt, prompt, n)
         print(f"  {n:10d} {with_cache:10.2f}s {without:8.2f}s {without / with_cache:7.1f}x "
@@ -6719,8 +6705,7 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
 # ===========================================================================
 # 56. The command line (命令行)
 # ===========================================================================
-# Every mistake is one line on stderr with exit status 2, found before the work wherever it can be. Answers go to
-# stdout.
+# Every mistake is one line on stderr with exit status 2, found before the work where it can be. Answers go to stdout.
 
 MAX_LINE = 2 ** 20  # characters in one --translate - line; a sentence takes at most MAX_SYLLABLES syllables
 MAX_BEAM = 64       # --beam: wider beams cost memory and time and, on this task, gain nothing
@@ -6742,9 +6727,8 @@ def answer_lines(answer, src_vocab, longest, lines):
                 raise ValueError(f"standard input, line {number}: longer than {MAX_LINE:,} characters")
             syllables = line.split()                                       # ['wo', 'ai', ...]
             unknown = next((s for s in syllables if not (SYLLABLE.fullmatch(s) and s in src_vocab.stoi)), None)
-            problem = (f"unknown syllable {quote(unknown)}" if unknown else
-                       f"{len(syllables)} syllables, this model takes at most {longest}" if len(syllables) > longest
-                       else None)
+            problem = (f"unknown syllable {quote(unknown)}" if unknown else f"{len(syllables)} syllables, this model"
+                       f" takes at most {longest}" if len(syllables) > longest else None)
             if problem:
                 print(f"transformer.py: error: {problem} in {quote(line.strip())}", file=sys.stderr)
                 status = 2
@@ -6868,14 +6852,13 @@ def main(argv=None):
         loaded = load_checkpoint(args.load, device) if args.load else None
     except ValueError as e:
         parser.error(str(e))
-    if loaded and not longest_sentence(loaded[0], loaded[1]):  # not "takes at most -1 syllables", later
+    if loaded and not longest_sentence(*loaded[:2]):  # not "takes at most -1 syllables", later
         need = "3 (bos, its character, eos)" if loaded[0] == "encdec" else f"4 (syllable, {SEP}, character, eos)"
         parser.error(f"--load {shown(args.load)}: a model of max_len {loaded[1].max_len} can answer no sentence at"
                      f" all; one syllable needs max_len {need}")
-    n_heads = (loaded[1].config if loaded else SIZES[args.size]["encdec"]["config"])["n_heads"]
-    if args.head is not None and args.head >= n_heads:
-        parser.error(f"--head {args.head}: the model has " + (f"heads 0 to {n_heads - 1}" if n_heads > 1 else
-                                                                 "only head 0"))
+    heads = (loaded[1].config if loaded else SIZES[args.size]["encdec"]["config"])["n_heads"]
+    if args.head is not None and args.head >= heads:
+        parser.error(f"--head {args.head}: the model has {f'heads 0 to {heads - 1}' if heads > 1 else 'only head 0'}")
     if args.after or args.bench:  # each trains with train(), which takes Ctrl-C as "stop this training" and goes on
         print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} threads" + "\n" * args.bench)
         with mock.patch.dict(globals(), stop_on_ctrl_c=lambda: contextlib.nullcontext([])):  # Ctrl-C stops it all
@@ -6883,8 +6866,7 @@ def main(argv=None):
                 speculative_report(args.seed, kind="deepseek", device=device)  # a small draft, and its MTP
                 preference_report(args.seed)
             else:
-                for bench in (bench_training, bench_kv_cache, bench_long_sequences):
-                    bench(device)
+                for bench in (bench_training, bench_kv_cache, bench_long_sequences): bench(device)
                 mixed_precision_report(args.seed, device)
         return 0
     if args.translate is None:
