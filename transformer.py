@@ -5020,9 +5020,8 @@ GGUF_ARCHITECTURES = ("llama", "qwen2")
 
 
 def tokenizer_from_gguf(metadata):
-    """The BPETokenizer a GGUF file's metadata describes, under llama.cpp's keys: tokens, merges ("Ġ t": two tokens and
-    a space), the pre-tokenizer's name, the token types (3 control, 4 user-defined: both matched whole, as transformers
-    and llama.cpp do)."""
+    """The BPETokenizer of a GGUF file's metadata, under llama.cpp's keys: tokens, merges ("Ġ t": two tokens and a
+    space), the pre-tokenizer's name, token types (3 control, 4 user-defined: matched whole, as llama.cpp does)."""
     kind, pre = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre", "gpt-2")
     if kind != "gpt2" or str(pre) not in PRE_TOKENIZERS:
         raise ValueError(f"the file's tokenizer is {kind!r} split as {pre!r}: this file reads byte-level BPE"
@@ -5419,7 +5418,8 @@ TOY_MODELS["deepseek"] = dict(
                 expert_d_ff=32, n_experts=8, top_k=2, n_shared=1, n_layers=2, n_dense_layers=1))
 
 
-# An MTP module for a trained model, the model frozen (its loss term is then constant; V3 trains both together)
+# An MTP module for a trained model, the model frozen (its loss term is then constant; V3 trains both together): a
+# few seconds.
 def train_mtp(model, pairs, vocab, epochs=2, batch_size=32, seed=0):
     """A new mtp_module(model) trained on pairs with mtp_loss, the model's weights frozen -> the module (eval)."""
     check_list("pairs", pairs, "(pinyin, hanzi) pairs")
