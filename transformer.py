@@ -4755,12 +4755,11 @@ import os
 import struct
 import tempfile
 
-# Part IV's files. safetensors (what transformers saves) is an 8-byte length, a JSON header {name: dtype,
-# shape, byte offsets}, then the raw tensors. GGUF (llama.cpp's) holds typed key-value metadata (the
-# configuration, the tokenizer), a table of tensors (name, shape, type, offset), then the data, each tensor
-# at a multiple of general.alignment (32 bytes), most in section 25's blocks. Tables of renamings copy the
-# weights into the file's classes; each family adds its entry below (Parts V and VI theirs). The standard
-# library reads the files, and torch does the rest.
+# Part IV's files. safetensors (what transformers saves) is an 8-byte length, a JSON header {name: dtype, shape,
+# byte offsets}, then the raw tensors. GGUF (llama.cpp's) holds typed key-value metadata (the configuration, the
+# tokenizer), a table of tensors (name, shape, type, offset), then the data, each tensor at a multiple of
+# general.alignment (32 bytes), most in section 25's blocks. Tables of renamings copy the weights into the file's
+# classes; each family adds its entry below. The standard library reads the files, and torch does the rest.
 
 # GGUF's metadata types (8 a string, 9 an array) as struct codes; the ggml tensor types read here
 GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -4780,9 +4779,8 @@ def read_bytes(path):
 
 
 def read_gguf(path, architectures=None):
-    """A GGUF file -> (metadata {key: value}, tensors {llama.cpp's name: float32 tensor in
-    torch's shape}): every tensor dequantized, a "llama" file's w_q and w_k rows reordered back.
-    architectures: those the caller runs (None: any); a file of another is refused before its tensors are read."""
+    """A GGUF file -> (metadata {key: value}, tensors {llama.cpp's name: float32 tensor in torch's shape}), a "llama"
+    file's w_q and w_k rows reordered back. A file of none of architectures (None: any) is refused before its data."""
     data, pos = read_bytes(path), 0
 
     def take(code, count=1):  # count little-endian values of the struct code at pos
@@ -4793,7 +4791,7 @@ def read_gguf(path, architectures=None):
         pos += size
         return struct.unpack_from(f"<{count}{code}", data, pos - size)
 
-    def value(kind):  # one metadata value of GGUF type kind: 8 a string, 9 an array
+    def value(kind):  # one metadata value of GGUF type kind
         if kind == 8:
             text = take("s", take("Q")[0])[0]
             try:
@@ -4833,10 +4831,8 @@ def read_gguf(path, architectures=None):
             raise ValueError(f"{path} is truncated: tensor {name} ends at byte {start + offset + size:,},"
                              f" the file at {len(data):,}")
         raw = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=start + offset)  # [size]
-        if fmt in FLOATS:
-            w = raw.view(FLOATS[fmt]).to(torch.float32, copy=True).reshape(shape)  # [*shape]
-        else:
-            w = dequantize(raw, fmt, shape)                                # [*shape]
+        w = (raw.view(FLOATS[fmt]).to(torch.float32, copy=True).reshape(shape) if fmt in FLOATS
+             else dequantize(raw, fmt, shape))                             # [*shape]
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             key = "llama.attention.head_count"
             key += "_kv" * ("attn_k" in name and key + "_kv" in metadata)
@@ -4871,18 +4867,15 @@ def read_safetensors(path):
         if 8 + n + end > len(data):
             raise ValueError(f"{path} is truncated: tensor {name} ends at byte {8 + n + end:,},"
                              f" the file at {len(data):,}")
-        # the slice is a copy, so every tensor starts aligned for its dtype
-        raw = data[8 + n + begin:8 + n + end]
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        raw, dtype = data[8 + n + begin:8 + n + end], SAFETENSORS_DTYPES[info["dtype"]]  # a copy: aligned for dtype
         tensors[name] = (torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)).reshape(
             info["shape"])                                                 # [*shape]
     return tensors
 
 
-# transformers' names -> this file's, each pattern re.sub-ed in turn; the families below add
-# theirs. HF_CONVERSIONS: functions {name: tensor} -> {name: tensor} for tensors transformers
-# stores otherwise (experts fused in one tensor); HF_FAMILIES: model_type -> (the class, a
-# function from the configuration's dict to its keywords)
+# transformers' names -> this file's, each pattern re.sub-ed in turn; the families below add theirs. HF_CONVERSIONS:
+# functions {name: tensor} -> {name: tensor} for tensors transformers stores otherwise (experts fused in one tensor);
+# HF_FAMILIES: model_type -> (the class, a function from the configuration's dict to its keywords)
 HF_NAMES = [(r"^model\.embed_tokens\.", "token_embedding."), (r"^model\.norm\.", "final_norm."),
             (r"^model\.layers\.", "layers."), (r"\.input_layernorm\.", ".attn_norm."),
             (r"\.post_attention_layernorm\.", ".ffn_norm."), (r"\.self_attn\.([qkvo])_proj\.", r".attn.w_\1."),
@@ -4898,9 +4891,8 @@ def few(names):
 
 
 def load_hf_state_dict(model, state_dict):
-    """Copy a transformers state dict (its names, any float dtype) into model, a family of
-    this file, in place -> model. Every tensor must have its place, every place its tensor
-    of the same shape; else a ValueError names them."""
+    """Copy a transformers state dict (its names, any float dtype) into model, a family of this file, in place -> model.
+    Every tensor must have its place, every place its tensor of the same shape; else a ValueError names them."""
     if not isinstance(state_dict, dict):
         raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     renamed, theirs = {}, {}                                               # ours -> tensor, ours -> their name
@@ -4941,6 +4933,11 @@ def hf_field(config, key, *default):
     raise ValueError(f"config has no {key!r}")
 
 
+def hf_fields(config, **fields):
+    """{keyword: hf_field(config, key, *default)} for fields {keyword: key, or (key, default)}, read in order."""
+    return {ours: hf_field(config, *([key] if isinstance(key, str) else key)) for ours, key in fields.items()}
+
+
 def hf_number(config, key, *default):
     """hf_field's value as a float; a ValueError names a key that holds no number."""
     value = hf_field(config, key, *default)
@@ -4950,8 +4947,8 @@ def hf_number(config, key, *default):
 
 
 def hf_refuse(config, **plain):
-    """A ValueError naming the first field of config whose value asks for what the family here
-    lacks; plain: the value each field must have (missing or None: transformers' default)."""
+    """A ValueError naming the first field of config that asks for what the family here lacks; plain: the value each
+    field must have (missing or None: transformers' default)."""
     for key, value in plain.items():
         if config.get(key) not in (value, None):
             raise ValueError(f"config's {key} is {config[key]!r}: this file's {config.get('model_type')}"
@@ -4959,36 +4956,27 @@ def hf_refuse(config, **plain):
 
 
 def hf_rope_theta(config):
-    """RoPE's base (rope_parameters in transformers 5, rope_theta and rope_scaling in 4.x); a
-    stretched RoPE is refused."""
+    """RoPE's base (rope_parameters in transformers 5, rope_theta and rope_scaling in 4.x); stretched RoPE refused."""
     rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
     hf_refuse(dict(rope_type=rope.get("rope_type", rope.get("type")), model_type=config.get("model_type")),
               rope_type="default")
     return hf_number({"rope_theta": rope.get("rope_theta", config.get("rope_theta"))}, "rope_theta", 10000.0)
 
 
-def hf_sizes(keywords, *names):
-    """keywords, once each of names holds an integer >= 1 (a file's "64" or 0 is refused here, naming it)."""
-    bad = next((name for name in names if type(keywords[name]) is not int or keywords[name] < 1), None)
-    if bad is not None:
-        raise ValueError(f"{bad} must be an integer >= 1, got {keywords[bad]!r}")
-    return keywords
-
-
 def hf_llama_keywords(config):
-    """The keywords of Llama's constructor from a LlamaConfig's (or Qwen2Config's) fields, each checked
-    as a file's value must be before a model is built."""
+    """The keywords of Llama's constructor from a LlamaConfig's (or Qwen2Config's) fields, each checked as a file's
+    value must be before a model is built (a "64" or a 0 is refused, naming it)."""
     hf_refuse(config, hidden_act="silu", attention_bias=False, mlp_bias=False, use_sliding_window=False)
-    n_heads = hf_field(config, "num_attention_heads")
-    keywords = dict(vocab_size=hf_field(config, "vocab_size"), d_model=hf_field(config, "hidden_size"),
-                    n_layers=hf_field(config, "num_hidden_layers"), n_heads=n_heads,
-                    n_kv_heads=hf_field(config, "num_key_value_heads", n_heads),
-                    d_ff=hf_field(config, "intermediate_size"),
-                    max_len=hf_field(config, "max_position_embeddings", 2048),
+    keywords = hf_fields(config, n_heads="num_attention_heads", vocab_size="vocab_size", d_model="hidden_size",
+                         n_layers="num_hidden_layers")
+    keywords.update(hf_fields(config, n_kv_heads=("num_key_value_heads", keywords["n_heads"]), d_ff="intermediate_size",
+                              max_len=("max_position_embeddings", 2048)),
                     rope_theta=hf_rope_theta(config), norm_eps=hf_number(config, "rms_norm_eps", 1e-6),
                     tie_weights=hf_field(config, "tie_word_embeddings", False),
                     qkv_bias=config.get("model_type") == "qwen2")  # Qwen2: biases on q, k and v
-    hf_sizes(keywords, "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_len")
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_len"):
+        if type(keywords[name]) is not int or keywords[name] < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {keywords[name]!r}")
     for key, low, high in (("rope_theta", 1.0, 1e30), ("norm_eps", torch.finfo(torch.float32).tiny, 1.0)):
         if not low <= keywords[key] <= high:  # NaN too; an eps of 0 gives 0 / sqrt(0) = NaN
             raise ValueError(f"{key} must be a number from {low:g} to {high:g}, got {keywords[key]!r}")
@@ -5008,8 +4996,7 @@ HF_FAMILIES.update(llama=(Llama, hf_llama), qwen2=(Llama, hf_llama))
 
 
 def from_hf_config(config):
-    """This file's model for a transformers configuration (the dict of its config.json),
-    the family chosen by model_type."""
+    """This file's model for a transformers configuration (the dict of its config.json), the family by model_type."""
     if not isinstance(config, dict):
         raise ValueError(f"config must be a dict, got {type(config).__name__}")
     kind = config.get("model_type")
@@ -5019,8 +5006,8 @@ def from_hf_config(config):
     return family(**keywords(config))
 
 
-# llama.cpp's tensor names and configuration keys ("llama.block_count") -> transformers', so
-# that from_hf_config and load_hf_state_dict do the rest
+# llama.cpp's tensor names and configuration keys ("llama.block_count") -> transformers', so that from_hf_config and
+# load_hf_state_dict do the rest
 GGUF_NAMES = [(r"^token_embd\.", "model.embed_tokens."), (r"^output_norm\.", "model.norm."), (r"^output\.", "lm_head."),
               (r"^blk\.", "model.layers."), (r"\.attn_norm\.", ".input_layernorm."),
               (r"\.ffn_norm\.", ".post_attention_layernorm."), (r"\.attn_([qkv])\.", r".self_attn.\1_proj."),
@@ -5033,9 +5020,8 @@ GGUF_ARCHITECTURES = ("llama", "qwen2")
 
 
 def tokenizer_from_gguf(metadata):
-    """The BPETokenizer a GGUF file's metadata describes, under llama.cpp's keys: tokens,
-    merges ("Ġ t": two tokens and a space), the pre-tokenizer's name, the token types
-    (3 control, 4 user-defined: both matched whole, as transformers and llama.cpp do)."""
+    """The BPETokenizer of a GGUF file's metadata, under llama.cpp's keys: tokens, merges ("Ġ t": two tokens and a
+    space), the pre-tokenizer's name, token types (3 control, 4 user-defined: matched whole, as llama.cpp does)."""
     kind, pre = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre", "gpt-2")
     if kind != "gpt2" or str(pre) not in PRE_TOKENIZERS:
         raise ValueError(f"the file's tokenizer is {kind!r} split as {pre!r}: this file reads byte-level BPE"
@@ -5059,8 +5045,8 @@ def tokenizer_from_gguf(metadata):
 
 
 def load_gguf(path):
-    """A GGUF file -> (this file's model of its family, float32, in eval mode, and its
-    BPETokenizer, section 24's); the model's max_len is the file's context length."""
+    """A GGUF file -> (this file's model of its family, float32, in eval mode, and its BPETokenizer, section 24's);
+    the model's max_len is the file's context length."""
     metadata, tensors = read_gguf(path, GGUF_ARCHITECTURES)
     arch = metadata["general.architecture"]
     config = {field: metadata[f"{arch}.{key}"] for key, field in GGUF_CONFIG.items() if f"{arch}.{key}" in metadata}
@@ -5074,8 +5060,8 @@ def load_gguf(path):
         state[name] = tensor
     with torch.device("meta"):  # shapes only: drawing 135M random weights to overwrite them costs seconds
         model = load_hf_state_dict(from_hf_config(config), state)  # names and shapes checked, nothing copied
-    # memory for every tensor, uninitialized: the weights come from the file, the RoPE tables
-    # (no weights) are computed again, and the embeddings tied again (to_empty parts them)
+    # memory for every tensor, uninitialized: the weights come from the file, the RoPE tables (no weights) are
+    # computed again, and the embeddings tied again (to_empty parts them)
     model = model.to_empty(device="cpu")
     model.cos, model.sin = model.rope_tables(model.max_len, model.config["rope_theta"])  # [max_len, dk] each
     if model.config["tie_weights"]:
@@ -5086,8 +5072,8 @@ def load_gguf(path):
 # Part IV's run: the toy's accuracy with its weights in section 25's blocks (the demo prints it)
 @torch.no_grad()
 def quantize_weights(model, fmt):
-    """Every weight matrix of model whose rows are whole blocks, in place, as fmt stores it (quantized,
-    then dequantized: the numbers a runtime reading fmt multiplies by) -> model."""
+    """Every weight matrix of model whose rows are whole blocks, in place, as fmt stores it (quantized, then
+    dequantized: the numbers a runtime reading fmt multiplies by) -> model."""
     for w in model.parameters():
         if w.dim() == 2 and w.size(1) % 32 == 0:
             w.copy_(dequantize(quantize(w, fmt), fmt, w.shape))              # [out, in]
@@ -5095,8 +5081,8 @@ def quantize_weights(model, fmt):
 
 
 def quantized_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, formats=("Q8_0", "Q4_1")):
-    """A toy model of Part II's held-out exact match (section 16's one teacher-forced pass) at float32 and
-    with its weights stored in each format -> {"float32": accuracy, fmt: accuracy, ...}; model is not changed."""
+    """A toy model of Part II's held-out exact match (section 16's one teacher-forced pass) at float32 and with its
+    weights stored in each format -> {"float32": accuracy, fmt: accuracy, ...}; model is not changed."""
     accuracy = lambda m: teacher_forced_accuracy(kind, m, pairs, src_vocab, tgt_vocab, readings)  # noqa: E731
     return {"float32": accuracy(model), **{fmt: accuracy(quantize_weights(copy.deepcopy(model), fmt))
                                            for fmt in formats}}
@@ -5105,17 +5091,14 @@ def quantized_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, 
 # >>> ANCHOR P5: Part V's plumbing goes directly below this line (keep this line)
 # Part V's families in transformers' tables (HF_NAMES, HF_CONVERSIONS, HF_FAMILIES): Qwen3's q_norm and k_norm keep
 # their names here.
-
 def hf_qwen3(config):
     return dict(hf_llama_keywords(config), head_dim=hf_field(config, "head_dim", None))
 
 
 HF_FAMILIES["qwen3"] = (Qwen3, hf_qwen3)
 
-
 # transformers' Mixtral and Qwen3-MoE. Their router is mlp.gate (in Mixtral's saved files block_sparse_moe.gate, its
 # experts named w1, w3 and w2 as here).
-
 HF_NAMES.extend([(r"\.block_sparse_moe\.", ".ffn."), (r"\.ffn\.gate\.", ".ffn.router.")])
 
 
@@ -5141,8 +5124,7 @@ def hf_unfuse_experts(state):
 def hf_mixtral(config):
     """Mixtral's keywords: Llama's, and num_local_experts SwiGLUs, intermediate_size wide."""
     hf_refuse(config, sliding_window=None)
-    return dict(hf_llama(config), n_experts=hf_field(config, "num_local_experts"),
-                top_k=hf_field(config, "num_experts_per_tok"))
+    return dict(hf_llama(config), **hf_fields(config, n_experts="num_local_experts", top_k="num_experts_per_tok"))
 
 
 def hf_qwen3_moe(config):
@@ -5150,48 +5132,44 @@ def hf_qwen3_moe(config):
     moe_intermediate_size wide, in every block."""
     hf_refuse(config, decoder_sparse_step=1, mlp_only_layers=[])
     return dict(hf_qwen3(config), n_experts=config.get("num_experts") or hf_field(config, "num_local_experts"),
-                top_k=hf_field(config, "num_experts_per_tok"), expert_d_ff=hf_field(config, "moe_intermediate_size"),
-                norm_topk=hf_field(config, "norm_topk_prob", False))
+                **hf_fields(config, top_k="num_experts_per_tok", expert_d_ff="moe_intermediate_size",
+                            norm_topk=("norm_topk_prob", False)))
 
 
 HF_CONVERSIONS.append(hf_unfuse_experts)
 HF_FAMILIES.update(mixtral=(Mixtral, hf_mixtral), qwen3_moe=(Qwen3MoE, hf_qwen3_moe))
 
-
 # transformers' DeepSeek-V3: MLA's projections (q_a_proj is w_dq, ...), the shared experts and the router's bias.
-
 HF_NAMES.extend([(r"\.attn\.q_a_proj\.", ".attn.w_dq."), (r"\.attn\.q_a_layernorm\.", ".attn.q_norm."),
                  (r"\.attn\.q_b_proj\.", ".attn.w_uq."), (r"\.attn\.kv_a_proj_with_mqa\.", ".attn.w_dkv."),
                  (r"\.attn\.kv_a_layernorm\.", ".attn.kv_norm."), (r"\.attn\.kv_b_proj\.", ".attn.w_ukv."),
                  (r"\.shared_experts\.", ".shared."), (r"\.router\.e_score_correction_bias$", ".router_bias")])
-# DeepSeekV3's keyword -> DeepseekV3Config's field
+# DeepSeekV3's keyword -> DeepseekV3Config's field (or field and default)
 HF_DEEPSEEK_FIELDS = dict(vocab_size="vocab_size", d_model="hidden_size", n_layers="num_hidden_layers",
                           n_heads="num_attention_heads", kv_lora_rank="kv_lora_rank", qk_nope_dim="qk_nope_head_dim",
                           qk_rope_dim="qk_rope_head_dim", v_head_dim="v_head_dim", d_ff="intermediate_size",
                           expert_d_ff="moe_intermediate_size", n_experts="n_routed_experts",
                           top_k="num_experts_per_tok", n_dense_layers="first_k_dense_replace", n_groups="n_group",
                           topk_groups="topk_group", routed_scale="routed_scaling_factor", norm_topk="norm_topk_prob",
-                          max_len="max_position_embeddings", tie_weights="tie_word_embeddings")
+                          max_len="max_position_embeddings", tie_weights="tie_word_embeddings",
+                          q_lora_rank=("q_lora_rank", None), n_shared=("n_shared_experts", 0),
+                          rope_interleave=("rope_interleave", True))  # 4.x: always interleaved
 
 
 def hf_deepseek_v3(config):
     """DeepSeekV3's keywords from a DeepseekV3Config, its multi-token-prediction layers left out as transformers
     leaves them; rms_norm_eps must be 1e-6, which transformers gives q_a_layernorm and kv_a_layernorm regardless."""
     hf_refuse(config, hidden_act="silu", attention_bias=False, rms_norm_eps=1e-6)
-    keywords = {ours: hf_field(config, theirs) for ours, theirs in HF_DEEPSEEK_FIELDS.items()}
-    return dict(keywords, routed_scale=hf_number(config, "routed_scaling_factor"), rope_theta=hf_rope_theta(config),
-                q_lora_rank=hf_field(config, "q_lora_rank", None), n_shared=hf_field(config, "n_shared_experts", 0),
-                rope_interleave=hf_field(config, "rope_interleave", True), norm_eps=1e-6)  # 4.x: always interleaved
+    return dict(hf_fields(config, **HF_DEEPSEEK_FIELDS), routed_scale=hf_number(config, "routed_scaling_factor"),
+                rope_theta=hf_rope_theta(config), norm_eps=1e-6)
 
 
 HF_FAMILIES["deepseek_v3"] = (DeepSeekV3, hf_deepseek_v3)
 
 
 # >>> ANCHOR P6A: sections 34-37's plumbing goes directly below this line (keep this line)
-
 # Section 35's Mistral for checkpoints (its parameter count, checked before a model is built) and in transformers'
 # names (Llama's names and fields, and the window)
-
 def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
     """Closed form of count_parameters(Mistral(...)): Llama's, since the window holds no parameters."""
     if window < 1:
@@ -5394,11 +5372,10 @@ def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head=None, 
 
 # >>> ANCHOR R5: Part V's runs and registries go directly below this line (keep this line)
 # Part V on the toy task of Part II (section 16): where the routed tokens went, DeepSeek-V3's recipe, an MTP module.
-
 @torch.no_grad()
 def expert_load(model, pairs, vocab):
-    """Share of the routed slots each expert took over "pinyin <sep> hanzi <eos>" of pairs: {MoE layer:
-    [E] summing to 1}. Sequences of one length share a batch, so no padding is routed."""
+    """Share of the routed slots each expert took over "pinyin <sep> hanzi <eos>" of pairs: {MoE layer: [E] summing
+    to 1}. Sequences of one length share a batch, so no padding is routed."""
     check_list("pairs", pairs, "(pinyin, hanzi) pairs")
     by_length = {}
     for pinyin, hanzi in pairs:
@@ -5443,7 +5420,6 @@ TOY_MODELS["deepseek"] = dict(
 
 # An MTP module for a trained model, the model frozen (its loss term is then constant; V3 trains both together): a
 # few seconds.
-
 def train_mtp(model, pairs, vocab, epochs=2, batch_size=32, seed=0):
     """A new mtp_module(model) trained on pairs with mtp_loss, the model's weights frozen -> the module (eval)."""
     check_list("pairs", pairs, "(pinyin, hanzi) pairs")
@@ -5468,8 +5444,8 @@ def train_mtp(model, pairs, vocab, epochs=2, batch_size=32, seed=0):
 
 
 # >>> ANCHOR R6: Part VI's runs and registries go directly below this line (keep this line)
-# On the toy task (section 16), by the Llama's recipe: a DeltaNet layer, then an attention
-# layer (the toy's sentences are short; one of each is the smallest hybrid), 4 experts, 2 a token.
+# On the toy task (section 16), by the Llama's recipe: a DeltaNet layer, then an attention layer (the toy's sentences
+# are short; one of each is the smallest hybrid), 4 experts, 2 a token.
 TOY_MODELS["qwen3_next"] = dict(
     name="Qwen3-Next-style", model=Qwen3Next, epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
     config=dict(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, layer_types=["linear_attention",
@@ -5478,14 +5454,13 @@ TOY_MODELS["qwen3_next"] = dict(
 
 # Section 34's fused kernels, for --bench: a model's attention and LayerNorms rebuilt on PyTorch's kernels, holding
 # the same Linear modules and Parameters (an optimizer keeps training them).
-
 class FusedAttention(MultiHeadAttention):
     """Section 3's attention with step 2 in PyTorch's kernel (on a CPU without dropout too: no [Tq, Tk] weights)."""
 
     def attend(self, q, k, v, mask):
-        if mask is not None and mask.dim() != 4:  # a [B, T, T] mask would broadcast wrongly against the heads
-            raise ValueError(f"mask must be 4-D, broadcastable to [B, H, Tq, Tk], got shape {list(mask.shape)}")
         if mask is not None:
+            if mask.dim() != 4:  # a [B, T, T] mask would broadcast wrongly against the heads
+                raise ValueError(f"mask must be 4-D, broadcastable to [B, H, Tq, Tk], got shape {list(mask.shape)}")
             # a query that may attend to nothing reads nothing, as in section 2: unmasked (some kernels: NaN), then 0
             empty = ~mask.any(dim=-1, keepdim=True)                        # [B, 1|H, Tq, 1]
             mask = mask | empty                                            # [B, 1|H, Tq, Tk]
@@ -5514,7 +5489,7 @@ def fused_twin(module, fused):
 
 
 def use_fused_kernels(model, fused=True):
-    """Every MultiHeadAttention and LayerNorm in model replaced by its fused twin (fused=False: as written again).
+    """Every MultiHeadAttention and LayerNorm in model replaced by its fused twin (fused=False: as written again)
     -> model; a model that is itself one of them comes back as its twin."""
     if isinstance(model, (MultiHeadAttention, LayerNorm)):
         return fused_twin(model, fused)
