@@ -2026,8 +2026,6 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
 # weight is learned: RoPE keeps the length of each pair, but a weight that scales dim i and not its partner does not.
 
 class QKNormAttention(GroupedQueryAttention):
-    """GQA with heads head_dim wide and an RMSNorm on each head's q and k (q_norm, k_norm)."""
-
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, bias=False, norm_eps=1e-6):
         super().__init__(d_model, n_heads, n_kv_heads, bias)
         if head_dim != self.head_dim:  # GQA made heads D / H wide, so the four projections are rebuilt head_dim wide
@@ -2323,18 +2321,15 @@ class MultiHeadLatentAttention(nn.Module):
 # 31. The DeepSeek-V3 model (DeepSeek-V3 模型)
 # ===========================================================================
 # DeepSeek-V3 is Llama with MLA for attention and, after the first n_dense_layers dense blocks (3 in V3), its own kind
-# of MoE. That MoE extends Mixtral's in four ways. A token runs 8 of 256 routed experts and also a shared expert that
-# every token runs. The router scores each expert with a sigmoid, s = sigmoid(logits), not a softmax. The load is
-# balanced without an auxiliary loss: s + router_bias ranks the experts, and s alone weighs the chosen ones, divided by
-# their sum and times routed_scale (2.5). So the bias steers which experts run, never how much they count. After each
-# optimizer step the bias moves by rate against each expert's load in the last forward, padded positions counted too; V3
-# trained with rate 0.001, then 0 for its last 500B tokens. Last, with n_groups > 1 (V3 has 8 groups of 32 experts, one
-# node's each), a token chooses only from the topk_groups groups (V3: 4) whose best two experts score highest, so each
-# token's experts sit on few nodes.
+# of MoE, which extends Mixtral's in four ways. A token runs 8 of 256 routed experts and also a shared expert that every
+# token runs. The router scores each expert with a sigmoid, s = sigmoid(logits), not a softmax. The load is balanced
+# without an auxiliary loss: s + router_bias ranks the experts, and s alone weighs the chosen ones, divided by their sum
+# and times routed_scale (2.5). After each optimizer step the bias moves by rate against each expert's load in the last
+# forward, padded positions counted too; V3 trained with rate 0.001, then 0 for its last 500B tokens. Last, with
+# n_groups > 1 (V3 has 8 groups of 32 experts, one node's each), a token chooses only from the topk_groups groups (4 in
+# V3) whose best two experts score highest, so each token's experts sit on few nodes.
 
 class DeepSeekMoE(MoE):
-    """DeepSeek-V3's MoE: sigmoid scores, router_bias in the ranking only, group-limited choice, n_shared experts."""
-
     def __init__(self, d_model, d_ff, n_experts, top_k, n_shared=0, norm_topk=True, n_groups=1, topk_groups=1,
                  routed_scale=1.0):
         super().__init__(d_model, d_ff, n_experts, top_k, norm_topk)
@@ -2393,9 +2388,6 @@ def with_router_bias(update, model, rate):
 #   >>> _ = ds(torch.randn(2, 5, 16))                                       # [2, 5, 16]
 #   >>> update_router_bias(ds), torch.equal(ds.router_bias > 0, ds.tokens_per_expert < 2.5)
 #   (1, True)
-
-# The model: RoPE tables as wide as the rope part, and a LatentCache a layer. Its multi-token-prediction module is the
-# next section; YaRN, which stretches its RoPE from 4K to 128K tokens, is section 37.
 
 
 class DeepSeekV3(Llama):
@@ -2543,8 +2535,6 @@ def mtp_loss(model, mtp, input_ids, target, weight=0.3, ignore_index=-100):
 #   >>> _ = torch.manual_seed(0)
 #   >>> llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=16)
 #   >>> mtp = mtp_module(llama)
-#   >>> [name for name, _ in mtp.named_children()]
-#   ['enorm', 'hnorm', 'eh_proj', 'block', 'final_norm']
 #   >>> ids = torch.randint(0, 50, (2, 7))                                 # [2, 7]
 #   >>> logits, hidden = logits_and_hidden(llama, ids)                     # [2, 7, 50], [2, 7, 32]
 #   >>> mtp(llama, hidden[:, :-1], ids[:, 1:])[0].shape                    # logits for tokens 2 .. 7
@@ -2785,9 +2775,7 @@ class RollingKVCache(KVCache):
             self.k, self.v = self.k[:, :, :held], self.v[:, :, :held]      # [B, Hkv, held, dk] each
 
 
-class SlidingWindowAttention(GroupedQueryAttention):
-    """GQA whose queries see only the last `window` keys."""
-
+class SlidingWindowAttention(GroupedQueryAttention):  # GQA whose queries see only the last `window` keys
     def __init__(self, d_model, n_heads, n_kv_heads, window, bias=False):
         super().__init__(d_model, n_heads, n_kv_heads, bias)
         self.window = window
@@ -2972,15 +2960,15 @@ def padded_and_paged_slots(lengths, block_size):
 #   p / s. It squeezes the fast pairs too, and the YaRN paper hypothesizes that this loses the fine local order learned.
 # - llama3 (Llama 3.1) keeps the pairs whose wavelength 2 pi / theta_i is below L / high_freq_factor, divides those
 #   above L / low_freq_factor by the factor, and blends linearly in L / wavelength between. Llama-3.1-8B (dk 128, theta
-#   500000, factor 8, low and high factors 1 and 4, L 8192) keeps pairs 0-28, blends 29-34 and slows 35-63. It reaches
+#   500000, factor 8, low and high factors 1 and 4, L 8192) keeps pairs 0-28, blends 29-34 and slows 35-63, reaching
 #   131,072 positions with Llama-3-8B's 8,030,261,248 parameters.
 # - yarn ("by parts", Peng et al., 2023, after bloc97's NTK-aware base theta * s^(dk/(dk-2))) keeps a pair that turned
 #   many times within L, because training showed it every angle, and slows by s a pair that never finished a turn. A
 #   ramp runs between, from the pair that turns beta_fast (32) times within L to the one that turns beta_slow (1) time,
-#   its ends rounded outwards (floor, ceil) as the references do. YaRN also sets a temperature: cos and sin times
-#   0.1 ln s + 1 (fitted on Llama) sharpen every score, which more keys would flatten. A model that forgets it just runs
-#   worse. MLA turns only its rope dims, so DeepSeek-V3 puts (0.1 * mscale_all_dim * ln s + 1)^2 into its softmax
-#   scale instead, and with_rope_scaling refuses yarn for MLA.
+#   its ends rounded outwards (floor, ceil) as the references do. YaRN also sets a temperature: cos and sin times 0.1 ln
+#   s + 1 (fitted on Llama) sharpen every score, which more keys would flatten; a model that forgets it just runs worse.
+#   DeepSeek-V3 stretches its RoPE by yarn from 4K to 128K tokens, but MLA turns only its rope dims, so it puts (0.1 *
+#   mscale_all_dim * ln s + 1)^2 into its softmax scale instead, and with_rope_scaling refuses yarn for MLA.
 # The pitfall: the cache holds keys already turned (section 21). A static scaling, the kind here, is chosen once, and
 # turning the cached keys again (to switch mid-generation) turns them twice. Dynamic NTK and YaRN rescale with the
 # length, so they cache the keys before RoPE (the YaRN paper, section 3.3).
@@ -3014,9 +3002,8 @@ def check_scaling(scaling):
 
 def yarn_ends(head_dim, theta, scaling):
     """YaRN's ramp: the (fractional) pair indices that turn beta_fast and beta_slow times in the original context."""
-    def pair_turning(turns):
-        return head_dim * math.log(scaling["original_max_len"] / (turns * 2 * math.pi)) / (2 * math.log(theta))
-    return pair_turning(scaling.get("beta_fast", 32)), pair_turning(scaling.get("beta_slow", 1))
+    return tuple(head_dim * math.log(scaling["original_max_len"] / (turns * 2 * math.pi)) / (2 * math.log(theta))
+                 for turns in (scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)))
 
 
 def yarn_blend(inv_freq, factor, start, end):
@@ -3028,10 +3015,9 @@ def yarn_blend(inv_freq, factor, start, end):
 
 
 def scaled_rope_frequencies(head_dim, theta, scaling):
-    """RoPE's inverse frequencies stretched for a longer context, by Hugging Face's formulas
-    (_compute_linear_scaling_rope_parameters, _compute_llama3_parameters, _compute_yarn_parameters; their rope_type
-    and original_max_position_embeddings are type and original_max_len here) -> (inv_freq [dk/2], a factor for cos
-    and sin)."""
+    """RoPE's inverse frequencies stretched for a longer context -> (inv_freq [dk/2], a factor for cos and sin), by
+    Hugging Face's _compute_linear_scaling_rope_parameters, _compute_llama3_parameters and _compute_yarn_parameters
+    (their rope_type and original_max_position_embeddings are type and original_max_len here)."""
     if head_dim % 2:  # RoPE turns pairs of dimensions
         raise ValueError(f"head_dim must be even, got {head_dim}")
     check_scaling(scaling)
@@ -3060,8 +3046,7 @@ def scaled_rope_cos_sin(head_dim, max_len, theta, scaling):
 
 
 def with_rope_scaling(model, scaling):
-    """model, a Llama or a family of it, given RoPE tables stretched by scaling for its max_len; its config keeps scaling
-    (for checkpoints)."""
+    """model (a Llama family) given RoPE tables stretched by scaling for its max_len; its config keeps scaling."""
     check_scaling(scaling)
     if isinstance(model, DeepSeekV3) and scaling["type"] == "yarn":  # refused before any table is made
         raise ValueError("yarn's temperature goes into latent attention's softmax scale (DeepSeek-V3's mscale),"
