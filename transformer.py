@@ -2283,7 +2283,6 @@ class MultiHeadLatentAttention(nn.Module):
         q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)  # [B, H, Tn, rope], [B, Tn, rope]
         if cache is not None:  # r + rope values a token, nothing per head
             latent, k_rope = cache.append(latent, k_rope)                  # [B, t, r], [B, t, rope], t = past + Tn
-        # w_ukv's rows are, per head, the nope key's (W_uk) and then the value's (W_uv)
         w_ukv = self.w_ukv.weight.view(H, self.nope + self.v_dim, self.kv_lora_rank)  # [H, nope+v, r]
         w_uk, w_uv = w_ukv.split([self.nope, self.v_dim], dim=1)          # [H, nope, r], [H, v, r]
         absorbed = past > 0 if absorb is None else absorb                  # decoding: absorbed; a prefill: expanded
@@ -2610,13 +2609,11 @@ FRONTIER_CONFIGS = [
 # as one softmax over all four gives. The max keeps every e^x <= 1, so nothing overflows, and the rescaling makes the
 # order of the blocks irrelevant.
 # A GPU gains because the tiles stay in on-chip SRAM (19 TB/s on an A100, against 1.5-2.0 TB/s of HBM, the paper's
-# numbers), where section 2 writes S and P to HBM and reads them back. The fused kernel does more arithmetic and is
-# still faster. Here a tile is a dozen torch calls, so the code proves the math and the O(T * block) memory, and
-# --bench measures its speed.
-# The backward saves q, k, v, out and the lse [Tq], and recomputes each tile's P = e^(S - lse): more FLOPs for less
-# memory, which on a GPU is still faster than reading a saved [T, T] P. Softmax's Jacobian enters through
-# delta = rowsum(dO * O), which equals the sum over keys of P * dP. Then dV += P^T dO, dP = dO V^T,
-# dS = P * (dP - delta), dQ += dS K / sqrt(dk) and dK += dS^T Q / sqrt(dk).
+# numbers), where section 2 writes S and P to HBM and reads them back; the fused kernel does more arithmetic and is
+# still faster. Here a tile is a dozen torch calls, so the code proves the math and the O(T * block) memory, and --bench
+# measures its speed. The backward saves q, k, v, out and the lse [Tq], and recomputes each tile's P = e^(S - lse): more
+# FLOPs for less memory, which on a GPU is still faster than reading a saved [T, T] P. Softmax's Jacobian enters through
+# delta = rowsum(dO * O), which equals the sum over keys of P * dP, in dS = P * (dP - delta).
 
 def flash_tile_scores(q_block, k_block, q_start, k_start, offset, causal):
     """A tile's scaled scores [B, H, bq, bk]; causal: -inf on the keys after each query (query i is key i + offset)."""
@@ -2795,8 +2792,7 @@ class Mistral(Llama):
             raise ValueError(f"window must be >= 1, got {window}")
         super().__init__(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta, norm_eps,
                          tie_weights, qkv_bias)
-        self.window = window
-        self.config["window"] = window
+        self.window = self.config["window"] = window
         for layer in self.layers:  # each block's attention banded, on the weights that Llama initialized
             banded = SlidingWindowAttention(d_model, n_heads, layer.attn.n_kv_heads, window, qkv_bias)
             banded.load_state_dict(layer.attn.state_dict())
@@ -2868,7 +2864,6 @@ class KVPool:
         self.free_blocks.extend(reversed(blocks))
 
     def storage_for(self, k, v):
-        """The pool's key and value storage, made for keys like k [1, Hkv, Tn, dk] the first time."""
         if self.k is None:
             self.k = k.new_zeros(self.n_blocks, k.size(1), self.block_size, k.size(3))  # [n_blocks, Hkv, bs, dk]
             self.v = v.new_zeros(self.n_blocks, v.size(1), self.block_size, v.size(3))  # [n_blocks, Hkv, bs, dv]
