@@ -2390,7 +2390,6 @@ def with_router_bias(update, model, rate):
 
 
 class DeepSeekV3(Llama):
-    """Llama with MLA in every block, SwiGLU in the first n_dense_layers, then a DeepSeekMoE."""
     cache_kind = LatentCache                                               # [B, t, r] and [B, t, rope] a layer
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim,
@@ -2466,8 +2465,7 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
 
 
 class MultiTokenPrediction(nn.Module):
-    """DeepSeek-V3's MTP module: an RMSNorm on each input, a concatenation, a projection 2D -> D, one block and a final
-    norm. The embedding and the output head are the model's own, shared (the model is passed to forward)."""
+    """DeepSeek-V3's MTP module. The embedding and the output head are the model's own (passed to forward), shared."""
 
     def __init__(self, d_model, block, norm_eps=1e-6):
         super().__init__()
