@@ -2026,8 +2026,6 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
 # weight is learned: RoPE keeps the length of each pair, but a weight that scales dim i and not its partner does not.
 
 class QKNormAttention(GroupedQueryAttention):
-    """GQA with heads head_dim wide and an RMSNorm on each head's q and k (q_norm, k_norm)."""
-
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, bias=False, norm_eps=1e-6):
         super().__init__(d_model, n_heads, n_kv_heads, bias)
         if head_dim != self.head_dim:  # GQA made heads D / H wide, so the four projections are rebuilt head_dim wide
@@ -2285,7 +2283,6 @@ class MultiHeadLatentAttention(nn.Module):
         q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)  # [B, H, Tn, rope], [B, Tn, rope]
         if cache is not None:  # r + rope values a token, nothing per head
             latent, k_rope = cache.append(latent, k_rope)                  # [B, t, r], [B, t, rope], t = past + Tn
-        # w_ukv's rows are, per head, the nope key's (W_uk) and then the value's (W_uv)
         w_ukv = self.w_ukv.weight.view(H, self.nope + self.v_dim, self.kv_lora_rank)  # [H, nope+v, r]
         w_uk, w_uv = w_ukv.split([self.nope, self.v_dim], dim=1)          # [H, nope, r], [H, v, r]
         absorbed = past > 0 if absorb is None else absorb                  # decoding: absorbed; a prefill: expanded
@@ -2323,18 +2320,15 @@ class MultiHeadLatentAttention(nn.Module):
 # 31. The DeepSeek-V3 model (DeepSeek-V3 模型)
 # ===========================================================================
 # DeepSeek-V3 is Llama with MLA for attention and, after the first n_dense_layers dense blocks (3 in V3), its own kind
-# of MoE. That MoE extends Mixtral's in four ways. A token runs 8 of 256 routed experts and also a shared expert that
-# every token runs. The router scores each expert with a sigmoid, s = sigmoid(logits), not a softmax. The load is
-# balanced without an auxiliary loss: s + router_bias ranks the experts, and s alone weighs the chosen ones, divided by
-# their sum and times routed_scale (2.5). So the bias steers which experts run, never how much they count. After each
-# optimizer step the bias moves by rate against each expert's load in the last forward, padded positions counted too; V3
-# trained with rate 0.001, then 0 for its last 500B tokens. Last, with n_groups > 1 (V3 has 8 groups of 32 experts, one
-# node's each), a token chooses only from the topk_groups groups (V3: 4) whose best two experts score highest, so each
-# token's experts sit on few nodes.
+# of MoE, which extends Mixtral's in four ways. A token runs 8 of 256 routed experts and also a shared expert that every
+# token runs. The router scores each expert with a sigmoid, s = sigmoid(logits), not a softmax. The load is balanced
+# without an auxiliary loss: s + router_bias ranks the experts, and s alone weighs the chosen ones, divided by their sum
+# and times routed_scale (2.5). After each optimizer step the bias moves by rate against each expert's load in the last
+# forward, padded positions counted too; V3 trained with rate 0.001, then 0 for its last 500B tokens. Last, with
+# n_groups > 1 (V3 has 8 groups of 32 experts, one node's each), a token chooses only from the topk_groups groups (4 in
+# V3) whose best two experts score highest, so each token's experts sit on few nodes.
 
 class DeepSeekMoE(MoE):
-    """DeepSeek-V3's MoE: sigmoid scores, router_bias in the ranking only, group-limited choice, n_shared experts."""
-
     def __init__(self, d_model, d_ff, n_experts, top_k, n_shared=0, norm_topk=True, n_groups=1, topk_groups=1,
                  routed_scale=1.0):
         super().__init__(d_model, d_ff, n_experts, top_k, norm_topk)
@@ -2394,12 +2388,8 @@ def with_router_bias(update, model, rate):
 #   >>> update_router_bias(ds), torch.equal(ds.router_bias > 0, ds.tokens_per_expert < 2.5)
 #   (1, True)
 
-# The model: RoPE tables as wide as the rope part, and a LatentCache a layer. Its multi-token-prediction module is the
-# next section; YaRN, which stretches its RoPE from 4K to 128K tokens, is section 37.
-
 
 class DeepSeekV3(Llama):
-    """Llama with MLA in every block, SwiGLU in the first n_dense_layers, then a DeepSeekMoE."""
     cache_kind = LatentCache                                               # [B, t, r] and [B, t, rope] a layer
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim,
@@ -2475,8 +2465,7 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
 
 
 class MultiTokenPrediction(nn.Module):
-    """DeepSeek-V3's MTP module: an RMSNorm on each input, a concatenation, a projection 2D -> D, one block and a final
-    norm. The embedding and the output head are the model's own, shared (the model is passed to forward)."""
+    """DeepSeek-V3's MTP module. The embedding and the output head are the model's own (passed to forward), shared."""
 
     def __init__(self, d_model, block, norm_eps=1e-6):
         super().__init__()
@@ -2543,8 +2532,6 @@ def mtp_loss(model, mtp, input_ids, target, weight=0.3, ignore_index=-100):
 #   >>> _ = torch.manual_seed(0)
 #   >>> llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=16)
 #   >>> mtp = mtp_module(llama)
-#   >>> [name for name, _ in mtp.named_children()]
-#   ['enorm', 'hnorm', 'eh_proj', 'block', 'final_norm']
 #   >>> ids = torch.randint(0, 50, (2, 7))                                 # [2, 7]
 #   >>> logits, hidden = logits_and_hidden(llama, ids)                     # [2, 7, 50], [2, 7, 32]
 #   >>> mtp(llama, hidden[:, :-1], ids[:, 1:])[0].shape                    # logits for tokens 2 .. 7
@@ -2620,13 +2607,11 @@ FRONTIER_CONFIGS = [
 # as one softmax over all four gives. The max keeps every e^x <= 1, so nothing overflows, and the rescaling makes the
 # order of the blocks irrelevant.
 # A GPU gains because the tiles stay in on-chip SRAM (19 TB/s on an A100, against 1.5-2.0 TB/s of HBM, the paper's
-# numbers), where section 2 writes S and P to HBM and reads them back. The fused kernel does more arithmetic and is
-# still faster. Here a tile is a dozen torch calls, so the code proves the math and the O(T * block) memory, and
-# --bench measures its speed.
-# The backward saves q, k, v, out and the lse [Tq], and recomputes each tile's P = e^(S - lse): more FLOPs for less
-# memory, which on a GPU is still faster than reading a saved [T, T] P. Softmax's Jacobian enters through
-# delta = rowsum(dO * O), which equals the sum over keys of P * dP. Then dV += P^T dO, dP = dO V^T,
-# dS = P * (dP - delta), dQ += dS K / sqrt(dk) and dK += dS^T Q / sqrt(dk).
+# numbers), where section 2 writes S and P to HBM and reads them back; the fused kernel does more arithmetic and is
+# still faster. Here a tile is a dozen torch calls, so the code proves the math and the O(T * block) memory, and --bench
+# measures its speed. The backward saves q, k, v, out and the lse [Tq], and recomputes each tile's P = e^(S - lse): more
+# FLOPs for less memory, which on a GPU is still faster than reading a saved [T, T] P. Softmax's Jacobian enters through
+# delta = rowsum(dO * O), which equals the sum over keys of P * dP, in dS = P * (dP - delta).
 
 def flash_tile_scores(q_block, k_block, q_start, k_start, offset, causal):
     """A tile's scaled scores [B, H, bq, bk]; causal: -inf on the keys after each query (query i is key i + offset)."""
@@ -2785,9 +2770,7 @@ class RollingKVCache(KVCache):
             self.k, self.v = self.k[:, :, :held], self.v[:, :, :held]      # [B, Hkv, held, dk] each
 
 
-class SlidingWindowAttention(GroupedQueryAttention):
-    """GQA whose queries see only the last `window` keys."""
-
+class SlidingWindowAttention(GroupedQueryAttention):  # GQA whose queries see only the last `window` keys
     def __init__(self, d_model, n_heads, n_kv_heads, window, bias=False):
         super().__init__(d_model, n_heads, n_kv_heads, bias)
         self.window = window
@@ -2807,8 +2790,7 @@ class Mistral(Llama):
             raise ValueError(f"window must be >= 1, got {window}")
         super().__init__(vocab_size, d_model, n_layers, n_heads, n_kv_heads, d_ff, max_len, rope_theta, norm_eps,
                          tie_weights, qkv_bias)
-        self.window = window
-        self.config["window"] = window
+        self.window = self.config["window"] = window
         for layer in self.layers:  # each block's attention banded, on the weights that Llama initialized
             banded = SlidingWindowAttention(d_model, n_heads, layer.attn.n_kv_heads, window, qkv_bias)
             banded.load_state_dict(layer.attn.state_dict())
@@ -2880,7 +2862,6 @@ class KVPool:
         self.free_blocks.extend(reversed(blocks))
 
     def storage_for(self, k, v):
-        """The pool's key and value storage, made for keys like k [1, Hkv, Tn, dk] the first time."""
         if self.k is None:
             self.k = k.new_zeros(self.n_blocks, k.size(1), self.block_size, k.size(3))  # [n_blocks, Hkv, bs, dk]
             self.v = v.new_zeros(self.n_blocks, v.size(1), self.block_size, v.size(3))  # [n_blocks, Hkv, bs, dv]
@@ -2972,15 +2953,15 @@ def padded_and_paged_slots(lengths, block_size):
 #   p / s. It squeezes the fast pairs too, and the YaRN paper hypothesizes that this loses the fine local order learned.
 # - llama3 (Llama 3.1) keeps the pairs whose wavelength 2 pi / theta_i is below L / high_freq_factor, divides those
 #   above L / low_freq_factor by the factor, and blends linearly in L / wavelength between. Llama-3.1-8B (dk 128, theta
-#   500000, factor 8, low and high factors 1 and 4, L 8192) keeps pairs 0-28, blends 29-34 and slows 35-63. It reaches
+#   500000, factor 8, low and high factors 1 and 4, L 8192) keeps pairs 0-28, blends 29-34 and slows 35-63, reaching
 #   131,072 positions with Llama-3-8B's 8,030,261,248 parameters.
 # - yarn ("by parts", Peng et al., 2023, after bloc97's NTK-aware base theta * s^(dk/(dk-2))) keeps a pair that turned
 #   many times within L, because training showed it every angle, and slows by s a pair that never finished a turn. A
 #   ramp runs between, from the pair that turns beta_fast (32) times within L to the one that turns beta_slow (1) time,
-#   its ends rounded outwards (floor, ceil) as the references do. YaRN also sets a temperature: cos and sin times
-#   0.1 ln s + 1 (fitted on Llama) sharpen every score, which more keys would flatten. A model that forgets it just runs
-#   worse. MLA turns only its rope dims, so DeepSeek-V3 puts (0.1 * mscale_all_dim * ln s + 1)^2 into its softmax
-#   scale instead, and with_rope_scaling refuses yarn for MLA.
+#   its ends rounded outwards (floor, ceil) as the references do. YaRN also sets a temperature: cos and sin times 0.1 ln
+#   s + 1 (fitted on Llama) sharpen every score, which more keys would flatten; a model that forgets it just runs worse.
+#   DeepSeek-V3 stretches its RoPE by yarn from 4K to 128K tokens, but MLA turns only its rope dims, so it puts (0.1 *
+#   mscale_all_dim * ln s + 1)^2 into its softmax scale instead, and with_rope_scaling refuses yarn for MLA.
 # The pitfall: the cache holds keys already turned (section 21). A static scaling, the kind here, is chosen once, and
 # turning the cached keys again (to switch mid-generation) turns them twice. Dynamic NTK and YaRN rescale with the
 # length, so they cache the keys before RoPE (the YaRN paper, section 3.3).
@@ -3014,9 +2995,8 @@ def check_scaling(scaling):
 
 def yarn_ends(head_dim, theta, scaling):
     """YaRN's ramp: the (fractional) pair indices that turn beta_fast and beta_slow times in the original context."""
-    def pair_turning(turns):
-        return head_dim * math.log(scaling["original_max_len"] / (turns * 2 * math.pi)) / (2 * math.log(theta))
-    return pair_turning(scaling.get("beta_fast", 32)), pair_turning(scaling.get("beta_slow", 1))
+    return tuple(head_dim * math.log(scaling["original_max_len"] / (turns * 2 * math.pi)) / (2 * math.log(theta))
+                 for turns in (scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)))
 
 
 def yarn_blend(inv_freq, factor, start, end):
@@ -3028,10 +3008,9 @@ def yarn_blend(inv_freq, factor, start, end):
 
 
 def scaled_rope_frequencies(head_dim, theta, scaling):
-    """RoPE's inverse frequencies stretched for a longer context, by Hugging Face's formulas
-    (_compute_linear_scaling_rope_parameters, _compute_llama3_parameters, _compute_yarn_parameters; their rope_type
-    and original_max_position_embeddings are type and original_max_len here) -> (inv_freq [dk/2], a factor for cos
-    and sin)."""
+    """RoPE's inverse frequencies stretched for a longer context -> (inv_freq [dk/2], a factor for cos and sin), by
+    Hugging Face's _compute_linear_scaling_rope_parameters, _compute_llama3_parameters and _compute_yarn_parameters
+    (their rope_type and original_max_position_embeddings are type and original_max_len here)."""
     if head_dim % 2:  # RoPE turns pairs of dimensions
         raise ValueError(f"head_dim must be even, got {head_dim}")
     check_scaling(scaling)
@@ -3060,8 +3039,7 @@ def scaled_rope_cos_sin(head_dim, max_len, theta, scaling):
 
 
 def with_rope_scaling(model, scaling):
-    """model, a Llama or a family of it, given RoPE tables stretched by scaling for its max_len; its config keeps scaling
-    (for checkpoints)."""
+    """model (a Llama family) given RoPE tables stretched by scaling for its max_len; its config keeps scaling."""
     check_scaling(scaling)
     if isinstance(model, DeepSeekV3) and scaling["type"] == "yarn":  # refused before any table is made
         raise ValueError("yarn's temperature goes into latent attention's softmax scale (DeepSeek-V3's mscale),"
