@@ -759,23 +759,6 @@ def test_sizes_torch_refuses_still_fail_at_construction(build):
         build()
 
 
-@pytest.mark.parametrize("build, name, value", [
-    (lambda: tf.Llama(0, 16, 1, 2), "vocab_size", 0),
-    (lambda: tf.Llama(20, 16, 1, 2, d_ff=-1), "d_ff", -1),
-    (lambda: tf.Llama(20, 16, 0, 2), "n_layers", 0),
-    (lambda: tf.Llama(20, 16, 1, 2, max_len=0), "max_len", 0),
-    (lambda: tf.Llama(20, 16, 1, 2, n_kv_heads=0), "n_kv_heads", 0),
-    (lambda: tf.Llama(20, 16, 1, 2, d_ff=32.5), "d_ff", 32.5),
-    (lambda: tf.Llama(20, 16, 1, 2, max_len=False), "max_len", False),
-])
-def test_llama_refuses_nonsense_sizes_naming_argument_and_value(build, name, value):
-    """Section 22's constructor (its cases were part of one table with the classic models')."""
-    with pytest.raises(ValueError) as info:
-        build()
-    message = str(info.value)
-    assert message.startswith(name) and message.endswith(f"got {value!r}"), message
-
-
 def test_models_accept_the_edge_sizes():
     """The neighbours of the refused sizes: the smallest legal values build and run."""
     assert tf.Transformer(10, 6, pad_id=5, **_T).pad_id == 5                  # in both vocabularies
@@ -4815,11 +4798,9 @@ def test_cache_bytes_per_token_of_the_three_and_measured():
 
 
 BAD_CONFIGS = [  # (kind, what differs from a good configuration); each breaks one rule of its class
-    ("llama", dict(n_heads=0)), ("llama", dict(vocab_size=-5)), ("llama", dict(d_model=30, n_heads=4)),
-    ("llama", dict(d_model=36, n_heads=4)), ("llama", dict(n_kv_heads=3)), ("llama", dict(d_ff=0)),
-    ("llama", dict(norm_eps=0.0)), ("llama", dict(rope_theta=float("nan"))), ("llama", dict(tie_weights="no")),
+    ("llama", dict(d_model=30, n_heads=4)), ("llama", dict(d_model=36, n_heads=4)), ("llama", dict(n_kv_heads=3)),
     ("mixtral", dict(n_experts=0)), ("mixtral", dict(n_experts=4, top_k=5)), ("mixtral", dict(n_heads=3)),
-    ("qwen3moe", dict(n_experts=2, top_k=3)), ("mistral", dict(window=0)), ("mistral", dict(n_layers=-1)),
+    ("qwen3moe", dict(n_experts=2, top_k=3)), ("mistral", dict(window=0)),
     ("deepseek", dict(n_dense_layers=4)), ("deepseek", dict(qk_rope_dim=3)), ("deepseek", dict(n_groups=3)),
     ("deepseek", dict(topk_groups=5)),
 ]
@@ -4827,9 +4808,9 @@ BAD_CONFIGS = [  # (kind, what differs from a good configuration); each breaks o
 
 @pytest.mark.parametrize("kind, bad", BAD_CONFIGS, ids=[f"{k}-{next(iter(b))}" for k, b in BAD_CONFIGS])
 def test_each_formula_refuses_what_its_class_refuses_with_the_same_message(kind, bad):
-    """The formulas checked nothing: 0 heads divided by zero, negative sizes gave negative
-    counts, more dense layers than layers an answer. Now each refuses, with its class's message, what its
-    class's own plain checks refuse (sizes that only torch refuses are left to torch)."""
+    """The formulas checked nothing: heads that do not divide gave a count, more dense layers than layers an
+    answer. Now each refuses, with its class's message, what its class's own plain checks refuse of the
+    architecture (a size that only torch refuses, and eps or theta, which a count never reads, are left out)."""
     if kind == "deepseek":
         config = {**dict(vocab_size=30, d_model=16, n_layers=3, n_heads=2, kv_lora_rank=6, qk_nope_dim=4,
                          qk_rope_dim=2, v_head_dim=3, d_ff=20, expert_d_ff=5, n_experts=8, top_k=2, n_groups=4,
@@ -4843,17 +4824,7 @@ def test_each_formula_refuses_what_its_class_refuses_with_the_same_message(kind,
     assert str(by_formula.value) == str(by_class.value)
 
 
-def test_the_cache_and_width_formulas_check_their_arguments():
-    for call, message in [
-            (lambda: tf.kv_cache_bytes_per_token(32, None, 128), "n_kv_heads and head_dim must be integers >= 1"),
-            (lambda: tf.kv_cache_bytes_per_token(32, 8, 128, bytes_per_value=0), "bytes_per_value must be"),
-            (lambda: tf.kv_cache_bytes_per_token(-32, 8, 128), "n_layers must be an integer from 1"),
-            (lambda: tf.llama_ffn_dim(0), "d_model must be an integer >= 1, got 0"),
-            (lambda: tf.llama_ffn_dim(4096, 0), "multiple_of must be an integer >= 1, got 0"),     # was 0 / 0
-            (lambda: tf.llama_ffn_dim(4096, 256, 0.0), "ffn_dim_multiplier must be a number from 1e-30"),
-            (lambda: tf.llama_ffn_dim(4096, 256, float("inf")), r"ffn_dim_multiplier must be .*, got inf")]:
-        with pytest.raises(ValueError, match=message):
-            call()
+def test_a_width_is_never_0():
     assert tf.llama_ffn_dim(1, 256, 1e-6) == 256                      # a width is never 0
 # ===========================================================================
 # Part VI: long sequences
@@ -6849,8 +6820,6 @@ def test_schedules_drive_lambda_lr():
      r"warmup_steps \(10\) and decay_steps \(95\) must be >= 0 and fit in total_steps \(100\) together"),
     (lambda: tf.warmup_stable_decay(0, 10, 100, -1), r"decay_steps \(-1\) must be >= 0"),
     (lambda: tf.warmup_stable_decay(0, 200, 100, 0), r"warmup_steps \(200\) and decay_steps \(0\)"),
-    (lambda: tf.noam_lambda(64, 0), r"warmup_steps must be >= 1 \(the peak's step\), got 0"),
-    (lambda: tf.noam(-3, 10, 64), r"step must be an integer >= 0, got -3"),
 ])
 def test_schedules_bad_input(call, message):
     with pytest.raises(ValueError, match=message):
@@ -7066,10 +7035,13 @@ def test_moe_flops_depend_on_routing_only_through_the_token_count():
     model, ids = tiny("mixtral"), batch()[0]
     loads = []
     for bias in (0.0, 10.0):                                              # 10: every token to experts 0 and 1
-        for layer in model.layers:
-            layer.ffn.router_bias[:2] = bias
+        shift = torch.tensor([bias, bias, 0.0, 0.0])                      # added to each router's scores
+        hooks = [layer.ffn.router.register_forward_hook(lambda module, inputs, scores: scores + shift)
+                 for layer in model.layers]
         assert counted(lambda: model(ids)) == tf.forward_flops(model, CB, CT)
         loads.append(model.layers[0].ffn.tokens_per_expert.tolist())
+        for hook in hooks:
+            hook.remove()
     assert loads[1] == [CB * CT, CB * CT, 0, 0] and loads[0] != loads[1]
 
 
@@ -11479,16 +11451,14 @@ def test_load_checkpoint_refuses_each_forged_field_before_computing_from_it(hard
 # torch's F.dropout refuses itself, gets Python's or torch's own error in the library; the checkpoint's boundary still
 # refuses each by name (FORGED_FIELDS above).
 @pytest.mark.parametrize("build, words", [
-    (lambda: tf.Llama(50, 16, 1, 2, rope_theta=0.0), "rope_theta must be a number from 1 to 1e+30, got 0.0"),
-    (lambda: tf.Llama(50, 16, 1, 2, rope_theta=-1.0), "rope_theta must be a number"),
-    (lambda: tf.Llama(50, 16, 1, 2, rope_theta=NAN), "rope_theta must be a number"),
-    (lambda: tf.Llama(50, 16, 1, 2, norm_eps=NAN), "norm_eps must be a number"),
-    (lambda: tf.Llama(50, 16, 1, 2, norm_eps=-1e-6), "norm_eps must be a number"),
-    (lambda: tf.Llama(50, 16, 1, 2, norm_eps="x"), "norm_eps must be a number"),
-    (lambda: tf.DeepSeekV3(50, 16, 1, 2, 8, 4, 4, 4, 32, 8, 4, 2, rope_theta=NAN), "rope_theta must be a number"),
-    (lambda: tf.DeepSeekV3(50, 16, 1, 2, 8, 4, 4, 4, 32, 8, 4, 2, norm_eps=0.0), "norm_eps must be a number"),
-], ids=["theta-0", "theta-negative", "theta-nan", "eps-nan", "eps-negative", "eps-str", "deepseek-theta-nan",
-        "deepseek-eps-0"])
+    (lambda: tf.Llama(50, 16, 1, 2, rope_theta=0.0), "rope_theta must be a number > 0, got 0.0"),
+    (lambda: tf.Llama(50, 16, 1, 2, rope_theta=-1.0), "rope_theta must be a number > 0, got -1.0"),
+    (lambda: tf.Llama(50, 16, 1, 2, rope_theta=NAN), "rope_theta must be a number > 0, got nan"),
+    (lambda: tf.Llama(50, 16, 1, 2, norm_eps=NAN), "norm_eps must be a number > 0, got nan"),
+    (lambda: tf.Llama(50, 16, 1, 2, norm_eps=-1e-6), "norm_eps must be a number > 0, got -1e-06"),
+    (lambda: tf.DeepSeekV3(50, 16, 1, 2, 8, 4, 4, 4, 32, 8, 4, 2, rope_theta=NAN), "rope_theta must be a number > 0"),
+    (lambda: tf.DeepSeekV3(50, 16, 1, 2, 8, 4, 4, 4, 32, 8, 4, 2, norm_eps=0.0), "norm_eps must be a number > 0"),
+], ids=["theta-0", "theta-negative", "theta-nan", "eps-nan", "eps-negative", "deepseek-theta-nan", "deepseek-eps-0"])
 def test_models_refuse_numbers_that_would_compute_nan_naming_the_field(build, words):
     with pytest.raises(ValueError) as info:
         build()
@@ -11564,12 +11534,12 @@ def test_many_distinct_characters_leave_the_bigram_baseline_out(monkeypatch, cap
 def test_a_wide_beam_runs_in_bounded_batches(hard, monkeypatch):
     # beam k: k rows a sentence, so a batch holds batch_size // k sentences, B * k <= batch_size rows
     rows = []
-    real = tf.beam_search
+    real = tf.beam_search_keeping_greedy
 
     def spy(step, start, n_steps, beam_size, *args, **kwargs):
         rows.append(start.size(0) * beam_size)
         return real(step, start, n_steps, beam_size, *args, **kwargs)
-    monkeypatch.setattr(tf, "beam_search", spy)
+    monkeypatch.setattr(tf, "beam_search_keeping_greedy", spy)
     kind, model, sv, tv, readings = tf.load_checkpoint(hard["encdec"])
     sentences = ["wo ai xue xi"] * 20
     answers = tf.translate(model, sentences, sv, tv, readings, beam_size=16, batch_size=64)
@@ -11664,19 +11634,30 @@ def list_arguments(hard):
     }
 
 
-_LIST_ARGUMENTS = ["split_data", "Vocab", "Vocab.encode", "Vocab.decode", "build_vocabs", "build_gpt_vocab",
-                   "PinyinDataset", "collate", "syllable_readings", "ambiguous_syllables", "BigramHMM",
-                   "BigramHMM.decode", "BigramHMM.decode_one", "answer_masks", "answer_masks-row", "translate",
-                   "translator", "evaluate", "evaluate-ambiguous", "PromptDataset", "gpt_translate",
-                   "teacher_forced_accuracy", "render_heatmap-columns", "render_heatmap-rows", "expert_load",
-                   "with_pieces", "train_toy_model-train", "train_toy_model-test", "report", "show_heatmap",
-                   "compare_with_baseline-train", "compare_with_baseline-answered", "run", "answer_lines"]
+# The article's functions that would read one string as a list of its letters, in silence: each refuses it
+_ONE_STRING_REFUSED = {"Vocab.encode": "tokens", "BigramHMM.decode": "sentences", "answer_masks": "syllable_lists",
+                       "answer_masks-row": "syllable_lists", "translate": "sentences", "translator": "sentences",
+                       "gpt_translate": "sentences", "evaluate-ambiguous": "ambiguous"}
+
+
+@pytest.mark.parametrize("name", _ONE_STRING_REFUSED)
+def test_the_article_refuses_one_string_where_it_reads_a_list(list_arguments, name, capsys):
+    # translate(model, "wo ai xue xi", ...) once answered letter by letter (other wrong types get Python's errors)
+    call = list_arguments[name][0]
+    with pytest.raises(ValueError, match=rf"^{_ONE_STRING_REFUSED[name]} must be a list"):
+        call("wo ai xue xi")
+    assert capsys.readouterr() == ("", "")               # refused before anything was printed
+
+
+# The tools' list arguments (what a user's run hands them): a str, bytes or a dict (its keys) would be
+# read as a list, None or a number not at all; each is refused, naming the argument
+_LIST_ARGUMENTS = ["expert_load", "with_pieces", "train_toy_model-train", "train_toy_model-test", "report",
+                   "show_heatmap", "compare_with_baseline-train", "compare_with_baseline-answered", "run",
+                   "answer_lines"]
 
 
 @pytest.mark.parametrize("name", _LIST_ARGUMENTS)
 def test_a_list_argument_refuses_a_string_and_every_other_non_list(list_arguments, name, capsys):
-    # translate(model, "wo ai xue xi", ...) once answered letter by letter: a str, bytes or
-    # a dict (its keys) would be read as a list, None or a number not at all
     call, argument, items = list_arguments[name]
     for value in ("wo ai xue xi", b"wo ai", {"wo ai": "我爱"}, None, 5, 2.5):
         with pytest.raises(ValueError, match=rf"^{re.escape(argument)} must be a list of {re.escape(items)},"
@@ -11779,27 +11760,10 @@ def test_save_folder_probe_leaves_nothing_behind(tmp_path, hard):
 
 def _library_calls(hard):
     kind, model, sv, tv, readings = tf.load_checkpoint(hard["encdec"])
-    gkind, gpt, _, vocab, _ = tf.load_checkpoint(hard["gpt"])
     src = torch.tensor([sv.encode(["wo", "ai"])])                                # [1, 2]
-    step = lambda ids, cache: torch.zeros(ids.size(0), len(tv))  # noqa: E731
-    start = torch.full((1, 1), tf.Vocab.BOS)                                     # [1, 1]
     return {
-        "translate-beam-0": (lambda: tf.translate(model, ["wo ai"], sv, tv, beam_size=0),
-                             "beam_size must be an integer >= 1, got 0"),
-        "translate-beam-minus-1": (lambda: tf.translate(model, ["wo ai"], sv, tv, beam_size=-1),
-                                   "beam_size must be an integer >= 1, got -1"),
-        "gpt-translate-beam-0": (lambda: tf.gpt_translate(gpt, ["wo ai"], vocab, beam_size=0),
-                                 "beam_size must be an integer >= 1, got 0"),
-        "beam-search-beam-minus-1": (lambda: tf.beam_search(step, start, 3, -1),
-                                     "beam_size must be an integer >= 1, got -1"),
-        "beam-search-beam-float": (lambda: tf.beam_search(step, start, 3, 2.0),
-                                   "beam_size must be an integer >= 1, got 2.0"),
         "greedy-max-len-2.5": (lambda: tf.greedy_decode(model, src, tf.Vocab.BOS, tf.Vocab.EOS, 2.5),
                                "max_len must be 1 to 31 (the model's max_len less bos), an integer, got 2.5"),
-        "translate-batch-0": (lambda: tf.translate(model, ["wo ai"], sv, tv, batch_size=0),
-                              "batch_size must be an integer >= 1, got 0"),
-        "translate-batch-minus-1": (lambda: tf.translate(model, ["wo ai"], sv, tv, batch_size=-1),
-                                    "batch_size must be an integer >= 1, got -1"),
         "read-pairs-none": (lambda: tf.read_pairs(None), "path must be a file name (str or os.PathLike), got NoneType"),
         "bigram-hmm-empty": (lambda: tf.BigramHMM([]), "pairs must be a non-empty list of (pinyin, hanzi)"),
         "evaluate-empty": (lambda: tf.evaluate(lambda s: s, []), "pairs is empty: there is nothing to evaluate on"),
@@ -11808,9 +11772,7 @@ def _library_calls(hard):
     }
 
 
-LIBRARY_CALLS = ["translate-beam-0", "translate-beam-minus-1", "gpt-translate-beam-0", "beam-search-beam-minus-1",
-                 "beam-search-beam-float", "greedy-max-len-2.5", "translate-batch-0", "translate-batch-minus-1",
-                 "read-pairs-none", "bigram-hmm-empty", "evaluate-empty", "load-bad-device"]
+LIBRARY_CALLS = ["greedy-max-len-2.5", "read-pairs-none", "bigram-hmm-empty", "evaluate-empty", "load-bad-device"]
 
 
 @pytest.mark.parametrize("name", LIBRARY_CALLS)

@@ -1458,6 +1458,9 @@ class Llama(nn.Module):
         self.config = dict(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                            n_kv_heads=n_kv_heads, d_ff=d_ff, max_len=max_len, rope_theta=rope_theta,
                            norm_eps=norm_eps, tie_weights=tie_weights, qkv_bias=qkv_bias)  # for checkpoints
+        for name, value in (("rope_theta", rope_theta), ("norm_eps", norm_eps)):
+            if not value > 0:  # 0, a negative number or NaN turns every logit into NaN, in silence
+                raise ValueError(f"{name} must be a number > 0, got {value}")
         self.vocab_size, self.d_model, self.max_len = vocab_size, d_model, max_len
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
@@ -2500,6 +2503,8 @@ def mtp_module(model):
     """model's MTP module, on the model's device. model is a Llama family: the module's block is what its own
     attention() and feed_forward() would build as block n_layers (DeepSeek-V3's: MLA and the DeepSeekMoE)."""
     c = model.config
+    if "d_ff" not in c:  # a family whose every block is a mixture has no dense width to build the block from
+        raise ValueError(f"mtp_module builds a Llama family's next block from its d_ff; a {type(model).__name__} has none")
     attn = model.attention(model.d_model, c["n_heads"], c.get("n_kv_heads") or c["n_heads"], c.get("qkv_bias"))
     ffn = model.feed_forward(len(model.layers), model.d_model, c["d_ff"] or llama_ffn_dim(model.d_model))
     block = LlamaBlock(model.d_model, attn, ffn, c["norm_eps"])
@@ -3041,6 +3046,8 @@ def scaled_rope_cos_sin(head_dim, max_len, theta, scaling):
 def with_rope_scaling(model, scaling):
     """model (a Llama family) given RoPE tables stretched by scaling for its max_len; its config keeps scaling."""
     check_scaling(scaling)
+    if model.config.get("rope_scaling", False) is None:  # a class that takes rope_scaling= when it is built
+        raise ValueError(f"a {type(model).__name__} takes rope_scaling= when it is built, not afterwards")
     if isinstance(model, DeepSeekV3) and scaling["type"] == "yarn":  # refused before any table is made
         raise ValueError("yarn's temperature goes into latent attention's softmax scale (DeepSeek-V3's mscale),"
                          " which this file does not build: use 'linear' or 'llama3' with a DeepSeekV3")
