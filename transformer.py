@@ -1596,10 +1596,10 @@ LLAMA_CONFIGS = [
 # ===========================================================================
 # Part IV: a released model through this code (第四部分：用这份代码运行一个发布的模型)
 # ===========================================================================
-# So far every model ran on weights it trained itself or on random ones. Here a released model,
-# SmolLM2-135M-Instruct, answers through section 22's Llama, read from the GGUF file that llama.cpp users
-# download, with its own tokenizer. Three ideas take it there: byte-level BPE, the quantized blocks the
-# file holds, and the chat loop. Reading the file is plumbing, so it lives with the tools after the article.
+# So far every model ran on weights it trained itself or on random ones. Here a released model, SmolLM2-135M-Instruct,
+# answers through section 22's Llama, read from the GGUF file that llama.cpp users download, with its own tokenizer.
+# Three ideas take it there: byte-level BPE, the quantized blocks the file holds, and the chat loop. Reading the file is
+# plumbing, so it lives with the tools after the article.
 
 import codecs
 import re
@@ -1609,12 +1609,11 @@ import unicodedata
 # ===========================================================================
 # 24. Byte-level BPE (字节级 BPE)
 # ===========================================================================
-# A model reads ids, but people write text. Byte-pair encoding (Gage, 1994, as a compression scheme;
-# Sennrich et al., 2016, for translation) starts from an alphabet and merges the most frequent adjacent
-# pair into a new token, again and again. GPT-2 (Radford et al., 2019) took the 256 byte values of UTF-8
-# as the alphabet, so any string in any script encodes without an unknown token and decodes back exactly.
-# The base tokenizer is minbpe's loop on bytes: ids 0-255 are the bytes, and the merge learned n-th makes
-# id 256 + n. Encoding applies the merges in the order they were learned.
+# A model reads ids, but people write text. Byte-pair encoding (Gage, 1994, as a compression scheme; Sennrich et al.,
+# 2016, for translation) starts from an alphabet and merges the most frequent adjacent pair into a new token, again and
+# again. GPT-2 (Radford et al., 2019) took the 256 byte values of UTF-8 as the alphabet, so any string in any script
+# encodes without an unknown token and decodes back exactly. The base tokenizer is minbpe's loop on bytes: ids 0-255 are
+# the bytes, and the merge learned n-th makes id 256 + n. Encoding applies the merges in the order they were learned.
 
 def pair_counts(ids, counts=None):
     """{(a, b): how often b follows a in ids}, added to counts when it is given (minbpe's get_stats)."""
@@ -1697,13 +1696,12 @@ def train_bpe(text, vocab_size):
 #   >>> tok.decode(tok.encode("naïve 😀, 中文")) == "naïve 😀, 中文"   # any text, unseen bytes too
 #   True
 
-# A released tokenizer adds three steps around the merges. A special token's text (<|im_start|>) is cut out
-# first and becomes that token. A pre-tokenizer splits the rest into pieces (words, numbers, runs of spaces)
-# that merges never cross, so " dog" is one token whether "." or "!" follows it. The vocabulary file spells
-# each token's bytes in GPT-2's 256 printable stand-ins (a space is Ġ), so that it is printable text, and a
-# token's id is its place in the file.
-# A vocabulary may lack bytes: SmolLM2's lacks 21 that its training text never had (controls such as \x1d,
-# bytes that UTF-8 never or hardly uses), and its tokenizer drops them.
+# A released tokenizer adds three steps around the merges. A special token's text (<|im_start|>) is cut out first and
+# becomes that token. A pre-tokenizer splits the rest into pieces (words, numbers, runs of spaces) that merges never
+# cross, so " dog" is one token whether "." or "!" follows it. The vocabulary file spells each token's bytes in GPT-2's
+# 256 printable stand-ins (a space is Ġ), so that it is printable text, and a token's id is its place in the file.
+# A vocabulary may lack bytes: SmolLM2's lacks 21 that its training text never had (controls such as \x1d, bytes that
+# UTF-8 never or hardly uses), and its tokenizer drops them.
 
 def byte_to_char():
     """GPT-2's stand-ins, {byte: character} (bytes_to_unicode in its encoder.py). A printable byte stands
@@ -1735,17 +1733,16 @@ def unicode_classes():
 
 # \s as Unicode's White_Space, which the reference tokenizers match; Python's \s also counts \x1c-\x1f
 WHITESPACE = "\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
-# GPT-2's split (its encoder.py): the contractions 's 't 're 've 'm 'll 'd; a word, a number or a run of
-# other symbols, each with at most one space before it; then spaces. A run of spaces leaves its last space
-# to the word after it, except at the end.
+# GPT-2's split (its encoder.py): the contractions 's 't 're 've 'm 'll 'd; a word, a number or a run of other symbols,
+# each with at most one space before it; then spaces. A run of spaces leaves its last space to the word after it, except
+# at the end.
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(?![^{S}])|[{S}]+"
-# tokenizer.ggml.pre -> the patterns that split in turn, each inside the pieces the one before it left.
-# SmolLM2's "smollm" (llama.cpp's name; its tokenizer.json: Digits(individual_digits=True), then ByteLevel)
-# first makes each number character a piece: Unicode Nd, Nl and No, so ½, Ⅷ and ² as well as 0-9, but not
-# the letter 三.
-# transformers 5.24 builds this file's tokenizer without that step. No merge of SmolLM2 joins a digit 0-9
-# to anything, so " 2024" comes out the same either way, but " ½" is two pieces with the step and one
-# without, and its ids differ ([Ġ, Â½] against [ĠÂ, ½]). Such details make hand-written tokenizers disagree.
+# tokenizer.ggml.pre -> the patterns that split in turn, each inside the pieces the one before it left. SmolLM2's
+# "smollm" (llama.cpp's name; its tokenizer.json: Digits(individual_digits=True), then ByteLevel) first makes each
+# number character a piece: Unicode Nd, Nl and No, so ½, Ⅷ and ² as well as 0-9, but not the letter 三.
+# transformers 5.24 builds this file's tokenizer without that step. No merge of SmolLM2 joins a digit 0-9 to anything,
+# so " 2024" comes out the same either way, but " ½" is two pieces with the step and one without, and its ids differ
+# ([Ġ, Â½] against [ĠÂ, ½]). Such details make hand-written tokenizers disagree.
 PRE_TOKENIZERS = {"gpt-2": [GPT2_SPLIT], "smollm": ["[{N}]", GPT2_SPLIT]}
 
 
@@ -1819,24 +1816,24 @@ def train_gpt2_bpe(text, vocab_size, pre="gpt-2"):
 # ===========================================================================
 # 25. Quantized blocks: Q8_0, Q4_0, Q4_1 (量化块)
 # ===========================================================================
-# Released weights are stored at fewer bits than they were trained in: SmolLM2's 135M weights take 540 MB
-# in float32 and 98 MB in its GGUF file. The bits matter most when a model decodes. With the cache, each new
-# token multiplies one vector by every weight matrix, so every weight is read once for a multiply and an
-# add, and a processor computes far more than that in the time it reads a weight. So a token takes at least
-# the bytes of the weights divided by the memory's bandwidth, and fewer bits mean more tokens a second.
+# Released weights are stored at fewer bits than they were trained in: SmolLM2's 135M weights take 540 MB in float32 and
+# 98 MB in its GGUF file. The bits matter most when a model decodes. With the cache, each new token multiplies one
+# vector by every weight matrix, so every weight is read once for a multiply and an add, and a processor computes far
+# more than that in the time it reads a weight. So a token takes at least the bytes of the weights divided by the
+# memory's bandwidth, and fewer bits mean more tokens a second.
 # (This file dequantizes the weights as it loads them; llama.cpp multiplies by the blocks themselves.)
-# llama.cpp's formats cut the weights, row by row, into blocks of 32 values. Each block stores a float16
-# scale d (Q4_1 also a float16 minimum m) beside small integers q:
+# llama.cpp's formats cut the weights, row by row, into blocks of 32 values. Each block stores a float16 scale d (Q4_1
+# also a float16 minimum m) beside small integers q:
 #   Q8_0  d, then 32 int8            x = d q          d = max |x| / 127
 #   Q4_0  d, then 16 bytes of 4 bits x = d (q - 8)    d = (the x of largest |x|) / -8
 #   Q4_1  d, m, then 16 bytes        x = d q + m      d = (max - min) / 15, m = min
-# Byte j of the 4-bit formats holds value j in its low nibble and value j + 16 in its high one. With the
-# scales counted, a weight takes 34 bytes / 32 = 8.5 bits in Q8_0, 18 / 32 = 4.5 in Q4_0 and 20 / 32 = 5.0
-# in Q4_1. Q4_1 spends half a bit more on m because a block's values need not straddle 0 evenly.
-# The rounding is the gguf package's (llama.cpp's reference quantizer), bit for bit: x is multiplied by
-# 1 / d, inverted once in float32, because x / d differs in the last bit now and then and flips a q (2 of
-# 3.2 million Gaussian values). Q8_0 rounds halves away from zero, the 4-bit formats take trunc(... + 0.5),
-# and Q4_0's d takes its sign from the first of the tied largest |x|.
+# Byte j of the 4-bit formats holds value j in its low nibble and value j + 16 in its high one. With the scales counted,
+# a weight takes 34 bytes / 32 = 8.5 bits in Q8_0, 18 / 32 = 4.5 in Q4_0 and 20 / 32 = 5.0 in Q4_1. Q4_1 spends half a
+# bit more on m because a block's values need not straddle 0 evenly.
+# The rounding is the gguf package's (llama.cpp's reference quantizer), bit for bit: x is multiplied by 1 / d, inverted
+# once in float32, because x / d differs in the last bit now and then and flips a q (2 of 3.2 million Gaussian values).
+# Q8_0 rounds halves away from zero, the 4-bit formats take trunc(... + 0.5), and Q4_0's d takes its sign from the first
+# of the tied largest |x|.
 
 QUANT_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # the bytes a block of 32 values takes, scales first
 
@@ -1897,8 +1894,8 @@ def dequantize(data, fmt, shape):
         x = d * (q - 8) if fmt == "Q4_0" else d * q + blocks[:, 2:4].view(torch.float16).float()  # [n/32, 32]
     return x.reshape(shape)                                                # [*shape]
 
-# A Q4_1 block whose values need no rounding, byte by byte; then each format's error, relative to the
-# weights' norm, on Gaussian weights; then the most tokens a second 135M weights allow at 50 GB/s.
+# A Q4_1 block whose values need no rounding, byte by byte; then each format's error, relative to the weights' norm, on
+# Gaussian weights; then the most tokens a second 135M weights allow at 50 GB/s.
 # Try it:
 #   >>> x = torch.arange(32.0) % 16                                    # [32]: 0..15 twice
 #   >>> data = quantize(x, "Q4_1")
@@ -1917,15 +1914,14 @@ def dequantize(data, fmt, shape):
 # ===========================================================================
 # 26. Reading a checkpoint: GGUF, safetensors, transformers' names (读取检查点)
 # ===========================================================================
-# Two formats carry most released weights: safetensors, which transformers saves, and GGUF, llama.cpp's
-# one file that also holds the configuration and the tokenizer. Each names the weights its own way (the
-# query projection is model.layers.0.self_attn.q_proj.weight in transformers, blk.0.attn_q.weight in
-# llama.cpp, layers.0.attn.w_q.weight here). Reading them is plumbing, so it lives with the tools
-# (read_gguf, load_gguf, ...). One idea in it is the pitfall of every hand-written GGUF loader. llama.cpp's
-# RoPE for "llama" files pairs neighbours (x[2i], x[2i+1]), Meta's way, while transformers' checkpoints are
-# laid out for section 19's halves (x[i], x[i + dk/2]). So convert_hf_to_gguf.py reorders the rows of w_q
-# and w_k within each head into Meta's order, and a half-split loader must put them back, as transformers'
-# does. Left as they are, they make nothing fail: the model turns the wrong pairs and attends to the wrong
+# Two formats carry most released weights: safetensors, which transformers saves, and GGUF, llama.cpp's one file that
+# also holds the configuration and the tokenizer. Each names the weights its own way (the query projection is
+# model.layers.0.self_attn.q_proj.weight in transformers, blk.0.attn_q.weight in llama.cpp, layers.0.attn.w_q.weight
+# here). Reading them is plumbing, so it lives with the tools (read_gguf, load_gguf, ...). One idea in it is the pitfall
+# of every hand-written GGUF loader. llama.cpp's RoPE for "llama" files pairs neighbours (x[2i], x[2i+1]), Meta's way,
+# while transformers' checkpoints are laid out for section 19's halves (x[i], x[i + dk/2]). So convert_hf_to_gguf.py
+# reorders the rows of w_q and w_k within each head into Meta's order, and a half-split loader must put them back, as
+# transformers' does. Left as they are, they make nothing fail: the model turns the wrong pairs and attends to the wrong
 # places.
 
 def unpermute_rope_rows(w, n_heads):
@@ -1934,8 +1930,8 @@ def unpermute_rope_rows(w, n_heads):
     return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)  # [H * dk, D]
 
 
-# The released file is already 4-bit: its Q4_1 weights, dequantized and quantized again, come back bit for
-# bit (a block's min is one of its values, its max d q + m at q = 15), which a test checks.
+# The released file is already 4-bit: its Q4_1 weights, dequantized and quantized again, come back bit for bit (a
+# block's min is one of its values, its max d q + m at q = 15), which a test checks.
 # Try it:
 #   >>> unpermute_rope_rows(torch.arange(8.0)[:, None], n_heads=2).flatten()  # rows 2i, 2i + 1 -> i, i + dk/2
 #   tensor([0., 2., 1., 3., 4., 6., 5., 7.])
@@ -1944,13 +1940,13 @@ def unpermute_rope_rows(w, n_heads):
 # ===========================================================================
 # 27. The released model answers (发布的模型来回答)
 # ===========================================================================
-# An instruct model was fine-tuned on conversations in one format, and it answers well only in that format.
-# SmolLM2's is ChatML: each turn is "<|im_start|>role\ntext<|im_end|>\n", the answer comes after
-# "<|im_start|>assistant\n", and the model ends it by writing <|im_end|> itself. Its chat template (Jinja,
-# in the file's tokenizer.chat_template) puts a default system turn first, "You are a helpful AI assistant
-# named SmolLM, trained by Hugging Face"; the line is read from the template, with no template engine. The
-# answer is printed as it is made. A Chinese character or an emoji (3-4 bytes) can be cut between two
-# tokens, so an incremental UTF-8 decoder holds the bytes back until their character is whole.
+# An instruct model was fine-tuned on conversations in one format, and it answers well only in that format. SmolLM2's is
+# ChatML: each turn is "<|im_start|>role\ntext<|im_end|>\n", the answer comes after "<|im_start|>assistant\n", and the
+# model ends it by writing <|im_end|> itself. Its chat template (Jinja, in the file's tokenizer.chat_template) puts a
+# default system turn first, "You are a helpful AI assistant named SmolLM, trained by Hugging Face"; the line is read
+# from the template, with no template engine. The answer is printed as it is made. A Chinese character or an emoji (3-4
+# bytes) can be cut between two tokens, so an incremental UTF-8 decoder holds the bytes back until their character is
+# whole.
 
 def chat_prompt(tokenizer, prompt):
     """prompt in ChatML, with the template's own system line, where the tokenizer's chat template uses
@@ -1990,8 +1986,8 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
     print(answer[-1], end="", file=out, flush=True)
     return "".join(answer), made / (time.perf_counter() - start)
 
-# A character's bytes cut across three tokens come out once whole; then a model built to repeat its last
-# token (one-hot embeddings tied to the output, and blocks that add nothing).
+# A character's bytes cut across three tokens come out once whole; then a model built to repeat its last token (one-hot
+# embeddings tied to the output, and blocks that add nothing).
 # Try it:
 #   >>> utf8 = codecs.getincrementaldecoder("utf-8")()
 #   >>> [utf8.decode(piece) for piece in (b"\xe4", b"\xb8", b"\xad!")]    # 中 is e4 b8 ad
