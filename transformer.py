@@ -1627,12 +1627,9 @@ def merge_pair(ids, pair, new_id):
     """ids with every occurrence of pair, from left to right, replaced by new_id."""
     out, i = [], 0
     while i < len(ids):
-        if i + 1 < len(ids) and (ids[i], ids[i + 1]) == pair:
-            out.append(new_id)
-            i += 2
-        else:
-            out.append(ids[i])
-            i += 1
+        matched = i + 1 < len(ids) and (ids[i], ids[i + 1]) == pair
+        out.append(new_id if matched else ids[i])
+        i += 2 if matched else 1
     return out
 
 
@@ -1665,9 +1662,8 @@ class BasicTokenizer:
 
 
 def learn_merges(words, vocab_size):
-    """vocab_size - 256 merges learned from words, lists of byte values (minbpe's train): count the pairs,
-    merge the most frequent into a new id, repeat, until no pair is left. Among equal counts, the pair
-    counted first wins."""
+    """vocab_size - 256 merges learned from words, lists of byte values (minbpe's train): count the pairs, merge the
+    most frequent into a new id, repeat, until no pair is left. Among equal counts, the pair counted first wins."""
     if vocab_size < 256:
         raise ValueError(f"vocab_size must be at least 256, since the bytes come first, got {vocab_size}")
     merges = {}
@@ -1704,8 +1700,8 @@ def train_bpe(text, vocab_size):
 # UTF-8 never or hardly uses), and its tokenizer drops them.
 
 def byte_to_char():
-    """GPT-2's stand-ins, {byte: character} (bytes_to_unicode in its encoder.py). A printable byte stands
-    for itself; each of the other 68 (controls, space, ...) stands for chr(256 + n), n counting them."""
+    """GPT-2's stand-ins, {byte: character} (bytes_to_unicode in its encoder.py). A printable byte stands for itself;
+    each of the other 68 (controls, space, ...) stands for chr(256 + n), n counting them."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
@@ -1715,9 +1711,8 @@ UNICODE_CLASSES = {}  # "L" letters, "N" numbers -> a character class's body for
 
 
 def unicode_classes():
-    """{"L": ..., "N": ...}: the ranges of the code points whose Unicode category starts with L (letters)
-    or N (numbers), the regex module's \\p{L} and \\p{N}, which re lacks. One pass over the 1.1M code
-    points builds them, once."""
+    """{"L": ..., "N": ...}: the ranges of the code points whose Unicode category starts with L (letters) or N
+    (numbers), the regex module's \\p{L} and \\p{N}, which re lacks. One pass over the 1.1M code points builds them."""
     if not UNICODE_CLASSES:
         spans = {"L": [], "N": []}
         for code in range(0x110000):
@@ -1747,9 +1742,9 @@ PRE_TOKENIZERS = {"gpt-2": [GPT2_SPLIT], "smollm": ["[{N}]", GPT2_SPLIT]}
 
 
 class BPETokenizer(BasicTokenizer):
-    """BasicTokenizer as a released file holds it: tokens spelled in GPT-2's stand-ins (a token's id is its
-    index), merges as pairs of tokens, earliest first, and pre the pre-tokenizer's name. specials holds the
-    ids of tokens matched whole in the text before anything else (<|im_start|>)."""
+    """BasicTokenizer as a released file holds it: tokens spelled in GPT-2's stand-ins (a token's id is its index),
+    merges as pairs of tokens, earliest first, and pre the pre-tokenizer's name. specials holds the ids of tokens
+    matched whole in the text before anything else (<|im_start|>)."""
 
     def __init__(self, tokens, merges, pre="gpt-2", specials=(), eos_id=None, chat_template=""):
         super().__init__()
@@ -1782,8 +1777,8 @@ class BPETokenizer(BasicTokenizer):
         return pieces
 
     def encode(self, text):
-        """It cuts out the special tokens' text first, then splits the rest into pieces and merges inside
-        each piece. A byte the vocabulary lacks is dropped before the merges, as transformers drops it."""
+        """It cuts out the special tokens' text first, then splits the rest into pieces and merges inside each piece.
+        A byte the vocabulary lacks is dropped before the merges, as transformers drops it."""
         ids = []
         for part in self.special_split.split(text) if self.special_split else [text]:
             if part in self.specials:  # re.split hands back the matches themselves
@@ -1925,8 +1920,8 @@ def dequantize(data, fmt, shape):
 # places.
 
 def unpermute_rope_rows(w, n_heads):
-    """w_q or w_k [H * dk, D] from llama.cpp's row order back to transformers'. In each head, the rows of
-    pair i were placed at 2i and 2i + 1; they go back to i and i + dk/2."""
+    """w_q or w_k [H * dk, D] from llama.cpp's row order back to transformers'. In each head, the rows of pair i were
+    placed at 2i and 2i + 1; they go back to i and i + dk/2."""
     return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)  # [H * dk, D]
 
 
@@ -1949,8 +1944,8 @@ def unpermute_rope_rows(w, n_heads):
 # whole.
 
 def chat_prompt(tokenizer, prompt):
-    """prompt in ChatML, with the template's own system line, where the tokenizer's chat template uses
-    <|im_start|>; else prompt itself, for plain completion."""
+    """prompt in ChatML, with the template's own system line, where the tokenizer's chat template uses <|im_start|>;
+    else prompt itself, for plain completion."""
     if "<|im_start|>" not in tokenizer.chat_template:
         return prompt
     system = re.search(r"<\|im_start\|>system(?:\n|\\n)(.*?)<\|im_end\|>", tokenizer.chat_template, re.S)
@@ -1960,9 +1955,9 @@ def chat_prompt(tokenizer, prompt):
 
 @torch.no_grad()
 def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=None, out=None):
-    """Answer prompt with loaded, a (model, BPETokenizer) pair, printing the answer to out (None: standard
-    output) as it is made, until the end of turn or max_new_tokens; greedy at temperature 0, else next_token
-    samples. -> (the answer, tokens a second: every token made, the end of turn too, over the whole time)."""
+    """Answer prompt with loaded, a (model, BPETokenizer) pair, printing to out (None: standard output), until the end
+    of turn or max_new_tokens; greedy at temperature 0, else next_token samples. -> (the answer, tokens a second: every
+    token made, the end of turn too, over the whole time)."""
     model, tokenizer = loaded
     ids = torch.tensor([tokenizer.encode(chat_prompt(tokenizer, prompt))], dtype=torch.long)  # [1, T]
     if ids.size(1) == 0:
