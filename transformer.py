@@ -214,8 +214,7 @@ class FeedForward(nn.Module):
         super().__init__()
         if activation not in ("relu", "gelu"):
             raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
-        self.fc1 = nn.Linear(d_model, d_ff)
-        self.fc2 = nn.Linear(d_ff, d_model)
+        self.fc1, self.fc2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)           # [Dff, D], [D, Dff]
         self.dropout = nn.Dropout(dropout)
         self.activation = F.relu if activation == "relu" else F.gelu
 
@@ -236,8 +235,7 @@ class LayerNorm(nn.Module):
     def __init__(self, d_model, eps=1e-5):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d_model))                    # [D]
-        self.bias = nn.Parameter(torch.zeros(d_model))                     # [D]
+        self.weight, self.bias = nn.Parameter(torch.ones(d_model)), nn.Parameter(torch.zeros(d_model))  # [D] each
 
     def forward(self, x):
         centered = x - x.mean(dim=-1, keepdim=True)                        # [B, T, D]
@@ -268,8 +266,7 @@ class EncoderLayer(nn.Module):
         self.dropout1, self.dropout2 = nn.Dropout(dropout), nn.Dropout(dropout)
 
     def forward(self, x, mask=None, cache=None):
-        """x [B, S, D]; mask [B, 1, 1, S] (padding) or [1, 1, S, S] (causal); cache a KVCache, used when a
-        decoder-only model runs this layer as its block, causally, a piece at a time (section 9)."""
+        """x [B, S, D]; mask [B, 1, 1, S] (padding) or [1, 1, S, S] (causal); cache: a KVCache, for section 9's GPT."""
         if self.norm_first:  # pre-LN: x + f(LN(x)); the residual path is never normalized
             x = x + self._sa_block(self.norm1(x), mask, cache)             # [B, S, D]
             x = x + self._ff_block(self.norm2(x))                          # [B, S, D]
@@ -1602,6 +1599,7 @@ LLAMA_CONFIGS = [
 # plumbing, so it lives with the tools after the article.
 
 import codecs
+import functools
 import re
 import unicodedata
 
@@ -1707,23 +1705,19 @@ def byte_to_char():
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
-UNICODE_CLASSES = {}  # "L" letters, "N" numbers -> a character class's body for re, built on first use
-
-
+@functools.cache
 def unicode_classes():
-    """{"L": ..., "N": ...}: the ranges of the code points whose Unicode category starts with L (letters) or N
-    (numbers), the regex module's \\p{L} and \\p{N}, which re lacks. One pass over the 1.1M code points builds them."""
-    if not UNICODE_CLASSES:
-        spans = {"L": [], "N": []}
-        for code in range(0x110000):
-            runs = spans.get(unicodedata.category(chr(code))[0])
-            if runs is not None and runs and runs[-1][1] == code - 1:
-                runs[-1][1] = code
-            elif runs is not None:
-                runs.append([code, code])
-        UNICODE_CLASSES.update({major: "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in runs)
-                                for major, runs in spans.items()})
-    return UNICODE_CLASSES
+    """{"L": ..., "N": ...}, a character class's body for re: the ranges of the code points whose Unicode category
+    starts with L (letters) or N (numbers), the regex module's \\p{L} and \\p{N}, which re lacks. One pass over the
+    1.1M code points builds them, on first use."""
+    spans = {"L": [], "N": []}
+    for code in range(0x110000):
+        runs = spans.get(unicodedata.category(chr(code))[0])
+        if runs is not None and runs and runs[-1][1] == code - 1:
+            runs[-1][1] = code
+        elif runs is not None:
+            runs.append([code, code])
+    return {major: "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in runs) for major, runs in spans.items()}
 
 
 # \s as Unicode's White_Space, which the reference tokenizers match; Python's \s also counts \x1c-\x1f
@@ -1734,10 +1728,10 @@ WHITESPACE = "\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(?![^{S}])|[{S}]+"
 # tokenizer.ggml.pre -> the patterns that split in turn, each inside the pieces the one before it left. SmolLM2's
 # "smollm" (llama.cpp's name; its tokenizer.json: Digits(individual_digits=True), then ByteLevel) first makes each
-# number character a piece: Unicode Nd, Nl and No, so ½, Ⅷ and ² as well as 0-9, but not the letter 三.
-# transformers 5.24 builds this file's tokenizer without that step. No merge of SmolLM2 joins a digit 0-9 to anything,
-# so " 2024" comes out the same either way, but " ½" is two pieces with the step and one without, and its ids differ
-# ([Ġ, Â½] against [ĠÂ, ½]). Such details make hand-written tokenizers disagree.
+# number character a piece: Unicode Nd, Nl and No, so ½, Ⅷ and ² as well as 0-9, but not the letter 三. transformers 5.24
+# builds this file's tokenizer without that step. No merge of SmolLM2 joins a digit 0-9 to anything, so " 2024" comes
+# out the same either way, but " ½" is two pieces with the step and one without, and its ids differ ([Ġ, Â½] against
+# [ĠÂ, ½]). Such details make hand-written tokenizers disagree.
 PRE_TOKENIZERS = {"gpt-2": [GPT2_SPLIT], "smollm": ["[{N}]", GPT2_SPLIT]}
 
 
@@ -1777,8 +1771,7 @@ class BPETokenizer(BasicTokenizer):
         return pieces
 
     def encode(self, text):
-        """It cuts out the special tokens' text first, then splits the rest into pieces and merges inside each piece.
-        A byte the vocabulary lacks is dropped before the merges, as transformers drops it."""
+        """Special tokens are cut out first; a byte the vocabulary lacks is dropped before a piece's merges."""
         ids = []
         for part in self.special_split.split(text) if self.special_split else [text]:
             if part in self.specials:  # re.split hands back the matches themselves
@@ -1824,11 +1817,10 @@ def train_gpt2_bpe(text, vocab_size, pre="gpt-2"):
 #   Q4_1  d, m, then 16 bytes        x = d q + m      d = (max - min) / 15, m = min
 # Byte j of the 4-bit formats holds value j in its low nibble and value j + 16 in its high one. With the scales counted,
 # a weight takes 34 bytes / 32 = 8.5 bits in Q8_0, 18 / 32 = 4.5 in Q4_0 and 20 / 32 = 5.0 in Q4_1. Q4_1 spends half a
-# bit more on m because a block's values need not straddle 0 evenly.
-# The rounding is the gguf package's (llama.cpp's reference quantizer), bit for bit: x is multiplied by 1 / d, inverted
-# once in float32, because x / d differs in the last bit now and then and flips a q (2 of 3.2 million Gaussian values).
-# Q8_0 rounds halves away from zero, the 4-bit formats take trunc(... + 0.5), and Q4_0's d takes its sign from the first
-# of the tied largest |x|.
+# bit more on m because a block's values need not straddle 0 evenly. The rounding is the gguf package's (llama.cpp's
+# reference quantizer), bit for bit: x is multiplied by 1 / d, inverted once in float32, because x / d differs in the
+# last bit now and then and flips a q (2 of 3.2 million Gaussian values). Q8_0 rounds halves away from zero, the 4-bit
+# formats take trunc(... + 0.5), and Q4_0's d takes its sign from the first of the tied largest |x|.
 
 QUANT_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # the bytes a block of 32 values takes, scales first
 
@@ -1912,12 +1904,11 @@ def dequantize(data, fmt, shape):
 # Two formats carry most released weights: safetensors, which transformers saves, and GGUF, llama.cpp's one file that
 # also holds the configuration and the tokenizer. Each names the weights its own way (the query projection is
 # model.layers.0.self_attn.q_proj.weight in transformers, blk.0.attn_q.weight in llama.cpp, layers.0.attn.w_q.weight
-# here). Reading them is plumbing, so it lives with the tools (read_gguf, load_gguf, ...). One idea in it is the pitfall
-# of every hand-written GGUF loader. llama.cpp's RoPE for "llama" files pairs neighbours (x[2i], x[2i+1]), Meta's way,
-# while transformers' checkpoints are laid out for section 19's halves (x[i], x[i + dk/2]). So convert_hf_to_gguf.py
-# reorders the rows of w_q and w_k within each head into Meta's order, and a half-split loader must put them back, as
-# transformers' does. Left as they are, they make nothing fail: the model turns the wrong pairs and attends to the wrong
-# places.
+# here). The tools after the article read them (read_gguf, load_gguf, ...); one idea in them is the pitfall of every
+# hand-written GGUF loader. llama.cpp's RoPE for "llama" files pairs neighbours (x[2i], x[2i+1]), Meta's way, while
+# transformers' checkpoints are laid out for section 19's halves (x[i], x[i + dk/2]). So convert_hf_to_gguf.py reorders
+# the rows of w_q and w_k within each head into Meta's order, and a half-split loader must put them back, as
+# transformers' does. Left as they are, nothing fails: the model turns the wrong pairs and attends to the wrong places.
 
 def unpermute_rope_rows(w, n_heads):
     """w_q or w_k [H * dk, D] from llama.cpp's row order back to transformers'. In each head, the rows of pair i were
