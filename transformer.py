@@ -1594,8 +1594,7 @@ LLAMA_CONFIGS = [
 # ===========================================================================
 # So far every model ran on weights it trained itself or on random ones. Here a released model, SmolLM2-135M-Instruct,
 # answers through section 22's Llama, read from the GGUF file that llama.cpp users download, with its own tokenizer.
-# Three ideas take it there: byte-level BPE, the quantized blocks the file holds, and the chat loop. Reading the file is
-# plumbing, so it lives with the tools after the article.
+# Three ideas take it there: byte-level BPE, the quantized blocks the file holds, and the chat loop.
 
 import codecs
 import functools
@@ -1722,8 +1721,7 @@ def unicode_classes():
 # \s as Unicode's White_Space, which the reference tokenizers match; Python's \s also counts \x1c-\x1f
 WHITESPACE = "\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 # GPT-2's split (its encoder.py): the contractions 's 't 're 've 'm 'll 'd; a word, a number or a run of other symbols,
-# each with at most one space before it; then spaces. A run of spaces leaves its last space to the word after it, except
-# at the end.
+# each led by at most one space; then spaces. A run of spaces leaves its last space to the next word, except at the end.
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(?![^{S}])|[{S}]+"
 # tokenizer.ggml.pre -> the patterns that split in turn, each inside the pieces the one before it left. SmolLM2's
 # "smollm" (llama.cpp's name; its tokenizer.json: Digits(individual_digits=True), then ByteLevel) first makes each
@@ -1903,7 +1901,7 @@ def dequantize(data, fmt, shape):
 # Two formats carry most released weights: safetensors, which transformers saves, and GGUF, llama.cpp's one file that
 # also holds the configuration and the tokenizer. Each names the weights its own way (the query projection is
 # model.layers.0.self_attn.q_proj.weight in transformers, blk.0.attn_q.weight in llama.cpp, layers.0.attn.w_q.weight
-# here). The tools after the article read them (read_gguf, load_gguf, ...); one idea in them is the pitfall of every
+# here). Reading them is plumbing for the tools after the article (read_gguf, load_gguf, ...), save the pitfall of every
 # hand-written GGUF loader. llama.cpp's RoPE for "llama" files pairs neighbours (x[2i], x[2i+1]), Meta's way, while
 # transformers' checkpoints are laid out for section 19's halves (x[i], x[i + dk/2]). So convert_hf_to_gguf.py reorders
 # the rows of w_q and w_k within each head into Meta's order, and a half-split loader must put them back, as
@@ -1928,10 +1926,9 @@ def unpermute_rope_rows(w, n_heads):
 # An instruct model was fine-tuned on conversations in one format, and it answers well only in that format. SmolLM2's is
 # ChatML: each turn is "<|im_start|>role\ntext<|im_end|>\n", the answer comes after "<|im_start|>assistant\n", and the
 # model ends it by writing <|im_end|> itself. Its chat template (Jinja, in the file's tokenizer.chat_template) puts a
-# default system turn first, "You are a helpful AI assistant named SmolLM, trained by Hugging Face"; the line is read
-# from the template, with no template engine. The answer is printed as it is made. A Chinese character or an emoji (3-4
-# bytes) can be cut between two tokens, so an incremental UTF-8 decoder holds the bytes back until their character is
-# whole.
+# default system turn first, "You are a helpful AI assistant named SmolLM, trained by Hugging Face", read from the
+# template without a template engine. The answer is printed as it is made. A Chinese character or an emoji (3-4 bytes)
+# can be cut between two tokens, so an incremental UTF-8 decoder holds the bytes back until their character is whole.
 
 def chat_prompt(tokenizer, prompt):
     """prompt in ChatML, with the template's own system line, where the tokenizer's chat template uses <|im_start|>;
@@ -1956,8 +1953,7 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
         raise ValueError(f"prompt_length + max_new_tokens must be at most max_len: {ids.size(1)} +"
                          f" {max_new_tokens} > {model.max_len}")
     stop = {tokenizer.eos_id, tokenizer.ids.get("<|im_end|>")} - {None}
-    utf8, answer, made = codecs.getincrementaldecoder("utf-8")(errors="replace"), [], 0
-    start = time.perf_counter()
+    utf8, answer, made, start = codecs.getincrementaldecoder("utf-8")(errors="replace"), [], 0, time.perf_counter()
     with eval_mode(model):
         cache = model.new_cache()
         for made in range(1, max_new_tokens + 1):
