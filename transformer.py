@@ -1705,9 +1705,8 @@ def byte_to_char():
 
 @functools.cache
 def unicode_classes():
-    """{"L": ..., "N": ...}, a character class's body for re: the ranges of the code points whose Unicode category
-    starts with L (letters) or N (numbers), the regex module's \\p{L} and \\p{N}, which re lacks. One pass over the
-    1.1M code points builds them, on first use."""
+    """{"L": ..., "N": ...}, bodies of re character classes: the code points whose Unicode category starts with L
+    (letters) or N (numbers), the regex module's \\p{L} and \\p{N}, which re lacks; one pass over 1.1M, on first use."""
     spans = {"L": [], "N": []}
     for code in range(0x110000):
         runs = spans.get(unicodedata.category(chr(code))[0])
