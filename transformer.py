@@ -148,10 +148,8 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
 # token-passes, not 1 + 2 + ... + n ≈ n²/2. No query is read twice, so there is no query cache.
 
 class KVCache:
-    """Keeps one attention module's keys and values from earlier steps, [B, H, t, dk] each."""
-
     def __init__(self):
-        self.k = self.v = None                                             # [B, H, t, dk] once filled
+        self.k = self.v = None  # one attention module's keys and values of earlier steps, [B, H, t, dk] once filled
 
     def __len__(self):
         return 0 if self.k is None else self.k.size(2)
@@ -1733,8 +1731,7 @@ PRE_TOKENIZERS = {"gpt-2": [GPT2_SPLIT], "smollm": ["[{N}]", GPT2_SPLIT]}
 
 class BPETokenizer(BasicTokenizer):
     """BasicTokenizer as a released file holds it: tokens spelled in GPT-2's stand-ins (a token's id is its index),
-    merges as pairs of tokens, earliest first, and pre the pre-tokenizer's name. specials holds the ids of tokens
-    matched whole in the text before anything else (<|im_start|>)."""
+    merges as pairs of tokens, earliest first, pre the pre-tokenizer's name, specials the special tokens' ids."""
 
     def __init__(self, tokens, merges, pre="gpt-2", specials=(), eos_id=None, chat_template=""):
         super().__init__()
