@@ -148,10 +148,8 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
 # token-passes, not 1 + 2 + ... + n ≈ n²/2. No query is read twice, so there is no query cache.
 
 class KVCache:
-    """Keeps one attention module's keys and values from earlier steps, [B, H, t, dk] each."""
-
     def __init__(self):
-        self.k = self.v = None                                             # [B, H, t, dk] once filled
+        self.k = self.v = None  # one attention module's keys and values of earlier steps, [B, H, t, dk] once filled
 
     def __len__(self):
         return 0 if self.k is None else self.k.size(2)
@@ -214,8 +212,7 @@ class FeedForward(nn.Module):
         super().__init__()
         if activation not in ("relu", "gelu"):
             raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
-        self.fc1 = nn.Linear(d_model, d_ff)
-        self.fc2 = nn.Linear(d_ff, d_model)
+        self.fc1, self.fc2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)           # [Dff, D], [D, Dff]
         self.dropout = nn.Dropout(dropout)
         self.activation = F.relu if activation == "relu" else F.gelu
 
@@ -236,8 +233,7 @@ class LayerNorm(nn.Module):
     def __init__(self, d_model, eps=1e-5):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d_model))                    # [D]
-        self.bias = nn.Parameter(torch.zeros(d_model))                     # [D]
+        self.weight, self.bias = nn.Parameter(torch.ones(d_model)), nn.Parameter(torch.zeros(d_model))  # [D] each
 
     def forward(self, x):
         centered = x - x.mean(dim=-1, keepdim=True)                        # [B, T, D]
@@ -268,8 +264,7 @@ class EncoderLayer(nn.Module):
         self.dropout1, self.dropout2 = nn.Dropout(dropout), nn.Dropout(dropout)
 
     def forward(self, x, mask=None, cache=None):
-        """x [B, S, D]; mask [B, 1, 1, S] (padding) or [1, 1, S, S] (causal); cache a KVCache, used when a
-        decoder-only model runs this layer as its block, causally, a piece at a time (section 9)."""
+        """x [B, S, D]; mask [B, 1, 1, S] (padding) or [1, 1, S, S] (causal); cache: a KVCache, for section 9's GPT."""
         if self.norm_first:  # pre-LN: x + f(LN(x)); the residual path is never normalized
             x = x + self._sa_block(self.norm1(x), mask, cache)             # [B, S, D]
             x = x + self._ff_block(self.norm2(x))                          # [B, S, D]
@@ -308,8 +303,7 @@ class DecoderLayer(nn.Module):
             x = self.norm3(x + self._ff_block(x))                                        # [B, T, D]
         return x
 
-    def _sa_block(self, x, mask, cache):
-        return self.dropout1(self.self_attn(x, x, x, mask, cache))         # [B, T, D]
+    _sa_block = EncoderLayer._sa_block  # the encoder's self-attention sub-layer, the same code
 
     def _mha_block(self, x, memory, mask, cache):
         # Queries come from the decoder, keys and values from the memory: [B, H, T, S] scores. The memory stays fixed
@@ -1599,12 +1593,12 @@ LLAMA_CONFIGS = [
 # ===========================================================================
 # Part IV: a released model through this code (第四部分：用这份代码运行一个发布的模型)
 # ===========================================================================
-# So far every model ran on weights it trained itself or on random ones. Here a released model,
-# SmolLM2-135M-Instruct, answers through section 22's Llama, read from the GGUF file that llama.cpp users
-# download, with its own tokenizer. Three ideas take it there: byte-level BPE, the quantized blocks the
-# file holds, and the chat loop. Reading the file is plumbing, so it lives with the tools after the article.
+# So far every model ran on weights it trained itself or on random ones. Here a released model, SmolLM2-135M-Instruct,
+# answers through section 22's Llama, read from the GGUF file that llama.cpp users download, with its own tokenizer.
+# Three ideas take it there: byte-level BPE, the quantized blocks the file holds, and the chat loop.
 
 import codecs
+import functools
 import re
 import unicodedata
 
@@ -1612,12 +1606,11 @@ import unicodedata
 # ===========================================================================
 # 24. Byte-level BPE (字节级 BPE)
 # ===========================================================================
-# A model reads ids, but people write text. Byte-pair encoding (Gage, 1994, as a compression scheme;
-# Sennrich et al., 2016, for translation) starts from an alphabet and merges the most frequent adjacent
-# pair into a new token, again and again. GPT-2 (Radford et al., 2019) took the 256 byte values of UTF-8
-# as the alphabet, so any string in any script encodes without an unknown token and decodes back exactly.
-# The base tokenizer is minbpe's loop on bytes: ids 0-255 are the bytes, and the merge learned n-th makes
-# id 256 + n. Encoding applies the merges in the order they were learned.
+# A model reads ids, but people write text. Byte-pair encoding (Gage, 1994, as a compression scheme; Sennrich et al.,
+# 2016, for translation) starts from an alphabet and merges the most frequent adjacent pair into a new token, again and
+# again. GPT-2 (Radford et al., 2019) took the 256 byte values of UTF-8 as the alphabet, so any string in any script
+# encodes without an unknown token and decodes back exactly. The base tokenizer is minbpe's loop on bytes: ids 0-255 are
+# the bytes, and the merge learned n-th makes id 256 + n. Encoding applies the merges in the order they were learned.
 
 def pair_counts(ids, counts=None):
     """{(a, b): how often b follows a in ids}, added to counts when it is given (minbpe's get_stats)."""
@@ -1631,12 +1624,9 @@ def merge_pair(ids, pair, new_id):
     """ids with every occurrence of pair, from left to right, replaced by new_id."""
     out, i = [], 0
     while i < len(ids):
-        if i + 1 < len(ids) and (ids[i], ids[i + 1]) == pair:
-            out.append(new_id)
-            i += 2
-        else:
-            out.append(ids[i])
-            i += 1
+        matched = i + 1 < len(ids) and (ids[i], ids[i + 1]) == pair
+        out.append(new_id if matched else ids[i])
+        i += 2 if matched else 1
     return out
 
 
@@ -1669,9 +1659,8 @@ class BasicTokenizer:
 
 
 def learn_merges(words, vocab_size):
-    """vocab_size - 256 merges learned from words, lists of byte values (minbpe's train): count the pairs,
-    merge the most frequent into a new id, repeat, until no pair is left. Among equal counts, the pair
-    counted first wins."""
+    """vocab_size - 256 merges learned from words, lists of byte values (minbpe's train): count the pairs, merge the
+    most frequent into a new id, repeat, until no pair is left. Among equal counts, the pair counted first wins."""
     if vocab_size < 256:
         raise ValueError(f"vocab_size must be at least 256, since the bytes come first, got {vocab_size}")
     merges = {}
@@ -1700,62 +1689,52 @@ def train_bpe(text, vocab_size):
 #   >>> tok.decode(tok.encode("naïve 😀, 中文")) == "naïve 😀, 中文"   # any text, unseen bytes too
 #   True
 
-# A released tokenizer adds three steps around the merges. A special token's text (<|im_start|>) is cut out
-# first and becomes that token. A pre-tokenizer splits the rest into pieces (words, numbers, runs of spaces)
-# that merges never cross, so " dog" is one token whether "." or "!" follows it. The vocabulary file spells
-# each token's bytes in GPT-2's 256 printable stand-ins (a space is Ġ), so that it is printable text, and a
-# token's id is its place in the file.
-# A vocabulary may lack bytes: SmolLM2's lacks 21 that its training text never had (controls such as \x1d,
-# bytes that UTF-8 never or hardly uses), and its tokenizer drops them.
+# A released tokenizer adds three steps around the merges. A special token's text (<|im_start|>) is cut out first and
+# becomes that token. A pre-tokenizer splits the rest into pieces (words, numbers, runs of spaces) that merges never
+# cross, so " dog" is one token whether "." or "!" follows it. The vocabulary file spells each token's bytes in GPT-2's
+# 256 printable stand-ins (a space is Ġ), so that it is printable text, and a token's id is its place in the file.
+# A vocabulary may lack bytes: SmolLM2's lacks 21 that its training text never had (controls such as \x1d, bytes that
+# UTF-8 never or hardly uses), and its tokenizer drops them.
 
 def byte_to_char():
-    """GPT-2's stand-ins, {byte: character} (bytes_to_unicode in its encoder.py). A printable byte stands
-    for itself; each of the other 68 (controls, space, ...) stands for chr(256 + n), n counting them."""
+    """GPT-2's stand-ins, {byte: character} (bytes_to_unicode in its encoder.py). A printable byte stands for itself;
+    each of the other 68 (controls, space, ...) stands for chr(256 + n), n counting them."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
-UNICODE_CLASSES = {}  # "L" letters, "N" numbers -> a character class's body for re, built on first use
-
-
+@functools.cache
 def unicode_classes():
-    """{"L": ..., "N": ...}: the ranges of the code points whose Unicode category starts with L (letters)
-    or N (numbers), the regex module's \\p{L} and \\p{N}, which re lacks. One pass over the 1.1M code
-    points builds them, once."""
-    if not UNICODE_CLASSES:
-        spans = {"L": [], "N": []}
-        for code in range(0x110000):
-            runs = spans.get(unicodedata.category(chr(code))[0])
-            if runs is not None and runs and runs[-1][1] == code - 1:
-                runs[-1][1] = code
-            elif runs is not None:
-                runs.append([code, code])
-        UNICODE_CLASSES.update({major: "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in runs)
-                                for major, runs in spans.items()})
-    return UNICODE_CLASSES
+    """{"L": ..., "N": ...}, bodies of re character classes: the code points whose Unicode category starts with L
+    (letters) or N (numbers), the regex module's \\p{L} and \\p{N}, which re lacks; one pass over 1.1M, on first use."""
+    spans = {"L": [], "N": []}
+    for code in range(0x110000):
+        runs = spans.get(unicodedata.category(chr(code))[0])
+        if runs is not None and runs and runs[-1][1] == code - 1:
+            runs[-1][1] = code
+        elif runs is not None:
+            runs.append([code, code])
+    return {major: "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in runs) for major, runs in spans.items()}
 
 
 # \s as Unicode's White_Space, which the reference tokenizers match; Python's \s also counts \x1c-\x1f
 WHITESPACE = "\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
-# GPT-2's split (its encoder.py): the contractions 's 't 're 've 'm 'll 'd; a word, a number or a run of
-# other symbols, each with at most one space before it; then spaces. A run of spaces leaves its last space
-# to the word after it, except at the end.
+# GPT-2's split (its encoder.py): the contractions 's 't 're 've 'm 'll 'd; a word, a number or a run of other symbols,
+# each led by at most one space; then spaces. A run of spaces leaves its last space to the next word, except at the end.
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(?![^{S}])|[{S}]+"
-# tokenizer.ggml.pre -> the patterns that split in turn, each inside the pieces the one before it left.
-# SmolLM2's "smollm" (llama.cpp's name; its tokenizer.json: Digits(individual_digits=True), then ByteLevel)
-# first makes each number character a piece: Unicode Nd, Nl and No, so ½, Ⅷ and ² as well as 0-9, but not
-# the letter 三.
-# transformers 5.24 builds this file's tokenizer without that step. No merge of SmolLM2 joins a digit 0-9
-# to anything, so " 2024" comes out the same either way, but " ½" is two pieces with the step and one
-# without, and its ids differ ([Ġ, Â½] against [ĠÂ, ½]). Such details make hand-written tokenizers disagree.
+# tokenizer.ggml.pre -> the patterns that split in turn, each inside the pieces the one before it left. SmolLM2's
+# "smollm" (llama.cpp's name; its tokenizer.json: Digits(individual_digits=True), then ByteLevel) first makes each
+# number character a piece: Unicode Nd, Nl and No, so ½, Ⅷ and ² as well as 0-9, but not the letter 三.
+# transformers 5.24 builds this file's tokenizer without that step. No merge of SmolLM2 joins a digit 0-9 to anything,
+# so " 2024" comes out the same either way, but " ½" is two pieces with the step and one without, and its ids differ
+# ([Ġ, Â½] against [ĠÂ, ½]). Such details make hand-written tokenizers disagree.
 PRE_TOKENIZERS = {"gpt-2": [GPT2_SPLIT], "smollm": ["[{N}]", GPT2_SPLIT]}
 
 
 class BPETokenizer(BasicTokenizer):
-    """BasicTokenizer as a released file holds it: tokens spelled in GPT-2's stand-ins (a token's id is its
-    index), merges as pairs of tokens, earliest first, and pre the pre-tokenizer's name. specials holds the
-    ids of tokens matched whole in the text before anything else (<|im_start|>)."""
+    """BasicTokenizer as a released file holds it: tokens spelled in GPT-2's stand-ins (a token's id is its index),
+    merges as pairs of tokens, earliest first, pre the pre-tokenizer's name, specials the special tokens' ids."""
 
     def __init__(self, tokens, merges, pre="gpt-2", specials=(), eos_id=None, chat_template=""):
         super().__init__()
@@ -1788,8 +1767,7 @@ class BPETokenizer(BasicTokenizer):
         return pieces
 
     def encode(self, text):
-        """It cuts out the special tokens' text first, then splits the rest into pieces and merges inside
-        each piece. A byte the vocabulary lacks is dropped before the merges, as transformers drops it."""
+        """Special tokens are cut out first; a byte the vocabulary lacks is dropped before a piece's merges."""
         ids = []
         for part in self.special_split.split(text) if self.special_split else [text]:
             if part in self.specials:  # re.split hands back the matches themselves
@@ -1822,24 +1800,23 @@ def train_gpt2_bpe(text, vocab_size, pre="gpt-2"):
 # ===========================================================================
 # 25. Quantized blocks: Q8_0, Q4_0, Q4_1 (量化块)
 # ===========================================================================
-# Released weights are stored at fewer bits than they were trained in: SmolLM2's 135M weights take 540 MB
-# in float32 and 98 MB in its GGUF file. The bits matter most when a model decodes. With the cache, each new
-# token multiplies one vector by every weight matrix, so every weight is read once for a multiply and an
-# add, and a processor computes far more than that in the time it reads a weight. So a token takes at least
-# the bytes of the weights divided by the memory's bandwidth, and fewer bits mean more tokens a second.
+# Released weights are stored at fewer bits than they were trained in: SmolLM2's 135M weights take 540 MB in float32 and
+# 98 MB in its GGUF file. The bits matter most when a model decodes. With the cache, each new token multiplies one
+# vector by every weight matrix, so every weight is read once for a multiply and an add, and a processor computes far
+# more than that in the time it reads a weight. So a token takes at least the bytes of the weights divided by the
+# memory's bandwidth, and fewer bits mean more tokens a second.
 # (This file dequantizes the weights as it loads them; llama.cpp multiplies by the blocks themselves.)
-# llama.cpp's formats cut the weights, row by row, into blocks of 32 values. Each block stores a float16
-# scale d (Q4_1 also a float16 minimum m) beside small integers q:
+# llama.cpp's formats cut the weights, row by row, into blocks of 32 values. Each block stores a float16 scale d (Q4_1
+# also a float16 minimum m) beside small integers q:
 #   Q8_0  d, then 32 int8            x = d q          d = max |x| / 127
 #   Q4_0  d, then 16 bytes of 4 bits x = d (q - 8)    d = (the x of largest |x|) / -8
 #   Q4_1  d, m, then 16 bytes        x = d q + m      d = (max - min) / 15, m = min
-# Byte j of the 4-bit formats holds value j in its low nibble and value j + 16 in its high one. With the
-# scales counted, a weight takes 34 bytes / 32 = 8.5 bits in Q8_0, 18 / 32 = 4.5 in Q4_0 and 20 / 32 = 5.0
-# in Q4_1. Q4_1 spends half a bit more on m because a block's values need not straddle 0 evenly.
-# The rounding is the gguf package's (llama.cpp's reference quantizer), bit for bit: x is multiplied by
-# 1 / d, inverted once in float32, because x / d differs in the last bit now and then and flips a q (2 of
-# 3.2 million Gaussian values). Q8_0 rounds halves away from zero, the 4-bit formats take trunc(... + 0.5),
-# and Q4_0's d takes its sign from the first of the tied largest |x|.
+# Byte j of the 4-bit formats holds value j in its low nibble and value j + 16 in its high one. With the scales counted,
+# a weight takes 34 bytes / 32 = 8.5 bits in Q8_0, 18 / 32 = 4.5 in Q4_0 and 20 / 32 = 5.0 in Q4_1. Q4_1 spends half a
+# bit more on m because a block's values need not straddle 0 evenly. The rounding is the gguf package's (llama.cpp's
+# reference quantizer), bit for bit: x is multiplied by 1 / d, inverted once in float32, because x / d differs in the
+# last bit now and then and flips a q (2 of 3.2 million Gaussian values). Q8_0 rounds halves away from zero, the 4-bit
+# formats take trunc(... + 0.5), and Q4_0's d takes its sign from the first of the tied largest |x|.
 
 QUANT_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # the bytes a block of 32 values takes, scales first
 
@@ -1900,8 +1877,8 @@ def dequantize(data, fmt, shape):
         x = d * (q - 8) if fmt == "Q4_0" else d * q + blocks[:, 2:4].view(torch.float16).float()  # [n/32, 32]
     return x.reshape(shape)                                                # [*shape]
 
-# A Q4_1 block whose values need no rounding, byte by byte; then each format's error, relative to the
-# weights' norm, on Gaussian weights; then the most tokens a second 135M weights allow at 50 GB/s.
+# A Q4_1 block whose values need no rounding, byte by byte; then each format's error, relative to the weights' norm, on
+# Gaussian weights; then the most tokens a second 135M weights allow at 50 GB/s.
 # Try it:
 #   >>> x = torch.arange(32.0) % 16                                    # [32]: 0..15 twice
 #   >>> data = quantize(x, "Q4_1")
@@ -1920,25 +1897,23 @@ def dequantize(data, fmt, shape):
 # ===========================================================================
 # 26. Reading a checkpoint: GGUF, safetensors, transformers' names (读取检查点)
 # ===========================================================================
-# Two formats carry most released weights: safetensors, which transformers saves, and GGUF, llama.cpp's
-# one file that also holds the configuration and the tokenizer. Each names the weights its own way (the
-# query projection is model.layers.0.self_attn.q_proj.weight in transformers, blk.0.attn_q.weight in
-# llama.cpp, layers.0.attn.w_q.weight here). Reading them is plumbing, so it lives with the tools
-# (read_gguf, load_gguf, ...). One idea in it is the pitfall of every hand-written GGUF loader. llama.cpp's
-# RoPE for "llama" files pairs neighbours (x[2i], x[2i+1]), Meta's way, while transformers' checkpoints are
-# laid out for section 19's halves (x[i], x[i + dk/2]). So convert_hf_to_gguf.py reorders the rows of w_q
-# and w_k within each head into Meta's order, and a half-split loader must put them back, as transformers'
-# does. Left as they are, they make nothing fail: the model turns the wrong pairs and attends to the wrong
-# places.
+# Two formats carry most released weights: safetensors, which transformers saves, and GGUF, llama.cpp's one file that
+# also holds the configuration and the tokenizer. Each names the weights its own way (the query projection is
+# model.layers.0.self_attn.q_proj.weight in transformers, blk.0.attn_q.weight in llama.cpp, layers.0.attn.w_q.weight
+# here). Reading them is plumbing for the tools after the article (read_gguf, load_gguf, ...), save the pitfall of every
+# hand-written GGUF loader. llama.cpp's RoPE for "llama" files pairs neighbours (x[2i], x[2i+1]), Meta's way, while
+# transformers' checkpoints are laid out for section 19's halves (x[i], x[i + dk/2]). So convert_hf_to_gguf.py reorders
+# the rows of w_q and w_k within each head into Meta's order, and a half-split loader must put them back, as
+# transformers' does. Left as they are, nothing fails: the model turns the wrong pairs and attends to the wrong places.
 
 def unpermute_rope_rows(w, n_heads):
-    """w_q or w_k [H * dk, D] from llama.cpp's row order back to transformers'. In each head, the rows of
-    pair i were placed at 2i and 2i + 1; they go back to i and i + dk/2."""
+    """w_q or w_k [H * dk, D] from llama.cpp's row order back to transformers'. In each head, the rows of pair i were
+    placed at 2i and 2i + 1; they go back to i and i + dk/2."""
     return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)  # [H * dk, D]
 
 
-# The released file is already 4-bit: its Q4_1 weights, dequantized and quantized again, come back bit for
-# bit (a block's min is one of its values, its max d q + m at q = 15), which a test checks.
+# The released file is already 4-bit: its Q4_1 weights, dequantized and quantized again, come back bit for bit (a
+# block's min is one of its values, its max d q + m at q = 15), which a test checks.
 # Try it:
 #   >>> unpermute_rope_rows(torch.arange(8.0)[:, None], n_heads=2).flatten()  # rows 2i, 2i + 1 -> i, i + dk/2
 #   tensor([0., 2., 1., 3., 4., 6., 5., 7.])
@@ -1947,17 +1922,16 @@ def unpermute_rope_rows(w, n_heads):
 # ===========================================================================
 # 27. The released model answers (发布的模型来回答)
 # ===========================================================================
-# An instruct model was fine-tuned on conversations in one format, and it answers well only in that format.
-# SmolLM2's is ChatML: each turn is "<|im_start|>role\ntext<|im_end|>\n", the answer comes after
-# "<|im_start|>assistant\n", and the model ends it by writing <|im_end|> itself. Its chat template (Jinja,
-# in the file's tokenizer.chat_template) puts a default system turn first, "You are a helpful AI assistant
-# named SmolLM, trained by Hugging Face"; the line is read from the template, with no template engine. The
-# answer is printed as it is made. A Chinese character or an emoji (3-4 bytes) can be cut between two
-# tokens, so an incremental UTF-8 decoder holds the bytes back until their character is whole.
+# An instruct model was fine-tuned on conversations in one format, and it answers well only in that format. SmolLM2's is
+# ChatML: each turn is "<|im_start|>role\ntext<|im_end|>\n", the answer comes after "<|im_start|>assistant\n", and the
+# model ends it by writing <|im_end|> itself. Its chat template (Jinja, in the file's tokenizer.chat_template) puts a
+# default system turn first, "You are a helpful AI assistant named SmolLM, trained by Hugging Face", read from the
+# template without a template engine. The answer is printed as it is made. A Chinese character or an emoji (3-4 bytes)
+# can be cut between two tokens, so an incremental UTF-8 decoder holds the bytes back until their character is whole.
 
 def chat_prompt(tokenizer, prompt):
-    """prompt in ChatML, with the template's own system line, where the tokenizer's chat template uses
-    <|im_start|>; else prompt itself, for plain completion."""
+    """prompt in ChatML, with the template's own system line, where the tokenizer's chat template uses <|im_start|>;
+    else prompt itself, for plain completion."""
     if "<|im_start|>" not in tokenizer.chat_template:
         return prompt
     system = re.search(r"<\|im_start\|>system(?:\n|\\n)(.*?)<\|im_end\|>", tokenizer.chat_template, re.S)
@@ -1967,9 +1941,9 @@ def chat_prompt(tokenizer, prompt):
 
 @torch.no_grad()
 def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=None, out=None):
-    """Answer prompt with loaded, a (model, BPETokenizer) pair, printing the answer to out (None: standard
-    output) as it is made, until the end of turn or max_new_tokens; greedy at temperature 0, else next_token
-    samples. -> (the answer, tokens a second: every token made, the end of turn too, over the whole time)."""
+    """Answer prompt with loaded, a (model, BPETokenizer) pair, printing to out (None: standard output), until the end
+    of turn or max_new_tokens; greedy at temperature 0, else next_token samples. -> (the answer, tokens a second: every
+    token made, the end of turn too, over the whole time)."""
     model, tokenizer = loaded
     ids = torch.tensor([tokenizer.encode(chat_prompt(tokenizer, prompt))], dtype=torch.long)  # [1, T]
     if ids.size(1) == 0:
@@ -1978,8 +1952,7 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
         raise ValueError(f"prompt_length + max_new_tokens must be at most max_len: {ids.size(1)} +"
                          f" {max_new_tokens} > {model.max_len}")
     stop = {tokenizer.eos_id, tokenizer.ids.get("<|im_end|>")} - {None}
-    utf8, answer, made = codecs.getincrementaldecoder("utf-8")(errors="replace"), [], 0
-    start = time.perf_counter()
+    utf8, answer, made, start = codecs.getincrementaldecoder("utf-8")(errors="replace"), [], 0, time.perf_counter()
     with eval_mode(model):
         cache = model.new_cache()
         for made in range(1, max_new_tokens + 1):
@@ -1993,8 +1966,8 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
     print(answer[-1], end="", file=out, flush=True)
     return "".join(answer), made / (time.perf_counter() - start)
 
-# A character's bytes cut across three tokens come out once whole; then a model built to repeat its last
-# token (one-hot embeddings tied to the output, and blocks that add nothing).
+# A character's bytes cut across three tokens come out once whole; then a model built to repeat its last token (one-hot
+# embeddings tied to the output, and blocks that add nothing).
 # Try it:
 #   >>> utf8 = codecs.getincrementaldecoder("utf-8")()
 #   >>> [utf8.decode(piece) for piece in (b"\xe4", b"\xb8", b"\xad!")]    # 中 is e4 b8 ad
