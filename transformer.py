@@ -303,7 +303,8 @@ class DecoderLayer(nn.Module):
             x = self.norm3(x + self._ff_block(x))                                        # [B, T, D]
         return x
 
-    _sa_block = EncoderLayer._sa_block  # the encoder's self-attention sub-layer, the same code
+    def _sa_block(self, x, mask, cache):
+        return self.dropout1(self.self_attn(x, x, x, mask, cache))         # [B, T, D]
 
     def _mha_block(self, x, memory, mask, cache):
         # Queries come from the decoder, keys and values from the memory: [B, H, T, S] scores. The memory stays fixed
