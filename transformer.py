@@ -1,10 +1,14 @@
 """transformer.py: the Transformer, hand-written, top to bottom, proven against PyTorch.
 
+MIT License. Copyright (c) 2026 the transformer.py authors. Use, copy, change and share it freely; it comes without
+any warranty.
+
 Read it like an article, in the order of three Chinese tutorials (a line-by-line reading of a decoder-only GPT,
-a 350-line walk through attention, a build-it-yourself encoder-decoder), their mistakes fixed. Each numbered section
-depends only on torch and the sections above it, so the file cut after any model's section still runs that model. A
-later idea never becomes an option of an earlier class: a later section extends it, as Qwen3 (QK-norm), Mixtral
-(experts) and Mistral (a window) each extend the Llama. test_transformer.py proves every piece.
+a 350-line walk through attention, a build-it-yourself encoder-decoder), with their mistakes fixed. Each numbered
+section depends only on torch and the sections above it, so the file cut after any model's section still runs that
+model, and each interview piece (README: the interview index) runs pasted alone under the four imports. A later idea
+never becomes an option of an earlier class: a later section extends it, as Qwen3 (QK-norm), Mixtral (experts) and
+Mistral (a window) each extend the Llama. test_transformer.py proves every piece.
 
   Part I     1-10   the classic Transformer (Vaswani et al., 2017, "Attention Is All You Need")
   Part II    11-17  teaching it a task: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
@@ -15,7 +19,8 @@ later idea never becomes an option of an earlier class: a later section extends 
                     attention sinks (gpt-oss), Gated DeltaNet (Qwen3-Next), sparse attention (V3.2)
   Part VII   41-47  training by hand: AdamW, schedules, clipping, FLOPs, precision, memory, LoRA
   Part VIII  48-51  after pretraining: speculative decoding, log-probabilities, DPO, GRPO
-  Tools      52-56  your own data, checkpoints, the demo, the benchmark, the command line
+  Tools      52-58  reading released files, the runs behind the article, your own data, checkpoints, the demo,
+                    the benchmark, the command line
 
 The encoder-decoder (Part I) and its shapes, for a batch of B sentences:
 
@@ -4700,20 +4705,18 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
 import argparse
 import inspect
 import io
+import json
+import os
+import struct
 import sys
+import tempfile
 import warnings
 from unittest import mock
 
 
 # ===========================================================================
-# Reading released checkpoints: GGUF, safetensors, transformers' names (读取发布的检查点)
+# 52. Reading released checkpoints: GGUF, safetensors, transformers' names (读取发布的检查点)
 # ===========================================================================
-# >>> ANCHOR P4: Part IV's plumbing goes directly below this line (keep this line)
-import json
-import os
-import struct
-import tempfile
-
 # Part IV's files. safetensors (what transformers saves) is an 8-byte length, a JSON header {name: dtype, shape,
 # byte offsets}, then the raw tensors. GGUF (llama.cpp's) holds typed key-value metadata (the configuration, the
 # tokenizer), a table of tensors (name, shape, type, offset), then the data, each tensor at a multiple of
@@ -5047,7 +5050,6 @@ def quantized_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, 
                                            for fmt in formats}}
 
 
-# >>> ANCHOR P5: Part V's plumbing goes directly below this line (keep this line)
 # Part V's families in transformers' tables (HF_NAMES, HF_CONVERSIONS, HF_FAMILIES): Qwen3's q_norm and k_norm keep
 # their names here.
 def hf_qwen3(config):
@@ -5126,7 +5128,6 @@ def hf_deepseek_v3(config):
 HF_FAMILIES["deepseek_v3"] = (DeepSeekV3, hf_deepseek_v3)
 
 
-# >>> ANCHOR P6A: sections 34-37's plumbing goes directly below this line (keep this line)
 # Section 35's Mistral for checkpoints (its parameter count, checked before a model is built) and in transformers'
 # names (Llama's names and fields, and the window)
 def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
@@ -5145,8 +5146,8 @@ def hf_mistral(config):
 HF_FAMILIES["mistral"] = (Mistral, hf_mistral)
 
 
-# >>> ANCHOR P6B: sections 38-40's plumbing goes directly below this line (keep this line)
-# Sections 38-40's tables, for transformers' gpt-oss, Qwen3-Next and DeepSeek-V3.2 (section 26 reads them).
+# Sections 38-40's tables, for transformers' gpt-oss, Qwen3-Next and DeepSeek-V3.2 (from_hf_config and
+# load_hf_state_dict above read them).
 
 # gpt-oss: its names are Llama's and Mixtral's, and the sinks keep theirs. Its experts are fused the other
 # way round from Mixtral's, so they are unfused first, before hf_unfuse_experts would cut them in two
@@ -5258,9 +5259,11 @@ HF_FAMILIES["deepseek_v32"] = (DeepSeekV32, hf_deepseek_v32)
 
 
 # ===========================================================================
-# The runs behind the article's ideas (实验与报告)
+# 53. The runs behind the article (实验与报告)
 # ===========================================================================
-# >>> ANCHOR R2: Part II-III's runs and registries go directly below this line (keep this line)
+# The toy models' registry and the runs that train and report them: Part II's, then those of Parts V to VIII. The
+# article's sections explain each idea; the demo and --after call these to show it on the toy task.
+
 def check_list(name, value, items):
     """A list argument: any iterable but str or bytes ("wo ai" would be 5 sentences) or a dict (its keys)."""
     if isinstance(value, (str, bytes, bytearray, dict)) or not hasattr(type(value), "__iter__"):
@@ -5329,7 +5332,6 @@ def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head=None, 
     print(render_heatmap(weights, pinyin.split(), chars))
 
 
-# >>> ANCHOR R5: Part V's runs and registries go directly below this line (keep this line)
 # Part V on the toy task of Part II (section 16): where the routed tokens went, DeepSeek-V3's recipe, an MTP module.
 @torch.no_grad()
 def expert_load(model, pairs, vocab):
@@ -5402,7 +5404,6 @@ def train_mtp(model, pairs, vocab, epochs=2, batch_size=32, seed=0):
     return mtp.eval()
 
 
-# >>> ANCHOR R6: Part VI's runs and registries go directly below this line (keep this line)
 # On the toy task (section 16), by the Llama's recipe: a DeltaNet layer, then an attention layer (the toy's sentences
 # are short; one of each is the smallest hybrid), 4 experts, 2 a token.
 TOY_MODELS["qwen3_next"] = dict(
@@ -5459,7 +5460,6 @@ def use_fused_kernels(model, fused=True):
     return model
 
 
-# >>> ANCHOR R7: Part VII-VIII's runs go directly below this line (keep this line)
 # The runs of Parts VII and VIII on the toy task: mixed precision, LoRA against full fine-tuning, speculative
 # decoding with a small draft and with the MTP module, and DPO, GRPO and plain supervised steps from one start.
 
@@ -5819,7 +5819,7 @@ def preference_report(seed=0, **changes):
 
 
 # ===========================================================================
-# 52. Your own data (自己的数据)
+# 54. Your own data (自己的数据)
 # ===========================================================================
 # With --data FILE.tsv the models train on your pairs instead of the generated ones. The file is UTF-8 text with one
 # "pinyin<TAB>hanzi" pair a line and one syllable per character; blank lines and # comments are skipped. A line that
@@ -5910,7 +5910,7 @@ def read_pairs(path):
 
 
 # ===========================================================================
-# 53. Saving and loading (保存与加载)
+# 55. Saving and loading (保存与加载)
 # ===========================================================================
 # A checkpoint holds data only (the configuration, the weights, the vocabularies), so torch.load(weights_only=True)
 # reads it without running pickled code. It is written to a temporary file and renamed over the target, so a save
@@ -6217,7 +6217,7 @@ def load_checkpoint(path, device="cpu"):
 
 
 # ===========================================================================
-# 54. The demo (演示): python transformer.py
+# 56. The demo (演示): python transformer.py
 # ===========================================================================
 # The demo first shows shapes and parameter counts (the tutorials' own configuration among them) and measures the
 # cache. Then the toy models learn pinyin to hanzi and answer sentences they never saw, and the encoder-decoder shows
@@ -6461,7 +6461,7 @@ def run(args, device, pairs, loaded):
     return kind, model, src_vocab, tgt_vocab, readings
 
 # ===========================================================================
-# 55. The benchmark (基准测试): python transformer.py --bench
+# 57. The benchmark (基准测试): python transformer.py --bench
 # ===========================================================================
 # The benchmark shows where the time goes, in one run. The hand-written model trains against nn.Transformer with the
 # same weights, the KV cache runs against the memory-bandwidth bound, and FlashAttention's tiles run against section 2
@@ -6637,7 +6637,7 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
 
 
 # ===========================================================================
-# 56. The command line (命令行)
+# 58. The command line (命令行)
 # ===========================================================================
 # Every mistake is one line on stderr with exit status 2, found before the work where it can be. Answers go to stdout.
 
