@@ -2483,7 +2483,8 @@ def mtp_module(model):
     attention() and feed_forward() would build as block n_layers (DeepSeek-V3's: MLA and the DeepSeekMoE)."""
     c = model.config
     if "d_ff" not in c:  # a family whose every block is a mixture has no dense width to build the block from
-        raise ValueError(f"mtp_module builds a Llama family's next block from its d_ff; a {type(model).__name__} has none")
+        raise ValueError(f"mtp_module builds a Llama family's next block from its d_ff; a {type(model).__name__}"
+                         f" has none")
     attn = model.attention(model.d_model, c["n_heads"], c.get("n_kv_heads") or c["n_heads"], c.get("qkv_bias"))
     ffn = model.feed_forward(len(model.layers), model.d_model, c["d_ff"] or llama_ffn_dim(model.d_model))
     block = LlamaBlock(model.d_model, attn, ffn, c["norm_eps"])
