@@ -12466,6 +12466,21 @@ def piece_text(*roots):
     return size, "\n\n".join("\n".join(lines[top[name][0] - 1:top[name][1]]) for name in names)
 
 
+def test_the_readme_interview_index_shows_each_piece_at_its_size():
+    """The README's interview index: a row for each piece, its roots, the lines they copy now and the target."""
+    readme = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
+    rows = re.findall(r"^\| ([^|]+?) \| (\d+) \| (`.+?`) \| (\d+) \((\d+)\) \|$", readme, re.M)
+    assert [(piece, tuple(re.findall(r"`(\w+)`", roots)), int(size), int(target))
+            for piece, _, roots, size, target in rows] == [
+        (piece, roots, piece_text(*roots)[0], target) for piece, roots, target, _ in PIECES]
+
+
+def test_the_readme_names_only_pitfall_tests_that_exist():
+    readme = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
+    named = set(re.findall(r"`(test_pitfall_\w+)`", readme))
+    assert len(named) >= 10 and all(callable(globals().get(name)) for name in named), named
+
+
 @pytest.mark.parametrize("piece, roots, target, use", PIECES, ids=[p[0] for p in PIECES])
 def test_each_interview_piece_copies_alone_runs_and_fits_its_target(piece, roots, target, use):
     size, text = piece_text(*roots)
