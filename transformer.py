@@ -1,6 +1,6 @@
 """transformer.py: the Transformer, hand-written, top to bottom, proven against PyTorch.
 
-MIT License. Copyright (c) 2026 the transformer.py authors. Use, copy, change and share it freely; it comes without
+MIT License. Copyright (c) the transformer.py authors. Use, copy, change and share it freely; it comes without
 any warranty.
 
 Read it like an article, in the order of three Chinese tutorials (a line-by-line reading of a decoder-only GPT,
