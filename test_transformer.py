@@ -31,9 +31,10 @@ section's tests sit under its number; helpers sit beside the tests that use them
 Everything runs in-process (main(argv) with capsys and tmp_path), except the few
 checks that need a real `python transformer.py` (signals, a closed or full standard
 stream, a process's own peak memory, the sections cut out and run alone): those use
-subprocess with a timeout. pytest-xdist spreads the tests over the cores:
+subprocess with a timeout. pytest-xdist spreads the tests over the cores, keeping the
+tests marked with one xdist_group (those sharing one real process) on one core:
 
-    python -m pytest -q -n auto
+    python -m pytest -q -n auto --dist loadgroup
 """
 
 import argparse
@@ -76,6 +77,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import transformer as tf
 
 TOL = 1e-5
+# without pytest-xdist (-p no:xdist) its mark xdist_group is unknown to pytest: nothing to warn about
+warnings.filterwarnings("ignore", "Unknown pytest.mark.xdist_group", pytest.PytestUnknownMarkWarning)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -153,12 +156,6 @@ def run(args, timeout=120, env=(), **kw):
 
 
 PROGRAM = [sys.executable, "transformer.py"]
-
-
-def cli(argv):
-    """The real command line, as a user runs it: python transformer.py ARGV. -> (status, stdout, stderr)."""
-    proc = run(PROGRAM + argv, capture_output=True, text=True, encoding="utf-8", errors="replace")
-    return proc.returncode, proc.stdout, proc.stderr
 
 
 # ===========================================================================
@@ -1809,6 +1806,7 @@ def overfit10(one_thread):
     return model, pairs, sv, tv, result, logs
 
 
+@pytest.mark.xdist_group("overfit10")
 def test_pitfall_perfect_training_loss_that_greedy_decoding_fails(overfit10):
     # the build-it-yourself tutorial had no causal mask: its loss went to ~0 while greedy decoding failed.
     # Here the loss goes to ~0 AND greedy decoding reproduces every sentence
@@ -1821,6 +1819,7 @@ def test_pitfall_perfect_training_loss_that_greedy_decoding_fails(overfit10):
     assert tf.translate(model, [p for p, _ in pairs], sv, tv) == [h for _, h in pairs]
 
 
+@pytest.mark.xdist_group("overfit10")
 def test_translate_batches_and_unknown_syllables(overfit10):
     model, pairs, sv, tv, _, _ = overfit10
     pinyin = [p for p, _ in pairs]
@@ -2555,6 +2554,7 @@ def gpt_overfit10(one_thread):
     return model, pairs, vocab, result, logs
 
 
+@pytest.mark.xdist_group("gpt_overfit10")
 def test_gpt_overfits_ten_sentences(gpt_overfit10):
     model, pairs, vocab, result, logs = gpt_overfit10
     assert len(logs) == GPT_OVERFIT_EPOCHS and not result["interrupted"]
@@ -2564,6 +2564,7 @@ def test_gpt_overfits_ten_sentences(gpt_overfit10):
     assert tf.gpt_translate(model, [p for p, _ in pairs], vocab) == [h for _, h in pairs]
 
 
+@pytest.mark.xdist_group("gpt_overfit10")
 def test_gpt_translate_groups_by_length_keeps_input_order(gpt_overfit10, monkeypatch):
     model, pairs, vocab, _, _ = gpt_overfit10
     by_len = {}
@@ -3425,6 +3426,7 @@ def test_quant_weights_of_a_model_become_what_the_format_stores():
     assert not torch.equal(model.layers[0].attn.w_q.weight, before["layers.0.attn.w_q.weight"])
 
 
+@pytest.mark.xdist_group("gpt_overfit10")
 def test_quant_toy_accuracy_at_each_format_leaves_the_model_as_it_was(gpt_overfit10):
     model, pairs, vocab = gpt_overfit10[:3]
     before = copy.deepcopy(model.state_dict())
@@ -9200,6 +9202,7 @@ def test_read_pairs_accepts_a_utf8_byte_order_mark(tmp_path):
     assert tf.read_pairs(str(path)) == [("ni hao", "你好"), ("wo ai", "我爱")]
 
 
+@pytest.mark.xdist_group("overfit10")
 def test_unseen_character_maps_to_unk_and_counts_wrong(overfit10):
     model, pairs, sv, tv, _, _ = overfit10
     (pinyin, hanzi), other = pairs[0], pairs[1]
@@ -10488,15 +10491,11 @@ def test_main_help(capsys):
         assert flag in out
 
 
-def test_cli_bad_device_is_one_line_subprocess():
-    # the real command line, as a user runs it: python transformer.py --device tpu
-    status, out, err = cli(["--device", "tpu"])
-    assert status == 2
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    assert "tpu" in lines[0] and lines[0].startswith("transformer.py: error:")
-    assert out == ""
+def test_cli_bad_device_is_one_line():
+    # python transformer.py --device tpu, as the program runs it (command_line: its streams, its exit)
+    status, out, err = _command_line(["--device", "tpu"])
+    assert status == 2 and out == b""
+    assert "'tpu'" in _one_error_line(err)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
@@ -10509,10 +10508,6 @@ def test_cli_cuda_unavailable_is_one_line(capsys):
 def test_cli_bad_epochs_is_one_line(capsys, value):
     line = _usage_error(capsys, ["--epochs", value, "--device", "cpu"])
     assert "--epochs" in line and repr(value) in line
-
-
-def test_cli_bad_device_is_one_line_in_process(capsys):
-    assert "'tpu'" in _usage_error(capsys, ["--device", "tpu"])
 
 
 def test_cli_head_out_of_range_is_one_line(capsys, tmp_path):
@@ -10715,19 +10710,14 @@ def test_cli_save_to_missing_folder_is_one_line(capsys, tmp_path):
     assert "Traceback" not in err and not target.parent.exists()
 
 
-def test_cli_load_missing_or_garbage_is_one_line_subprocess(tmp_path):
-    # python transformer.py --load garbage.pt, a real process; a missing file takes the same way
-    # out (load_checkpoint's ValueError -> one line), checked in-process here: one interpreter
-    # proves the real exit prints no traceback
+def test_cli_load_missing_or_garbage_is_one_line(tmp_path):
+    # python transformer.py --load garbage.pt, and a missing file: load_checkpoint's ValueError, one line
     garbage, missing = tmp_path / "garbage.pt", tmp_path / "missing.pt"
     garbage.write_bytes(b"\x00\x01 this is not a checkpoint \xff" * 40)
-    runs = ((garbage, *cli(["--load", str(garbage)])), (missing, *_main(["--load", str(missing)])))
-    for path, status, out, err in runs:
-        assert status == 2, err
-        lines = [line for line in err.splitlines() if line.strip()]
-        assert len(lines) == 1 and "Traceback" not in err, err
-        assert lines[0].startswith(f"transformer.py: error: {path}:")
-        assert out == ""
+    for path in (garbage, missing):
+        status, out, err = _command_line(["--load", str(path)])
+        assert status == 2 and out == b"", err
+        assert _one_error_line(err).startswith(f"transformer.py: error: {path}:")
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="sends SIGINT to a child process")
@@ -11181,40 +11171,56 @@ def _as_fd(fd, f):
 # The checks that need a real process of their own (POSIX: signals, /dev files, peak memory)
 # ---------------------------------------------------------------------------
 
-# python -c MEASURED: imports torch and transformer, notes the peak memory, runs
-# "--command-line ARGS..." (the program, as `python transformer.py ARGS` would) or
-# "--call PREPARE CALL..." (PREPARE, then each CALL's outcome), and writes the MB the
-# peak grew by, the outcomes and the seconds it took, to the file $HARDENING_REPORT.
+# python -c MEASURED JOBS REPORT: imports torch and transformer once, then runs each job of the
+# JSON file JOBS in turn and writes what each did to the JSON file REPORT. A job is the program
+# ("argv", as `python transformer.py ARGV` with its standard streams files) or "calls" (after
+# "prepare", each call's outcome). Before each, what earlier jobs freed goes back to the system
+# and the peak is reset (Linux's /proc/self/clear_refs): each job's peak growth is its own.
 MEASURED = r"""
-import json, os, resource, sys, time
+import ctypes, gc, json, sys, time
 import torch
 import transformer as tf
 
 def peak():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) // 1024  # kB -> MB
 
-def report(outcomes):
-    with open(os.environ["HARDENING_REPORT"], "w", encoding="utf-8") as f:
-        json.dump({"grown": peak() - start, "outcomes": outcomes, "seconds": time.monotonic() - began}, f)
+def reset_peak():
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")                                    # the peak is now what the process holds
+    return peak(), time.monotonic()
 
-how, *args = sys.argv[1:]
-if how == "--command-line":
-    sys.argv = ["transformer.py", *args]
-    start, began = peak(), time.monotonic()
-    status = tf.command_line()
-    report([status])
-    sys.exit(status)
-prepare, *calls = args
-scope = {"tf": tf, "torch": torch}
-exec(prepare, scope)
-start, began, outcomes = peak(), time.monotonic(), []
-for call in calls:
-    try:
-        eval(call, scope)
-        outcomes.append("ok")
-    except Exception as e:
-        outcomes.append(f"{type(e).__name__}: {e}")
-report(outcomes)
+jobs, report = sys.argv[1:]
+facts = {}
+for name, job in json.load(open(jobs, encoding="utf-8")).items():
+    if "argv" in job:
+        sys.argv = ["transformer.py", *job["argv"]]
+        streams = (open(job["stdin"], encoding="utf-8"), open(job["stdout"], "w", encoding="utf-8"),
+                   open(job["stderr"], "w", encoding="utf-8", errors="backslashreplace"))
+        sys.stdin, sys.stdout, sys.stderr = streams
+        start, began = reset_peak()
+        try:
+            outcomes = [tf.command_line()]
+        except SystemExit as e:
+            outcomes = [e.code]
+        for stream in streams:
+            stream.close()
+        sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__
+    else:
+        scope, outcomes = {"tf": tf, "torch": torch}, []
+        exec(job["prepare"], scope)
+        start, began = reset_peak()
+        for call in job["calls"]:
+            try:
+                eval(call, scope)
+                outcomes.append("ok")
+            except Exception as e:
+                outcomes.append(f"{type(e).__name__}: {e}")
+    facts[name] = {"grown": peak() - start, "outcomes": outcomes, "seconds": time.monotonic() - began}
+with open(report, "w", encoding="utf-8") as f:
+    json.dump(facts, f)
 """
 # A closed stdout, as a shell makes it ("; exit $?" keeps sh from replacing itself)
 STDOUT_CLOSED = ["/bin/sh", "-c", '"$@" >&-; exit $?', "sh", *PROGRAM]
@@ -11242,15 +11248,43 @@ def _views_checkpoint(hard, path):
     torch.save(dict(checkpoint, config=config, state_dict=state), path)
 
 
-def measured(tmp_path, args, **kw):
-    """python -c MEASURED ARGS, a real process. -> (status, stdout bytes, stderr text, MB its peak
-    memory grew by or None, outcomes or None, seconds or None)."""
-    report = tmp_path / "report.json"
-    proc = run([sys.executable, "-c", MEASURED, *args], env={"HARDENING_REPORT": str(report)}, capture_output=True,
-               **kw)
-    facts = json.loads(report.read_text()) if report.exists() else {}
-    return (proc.returncode, proc.stdout, proc.stderr.decode("utf-8", "replace"), facts.get("grown"),
-            facts.get("outcomes"), facts.get("seconds"))
+@pytest.fixture(scope="module")
+def measured_runs(hard, tmp_path_factory):
+    """The inputs whose peak memory is part of the promise, each read in turn by one real process
+    (python -c MEASURED). -> {job: {"grown": MB its peak grew by, "outcomes", "seconds", "path", "stdout",
+    "stderr"}}."""
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("resets and reads each job's peak through Linux's /proc")
+    folder = tmp_path_factory.mktemp("measured")
+    views, blank = folder / "views.pt", folder / "blank.tsv"
+    _views_checkpoint(hard, views)
+    blank.write_bytes(b"\n" * (16 * 2 ** 20) + "wo\t我\nni\t你\n".encode())
+    long_lines = [folder / f"long-{what}.tsv" for what, _, _ in LONG_LINES]
+    for path, (_, line, _) in zip(long_lines, LONG_LINES):
+        path.write_text("wo\t我\n" + line + "\n", encoding="utf-8")
+    jobs = {"dev zero": {"argv": ["--load", hard["encdec"], "--translate", "-"], "stdin": "/dev/zero"},
+            "widest beam": {"argv": ["--load", hard["encdec"], "--beam", str(tf.MAX_BEAM)], "stdin": os.devnull},
+            "views": {"prepare": f"path = {str(views)!r}", "calls": ["tf.load_checkpoint(path)"], "path": views},
+            "bigram": {"prepare": BIGRAM_PAIRS, "calls": ["tf.BigramHMM(pairs)"]},
+            "long lines": {"prepare": f"paths = {[str(p) for p in long_lines]!r}",
+                           "calls": [f"tf.read_pairs(paths[{i}])" for i in range(len(long_lines))],
+                           "path": long_lines},
+            "blank lines": {"prepare": f"path = {str(blank)!r}", "calls": ["tf.read_pairs(path)"], "path": blank}}
+    for name, job in jobs.items():
+        if "argv" in job:
+            job["stdout"], job["stderr"] = (str(folder / f"{name}.{stream}") for stream in ("stdout", "stderr"))
+    (folder / "jobs.json").write_text(json.dumps({name: {k: v for k, v in job.items() if k != "path"}
+                                                  for name, job in jobs.items()}), encoding="utf-8")
+    proc = run([sys.executable, "-c", MEASURED, str(folder / "jobs.json"), str(folder / "report.json")],
+               capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    facts = json.loads((folder / "report.json").read_text(encoding="utf-8"))
+    for name, job in jobs.items():
+        facts[name]["path"] = job.get("path")
+        if "argv" in job:
+            facts[name]["stdout"] = open(job["stdout"], "rb").read()
+            facts[name]["stderr"] = open(job["stderr"], encoding="utf-8").read()
+    return facts
 
 
 posix_only = pytest.mark.skipif(sys.platform == "win32", reason="a POSIX process: /dev files, resource, sh")
@@ -11940,73 +11974,62 @@ def test_closed_stdout_refuses_answers_and_saves_without_a_traceback(hard, tmp_p
     assert status == 2
 
 
-@posix_only
-def test_translate_stdin_from_dev_zero_stops_at_once_in_bounded_memory(hard, tmp_path):
-    # python transformer.py --load m.pt --translate - < /dev/zero, in a process of its own for the memory
-    with open("/dev/zero", "rb") as zero:
-        status, out, err, grown, _, seconds = measured(
-            tmp_path, ["--command-line", "--load", hard["encdec"], "--translate", "-"], stdin=zero)
-    assert status == 2 and out == b"" and seconds < 10
-    assert _one_error_line(err).endswith(f"line 1: longer than {tf.MAX_LINE:,} characters; stopped reading")
-    assert grown < 150, f"{grown} MB"
+# Six inputs, each measured in one real process (measured_runs), which xdist_group keeps on one core
+
+@pytest.mark.xdist_group("measured")
+def test_translate_stdin_from_dev_zero_stops_at_once_in_bounded_memory(measured_runs):
+    # python transformer.py --load m.pt --translate - < /dev/zero
+    facts = measured_runs["dev zero"]
+    assert facts["outcomes"] == [2] and facts["stdout"] == b"" and facts["seconds"] < 10
+    assert _one_error_line(facts["stderr"]).endswith(f"line 1: longer than {tf.MAX_LINE:,} characters;"
+                                                     " stopped reading")
+    assert facts["grown"] < 150, f"{facts['grown']} MB"
 
 
-@posix_only
-def test_views_of_one_storage_under_made_up_names_are_refused_before_building(hard, tmp_path):
+@pytest.mark.xdist_group("measured")
+def test_views_of_one_storage_under_made_up_names_are_refused_before_building(measured_runs):
     # a 4 MB storage, cut into views that add up to what d_ff 2,000,000 needs (the model: 2.2 GB)
-    path = tmp_path / "views.pt"
-    _views_checkpoint(hard, path)
+    facts = measured_runs["views"]
+    path = facts["path"]
     assert os.path.getsize(path) < 8 * 2 ** 20
-    status, _, err, grown, outcomes, _ = measured(tmp_path, ["--call", f"path = {str(path)!r}",
-                                                             "tf.load_checkpoint(path)"])
-    assert status == 0 and outcomes, err
-    outcome = outcomes[0]
+    [outcome] = facts["outcomes"]
     assert outcome.startswith(f"ValueError: {path}: damaged checkpoint") and "view into the storage" in outcome
-    assert grown < 100, f"{grown} MB"
+    assert facts["grown"] < 100, f"{facts['grown']} MB"
 
 
-@posix_only
-def test_bigram_hmm_memory_stays_near_one_table(tmp_path):
+@pytest.mark.xdist_group("measured")
+def test_bigram_hmm_memory_stays_near_one_table(measured_runs):
     # 3,000 characters (BIGRAM_PAIRS): one (C + 1) x C float table is 36 MB; out-of-place steps held three or four
-    status, _, err, grown, outcomes, _ = measured(tmp_path, ["--call", BIGRAM_PAIRS, "tf.BigramHMM(pairs)"])
-    assert status == 0 and outcomes == ["ok"] and grown < 90, (err, outcomes, grown)
+    facts = measured_runs["bigram"]
+    assert facts["outcomes"] == ["ok"] and facts["grown"] < 90, facts
 
 
-@posix_only
-def test_data_line_of_millions_of_tabs_or_syllables_is_refused_without_listing_them(tmp_path):
+@pytest.mark.xdist_group("measured")
+def test_data_line_of_millions_of_tabs_or_syllables_is_refused_without_listing_them(measured_runs):
     # split, either would be a list of two million strings: over 100 MB for a 4 MB line. Both are read
-    # in one process, one after the other: its peak bounds each one's
-    paths = []
-    for what, line, _ in LONG_LINES:
-        paths.append(tmp_path / f"long-{what}.tsv")
-        paths[-1].write_text("wo\t我\n" + line + "\n", encoding="utf-8")
-    status, _, err, grown, outcomes, _ = measured(tmp_path, [
-        "--call", f"paths = {[str(p) for p in paths]!r}", *(f"tf.read_pairs(paths[{i}])" for i in range(len(paths)))])
-    assert status == 0 and outcomes, err
-    for (_, _, words), path, outcome in zip(LONG_LINES, paths, outcomes, strict=True):
+    # in one job, one after the other: its peak bounds each one's
+    facts = measured_runs["long lines"]
+    for (_, _, words), path, outcome in zip(LONG_LINES, facts["path"], facts["outcomes"], strict=True):
         assert outcome == f"ValueError: {path}:2: {words}", outcome
-    assert grown < 50, f"{grown} MB"
+    assert facts["grown"] < 50, f"{facts['grown']} MB"
 
 
-@posix_only
-def test_data_file_of_blank_lines_reads_in_memory_proportional_to_the_file(tmp_path):
+@pytest.mark.xdist_group("measured")
+def test_data_file_of_blank_lines_reads_in_memory_proportional_to_the_file(measured_runs):
     # 16 MB of blank lines: listed, they cost ~0.5 GB; visited one by one, a small multiple of the file
-    path = tmp_path / "blank.tsv"
-    path.write_bytes(b"\n" * (16 * 2 ** 20) + "wo\t我\nni\t你\n".encode())
-    status, _, err, grown, outcomes, _ = measured(tmp_path, ["--call", f"path = {str(path)!r}", "tf.read_pairs(path)"])
-    assert status == 0 and outcomes == ["ok"], (err, outcomes)
-    assert grown < 100, f"{grown} MB"
-    assert tf.read_pairs(str(path)) == [("ni", "你"), ("wo", "我")]
+    facts = measured_runs["blank lines"]
+    assert facts["outcomes"] == ["ok"], facts
+    assert facts["grown"] < 100, f"{facts['grown']} MB"
+    assert tf.read_pairs(str(facts["path"])) == [("ni", "你"), ("wo", "我")]
 
 
-@posix_only
-def test_cli_widest_beam_stays_within_a_few_hundred_mb(hard, tmp_path):
+@pytest.mark.xdist_group("measured")
+def test_cli_widest_beam_stays_within_a_few_hundred_mb(measured_runs):
     # the report answers 240 held-out sentences: with every one in a batch, beam 64 took 163 MB
     # here and beam 100 1.3 GB; in batches of 256 rows it takes about 30 MB
-    status, out, err, grown, _, _ = measured(tmp_path, ["--command-line", "--load", hard["encdec"],
-                                                        "--beam", str(tf.MAX_BEAM)])
-    assert status == 0 and err == "", err
-    assert grown < 100, f"{grown} MB"
+    facts = measured_runs["widest beam"]
+    assert facts["outcomes"] == [0] and facts["stderr"] == "", facts["stderr"]
+    assert facts["grown"] < 100, f"{facts['grown']} MB"
 
 
 @posix_only
