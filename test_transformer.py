@@ -31,10 +31,9 @@ section's tests sit under its number; helpers sit beside the tests that use them
 Everything runs in-process (main(argv) with capsys and tmp_path), except the few
 checks that need a real `python transformer.py` (signals, a closed or full standard
 stream, a process's own peak memory, the sections cut out and run alone): those use
-subprocess with a timeout. pytest-xdist spreads the tests over the cores, keeping the
-tests marked with one xdist_group (those sharing one real process) on one core:
+subprocess with a timeout. pytest-xdist spreads the tests over the cores:
 
-    python -m pytest -q -n auto --dist loadgroup
+    python -m pytest -q -n auto
 """
 
 import argparse
@@ -77,8 +76,6 @@ from torch.utils.flop_counter import FlopCounterMode
 import transformer as tf
 
 TOL = 1e-5
-# without pytest-xdist (-p no:xdist) its mark xdist_group is unknown to pytest: nothing to warn about
-warnings.filterwarnings("ignore", "Unknown pytest.mark.xdist_group", pytest.PytestUnknownMarkWarning)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -1806,7 +1803,6 @@ def overfit10(one_thread):
     return model, pairs, sv, tv, result, logs
 
 
-@pytest.mark.xdist_group("overfit10")
 def test_pitfall_perfect_training_loss_that_greedy_decoding_fails(overfit10):
     # the build-it-yourself tutorial had no causal mask: its loss went to ~0 while greedy decoding failed.
     # Here the loss goes to ~0 AND greedy decoding reproduces every sentence
@@ -1819,7 +1815,6 @@ def test_pitfall_perfect_training_loss_that_greedy_decoding_fails(overfit10):
     assert tf.translate(model, [p for p, _ in pairs], sv, tv) == [h for _, h in pairs]
 
 
-@pytest.mark.xdist_group("overfit10")
 def test_translate_batches_and_unknown_syllables(overfit10):
     model, pairs, sv, tv, _, _ = overfit10
     pinyin = [p for p, _ in pairs]
@@ -2554,7 +2549,6 @@ def gpt_overfit10(one_thread):
     return model, pairs, vocab, result, logs
 
 
-@pytest.mark.xdist_group("gpt_overfit10")
 def test_gpt_overfits_ten_sentences(gpt_overfit10):
     model, pairs, vocab, result, logs = gpt_overfit10
     assert len(logs) == GPT_OVERFIT_EPOCHS and not result["interrupted"]
@@ -2564,7 +2558,6 @@ def test_gpt_overfits_ten_sentences(gpt_overfit10):
     assert tf.gpt_translate(model, [p for p, _ in pairs], vocab) == [h for _, h in pairs]
 
 
-@pytest.mark.xdist_group("gpt_overfit10")
 def test_gpt_translate_groups_by_length_keeps_input_order(gpt_overfit10, monkeypatch):
     model, pairs, vocab, _, _ = gpt_overfit10
     by_len = {}
@@ -3426,7 +3419,6 @@ def test_quant_weights_of_a_model_become_what_the_format_stores():
     assert not torch.equal(model.layers[0].attn.w_q.weight, before["layers.0.attn.w_q.weight"])
 
 
-@pytest.mark.xdist_group("gpt_overfit10")
 def test_quant_toy_accuracy_at_each_format_leaves_the_model_as_it_was(gpt_overfit10):
     model, pairs, vocab = gpt_overfit10[:3]
     before = copy.deepcopy(model.state_dict())
@@ -9202,7 +9194,6 @@ def test_read_pairs_accepts_a_utf8_byte_order_mark(tmp_path):
     assert tf.read_pairs(str(path)) == [("ni hao", "你好"), ("wo ai", "我爱")]
 
 
-@pytest.mark.xdist_group("overfit10")
 def test_unseen_character_maps_to_unk_and_counts_wrong(overfit10):
     model, pairs, sv, tv, _, _ = overfit10
     (pinyin, hanzi), other = pairs[0], pairs[1]
@@ -11248,39 +11239,18 @@ def _views_checkpoint(hard, path):
     torch.save(dict(checkpoint, config=config, state_dict=state), path)
 
 
-@pytest.fixture(scope="module")
-def measured_runs(hard, tmp_path_factory):
-    """The inputs whose peak memory is part of the promise, each read in turn by one real process
-    (python -c MEASURED). -> {job: {"grown": MB its peak grew by, "outcomes", "seconds", "path", "stdout",
-    "stderr"}}."""
-    if not os.path.exists("/proc/self/clear_refs"):
-        pytest.skip("resets and reads each job's peak through Linux's /proc")
-    folder = tmp_path_factory.mktemp("measured")
-    views, blank = folder / "views.pt", folder / "blank.tsv"
-    _views_checkpoint(hard, views)
-    blank.write_bytes(b"\n" * (16 * 2 ** 20) + "wo\t我\nni\t你\n".encode())
-    long_lines = [folder / f"long-{what}.tsv" for what, _, _ in LONG_LINES]
-    for path, (_, line, _) in zip(long_lines, LONG_LINES):
-        path.write_text("wo\t我\n" + line + "\n", encoding="utf-8")
-    jobs = {"dev zero": {"argv": ["--load", hard["encdec"], "--translate", "-"], "stdin": "/dev/zero"},
-            "widest beam": {"argv": ["--load", hard["encdec"], "--beam", str(tf.MAX_BEAM)], "stdin": os.devnull},
-            "views": {"prepare": f"path = {str(views)!r}", "calls": ["tf.load_checkpoint(path)"], "path": views},
-            "bigram": {"prepare": BIGRAM_PAIRS, "calls": ["tf.BigramHMM(pairs)"]},
-            "long lines": {"prepare": f"paths = {[str(p) for p in long_lines]!r}",
-                           "calls": [f"tf.read_pairs(paths[{i}])" for i in range(len(long_lines))],
-                           "path": long_lines},
-            "blank lines": {"prepare": f"path = {str(blank)!r}", "calls": ["tf.read_pairs(path)"], "path": blank}}
+def measured(folder, jobs):
+    """python -c MEASURED: the jobs, one after the other, in one real process. -> {job: {"grown": MB its peak
+    grew by, "outcomes", "seconds", and for the program "stdout" (bytes) and "stderr"}}."""
     for name, job in jobs.items():
         if "argv" in job:
             job["stdout"], job["stderr"] = (str(folder / f"{name}.{stream}") for stream in ("stdout", "stderr"))
-    (folder / "jobs.json").write_text(json.dumps({name: {k: v for k, v in job.items() if k != "path"}
-                                                  for name, job in jobs.items()}), encoding="utf-8")
+    (folder / "jobs.json").write_text(json.dumps(jobs), encoding="utf-8")
     proc = run([sys.executable, "-c", MEASURED, str(folder / "jobs.json"), str(folder / "report.json")],
                capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     facts = json.loads((folder / "report.json").read_text(encoding="utf-8"))
     for name, job in jobs.items():
-        facts[name]["path"] = job.get("path")
         if "argv" in job:
             facts[name]["stdout"] = open(job["stdout"], "rb").read()
             facts[name]["stderr"] = open(job["stderr"], encoding="utf-8").read()
@@ -11974,62 +11944,51 @@ def test_closed_stdout_refuses_answers_and_saves_without_a_traceback(hard, tmp_p
     assert status == 2
 
 
-# Six inputs, each measured in one real process (measured_runs), which xdist_group keeps on one core
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="resets and reads a peak through /proc")
+def test_six_hostile_inputs_each_stay_within_their_memory_in_a_real_process(hard, tmp_path):
+    # each input read by the program or the library in one real process (measured), its peak its own
+    views, blank = tmp_path / "views.pt", tmp_path / "blank.tsv"
+    _views_checkpoint(hard, views)
+    blank.write_bytes(b"\n" * (16 * 2 ** 20) + "wo\t我\nni\t你\n".encode())
+    long_lines = [tmp_path / f"long-{what}.tsv" for what, _, _ in LONG_LINES]
+    for path, (_, line, _) in zip(long_lines, LONG_LINES):
+        path.write_text("wo\t我\n" + line + "\n", encoding="utf-8")
+    facts = measured(tmp_path, {
+        "dev zero": {"argv": ["--load", hard["encdec"], "--translate", "-"], "stdin": "/dev/zero"},
+        "widest beam": {"argv": ["--load", hard["encdec"], "--beam", str(tf.MAX_BEAM)], "stdin": os.devnull},
+        "views": {"prepare": f"path = {str(views)!r}", "calls": ["tf.load_checkpoint(path)"]},
+        "bigram": {"prepare": BIGRAM_PAIRS, "calls": ["tf.BigramHMM(pairs)"]},
+        "long lines": {"prepare": f"paths = {[str(p) for p in long_lines]!r}",
+                       "calls": [f"tf.read_pairs(paths[{i}])" for i in range(len(long_lines))]},
+        "blank lines": {"prepare": f"path = {str(blank)!r}", "calls": ["tf.read_pairs(path)"]}})
+    grown = {name: fact["grown"] for name, fact in facts.items()}
 
-@pytest.mark.xdist_group("measured")
-def test_translate_stdin_from_dev_zero_stops_at_once_in_bounded_memory(measured_runs):
-    # python transformer.py --load m.pt --translate - < /dev/zero
-    facts = measured_runs["dev zero"]
-    assert facts["outcomes"] == [2] and facts["stdout"] == b"" and facts["seconds"] < 10
-    assert _one_error_line(facts["stderr"]).endswith(f"line 1: longer than {tf.MAX_LINE:,} characters;"
-                                                     " stopped reading")
-    assert facts["grown"] < 150, f"{facts['grown']} MB"
-
-
-@pytest.mark.xdist_group("measured")
-def test_views_of_one_storage_under_made_up_names_are_refused_before_building(measured_runs):
-    # a 4 MB storage, cut into views that add up to what d_ff 2,000,000 needs (the model: 2.2 GB)
-    facts = measured_runs["views"]
-    path = facts["path"]
-    assert os.path.getsize(path) < 8 * 2 ** 20
-    [outcome] = facts["outcomes"]
-    assert outcome.startswith(f"ValueError: {path}: damaged checkpoint") and "view into the storage" in outcome
-    assert facts["grown"] < 100, f"{facts['grown']} MB"
-
-
-@pytest.mark.xdist_group("measured")
-def test_bigram_hmm_memory_stays_near_one_table(measured_runs):
-    # 3,000 characters (BIGRAM_PAIRS): one (C + 1) x C float table is 36 MB; out-of-place steps held three or four
-    facts = measured_runs["bigram"]
-    assert facts["outcomes"] == ["ok"] and facts["grown"] < 90, facts
-
-
-@pytest.mark.xdist_group("measured")
-def test_data_line_of_millions_of_tabs_or_syllables_is_refused_without_listing_them(measured_runs):
-    # split, either would be a list of two million strings: over 100 MB for a 4 MB line. Both are read
-    # in one job, one after the other: its peak bounds each one's
-    facts = measured_runs["long lines"]
-    for (_, _, words), path, outcome in zip(LONG_LINES, facts["path"], facts["outcomes"], strict=True):
-        assert outcome == f"ValueError: {path}:2: {words}", outcome
-    assert facts["grown"] < 50, f"{facts['grown']} MB"
-
-
-@pytest.mark.xdist_group("measured")
-def test_data_file_of_blank_lines_reads_in_memory_proportional_to_the_file(measured_runs):
-    # 16 MB of blank lines: listed, they cost ~0.5 GB; visited one by one, a small multiple of the file
-    facts = measured_runs["blank lines"]
-    assert facts["outcomes"] == ["ok"], facts
-    assert facts["grown"] < 100, f"{facts['grown']} MB"
-    assert tf.read_pairs(str(facts["path"])) == [("ni", "你"), ("wo", "我")]
-
-
-@pytest.mark.xdist_group("measured")
-def test_cli_widest_beam_stays_within_a_few_hundred_mb(measured_runs):
+    # python transformer.py --load m.pt --translate - < /dev/zero: stops at once
+    zero = facts["dev zero"]
+    assert zero["outcomes"] == [2] and zero["stdout"] == b"" and zero["seconds"] < 10
+    assert _one_error_line(zero["stderr"]).endswith(f"line 1: longer than {tf.MAX_LINE:,} characters;"
+                                                    " stopped reading")
+    assert grown["dev zero"] < 150, grown
     # the report answers 240 held-out sentences: with every one in a batch, beam 64 took 163 MB
     # here and beam 100 1.3 GB; in batches of 256 rows it takes about 30 MB
-    facts = measured_runs["widest beam"]
-    assert facts["outcomes"] == [0] and facts["stderr"] == "", facts["stderr"]
-    assert facts["grown"] < 100, f"{facts['grown']} MB"
+    assert facts["widest beam"]["outcomes"] == [0] and facts["widest beam"]["stderr"] == ""
+    assert grown["widest beam"] < 100, grown
+    # views of one 4 MB storage under made-up names, adding up to what d_ff 2,000,000 needs (the model:
+    # 2.2 GB): refused before building
+    assert os.path.getsize(views) < 8 * 2 ** 20
+    [outcome] = facts["views"]["outcomes"]
+    assert outcome.startswith(f"ValueError: {views}: damaged checkpoint") and "view into the storage" in outcome
+    assert grown["views"] < 100, grown
+    # 3,000 characters (BIGRAM_PAIRS): one (C + 1) x C float table is 36 MB; out-of-place steps held three or four
+    assert facts["bigram"]["outcomes"] == ["ok"] and grown["bigram"] < 90, grown
+    # a line of two million tabs or syllables, split, would be a list of two million strings: over 100 MB
+    # for a 4 MB line. Both are read in one job, one after the other: its peak bounds each one's
+    for (_, _, words), path, outcome in zip(LONG_LINES, long_lines, facts["long lines"]["outcomes"], strict=True):
+        assert outcome == f"ValueError: {path}:2: {words}", outcome
+    assert grown["long lines"] < 50, grown
+    # 16 MB of blank lines: listed, they cost ~0.5 GB; visited one by one, a small multiple of the file
+    assert facts["blank lines"]["outcomes"] == ["ok"] and grown["blank lines"] < 100, grown
+    assert tf.read_pairs(str(blank)) == [("ni", "你"), ("wo", "我")]
 
 
 @posix_only
