@@ -3776,7 +3776,7 @@ def test_gguf_load_refuses_an_architecture_it_does_not_have_before_reading_a_ten
     ({"tokenizer.ggml.merges": None}, "tokenizer.ggml.merges is not a list of strs"),
     ({"tokenizer.ggml.merges": (9, (8, ["a t", "Ġ c a"]))}, "merges holds 'Ġ c a': expected two of its tokens"),
     ({"tokenizer.ggml.merges": (9, (8, ["a t", "q z"]))}, "merges holds 'q z': expected two of its tokens"),
-    ({"tokenizer.ggml.token_type": (9, (5, [1] * 280 + [3] * 3))}, "specials holds 282: expected ids of tokens, 0 to 281"),
+    ({"tokenizer.ggml.token_type": (9, (5, [1] * 280 + [3] * 3))}, "token_type holds 283 types for 282 tokens"),
     ({"tokenizer.ggml.pre": (9, (8, ["gpt-2"]))}, "split as ['gpt-2']: this file reads byte-level BPE"),
     ({"tokenizer.ggml.eos_token_id": (8, "2")}, "eos_token_id is '2' and its chat_template a str: expected an integer"),
     ({"tokenizer.chat_template": (4, 1)}, "chat_template a int: expected an integer (or none) and text"),
@@ -3812,6 +3812,61 @@ def tiny_tokenizer(*added):
     return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.merges": list(merges),
             "tokenizer.ggml.tokens": tokens + [token for token, _ in added], "tokenizer.ggml.eos_token_id": 281,
             "tokenizer.ggml.token_type": [1] * 280 + [3, 3] + [token_type for _, token_type in added]}
+
+
+def merges_with(line):
+    return lambda metadata: metadata["tokenizer.ggml.merges"].append(line)
+
+
+@pytest.mark.parametrize("added, edit, message", [
+    ((), merges_with("z q"), "merges holds 'z q': expected two of its tokens, a space between, that join into a third"),
+    ((), merges_with("☃ a"), "merges holds '☃ a': expected two of its tokens"),   # not a token on the left
+    ((), merges_with("a ☃"), "merges holds 'a ☃': expected two of its tokens"),
+    ((), merges_with("at"), "merges holds 'at': expected two of its tokens, a space between"),
+    ((), merges_with("a  t"), "merges holds 'a  t': expected two of its tokens, a space between"),
+    ((), merges_with("a t"), "merges holds 'a t' twice"),                 # its rank: the first, or the last?
+    ((("中", 1),), None, "token 282, '中', holds '中', which stands for no byte, in a token of type 1, not text"),
+    ((("a b", 1),), None, "token 282, 'a b', holds ' ', which stands for no byte"),  # a space's stand-in is Ġ
+    ((("中" * 1000, 6),), None, f"token 282, '{'中' * 40}'... (1,000 characters), holds '中'"),
+    ((("", 3),), None, "token 282, '', is empty"),                        # it would match between every two characters
+    ((("", 1),), None, "token 282, '', is empty"),
+    ((("at", 1),), None, "token 282, 'at', is also token 256"),
+    ((("<|im_end|>", 3),), None, "token 282, '<|im_end|>', is also token 281"),
+    ((("<x>", 7),), None, "token 282, '<x>', has type 7, not one of llama.cpp's (0 to 6)"),
+    ((), lambda metadata: metadata["tokenizer.ggml.token_type"].pop(), "token_type holds 281 types for 282 tokens"),
+    ((), lambda metadata: metadata.update({"tokenizer.ggml.eos_token_id": 282}),
+     "eos_token_id is 282: expected a token's id, 0 to 281"),
+    ((), lambda metadata: metadata.update({"tokenizer.ggml.eos_token_id": -1}), "eos_token_id is -1: expected a token"),
+    ((), lambda metadata: metadata.update({"tokenizer.ggml.eos_token_id": True}), "eos_token_id is True and its"),
+])
+def test_gguf_tokenizer_that_cannot_be_right_is_refused_naming_the_token(added, edit, message):
+    metadata = tiny_tokenizer(*added)
+    if edit:
+        edit(metadata)
+    with pytest.raises(ValueError) as error:
+        tf.tokenizer_from_gguf(metadata)
+    assert message in str(error.value) and "\n" not in str(error.value) and len(str(error.value)) < 250, error.value
+
+
+def test_gguf_user_defined_tokens_are_text_kept_whole_as_control_tokens_are():
+    """llama.cpp's USER_DEFINED tokens (type 4) are spelled as text, spaces and all, and cut out whole before the
+    pre-tokenizer, as control tokens are; never split into bytes. Without types every token is a normal one."""
+    tok = tf.tokenizer_from_gguf(tiny_tokenizer(("<tool>", 4), ("hi there", 4), ("中文", 4)))
+    plain = tf.tokenizer_from_gguf(tiny_tokenizer())
+    text = "say hi there<tool>中文!"
+    assert tok.encode(text) == plain.encode("say ") + [283, 282, 284] + plain.encode("!")
+    assert tok.decode(tok.encode(text)) == text and tok.decode([283]) == "hi there"
+    assert plain.encode("<|im_end|>") == [281] and plain.decode([281]) == "<|im_end|>"
+    untyped = tiny_tokenizer()
+    del untyped["tokenizer.ggml.token_type"]
+    assert 281 not in tf.tokenizer_from_gguf(untyped).encode("<|im_end|>")
+
+
+def test_gguf_tokenizer_that_cannot_be_right_is_one_line_and_exit_2_on_the_command_line(tmp_path, capsys):
+    tokens, _ = tiny_tokenizer_lists()
+    for token, message in (("中", "token 279, '中', holds '中', which stands for no byte"), ("", "token 279, '', is empty")):
+        path = tiny_gguf_llama(tmp_path, change={"tokenizer.ggml.tokens": (9, (8, tokens[:279] + [token] + tokens[280:]))})[0]
+        assert message in _usage_error(capsys, ["--gguf", str(path), "--prompt", "hi"])
 
 
 def test_gguf_quantized_rows_must_be_whole_blocks(tmp_path):

@@ -5020,7 +5020,10 @@ GGUF_ARCHITECTURES = ("llama", "qwen2")
 
 def tokenizer_from_gguf(metadata):
     """The BPETokenizer of a GGUF file's metadata, under llama.cpp's keys: tokens, merges ("Ġ t": two tokens and a
-    space), the pre-tokenizer's name, token types (3 control, 4 user-defined: matched whole, as llama.cpp does)."""
+    space), the pre-tokenizer's name, token types (3 control, 4 user-defined: text matched whole, as llama.cpp does).
+    A tokenizer that cannot be right is refused, naming the token or the merge: an empty token (it would match between
+    any two characters), one listed twice, a character that stands for no byte in a token that is not text, a merge
+    that is not two tokens joining into a third, or that is listed twice (its rank would be the first or the last)."""
     kind, pre = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre", "gpt-2")
     if kind != "gpt2" or str(pre) not in PRE_TOKENIZERS:
         raise ValueError(f"the file's tokenizer is {kind!r} split as {pre!r}: this file reads byte-level BPE"
@@ -5030,17 +5033,35 @@ def tokenizer_from_gguf(metadata):
     for (key, value), item in zip(lists.items(), (str, str, int)):
         if type(value) is not list or any(type(v) is not item for v in value):
             raise ValueError(f"the file's tokenizer.ggml.{key} is not a list of {item.__name__}s")
+    tokens, types = lists["tokens"], lists["token_type"] or [1] * len(lists["tokens"])  # none given: all normal
     eos, template = metadata.get("tokenizer.ggml.eos_token_id"), metadata.get("tokenizer.chat_template", "")
-    if not isinstance(eos, (int, type(None))) or not isinstance(template, str):
+    if type(eos) not in (int, type(None)) or not isinstance(template, str):
         raise ValueError(f"the file's tokenizer.ggml.eos_token_id is {eos!r} and its chat_template a"
                          f" {type(template).__name__}: expected an integer (or none) and text")
-    tokens, merges = set(lists["tokens"]), [m.split(" ") for m in lists["merges"]]
-    bad = next((" ".join(m) for m in merges if len(m) != 2 or not {*m, "".join(m)} <= tokens), None)
-    if bad is not None:  # as the tokenizers library refuses it
-        raise ValueError(f"the file's tokenizer.ggml.merges holds {bad!r}: expected two of its tokens, a space"
-                         f" between, that join into a third")
-    return BPETokenizer(lists["tokens"], merges, pre, [i for i, t in enumerate(lists["token_type"]) if t in (3, 4)],
-                        eos, template)
+    if eos is not None and not 0 <= eos < len(tokens):  # chat would never stop on it
+        raise ValueError(f"the file's tokenizer.ggml.eos_token_id is {eos}: expected a token's id, 0 to"
+                         f" {len(tokens) - 1}")
+    if len(types) != len(tokens):
+        raise ValueError(f"the file's tokenizer.ggml.token_type holds {len(types)} types for {len(tokens)} tokens")
+    ids, stand_ins = {}, set(byte_to_char().values())
+    for i, (token, token_type) in enumerate(zip(tokens, types)):
+        stray = next((c for c in token if c not in stand_ins), None) if token_type not in (3, 4) else None
+        problem = ("is empty" if token == "" else f"is also token {ids[token]}" if token in ids else
+                   f"has type {token_type}, not one of llama.cpp's (0 to 6)" if not 0 <= token_type <= 6 else
+                   f"holds {stray!r}, which stands for no byte, in a token of type {token_type}, not text (3 control"
+                   f" or 4 user-defined)" if stray is not None else None)
+        if problem:
+            raise ValueError(f"the file's token {i}, {quote(token)}, {problem}")
+        ids[token] = i
+    merges, seen = [m.split(" ") for m in lists["merges"]], set()
+    for line, merge in zip(lists["merges"], merges):
+        if len(merge) != 2 or not {*merge, "".join(merge)} <= ids.keys():  # as the tokenizers library refuses it
+            raise ValueError(f"the file's tokenizer.ggml.merges holds {quote(line)}: expected two of its tokens, a"
+                             f" space between, that join into a third")
+        if line in seen:
+            raise ValueError(f"the file's tokenizer.ggml.merges holds {quote(line)} twice")
+        seen.add(line)
+    return BPETokenizer(tokens, merges, pre, [i for i, t in enumerate(types) if t in (3, 4)], eos, template)
 
 
 def load_gguf(path):
