@@ -3777,6 +3777,7 @@ def test_gguf_load_refuses_an_architecture_it_does_not_have_before_reading_a_ten
     ({"tokenizer.ggml.merges": (9, (8, ["a t", "Ġ c a"]))}, "merges holds 'Ġ c a': expected two of its tokens"),
     ({"tokenizer.ggml.merges": (9, (8, ["a t", "q z"]))}, "merges holds 'q z': expected two of its tokens"),
     ({"tokenizer.ggml.token_type": (9, (5, [1] * 280 + [3] * 3))}, "token_type holds 283 types for 282 tokens"),
+    ({"llama.vocab_size": (4, 283)}, "llama.vocab_size is 283, but its tokenizer holds 282 tokens"),
     ({"tokenizer.ggml.pre": (9, (8, ["gpt-2"]))}, "split as ['gpt-2']: this file reads byte-level BPE"),
     ({"tokenizer.ggml.eos_token_id": (8, "2")}, "eos_token_id is '2' and its chat_template a str: expected an integer"),
     ({"tokenizer.chat_template": (4, 1)}, "chat_template a int: expected an integer (or none) and text"),
@@ -3827,7 +3828,7 @@ def merges_with(line):
     ((), merges_with("a t"), "merges holds 'a t' twice"),                 # its rank: the first, or the last?
     ((("中", 1),), None, "token 282, '中', holds '中', which stands for no byte, in a token of type 1, not text"),
     ((("a b", 1),), None, "token 282, 'a b', holds ' ', which stands for no byte"),  # a space's stand-in is Ġ
-    ((("中" * 1000, 6),), None, f"token 282, '{'中' * 40}'... (1,000 characters), holds '中'"),
+    ((("中" * 1000, 6),), None, f"token 282, '{'中' * 40}'..., holds '中'"),
     ((("", 3),), None, "token 282, '', is empty"),                        # it would match between every two characters
     ((("", 1),), None, "token 282, '', is empty"),
     ((("at", 1),), None, "token 282, 'at', is also token 256"),

@@ -5051,15 +5051,14 @@ def tokenizer_from_gguf(metadata):
                    f"holds {stray!r}, which stands for no byte, in a token of type {token_type}, not text (3 control"
                    f" or 4 user-defined)" if stray is not None else None)
         if problem:
-            raise ValueError(f"the file's token {i}, {quote(token)}, {problem}")
+            raise ValueError(f"the file's token {i}, {token[:40]!r}{'...' * (len(token) > 40)}, {problem}")
         ids[token] = i
     merges, seen = [m.split(" ") for m in lists["merges"]], set()
     for line, merge in zip(lists["merges"], merges):
-        if len(merge) != 2 or not {*merge, "".join(merge)} <= ids.keys():  # as the tokenizers library refuses it
-            raise ValueError(f"the file's tokenizer.ggml.merges holds {quote(line)}: expected two of its tokens, a"
-                             f" space between, that join into a third")
-        if line in seen:
-            raise ValueError(f"the file's tokenizer.ggml.merges holds {quote(line)} twice")
+        problem = (": expected two of its tokens, a space between, that join into a third"  # as tokenizers refuses it
+                   if len(merge) != 2 or not {*merge, "".join(merge)} <= ids.keys() else " twice" if line in seen else "")
+        if problem:
+            raise ValueError(f"the file's tokenizer.ggml.merges holds {line[:80]!r}{'...' * (len(line) > 80)}{problem}")
         seen.add(line)
     return BPETokenizer(tokens, merges, pre, [i for i, t in enumerate(types) if t in (3, 4)], eos, template)
 
@@ -5073,6 +5072,9 @@ def load_gguf(path):
     config.update(model_type=arch, tie_word_embeddings="output.weight" not in tensors)
     tokenizer = tokenizer_from_gguf(metadata)  # its file's metadata checked before any tensor is copied
     config.setdefault("vocab_size", len(tokenizer.tokens))
+    if config["vocab_size"] != len(tokenizer.tokens):  # the model could write an id that is no token
+        raise ValueError(f"the file's {arch}.vocab_size is {config['vocab_size']!r}, but its tokenizer holds"
+                         f" {len(tokenizer.tokens)} tokens")
     state = {}
     for name, tensor in tensors.items():
         for pattern, replacement in GGUF_NAMES:
