@@ -3337,6 +3337,58 @@ def test_bpe_a_byte_missing_from_the_vocabulary_is_dropped_before_merging():
     assert tok.encode("!\x1d!") == [255] and tok.encode("a\x1db") == [tok.ids["a"], tok.ids["b"]]
 
 
+def test_bpe_tokenizer_merges_with_its_heap_exactly_as_the_loop_does():
+    """BPETokenizer's apply_merges against BasicTokenizer's loop on random text: a trained tokenizer, a GGUF's, and
+    merges in any order, where a merge may use a token a later merge makes (every place of the earliest pair merges
+    before the pairs those merges make are looked at)."""
+    rng = random.Random(0)
+    alphabet = sorted(set(BPE_TEXT)) + list("中文é😀")
+    for tok in (tf.train_gpt2_bpe(BPE_TEXT, vocab_size=300, pre="smollm"), tf.tokenizer_from_gguf(tiny_tokenizer())):
+        for _ in range(300):
+            ids = [tok.byte_ids[b] for b in "".join(rng.choices(alphabet, k=rng.randint(0, 80))).encode()]
+            assert tok.apply_merges(ids) == tf.BasicTokenizer.apply_merges(tok, ids), ids
+    base = [c for _, c in sorted(tf.byte_to_char().items())]
+    for _ in range(200):
+        tokens, merges = list(base), []
+        for _ in range(rng.randint(1, 12)):
+            pair = (rng.choice(["a", "b", "c", *tokens[256:]]), rng.choice(["a", "b", "c", *tokens[256:]]))
+            if pair not in merges:
+                merges.append(pair)
+                tokens += [] if "".join(pair) in tokens else ["".join(pair)]
+        rng.shuffle(merges)                                                # any order
+        tok = tf.BPETokenizer(tokens, merges)
+        for _ in range(30):
+            ids = [tok.ids[c] for c in rng.choices("abc", k=rng.randint(0, 30))]
+            assert tok.apply_merges(ids) == tf.BasicTokenizer.apply_merges(tok, ids), (merges, ids)
+
+
+def test_bpe_tokenizer_encodes_a_200_kib_word_in_seconds_not_minutes():
+    """A word without a space is one piece. BasicTokenizer's loop counts its pairs again after each merge: on this one,
+    768 merges, it took 147 s here (a busy machine); the heap, under a second."""
+    rng = random.Random(0)
+    letters = "abcdefghijklmnop"
+    twos = [a + b for a in letters for b in letters]                       # every pair, in a random order
+    fours = rng.sample([(x, y) for x in twos for y in twos], 512)
+    tokens = [c for _, c in sorted(tf.byte_to_char().items())] + twos + [x + y for x, y in fours]
+    tok = tf.BPETokenizer(tokens, rng.sample([tuple(pair) for pair in twos], 256) + fours)
+    word = "".join(rng.choices(letters, k=200 * 1024))
+    start = time.perf_counter()
+    ids = tok.encode(word)
+    seconds = time.perf_counter() - start
+    assert tok.decode(ids) == word and len(ids) < len(word) / 1.5 and seconds < 5, seconds
+
+
+def test_bpe_decode_of_ids_cut_inside_a_character_reads_u_fffd_for_it():
+    """As transformers' decode: the bytes that end no character read as one U+FFFD, not dropped, wherever the cut is."""
+    for tok in (tf.train_bpe(BPE_TEXT, vocab_size=300), tf.train_gpt2_bpe(BPE_TEXT, vocab_size=300),
+                tf.tokenizer_from_gguf(tiny_tokenizer())):
+        wen = tok.encode("文")                                            # in no merge: its three bytes
+        ids = tok.encode("ab") + wen
+        assert len(wen) == 3 and tok.decode(ids) == "ab文"
+        assert tok.decode(ids[:-1]) == tok.decode(ids[:-2]) == "ab\ufffd"
+        assert tok.decode(ids[-1:] + ids) == "\ufffdab文" and tok.decode(wen[:2] + ids) == "\ufffdab文"
+
+
 def test_bpe_bad_arguments_raise_errors_naming_them():
     tok = tf.train_bpe("abc", vocab_size=256)
     for train in (tf.train_bpe, tf.train_gpt2_bpe):  # fewer ids than bytes would drop text in silence
@@ -3718,7 +3770,8 @@ def test_gguf_load_refuses_an_architecture_it_does_not_have_before_reading_a_ten
     ({"tokenizer.ggml.merges": None}, "tokenizer.ggml.merges is not a list of strs"),
     ({"tokenizer.ggml.merges": (9, (8, ["a t", "Ġ c a"]))}, "merges holds 'Ġ c a': expected two of its tokens"),
     ({"tokenizer.ggml.merges": (9, (8, ["a t", "q z"]))}, "merges holds 'q z': expected two of its tokens"),
-    ({"tokenizer.ggml.token_type": (9, (5, [1] * 280 + [3] * 3))}, "specials holds 282: expected ids of tokens, 0 to 281"),
+    ({"tokenizer.ggml.token_type": (9, (5, [1] * 280 + [3] * 3))}, "token_type holds 283 types for 282 tokens"),
+    ({"llama.vocab_size": (4, 283)}, "llama.vocab_size is 283, but its tokenizer holds 282 tokens"),
     ({"tokenizer.ggml.pre": (9, (8, ["gpt-2"]))}, "split as ['gpt-2']: this file reads byte-level BPE"),
     ({"tokenizer.ggml.eos_token_id": (8, "2")}, "eos_token_id is '2' and its chat_template a str: expected an integer"),
     ({"tokenizer.chat_template": (4, 1)}, "chat_template a int: expected an integer (or none) and text"),
@@ -3738,6 +3791,77 @@ def test_gguf_metadata_of_the_wrong_kind_is_refused_naming_it(tmp_path, change, 
     with pytest.raises(ValueError) as error:
         tf.load_gguf(path)
     assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+@functools.cache
+def tiny_tokenizer_lists():
+    """tiny_gguf_llama's tokens (BPE_TEXT's 280, then <|im_start|> and <|im_end|>) and merges, as the file spells them."""
+    tok = tf.train_gpt2_bpe(BPE_TEXT, vocab_size=280)
+    return tok.tokens + ["<|im_start|>", "<|im_end|>"], [" ".join(pair) for pair in string_merges(tok)]
+
+
+def tiny_tokenizer(*added):
+    """The tokenizer metadata tiny_gguf_llama writes, as read_gguf returns it (the two last tokens control ones), with
+    (token, type) pairs added at the end; fresh lists each call."""
+    tokens, merges = tiny_tokenizer_lists()
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.merges": list(merges),
+            "tokenizer.ggml.tokens": tokens + [token for token, _ in added], "tokenizer.ggml.eos_token_id": 281,
+            "tokenizer.ggml.token_type": [1] * 280 + [3, 3] + [token_type for _, token_type in added]}
+
+
+def merges_with(line):
+    return lambda metadata: metadata["tokenizer.ggml.merges"].append(line)
+
+
+@pytest.mark.parametrize("added, edit, message", [
+    ((), merges_with("z q"), "merges holds 'z q': expected two of its tokens, a space between, that join into a third"),
+    ((), merges_with("☃ a"), "merges holds '☃ a': expected two of its tokens"),   # not a token on the left
+    ((), merges_with("a ☃"), "merges holds 'a ☃': expected two of its tokens"),
+    ((), merges_with("at"), "merges holds 'at': expected two of its tokens, a space between"),
+    ((), merges_with("a  t"), "merges holds 'a  t': expected two of its tokens, a space between"),
+    ((), merges_with("a t"), "merges holds 'a t' twice"),                 # its rank: the first, or the last?
+    ((("中", 1),), None, "token 282, '中', holds '中', which stands for no byte, in a token of type 1, not text"),
+    ((("a b", 1),), None, "token 282, 'a b', holds ' ', which stands for no byte"),  # a space's stand-in is Ġ
+    ((("中" * 1000, 6),), None, f"token 282, '{'中' * 40}'..., holds '中'"),
+    ((("", 3),), None, "token 282, '', is empty"),                        # it would match between every two characters
+    ((("", 1),), None, "token 282, '', is empty"),
+    ((("at", 1),), None, "token 282, 'at', is also token 256"),
+    ((("<|im_end|>", 3),), None, "token 282, '<|im_end|>', is also token 281"),
+    ((("<x>", 7),), None, "token 282, '<x>', has type 7, not one of llama.cpp's (0 to 6)"),
+    ((), lambda metadata: metadata["tokenizer.ggml.token_type"].pop(), "token_type holds 281 types for 282 tokens"),
+    ((), lambda metadata: metadata.update({"tokenizer.ggml.eos_token_id": 282}),
+     "eos_token_id is 282: expected a token's id, 0 to 281"),
+    ((), lambda metadata: metadata.update({"tokenizer.ggml.eos_token_id": -1}), "eos_token_id is -1: expected a token"),
+    ((), lambda metadata: metadata.update({"tokenizer.ggml.eos_token_id": True}), "eos_token_id is True and its"),
+])
+def test_gguf_tokenizer_that_cannot_be_right_is_refused_naming_the_token(added, edit, message):
+    metadata = tiny_tokenizer(*added)
+    if edit:
+        edit(metadata)
+    with pytest.raises(ValueError) as error:
+        tf.tokenizer_from_gguf(metadata)
+    assert message in str(error.value) and "\n" not in str(error.value) and len(str(error.value)) < 250, error.value
+
+
+def test_gguf_user_defined_tokens_are_text_kept_whole_as_control_tokens_are():
+    """llama.cpp's USER_DEFINED tokens (type 4) are spelled as text, spaces and all, and cut out whole before the
+    pre-tokenizer, as control tokens are; never split into bytes. Without types every token is a normal one."""
+    tok = tf.tokenizer_from_gguf(tiny_tokenizer(("<tool>", 4), ("hi there", 4), ("中文", 4)))
+    plain = tf.tokenizer_from_gguf(tiny_tokenizer())
+    text = "say hi there<tool>中文!"
+    assert tok.encode(text) == plain.encode("say ") + [283, 282, 284] + plain.encode("!")
+    assert tok.decode(tok.encode(text)) == text and tok.decode([283]) == "hi there"
+    assert plain.encode("<|im_end|>") == [281] and plain.decode([281]) == "<|im_end|>"
+    untyped = tiny_tokenizer()
+    del untyped["tokenizer.ggml.token_type"]
+    assert 281 not in tf.tokenizer_from_gguf(untyped).encode("<|im_end|>")
+
+
+def test_gguf_tokenizer_that_cannot_be_right_is_one_line_and_exit_2_on_the_command_line(tmp_path, capsys):
+    tokens, _ = tiny_tokenizer_lists()
+    for token, message in (("中", "token 279, '中', holds '中', which stands for no byte"), ("", "token 279, '', is empty")):
+        path = tiny_gguf_llama(tmp_path, change={"tokenizer.ggml.tokens": (9, (8, tokens[:279] + [token] + tokens[280:]))})[0]
+        assert message in _usage_error(capsys, ["--gguf", str(path), "--prompt", "hi"])
 
 
 def test_gguf_quantized_rows_must_be_whole_blocks(tmp_path):
@@ -8136,6 +8260,16 @@ def test_released_tokenizer_ids_equal_smollm2s_on_text_that_breaks_tokenizers(re
     assert [released.tokenizer.encode(p)[:24] for p in RELEASED_INPUTS["prompts"]] == reference["prompt_ids"]
     # transformers' tokenizer as it builds it from the file, without the digit split, differs
     assert reference["plain"] != released.tokenizer.encode(" ½")
+
+
+@needs_released
+def test_released_tokenizer_merges_with_its_heap_exactly_as_the_loop_does(released):
+    """SmolLM2's 48,900 merges: the heap and BasicTokenizer's loop on each piece of the corpus and on long words."""
+    tok, rng = released.tokenizer, random.Random(0)
+    words = ["".join(rng.choices("abcdefghij", k=2000)), "".join(rng.choices("中文字节", k=700)), "é" * 3000]
+    for piece in tok.pieces("\n".join(RELEASED_INPUTS["corpus"])) + words:
+        ids = [tok.byte_ids[b] for b in piece.encode() if b in tok.byte_ids]
+        assert tok.apply_merges(ids) == tf.BasicTokenizer.apply_merges(tok, ids), piece
 
 
 @needs_released

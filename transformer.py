@@ -1605,6 +1605,7 @@ LLAMA_CONFIGS = [
 
 import codecs
 import functools
+import heapq
 import re
 import unicodedata
 
@@ -1701,6 +1702,9 @@ def train_bpe(text, vocab_size):
 # 256 printable stand-ins (a space is Ġ), so that it is printable text, and a token's id is its place in the file.
 # A vocabulary may lack bytes: SmolLM2's lacks 21 that its training text never had (controls such as \x1d, bytes that
 # UTF-8 never or hardly uses), and its tokenizer drops them.
+# BasicTokenizer's loop counts every pair of a piece again after each merge: plain, and slow on a long piece (a 40 KiB
+# word without a space, one piece, took it 16 s here, a 1 MiB one minutes). BPETokenizer's apply_merges finds the same
+# ids with a heap, as the tokenizers library and llama.cpp merge: the 1 MiB word in seconds.
 
 def byte_to_char():
     """GPT-2's stand-ins, {byte: character} (bytes_to_unicode in its encoder.py). A printable byte stands for itself;
@@ -1771,6 +1775,38 @@ class BPETokenizer(BasicTokenizer):
         for split in self.splits:
             pieces = [part for piece in pieces for part in split.split(piece) if part]  # [str, ...]
         return pieces
+
+    def apply_merges(self, ids):
+        """BasicTokenizer's loop, the same ids without counting every pair again after each merge. It keeps where each
+        pair of neighbours that is a merge stands, under the merge's rank, and a heap of those ranks, the earliest on
+        top; each place links to its neighbours, so that a merge changes a few links, not the whole list. A piece of n
+        bytes then costs about n log n steps (the tokenizers library and llama.cpp also merge with a heap)."""
+        ids, n = list(ids), len(ids)
+        left, right = list(range(-1, n - 1)), list(range(1, n + 1))  # the neighbours' places; -1 and n: none
+        places = {}                                                        # {rank: [place of its pair, ...]}
+        for i, pair in enumerate(zip(ids, ids[1:])):
+            if pair in self.ranks:
+                places.setdefault(self.ranks[pair], []).append(i)
+        heap = list(places)
+        heapq.heapify(heap)
+        while heap:
+            rank, made = heapq.heappop(heap), set()
+            for i in sorted(places.pop(rank)):  # from left to right, as merge_pair
+                j = right[i]
+                if ids[i] is None or j == n or self.ranks.get((ids[i], ids[j])) != rank:
+                    continue  # merged away, or its pair changed, since the place was noted
+                ids[i], ids[j], right[i] = self.merges[ids[i], ids[j]], None, right[j]
+                if right[i] < n:
+                    left[right[i]] = i
+                made.update((left[i], i))  # where the two new pairs stand
+            for i in made:
+                new = self.ranks.get((ids[i], ids[right[i]])) if i >= 0 and right[i] < n else None
+                if new is not None and new not in places:
+                    heapq.heappush(heap, new)
+                    places[new] = []
+                if new is not None:
+                    places[new].append(i)
+        return [i for i in ids if i is not None]
 
     def encode(self, text):
         """Special tokens are cut out first; a byte the vocabulary lacks is dropped before a piece's merges."""
@@ -4984,7 +5020,10 @@ GGUF_ARCHITECTURES = ("llama", "qwen2")
 
 def tokenizer_from_gguf(metadata):
     """The BPETokenizer of a GGUF file's metadata, under llama.cpp's keys: tokens, merges ("Ġ t": two tokens and a
-    space), the pre-tokenizer's name, token types (3 control, 4 user-defined: matched whole, as llama.cpp does)."""
+    space), the pre-tokenizer's name, token types (3 control, 4 user-defined: text matched whole, as llama.cpp does).
+    A tokenizer that cannot be right is refused, naming the token or the merge: an empty token (it would match between
+    any two characters), one listed twice, a character that stands for no byte in a token that is not text, a merge
+    that is not two tokens joining into a third, or that is listed twice (its rank would be the first or the last)."""
     kind, pre = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre", "gpt-2")
     if kind != "gpt2" or str(pre) not in PRE_TOKENIZERS:
         raise ValueError(f"the file's tokenizer is {kind!r} split as {pre!r}: this file reads byte-level BPE"
@@ -4994,17 +5033,34 @@ def tokenizer_from_gguf(metadata):
     for (key, value), item in zip(lists.items(), (str, str, int)):
         if type(value) is not list or any(type(v) is not item for v in value):
             raise ValueError(f"the file's tokenizer.ggml.{key} is not a list of {item.__name__}s")
+    tokens, types = lists["tokens"], lists["token_type"] or [1] * len(lists["tokens"])  # none given: all normal
     eos, template = metadata.get("tokenizer.ggml.eos_token_id"), metadata.get("tokenizer.chat_template", "")
-    if not isinstance(eos, (int, type(None))) or not isinstance(template, str):
+    if type(eos) not in (int, type(None)) or not isinstance(template, str):
         raise ValueError(f"the file's tokenizer.ggml.eos_token_id is {eos!r} and its chat_template a"
                          f" {type(template).__name__}: expected an integer (or none) and text")
-    tokens, merges = set(lists["tokens"]), [m.split(" ") for m in lists["merges"]]
-    bad = next((" ".join(m) for m in merges if len(m) != 2 or not {*m, "".join(m)} <= tokens), None)
-    if bad is not None:  # as the tokenizers library refuses it
-        raise ValueError(f"the file's tokenizer.ggml.merges holds {bad!r}: expected two of its tokens, a space"
-                         f" between, that join into a third")
-    return BPETokenizer(lists["tokens"], merges, pre, [i for i, t in enumerate(lists["token_type"]) if t in (3, 4)],
-                        eos, template)
+    if eos is not None and not 0 <= eos < len(tokens):  # chat would never stop on it
+        raise ValueError(f"the file's tokenizer.ggml.eos_token_id is {eos}: expected a token's id, 0 to"
+                         f" {len(tokens) - 1}")
+    if len(types) != len(tokens):
+        raise ValueError(f"the file's tokenizer.ggml.token_type holds {len(types)} types for {len(tokens)} tokens")
+    ids, stand_ins = {}, set(byte_to_char().values())
+    for i, (token, token_type) in enumerate(zip(tokens, types)):
+        stray = next((c for c in token if c not in stand_ins), None) if token_type not in (3, 4) else None
+        problem = ("is empty" if token == "" else f"is also token {ids[token]}" if token in ids else
+                   f"has type {token_type}, not one of llama.cpp's (0 to 6)" if not 0 <= token_type <= 6 else
+                   f"holds {stray!r}, which stands for no byte, in a token of type {token_type}, not text (3 control"
+                   f" or 4 user-defined)" if stray is not None else None)
+        if problem:
+            raise ValueError(f"the file's token {i}, {token[:40]!r}{'...' * (len(token) > 40)}, {problem}")
+        ids[token] = i
+    merges, seen = [m.split(" ") for m in lists["merges"]], set()
+    for line, merge in zip(lists["merges"], merges):
+        problem = (": expected two of its tokens, a space between, that join into a third"  # as tokenizers refuses it
+                   if len(merge) != 2 or not {*merge, "".join(merge)} <= ids.keys() else " twice" if line in seen else "")
+        if problem:
+            raise ValueError(f"the file's tokenizer.ggml.merges holds {line[:80]!r}{'...' * (len(line) > 80)}{problem}")
+        seen.add(line)
+    return BPETokenizer(tokens, merges, pre, [i for i, t in enumerate(types) if t in (3, 4)], eos, template)
 
 
 def load_gguf(path):
@@ -5016,6 +5072,9 @@ def load_gguf(path):
     config.update(model_type=arch, tie_word_embeddings="output.weight" not in tensors)
     tokenizer = tokenizer_from_gguf(metadata)  # its file's metadata checked before any tensor is copied
     config.setdefault("vocab_size", len(tokenizer.tokens))
+    if config["vocab_size"] != len(tokenizer.tokens):  # the model could write an id that is no token
+        raise ValueError(f"the file's {arch}.vocab_size is {config['vocab_size']!r}, but its tokenizer holds"
+                         f" {len(tokenizer.tokens)} tokens")
     state = {}
     for name, tensor in tensors.items():
         for pattern, replacement in GGUF_NAMES:
