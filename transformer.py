@@ -1868,6 +1868,10 @@ def quantize(x, fmt):
 
 def dequantize(data, fmt, shape):
     """The bytes of fmt's blocks (bytes, or a uint8 tensor) -> a float32 tensor of shape."""
+    if fmt not in QUANT_BYTES:
+        raise ValueError(f"fmt must be one of {', '.join(QUANT_BYTES)}, got {fmt!r}")
+    if isinstance(data, torch.Tensor) and data.dtype != torch.uint8:  # int8's >> 4 would copy the sign bit in
+        raise ValueError(f"data must be bytes or a uint8 tensor, got a {data.dtype} tensor")
     n, size = math.prod(shape), data.numel() if isinstance(data, torch.Tensor) else len(data)
     if n == 0 or n % 32 or size != n // 32 * QUANT_BYTES[fmt]:
         raise ValueError(f"data holds {size} bytes: {fmt} blocks of a shape {tuple(shape)} hold"
@@ -3380,18 +3384,19 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
 #     S  <- e^(gamma_c) S + sum_j e^(gamma_c - gamma_j) k_j d_j^T
 # The first line is a unit lower-triangular system in the d_i, so d = u - w S. One triangular solve
 # gives u and w (right-hand sides beta v and beta e^gamma k) for all chunks together, by matmuls; only
-# "d = u - w S" and the two lines after it run chunk after chunk. The two forms agree up to rounding:
-# 1e-15 in float64. In float32, against float64, token by token is within 1e-7 at any decay; chunked
-# is within 1e-7 at mild decay but 1.4e-6 where |g| reaches 20 a token. There e^(gamma_i - gamma_j)
-# subtracts two cumulative log-decays hundreds large, whose rounding (~|gamma| * 6e-8) survives.
+# "d = u - w S" and the two lines after it run chunk after chunk. The pitfall is e^(gamma_i - gamma_j):
+# a difference of two cumulative log-decays hundreds large keeps their rounding (~|gamma| * 6e-8: 3e-7
+# in float32 where |g| reaches 20 a token), and after a g of -inf (forget everything) it is -inf - -inf,
+# NaN, where token by token is finite. So it is summed as g_(j+1) + ... + g_i (transformers subtracts).
+# The two forms then agree up to rounding: 1e-15 in float64; in float32, within 1e-7 of float64.
 def gated_delta_rule_chunked(q, k, v, g, beta, memory, chunk=64):
     """The same, `chunk` tokens at a time (training, the prompt; 64 as transformers and flash-linear-attention)."""
     T, pad = q.size(2), -q.size(2) % chunk  # padded tokens neither fade (g 0) nor write (beta 0, k 0)
     q, k, v = (F.pad(x, (0, 0, 0, pad)).unflatten(2, (-1, chunk)) for x in (q, k, v))  # [B, H, n, c, dk|dv]
     g, beta = (F.pad(x, (0, pad)).unflatten(2, (-1, chunk)) for x in (g, beta))  # [B, H, n, c]
     gamma = g.cumsum(dim=-1)                                               # [B, H, n, c]: log-decay since chunk start
-    later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)  # [c, c]: j after i
-    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(later, -math.inf).exp()  # [B, H, n, c, c]
+    steps = g[..., None].expand(*g.shape, chunk).tril(-1)                  # [B, H, n, c, c]: g_i in row i, j < i
+    decay = steps.cumsum(dim=-2).exp().tril()                              # [B, H, n, c, c]: e^(g_(j+1) + .. + g_i)
     k_beta = k * beta[..., None]                                           # [B, H, n, c, dk]
     system = (k_beta @ k.transpose(-1, -2)) * decay                        # [B, H, n, c, c]: I + L, diagonal read as 1
     rhs = torch.cat([v * beta[..., None], k_beta * gamma[..., None].exp()], dim=-1)  # [B, H, n, c, dv+dk]
@@ -3403,7 +3408,7 @@ def gated_delta_rule_chunked(q, k, v, g, beta, memory, chunk=64):
         d = u[:, :, i] - w[:, :, i] @ memory                               # [B, H, c, dv]: what each token writes
         out.append((q[:, :, i] * gamma[:, :, i, :, None].exp()) @ memory + scores[:, :, i] @ d)  # [B, H, c, dv]
         last = gamma[:, :, i, -1:]                                         # [B, H, 1]: the whole chunk's decay
-        faded_k = k[:, :, i] * (last - gamma[:, :, i]).exp()[..., None]    # [B, H, c, dk]: e^(gc-gj) k_j
+        faded_k = k[:, :, i] * decay[:, :, i, -1, :, None]                 # [B, H, c, dk]: e^(gc-gj) k_j
         memory = memory * last[..., None].exp() + faded_k.transpose(-1, -2) @ d  # [B, H, dk, dv]
     return torch.cat(out, dim=2)[:, :, :T], memory                         # [B, H, T, dv], [B, H, dk, dv]
 
@@ -3727,7 +3732,8 @@ class LightningIndexer(nn.Module):
         scores = self.scores(x, q_latent, cos, sin, cache)                 # [B, Tn, t]
         if mask is not None:  # causality first: the top-k are earlier tokens
             scores = scores.masked_fill(~mask[:, 0], -math.inf)            # [B, Tn, t]
-        top = scores.topk(min(self.topk, scores.size(-1)), dim=-1).indices  # [B, Tn, topk]
+        # ties to the earlier token (a stable sort): topk's pick among them could change with later, masked tokens
+        top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :self.topk]  # [B, Tn, <=topk]
         keep = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, top, True)[:, None]  # [B, 1, Tn, t]
         # a query with fewer earlier tokens than topk also picks masked ones: the mask drops them again
         return keep if mask is None else keep & mask                       # [B, 1, Tn, t]
@@ -4320,7 +4326,8 @@ def lora_targets(model, targets):
 def add_lora(model, r=8, alpha=16, targets=("w_q", "w_v"), dropout=0.0):
     """Wrap each Linear that targets names in a LoRALinear and freeze the rest -> model, changed in place."""
     wrapped = [(name, LoRALinear(m, r, alpha, dropout)) for name, m in lora_targets(model, targets)]
-    model.requires_grad_(False)  # the new A and B are not in the model yet, so they stay trainable
+    for name, p in model.named_parameters():  # the new A and B are not in the model yet, so they stay trainable
+        p.requires_grad_(name.endswith(("lora_A", "lora_B")) and p.requires_grad)  # an earlier call's A and B too
     for name, lora in wrapped:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, lora)
@@ -4389,7 +4396,10 @@ def merge_lora(model, merge=True):
 
 
 def crop_cache(cache, length):
-    """Every layer's cache cut to `length` tokens: its own crop, or each tensor's dim -2 ([B, H, t, dk], [B, t, r])."""
+    """Every layer's cache cut to `length` tokens (a layer holding fewer keeps them): its own crop, or each tensor's
+    dim -2 ([B, H, t, dk], [B, t, r])."""
+    if length < 0:  # a slice to -1 would keep all but the last token
+        raise ValueError(f"length must be >= 0, got {length}")
     for c in cache:
         if hasattr(c, "crop"):
             c.crop(length)
@@ -4496,8 +4506,8 @@ class MTPCache:
 
     def crop(self, length):
         """Keep the first length tokens' states, and the block's entries built on the target's states alone."""
+        crop_cache([self.block], min(length, self.hidden.size(1)))        # first: it refuses a length below 0
         self.hidden = self.hidden[:, :length]                              # [1, <=length, D]
-        crop_cache([self.block], min(length, self.hidden.size(1)))
 
 
 class MTPDraft(nn.Module):
@@ -5710,7 +5720,9 @@ PREFERENCE = dict(start_steps=60, steps=40, prompts=16, group=8, grpo_lr=1e-3, c
 
 def char_reward(answer, reference):
     """Fraction of characters right, position by position, over max(len): 1 for the reference only."""
-    return sum(a == r for a, r in zip(answer, reference)) / max(len(answer), len(reference), 1)
+    if answer == reference:  # "" for "" too, where the sum below is 0 of 0
+        return 1.0
+    return sum(a == r for a, r in zip(answer, reference)) / max(len(answer), len(reference))
 
 
 @torch.no_grad()
