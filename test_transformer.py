@@ -6145,7 +6145,7 @@ Q3N_HF = dict(vocab_size=100, hidden_size=64, num_hidden_layers=4, num_attention
 def test_hf_parity_qwen3_next():
     """from_hf_config + load_hf_state_dict reproduce transformers' Qwen3NextForCausalLM (random weights
     that make every part count, the zero-centred norms' w around 0 rather than 1; decay rates A as
-    transformers initializes them, 0.01 to 16): logits over 70 tokens (two chunks of the DeltaNet),
+    transformers 5 initializes them, 0.01 to 16): logits over 70 tokens (two chunks of the DeltaNet),
     20 greedy tokens with the cache on both sides, our cached logits over them. Measured max abs
     diff: 1.3e-04, and 2.7e-05 with our cache, on logits up to ~4 (transformers 5.24.0, torch 2.13.0,
     CPU). Each float32 model is about 1.2e-4 from ours in float64: float32's rounding, which the two
@@ -6365,7 +6365,8 @@ def test_dsv32_indexer_gets_no_gradient_and_no_backward():
 def test_dsv32_param_formula_and_cost_per_token():
     """The formula counts every parameter (tiny model), and DeepSeek-V3.2's total equals what
     transformers' DeepseekV32ForCausalLM counts on the meta device (measured, 671,877,929,216).
-    A token's attention: at 4K tokens 58% of dense latent attention's FLOPs, at 128K 7.6%."""
+    A token's attention: at 4K tokens 58% of dense latent attention's FLOPs that grow with the context
+    (and the indexer's), at 128K 7.6%; with MLA's own projections, which both pay, 69% and 8.5%."""
     model = tiny_deepseek_v32()
     config = {**DSA_CONFIG, **DSA_INDEX}
     assert tf.deepseek_v32_param_formula(**config) == tf.count_parameters(model)
@@ -6376,6 +6377,12 @@ def test_dsv32_param_formula_and_cost_per_token():
     assert tf.deepseek_v32_param_formula(**v3, active=True) == 38_403_807_488
     assert tf.sparse_attention_flops(4096) == (1_140_850_688, 665_976_832)
     assert tf.sparse_attention_flops(131072) == (36_507_222_016, 2_762_604_544)
+    with torch.device("meta"):
+        mla = tf.MultiHeadLatentAttention(7168, 128, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64,
+                                          v_head_dim=128, q_lora_rank=1536)
+    own = 2 * tf.count_parameters(mla)                                     # 2 FLOPs a weight, a token
+    assert [round((sparse + own) / (dense + own), 3) for dense, sparse in map(tf.sparse_attention_flops, (
+        4096, 131072))] == [0.687, 0.085]
     dense, sparse = tf.sparse_attention_flops(2048)                       # all kept: the indexer is pure cost
     assert sparse > dense
 
