@@ -1,4 +1,4 @@
-"""transformer.py: the Transformer, hand-written, top to bottom, proven against PyTorch.
+"""transformer.py: the Transformer, hand-written, top to bottom, tested against PyTorch.
 
 MIT License. Copyright (c) the transformer.py authors. Use, copy, change and share it freely; it comes without
 any warranty.
@@ -8,7 +8,7 @@ a 350-line walk through attention, a build-it-yourself encoder-decoder), with th
 section depends only on torch and the sections above it, so the file cut after any model's section still runs that
 model, and each interview piece (README: the interview index) runs pasted alone under the four imports. A later idea
 never becomes an option of an earlier class: a later section extends it, as Qwen3 (QK-norm), Mixtral (experts) and
-Mistral (a window) each extend the Llama. test_transformer.py proves every piece.
+Mistral (a window) each extend the Llama. test_transformer.py tests every piece on sampled inputs, within tolerances.
 
   Part I     1-10   the classic Transformer (Vaswani et al., 2017, "Attention Is All You Need")
   Part II    11-17  teaching it a task: pinyin to hanzi ("wo ai xue xi" -> 我爱学习)
@@ -800,8 +800,8 @@ class BigramHMM:
 # ===========================================================================
 # The model learns by teacher forcing (section 8). Padding is left out of the loss (ignore_index), and label smoothing
 # keeps the model from over-trusting one character. The update is the 2017 paper's. Adam's first steps are noisy, so
-# its learning rate rises over a warmup and then decays as 1 / sqrt(step). The gradient's length is clipped, so that
-# one bad batch cannot throw the weights far. Here torch's Adam and clip_grad_norm_ do the work; Part VII writes each
+# its learning rate rises over a warmup and then decays as 1 / sqrt(step). The gradient's length is also clipped (not in
+# the paper; common practice since), so that one bad batch cannot throw the weights far. Here torch's Adam and clip_grad_norm_ do the work; Part VII writes each
 # of them out.
 
 
@@ -818,8 +818,8 @@ def noam_lambda(d_model, warmup):
 
 
 def adam_noam(model, lr_factor=0.25, warmup=150, clip=1.0):
-    """The paper's update as update(), run after each backward: clip the gradient's norm, step Adam (the paper's betas
-    and eps) at lr_factor * noam(step), clear the gradients. fused=True: one C++ call updates every weight."""
+    """The paper's update as update(), run after each backward: clip the gradient's norm (this file's addition), step
+    Adam (the paper's betas and eps) at lr_factor * noam(step), clear the gradients. fused=True: one C++ call updates every weight."""
     optimizer = torch.optim.Adam(model.parameters(), lr=lr_factor, betas=(0.9, 0.98), eps=1e-9, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, noam_lambda(model.d_model, warmup))
 
@@ -1856,9 +1856,11 @@ def train_gpt2_bpe(text, vocab_size, pre="gpt-2"):
 # Byte j of the 4-bit formats holds value j in its low nibble and value j + 16 in its high one. With the scales counted,
 # a weight takes 34 bytes / 32 = 8.5 bits in Q8_0, 18 / 32 = 4.5 in Q4_0 and 20 / 32 = 5.0 in Q4_1. Q4_1 spends half a
 # bit more on m because a block's values need not straddle 0 evenly. The rounding is the gguf package's (llama.cpp's
-# reference quantizer), bit for bit: x is multiplied by 1 / d, inverted once in float32, because x / d differs in the
-# last bit now and then and flips a q (2 of 3.2 million Gaussian values). Q8_0 rounds halves away from zero, the 4-bit
-# formats take trunc(... + 0.5), and Q4_0's d takes its sign from the first of the tied largest |x|.
+# reference quantizer), bit for bit on what a test tries (gguf 0.19 with numpy 2.4: 2,048 random blocks, zeros,
+# integers; both round in float32, where a fused multiply-add could move a q): x is multiplied by 1 / d, inverted once
+# in float32, because x / d differs in the last bit now and then and flips a q (2 of 3.2 million Gaussian values). Q8_0
+# rounds halves away from zero, the 4-bit formats take trunc(... + 0.5), and Q4_0's d takes its sign from the first of
+# the tied largest |x|.
 
 QUANT_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # the bytes a block of 32 values takes, scales first
 
@@ -1904,6 +1906,10 @@ def quantize(x, fmt):
 
 def dequantize(data, fmt, shape):
     """The bytes of fmt's blocks (bytes, or a uint8 tensor) -> a float32 tensor of shape."""
+    if fmt not in QUANT_BYTES:
+        raise ValueError(f"fmt must be one of {', '.join(QUANT_BYTES)}, got {fmt!r}")
+    if isinstance(data, torch.Tensor) and data.dtype != torch.uint8:  # int8's >> 4 would copy the sign bit in
+        raise ValueError(f"data must be bytes or a uint8 tensor, got a {data.dtype} tensor")
     n, size = math.prod(shape), data.numel() if isinstance(data, torch.Tensor) else len(data)
     if n == 0 or n % 32 or size != n // 32 * QUANT_BYTES[fmt]:
         raise ValueError(f"data holds {size} bytes: {fmt} blocks of a shape {tuple(shape)} hold"
@@ -1954,8 +1960,9 @@ def unpermute_rope_rows(w, n_heads):
     return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)  # [H * dk, D]
 
 
-# The released file is already 4-bit: its Q4_1 weights, dequantized and quantized again, come back bit for bit (a
-# block's min is one of its values, its max d q + m at q = 15), which a test checks.
+# The released file is mostly 4-bit: 79% of its weights are Q4_1; the embedding (21%, tied: also the output head) is
+# Q8_0 and the norms float32. Its Q4_1 weights, dequantized and quantized again, come back bit for bit (a block's min
+# is one of its values, its max d q + m at q = 15), which a test checks.
 # Try it:
 #   >>> unpermute_rope_rows(torch.arange(8.0)[:, None], n_heads=2).flatten()  # rows 2i, 2i + 1 -> i, i + dk/2
 #   tensor([0., 2., 1., 3., 4., 6., 5., 7.])
@@ -2502,8 +2509,9 @@ class MultiTokenPrediction(nn.Module):
         if past + 1 + next_ids.size(1) > model.max_len:  # else fewer RoPE angles than tokens, which could broadcast
             raise ValueError(f"next_ids has length {next_ids.size(1)} after {past} cached, expected 1 to"
                              f" max_len - 1 - {past} = {model.max_len - 1 - past}")
-        # The embedding comes first, as in DeepSeek's code and transformers' MtpLayer. The report's equation writes
-        # [RMSNorm(h); RMSNorm(Emb)], and the two orders give other numbers on the same weights.
+        # The embedding comes first, as the released weights' eh_proj reads it in vLLM's and SGLang's DeepSeek MTP
+        # and transformers' MtpLayer (DeepSeek's released inference code has no MTP module). The report's equation
+        # writes [RMSNorm(h); RMSNorm(Emb)], and the two orders give other numbers on the same weights.
         x = torch.cat([self.enorm(model.token_embedding(next_ids)), self.hnorm(hidden)], dim=-1)  # [B, Tn, 2D]
         x = self.eh_proj(x)                                                # [B, Tn, D]
         # The block reads token t + 1, so it takes RoPE's angles of position t + 1 (transformers' position_ids; RoPE
@@ -2608,7 +2616,7 @@ FRONTIER_CONFIGS = [
 # ===========================================================================
 # Past a few thousand tokens, four things break. The [Tq, Tk] scores grow to 16 M numbers a head at 4k tokens; the
 # cache grows with every token; a batch reserves memory for its longest request; and RoPE meets angles that training
-# never showed. FlashAttention and the paged cache are proven equal to what they replace. The window and the RoPE
+# never showed. FlashAttention and the paged cache are tested equal to what they replace. The window and the RoPE
 # scaling change the model.
 
 # ===========================================================================
@@ -2629,7 +2637,7 @@ FRONTIER_CONFIGS = [
 # order of the blocks irrelevant.
 # A GPU gains because the tiles stay in on-chip SRAM (19 TB/s on an A100, against 1.5-2.0 TB/s of HBM, the paper's
 # numbers), where section 2 writes S and P to HBM and reads them back; the fused kernel does more arithmetic and is
-# still faster. Here a tile is a dozen torch calls, so the code proves the math and the O(T * block) memory, and --bench
+# still faster. Here a tile is a dozen torch calls, so the code shows the math and the O(T * block) memory, and --bench
 # measures its speed. The backward saves q, k, v, out and the lse [Tq], and recomputes each tile's P = e^(S - lse): more
 # FLOPs for less memory, which on a GPU is still faster than reading a saved [T, T] P. Softmax's Jacobian enters through
 # delta = rowsum(dO * O), which equals the sum over keys of P * dP, in dS = P * (dP - delta).
@@ -3330,17 +3338,18 @@ GPT_OSS_CONFIGS = [
 #   norm weights grew abnormally large in Qwen3's QK-norm. Weight decay on w pulls the scale towards
 #   1, where decay on a plain weight pulls it towards 0 and erases the input.
 # - Gated attention (Qiu et al., 2025, "Gated Attention for Large Language Models: Non-linearity,
-#   Sparsity, and Attention-Sink-Free") makes w_q twice as wide; the second half is a gate. The
-#   attention's output is multiplied by sigmoid(gate), per head and dim, before w_o. The paper reports
-#   steadier training and no attention sink (a first token that soaks up the attention of heads with
-#   nothing to read), because a head can output about 0 itself. The gate also puts a non-linearity
-#   between w_v and w_o, which are otherwise one low-rank linear map.
+#   Sparsity, and Attention-Sink-Free") makes w_q twice as wide: per head, dk query rows, then dk
+#   gate rows. The attention's output is multiplied by sigmoid(gate), per head and dim, before w_o.
+#   The paper reports steadier training and no attention sink (a first token that soaks up the
+#   attention of heads with nothing to read), because a head can output about 0 itself. The gate
+#   also puts a non-linearity between w_v and w_o, which are otherwise one low-rank linear map.
 # - Partial RoPE turns only the first 25% of each head's dims (64 of 256). The rest carry no
 #   position, so part of every head matches by content alone, at any distance.
 
 
 class ZeroCenteredRMSNorm(RMSNorm):
-    """RMSNorm scaled by 1 + weight, weight starting at 0: every norm of Qwen3-Next, q_norm and k_norm too."""
+    """RMSNorm scaled by 1 + weight, weight starting at 0: Qwen3-Next's norms, q_norm and k_norm too, but the
+    DeltaNet's gated output norm (a plain weight, from 1)."""
 
     def __init__(self, d_model, eps=1e-6):
         super().__init__(d_model, eps)
@@ -3416,18 +3425,19 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
 #     S  <- e^(gamma_c) S + sum_j e^(gamma_c - gamma_j) k_j d_j^T
 # The first line is a unit lower-triangular system in the d_i, so d = u - w S. One triangular solve
 # gives u and w (right-hand sides beta v and beta e^gamma k) for all chunks together, by matmuls; only
-# "d = u - w S" and the two lines after it run chunk after chunk. The two forms agree up to rounding:
-# 1e-15 in float64. In float32, against float64, token by token is within 1e-7 at any decay; chunked
-# is within 1e-7 at mild decay but 1.4e-6 where |g| reaches 20 a token. There e^(gamma_i - gamma_j)
-# subtracts two cumulative log-decays hundreds large, whose rounding (~|gamma| * 6e-8) survives.
+# "d = u - w S" and the two lines after it run chunk after chunk. The pitfall is e^(gamma_i - gamma_j):
+# a difference of two cumulative log-decays hundreds large keeps their rounding (~|gamma| * 6e-8: 3e-7
+# in float32 where |g| reaches 20 a token), and after a g of -inf (forget everything) it is -inf - -inf,
+# NaN, where token by token is finite. So it is summed as g_(j+1) + ... + g_i (transformers subtracts).
+# The two forms then agree up to rounding: 1e-15 in float64; in float32, within 1e-7 of float64.
 def gated_delta_rule_chunked(q, k, v, g, beta, memory, chunk=64):
     """The same, `chunk` tokens at a time (training, the prompt; 64 as transformers and flash-linear-attention)."""
     T, pad = q.size(2), -q.size(2) % chunk  # padded tokens neither fade (g 0) nor write (beta 0, k 0)
     q, k, v = (F.pad(x, (0, 0, 0, pad)).unflatten(2, (-1, chunk)) for x in (q, k, v))  # [B, H, n, c, dk|dv]
     g, beta = (F.pad(x, (0, pad)).unflatten(2, (-1, chunk)) for x in (g, beta))  # [B, H, n, c]
     gamma = g.cumsum(dim=-1)                                               # [B, H, n, c]: log-decay since chunk start
-    later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)  # [c, c]: j after i
-    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(later, -math.inf).exp()  # [B, H, n, c, c]
+    steps = g[..., None].expand(*g.shape, chunk).tril(-1)                  # [B, H, n, c, c]: g_i in row i, j < i
+    decay = steps.cumsum(dim=-2).exp().tril()                              # [B, H, n, c, c]: e^(g_(j+1) + .. + g_i)
     k_beta = k * beta[..., None]                                           # [B, H, n, c, dk]
     system = (k_beta @ k.transpose(-1, -2)) * decay                        # [B, H, n, c, c]: I + L, diagonal read as 1
     rhs = torch.cat([v * beta[..., None], k_beta * gamma[..., None].exp()], dim=-1)  # [B, H, n, c, dv+dk]
@@ -3439,7 +3449,7 @@ def gated_delta_rule_chunked(q, k, v, g, beta, memory, chunk=64):
         d = u[:, :, i] - w[:, :, i] @ memory                               # [B, H, c, dv]: what each token writes
         out.append((q[:, :, i] * gamma[:, :, i, :, None].exp()) @ memory + scores[:, :, i] @ d)  # [B, H, c, dv]
         last = gamma[:, :, i, -1:]                                         # [B, H, 1]: the whole chunk's decay
-        faded_k = k[:, :, i] * (last - gamma[:, :, i]).exp()[..., None]    # [B, H, c, dk]: e^(gc-gj) k_j
+        faded_k = k[:, :, i] * decay[:, :, i, -1, :, None]                 # [B, H, c, dk]: e^(gc-gj) k_j
         memory = memory * last[..., None].exp() + faded_k.transpose(-1, -2) @ d  # [B, H, dk, dv]
     return torch.cat(out, dim=2)[:, :, :T], memory                         # [B, H, T, dv], [B, H, dk, dv]
 
@@ -3485,8 +3495,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_ba = nn.Linear(d_model, 2 * n_v_heads, bias=False)    # per key head: its heads' b, then a
         channels = 2 * n_k_heads * k_dim + n_v_heads * v_dim               # C: q, k and v, a filter each
         self.conv1d = nn.Conv1d(channels, channels, conv_size, groups=channels, bias=False)
-        # Mamba-2's decay e^(-A dt): A = e^A_log > 0 a head, drawn from 0.01 to 16 as transformers does (heads
-        # that remember for hundreds of tokens, heads that forget at once); a step dt = softplus(a + dt_bias) a token
+        # Mamba-2's decay e^(-A dt): A = e^A_log > 0 a head, drawn from 0.01 to 16 as transformers 5 does (4.x from 0;
+        # heads that remember for hundreds of tokens, heads that forget at once); a step dt = softplus(a + dt_bias)
         self.dt_bias = nn.Parameter(torch.ones(n_v_heads))                 # [Hv]
         self.A_log = nn.Parameter(torch.empty(n_v_heads).uniform_(0.01, 16).log())  # [Hv]
         self.norm = GatedRMSNorm(v_dim, norm_eps)
@@ -3552,8 +3562,9 @@ def qwen3_next_layer_types(n_layers, interval=4):
 class Qwen3Next(Qwen3):
     """Qwen3 with Qwen3-Next's blocks. Each block mixes tokens by a GatedDeltaNet or a GatedAttention, as
     layer_types says (None: three DeltaNet layers, then one attention layer, over and over), and has a
-    softmax-routed MoE with a gated shared expert. Every norm is zero-centred. The DeltaNet and MoE sizes
-    default to Qwen3-Next-80B-A3B's; max_len, theta and eps default to Llama's."""
+    softmax-routed MoE with a gated shared expert. Every norm but the DeltaNet's output norm is
+    zero-centred. The DeltaNet and MoE sizes default to Qwen3-Next-80B-A3B's; max_len, theta and eps
+    default to Llama's."""
     cache_kind = object  # the kind differs by layer: new_cache() gives them, and forward checks them
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, head_dim=None, max_len=2048,
@@ -3763,7 +3774,8 @@ class LightningIndexer(nn.Module):
         scores = self.scores(x, q_latent, cos, sin, cache)                 # [B, Tn, t]
         if mask is not None:  # causality first: the top-k are earlier tokens
             scores = scores.masked_fill(~mask[:, 0], -math.inf)            # [B, Tn, t]
-        top = scores.topk(min(self.topk, scores.size(-1)), dim=-1).indices  # [B, Tn, topk]
+        # ties to the earlier token (a stable sort): topk's pick among them could change with later, masked tokens
+        top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :self.topk]  # [B, Tn, <=topk]
         keep = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, top, True)[:, None]  # [B, 1, Tn, t]
         # a query with fewer earlier tokens than topk also picks masked ones: the mask drops them again
         return keep if mask is None else keep & mask                       # [B, 1, Tn, t]
@@ -3828,8 +3840,10 @@ def sparse_attention_flops(context, n_heads=128, kv_lora_rank=512, qk_rope_dim=6
 
 # At V3.2's sizes, a layer costs 1.14 GFLOPs dense and 0.67 sparse at 4K tokens (58%: 2048 of 4096
 # tokens read, the indexer 0.10). At 128K it costs 36.5 GFLOPs dense and 2.76 sparse (7.6%), of which
-# the indexer takes 2.19. Past about 35K tokens, scoring costs more than attending: its slope is 16,512
-# FLOPs a token, dense attention's 278,528. DeepSeek keeps it cheap with few heads and FP8. The cache
+# the indexer takes 2.19. These count what grows with the context and the indexer; MLA's own
+# projections (0.37 GFLOPs a token) cost both the same, and with them the ratios are 69% and 8.5%.
+# Past about 35K tokens, scoring costs more than attending: its slope is 16,512 FLOPs a token, dense
+# attention's 278,528. DeepSeek keeps it cheap with few heads and FP8. The cache
 # gains di = 128 values a token a layer (576 + 128: 85,888 bytes a token in bf16 over 61 layers).
 #
 # Training. Under no_grad the indexer's forward costs FLOPs and its backward none. A weight costs 2
@@ -3872,7 +3886,7 @@ def indexer_flops(config, batch_size, seq_len):
 # Part VII: training, by hand (第七部分：手写训练)
 # ===========================================================================
 # Training takes more than the model. This part writes out the optimizer, the schedule, clipping and accumulation, each
-# proven equal to the library it replaces. It counts what training costs in FLOPs and memory, by formula and measured,
+# tested equal to the library it replaces. It counts what training costs in FLOPs and memory, by formula and measured,
 # and ends with mixed precision and LoRA, which trains a few parameters instead of all of them.
 
 # ===========================================================================
@@ -4356,7 +4370,8 @@ def lora_targets(model, targets):
 def add_lora(model, r=8, alpha=16, targets=("w_q", "w_v"), dropout=0.0):
     """Wrap each Linear that targets names in a LoRALinear and freeze the rest -> model, changed in place."""
     wrapped = [(name, LoRALinear(m, r, alpha, dropout)) for name, m in lora_targets(model, targets)]
-    model.requires_grad_(False)  # the new A and B are not in the model yet, so they stay trainable
+    for name, p in model.named_parameters():  # the new A and B are not in the model yet, so they stay trainable
+        p.requires_grad_(name.endswith(("lora_A", "lora_B")) and p.requires_grad)  # an earlier call's A and B too
     for name, lora in wrapped:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, lora)
@@ -4425,7 +4440,10 @@ def merge_lora(model, merge=True):
 
 
 def crop_cache(cache, length):
-    """Every layer's cache cut to `length` tokens: its own crop, or each tensor's dim -2 ([B, H, t, dk], [B, t, r])."""
+    """Every layer's cache cut to `length` tokens (a layer holding fewer keeps them): its own crop, or each tensor's
+    dim -2 ([B, H, t, dk], [B, t, r])."""
+    if length < 0:  # a slice to -1 would keep all but the last token
+        raise ValueError(f"length must be >= 0, got {length}")
     for c in cache:
         if hasattr(c, "crop"):
             c.crop(length)
@@ -4532,8 +4550,8 @@ class MTPCache:
 
     def crop(self, length):
         """Keep the first length tokens' states, and the block's entries built on the target's states alone."""
+        crop_cache([self.block], min(length, self.hidden.size(1)))        # first: it refuses a length below 0
         self.hidden = self.hidden[:, :length]                              # [1, <=length, D]
-        crop_cache([self.block], min(length, self.hidden.size(1)))
 
 
 class MTPDraft(nn.Module):
@@ -5769,7 +5787,9 @@ PREFERENCE = dict(start_steps=60, steps=40, prompts=16, group=8, grpo_lr=1e-3, c
 
 def char_reward(answer, reference):
     """Fraction of characters right, position by position, over max(len): 1 for the reference only."""
-    return sum(a == r for a, r in zip(answer, reference)) / max(len(answer), len(reference), 1)
+    if answer == reference:  # "" for "" too, where the sum below is 0 of 0
+        return 1.0
+    return sum(a == r for a, r in zip(answer, reference)) / max(len(answer), len(reference))
 
 
 @torch.no_grad()
