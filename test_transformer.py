@@ -8644,6 +8644,17 @@ def test_crop_cache_keeps_the_first_tokens_of_each_layer_and_never_lengthens_one
     assert torch.equal(long.k, keys[:, :, :5]) and torch.equal(long.v, -keys[:, :, :5])
 
 
+def test_crop_cache_refused_by_a_later_layer_leaves_every_layer_as_it_was():
+    # a full layer before a rolling one that let tokens go: the refusal comes before any layer is cut
+    keys = torch.randn(1, 2, 6, 4)                                         # [1, 2, 6, 4]
+    full, rolling = tf.KVCache(), tf.RollingKVCache(window=4)
+    for c in (full, rolling):
+        c.append(keys, -keys)
+    with pytest.raises(ValueError, match="it let 2 go"):
+        tf.crop_cache([full, rolling], 1)
+    assert (len(full), len(rolling)) == (6, 6) and torch.equal(full.k, keys) and torch.equal(rolling.k, keys[:, :, 2:])
+
+
 def filled_caches():
     """{kind: a cache of each class holding the same 5 tokens}, MTPCache's block a KVCache."""
     g = torch.Generator().manual_seed(0)

@@ -4444,13 +4444,14 @@ def crop_cache(cache, length):
     dim -2 ([B, H, t, dk], [B, t, r])."""
     if length < 0:  # a slice to -1 would keep all but the last token
         raise ValueError(f"length must be >= 0, got {length}")
-    for c in cache:
+    for c in cache:  # first the layers with a crop of their own: one may refuse (a rolling cache, a recurrent state)
         if hasattr(c, "crop"):
             c.crop(length)
-            continue
-        for name, value in vars(c).items():
-            if isinstance(value, torch.Tensor):
-                setattr(c, name, value[..., :length, :])                   # [.., length, ..]
+    for c in cache:
+        if not hasattr(c, "crop"):
+            for name, value in vars(c).items():
+                if isinstance(value, torch.Tensor):
+                    setattr(c, name, value[..., :length, :])               # [.., length, ..]
 
 
 def speculation_cache(model, k):
