@@ -6857,7 +6857,8 @@ def main(argv=None):
         try:
             torch.manual_seed(args.seed)  # sampling draws from torch's generator: --seed repeats an answer
             model, tokenizer = load_gguf(args.gguf)
-            _, speed = chat((model.to(device), tokenizer), *(getattr(args, name) for name in GGUF_OPTIONS))
+            model.to(device)  # its weights and RoPE tables, in place
+            _, speed = chat((model, tokenizer), *(getattr(args, name) for name in GGUF_OPTIONS))
         except ValueError as e:
             parser.error(f"--gguf {shown(args.gguf)}: {e}" if shown(args.gguf) not in str(e) else str(e))
         print(flush=True)
