@@ -4741,19 +4741,19 @@ def read_bytes(path):
         with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)), "rb") as f:
             info = os.fstat(f.fileno())
             if not stat.S_ISREG(info.st_mode):
-                raise ValueError(f"cannot read {path}: not a regular file (a folder, a pipe or a device)")
+                raise ValueError(f"cannot read {shown(path)}: not a regular file (a folder, a pipe or a device)")
             data = bytearray(info.st_size)
             if f.readinto(data) != len(data):
-                raise ValueError(f"cannot read {path}: it grew shorter while it was read")
+                raise ValueError(f"cannot read {shown(path)}: it grew shorter while it was read")
     except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+        raise ValueError(f"cannot read {shown(path)}: {e.strerror or e}") from None
     return data
 
 
 def read_gguf(path, architectures=None):
     """A GGUF file -> (metadata {key: value}, tensors {llama.cpp's name: float32 tensor in torch's shape}), a "llama"
     file's w_q and w_k rows reordered back. A file of none of architectures (None: any) is refused before its data."""
-    data, pos = read_bytes(path), 0
+    data, pos, path = read_bytes(path), 0, shown(path)
 
     def take(code, count=1):  # count little-endian values of the struct code at pos
         nonlocal pos
@@ -4795,11 +4795,14 @@ def read_gguf(path, architectures=None):
     table = [(value(8), take("Q", take("I")[0])[::-1], *take("I"), *take("Q")) for _ in range(n_tensors)]
     arch, align, tensors = metadata.get("general.architecture"), metadata.get("general.alignment", 32), {}
     if architectures is not None and arch not in architectures:
-        raise ValueError(f"{path}: architecture {arch!r} is not one this file runs ({', '.join(architectures)})")
+        raise ValueError(f"{path}: architecture {arch!r:.60} is not one this file runs ({', '.join(architectures)})")
     if type(align) is not int or align < 1:
-        raise ValueError(f"{path}: general.alignment is {align!r}, expected an integer >= 1")
+        raise ValueError(f"{path}: general.alignment is {align!r:.60}, expected an integer >= 1")
     start = -(-pos // align) * align                                       # the data, after the padding
     for name, shape, kind, offset in table:  # shapes reversed: ggml lists the fastest-moving dim first
+        if len(name.encode()) >= 64 or not name.isprintable() or len(shape) > 4:  # as llama.cpp refuses them
+            raise ValueError(f"{path}: tensor {quote(name)} of {len(shape):,} dims: expected a printable name under"
+                             f" 64 bytes and at most 4 dims")
         if name in tensors:
             raise ValueError(f"{path}: the tensor name {quote(name)} appears twice")
         if 0 in shape:
@@ -4822,7 +4825,7 @@ def read_gguf(path, architectures=None):
             key += "_kv" * ("attn_k" in name and key + "_kv" in metadata)
             heads = metadata.get(key)
             if type(heads) is not int or heads < 1 or shape[0] % (2 * heads):
-                raise ValueError(f"{path}: {key} is {heads!r}, expected a count of heads that divides"
+                raise ValueError(f"{path}: {key} is {heads!r:.60}, expected a count of heads that divides"
                                  f" {name}'s {shape[0]} rows into pairs")
             w = unpermute_rope_rows(w, heads)                              # [H * dk, D]
         tensors[name] = w
@@ -4837,7 +4840,7 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 def read_safetensors(path):
     """A .safetensors file -> {name: tensor}, in the dtypes it stores. Its header is checked whole first, as the
     safetensors library checks it: each entry's dtype, shape and byte offsets, and the tensors tile the data."""
-    data = read_bytes(path)
+    data, path = read_bytes(path), shown(path)
     n = struct.unpack_from("<Q", data)[0] if len(data) >= 8 else math.inf  # the JSON header's length
     if 8 + n > len(data):
         raise ValueError(f"{path} is not a safetensors file or is truncated: its header needs {n} bytes")
@@ -4855,29 +4858,29 @@ def read_safetensors(path):
                              f" dtype, shape and data_offsets")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if type(dtype) is not str or dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{path}: tensor {name} is {str(dtype):.40}; this file reads"
+            raise ValueError(f"{path}: tensor {shown(name)} is {str(dtype):.40}; this file reads"
                              f" {', '.join(SAFETENSORS_DTYPES)}")
         if type(shape) is not list or any(type(d) is not int or d < 0 for d in shape):
-            raise ValueError(f"{path}: tensor {name}'s shape is {shape!r:.60}, expected a list of integers"
+            raise ValueError(f"{path}: tensor {shown(name)}'s shape is {shape!r:.60}, expected a list of integers"
                              f" >= 0")
         if (type(offsets) is not list or len(offsets) != 2 or any(type(o) is not int for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1]):
-            raise ValueError(f"{path}: tensor {name}'s data_offsets is {offsets!r:.60}, expected [begin, end]"
-                             f" with 0 <= begin <= end")
+            raise ValueError(f"{path}: tensor {shown(name)}'s data_offsets is {offsets!r:.60}, expected"
+                             f" [begin, end] with 0 <= begin <= end")
         begin, end = offsets
         if 8 + n + end > len(data):
-            raise ValueError(f"{path} is truncated: tensor {name} ends at byte {8 + n + end:,},"
+            raise ValueError(f"{path} is truncated: tensor {shown(name)} ends at byte {8 + n + end:,},"
                              f" the file at {len(data):,}")
         need = math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
         if end - begin != need:
-            raise ValueError(f"{path}: tensor {name} {shape} of {dtype} takes {need:,} bytes, its data_offsets"
-                             f" {end - begin:,}")
+            raise ValueError(f"{path}: tensor {shown(name)} {str(shape):.60} of {dtype} takes {need:,} bytes, its"
+                             f" data_offsets {end - begin:,}")
         spans.append((begin, end, name))
     at = 0  # sorted, each tensor must begin where the one before ends, and the last end with the file
     for begin, end, name in sorted(spans):
         if begin != at:
-            raise ValueError(f"{path}: tensor {name} begins at byte {begin:,} of the data, where {at:,} was expected:"
-                             f" the tensors overlap or leave a gap")
+            raise ValueError(f"{path}: tensor {shown(name)} begins at byte {begin:,} of the data, where {at:,} was"
+                             f" expected: the tensors overlap or leave a gap")
         at = end
     if at != size:
         raise ValueError(f"{path}: its tensors end at byte {at:,} of the data, which holds {size:,}")
@@ -5069,7 +5072,7 @@ def load_gguf(path):
     try:
         return model_of_gguf(metadata, tensors)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise ValueError(f"{shown(path)}: {e}") from None
 
 
 def model_of_gguf(metadata, tensors):
