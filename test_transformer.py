@@ -3878,6 +3878,8 @@ def _safetensors(path, header, body=b""):
     ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, bytes(4), "tensor a's shape is [-1], expected"),
     ({"a": {"dtype": "F32", "shape": "1", "data_offsets": [0, 4]}}, bytes(4), "tensor a's shape is '1', expected"),
     ({"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, bytes(4), "tensor a's shape is [True]"),
+    ({"a": {"dtype": "F32", "shape": [0, 2 ** 63], "data_offsets": [0, 0]}}, b"", "shape is [0, 9223372036854775808],"
+                                                                              " expected a list of integers from 0"),
     ({"a": {"dtype": "F8_E5M2", "shape": [1], "data_offsets": [0, 1]}}, bytes(1), "tensor a is F8_E5M2; this file"
                                                                                  " reads F64, F32"),
     ({"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, bytes(4), "tensor a is ['F32']; this file"),

@@ -4860,9 +4860,9 @@ def read_safetensors(path):
         if type(dtype) is not str or dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"{path}: tensor {shown(name)} is {str(dtype):.40}; this file reads"
                              f" {', '.join(SAFETENSORS_DTYPES)}")
-        if type(shape) is not list or any(type(d) is not int or d < 0 for d in shape):
+        if type(shape) is not list or any(type(d) is not int or not 0 <= d < 2 ** 63 for d in shape):  # torch's
             raise ValueError(f"{path}: tensor {shown(name)}'s shape is {shape!r:.60}, expected a list of integers"
-                             f" >= 0")
+                             f" from 0 to 2^63 - 1")
         if (type(offsets) is not list or len(offsets) != 2 or any(type(o) is not int for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1]):
             raise ValueError(f"{path}: tensor {shown(name)}'s data_offsets is {offsets!r:.60}, expected"
