@@ -3773,6 +3773,7 @@ def test_reading_a_folder_pipe_device_or_descriptor_is_refused_at_once(tmp_path)
     writer = os.open(held, os.O_RDWR)                   # a writer that never writes: reading it waits forever
     os.symlink(fifo, tmp_path / "link.gguf")
     real = write_gguf(tmp_path / "real.gguf", {}, {"w": (0, bytes(16), (4,))})
+    descriptors = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
     try:
         with open(real, "rb") as f:
             for read in (tf.read_gguf, tf.read_safetensors, tf.load_gguf):
@@ -3785,6 +3786,8 @@ def test_reading_a_folder_pipe_device_or_descriptor_is_refused_at_once(tmp_path)
                     with pytest.raises(ValueError, match=r"^path must be a file name \(str or os.PathLike\), got"):
                         read(fd)
                 assert f.read(4) == b"GGUF" and f.seek(0) == 0
+        if descriptors is not None:                     # each refused file was closed
+            assert len(os.listdir("/proc/self/fd")) == descriptors
     finally:
         os.close(writer)
     assert tf.read_gguf(str(real).encode())[1]["w"].shape == (4,)  # bytes and str name the same file
@@ -9481,7 +9484,8 @@ def test_cli_data_dev_zero_is_refused_fast(capsys):
     start = time.perf_counter()
     line = _usage_error(capsys, ["--data", "/dev/zero", "--device", "cpu"])
     assert time.perf_counter() - start < 5               # refused before a byte is read: measured 0.001 s
-    assert line == "transformer.py: error: /dev/zero: a device, not a file; expected a pinyin<TAB>hanzi file"
+    assert line == ("transformer.py: error: /dev/zero: not a file or a pipe (a folder or a device); expected a"
+                    " pinyin<TAB>hanzi file")
 
 
 def test_read_pairs_size_limit_is_exact(tmp_path, monkeypatch):
@@ -12217,8 +12221,8 @@ def test_data_and_load_refuse_a_fifo_a_folder_or_a_device_within_a_second(tmp_pa
         status, out, err = _main([option, str(path), "--device", "cpu"])
     line = _one_error_line(err)
     assert status == 2 and out == "" and line.startswith(f"transformer.py: error: {path}: "), line
-    if what.startswith("/dev/"):                        # refused before a byte is read
-        assert line.endswith(": a device, not a file; expected " + (
+    if what != "fifo":                                  # refused before a byte is read
+        assert line.endswith(": not a file or a pipe (a folder or a device); expected " + (
             "a pinyin<TAB>hanzi file" if option == "--data" else "a checkpoint file, or a pipe of at most that"
                                                                  " (a pipe is held in memory)")), line
 

@@ -4738,10 +4738,12 @@ def read_bytes(path):
     if not isinstance(path, (str, bytes, os.PathLike)):  # an int would read, then close, that file descriptor
         raise ValueError(f"path must be a file name (str or os.PathLike), got {type(path).__name__} {path!r:.40}")
     try:
-        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)), "rb") as f:
-            info = os.fstat(f.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise ValueError(f"cannot read {shown(path)}: not a regular file (a folder, a pipe or a device)")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))  # a FIFO: no wait
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise ValueError(f"cannot read {shown(path)}: not a regular file (a folder, a pipe or a device)")
+        with open(fd, "rb") as f:
             data = bytearray(info.st_size)
             if f.readinto(data) != len(data):
                 raise ValueError(f"cannot read {shown(path)}: it grew shorter while it was read")
@@ -5934,20 +5936,22 @@ def with_pieces(pairs, copies=1, seed=0):
 
 
 def open_for_reading(path, limit, expected, any_size=False):
-    """path read whole (at most limit bytes: an endless pipe stops) or, any_size, a regular file opened; a device
-    (/dev/zero, a terminal) refused at once; ValueError."""
+    """path read whole (at most limit bytes: an endless pipe stops) or, any_size, a regular file opened; a folder or
+    a device (/dev/zero, a terminal) refused at once; ValueError."""
     if not isinstance(path, (str, bytes, os.PathLike)) or not os.fspath(path):
         raise ValueError(f"path must be a file name (str or os.PathLike), got {type(path).__name__} {path!r:.40}")
     try:
-        f = os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb")  # a pipe with no writer: empty
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a pipe with no writer: empty
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            os.close(fd)
+            raise ValueError(f"{shown(path)}: not a file or a pipe (a folder or a device); expected {expected}")
+        f = os.fdopen(fd, "rb")
         if hasattr(os, "O_NONBLOCK"): os.set_blocking(f.fileno(), True)  # then read as usual (Unix)
-        if any_size and os.path.isfile(path): return f
+        if any_size and stat.S_ISREG(mode): return f
         with f:
-            mode = os.fstat(f.fileno()).st_mode
-            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-                raise ValueError(f"{shown(path)}: a device, not a file; expected {expected}")
             data = f.read(limit + 1)
-    except OSError as e:  # missing, not allowed, a folder
+    except OSError as e:  # missing, not allowed
         raise ValueError(f"{shown(path)}: {e.strerror or e}") from None
     if len(data) > limit: raise ValueError(f"{shown(path)}: larger than {limit // 2 ** 20} MB; expected {expected}")
     return io.BytesIO(data)
@@ -6834,7 +6838,8 @@ def main(argv=None):
         what = "hanzi" if "\u4e00" <= char <= "\u9fff" else repr(char)
         parser.error(f"standard output's encoding ({encoding}) cannot write {what}; set PYTHONIOENCODING=utf-8 or"
                      f" use a UTF-8 locale")
-    closed = sys.stdout is None and next((name for name in ("translate", "gguf") if getattr(args, name)), None)
+    closed = sys.stdout is None and next((name for name in ("translate", "gguf") if getattr(args, name) is not None),
+                                         None)
     if closed: parser.error(f"--{closed}: standard output is closed; the answers would be lost")
     if args.translate == "-":
         try:
