@@ -3566,12 +3566,12 @@ def test_safetensors_by_hand_every_dtype_and_the_metadata(tmp_path):
     assert read.keys() == tensors.keys()
     assert all(read[k].dtype == t.dtype and torch.equal(read[k], t) for k, t in tensors.items())
     (tmp_path / "cut.safetensors").write_bytes((struct.pack("<Q", len(text)) + text + body)[:-3])
-    with pytest.raises(ValueError, match="cut.safetensors is truncated: tensor d ends at byte"):
+    with pytest.raises(ValueError, match="cut.safetensors is truncated: tensor 'd' ends at byte"):
         tf.read_safetensors(tmp_path / "cut.safetensors")
     header["a"]["dtype"] = "F8_E4M3"
     text = json.dumps(header).encode()
     (tmp_path / "f8.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + body)
-    with pytest.raises(ValueError, match="tensor a is F8_E4M3; this file reads F64, F32"):
+    with pytest.raises(ValueError, match="tensor 'a' is 'F8_E4M3'; this file reads F64, F32"):
         tf.read_safetensors(tmp_path / "f8.safetensors")
     (tmp_path / "no.safetensors").write_bytes(b"\xff" * 12)
     with pytest.raises(ValueError, match="is not a safetensors file or is truncated"):
@@ -3818,7 +3818,7 @@ def test_gguf_repeated_names_deep_arrays_and_empty_tensors_are_refused_naming_th
     # a name llama.cpp would refuse (every message shows the name): too long, not printable; more than 4 dims
     for name, shape in (("x" * 64, (4,)), ("w\nnext line", (4,)), ("\x1b[2J", (4,)), ("w", (1, 1, 1, 1, 4))):
         path = write_gguf(tmp_path / "named.gguf", {}, {name: (0, data, shape)})
-        assert gguf_error(path) == (f"{path}: tensor {tf.quote(name)} of {len(shape)} dims: expected a printable"
+        assert gguf_error(path) == (f"{path}: tensor {name!r:.60} of {len(shape)} dims: expected a printable"
                                     f" name under 64 bytes and at most 4 dims")
     assert tf.read_gguf(write_gguf(tmp_path / "ok.gguf", {}, {"x" * 63: (0, data, (1, 1, 4))}))[1]["x" * 63].shape == (
         1, 1, 4)
@@ -3866,30 +3866,30 @@ def _safetensors(path, header, body=b""):
     ({"a": 7}, b"", "tensor 'a' is 7, expected a JSON object with dtype, shape and data_offsets"),
     ({"a": ["F32", [1], [0, 4]]}, bytes(4), "tensor 'a' is ['F32', [1], [0, 4]], expected a JSON object with"),
     ({"a": {"dtype": "F32", "shape": [1]}}, bytes(4), "tensor 'a' is {'dtype': 'F32', 'shape': [1]}, expected"),
-    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}, bytes(4), "tensor a's data_offsets is [0], expected"),
-    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}}, bytes(8), "data_offsets is [0, 4, 8], expected"),
-    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, bytes(4), "data_offsets is [4, 0], expected"
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}, bytes(4), "tensor 'a' has data_offsets [0], expected"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}}, bytes(8), "has data_offsets [0, 4, 8], expect"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, bytes(4), "has data_offsets [4, 0], expected"
                                                                              " [begin, end] with 0 <= begin <= end"),
-    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}, bytes(4), "data_offsets is [-4, 0], expected"),
-    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": ["0", "4"]}}, bytes(4), "data_offsets is ['0', '4']"),
-    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0.0, 4.0]}}, bytes(4), "data_offsets is [0.0, 4.0]"),
-    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": 4}}, bytes(4), "data_offsets is 4, expected"),
-    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 2 ** 64]}}, bytes(4), "is truncated: tensor a ends at"),
-    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(4), "is truncated: tensor a ends at byte"),
-    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, bytes(4), "tensor a [2] of F32 takes 8 bytes,"
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}, bytes(4), "has data_offsets [-4, 0], expected"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": ["0", "4"]}}, bytes(4), "has data_offsets ['0', '4']"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0.0, 4.0]}}, bytes(4), "has data_offsets [0.0, 4.0]"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": 4}}, bytes(4), "has data_offsets 4, expected"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 2 ** 64]}}, bytes(4), "is truncated: tensor 'a' ends at"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(4), "is truncated: tensor 'a' ends at byte"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, bytes(4), "tensor 'a' [2] of F32 takes 8 bytes,"
                                                                              " its data_offsets 4"),
-    ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, bytes(4), "tensor a's shape is [-1], expected"),
-    ({"a": {"dtype": "F32", "shape": "1", "data_offsets": [0, 4]}}, bytes(4), "tensor a's shape is '1', expected"),
-    ({"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, bytes(4), "tensor a's shape is [True]"),
-    ({"a": {"dtype": "F32", "shape": [0, 2 ** 63], "data_offsets": [0, 0]}}, b"", "shape is [0, 9223372036854775808],"
+    ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, bytes(4), "tensor 'a' has shape [-1], expected"),
+    ({"a": {"dtype": "F32", "shape": "1", "data_offsets": [0, 4]}}, bytes(4), "tensor 'a' has shape '1', expected"),
+    ({"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, bytes(4), "tensor 'a' has shape [True]"),
+    ({"a": {"dtype": "F32", "shape": [0, 2 ** 63], "data_offsets": [0, 0]}}, b"", "has shape [0, 9223372036854775808],"
                                                                               " expected a list of integers from 0"),
-    ({"a": {"dtype": "F8_E5M2", "shape": [1], "data_offsets": [0, 1]}}, bytes(1), "tensor a is F8_E5M2; this file"
+    ({"a": {"dtype": "F8_E5M2", "shape": [1], "data_offsets": [0, 1]}}, bytes(1), "tensor 'a' is 'F8_E5M2'; this file"
                                                                                  " reads F64, F32"),
-    ({"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, bytes(4), "tensor a is ['F32']; this file"),
+    ({"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, bytes(4), "tensor 'a' is ['F32']; this file"),
     ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [1],
-      "data_offsets": [4, 8]}}, bytes(8), "tensor b begins at byte 4 of the data, where 8 was expected: the tensors"
+      "data_offsets": [4, 8]}}, bytes(8), "tensor 'b' begins at byte 4 of the data, where 8 was expected: the tensors"
                                           " overlap or leave a gap"),
-    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8), "tensor a begins at byte 4 of the data,"
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8), "tensor 'a' begins at byte 4 of the data,"
                                                                              " where 0 was expected"),
     ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(8), "its tensors end at byte 4 of the data,"
                                                                              " which holds 8"),
@@ -3908,7 +3908,8 @@ def test_safetensors_entries_in_any_order_with_empty_tensors_anywhere_read_right
               "e": {"dtype": "F32", "shape": [0, 3], "data_offsets": [4, 4]},
               "a": {"dtype": "U8", "shape": [2, 2], "data_offsets": [0, 4]},
               "end": {"dtype": "BF16", "shape": [0], "data_offsets": [12, 12]}}
-    read = tf.read_safetensors(_safetensors(tmp_path / "m.safetensors", header, bytes(range(4)) + struct.pack("<2i", -1, 7)))
+    body = bytes(range(4)) + struct.pack("<2i", -1, 7)                      # a's 4 bytes, then z's 8
+    read = tf.read_safetensors(_safetensors(tmp_path / "m.safetensors", header, body))
     assert read["z"].tolist() == [-1, 7] and read["a"].tolist() == [[0, 1], [2, 3]]
     assert read["e"].shape == (0, 3) and read["end"].dtype == torch.bfloat16 and list(read) == ["z", "e", "a", "end"]
 
@@ -4001,9 +4002,11 @@ def test_500_seeded_corruptions_of_each_file_are_read_or_refused_in_one_line_nam
                 assert outcome.startswith(str(path)) or outcome.startswith(f"cannot read {path}"), (i, outcome)
                 assert "\n" not in outcome, (i, outcome)
             assert time.perf_counter() - start < 2, (i, outcome)
-            if outcome == "read":  # what reads is tensors of the shapes the file states
+            if outcome == "read":  # what reads is tensors (GGUF's in float32)
                 tensors = result[1] if read is tf.read_gguf else result
                 assert all(isinstance(t, torch.Tensor) for t in tensors.values())
+                assert read is tf.read_safetensors or all(t.dtype == torch.float32 for t in tensors.values())
+            # the outcome's kind: its message without the file, numbers, names and reasons
             words = re.sub(r"[\d,]+|'.*?'|\(.*?\)|tensor \S+", "", outcome.replace(str(path), ""))
             outcomes[words] = outcomes.get(words, 0) + 1
     # the corruptions reach the checks, not only the first: many kinds of refusal, and reads

@@ -4742,20 +4742,20 @@ def read_bytes(path):
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             os.close(fd)
-            raise ValueError(f"cannot read {shown(path)}: not a regular file (a folder, a pipe or a device)")
+            raise ValueError(f"cannot read {path}: not a regular file (a folder, a pipe or a device)")
         with open(fd, "rb") as f:
             data = bytearray(info.st_size)
             if f.readinto(data) != len(data):
-                raise ValueError(f"cannot read {shown(path)}: it grew shorter while it was read")
+                raise ValueError(f"cannot read {path}: it grew shorter while it was read")
     except OSError as e:
-        raise ValueError(f"cannot read {shown(path)}: {e.strerror or e}") from None
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
     return data
 
 
 def read_gguf(path, architectures=None):
     """A GGUF file -> (metadata {key: value}, tensors {llama.cpp's name: float32 tensor in torch's shape}), a "llama"
     file's w_q and w_k rows reordered back. A file of none of architectures (None: any) is refused before its data."""
-    data, pos, path = read_bytes(path), 0, shown(path)
+    data, pos = read_bytes(path), 0
 
     def take(code, count=1):  # count little-endian values of the struct code at pos
         nonlocal pos
@@ -4792,7 +4792,7 @@ def read_gguf(path, architectures=None):
     for _ in range(n_keys):
         key = value(8)
         if key in metadata:  # else the last would win, in silence
-            raise ValueError(f"{path}: the metadata key {quote(key)} appears twice")
+            raise ValueError(f"{path}: the metadata key {key!r:.60} appears twice")
         metadata[key] = value(take("I")[0])
     table = [(value(8), take("Q", take("I")[0])[::-1], *take("I"), *take("Q")) for _ in range(n_tensors)]
     arch, align, tensors = metadata.get("general.architecture"), metadata.get("general.alignment", 32), {}
@@ -4803,10 +4803,10 @@ def read_gguf(path, architectures=None):
     start = -(-pos // align) * align                                       # the data, after the padding
     for name, shape, kind, offset in table:  # shapes reversed: ggml lists the fastest-moving dim first
         if len(name.encode()) >= 64 or not name.isprintable() or len(shape) > 4:  # as llama.cpp refuses them
-            raise ValueError(f"{path}: tensor {quote(name)} of {len(shape):,} dims: expected a printable name under"
+            raise ValueError(f"{path}: tensor {name!r:.60} of {len(shape):,} dims: expected a printable name under"
                              f" 64 bytes and at most 4 dims")
         if name in tensors:
-            raise ValueError(f"{path}: the tensor name {quote(name)} appears twice")
+            raise ValueError(f"{path}: the tensor name {name!r:.60} appears twice")
         if 0 in shape:
             raise ValueError(f"{path}: tensor {name} {list(shape)} holds no values")
         if kind not in GGML_TYPES:
@@ -4842,7 +4842,7 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 def read_safetensors(path):
     """A .safetensors file -> {name: tensor}, in the dtypes it stores. Its header is checked whole first, as the
     safetensors library checks it: each entry's dtype, shape and byte offsets, and the tensors tile the data."""
-    data, path = read_bytes(path), shown(path)
+    data = read_bytes(path)
     n = struct.unpack_from("<Q", data)[0] if len(data) >= 8 else math.inf  # the JSON header's length
     if 8 + n > len(data):
         raise ValueError(f"{path} is not a safetensors file or is truncated: its header needs {n} bytes")
@@ -4856,32 +4856,32 @@ def read_safetensors(path):
     spans, size = [], len(data) - 8 - n  # size: the tensors' bytes, after the header
     for name, info in header.items():
         if type(info) is not dict or any(key not in info for key in ("dtype", "shape", "data_offsets")):
-            raise ValueError(f"{path}: tensor {quote(name)} is {info!r:.60}, expected a JSON object with"
+            raise ValueError(f"{path}: tensor {name!r:.60} is {info!r:.60}, expected a JSON object with"
                              f" dtype, shape and data_offsets")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if type(dtype) is not str or dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{path}: tensor {shown(name)} is {str(dtype):.40}; this file reads"
+            raise ValueError(f"{path}: tensor {name!r:.60} is {dtype!r:.40}; this file reads"
                              f" {', '.join(SAFETENSORS_DTYPES)}")
         if type(shape) is not list or any(type(d) is not int or not 0 <= d < 2 ** 63 for d in shape):  # torch's
-            raise ValueError(f"{path}: tensor {shown(name)}'s shape is {shape!r:.60}, expected a list of integers"
+            raise ValueError(f"{path}: tensor {name!r:.60} has shape {shape!r:.60}, expected a list of integers"
                              f" from 0 to 2^63 - 1")
         if (type(offsets) is not list or len(offsets) != 2 or any(type(o) is not int for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1]):
-            raise ValueError(f"{path}: tensor {shown(name)}'s data_offsets is {offsets!r:.60}, expected"
+            raise ValueError(f"{path}: tensor {name!r:.60} has data_offsets {offsets!r:.60}, expected"
                              f" [begin, end] with 0 <= begin <= end")
         begin, end = offsets
         if 8 + n + end > len(data):
-            raise ValueError(f"{path} is truncated: tensor {shown(name)} ends at byte {8 + n + end:,},"
+            raise ValueError(f"{path} is truncated: tensor {name!r:.60} ends at byte {8 + n + end:,},"
                              f" the file at {len(data):,}")
         need = math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
         if end - begin != need:
-            raise ValueError(f"{path}: tensor {shown(name)} {str(shape):.60} of {dtype} takes {need:,} bytes, its"
+            raise ValueError(f"{path}: tensor {name!r:.60} {str(shape):.60} of {dtype} takes {need:,} bytes, its"
                              f" data_offsets {end - begin:,}")
         spans.append((begin, end, name))
     at = 0  # sorted, each tensor must begin where the one before ends, and the last end with the file
     for begin, end, name in sorted(spans):
         if begin != at:
-            raise ValueError(f"{path}: tensor {shown(name)} begins at byte {begin:,} of the data, where {at:,} was"
+            raise ValueError(f"{path}: tensor {name!r:.60} begins at byte {begin:,} of the data, where {at:,} was"
                              f" expected: the tensors overlap or leave a gap")
         at = end
     if at != size:
@@ -5074,7 +5074,7 @@ def load_gguf(path):
     try:
         return model_of_gguf(metadata, tensors)
     except ValueError as e:
-        raise ValueError(f"{shown(path)}: {e}") from None
+        raise ValueError(f"{path}: {e}") from None
 
 
 def model_of_gguf(metadata, tensors):
