@@ -3631,12 +3631,12 @@ def test_safetensors_by_hand_every_dtype_and_the_metadata(tmp_path):
     assert read.keys() == tensors.keys()
     assert all(read[k].dtype == t.dtype and torch.equal(read[k], t) for k, t in tensors.items())
     (tmp_path / "cut.safetensors").write_bytes((struct.pack("<Q", len(text)) + text + body)[:-3])
-    with pytest.raises(ValueError, match="cut.safetensors is truncated: tensor d ends at byte"):
+    with pytest.raises(ValueError, match="cut.safetensors is truncated: tensor 'd' ends at byte"):
         tf.read_safetensors(tmp_path / "cut.safetensors")
     header["a"]["dtype"] = "F8_E4M3"
     text = json.dumps(header).encode()
     (tmp_path / "f8.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + body)
-    with pytest.raises(ValueError, match="tensor a is F8_E4M3; this file reads F64, F32"):
+    with pytest.raises(ValueError, match="tensor 'a' is 'F8_E4M3'; this file reads F64, F32"):
         tf.read_safetensors(tmp_path / "f8.safetensors")
     (tmp_path / "no.safetensors").write_bytes(b"\xff" * 12)
     with pytest.raises(ValueError, match="is not a safetensors file or is truncated"):
@@ -3888,6 +3888,268 @@ def test_gguf_quantized_rows_must_be_whole_blocks(tmp_path):
     assert "tensor v [2, 16] is Q8_0, whose rows must be whole blocks of 32" in gguf_error(path)
 
 
+@contextlib.contextmanager
+def _within(seconds):
+    """The block must end within seconds (measured); past 10 s SIGALRM fails it rather than letting it hang."""
+    previous = signal.signal(signal.SIGALRM, lambda *a: pytest.fail("waited (a FIFO or a device read to its end?)"))
+    signal.alarm(10)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.perf_counter() - start < seconds, f"took {time.perf_counter() - start:.2f} s"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX: FIFOs and /dev files")
+def test_reading_a_folder_pipe_device_or_descriptor_is_refused_at_once(tmp_path):
+    fifo, held = tmp_path / "fifo", tmp_path / "held-fifo"
+    os.mkfifo(fifo)
+    os.mkfifo(held)
+    writer = os.open(held, os.O_RDWR)                   # a writer that never writes: reading it waits forever
+    os.symlink(fifo, tmp_path / "link.gguf")
+    real = write_gguf(tmp_path / "real.gguf", {}, {"w": (0, bytes(16), (4,))})
+    descriptors = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    try:
+        with open(real, "rb") as f:
+            for read in (tf.read_gguf, tf.read_safetensors, tf.load_gguf):
+                for path in (fifo, held, tmp_path, tmp_path / "link.gguf", "/dev/zero", "/dev/null"):
+                    with _within(1), pytest.raises(ValueError) as error:
+                        read(path)
+                    assert str(error.value).startswith(f"cannot read {path}: "), str(error.value)
+                    assert "\n" not in str(error.value)
+                for fd in (f.fileno(), True):           # a file descriptor is no file name, and is left open
+                    with pytest.raises(ValueError, match=r"^path must be a file name \(str or os.PathLike\), got"):
+                        read(fd)
+                assert f.read(4) == b"GGUF" and f.seek(0) == 0
+        if descriptors is not None:                     # each refused file was closed
+            assert len(os.listdir("/proc/self/fd")) == descriptors
+    finally:
+        os.close(writer)
+    assert tf.read_gguf(str(real).encode())[1]["w"].shape == (4,)  # bytes and str name the same file
+
+
+def test_gguf_repeated_names_deep_arrays_and_empty_tensors_are_refused_naming_the_file(tmp_path):
+    data = struct.pack("<4f", 1, 2, 3, 4)
+    # a key or a tensor name twice: the last would win in silence
+    twice = write_gguf(tmp_path / "keys.gguf", {"a": (4, 1), "b": (4, 2)}, {})
+    twice.write_bytes(twice.read_bytes().replace(gguf_string("b"), gguf_string("a")))
+    assert gguf_error(twice) == f"{twice}: the metadata key 'a' appears twice"
+    twice = write_gguf(tmp_path / "names.gguf", {}, {"w": (0, data, (4,)), "v": (0, data, (4,))})
+    twice.write_bytes(twice.read_bytes().replace(gguf_string("v"), gguf_string("w")))
+    assert gguf_error(twice) == f"{twice}: the tensor name 'w' appears twice"
+    # arrays of arrays: 4 deep read, 5 deep and 100,000 deep refused (Python's stack holds about 1,000)
+    for depth in (4, 5, 100_000):                       # by hand: gguf_value would recurse as deep
+        path = tmp_path / f"deep{depth}.gguf"
+        path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + gguf_string("deep") + struct.pack("<I", 9)
+                         + struct.pack("<IQ", 9, 1) * (depth - 1) + struct.pack("<IQI", 4, 1, 7))
+        if depth == 4:
+            assert tf.read_gguf(path)[0]["deep"] == [[[[7]]]]
+        else:
+            assert gguf_error(path).startswith(f"{path}: arrays nested more than 4 deep, at byte ")
+    # a tensor with no values, in any dim and any type
+    for shape, kind in (((0, 4), 0), ((4, 0), 0), ((0,), 1), ((0, 32), 8), ((3, 0, 2), 30)):
+        path = write_gguf(tmp_path / "empty.gguf", {}, {"w": (kind, b"", shape)})
+        assert gguf_error(path) == f"{path}: tensor w {list(shape)} holds no values"
+    # a name llama.cpp would refuse (every message shows the name): too long, not printable; more than 4 dims
+    for name, shape in (("x" * 64, (4,)), ("w\nnext line", (4,)), ("\x1b[2J", (4,)), ("w", (1, 1, 1, 1, 4))):
+        path = write_gguf(tmp_path / "named.gguf", {}, {name: (0, data, shape)})
+        assert gguf_error(path) == (f"{path}: tensor {name!r:.60} of {len(shape)} dims: expected a printable"
+                                    f" name under 64 bytes and at most 4 dims")
+    assert tf.read_gguf(write_gguf(tmp_path / "ok.gguf", {}, {"x" * 63: (0, data, (1, 1, 4))}))[1]["x" * 63].shape == (
+        1, 1, 4)
+
+
+def test_gguf_context_and_block_count_past_what_the_tensors_and_memory_allow_are_refused_before_building(
+        tmp_path, monkeypatch):
+    # 2^31 - 1 positions of 16 would take 256 GiB of RoPE tables: refused, naming the key and the limit
+    path = tiny_gguf_llama(tmp_path, change={"llama.context_length": (4, 2 ** 31 - 1)})[0]
+    with _within(5), pytest.raises(ValueError) as error:
+        tf.load_gguf(path)
+    assert str(error.value) == (f"{path}: llama.context_length is 2,147,483,647: RoPE's tables for heads of 16 would"
+                                f" take 256 GiB; this file takes at most {2 ** 27 // 16:,} positions for them")
+    for blocks in (3, 10 ** 9, 2 ** 32 - 1):  # the file holds 2 blocks: building a billion would take days
+        path = tiny_gguf_llama(tmp_path, change={"llama.block_count": (4, blocks)})[0]
+        with _within(5), pytest.raises(ValueError) as error:
+            tf.load_gguf(path)
+        assert str(error.value) == (f"{path}: llama.block_count is {blocks:,}, but a block holds at least 9 tensors"
+                                    f" and the file 21")
+    # the limit is exact (positions x head width), and a released model's length is far within it
+    monkeypatch.setattr(tf, "MAX_ROPE_TABLE", 200 * 16)
+    assert tf.load_gguf(tiny_gguf_llama(tmp_path, change={"llama.context_length": (4, 200)})[0])[0].max_len == 200
+    with pytest.raises(ValueError, match=r"llama.context_length is 201: .* at most 200 positions for them$"):
+        tf.load_gguf(tiny_gguf_llama(tmp_path, change={"llama.context_length": (4, 201)})[0])
+    monkeypatch.undo()
+    model = tf.load_gguf(tiny_gguf_llama(tmp_path, change={"llama.context_length": (4, 8192)})[0])[0]
+    assert model.max_len == 8192 and model.cos.shape == (8192, 16)  # SmolLM2-135M's length
+    assert 8192 * 64 <= tf.MAX_ROPE_TABLE and 1_010_000 * 128 <= tf.MAX_ROPE_TABLE  # SmolLM2's heads; Qwen2.5-1M's
+
+
+def _safetensors(path, header, body=b""):
+    """A .safetensors file: the JSON header as given (bytes, text, or any JSON value), then body."""
+    text = header if isinstance(header, bytes) else header.encode() if isinstance(header, str) else json.dumps(
+        header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + body)
+    return path
+
+
+@pytest.mark.parametrize("header, body, message", [
+    ("{not json", b"", "its header is not JSON text (JSONDecodeError)"),
+    (b"\xff", b"", "its header is not JSON text (UnicodeDecodeError)"),
+    ("[" * 100_000 + "]" * 100_000, b"", "its header is not JSON text (RecursionError)"),
+    ([], b"", "its header is a JSON list, expected an object {name: entry}"),
+    (7, b"", "its header is a JSON int, expected an object {name: entry}"),
+    ({"a": 7}, b"", "tensor 'a' is 7, expected a JSON object with dtype, shape and data_offsets"),
+    ({"a": ["F32", [1], [0, 4]]}, bytes(4), "tensor 'a' is ['F32', [1], [0, 4]], expected a JSON object with"),
+    ({"a": {"dtype": "F32", "shape": [1]}}, bytes(4), "tensor 'a' is {'dtype': 'F32', 'shape': [1]}, expected"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}, bytes(4), "tensor 'a' has data_offsets [0], expected"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}}, bytes(8), "has data_offsets [0, 4, 8], expect"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, bytes(4), "has data_offsets [4, 0], expected"
+                                                                             " [begin, end] with 0 <= begin <= end"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}, bytes(4), "has data_offsets [-4, 0], expected"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": ["0", "4"]}}, bytes(4), "has data_offsets ['0', '4']"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0.0, 4.0]}}, bytes(4), "has data_offsets [0.0, 4.0]"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": 4}}, bytes(4), "has data_offsets 4, expected"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 2 ** 64]}}, bytes(4), "is truncated: tensor 'a' ends at"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(4), "is truncated: tensor 'a' ends at byte"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, bytes(4), "tensor 'a' [2] of F32 takes 8 bytes,"
+                                                                             " its data_offsets 4"),
+    ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, bytes(4), "tensor 'a' has shape [-1], expected"),
+    ({"a": {"dtype": "F32", "shape": "1", "data_offsets": [0, 4]}}, bytes(4), "tensor 'a' has shape '1', expected"),
+    ({"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, bytes(4), "tensor 'a' has shape [True]"),
+    ({"a": {"dtype": "F32", "shape": [0, 2 ** 63], "data_offsets": [0, 0]}}, b"", "has shape [0, 9223372036854775808],"
+                                                                              " expected a list of integers from 0"),
+    ({"a": {"dtype": "F8_E5M2", "shape": [1], "data_offsets": [0, 1]}}, bytes(1), "tensor 'a' is 'F8_E5M2'; this file"
+                                                                                 " reads F64, F32"),
+    ({"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, bytes(4), "tensor 'a' is ['F32']; this file"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [1],
+      "data_offsets": [4, 8]}}, bytes(8), "tensor 'b' begins at byte 4 of the data, where 8 was expected: the tensors"
+                                          " overlap or leave a gap"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8), "tensor 'a' begins at byte 4 of the data,"
+                                                                             " where 0 was expected"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(8), "its tensors end at byte 4 of the data,"
+                                                                             " which holds 8"),
+    ({"a\nb": {"dtype": "F16", "shape": [1], "data_offsets": [0, 4]}}, bytes(4), "tensor 'a\\nb' [1] of F16 takes 2"),
+])
+def test_safetensors_malformed_headers_are_refused_naming_the_file(tmp_path, header, body, message):
+    path = _safetensors(tmp_path / "bad.safetensors", header, body)
+    with pytest.raises(ValueError) as error:
+        tf.read_safetensors(path)
+    assert str(error.value).startswith(f"{path}") and message in str(error.value), str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_safetensors_entries_in_any_order_with_empty_tensors_anywhere_read_right(tmp_path):
+    header = {"__metadata__": {"format": "pt"}, "z": {"dtype": "I32", "shape": [2], "data_offsets": [4, 12]},
+              "e": {"dtype": "F32", "shape": [0, 3], "data_offsets": [4, 4]},
+              "a": {"dtype": "U8", "shape": [2, 2], "data_offsets": [0, 4]},
+              "end": {"dtype": "BF16", "shape": [0], "data_offsets": [12, 12]}}
+    body = bytes(range(4)) + struct.pack("<2i", -1, 7)                      # a's 4 bytes, then z's 8
+    read = tf.read_safetensors(_safetensors(tmp_path / "m.safetensors", header, body))
+    assert read["z"].tolist() == [-1, 7] and read["a"].tolist() == [[0, 1], [2, 3]]
+    assert read["e"].shape == (0, 3) and read["end"].dtype == torch.bfloat16 and list(read) == ["z", "e", "a", "end"]
+
+
+# --- Seeded corruptions: every one read, or refused in one line naming the file --
+
+FUZZ_NUMBERS = (0, 1, 2, 3, 8, 9, 31, 32, 33, 2 ** 31 - 1, 2 ** 32, 2 ** 63, 2 ** 64 - 1)
+
+
+def fuzzed(data, fields, rng):
+    """data with one seeded corruption: bytes flipped, a cut, a piece repeated, or one of fields, (byte, width) of a
+    count, offset, length or type, set to another number (a neighbour, twice it, -4, or one of FUZZ_NUMBERS). Width
+    0: a number in a safetensors file's JSON text, written as text, the header's length changed to fit."""
+    data, how = bytearray(data), rng.randrange(4)
+    if how == 0:
+        for _ in range(rng.randint(1, 8)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+    elif how == 1:
+        del data[rng.randrange(len(data)):]
+    elif how == 2:
+        at, n = rng.randrange(len(data)), rng.randint(1, 64)
+        data[at:at] = data[at:at + n] * rng.randint(1, 3)
+    else:
+        at, width = rng.choice(fields)
+        text = re.match(rb"\d*", data[at:]).group()
+        old = int.from_bytes(data[at:at + width], "little") if width else int(text)
+        new = rng.choice([old - 1, old + 1, old * 2, -4, *FUZZ_NUMBERS])
+        if width:
+            data[at:at + width] = (new % 2 ** (8 * width)).to_bytes(width, "little")
+        else:
+            data[at:at + len(text)] = str(new).encode()
+            data[:8] = struct.pack("<Q", struct.unpack_from("<Q", data)[0] + len(str(new)) - len(text))
+    return bytes(data)
+
+
+def gguf_fields(data, keys, tensors):
+    """(byte, width) of the counts, types, lengths, dims and offsets of a file write_gguf wrote with these keys and
+    tensors {name: n_dims}: the numbers a corruption changes."""
+    fields = [(8, 8), (16, 8)]                                             # n_tensors, n_keys
+    for key in keys:
+        at = data.index(gguf_string(key)) + len(gguf_string(key))
+        fields += [(at, 4), (at + 4, 4), (at + 4, 8), (at + 8, 8)]        # type; item type, length or value; count
+    for name, n in tensors.items():
+        at = data.index(gguf_string(name)) + len(gguf_string(name))
+        fields += [(at, 4), *((at + 4 + 8 * i, 8) for i in range(n)), (at + 4 + 8 * n, 4), (at + 8 + 8 * n, 8)]
+    return fields
+
+
+def safetensors_fields(data):
+    """(byte, width) of the header's length, and (byte, 0) of each number in its JSON text (dims, offsets)."""
+    n = struct.unpack_from("<Q", data)[0]
+    return [(0, 8)] + [(8 + m.start(), 0) for m in re.finditer(rb"\d+", data[8:8 + n])]
+
+
+def fuzz_files(tmp_path):
+    """A small GGUF file (metadata of each kind, tensors of five types) and a small safetensors file ->
+    [(path, its bytes, the fields a corruption may change, the function that reads it)]."""
+    w = torch.arange(64.0).reshape(2, 32) / 7                               # [2, 32]
+    metadata = {"general.architecture": (8, "llama"), "llama.attention.head_count": (4, 1), "u8": (0, 7),
+                "f64": (12, 0.5), "text": (8, "中文"), "ints": (9, (5, [1, -2, 3])), "words": (9, (8, ["a", "Ġb"])),
+                "nested": (9, (9, [(4, [1, 2]), (8, ["x"])]))}
+    tensors = {"f32": (0, w.numpy().tobytes(), (2, 32)), "f16": (1, w.half().view(torch.uint8).numpy().tobytes(),
+                                                                   (2, 32)),
+               "q8": (8, tf.quantize(w, "Q8_0"), (2, 32)), "q4": (2, tf.quantize(w, "Q4_0"), (64,)),
+               "blk.0.attn_q.weight": (3, tf.quantize(w, "Q4_1"), (2, 32))}
+    gguf = write_gguf(tmp_path / "fuzz.gguf", metadata, tensors).read_bytes()
+    header, body = {"__metadata__": {"format": "pt"}}, b""
+    for name, t in (("a", w[:, :3]), ("b", torch.arange(4)), ("c", w[0, :5].half()), ("e", torch.zeros(0, 2))):
+        header[name] = {"dtype": {torch.float32: "F32", torch.int64: "I64", torch.float16: "F16"}[t.dtype],
+                        "shape": list(t.shape), "data_offsets": [len(body), len(body) + t.numel() * t.itemsize]}
+        body += t.contiguous().view(torch.uint8).numpy().tobytes()
+    safetensors = _safetensors(tmp_path / "fuzz.safetensors", header, body).read_bytes()
+    return [(tmp_path / "fuzz.gguf", gguf, gguf_fields(gguf, metadata, {k: len(v[2]) for k, v in tensors.items()}),
+             tf.read_gguf),
+            (tmp_path / "fuzz.safetensors", safetensors, safetensors_fields(safetensors), tf.read_safetensors)]
+
+
+def test_500_seeded_corruptions_of_each_file_are_read_or_refused_in_one_line_naming_it(tmp_path):
+    rng, outcomes = random.Random(0), {}
+    for path, good, fields, read in fuzz_files(tmp_path):
+        read(path)                                                          # the file itself reads
+        for i in range(500):
+            path.write_bytes(fuzzed(good, fields, rng))
+            start = time.perf_counter()
+            try:
+                result = read(path)
+                outcome = "read"
+            except ValueError as e:
+                outcome = str(e)
+                assert outcome.startswith(str(path)) or outcome.startswith(f"cannot read {path}"), (i, outcome)
+                assert "\n" not in outcome, (i, outcome)
+            assert time.perf_counter() - start < 2, (i, outcome)
+            if outcome == "read":  # what reads is tensors (GGUF's in float32)
+                tensors = result[1] if read is tf.read_gguf else result
+                assert all(isinstance(t, torch.Tensor) for t in tensors.values())
+                assert read is tf.read_safetensors or all(t.dtype == torch.float32 for t in tensors.values())
+            # the outcome's kind: its message without the file, numbers, names and reasons
+            words = re.sub(r"[\d,]+|'.*?'|\(.*?\)|tensor \S+", "", outcome.replace(str(path), ""))
+            outcomes[words] = outcomes.get(words, 0) + 1
+    # the corruptions reach the checks, not only the first: many kinds of refusal, and reads
+    assert outcomes["read"] > 50 and len(outcomes) > 25, outcomes
+
+
 # --- 27. The released model answers -----------------------------------------
 
 class ScriptedModel(nn.Module):
@@ -3896,6 +4158,7 @@ class ScriptedModel(nn.Module):
     def __init__(self, script, vocab_size):
         super().__init__()
         self.script, self.vocab_size, self.max_len, self.steps = script, vocab_size, 1000, 0
+        self.lm_head = nn.Linear(1, vocab_size, bias=False)  # unused: its weight says where the model is
 
     def new_cache(self):
         return [tf.KVCache()]
@@ -3962,6 +4225,13 @@ def test_chat_refuses_prompts_too_long_or_empty():
         tf.chat((model, tok), "")
     with pytest.raises(ValueError, match="cannot read"):
         tf.load_gguf("/nonexistent/model.gguf")
+    # max_new_tokens past what the model holds: refused, naming the limit, before a token is made
+    scripted = ScriptedModel([65] * 997, 256)
+    for n in (998, 2 ** 40):
+        with pytest.raises(ValueError, match=rf"must be at most max_len: 3 \+ {n} > 1000$"):
+            tf.chat((scripted, tok), "abc", max_new_tokens=n, out=Writes())
+    assert scripted.steps == 0
+    assert tf.chat((scripted, tok), "abc", max_new_tokens=997, out=Writes())[0] == "A" * 997  # the most that fits
 
 
 # --- Against the references on the released file ----------------------------
@@ -9588,8 +9858,9 @@ def test_unseen_character_maps_to_unk_and_counts_wrong(overfit10):
 def test_cli_data_dev_zero_is_refused_fast(capsys):
     start = time.perf_counter()
     line = _usage_error(capsys, ["--data", "/dev/zero", "--device", "cpu"])
-    assert time.perf_counter() - start < 5               # 64 MB read, not an endless one: measured 0.03-0.10 s
-    assert line == "transformer.py: error: /dev/zero: larger than 64 MB; expected a pinyin<TAB>hanzi file"
+    assert time.perf_counter() - start < 5               # refused before a byte is read: measured 0.001 s
+    assert line == ("transformer.py: error: /dev/zero: not a file or a pipe (a folder or a device); expected a"
+                    " pinyin<TAB>hanzi file")
 
 
 def test_read_pairs_size_limit_is_exact(tmp_path, monkeypatch):
@@ -11428,14 +11699,81 @@ def test_gguf_answers_on_stdout_as_it_makes_it_and_says_its_speed_on_stderr(tmp_
     (["--gguf", "{tiny}", "--prompt", "hi", "--after"], "so --after does not apply"),
     (["--gguf", "{tiny}", "--prompt", "hi", "--top-p", "0"], "--top-p: expected a number from 1e-09 to 1"),
     (["--gguf", "{tiny}", "--prompt", "hi", "--temperature", "inf"], "--temperature: expected a number from 0 to 100"),
-    (["--gguf", "{tiny}", "--prompt", "hi " * 200], "prompt_length + max_new_tokens must be at most max_len")])
+    (["--gguf", "{tiny}", "--prompt", "hi " * 200], "prompt_length + max_new_tokens must be at most max_len"),
+    (["--gguf", "{tiny}", "--prompt", "hi", "--max-new-tokens", str(2 ** 40)], "at most max_len: 40 + 1099511627776 >"
+                                                                              " 128"),
+    (["--gguf", "{tiny}", "--prompt", "hi", "--device", "bogus"], "device 'bogus' is not a device name (cpu, cuda"),
+    (["--gguf", "{tiny}", "--prompt", "hi", "--device", "cuda:0" if not torch.cuda.is_available() else "cuda:99"],
+     "is not available here" if not torch.cuda.is_available() else "cuda"),
+    (["--gguf", "{tiny}", "--prompt", "hi", "--top-k", "5"], "--top-k applies to sampling, with --temperature above 0"),
+    (["--gguf", "{tiny}", "--prompt", "hi", "--top-p", "0.9", "--temperature", "0"], "--top-p applies to sampling"),
+    (["--gguf", "{fifo}", "--prompt", "hi"], "cannot read {fifo}: not a regular file (a folder, a pipe or a device)"),
+    (["--gguf", "{folder}", "--prompt", "hi"], "cannot read {folder}: "),
+    (["--gguf", "/dev/zero", "--prompt", "hi"], "cannot read /dev/zero: not a regular file"),
+    (["--gguf", "{nested}", "--prompt", "hi"], "{nested}: arrays nested more than 4 deep, at byte 97"),
+    (["--gguf", "{long}", "--prompt", "hi"], "{long}: llama.context_length is 2,147,483,647: RoPE's tables")])
 def test_gguf_refusals_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
     tiny, _, _ = tiny_gguf_llama(tmp_path)
     (tmp_path / "cut.gguf").write_bytes(tiny.read_bytes()[:200])
+    (tmp_path / "nested.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + gguf_string("x")
+                                           + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 10 ** 5)
+    (tmp_path / "long").mkdir()
+    long = tiny_gguf_llama(tmp_path / "long", change={"llama.context_length": (4, 2 ** 31 - 1)})[0]
     files = dict(missing=tmp_path / "missing.gguf", readme=os.path.join(HERE, "README.md"), truncated=tmp_path / "cut.gguf",
-                 tiny=tiny)
-    line = _usage_error(capsys, [arg.format(**files) for arg in argv])
-    assert message in line, line
+                 tiny=tiny, fifo=tmp_path / "fifo", folder=tmp_path, nested=tmp_path / "nested.gguf", long=long)
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(files["fifo"])
+    with _within(1 if {"{fifo}", "{folder}", "/dev/zero"} & set(argv) else 5):  # no wait on a pipe, no endless read
+        line = _usage_error(capsys, [arg.format(**files) for arg in argv])
+    assert message.format(**files) in line, line
+
+
+def test_gguf_answers_with_top_k_and_top_p_when_sampling_and_takes_the_device(tmp_path, monkeypatch):
+    path, _, _ = tiny_gguf_llama(tmp_path)
+    asked = []
+    monkeypatch.setattr(tf, "pick_device", lambda name: asked.append(name) or torch.device("cpu"))
+    status, out, err = _main(["--gguf", str(path), "--prompt", "the cat", "--max-new-tokens", "3", "--temperature",
+                              "0.7", "--top-k", "5", "--top-p", "0.9", "--device", "mps"])
+    assert status == 0 and out.endswith("\n") and asked == ["mps"], err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gguf_on_cuda_answers_as_on_the_cpu(tmp_path):
+    path, _, _ = tiny_gguf_llama(tmp_path)
+    answers = [_main(["--gguf", str(path), "--prompt", "the cat", "--max-new-tokens", "8", "--device", device])
+               for device in ("cpu", "cuda")]
+    assert answers[0][0] == answers[1][0] == 0 and answers[0][1] == answers[1][1], answers
+
+
+def test_gguf_with_stdout_closed_is_refused_before_loading(tmp_path, monkeypatch):
+    # python transformer.py --gguf m.gguf --prompt hi >&-: the answer would be lost
+    path, _, _ = tiny_gguf_llama(tmp_path)
+    monkeypatch.setattr(tf, "load_gguf", lambda *a: pytest.fail("loaded with nowhere to answer"))
+    status, out, err = _command_line(["--gguf", str(path), "--prompt", "hi"], stdout=None)
+    assert (status, out) == (2, None)
+    assert _one_error_line(err) == ("transformer.py: error: --gguf: standard output is closed; the answers would be"
+                                    " lost")
+
+
+def test_gguf_twenty_corrupted_files_end_in_one_line_and_exit_2(tmp_path):
+    """Seeded corruptions of a tiny Llama's GGUF file through the command line: each one answers (it still reads
+    right) or ends in one line naming the file, exit 2; twenty refused."""
+    path, _, _ = tiny_gguf_llama(tmp_path)
+    good = path.read_bytes()
+    metadata, tensors = tf.read_gguf(path)
+    fields = gguf_fields(good, metadata, {name: t.dim() for name, t in tensors.items()})
+    rng, refused, tries = random.Random(1), 0, 0
+    while refused < 20 and tries < 60:
+        path.write_bytes(fuzzed(good, fields, rng))
+        tries += 1
+        with _within(2):
+            status, out, err = _main(["--gguf", str(path), "--prompt", "the cat", "--max-new-tokens", "2"])
+        if status == 0:
+            assert out.endswith("\n") and err.endswith(" tokens/s)\n"), (tries, err)
+            continue
+        refused += 1
+        assert status == 2 and out == "" and f"{path}" in _one_error_line(err), (tries, err)
+    assert refused == 20, tries
 # ===========================================================================
 # Hardening: inputs that must fail cleanly
 # ===========================================================================
@@ -12255,6 +12593,23 @@ def test_a_fifo_with_no_writer_is_refused_not_waited_on(tmp_path, option, monkey
     assert status == 2 and out == ""
     words = "found 0 pinyin<TAB>hanzi lines" if option == "--data" else "not a readable checkpoint"
     assert words in _one_error_line(err)
+
+
+@pytest.mark.parametrize("option", ["--data", "--load"])
+@pytest.mark.parametrize("what", ["fifo", "folder", "/dev/zero", "/dev/null"])
+def test_data_and_load_refuse_a_fifo_a_folder_or_a_device_within_a_second(tmp_path, option, what, monkeypatch):
+    _no_training(monkeypatch)
+    path = {"fifo": tmp_path / "fifo", "folder": tmp_path}.get(what, what)
+    if what == "fifo":
+        os.mkfifo(path)
+    with _within(1):
+        status, out, err = _main([option, str(path), "--device", "cpu"])
+    line = _one_error_line(err)
+    assert status == 2 and out == "" and line.startswith(f"transformer.py: error: {path}: "), line
+    if what != "fifo":                                  # refused before a byte is read
+        assert line.endswith(": not a file or a pipe (a folder or a device); expected " + (
+            "a pinyin<TAB>hanzi file" if option == "--data" else "a checkpoint file, or a pipe of at most that"
+                                                                 " (a pipe is held in memory)")), line
 
 
 @pytest.mark.parametrize("hanzi, name", [("我\u0301", "combining acute"), ("我\ufe0f", "variation selector"),

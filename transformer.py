@@ -1994,7 +1994,8 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
     of turn or max_new_tokens; greedy at temperature 0, else next_token samples. -> (the answer, tokens a second: every
     token made, the end of turn too, over the whole time)."""
     model, tokenizer = loaded
-    ids = torch.tensor([tokenizer.encode(chat_prompt(tokenizer, prompt))], dtype=torch.long)  # [1, T]
+    device = model.lm_head.weight.device  # the CPU, CUDA or MPS: where the model is
+    ids = torch.tensor([tokenizer.encode(chat_prompt(tokenizer, prompt))], dtype=torch.long, device=device)  # [1, T]
     if ids.size(1) == 0:
         raise ValueError("the prompt is empty: the model needs a token to continue")
     if ids.size(1) + max_new_tokens > model.max_len:  # the cache and RoPE's tables hold max_len positions
@@ -4763,6 +4764,7 @@ import inspect
 import io
 import json
 import os
+import stat
 import struct
 import sys
 import tempfile
@@ -4786,13 +4788,22 @@ FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def read_bytes(path):
-    """The whole file, in a bytearray (writable: torch.frombuffer shares it without a copy)."""
+    """The whole of a regular file, in a bytearray (writable: torch.frombuffer shares it without a copy). A folder, a
+    pipe or a device is refused at once: opened without waiting for a writer (O_NONBLOCK), never read."""
+    if not isinstance(path, (str, bytes, os.PathLike)):  # an int would read, then close, that file descriptor
+        raise ValueError(f"path must be a file name (str or os.PathLike), got {type(path).__name__} {path!r:.40}")
     try:
-        with open(path, "rb") as f:
-            data = bytearray(os.fstat(f.fileno()).st_size)
-            f.readinto(data)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))  # a FIFO: no wait
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise ValueError(f"cannot read {path}: not a regular file (a folder, a pipe or a device)")
+        with open(fd, "rb") as f:
+            data = bytearray(info.st_size)
+            if f.readinto(data) != len(data):
+                raise ValueError(f"cannot read {path}: it grew shorter while it was read")
     except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
     return data
 
 
@@ -4809,7 +4820,7 @@ def read_gguf(path, architectures=None):
         pos += size
         return struct.unpack_from(f"<{count}{code}", data, pos - size)
 
-    def value(kind):  # one metadata value of GGUF type kind
+    def value(kind, depth=0):  # one metadata value of GGUF type kind, inside depth arrays
         if kind == 8:
             text = take("s", take("Q")[0])[0]
             try:
@@ -4818,7 +4829,10 @@ def read_gguf(path, architectures=None):
                 raise ValueError(f"{path}: the metadata string ending at byte {pos:,} is not UTF-8 ({e.reason})")
         if kind == 9:
             item, n = take("I")[0], take("Q")[0]
-            return list(take(GGUF_SCALARS[item], n)) if item in GGUF_SCALARS else [value(item) for _ in range(n)]
+            if depth == 4:  # an array of arrays of arrays...: never deep in a real file, and Python's stack is not
+                raise ValueError(f"{path}: arrays nested more than 4 deep, at byte {pos:,}")
+            return list(take(GGUF_SCALARS[item], n)) if item in GGUF_SCALARS else [value(item, depth + 1)
+                                                                                  for _ in range(n)]
         if kind not in GGUF_SCALARS:
             raise ValueError(f"{path} holds a metadata value of type {kind}, which GGUF does not define")
         return take(GGUF_SCALARS[kind])[0]
@@ -4829,15 +4843,27 @@ def read_gguf(path, architectures=None):
     version, n_tensors, n_keys = take("I")[0], take("Q")[0], take("Q")[0]
     if version not in (2, 3):  # version 1 counted in 32 bits
         raise ValueError(f"{path} is GGUF version {version}: this file reads versions 2 and 3")
-    metadata = {value(8): value(take("I")[0]) for _ in range(n_keys)}
+    metadata = {}
+    for _ in range(n_keys):
+        key = value(8)
+        if key in metadata:  # else the last would win, in silence
+            raise ValueError(f"{path}: the metadata key {key!r:.60} appears twice")
+        metadata[key] = value(take("I")[0])
     table = [(value(8), take("Q", take("I")[0])[::-1], *take("I"), *take("Q")) for _ in range(n_tensors)]
     arch, align, tensors = metadata.get("general.architecture"), metadata.get("general.alignment", 32), {}
     if architectures is not None and arch not in architectures:
-        raise ValueError(f"{path}: architecture {arch!r} is not one this file runs ({', '.join(architectures)})")
+        raise ValueError(f"{path}: architecture {arch!r:.60} is not one this file runs ({', '.join(architectures)})")
     if type(align) is not int or align < 1:
-        raise ValueError(f"{path}: general.alignment is {align!r}, expected an integer >= 1")
+        raise ValueError(f"{path}: general.alignment is {align!r:.60}, expected an integer >= 1")
     start = -(-pos // align) * align                                       # the data, after the padding
     for name, shape, kind, offset in table:  # shapes reversed: ggml lists the fastest-moving dim first
+        if len(name.encode()) >= 64 or not name.isprintable() or len(shape) > 4:  # as llama.cpp refuses them
+            raise ValueError(f"{path}: tensor {name!r:.60} of {len(shape):,} dims: expected a printable name under"
+                             f" 64 bytes and at most 4 dims")
+        if name in tensors:
+            raise ValueError(f"{path}: the tensor name {name!r:.60} appears twice")
+        if 0 in shape:
+            raise ValueError(f"{path}: tensor {name} {list(shape)} holds no values")
         if kind not in GGML_TYPES:
             raise ValueError(f"{path}: tensor {name} has ggml type {kind}, which this file does not read"
                              f" (it reads {', '.join(GGML_TYPES.values())})")
@@ -4856,7 +4882,7 @@ def read_gguf(path, architectures=None):
             key += "_kv" * ("attn_k" in name and key + "_kv" in metadata)
             heads = metadata.get(key)
             if type(heads) is not int or heads < 1 or shape[0] % (2 * heads):
-                raise ValueError(f"{path}: {key} is {heads!r}, expected a count of heads that divides"
+                raise ValueError(f"{path}: {key} is {heads!r:.60}, expected a count of heads that divides"
                                  f" {name}'s {shape[0]} rows into pairs")
             w = unpermute_rope_rows(w, heads)                              # [H * dk, D]
         tensors[name] = w
@@ -4869,23 +4895,56 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 
 
 def read_safetensors(path):
-    """A .safetensors file -> {name: tensor}, in the dtypes it stores."""
+    """A .safetensors file -> {name: tensor}, in the dtypes it stores. Its header is checked whole first, as the
+    safetensors library checks it: each entry's dtype, shape and byte offsets, and the tensors tile the data."""
     data = read_bytes(path)
     n = struct.unpack_from("<Q", data)[0] if len(data) >= 8 else math.inf  # the JSON header's length
     if 8 + n > len(data):
         raise ValueError(f"{path} is not a safetensors file or is truncated: its header needs {n} bytes")
-    header, tensors = json.loads(data[8:8 + n]), {}
+    try:
+        header = json.loads(data[8:8 + n])
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested deeper than Python's stack
+        raise ValueError(f"{path}: its header is not JSON text ({type(e).__name__})") from None
+    if type(header) is not dict:
+        raise ValueError(f"{path}: its header is a JSON {type(header).__name__}, expected an object {{name: entry}}")
+    header.pop("__metadata__", None)  # free-form strings, no tensor
+    spans, size = [], len(data) - 8 - n  # size: the tensors' bytes, after the header
     for name, info in header.items():
-        if name == "__metadata__":  # free-form strings, no tensor
-            continue
-        begin, end = info["data_offsets"]
-        if info["dtype"] not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{path}: tensor {name} is {info['dtype']}; this file reads"
+        if type(info) is not dict or any(key not in info for key in ("dtype", "shape", "data_offsets")):
+            raise ValueError(f"{path}: tensor {name!r:.60} is {info!r:.60}, expected a JSON object with"
+                             f" dtype, shape and data_offsets")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if type(dtype) is not str or dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r:.60} is {dtype!r:.40}; this file reads"
                              f" {', '.join(SAFETENSORS_DTYPES)}")
+        if type(shape) is not list or any(type(d) is not int or not 0 <= d < 2 ** 63 for d in shape):  # torch's
+            raise ValueError(f"{path}: tensor {name!r:.60} has shape {shape!r:.60}, expected a list of integers"
+                             f" from 0 to 2^63 - 1")
+        if (type(offsets) is not list or len(offsets) != 2 or any(type(o) is not int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise ValueError(f"{path}: tensor {name!r:.60} has data_offsets {offsets!r:.60}, expected"
+                             f" [begin, end] with 0 <= begin <= end")
+        begin, end = offsets
         if 8 + n + end > len(data):
-            raise ValueError(f"{path} is truncated: tensor {name} ends at byte {8 + n + end:,},"
+            raise ValueError(f"{path} is truncated: tensor {name!r:.60} ends at byte {8 + n + end:,},"
                              f" the file at {len(data):,}")
-        raw, dtype = data[8 + n + begin:8 + n + end], SAFETENSORS_DTYPES[info["dtype"]]  # a copy: aligned for dtype
+        need = math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
+        if end - begin != need:
+            raise ValueError(f"{path}: tensor {name!r:.60} {str(shape):.60} of {dtype} takes {need:,} bytes, its"
+                             f" data_offsets {end - begin:,}")
+        spans.append((begin, end, name))
+    at = 0  # sorted, each tensor must begin where the one before ends, and the last end with the file
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            raise ValueError(f"{path}: tensor {name!r:.60} begins at byte {begin:,} of the data, where {at:,} was"
+                             f" expected: the tensors overlap or leave a gap")
+        at = end
+    if at != size:
+        raise ValueError(f"{path}: its tensors end at byte {at:,} of the data, which holds {size:,}")
+    tensors = {}
+    for name, info in header.items():
+        (begin, end), dtype = info["data_offsets"], SAFETENSORS_DTYPES[info["dtype"]]
+        raw = data[8 + n + begin:8 + n + end]                              # a copy: aligned for dtype
         tensors[name] = (torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)).reshape(
             info["shape"])                                                 # [*shape]
     return tensors
@@ -5035,6 +5094,7 @@ GGUF_CONFIG = {"vocab_size": "vocab_size", "embedding_length": "hidden_size", "b
                "feed_forward_length": "intermediate_size", "context_length": "max_position_embeddings",
                "rope.freq_base": "rope_theta", "attention.layer_norm_rms_epsilon": "rms_norm_eps"}
 GGUF_ARCHITECTURES = ("llama", "qwen2")
+MAX_ROPE_TABLE = 2 ** 27  # positions x head width: cos and sin 1 GiB; Qwen2.5-1M's 1,010,000 x 128 fits
 
 
 def tokenizer_from_gguf(metadata):
@@ -5084,8 +5144,16 @@ def tokenizer_from_gguf(metadata):
 
 def load_gguf(path):
     """A GGUF file -> (this file's model of its family, float32, in eval mode, and its BPETokenizer, section 24's);
-    the model's max_len is the file's context length."""
+    the model's max_len is the file's context length. A ValueError names the file."""
     metadata, tensors = read_gguf(path, GGUF_ARCHITECTURES)
+    try:
+        return model_of_gguf(metadata, tensors)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def model_of_gguf(metadata, tensors):
+    """load_gguf's work on what read_gguf read."""
     arch = metadata["general.architecture"]
     config = {field: metadata[f"{arch}.{key}"] for key, field in GGUF_CONFIG.items() if f"{arch}.{key}" in metadata}
     config.update(model_type=arch, tie_word_embeddings="output.weight" not in tensors)
@@ -5094,6 +5162,10 @@ def load_gguf(path):
     if config["vocab_size"] != len(tokenizer.tokens):  # the model could write an id that is no token
         raise ValueError(f"the file's {arch}.vocab_size is {config['vocab_size']!r}, but its tokenizer holds"
                          f" {len(tokenizer.tokens)} tokens")
+    blocks = config.get("num_hidden_layers")
+    if type(blocks) is int and blocks * 9 > len(tensors):  # else thousands of empty blocks take minutes to build
+        raise ValueError(f"{arch}.block_count is {blocks:,}, but a block holds at least 9 tensors and the file"
+                         f" {len(tensors)}")
     state = {}
     for name, tensor in tensors.items():
         for pattern, replacement in GGUF_NAMES:
@@ -5101,6 +5173,11 @@ def load_gguf(path):
         state[name] = tensor
     with torch.device("meta"):  # shapes only: drawing 135M random weights to overwrite them costs seconds
         model = load_hf_state_dict(from_hf_config(config), state)  # names and shapes checked, nothing copied
+    positions, dk = model.max_len, model.layers[0].attn.head_dim
+    if positions * dk > MAX_ROPE_TABLE:  # 2^31 positions of 64: 1 TiB
+        raise ValueError(f"{arch}.context_length is {positions:,}: RoPE's tables for heads of {dk} would take"
+                         f" {positions * dk * 8 / 2 ** 30:,.0f} GiB; this file takes at most"
+                         f" {MAX_ROPE_TABLE // dk:,} positions for them")
     # memory for every tensor, uninitialized: the weights come from the file, the RoPE tables (no weights) are
     # computed again, and the embeddings tied again (to_empty parts them)
     model = model.to_empty(device="cpu")
@@ -5939,16 +6016,22 @@ def with_pieces(pairs, copies=1, seed=0):
 
 
 def open_for_reading(path, limit, expected, any_size=False):
-    """path read whole (at most limit bytes: /dev/zero stops) or, any_size, a regular file opened; ValueError."""
+    """path read whole (at most limit bytes: an endless pipe stops) or, any_size, a regular file opened; a folder or
+    a device (/dev/zero, a terminal) refused at once; ValueError."""
     if not isinstance(path, (str, bytes, os.PathLike)) or not os.fspath(path):
         raise ValueError(f"path must be a file name (str or os.PathLike), got {type(path).__name__} {path!r:.40}")
     try:
-        f = os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb")  # a pipe with no writer: empty
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a pipe with no writer: empty
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            os.close(fd)
+            raise ValueError(f"{shown(path)}: not a file or a pipe (a folder or a device); expected {expected}")
+        f = os.fdopen(fd, "rb")
         if hasattr(os, "O_NONBLOCK"): os.set_blocking(f.fileno(), True)  # then read as usual (Unix)
-        if any_size and os.path.isfile(path): return f
+        if any_size and stat.S_ISREG(mode): return f
         with f:
             data = f.read(limit + 1)
-    except OSError as e:  # missing, not allowed, a folder
+    except OSError as e:  # missing, not allowed
         raise ValueError(f"{shown(path)}: {e.strerror or e}") from None
     if len(data) > limit: raise ValueError(f"{shown(path)}: larger than {limit // 2 ** 20} MB; expected {expected}")
     return io.BytesIO(data)
@@ -6835,8 +6918,9 @@ def main(argv=None):
         what = "hanzi" if "\u4e00" <= char <= "\u9fff" else repr(char)
         parser.error(f"standard output's encoding ({encoding}) cannot write {what}; set PYTHONIOENCODING=utf-8 or"
                      f" use a UTF-8 locale")
-    if sys.stdout is None and args.translate is not None:
-        parser.error("--translate: standard output is closed; the answers would be lost")
+    closed = sys.stdout is None and next((name for name in ("translate", "gguf") if getattr(args, name) is not None),
+                                         None)
+    if closed: parser.error(f"--{closed}: standard output is closed; the answers would be lost")
     if args.translate == "-":
         try:
             os.read(sys.stdin.fileno(), 0)  # reads nothing, but fails on a stream opened write-only (0>file)
@@ -6851,9 +6935,18 @@ def main(argv=None):
     if lone: parser.error(f"--{lone.replace('_', '-')} applies to --gguf, which was not given")
     if args.gguf is not None:  # the answer on stdout as it is made, the speed on stderr
         if not args.gguf or args.prompt is None: parser.error("--gguf needs a file name and --prompt TEXT")
+        sampling = next((name for name in ("top_k", "top_p") if getattr(args, name) is not None), None)
+        if sampling and args.temperature == 0:  # greedy takes the most likely token: k and p would change nothing
+            parser.error(f"--{sampling.replace('_', '-')} applies to sampling, with --temperature above 0")
+        try:
+            device = pick_device(args.device)
+        except ValueError as e:
+            parser.error(str(e))
         try:
             torch.manual_seed(args.seed)  # sampling draws from torch's generator: --seed repeats an answer
-            _, speed = chat(load_gguf(args.gguf), *(getattr(args, name) for name in GGUF_OPTIONS))
+            model, tokenizer = load_gguf(args.gguf)
+            model.to(device)  # its weights and RoPE tables, in place
+            _, speed = chat((model, tokenizer), *(getattr(args, name) for name in GGUF_OPTIONS))
         except ValueError as e:
             parser.error(f"--gguf {shown(args.gguf)}: {e}" if shown(args.gguf) not in str(e) else str(e))
         print(flush=True)
