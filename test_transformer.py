@@ -3939,8 +3939,8 @@ def test_hf_config_without_rms_norm_eps_or_attention_bias_takes_transformers_def
     q, k, v and o) are then transformers' own, and so is every other field read."""
     default = getattr(hf_transformers, f"{HF_MODEL_TYPES[model_type]}Config")()
     full = tf.hf_keywords(default.to_dict())[1]
-    kind, keywords = tf.hf_keywords({k: v for k, v in default.to_dict().items()
-                                     if k not in ("rms_norm_eps", "attention_bias")})
+    keywords = tf.hf_keywords({k: v for k, v in default.to_dict().items()
+                               if k not in ("rms_norm_eps", "attention_bias")})[1]
     assert keywords["norm_eps"] == default.rms_norm_eps and keywords == full
     assert keywords.get("qkv_bias", False) == (model_type == "qwen2" or getattr(default, "attention_bias", False))
 
@@ -5727,7 +5727,7 @@ def test_gpt_oss_yarn_frequencies_equal_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     config = hf_transformers.GptOssConfig()
     theirs, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
-    kind, keywords = tf.hf_keywords(config.to_dict())
+    keywords = tf.hf_keywords(config.to_dict())[1]
     ours, temperature = tf.gpt_oss_yarn_frequencies(keywords["head_dim"], keywords["rope_theta"],
                                                     keywords["rope_scaling"])
     assert torch.equal(ours, theirs) and temperature == attention_factor   # measured: equal
@@ -6061,7 +6061,7 @@ Q3N_80B_CONFIG_JSON = dict(
 
 def test_hf_keywords_of_the_released_config_json():
     """The released config.json gives QWEN3_NEXT_80B's keywords, its layers every fourth one attention."""
-    kind, keywords = tf.hf_keywords(Q3N_80B_CONFIG_JSON)
+    keywords = tf.hf_keywords(Q3N_80B_CONFIG_JSON)[1]
     assert keywords == dict(tf.QWEN3_NEXT_80B, layer_types=tf.qwen3_next_layer_types(48))
     assert keywords["layer_types"][:4] == ["linear_attention"] * 3 + ["full_attention"]
     assert keywords["layer_types"].count("full_attention") == 12

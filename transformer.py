@@ -4932,6 +4932,7 @@ ROPE_KINDS = set(MODEL_CLASSES) - {"encdec", "gpt", "gptoss"}  # a checkpoint ma
 OLD_LLAMA_OPTIONS = dict(head_dim=None, qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True,
                          window=None, rope_scaling=None)
 
+
 def constructor_keywords(cls):
     """{name: inspect.Parameter} of cls's constructor, and its parent's where it passes on **keywords."""
     parameters = inspect.signature(cls).parameters
@@ -4939,9 +4940,10 @@ def constructor_keywords(cls):
     return own if len(own) == len(parameters) else {**constructor_keywords(cls.__mro__[1]), **own}
 
 
-# A config's fields, each with its rule: (type, smallest, largest) for numbers, where largest None means no bound but
-# torch's indexing for an integer (2^31 - 1) and a finite value for a float; (type,) for the others. A forged size is
-# refused here, by name, before any formula or model is computed from it.
+# A config's fields (a checkpoint's, section 55, or a transformers config's, below), each with its rule: (type,
+# smallest, largest) for numbers, where largest None means no bound but torch's indexing for an integer (2^31 - 1)
+# and a finite value for a float; (type,) for the others. A forged size is refused here, by name, before any formula
+# or model is computed from it.
 TINY = torch.finfo(torch.float32).tiny  # the smallest positive float32: an eps, a limit or a scale of 0 computes NaN
 CONFIG_RULES = {
     **dict.fromkeys(("vocab_size src_vocab_size tgt_vocab_size d_model n_heads max_len window n_experts n_groups"
