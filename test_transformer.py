@@ -3682,7 +3682,7 @@ def test_hf_load_llama_from_a_config_dict_and_transformers_names():
     (dict(head_dim=16), "config's head_dim is 16: this file's llama has only head_dim=8"),
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0}), "config's rope_type is 'llama3'"),
     (dict(hidden_size=None), "config has no 'hidden_size'"),
-    (dict(num_hidden_layers=0), "n_layers must be an integer >= 1, got 0"),        # checked before a model is built
+    (dict(num_hidden_layers=0), "n_layers must be an integer from 1 to 1,024, got 0"),        # checked before a model is built
     (dict(tie_word_embeddings="yes"), "tie_weights must be True or False, got 'yes'"),
     (dict(rms_norm_eps=0.0), "norm_eps must be a number from 1.17549e-38 to 1, got 0.0"),
     (dict(rope_parameters={"rope_theta": float("nan")}), "rope_theta must be a number from 1 to 1e+30, got nan"),
@@ -3690,10 +3690,23 @@ def test_hf_load_llama_from_a_config_dict_and_transformers_names():
      "config's sliding_window is 16: this file's mixtral has only sliding_window=None"),
     (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
           decoder_sparse_step=2), "config's decoder_sparse_step is 2"),
+    ({3: 4}, "config's key 3 is not a string"),                              # a dict json.loads cannot give
+    (dict(model_type=["llama"]), "config's model_type is ['llama'], not a family this file has"),
+    (dict(rope_scaling="linear"), "config's rope_scaling is 'linear', expected a dict"),
+    (dict(rope_parameters=[500.0]), "config's rope_parameters is [500.0], expected a dict"),
+    (dict(rope_parameters={"rope_theta": 500.0, (1, 2): 3}), "config's key (1, 2) is not a string"),
+    (dict(num_attention_heads=[[4]]), "n_heads must be an integer >= 1, got [[4]]"),        # nested lists
+    (dict(model_type="mixtral", num_local_experts=[4], num_experts_per_tok=2), "n_experts must be an integer >= 1"),
+    (dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, layer_types=[["full_attention"]] * 2),
+     "layer_types must be None or n_layers of 'sliding_attention', 'full_attention' (n_layers=2)"),
+    (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+          mlp_only_layers=[[0]]), "config's mlp_only_layers is [[0]]"),
+    (dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, rope_parameters="yarn"),
+     "config's rope_parameters is 'yarn', expected a dict"),
 ])
 def test_hf_load_from_config_refuses_by_name_what_the_file_does_not_have(change, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        tf.from_hf_config(dict(HF_TINY_LLAMA, **change))
+        tf.from_hf_config({**HF_TINY_LLAMA, **change})
 
 
 def test_hf_load_missing_unexpected_and_misshapen_tensors_are_named():
@@ -3714,6 +3727,28 @@ def test_hf_load_missing_unexpected_and_misshapen_tensors_are_named():
     state["lm_head.weight"] = state["lm_head.weight"] + 1
     with pytest.raises(ValueError, match="lm_head.weight differs from its embedding"):
         tf.load_hf_state_dict(tied, state)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (torch.empty(50, 32, device="meta"), "state_dict's 'lm_head.weight' is a tensor on the meta device: expected a"),
+    (torch.zeros(50, 32, dtype=torch.int64), "state_dict's 'lm_head.weight' is a int64 tensor: expected a float"),
+    (torch.zeros(50, 32, dtype=torch.complex64), "'lm_head.weight' is a complex64 tensor: expected a float tensor"),
+    ([[0.0] * 32] * 50, "state_dict's 'lm_head.weight' is a list: expected a float tensor with its values"),
+    (torch.zeros(32, 50), "lm_head.weight [32, 50] (the model's [50, 32])"),
+])
+def test_hf_load_checks_every_tensor_before_it_copies_any(bad, message):
+    """The last tensor of a state dict is one that cannot be copied: the error names it, and the
+    model keeps every weight it had (none of the others was copied first)."""
+    model = tf.from_hf_config(HF_TINY_LLAMA)
+    before = {name: w.clone() for name, w in model.state_dict().items()}
+    state = hf_names_of(tf.from_hf_config(HF_TINY_LLAMA))                  # other random weights
+    assert list(state)[-1] == "lm_head.weight"
+    state["lm_head.weight"] = bad
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tf.load_hf_state_dict(model, state)
+    assert all(torch.equal(before[name], w) for name, w in model.state_dict().items())
+    with pytest.raises(ValueError, match=re.escape("state_dict's key 7 is not a name")):
+        tf.load_hf_state_dict(model, {7: torch.zeros(1)})
 
 
 def tiny_gguf_llama(tmp_path, permute=True, change=None):
@@ -3795,8 +3830,8 @@ def test_gguf_load_refuses_an_architecture_it_does_not_have_before_reading_a_ten
     ({"tokenizer.ggml.eos_token_id": (8, "2")}, "eos_token_id is '2' and its chat_template a str: expected an integer"),
     ({"tokenizer.chat_template": (4, 1)}, "chat_template a int: expected an integer (or none) and text"),
     ({"llama.embedding_length": (8, "64")}, "d_model must be an integer >= 1, got '64'"),
-    ({"llama.rope.freq_base": (9, (6, [1.0]))}, "config's rope_theta is [1.0], expected a number"),
-    ({"llama.attention.layer_norm_rms_epsilon": (8, "x")}, "config's rms_norm_eps is 'x', expected a number"),
+    ({"llama.rope.freq_base": (9, (6, [1.0]))}, "rope_theta must be a number from 1 to 1e+30, got [1.0]"),
+    ({"llama.attention.layer_norm_rms_epsilon": (8, "x")}, "norm_eps must be a number from 1.17549e-38 to 1, got 'x'"),
     ({"llama.attention.head_count": (4, 3)}, "llama.attention.head_count is 3, expected a count of heads that divides"),
     ({"llama.attention.head_count_kv": None, "llama.attention.head_count": (4, 0)}, "head_count is 0, expected a count"),
     ({"general.alignment": (4, 0)}, "general.alignment is 0, expected an integer >= 1"),
@@ -4366,6 +4401,25 @@ def test_hf_config_without_rms_norm_eps_or_attention_bias_builds_what_transforme
         lacking = {k: v for k, v in full.items() if k != key}
         theirs = cls(**lacking).to_dict()                                  # transformers' default for key
         assert tf.from_hf_config(lacking).config == tf.from_hf_config(theirs).config, key
+
+
+HF_CONFIG_CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "mixtral": "Mixtral",
+                  "qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss", "qwen3_next": "Qwen3Next",
+                  "deepseek_v32": "DeepseekV32"}
+
+
+@pytest.mark.skipif(hf_transformers is None, reason="needs transformers: pip install transformers")
+@pytest.mark.parametrize("model_type", HF_CONFIG_CLASSES)
+def test_hf_config_without_rms_norm_eps_or_attention_bias_takes_transformers_defaults(model_type):
+    """A config.json may leave out a field at transformers' default: each family's rms_norm_eps
+    (Mixtral's and gpt-oss's 1e-5, the others' 1e-6) and gpt-oss's attention_bias (True, biases on
+    q, k, v and o) are then transformers' own, and so is every other field read."""
+    default = getattr(hf_transformers, f"{HF_CONFIG_CLASSES[model_type]}Config")()
+    full = tf.hf_keywords(default.to_dict())[1]
+    keywords = tf.hf_keywords({k: v for k, v in default.to_dict().items()
+                               if k not in ("rms_norm_eps", "attention_bias")})[1]
+    assert keywords["norm_eps"] == default.rms_norm_eps and keywords == full
+    assert keywords.get("qkv_bias", False) == (model_type == "qwen2" or getattr(default, "attention_bias", False))
 
 
 # ===========================================================================
@@ -5103,8 +5157,7 @@ def hf_mtp_state_dict(state):
         for pattern, replacement in tf.HF_NAMES:
             name = re.sub(pattern, replacement, name)
         renamed[name] = w
-    for convert in tf.HF_CONVERSIONS:
-        renamed = convert(renamed)
+    renamed = tf.hf_unfuse_experts(renamed)
     ours = {name.replace("layers.0.", "block.", 1): w for name, w in renamed.items()}
     ours.update({name.split(".", 2)[2].replace("post_norm", "final_norm"): w for name, w in state.items()
                  if name.startswith("layers.0.") and "mtp_block" not in name})
@@ -6151,7 +6204,7 @@ def test_gpt_oss_yarn_frequencies_equal_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     config = hf_transformers.GptOssConfig()
     theirs, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
-    keywords = tf.hf_gpt_oss(config.to_dict())
+    keywords = tf.hf_keywords(config.to_dict())[1]
     ours, temperature = tf.gpt_oss_yarn_frequencies(keywords["head_dim"], keywords["rope_theta"],
                                                     keywords["rope_scaling"])
     assert torch.equal(ours, theirs) and temperature == attention_factor   # measured: equal
@@ -6224,7 +6277,7 @@ def test_gpt_oss_refuses_bad_configurations_naming_them():
                        (dict(rope_parameters=dict(rope, rope_type="llama3")), "rope_type is 'llama3'"),
                        (dict(rope_parameters=dict(rope, mscale=1.0)), "mscale is 1.0"),
                        (dict(swiglu_alpha=1.5), "swiglu_alpha is 1.5"),
-                       (dict(layer_types=["full_attention"]), "layer_types must list n_layers entries")]:
+                       (dict(layer_types=["full_attention"]), "layer_types must be None or n_layers of 'sliding_att")]:
         with pytest.raises(ValueError, match=re.escape(words)):
             tf.from_hf_config({**hf, **bad})
 
@@ -6504,7 +6557,7 @@ Q3N_80B_CONFIG_JSON = dict(
 
 def test_hf_keywords_of_the_released_config_json():
     """The released config.json gives QWEN3_NEXT_80B's keywords, its layers every fourth one attention."""
-    keywords = tf.hf_qwen3_next(Q3N_80B_CONFIG_JSON)
+    keywords = tf.hf_keywords(Q3N_80B_CONFIG_JSON)[1]
     assert keywords == dict(tf.QWEN3_NEXT_80B, layer_types=tf.qwen3_next_layer_types(48))
     assert keywords["layer_types"][:4] == ["linear_attention"] * 3 + ["full_attention"]
     assert keywords["layer_types"].count("full_attention") == 12

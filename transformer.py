@@ -964,10 +964,11 @@ def reorder_cache(cache, index):
 
 
 @torch.no_grad()
-def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_id=2, pad_id=0):
+def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_id=2, pad_id=0, choose=None):
     """The beam_size likeliest continuations of start [B, T0] by summed log-probability -> (the best [B, n_steps], its
     log-probability [B]). step(ids [B*k, t], cache) -> next-token logits [B*k, V], row b*k + j beam j of sentence b (the
-    caller repeats its inputs k times); allowed [B, n_steps, V] as in greedy_decode; eos_id and pad_id are Vocab's."""
+    caller repeats its inputs k times); allowed [B, n_steps, V] as in greedy_decode; eos_id and pad_id are Vocab's.
+    choose(total, logp), if given, picks the beams instead of the k best (an extension's hook)."""
     B, k = start.size(0), beam_size
     ids = start.repeat_interleave(k, dim=0)                                # [B*k, T0]
     scores = torch.full((B, k), float("-inf"), device=start.device)        # [B, k]
@@ -982,7 +983,8 @@ def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_i
         logp[done, pad_id] = 0.0
         V = logp.size(-1)
         # every beam with every next token: k * V candidates a sentence, of which the k best stay
-        scores, flat = (scores.view(-1, 1) + logp).view(B, k * V).topk(k, dim=-1)  # [B, k] each, best first
+        total = (scores.view(-1, 1) + logp).view(B, k * V)                 # [B, k*V]
+        scores, flat = choose(total, logp) if choose else total.topk(k, dim=-1)  # [B, k] each, best first
         beam, token = flat // V, flat % V                                  # [B, k] each
         index = (torch.arange(B, device=start.device)[:, None] * k + beam).view(-1)  # [B*k]: each one's parent row
         ids = torch.cat([ids[index], token.view(-1, 1)], dim=1)            # [B*k, t+1]
@@ -996,36 +998,22 @@ def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_i
 # greedy's path in the beam: when the k best leave it out, it takes the last place. So a beam never ends below
 # greedy. translate() and gpt_translate() answer with it.
 
-@torch.no_grad()
 def beam_search_keeping_greedy(step, start, n_steps, beam_size, allowed=None, cache=None, eos_id=2, pad_id=0):
     """beam_search, with greedy's path always in the beam (the last place if the k best leave it out)."""
     B, k = start.size(0), beam_size
     rows = torch.arange(B, device=start.device)                            # [B]
-    ids = start.repeat_interleave(k, dim=0)                                # [B*k, T0]
-    scores = torch.full((B, k), float("-inf"), device=start.device)        # [B, k]
-    scores[:, 0] = 0.0
     greedy = torch.zeros(B, dtype=torch.long, device=start.device)         # [B]: the beam on greedy's path
-    done = torch.zeros(B * k, dtype=torch.bool, device=start.device)       # [B*k]
-    for i in range(n_steps):
-        logp = step(ids, cache).float().log_softmax(dim=-1)                # [B*k, V]
-        if allowed is not None:
-            logp = logp.masked_fill(~allowed[:, i].repeat_interleave(k, dim=0), float("-inf"))  # [B*k, V]
-        logp[done] = float("-inf")
-        logp[done, pad_id] = 0.0
+
+    def choose(total, logp):  # total [B, k*V], logp [B*k, V]
         V = logp.size(-1)
-        total = (scores.view(-1, 1) + logp).view(B, k * V)                 # [B, k*V]: every beam, every token
         scores, flat = total.topk(k, dim=-1)                               # [B, k], best first
         greedy_flat = greedy * V + logp.view(B, k, V)[rows, greedy].argmax(dim=-1)  # [B]: greedy's next
         lost = (flat != greedy_flat[:, None]).all(dim=-1)                  # [B]: pushed out of the beam
         flat[lost, -1], scores[lost, -1] = greedy_flat[lost], total[rows, greedy_flat][lost]  # it takes the last place
-        greedy = (flat == greedy_flat[:, None]).int().argmax(dim=-1)       # [B]
-        beam, token = flat // V, flat % V                                  # [B, k] each
-        index = (rows[:, None] * k + beam).view(-1)                        # [B*k]
-        ids = torch.cat([ids[index], token.view(-1, 1)], dim=1)            # [B*k, t+1]
-        done = done[index] | (token.view(-1) == eos_id)                    # [B*k]
-        if cache is not None:
-            reorder_cache(cache, index)
-    return ids.view(B, k, -1)[:, 0, start.size(1):], scores[:, 0]          # [B, n_steps], [B]
+        greedy[:] = (flat == greedy_flat[:, None]).int().argmax(dim=-1)    # [B]
+        return scores, flat
+
+    return beam_search(step, start, n_steps, beam_size, allowed, cache, eos_id, pad_id, choose)
 
 
 def rows_per_batch(batch_size, length, vocab_size, budget=2 ** 24):
@@ -4778,8 +4766,9 @@ from unittest import mock
 # Part IV's files. safetensors (what transformers saves) is an 8-byte length, a JSON header {name: dtype, shape,
 # byte offsets}, then the raw tensors. GGUF (llama.cpp's) holds typed key-value metadata (the configuration, the
 # tokenizer), a table of tensors (name, shape, type, offset), then the data, each tensor at a multiple of
-# general.alignment (32 bytes), most in section 25's blocks. Tables of renamings copy the weights into the file's
-# classes; each family adds its entry below. The standard library reads the files, and torch does the rest.
+# general.alignment (32 bytes), most in section 25's blocks. One table of renamings copies the weights into the file's
+# classes, one table of fields reads every family's config. The standard library reads the files, and torch does the
+# rest.
 
 # GGUF's metadata types (8 a string, 9 an array) as struct codes; the ggml tensor types read here
 GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -4950,16 +4939,52 @@ def read_safetensors(path):
     return tensors
 
 
-# transformers' names -> this file's, each pattern re.sub-ed in turn; the families below add theirs. HF_CONVERSIONS:
-# functions {name: tensor} -> {name: tensor} for tensors transformers stores otherwise (experts fused in one tensor);
-# HF_FAMILIES: model_type -> (the class, a function from the configuration's dict to its keywords)
+# transformers' names -> this file's, each pattern re.sub-ed in turn: Llama's, then Mixtral's router (in its saved files
+# block_sparse_moe.gate, its experts named w1, w3 and w2 as here), DeepSeek-V3's MLA projections (q_a_proj is w_dq,
+# ...), shared experts and router bias, Qwen3-Next's linear_attn (the block's attn here; the shared expert's gate moves
+# inside it) and DeepSeek-V3.2's indexer. Qwen3's q_norm and k_norm and gpt-oss's sinks keep their names.
 HF_NAMES = [(r"^model\.embed_tokens\.", "token_embedding."), (r"^model\.norm\.", "final_norm."),
             (r"^model\.layers\.", "layers."), (r"\.input_layernorm\.", ".attn_norm."),
             (r"\.post_attention_layernorm\.", ".ffn_norm."), (r"\.self_attn\.([qkvo])_proj\.", r".attn.w_\1."),
             (r"\.self_attn\.", ".attn."), (r"\.mlp\.", ".ffn."), (r"\.gate_proj\.", ".w1."), (r"\.up_proj\.", ".w3."),
-            (r"\.down_proj\.", ".w2.")]
-HF_CONVERSIONS = []
-HF_FAMILIES = {}
+            (r"\.down_proj\.", ".w2."), (r"\.block_sparse_moe\.", ".ffn."), (r"\.ffn\.gate\.", ".ffn.router."),
+            (r"\.attn\.q_a_proj\.", ".attn.w_dq."), (r"\.attn\.q_a_layernorm\.", ".attn.q_norm."),
+            (r"\.attn\.q_b_proj\.", ".attn.w_uq."), (r"\.attn\.kv_a_proj_with_mqa\.", ".attn.w_dkv."),
+            (r"\.attn\.kv_a_layernorm\.", ".attn.kv_norm."), (r"\.attn\.kv_b_proj\.", ".attn.w_ukv."),
+            (r"\.shared_experts\.", ".shared."), (r"\.router\.e_score_correction_bias$", ".router_bias"),
+            (r"\.linear_attn\.", ".attn."), (r"\.shared_expert\.", ".shared."),
+            (r"\.shared_expert_gate\.", ".shared.gate."), (r"\.indexer\.wq_b\.", ".indexer.w_uq."),
+            (r"\.indexer\.wk\.", ".indexer.w_k."), (r"\.indexer\.weights_proj\.", ".indexer.w_heads.")]
+GPT_OSS_EXPERT_PARTS = {  # transformers' fused tensor -> [(this file's name, one expert's slice -> that tensor)]
+    # gate_up_proj [E, D, 2 Dff] multiplies from the right (x @ W: nn.Linear's weight transposed),
+    # gate in the even columns, up in the odd ones (OpenAI's layout); its bias [E, 2 Dff] the same
+    "gate_up_proj": [("w1.weight", lambda w: w[:, ::2].T), ("w3.weight", lambda w: w[:, 1::2].T)],  # [Dff, D]
+    "gate_up_proj_bias": [("w1.bias", lambda b: b[::2]), ("w3.bias", lambda b: b[1::2])],         # [Dff]
+    "down_proj": [("w2.weight", lambda w: w.T)],                                                   # [D, Dff]
+    "down_proj_bias": [("w2.bias", lambda b: b)]}                                                  # [D]
+
+
+def hf_unfuse_experts(state):
+    """transformers 5 keeps a layer's experts in two tensors. Mixtral's and Qwen3's, experts.gate_up_proj [E, 2 Dff, D]
+    (each expert's gate rows, then its up rows) and experts.down_proj [E, D, Dff], have no bias and no router bias
+    (zeros here); gpt-oss's are fused the other way round, with biases (GPT_OSS_EXPERT_PARTS). One SwiGLU each here."""
+    out = {}
+    for name, w in state.items():
+        base, _, kind = name.rpartition(".")
+        if kind in GPT_OSS_EXPERT_PARTS and f"{base}.gate_up_proj_bias" in state:
+            for e, one in enumerate(w):                                    # one expert's slice
+                out.update({f"{base}.{e}.{ours}": part(one) for ours, part in GPT_OSS_EXPERT_PARTS[kind]})
+        elif kind == "gate_up_proj":
+            for e, (gate, up) in enumerate(zip(*w.chunk(2, dim=1))):       # [Dff, D] each
+                out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = gate, up
+        elif kind == "down_proj" and base.endswith(".experts"):
+            out.update({f"{base}.{e}.w2.weight": down for e, down in enumerate(w)})  # [D, Dff] each
+        else:
+            out[name] = w
+        bias = name.replace(".router.weight", ".router_bias")
+        if name.endswith(".router.weight") and bias not in state:
+            out[bias] = torch.zeros(len(w))                                # [E]
+    return out
 
 
 def few(names):
@@ -4969,17 +4994,23 @@ def few(names):
 
 def load_hf_state_dict(model, state_dict):
     """Copy a transformers state dict (its names, any float dtype) into model, a family of this file, in place -> model.
-    Every tensor must have its place, every place its tensor of the same shape; else a ValueError names them."""
+    Every tensor must have its place, every place its float tensor of the same shape, holding data; else a ValueError
+    names them, before anything is copied."""
     if not isinstance(state_dict, dict):
         raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     renamed, theirs = {}, {}                                               # ours -> tensor, ours -> their name
     for name, tensor in state_dict.items():
+        if type(name) is not str:
+            raise ValueError(f"state_dict's key {name!r:.40} is not a name")
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.is_meta:
+            what = (type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else "tensor on the meta device"
+                    if tensor.is_meta else f"{str(tensor.dtype)[6:]} tensor")           # meta: shapes, no values
+            raise ValueError(f"state_dict's {quote(name)} is a {what}: expected a float tensor with its values")
         ours = name
         for pattern, replacement in HF_NAMES:
             ours = re.sub(pattern, replacement, ours)
         renamed[ours], theirs[ours] = tensor, name
-    for convert in HF_CONVERSIONS:
-        renamed = convert(renamed)
+    renamed = hf_unfuse_experts(renamed)
     places = model.state_dict()
     if model.lm_head.weight is model.token_embedding.weight:  # tied: one matrix, two names
         del places["lm_head.weight"]
@@ -5001,86 +5032,250 @@ def load_hf_state_dict(model, state_dict):
     return model
 
 
-def hf_field(config, key, *default):
-    """config[key], or default when it is missing or None; a ValueError names a missing key without one."""
-    if config.get(key) is not None:
-        return config[key]
-    if default:
-        return default[0]
-    raise ValueError(f"config has no {key!r}")
+def quote(text, limit=40):
+    """repr(text), cut to about `limit` characters: an error line never echoes a megabyte."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text):,} characters)"
 
 
-def hf_fields(config, **fields):
-    """{keyword: hf_field(config, key, *default)} for fields {keyword: key, or (key, default)}, read in order."""
-    return {ours: hf_field(config, *([key] if isinstance(key, str) else key)) for ours, key in fields.items()}
+# The class of each kind a checkpoint's config (section 55) or transformers' (below) names
+MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer, "llama": Llama, "qwen3": Qwen3,
+                 "mixtral": Mixtral, "qwen3moe": Qwen3MoE, "mistral": Mistral, "deepseek": DeepSeekV3,
+                 "gptoss": GptOss, "qwen3_next": Qwen3Next, "deepseek_v32": DeepSeekV32}
+ROPE_KINDS = set(MODEL_CLASSES) - {"encdec", "gpt", "gptoss"}  # a checkpoint may hold a RoPE scaling (section 37)
+# An older "llama" checkpoint's config held the families' options. At these values (a Llama's) they are dropped.
+OLD_LLAMA_OPTIONS = dict(head_dim=None, qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True,
+                         window=None, rope_scaling=None)
 
 
-def hf_number(config, key, *default):
-    """hf_field's value as a float; a ValueError names a key that holds no number."""
-    value = hf_field(config, key, *default)
-    if type(value) not in (int, float):
-        raise ValueError(f"config's {key} is {value!r}, expected a number")
-    return float(value)
+def constructor_keywords(cls):
+    """{name: inspect.Parameter} of cls's constructor, and its parent's where it passes on **keywords."""
+    parameters = inspect.signature(cls).parameters
+    own = {name: p for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD}
+    return own if len(own) == len(parameters) else {**constructor_keywords(cls.__mro__[1]), **own}
 
 
-def hf_refuse(config, **plain):
-    """A ValueError naming the first field of config that asks for what the family here lacks; plain: the value each
-    field must have (missing or None: transformers' default)."""
-    for key, value in plain.items():
-        if config.get(key) not in (value, None):
-            raise ValueError(f"config's {key} is {config[key]!r}: this file's {config.get('model_type')}"
-                             f" has only {key}={value!r}")
+# A config's fields (a checkpoint's, section 55, or a transformers config's, below), each with its rule: (type,
+# smallest, largest) for numbers, where largest None means no bound but torch's indexing for an integer (2^31 - 1)
+# and a finite value for a float; (type,) for the others. A forged size is refused here, by name, before any formula
+# or model is computed from it.
+TINY = torch.finfo(torch.float32).tiny  # the smallest positive float32: an eps, a limit or a scale of 0 computes NaN
+CONFIG_RULES = {
+    **dict.fromkeys(("vocab_size src_vocab_size tgt_vocab_size d_model n_heads max_len window n_experts n_groups"
+                     " topk_groups kv_lora_rank qk_nope_dim qk_rope_dim v_head_dim linear_k_heads linear_v_heads"
+                     " linear_k_dim linear_v_dim conv_size shared_d_ff index_n_heads index_head_dim index_topk"
+                     " d_ff n_kv_heads head_dim top_k expert_d_ff q_lora_rank").split(), (int, 1, None)),
+    **dict.fromkeys("norm_first share_embeddings tie_weights qkv_bias norm_topk rope_interleave".split(), (bool,)),
+    "n_layers": (int, 1, 1024), "n_dense_layers": (int, 0, 1024), "n_shared": (int, 0, None),
+    "pad_id": (int, 0, 2 ** 31 - 2), "dropout": (float, 0.0, 1.0), "norm_eps": (float, TINY, 1.0),
+    "rope_theta": (float, 1.0, 1e30), "routed_scale": (float, TINY, 1e30), "partial_rotary": (float, 1e-30, 1.0),
+    "swiglu_limit": (float, TINY, None), "layer_types": (list,), "rope_scaling": (dict,)}
+OPTIONAL_FIELDS = {"d_ff", "n_kv_heads", "head_dim", "top_k", "expert_d_ff", "q_lora_rank", "layer_types",
+                   "rope_scaling"}  # None: the class derives them, or goes without
 
 
-def hf_rope_theta(config):
-    """RoPE's base (rope_parameters in transformers 5, rope_theta and rope_scaling in 4.x); stretched RoPE refused."""
-    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-    hf_refuse(dict(rope_type=rope.get("rope_type", rope.get("type")), model_type=config.get("model_type")),
-              rope_type="default")
-    return hf_number({"rope_theta": rope.get("rope_theta", config.get("rope_theta"))}, "rope_theta", 10000.0)
+def check_field(name, value):
+    """A ValueError naming the field, the value and what was expected, unless value follows CONFIG_RULES[name]."""
+    (kind, *bounds), optional = CONFIG_RULES[name], name in OPTIONAL_FIELDS
+    if value is None and optional: return
+    if not bounds:
+        ok, what = isinstance(value, kind), "True or False" if kind is bool else f"a {kind.__name__}"
+    else:  # an int counts as a float, a bool as neither; NaN is in no range
+        (low, high), spec = bounds, "," if kind is int else "g"
+        top = high if high is not None else 2 ** 31 - 1 if kind is int else sys.float_info.max
+        ok = isinstance(value, (int, kind)) and not isinstance(value, bool) and low <= value <= top
+        infinite = high is None and isinstance(value, float) and math.isinf(value)
+        what = ("an integer" if kind is int else "a finite number" if infinite else "a number") + (
+            f" >= {low:{spec}}" if high is None else f" from {low:{spec}} to {high:{spec}}")
+    if not ok: raise ValueError(f"{name} must be {what}{' or None' * optional}, got {value!r}")
 
 
-def hf_llama_keywords(config):
-    """The keywords of Llama's constructor from a LlamaConfig's (or Qwen2Config's) fields, each checked as a file's
-    value must be before a model is built (a "64" or a 0 is refused, naming it)."""
-    hf_refuse(config, hidden_act="silu", attention_bias=False, mlp_bias=False, use_sliding_window=False)
-    keywords = hf_fields(config, n_heads="num_attention_heads", vocab_size="vocab_size", d_model="hidden_size",
-                         n_layers="num_hidden_layers")
-    keywords.update(hf_fields(config, n_kv_heads=("num_key_value_heads", keywords["n_heads"]), d_ff="intermediate_size",
-                              max_len=("max_position_embeddings", 2048)),
-                    rope_theta=hf_rope_theta(config), norm_eps=hf_number(config, "rms_norm_eps", 1e-6),
-                    tie_weights=hf_field(config, "tie_word_embeddings", False),
-                    qkv_bias=config.get("model_type") == "qwen2")  # Qwen2: biases on q, k and v
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_len"):
-        if type(keywords[name]) is not int or keywords[name] < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {keywords[name]!r}")
-    for key, low, high in (("rope_theta", 1.0, 1e30), ("norm_eps", torch.finfo(torch.float32).tiny, 1.0)):
-        if not low <= keywords[key] <= high:  # NaN too; an eps of 0 gives 0 / sqrt(0) = NaN
-            raise ValueError(f"{key} must be a number from {low:g} to {high:g}, got {keywords[key]!r}")
-    if type(keywords["tie_weights"]) is not bool:
-        raise ValueError(f"tie_weights must be True or False, got {keywords['tie_weights']!r}")
-    return keywords
+def check_config_relations(kind, c):
+    """What the classes need of c's values together (all keywords, defaults in): some no weight's shape would show."""
+    def need(holds, expected, first, *others):  # the message names the first field, and the others' values
+        if holds: return
+        values = ", ".join(f"{name}={c.get(name)!r}" for name in others)
+        raise ValueError(f"{expected}{f' ({values})' if values else ''}, got {c.get(first)!r}")
+    def divisible(a, b):  # b None (n_kv_heads): b is a
+        need(c[a] % (c[b] or c[a]) == 0, f"{a} must be divisible by {b}", a, b)
+    def at_most(a, b):
+        need(c[a] is not None and c[a] <= c[b], f"{a} must be at most {b}", a, b)
+    width = c.get("head_dim") or c["d_model"] // c["n_heads"]
+    if kind in ("encdec", "gpt"):
+        need(c["d_model"] % 2 == 0, "d_model must be even (sin/cos pairs)", "d_model")
+        divisible("d_model", "n_heads")
+    if kind == "encdec" and c["share_embeddings"]:
+        need(c["tgt_vocab_size"] == c["src_vocab_size"], "tgt_vocab_size must equal src_vocab_size to share"
+             " embeddings", "tgt_vocab_size", "src_vocab_size")
+    if "n_kv_heads" in c: divisible("n_heads", "n_kv_heads")
+    if kind == "qwen3_next":
+        need(int(width * c["partial_rotary"]) in range(2, width + 1, 2), "head_dim * partial_rotary must give an even"
+             " number of dims, 2 or more (RoPE turns pairs)", "partial_rotary", "head_dim")
+        divisible("linear_v_heads", "linear_k_heads")
+    elif "rope_theta" in c and "qk_rope_dim" not in c:
+        need(width % 2 == 0, "RoPE turns pairs of dims: head_dim (d_model / n_heads if None) must be even", "head_dim",
+             "d_model", "n_heads")
+    if "n_experts" in c: at_most("top_k", "n_experts")
+    if "qk_rope_dim" in c:  # DeepSeek's
+        for field in ("d_ff", "expert_d_ff"): need(c[field] is not None, f"{field} must be an integer >= 1", field)
+        at_most("n_dense_layers", "n_layers")
+        need(c["qk_rope_dim"] % 2 == 0, "RoPE turns pairs of dims: qk_rope_dim must be even", "qk_rope_dim")
+        divisible("n_experts", "n_groups")
+        at_most("topk_groups", "n_groups")
+        need(c["topk_groups"] * (c["n_experts"] // c["n_groups"]) >= c["top_k"], "topk_groups groups of n_experts /"
+             " n_groups experts must hold at least top_k", "topk_groups", "n_groups", "n_experts", "top_k")
+    if "index_head_dim" in c:
+        need(c["q_lora_rank"] is not None, "q_lora_rank must be an integer >= 1 (the lightning indexer's queries"
+             " start from MLA's query latent)", "q_lora_rank")
+        need(c["index_head_dim"] >= c["qk_rope_dim"], "index_head_dim must be at least qk_rope_dim",
+             "index_head_dim", "qk_rope_dim")
+    types = {"gptoss": ("sliding_attention", "full_attention"), "qwen3_next": ("linear_attention", "full_attention")}
+    if c.get("layer_types") is not None:
+        need(len(c["layer_types"]) == c["n_layers"] and all(t in types[kind] for t in c["layer_types"]),
+             f"layer_types must be None or n_layers of {', '.join(map(repr, types[kind]))}", "layer_types", "n_layers")
+    if c.get("rope_scaling") is not None:
+        check_scaling(c["rope_scaling"])
+        need(c["rope_scaling"]["type"] == "yarn", "rope_scaling must be None or gpt-oss's yarn, a dict with 'type':"
+             " 'yarn'", "rope_scaling")
 
 
-def hf_llama(config):
-    """Llama's keywords, its heads d_model / n_heads wide."""
-    keywords = hf_llama_keywords(config)
-    hf_refuse(config, head_dim=keywords["d_model"] // keywords["n_heads"])
-    return keywords
+def check_model_config(kind, config):
+    """-> (config, rope_scaling | None): the class's keywords exactly, each valid alone and together; or ValueError."""
+    if not isinstance(kind, str) or kind not in MODEL_CLASSES:
+        raise ValueError(f"kind {quote(str(kind))}: expected one of {', '.join(MODEL_CLASSES)}")
+    if not isinstance(config, dict): raise ValueError(f"config is a {type(config).__name__}, expected a dict")
+    old = OLD_LLAMA_OPTIONS if kind == "llama" else {}
+    config = {key: value for key, value in config.items()
+              if not (key in old and type(value) is type(old[key]) and value == old[key])}
+    scaling = config.pop("rope_scaling", None) if kind in ROPE_KINDS else None
+    if scaling is not None:  # a dict, then section 37's own check of its type, keys and values
+        check_field("rope_scaling", scaling)
+        check_scaling(scaling)
+    parameters = constructor_keywords(MODEL_CLASSES[kind])
+    unknown = next((key for key in config if key not in parameters), None)
+    if unknown in old:
+        raise ValueError(f"config field {unknown}={repr(config[unknown])[:20]}: an older Llama's option; build a"
+                         f" Qwen3, Mixtral, Qwen3MoE or Mistral")
+    if unknown is not None: raise ValueError(f"config field {quote(str(unknown))} is not one a {kind} model takes")
+    missing = next((n for n, p in parameters.items() if p.default is p.empty and n not in config), None)
+    if missing: raise ValueError(f"config lacks {missing}, which a {kind} model needs")
+    for key, value in config.items(): check_field(key, value)
+    defaults = {name: p.default for name, p in parameters.items() if p.default is not p.empty}
+    check_config_relations(kind, {**defaults, **config})
+    return config, scaling
 
 
-HF_FAMILIES.update(llama=(Llama, hf_llama), qwen2=(Llama, hf_llama))
+# transformers' configs, every family: model_type -> (its kind in MODEL_CLASSES, {keyword: transformers' field, or
+# (field, default: transformers' own, for a field missing or None), or (None, value): always value}, {field: the only
+# value this file has, missing or None being transformers' default}). RoPE's fields are read from rope_parameters
+# (transformers 5) or rope_scaling (4.x) first.
+HF_LLAMA = dict(vocab_size="vocab_size", d_model="hidden_size", n_layers="num_hidden_layers",
+                n_heads="num_attention_heads", n_kv_heads=("num_key_value_heads", None), d_ff="intermediate_size",
+                max_len=("max_position_embeddings", 2048), rope_theta=("rope_theta", 10000.0),
+                norm_eps=("rms_norm_eps", 1e-6), tie_weights=("tie_word_embeddings", False))
+HF_QWEN3 = dict(HF_LLAMA, head_dim=("head_dim", None))
+HF_MOE = dict(n_experts="num_local_experts", top_k="num_experts_per_tok")
+HF_PLAIN = dict(hidden_act="silu", attention_bias=False, mlp_bias=False, use_sliding_window=False)
+HF_ALL_MOE = dict(HF_PLAIN, decoder_sparse_step=1, mlp_only_layers=[])  # Qwen's: a MoE in every block
+HF_DEEPSEEK = dict(vocab_size="vocab_size", d_model="hidden_size", n_layers="num_hidden_layers",
+                   n_heads="num_attention_heads", kv_lora_rank="kv_lora_rank", qk_nope_dim="qk_nope_head_dim",
+                   qk_rope_dim="qk_rope_head_dim", v_head_dim="v_head_dim", d_ff="intermediate_size",
+                   expert_d_ff="moe_intermediate_size", n_experts="n_routed_experts", top_k="num_experts_per_tok",
+                   n_dense_layers="first_k_dense_replace", n_groups="n_group", topk_groups="topk_group",
+                   routed_scale="routed_scaling_factor", norm_topk="norm_topk_prob", max_len="max_position_embeddings",
+                   tie_weights="tie_word_embeddings", q_lora_rank=("q_lora_rank", None), n_shared=("n_shared_experts", 0),
+                   rope_interleave=("rope_interleave", True), rope_theta=("rope_theta", 10000.0),  # 4.x: interleaved
+                   norm_eps=(None, 1e-6))  # transformers gives q_a_layernorm and kv_a_layernorm 1e-6 regardless
+HF_FAMILIES = {
+    "llama": ("llama", HF_LLAMA, HF_PLAIN), "qwen2": ("llama", dict(HF_LLAMA, qkv_bias=(None, True)), HF_PLAIN),
+    "qwen3": ("qwen3", HF_QWEN3, HF_PLAIN), "mistral": ("mistral", dict(HF_LLAMA, window=("sliding_window", None)), HF_PLAIN),
+    "mixtral": ("mixtral", dict(HF_LLAMA, norm_eps=("rms_norm_eps", 1e-5), **HF_MOE), dict(HF_PLAIN, sliding_window=None)),
+    "qwen3_moe": ("qwen3moe", dict(HF_QWEN3, **HF_MOE, expert_d_ff="moe_intermediate_size",
+                                   norm_topk=("norm_topk_prob", False)), HF_ALL_MOE),
+    "deepseek_v3": ("deepseek", HF_DEEPSEEK, dict(hidden_act="silu", attention_bias=False, rms_norm_eps=1e-6)),
+    "gpt_oss": ("gptoss", dict(HF_QWEN3, **HF_MOE, max_len=("max_position_embeddings", 131072),
+                               rope_theta=("rope_theta", 150000.0), norm_eps=("rms_norm_eps", 1e-5),
+                               qkv_bias=("attention_bias", True), window=("sliding_window", None),
+                               layer_types=("layer_types", None), swiglu_limit=("swiglu_limit", 7.0)),
+                dict(swiglu_alpha=1.702, attention_factor=None, mscale=None, mscale_all_dim=None,
+                     partial_rotary_factor=1.0)),
+    "qwen3_next": ("qwen3_next", dict(
+        {k: v for k, v in HF_QWEN3.items() if k != "d_ff"}, partial_rotary=("partial_rotary_factor", 0.25),
+        layer_types=("layer_types", None), linear_k_heads="linear_num_key_heads",
+        linear_v_heads="linear_num_value_heads", linear_k_dim="linear_key_head_dim",
+        linear_v_dim="linear_value_head_dim", conv_size="linear_conv_kernel_dim", n_experts="num_experts",
+        top_k="num_experts_per_tok", expert_d_ff="moe_intermediate_size",
+        shared_d_ff="shared_expert_intermediate_size", norm_topk=("norm_topk_prob", True)), HF_ALL_MOE),
+    "deepseek_v32": ("deepseek_v32", dict(HF_DEEPSEEK, index_n_heads=("index_n_heads", 64),
+                                          index_head_dim=("index_head_dim", 128), index_topk=("index_topk", 2048)),
+                     dict(hidden_act="silu", attention_bias=False, rms_norm_eps=1e-6))}
+
+
+def hf_keywords(config):
+    """A transformers configuration (the dict of its config.json) -> (its kind in MODEL_CLASSES, the class's keywords),
+    every field checked as a checkpoint's config is, before any model is built; a ValueError names the field."""
+    if not isinstance(config, dict):
+        raise ValueError(f"config must be a dict, got {type(config).__name__}")
+    family = config.get("model_type")
+    if type(family) is not str or family not in HF_FAMILIES:
+        raise ValueError(f"config's model_type is {family!r}, not a family this file has ({', '.join(HF_FAMILIES)})")
+    for key in ("rope_scaling", "rope_parameters"):
+        if not isinstance(config.get(key) or {}, dict):
+            raise ValueError(f"config's {key} is {config[key]!r}, expected a dict")
+    view = {**config, **(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    bad = next((key for key in view if type(key) is not str), None)
+    if bad is not None:
+        raise ValueError(f"config's key {bad!r:.40} is not a string")
+    if view.get("num_local_experts") is None:  # Qwen3-MoE's name in transformers 4.x
+        view["num_local_experts"] = view.get("num_experts")
+    kind, fields, plain = HF_FAMILIES[family]
+    ropes = ("default", "yarn") if kind == "gptoss" else ("default",)
+    rope = view.get("rope_type") or view.get("type") or "default"
+    if rope not in ropes:
+        raise ValueError(f"config's rope_type is {rope!r}: this file's {family} has {' or '.join(map(repr, ropes))}")
+    if rope == "yarn":  # transformers rounds yarn's ends unless truncate is false
+        view.setdefault("truncate", True)
+        plain = dict(plain, truncate=False)
+
+    def refuse(plain):
+        for key, value in plain.items():
+            if view.get(key) not in (value, None):
+                raise ValueError(f"config's {key} is {view[key]!r}: this file's {family} has only {key}={value!r}")
+
+    refuse(plain)
+    keywords = {}
+    for ours, field in fields.items():
+        field, *default = [field] if isinstance(field, str) else field
+        if view.get(field) is None and not default:
+            raise ValueError(f"config has no {field!r}")
+        keywords[ours] = default[0] if view.get(field) is None else view[field]
+    for ours, same in (("n_kv_heads", "n_heads"), ("window", "max_len")):  # transformers' default: the other
+        if ours in keywords and keywords[ours] is None:
+            keywords[ours] = keywords[same]
+    if rope == "yarn":
+        keywords["rope_scaling"] = dict(type="yarn", factor=view.get("factor"),
+                                        original_max_len=view.get("original_max_position_embeddings"),
+                                        beta_fast=view.get("beta_fast") or 32.0, beta_slow=view.get("beta_slow") or 1.0)
+    keywords = check_model_config(kind, keywords)[0]
+    if kind in ("llama", "mixtral", "mistral"):  # their heads are d_model / n_heads wide
+        refuse(dict(head_dim=keywords["d_model"] // keywords["n_heads"]))
+    if kind == "deepseek_v32":  # dense blocks first, as first_k_dense_replace says
+        n, dense = keywords["n_layers"], keywords["n_dense_layers"]
+        refuse(dict(mlp_layer_types=["dense"] * dense + ["sparse"] * (n - dense)))
+    if kind == "qwen3_next" and keywords["layer_types"] is None:  # 4.x: every full_attention_interval-th attention
+        interval = view.get("full_attention_interval") or 4
+        if type(interval) is not int or interval < 1:
+            raise ValueError(f"config's full_attention_interval is {interval!r}, expected an integer >= 1")
+        keywords["layer_types"] = qwen3_next_layer_types(keywords["n_layers"], interval)
+    for key, value in keywords.items():  # an integer where a float belongs, as config.json may write one
+        if CONFIG_RULES[key][0] is float and type(value) is int:
+            keywords[key] = float(value)
+    return kind, keywords
 
 
 def from_hf_config(config):
     """This file's model for a transformers configuration (the dict of its config.json), the family by model_type."""
-    if not isinstance(config, dict):
-        raise ValueError(f"config must be a dict, got {type(config).__name__}")
-    kind = config.get("model_type")
-    if kind not in HF_FAMILIES:
-        raise ValueError(f"config's model_type is {kind!r}, not a family this file has ({', '.join(HF_FAMILIES)})")
-    family, keywords = HF_FAMILIES[kind]
-    return family(**keywords(config))
+    kind, keywords = hf_keywords(config)
+    return MODEL_CLASSES[kind](**keywords)
 
 
 # llama.cpp's tensor names and configuration keys ("llama.block_count") -> transformers', so that from_hf_config and
@@ -5206,212 +5401,12 @@ def quantized_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, 
                                            for fmt in formats}}
 
 
-# Part V's families in transformers' tables (HF_NAMES, HF_CONVERSIONS, HF_FAMILIES): Qwen3's q_norm and k_norm keep
-# their names here.
-def hf_qwen3(config):
-    return dict(hf_llama_keywords(config), head_dim=hf_field(config, "head_dim", None))
-
-
-HF_FAMILIES["qwen3"] = (Qwen3, hf_qwen3)
-
-# transformers' Mixtral and Qwen3-MoE. Their router is mlp.gate (in Mixtral's saved files block_sparse_moe.gate, its
-# experts named w1, w3 and w2 as here).
-HF_NAMES.extend([(r"\.block_sparse_moe\.", ".ffn."), (r"\.ffn\.gate\.", ".ffn.router.")])
-
-
-def hf_unfuse_experts(state):
-    """transformers 5 keeps a layer's experts in two tensors, experts.gate_up_proj [E, 2 Dff, D] (each expert's
-    gate rows, then its up rows) and experts.down_proj [E, D, Dff]: one SwiGLU each here; their routers: no bias."""
-    out = {}
-    for name, w in state.items():
-        base, _, kind = name.rpartition(".")
-        if kind == "gate_up_proj":
-            for e, (gate, up) in enumerate(zip(*w.chunk(2, dim=1))):       # [Dff, D] each
-                out[f"{base}.{e}.w1.weight"], out[f"{base}.{e}.w3.weight"] = gate, up
-        elif kind == "down_proj" and base.endswith(".experts"):
-            out.update({f"{base}.{e}.w2.weight": down for e, down in enumerate(w)})  # [D, Dff] each
-        else:
-            out[name] = w
-        bias = name.replace(".router.weight", ".router_bias")
-        if name.endswith(".router.weight") and bias not in state:
-            out[bias] = torch.zeros(len(w))                                # [E]
-    return out
-
-
-def hf_mixtral(config):
-    """Mixtral's keywords: Llama's, and num_local_experts SwiGLUs, intermediate_size wide."""
-    hf_refuse(config, sliding_window=None)
-    return dict(hf_llama(config), **hf_fields(config, n_experts="num_local_experts", top_k="num_experts_per_tok"))
-
-
-def hf_qwen3_moe(config):
-    """Qwen3-MoE's keywords: Qwen3's, and num_experts SwiGLUs (transformers 5 writes num_local_experts),
-    moe_intermediate_size wide, in every block."""
-    hf_refuse(config, decoder_sparse_step=1, mlp_only_layers=[])
-    return dict(hf_qwen3(config), n_experts=config.get("num_experts") or hf_field(config, "num_local_experts"),
-                **hf_fields(config, top_k="num_experts_per_tok", expert_d_ff="moe_intermediate_size",
-                            norm_topk=("norm_topk_prob", False)))
-
-
-HF_CONVERSIONS.append(hf_unfuse_experts)
-HF_FAMILIES.update(mixtral=(Mixtral, hf_mixtral), qwen3_moe=(Qwen3MoE, hf_qwen3_moe))
-
-# transformers' DeepSeek-V3: MLA's projections (q_a_proj is w_dq, ...), the shared experts and the router's bias.
-HF_NAMES.extend([(r"\.attn\.q_a_proj\.", ".attn.w_dq."), (r"\.attn\.q_a_layernorm\.", ".attn.q_norm."),
-                 (r"\.attn\.q_b_proj\.", ".attn.w_uq."), (r"\.attn\.kv_a_proj_with_mqa\.", ".attn.w_dkv."),
-                 (r"\.attn\.kv_a_layernorm\.", ".attn.kv_norm."), (r"\.attn\.kv_b_proj\.", ".attn.w_ukv."),
-                 (r"\.shared_experts\.", ".shared."), (r"\.router\.e_score_correction_bias$", ".router_bias")])
-# DeepSeekV3's keyword -> DeepseekV3Config's field (or field and default)
-HF_DEEPSEEK_FIELDS = dict(vocab_size="vocab_size", d_model="hidden_size", n_layers="num_hidden_layers",
-                          n_heads="num_attention_heads", kv_lora_rank="kv_lora_rank", qk_nope_dim="qk_nope_head_dim",
-                          qk_rope_dim="qk_rope_head_dim", v_head_dim="v_head_dim", d_ff="intermediate_size",
-                          expert_d_ff="moe_intermediate_size", n_experts="n_routed_experts",
-                          top_k="num_experts_per_tok", n_dense_layers="first_k_dense_replace", n_groups="n_group",
-                          topk_groups="topk_group", routed_scale="routed_scaling_factor", norm_topk="norm_topk_prob",
-                          max_len="max_position_embeddings", tie_weights="tie_word_embeddings",
-                          q_lora_rank=("q_lora_rank", None), n_shared=("n_shared_experts", 0),
-                          rope_interleave=("rope_interleave", True))  # 4.x: always interleaved
-
-
-def hf_deepseek_v3(config):
-    """DeepSeekV3's keywords from a DeepseekV3Config, its multi-token-prediction layers left out as transformers
-    leaves them; rms_norm_eps must be 1e-6, which transformers gives q_a_layernorm and kv_a_layernorm regardless."""
-    hf_refuse(config, hidden_act="silu", attention_bias=False, rms_norm_eps=1e-6)
-    return dict(hf_fields(config, **HF_DEEPSEEK_FIELDS), routed_scale=hf_number(config, "routed_scaling_factor"),
-                rope_theta=hf_rope_theta(config), norm_eps=1e-6)
-
-
-HF_FAMILIES["deepseek_v3"] = (DeepSeekV3, hf_deepseek_v3)
-
-
-# Section 35's Mistral for checkpoints (its parameter count, checked before a model is built) and in transformers'
-# names (Llama's names and fields, and the window)
+# Section 35's Mistral for checkpoints: its parameter count, checked before a model is built
 def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
     """Closed form of count_parameters(Mistral(...)): Llama's, since the window holds no parameters."""
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     return llama_param_formula(*llama_arguments, **llama_keywords)
-
-
-def hf_mistral(config):
-    """Mistral's keywords: Llama's, and sliding_window (None: the whole context)."""
-    keywords = hf_llama(config)
-    return dict(keywords, window=hf_field(config, "sliding_window", keywords["max_len"]))
-
-
-HF_FAMILIES["mistral"] = (Mistral, hf_mistral)
-
-
-# Sections 38-40's tables, for transformers' gpt-oss, Qwen3-Next and DeepSeek-V3.2 (from_hf_config and
-# load_hf_state_dict above read them).
-
-# gpt-oss: its names are Llama's and Mixtral's, and the sinks keep theirs. Its experts are fused the other
-# way round from Mixtral's, so they are unfused first, before hf_unfuse_experts would cut them in two
-# halves. The router's bias is the router Linear's own (router.bias); hf_unfuse_experts gives router_bias
-# its zeros.
-
-GPT_OSS_EXPERT_PARTS = {  # transformers' fused tensor -> [(this file's name, one expert's slice -> that tensor)]
-    # gate_up_proj [E, D, 2 Dff] multiplies from the right (x @ W: nn.Linear's weight transposed),
-    # gate in the even columns, up in the odd ones (OpenAI's layout); its bias [E, 2 Dff] the same
-    "gate_up_proj": [("w1.weight", lambda w: w[:, ::2].T), ("w3.weight", lambda w: w[:, 1::2].T)],  # [Dff, D]
-    "gate_up_proj_bias": [("w1.bias", lambda b: b[::2]), ("w3.bias", lambda b: b[1::2])],         # [Dff]
-    "down_proj": [("w2.weight", lambda w: w.T)],                                                   # [D, Dff]
-    "down_proj_bias": [("w2.bias", lambda b: b)]}                                                  # [D]
-
-
-def hf_unfuse_gpt_oss_experts(state):
-    """A layer's experts whose gate_up_proj has a bias (gpt-oss's; Mixtral's have none) -> one
-    ClampedSwiGLU's w1, w3, w2 each; every other tensor as it was."""
-    out = {}
-    for name, w in state.items():
-        base, _, kind = name.rpartition(".")
-        if kind not in GPT_OSS_EXPERT_PARTS or f"{base}.gate_up_proj_bias" not in state:
-            out[name] = w
-            continue
-        for e, one in enumerate(w):                                        # one expert's slice
-            out.update({f"{base}.{e}.{ours}": part(one) for ours, part in GPT_OSS_EXPERT_PARTS[kind]})
-    return out
-
-
-def hf_gpt_oss(config):
-    """GptOss's keywords from a GptOssConfig's fields: its rope_parameters plain RoPE or yarn with
-    unrounded ends (truncate false); other alphas, partial rotary or yarn's own factors refused."""
-    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "yarn"):
-        raise ValueError(f"config's rope_type is {kind!r}: this file's gpt_oss has 'default' or 'yarn'")
-    # transformers rounds when truncate is missing: its default is True
-    hf_refuse(dict(rope, model_type="gpt_oss", truncate=rope.get("truncate", True) if kind == "yarn" else None),
-              truncate=False, attention_factor=None, mscale=None, mscale_all_dim=None, partial_rotary_factor=1.0)
-    hf_refuse(config, swiglu_alpha=1.702)
-    scaling = None if kind == "default" else dict(
-        type="yarn", factor=float(hf_field(rope, "factor")),
-        original_max_len=hf_field(rope, "original_max_position_embeddings"),
-        beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1))
-    n_heads, max_len = hf_field(config, "num_attention_heads"), hf_field(config, "max_position_embeddings", 131072)
-    return dict(vocab_size=hf_field(config, "vocab_size"), d_model=hf_field(config, "hidden_size"),
-                n_layers=hf_field(config, "num_hidden_layers"), n_heads=n_heads,
-                n_kv_heads=hf_field(config, "num_key_value_heads", n_heads), d_ff=hf_field(config, "intermediate_size"),
-                max_len=max_len, rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 150000.0))),
-                norm_eps=float(hf_field(config, "rms_norm_eps", 1e-5)),
-                tie_weights=hf_field(config, "tie_word_embeddings", False),
-                qkv_bias=hf_field(config, "attention_bias", True), n_experts=hf_field(config, "num_local_experts"),
-                top_k=hf_field(config, "num_experts_per_tok"), head_dim=hf_field(config, "head_dim", None),
-                window=hf_field(config, "sliding_window", max_len), layer_types=config.get("layer_types"),
-                swiglu_limit=float(hf_field(config, "swiglu_limit", 7.0)), rope_scaling=scaling)
-
-
-HF_CONVERSIONS.insert(0, hf_unfuse_gpt_oss_experts)                        # before hf_unfuse_experts
-HF_FAMILIES["gpt_oss"] = (GptOss, hf_gpt_oss)
-
-
-# Qwen3-Next: linear_attn is the block's attn here, and the shared expert's gate moves inside it.
-
-HF_NAMES.extend([(r"\.linear_attn\.", ".attn."), (r"\.shared_expert\.", ".shared."),
-                 (r"\.shared_expert_gate\.", ".shared.gate.")])
-
-
-def hf_qwen3_next(config):
-    """Qwen3Next's keywords from a Qwen3NextConfig: Qwen3's, its layer_types (a 4.x config.json: every
-    full_attention_interval-th layer attention), partial_rotary_factor, the DeltaNet's and the MoE's sizes.
-    Dense blocks (decoder_sparse_step, mlp_only_layers) are refused."""
-    hf_refuse(config, decoder_sparse_step=1, mlp_only_layers=[])
-    keywords = hf_qwen3(config)
-    del keywords["d_ff"], keywords["qkv_bias"]                             # every block is a MoE; no biases
-    rope = config.get("rope_parameters") or {}
-    rotary = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))  # 5.x, or 4.x's place
-    types = hf_field(config, "layer_types", qwen3_next_layer_types(keywords["n_layers"], hf_field(
-        config, "full_attention_interval", 4)))
-    return dict(keywords, partial_rotary=float(rotary), layer_types=types,
-                linear_k_heads=hf_field(config, "linear_num_key_heads"),
-                linear_v_heads=hf_field(config, "linear_num_value_heads"),
-                linear_k_dim=hf_field(config, "linear_key_head_dim"),
-                linear_v_dim=hf_field(config, "linear_value_head_dim"),
-                conv_size=hf_field(config, "linear_conv_kernel_dim"), n_experts=hf_field(config, "num_experts"),
-                top_k=hf_field(config, "num_experts_per_tok"), expert_d_ff=hf_field(config, "moe_intermediate_size"),
-                shared_d_ff=hf_field(config, "shared_expert_intermediate_size"),
-                norm_topk=hf_field(config, "norm_topk_prob", True))
-
-
-HF_FAMILIES["qwen3_next"] = (Qwen3Next, hf_qwen3_next)
-
-
-# DeepSeek-V3.2: the indexer's projections get LightningIndexer's names; everything else is DeepSeek-V3's.
-HF_NAMES.extend([(r"\.indexer\.wq_b\.", ".indexer.w_uq."), (r"\.indexer\.wk\.", ".indexer.w_k."),
-                 (r"\.indexer\.weights_proj\.", ".indexer.w_heads.")])
-
-
-def hf_deepseek_v32(config):
-    """DeepSeekV32's keywords from a DeepseekV32Config: DeepSeek-V3's, its dense then sparse MLP layers
-    as first_k_dense_replace says, and the indexer's sizes."""
-    keywords = hf_deepseek_v3(config)
-    n, dense = keywords["n_layers"], keywords["n_dense_layers"]
-    hf_refuse(config, mlp_layer_types=["dense"] * dense + ["sparse"] * (n - dense))
-    return dict(keywords, index_n_heads=hf_field(config, "index_n_heads", 64),
-                index_head_dim=hf_field(config, "index_head_dim", 128), index_topk=hf_field(config, "index_topk", 2048))
-
-
-HF_FAMILIES["deepseek_v32"] = (DeepSeekV32, hf_deepseek_v32)
 
 
 # ===========================================================================
@@ -5989,11 +5984,6 @@ MAX_SYLLABLES = 100              # per sentence: attention's memory grows with i
 MAX_PAIRS = 200_000              # sentences: far more than trains in hours on a CPU, and a bounded dict
 
 
-def quote(text, limit=40):
-    """repr(text), cut to about `limit` characters: an error line never echoes a megabyte."""
-    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text):,} characters)"
-
-
 def shown(path, limit=120):
     """A file name for a message: as typed, or quote()d if long or not printable."""
     text = os.fsdecode(path) if isinstance(path, bytes) else str(path)
@@ -6081,18 +6071,11 @@ def read_pairs(path):
 # that is cut short leaves the old file as it was.
 
 CHECKPOINT_FORMAT = "transformer.py checkpoint v1"
-MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer, "llama": Llama, "qwen3": Qwen3,
-                 "mixtral": Mixtral, "qwen3moe": Qwen3MoE, "mistral": Mistral, "deepseek": DeepSeekV3,
-                 "gptoss": GptOss, "qwen3_next": Qwen3Next, "deepseek_v32": DeepSeekV32}
 PARAMETER_FORMULAS = {"encdec": transformer_param_formula, "gpt": decoder_only_param_formula,
                       "llama": llama_param_formula, "qwen3": qwen3_param_formula, "mixtral": mixtral_param_formula,
                       "qwen3moe": qwen3_moe_param_formula, "mistral": mistral_param_formula,
                       "deepseek": deepseek_param_formula, "gptoss": gpt_oss_param_formula,
                       "qwen3_next": qwen3_next_param_formula, "deepseek_v32": deepseek_v32_param_formula}
-ROPE_KINDS = set(MODEL_CLASSES) - {"encdec", "gpt", "gptoss"}  # a checkpoint may hold a RoPE scaling (section 37)
-# An older "llama" checkpoint's config held the families' options. At these values (a Llama's) they are dropped.
-OLD_LLAMA_OPTIONS = dict(head_dim=None, qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True,
-                         window=None, rope_scaling=None)
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what a model's weights may be
 CHECK_ERRORS = (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError)  # a damaged file's
 MAX_PIPED_CHECKPOINT_BYTES = 256 * 2 ** 20  # a pipe (--load <(...)) is held in memory whole; --save's are a few MB
@@ -6153,122 +6136,6 @@ def check_state_dict(state):
             what = "not a number" if math.isnan(value) else "infinite"
             raise ValueError(f"{quote(name)} holds {str(t.dtype)[6:]} {value:g}: {what} in"
                              f" {str(torch.get_default_dtype())[6:]}, the model's dtype")
-
-
-def constructor_keywords(cls):
-    """{name: inspect.Parameter} of cls's constructor, and its parent's where it passes on **keywords."""
-    parameters = inspect.signature(cls).parameters
-    own = {name: p for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD}
-    return own if len(own) == len(parameters) else {**constructor_keywords(cls.__mro__[1]), **own}
-
-
-# A config's fields, each with its rule: (type, smallest, largest) for numbers, where largest None means no bound but
-# torch's indexing for an integer (2^31 - 1) and a finite value for a float; (type,) for the others. A forged size is
-# refused here, by name, before any formula or model is computed from it.
-TINY = torch.finfo(torch.float32).tiny  # the smallest positive float32: an eps, a limit or a scale of 0 computes NaN
-CONFIG_RULES = {
-    **dict.fromkeys(("vocab_size src_vocab_size tgt_vocab_size d_model n_heads max_len window n_experts n_groups"
-                     " topk_groups kv_lora_rank qk_nope_dim qk_rope_dim v_head_dim linear_k_heads linear_v_heads"
-                     " linear_k_dim linear_v_dim conv_size shared_d_ff index_n_heads index_head_dim index_topk"
-                     " d_ff n_kv_heads head_dim top_k expert_d_ff q_lora_rank").split(), (int, 1, None)),
-    **dict.fromkeys("norm_first share_embeddings tie_weights qkv_bias norm_topk rope_interleave".split(), (bool,)),
-    "n_layers": (int, 1, 1024), "n_dense_layers": (int, 0, 1024), "n_shared": (int, 0, None),
-    "pad_id": (int, 0, 2 ** 31 - 2), "dropout": (float, 0.0, 1.0), "norm_eps": (float, TINY, 1.0),
-    "rope_theta": (float, 1.0, 1e30), "routed_scale": (float, TINY, 1e30), "partial_rotary": (float, 1e-30, 1.0),
-    "swiglu_limit": (float, TINY, None), "layer_types": (list,), "rope_scaling": (dict,)}
-OPTIONAL_FIELDS = {"d_ff", "n_kv_heads", "head_dim", "top_k", "expert_d_ff", "q_lora_rank", "layer_types",
-                   "rope_scaling"}  # None: the class derives them, or goes without
-
-
-def check_field(name, value):
-    """A ValueError naming the field, the value and what was expected, unless value follows CONFIG_RULES[name]."""
-    (kind, *bounds), optional = CONFIG_RULES[name], name in OPTIONAL_FIELDS
-    if value is None and optional: return
-    if not bounds:
-        ok, what = isinstance(value, kind), "True or False" if kind is bool else f"a {kind.__name__}"
-    else:  # an int counts as a float, a bool as neither; NaN is in no range
-        (low, high), spec = bounds, "," if kind is int else "g"
-        top = high if high is not None else 2 ** 31 - 1 if kind is int else sys.float_info.max
-        ok = isinstance(value, (int, kind)) and not isinstance(value, bool) and low <= value <= top
-        infinite = high is None and isinstance(value, float) and math.isinf(value)
-        what = ("an integer" if kind is int else "a finite number" if infinite else "a number") + (
-            f" >= {low:{spec}}" if high is None else f" from {low:{spec}} to {high:{spec}}")
-    if not ok: raise ValueError(f"{name} must be {what}{' or None' * optional}, got {value!r}")
-
-
-def check_config_relations(kind, c):
-    """What the classes need of c's values together (all keywords, defaults in): some no weight's shape would show."""
-    def need(holds, expected, first, *others):  # the message names the first field, and the others' values
-        if holds: return
-        values = ", ".join(f"{name}={c.get(name)!r}" for name in others)
-        raise ValueError(f"{expected}{f' ({values})' if values else ''}, got {c.get(first)!r}")
-    def divisible(a, b):  # b None (n_kv_heads): b is a
-        need(c[a] % (c[b] or c[a]) == 0, f"{a} must be divisible by {b}", a, b)
-    def at_most(a, b):
-        need(c[a] is not None and c[a] <= c[b], f"{a} must be at most {b}", a, b)
-    width = c.get("head_dim") or c["d_model"] // c["n_heads"]
-    if kind in ("encdec", "gpt"):
-        need(c["d_model"] % 2 == 0, "d_model must be even (sin/cos pairs)", "d_model")
-        divisible("d_model", "n_heads")
-    if kind == "encdec" and c["share_embeddings"]:
-        need(c["tgt_vocab_size"] == c["src_vocab_size"], "tgt_vocab_size must equal src_vocab_size to share"
-             " embeddings", "tgt_vocab_size", "src_vocab_size")
-    if "n_kv_heads" in c: divisible("n_heads", "n_kv_heads")
-    if kind == "qwen3_next":
-        need(int(width * c["partial_rotary"]) in range(2, width + 1, 2), "head_dim * partial_rotary must give an even"
-             " number of dims, 2 or more (RoPE turns pairs)", "partial_rotary", "head_dim")
-        divisible("linear_v_heads", "linear_k_heads")
-    elif "rope_theta" in c and "qk_rope_dim" not in c:
-        need(width % 2 == 0, "RoPE turns pairs of dims: head_dim (d_model / n_heads if None) must be even", "head_dim",
-             "d_model", "n_heads")
-    if "n_experts" in c: at_most("top_k", "n_experts")
-    if "qk_rope_dim" in c:  # DeepSeek's
-        for field in ("d_ff", "expert_d_ff"): need(c[field] is not None, f"{field} must be an integer >= 1", field)
-        at_most("n_dense_layers", "n_layers")
-        need(c["qk_rope_dim"] % 2 == 0, "RoPE turns pairs of dims: qk_rope_dim must be even", "qk_rope_dim")
-        divisible("n_experts", "n_groups")
-        at_most("topk_groups", "n_groups")
-        need(c["topk_groups"] * (c["n_experts"] // c["n_groups"]) >= c["top_k"], "topk_groups groups of n_experts /"
-             " n_groups experts must hold at least top_k", "topk_groups", "n_groups", "n_experts", "top_k")
-    if "index_head_dim" in c:
-        need(c["q_lora_rank"] is not None, "q_lora_rank must be an integer >= 1 (the lightning indexer's queries"
-             " start from MLA's query latent)", "q_lora_rank")
-        need(c["index_head_dim"] >= c["qk_rope_dim"], "index_head_dim must be at least qk_rope_dim",
-             "index_head_dim", "qk_rope_dim")
-    types = {"gptoss": ("sliding_attention", "full_attention"), "qwen3_next": ("linear_attention", "full_attention")}
-    if c.get("layer_types") is not None:
-        need(len(c["layer_types"]) == c["n_layers"] and all(t in types[kind] for t in c["layer_types"]),
-             f"layer_types must be None or n_layers of {', '.join(map(repr, types[kind]))}", "layer_types", "n_layers")
-    if c.get("rope_scaling") is not None:
-        check_scaling(c["rope_scaling"])
-        need(c["rope_scaling"]["type"] == "yarn", "rope_scaling must be None or gpt-oss's yarn, a dict with 'type':"
-             " 'yarn'", "rope_scaling")
-
-
-def check_model_config(kind, config):
-    """-> (config, rope_scaling | None): the class's keywords exactly, each valid alone and together; or ValueError."""
-    if not isinstance(kind, str) or kind not in MODEL_CLASSES:
-        raise ValueError(f"kind {quote(str(kind))}: expected one of {', '.join(MODEL_CLASSES)}")
-    if not isinstance(config, dict): raise ValueError(f"config is a {type(config).__name__}, expected a dict")
-    old = OLD_LLAMA_OPTIONS if kind == "llama" else {}
-    config = {key: value for key, value in config.items()
-              if not (key in old and type(value) is type(old[key]) and value == old[key])}
-    scaling = config.pop("rope_scaling", None) if kind in ROPE_KINDS else None
-    if scaling is not None:  # a dict, then section 37's own check of its type, keys and values
-        check_field("rope_scaling", scaling)
-        check_scaling(scaling)
-    parameters = constructor_keywords(MODEL_CLASSES[kind])
-    unknown = next((key for key in config if key not in parameters), None)
-    if unknown in old:
-        raise ValueError(f"config field {unknown}={repr(config[unknown])[:20]}: an older Llama's option; build a"
-                         f" Qwen3, Mixtral, Qwen3MoE or Mistral")
-    if unknown is not None: raise ValueError(f"config field {quote(str(unknown))} is not one a {kind} model takes")
-    missing = next((n for n, p in parameters.items() if p.default is p.empty and n not in config), None)
-    if missing: raise ValueError(f"config lacks {missing}, which a {kind} model needs")
-    for key, value in config.items(): check_field(key, value)
-    defaults = {name: p.default for name, p in parameters.items() if p.default is not p.empty}
-    check_config_relations(kind, {**defaults, **config})
-    return config, scaling
 
 
 def checked_checkpoint(checkpoint, device):
