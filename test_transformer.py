@@ -4422,6 +4422,31 @@ def test_hf_config_without_rms_norm_eps_or_attention_bias_takes_transformers_def
     assert keywords.get("qkv_bias", False) == (model_type == "qwen2" or getattr(default, "attention_bias", False))
 
 
+
+@pytest.mark.skipif(hf_transformers is None, reason="needs transformers: pip install transformers")
+@pytest.mark.parametrize("family", HF_DEFAULT_NORM_EPS)
+def test_hf_config_missing_any_field_reads_what_transformers_fills_in_or_is_refused(family):
+    """A tiny config.json of each family with one field left out, each field in turn: the keywords read are
+    the ones read from the config transformers' class fills in for it (its default), or both are refused."""
+    cls = getattr(hf_transformers, f"{family}Config")
+    full = cls(**hf_tiny_fields(family)).to_dict()
+
+    def read(config):
+        try:
+            keywords = tf.hf_keywords(config)[1]
+        except ValueError:
+            return "refused"
+        if keywords.get("layer_types") is None and family == "GptOss":  # None: the class alternates, as transformers
+            keywords["layer_types"] = [tf.LAYER_TYPES[i % 2] for i in range(keywords["n_layers"])]
+        return keywords
+    differ = []
+    for key in sorted(full):
+        lacking = {k: v for k, v in full.items() if k != key}
+        ours = read(lacking)
+        if ours != "refused" and ours != read(cls(**lacking).to_dict()):
+            differ.append(key)
+    assert differ == []
+
 # ===========================================================================
 # Part V: the frontier, mixture of experts and latent attention
 # ===========================================================================

@@ -5173,6 +5173,10 @@ HF_LLAMA = dict(vocab_size="vocab_size", d_model="hidden_size", n_layers="num_hi
                 max_len=("max_position_embeddings", 2048), rope_theta=("rope_theta", 10000.0),
                 norm_eps=("rms_norm_eps", 1e-6), tie_weights=("tie_word_embeddings", False))
 HF_QWEN3 = dict(HF_LLAMA, head_dim=("head_dim", None))
+HF_QWEN_SIZES = dict(n_kv_heads=("num_key_value_heads", 32), max_len=("max_position_embeddings", 32768))
+HF_MISTRAL_SIZES = dict(n_kv_heads=("num_key_value_heads", 8), max_len=("max_position_embeddings", 131072))
+HF_GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                       original_max_position_embeddings=4096)  # transformers' default: YaRN, 32 x 4,096 positions
 HF_MOE = dict(n_experts="num_local_experts", top_k="num_experts_per_tok")
 HF_PLAIN = dict(hidden_act="silu", attention_bias=False, mlp_bias=False, use_sliding_window=False)
 HF_ALL_MOE = dict(HF_PLAIN, decoder_sparse_step=1, mlp_only_layers=[])  # Qwen's: a MoE in every block
@@ -5182,24 +5186,30 @@ HF_DEEPSEEK = dict(vocab_size="vocab_size", d_model="hidden_size", n_layers="num
                    expert_d_ff="moe_intermediate_size", n_experts="n_routed_experts", top_k="num_experts_per_tok",
                    n_dense_layers="first_k_dense_replace", n_groups="n_group", topk_groups="topk_group",
                    routed_scale="routed_scaling_factor", norm_topk="norm_topk_prob", max_len="max_position_embeddings",
-                   tie_weights="tie_word_embeddings", q_lora_rank=("q_lora_rank", None), n_shared=("n_shared_experts", 0),
+                   tie_weights="tie_word_embeddings", q_lora_rank=("q_lora_rank", 1536), n_shared=("n_shared_experts", 1),
                    rope_interleave=("rope_interleave", True), rope_theta=("rope_theta", 10000.0),  # 4.x: interleaved
                    norm_eps=(None, 1e-6))  # transformers gives q_a_layernorm and kv_a_layernorm 1e-6 regardless
 HF_FAMILIES = {
-    "llama": ("llama", HF_LLAMA, HF_PLAIN), "qwen2": ("llama", dict(HF_LLAMA, qkv_bias=(None, True)), HF_PLAIN),
-    "qwen3": ("qwen3", HF_QWEN3, HF_PLAIN), "mistral": ("mistral", dict(HF_LLAMA, window=("sliding_window", None)), HF_PLAIN),
-    "mixtral": ("mixtral", dict(HF_LLAMA, norm_eps=("rms_norm_eps", 1e-5), **HF_MOE), dict(HF_PLAIN, sliding_window=None)),
-    "qwen3_moe": ("qwen3moe", dict(HF_QWEN3, **HF_MOE, expert_d_ff="moe_intermediate_size",
-                                   norm_topk=("norm_topk_prob", False)), HF_ALL_MOE),
+    "llama": ("llama", HF_LLAMA, HF_PLAIN),
+    "qwen2": ("llama", dict(HF_LLAMA, qkv_bias=(None, True), **HF_QWEN_SIZES), HF_PLAIN),
+    "qwen3": ("qwen3", dict(HF_QWEN3, **HF_QWEN_SIZES, head_dim=("head_dim", 128)), HF_PLAIN),
+    "mistral": ("mistral", dict(HF_LLAMA, **HF_MISTRAL_SIZES, window=("sliding_window", 4096)), HF_PLAIN),
+    "mixtral": ("mixtral", dict(HF_LLAMA, **HF_MISTRAL_SIZES, norm_eps=("rms_norm_eps", 1e-5),
+                                rope_theta=("rope_theta", 1e6), **HF_MOE), dict(HF_PLAIN, sliding_window=None)),
+    "qwen3_moe": ("qwen3moe", dict(HF_QWEN3, **HF_MOE, max_len=("max_position_embeddings", 32768),
+                                   expert_d_ff="moe_intermediate_size", norm_topk=("norm_topk_prob", False)),
+                  HF_ALL_MOE),
     "deepseek_v3": ("deepseek", HF_DEEPSEEK, dict(hidden_act="silu", attention_bias=False, rms_norm_eps=1e-6)),
     "gpt_oss": ("gptoss", dict(HF_QWEN3, **HF_MOE, max_len=("max_position_embeddings", 131072),
+                               n_kv_heads=("num_key_value_heads", 8), head_dim=("head_dim", 64),
                                rope_theta=("rope_theta", 150000.0), norm_eps=("rms_norm_eps", 1e-5),
-                               qkv_bias=("attention_bias", True), window=("sliding_window", None),
+                               qkv_bias=("attention_bias", True), window=("sliding_window", 128),
                                layer_types=("layer_types", None), swiglu_limit=("swiglu_limit", 7.0)),
                 dict(swiglu_alpha=1.702, attention_factor=None, mscale=None, mscale_all_dim=None,
                      partial_rotary_factor=1.0)),
     "qwen3_next": ("qwen3_next", dict(
         {k: v for k, v in HF_QWEN3.items() if k != "d_ff"}, partial_rotary=("partial_rotary_factor", 0.25),
+        max_len=("max_position_embeddings", 32768), n_kv_heads=("num_key_value_heads", 2), head_dim=("head_dim", 256),
         layer_types=("layer_types", None), linear_k_heads="linear_num_key_heads",
         linear_v_heads="linear_num_value_heads", linear_k_dim="linear_key_head_dim",
         linear_v_dim="linear_value_head_dim", conv_size="linear_conv_kernel_dim", n_experts="num_experts",
@@ -5222,6 +5232,8 @@ def hf_keywords(config):
         if not isinstance(config.get(key) or {}, dict):
             raise ValueError(f"config's {key} is {config[key]!r}, expected a dict")
     view = {**config, **(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    if family == "gpt_oss" and not (config.get("rope_scaling") or config.get("rope_parameters")):
+        view = {**HF_GPT_OSS_ROPE, **view}
     bad = next((key for key in view if type(key) is not str), None)
     if bad is not None:
         raise ValueError(f"config's key {bad!r:.40} is not a string")
