@@ -4423,6 +4423,30 @@ def test_hf_config_without_rms_norm_eps_or_attention_bias_takes_transformers_def
 
 
 
+def test_hf_config_field_written_null_is_a_value_and_a_missing_one_the_default():
+    # transformers reads null as: no sliding window, no query compression (Moonlight), one kv head a head
+    mistral = dict(hf_tiny_fields("Mistral"), model_type="mistral")
+    assert tf.hf_keywords({k: v for k, v in mistral.items() if k != "sliding_window"})[1]["window"] == 4096
+    null = tf.hf_keywords(dict(mistral, sliding_window=None))[1]
+    assert null["window"] == null["max_len"] and null["n_kv_heads"] == mistral["num_key_value_heads"]
+    assert tf.hf_keywords(dict(mistral, num_key_value_heads=None))[1]["n_kv_heads"] == mistral["num_attention_heads"]
+    deepseek = dict(hf_tiny_fields("DeepseekV3"), model_type="deepseek_v3")
+    assert tf.hf_keywords(dict(deepseek, q_lora_rank=None))[1]["q_lora_rank"] is None
+    assert tf.hf_keywords({k: v for k, v in deepseek.items() if k != "q_lora_rank"})[1]["q_lora_rank"] == 1536
+    moe = {k: v for k, v in dict(hf_tiny_fields("Qwen3Moe"), model_type="qwen3_moe", num_attention_heads=8).items()
+           if k != "num_key_value_heads"}
+    assert tf.hf_keywords(moe)[1]["n_kv_heads"] == 4                     # Qwen3-MoE's own default
+
+
+def test_hf_state_dict_with_two_names_for_one_place_is_refused_before_copying():
+    model = tf.from_hf_config(dict(hf_tiny_fields("Mixtral"), model_type="mixtral"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {"model.layers.0.mlp.gate.weight": torch.zeros(4, 64), "model.layers.0.block_sparse_moe.gate.weight":
+             torch.ones(4, 64)}
+    with pytest.raises(ValueError, match="both name"):
+        tf.load_hf_state_dict(model, state)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
 @pytest.mark.skipif(hf_transformers is None, reason="needs transformers: pip install transformers")
 @pytest.mark.parametrize("family", HF_DEFAULT_NORM_EPS)
 def test_hf_config_missing_any_field_reads_what_transformers_fills_in_or_is_refused(family):

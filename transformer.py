@@ -801,8 +801,8 @@ class BigramHMM:
 # The model learns by teacher forcing (section 8). Padding is left out of the loss (ignore_index), and label smoothing
 # keeps the model from over-trusting one character. The update is the 2017 paper's. Adam's first steps are noisy, so
 # its learning rate rises over a warmup and then decays as 1 / sqrt(step). The gradient's length is also clipped (not in
-# the paper; common practice since), so that one bad batch cannot throw the weights far. Here torch's Adam and clip_grad_norm_ do the work; Part VII writes each
-# of them out.
+# the paper; common practice since), so that one bad batch cannot throw the weights far. Here torch's Adam and
+# clip_grad_norm_ do the work; Part VII writes each of them out.
 
 
 def noam(step, warmup_steps, d_model):
@@ -819,7 +819,8 @@ def noam_lambda(d_model, warmup):
 
 def adam_noam(model, lr_factor=0.25, warmup=150, clip=1.0):
     """The paper's update as update(), run after each backward: clip the gradient's norm (this file's addition), step
-    Adam (the paper's betas and eps) at lr_factor * noam(step), clear the gradients. fused=True: one C++ call updates every weight."""
+    Adam (the paper's betas and eps) at lr_factor * noam(step), clear the gradients. fused=True: one C++ call updates
+    every weight."""
     optimizer = torch.optim.Adam(model.parameters(), lr=lr_factor, betas=(0.9, 0.98), eps=1e-9, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, noam_lambda(model.d_model, warmup))
 
@@ -3337,7 +3338,7 @@ GPT_OSS_CONFIGS = [
 
 
 class ZeroCenteredRMSNorm(RMSNorm):
-    """RMSNorm scaled by 1 + weight, weight starting at 0: Qwen3-Next's norms, q_norm and k_norm too, but the
+    """RMSNorm scaled by 1 + weight, weight starting at 0: every Qwen3-Next norm (q_norm and k_norm too) except the
     DeltaNet's gated output norm (a plain weight, from 1)."""
 
     def __init__(self, d_model, eps=1e-6):
@@ -3418,7 +3419,7 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
 # a difference of two cumulative log-decays hundreds large keeps their rounding (~|gamma| * 6e-8: 3e-7
 # in float32 where |g| reaches 20 a token), and after a g of -inf (forget everything) it is -inf - -inf,
 # NaN, where token by token is finite. So it is summed as g_(j+1) + ... + g_i (transformers subtracts).
-# The two forms then agree up to rounding: 1e-15 in float64; in float32, within 1e-7 of float64.
+# The two forms then agree up to rounding: 1e-15 in float64; in float32, a few 1e-7 from float64 (|o| near 1).
 def gated_delta_rule_chunked(q, k, v, g, beta, memory, chunk=64):
     """The same, `chunk` tokens at a time (training, the prompt; 64 as transformers and flash-linear-attention)."""
     T, pad = q.size(2), -q.size(2) % chunk  # padded tokens neither fade (g 0) nor write (beta 0, k 0)
@@ -5009,6 +5010,8 @@ def load_hf_state_dict(model, state_dict):
         ours = name
         for pattern, replacement in HF_NAMES:
             ours = re.sub(pattern, replacement, ours)
+        if ours in renamed:  # two of their names for one place: neither may win in silence
+            raise ValueError(f"state_dict's {quote(theirs[ours])} and {quote(name)} both name {ours}")
         renamed[ours], theirs[ours] = tensor, name
     renamed = hf_unfuse_experts(renamed)
     places = model.state_dict()
@@ -5177,6 +5180,7 @@ HF_QWEN_SIZES = dict(n_kv_heads=("num_key_value_heads", 32), max_len=("max_posit
 HF_MISTRAL_SIZES = dict(n_kv_heads=("num_key_value_heads", 8), max_len=("max_position_embeddings", 131072))
 HF_GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                        original_max_position_embeddings=4096)  # transformers' default: YaRN, 32 x 4,096 positions
+HF_NULL_IS_A_VALUE = ("num_key_value_heads", "head_dim", "sliding_window", "q_lora_rank")  # only missing: default
 HF_MOE = dict(n_experts="num_local_experts", top_k="num_experts_per_tok")
 HF_PLAIN = dict(hidden_act="silu", attention_bias=False, mlp_bias=False, use_sliding_window=False)
 HF_ALL_MOE = dict(HF_PLAIN, decoder_sparse_step=1, mlp_only_layers=[])  # Qwen's: a MoE in every block
@@ -5197,6 +5201,7 @@ HF_FAMILIES = {
     "mixtral": ("mixtral", dict(HF_LLAMA, **HF_MISTRAL_SIZES, norm_eps=("rms_norm_eps", 1e-5),
                                 rope_theta=("rope_theta", 1e6), **HF_MOE), dict(HF_PLAIN, sliding_window=None)),
     "qwen3_moe": ("qwen3moe", dict(HF_QWEN3, **HF_MOE, max_len=("max_position_embeddings", 32768),
+                                   n_kv_heads=("num_key_value_heads", 4),
                                    expert_d_ff="moe_intermediate_size", norm_topk=("norm_topk_prob", False)),
                   HF_ALL_MOE),
     "deepseek_v3": ("deepseek", HF_DEEPSEEK, dict(hidden_act="silu", attention_bias=False, rms_norm_eps=1e-6)),
@@ -5260,6 +5265,8 @@ def hf_keywords(config):
         if view.get(field) is None and not default:
             raise ValueError(f"config has no {field!r}")
         keywords[ours] = default[0] if view.get(field) is None else view[field]
+        if field in HF_NULL_IS_A_VALUE and field in view and view[field] is None:
+            keywords[ours] = None  # written null: one kv head a head, d_model / n_heads wide, no window, a plain w_q
     for ours, same in (("n_kv_heads", "n_heads"), ("window", "max_len")):  # transformers' default: the other
         if ours in keywords and keywords[ours] is None:
             keywords[ours] = keywords[same]
