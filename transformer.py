@@ -5232,10 +5232,11 @@ def hf_keywords(config):
         raise ValueError(f"config must be a dict, got {type(config).__name__}")
     family = config.get("model_type")
     if type(family) is not str or family not in HF_FAMILIES:
-        raise ValueError(f"config's model_type is {family!r}, not a family this file has ({', '.join(HF_FAMILIES)})")
+        raise ValueError(f"config's model_type is {family!r:.60}, not a family this file has"
+                         f" ({', '.join(HF_FAMILIES)})")
     for key in ("rope_scaling", "rope_parameters"):
         if not isinstance(config.get(key) or {}, dict):
-            raise ValueError(f"config's {key} is {config[key]!r}, expected a dict")
+            raise ValueError(f"config's {key} is {config[key]!r:.60}, expected a dict")
     view = {**config, **(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
     if family == "gpt_oss" and not (config.get("rope_scaling") or config.get("rope_parameters")):
         view = {**HF_GPT_OSS_ROPE, **view}
@@ -5248,7 +5249,7 @@ def hf_keywords(config):
     ropes = ("default", "yarn") if kind == "gptoss" else ("default",)
     rope = view.get("rope_type") or view.get("type") or "default"
     if rope not in ropes:
-        raise ValueError(f"config's rope_type is {rope!r}: this file's {family} has {' or '.join(map(repr, ropes))}")
+        raise ValueError(f"config's rope_type is {rope!r:.60}: this file's {family} has {' or '.join(map(repr, ropes))}")
     if rope == "yarn":  # transformers rounds yarn's ends unless truncate is false
         view.setdefault("truncate", True)
         plain = dict(plain, truncate=False)
@@ -5256,7 +5257,8 @@ def hf_keywords(config):
     def refuse(plain):
         for key, value in plain.items():
             if view.get(key) not in (value, None):
-                raise ValueError(f"config's {key} is {view[key]!r}: this file's {family} has only {key}={value!r}")
+                raise ValueError(f"config's {key} is {view[key]!r:.60}: this file's {family} has only"
+                                 f" {key}={value!r}")
 
     refuse(plain)
     keywords = {}
@@ -5283,7 +5285,7 @@ def hf_keywords(config):
     if kind == "qwen3_next" and keywords["layer_types"] is None:  # 4.x: every full_attention_interval-th attention
         interval = view.get("full_attention_interval") or 4
         if type(interval) is not int or interval < 1:
-            raise ValueError(f"config's full_attention_interval is {interval!r}, expected an integer >= 1")
+            raise ValueError(f"config's full_attention_interval is {interval!r:.60}, expected an integer >= 1")
         keywords["layer_types"] = qwen3_next_layer_types(keywords["n_layers"], interval)
     for key, value in keywords.items():  # an integer where a float belongs, as config.json may write one
         if CONFIG_RULES[key][0] is float and type(value) is int:
