@@ -1011,7 +1011,7 @@ def beam_search_keeping_greedy(step, start, n_steps, beam_size, allowed=None, ca
         greedy_flat = greedy * V + logp.view(B, k, V)[rows, greedy].argmax(dim=-1)  # [B]: greedy's next
         lost = (flat != greedy_flat[:, None]).all(dim=-1)                  # [B]: pushed out of the beam
         flat[lost, -1], scores[lost, -1] = greedy_flat[lost], total[rows, greedy_flat][lost]  # it takes the last place
-        greedy[:] = (flat == greedy_flat[:, None]).int().argmax(dim=-1)    # [B]
+        greedy[:] = (flat == greedy_flat[:, None]).int().argmax(dim=-1)    # [B], in place: kept for the next call
         return scores, flat
 
     return beam_search(step, start, n_steps, beam_size, allowed, cache, eos_id, pad_id, choose)
