@@ -4438,6 +4438,14 @@ def test_hf_config_field_written_null_is_a_value_and_a_missing_one_the_default()
     assert tf.hf_keywords(moe)[1]["n_kv_heads"] == 4                     # Qwen3-MoE's own default
 
 
+def test_hf_config_of_billions_of_positions_is_refused_before_any_rope_table():
+    config = dict(hf_tiny_fields("Qwen3"), model_type="qwen3", max_position_embeddings=2 ** 31 - 1)
+    start = time.perf_counter()
+    with peak_growth() as grown, pytest.raises(ValueError) as info:
+        tf.from_hf_config(config)
+    assert str(info.value).startswith("config's max_position_embeddings is 2,147,483,647: RoPE's tables for heads")
+    assert time.perf_counter() - start < 2 and grown[0] < 50, grown
+
 def test_hf_state_dict_with_two_names_for_one_place_is_refused_before_copying():
     model = tf.from_hf_config(dict(hf_tiny_fields("Mixtral"), model_type="mixtral"))
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -5293,9 +5293,23 @@ def hf_keywords(config):
     return kind, keywords
 
 
+MAX_ROPE_TABLE = 2 ** 27  # positions x head width: cos and sin 1 GiB; Qwen2.5-1M's 1,010,000 x 128 fits
+
+
+def check_rope_tables(keywords, name):
+    """Refuse, before any is built, RoPE tables past MAX_ROPE_TABLE: a config may ask for 2^31 positions."""
+    positions = keywords["max_len"]
+    dk = keywords.get("qk_rope_dim") or keywords.get("head_dim") or keywords["d_model"] // keywords["n_heads"]
+    if positions * dk > MAX_ROPE_TABLE:  # 2^31 positions of 64: 1 TiB
+        raise ValueError(f"{name} is {positions:,}: RoPE's tables for heads of {dk} would take"
+                         f" {positions * dk * 8 / 2 ** 30:,.0f} GiB; this file takes at most"
+                         f" {MAX_ROPE_TABLE // dk:,} positions for them")
+
+
 def from_hf_config(config):
     """This file's model for a transformers configuration (the dict of its config.json), the family by model_type."""
     kind, keywords = hf_keywords(config)
+    check_rope_tables(keywords, "config's max_position_embeddings")
     return MODEL_CLASSES[kind](**keywords)
 
 
@@ -5310,7 +5324,6 @@ GGUF_CONFIG = {"vocab_size": "vocab_size", "embedding_length": "hidden_size", "b
                "feed_forward_length": "intermediate_size", "context_length": "max_position_embeddings",
                "rope.freq_base": "rope_theta", "attention.layer_norm_rms_epsilon": "rms_norm_eps"}
 GGUF_ARCHITECTURES = ("llama", "qwen2")
-MAX_ROPE_TABLE = 2 ** 27  # positions x head width: cos and sin 1 GiB; Qwen2.5-1M's 1,010,000 x 128 fits
 
 
 def tokenizer_from_gguf(metadata):
@@ -5382,6 +5395,7 @@ def model_of_gguf(metadata, tensors):
     if type(blocks) is int and blocks * 9 > len(tensors):  # else thousands of empty blocks take minutes to build
         raise ValueError(f"{arch}.block_count is {blocks:,}, but a block holds at least 9 tensors and the file"
                          f" {len(tensors)}")
+    check_rope_tables(hf_keywords(config)[1], f"{arch}.context_length")  # before from_hf_config's own check
     state = {}
     for name, tensor in tensors.items():
         for pattern, replacement in GGUF_NAMES:
@@ -5389,11 +5403,6 @@ def model_of_gguf(metadata, tensors):
         state[name] = tensor
     with torch.device("meta"):  # shapes only: drawing 135M random weights to overwrite them costs seconds
         model = load_hf_state_dict(from_hf_config(config), state)  # names and shapes checked, nothing copied
-    positions, dk = model.max_len, model.layers[0].attn.head_dim
-    if positions * dk > MAX_ROPE_TABLE:  # 2^31 positions of 64: 1 TiB
-        raise ValueError(f"{arch}.context_length is {positions:,}: RoPE's tables for heads of {dk} would take"
-                         f" {positions * dk * 8 / 2 ** 30:,.0f} GiB; this file takes at most"
-                         f" {MAX_ROPE_TABLE // dk:,} positions for them")
     # memory for every tensor, uninitialized: the weights come from the file, the RoPE tables (no weights) are
     # computed again, and the embeddings tied again (to_empty parts them)
     model = model.to_empty(device="cpu")
