@@ -4265,6 +4265,8 @@ def test_chat_refuses_prompts_too_long_or_empty():
     for n in (998, 2 ** 40):
         with pytest.raises(ValueError, match=rf"must be at most max_len: 3 \+ {n} > 1000$"):
             tf.chat((scripted, tok), "abc", max_new_tokens=n, out=Writes())
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0, got -1"):  # not an empty answer
+        tf.chat((scripted, tok), "abc", max_new_tokens=-1, out=Writes())
     assert scripted.steps == 0
     assert tf.chat((scripted, tok), "abc", max_new_tokens=997, out=Writes())[0] == "A" * 997  # the most that fits
 

@@ -1987,6 +1987,8 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
     ids = torch.tensor([tokenizer.encode(chat_prompt(tokenizer, prompt))], dtype=torch.long, device=device)  # [1, T]
     if ids.size(1) == 0:
         raise ValueError("the prompt is empty: the model needs a token to continue")
+    if max_new_tokens < 0:  # else an empty answer, as if the model had nothing to say
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if ids.size(1) + max_new_tokens > model.max_len:  # the cache and RoPE's tables hold max_len positions
         raise ValueError(f"prompt_length + max_new_tokens must be at most max_len: {ids.size(1)} +"
                          f" {max_new_tokens} > {model.max_len}")
