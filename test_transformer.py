@@ -8349,17 +8349,22 @@ def test_merge_and_unmerge_are_exact():
         assert (model(*inputs) - unmerged).abs().max() <= 1e-6
 
 
+def assert_only_adapters_get_gradients(model, inputs):
+    """One backward: every lora_A and lora_B gets a nonzero gradient, nothing else a gradient at all."""
+    model(*inputs).square().mean().backward()
+    for name, p in model.named_parameters():
+        if name.endswith(("lora_A", "lora_B")):
+            assert p.requires_grad and p.grad is not None and p.grad.abs().max() > 0, name
+        else:
+            assert not p.requires_grad and p.grad is None, name
+
+
 def test_only_lora_a_and_b_train():
     """After add_lora, gradients reach every lora_A and lora_B and nothing else."""
     for model, inputs in small_models():
         tf.add_lora(model, r=4, alpha=8)
         randomize_b(model)  # with B = 0 the gradient of A is exactly 0
-        model(*inputs).square().mean().backward()
-        for name, p in model.named_parameters():
-            if name.endswith(("lora_A", "lora_B")):
-                assert p.requires_grad and p.grad is not None and p.grad.abs().max() > 0, name
-            else:
-                assert not p.requires_grad and p.grad is None, name
+        assert_only_adapters_get_gradients(model, inputs)
 
 
 def test_a_later_add_lora_keeps_the_earlier_adapters_trainable():
@@ -8377,12 +8382,7 @@ def test_a_later_add_lora_keeps_the_earlier_adapters_trainable():
         assert trainable == {name for name, p in model.named_parameters() if p.requires_grad}
         assert sum(p.numel() for p in model.parameters() if p.requires_grad) == sum(counts)
         randomize_b(model)
-        model(*inputs).square().mean().backward()
-        for name, p in model.named_parameters():
-            if name.endswith(("lora_A", "lora_B")):
-                assert p.requires_grad and p.grad is not None and p.grad.abs().max() > 0, name
-            else:
-                assert not p.requires_grad and p.grad is None, name
+        assert_only_adapters_get_gradients(model, inputs)
         assert {name.split(".")[-2] for name in trainable} == {"w_q", "w_v", head}
 
 
@@ -13040,6 +13040,7 @@ def test_top_level_holds_the_one_program_and_its_one_test_file():
         top = {p for p in tracked if "/" not in p}
         assert {"transformer.py", "test_transformer.py", "README.md", "requirements.txt"} <= top
         assert {p for p in top if p.endswith(".py")} == {"transformer.py", "test_transformer.py"}
+        assert not [p for p in tracked if p.endswith(".pyc")], "bytecode is built, not kept"
 
 
 # The reader's contract: each model's section, cut out of the file, runs alone.
