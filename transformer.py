@@ -1691,9 +1691,9 @@ def train_bpe(text, vocab_size):
 # 256 printable stand-ins (a space is Ġ), so that it is printable text, and a token's id is its place in the file.
 # A vocabulary may lack bytes: SmolLM2's lacks 21 that its training text never had (controls such as \x1d, bytes that
 # UTF-8 never or hardly uses), and its tokenizer drops them.
-# BasicTokenizer's loop counts every pair of a piece again after each merge: plain, and slow on a long piece (a 40 KiB
-# word without a space, one piece, took it 16 s here, a 1 MiB one minutes). BPETokenizer's apply_merges finds the same
-# ids with a heap, as the tokenizers library and llama.cpp merge: the 1 MiB word in seconds.
+# BasicTokenizer's loop counts every pair of a piece again after each merge: plain, and quadratic in a piece's length,
+# so a word without a space (one piece) of 1 MiB takes minutes. BPETokenizer's apply_merges finds the same ids with a
+# heap, as the tokenizers library and llama.cpp merge: about n log n, the 1 MiB word in seconds.
 
 def byte_to_char():
     """GPT-2's stand-ins, {byte: character} (bytes_to_unicode in its encoder.py). A printable byte stands for itself;
