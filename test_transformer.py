@@ -12864,7 +12864,13 @@ def test_broken_pipe_mid_training_still_saves_the_model(hard, tmp_path):
 # ===========================================================================
 
 SOURCE = open(tf.__file__, encoding="utf-8").read()
-SOURCE_TREE = ast.parse(SOURCE)
+
+
+@functools.cache
+def source_tree():
+    """The file's syntax tree, parsed once, when a test first needs it (not as the tests are collected)."""
+    return ast.parse(SOURCE)
+
 BANNER = re.compile(r"^# =+\n# (\d+)\. (.+)$", re.M)     # a numbered section's banner
 
 
@@ -12935,7 +12941,7 @@ def section_of_each_top_level_statement():
     numbered banner above it (the module docstring and the Part banners: section 0)."""
     starts = [(SOURCE.count("\n", 0, m.start()) + 2, int(m.group(1))) for m in BANNER.finditer(SOURCE)]
     return [(max([n for line, n in starts if line <= node.lineno], default=0), node)
-            for node in SOURCE_TREE.body]
+            for node in source_tree().body]
 
 
 def test_no_definition_uses_a_name_defined_in_a_later_section():
@@ -12966,7 +12972,7 @@ def copy_size(*roots):
     top-level name they use, transitively, verbatim, a blank line between two; calls to
     the argument-check helpers dropped (the helpers and their tables not counted)."""
     definitions = {}
-    for node in SOURCE_TREE.body:
+    for node in source_tree().body:
         names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
             t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
         for name in names:
@@ -13280,9 +13286,15 @@ def top_level_definitions(tree):
     return top
 
 
+@functools.cache
+def source_definitions():
+    """top_level_definitions of the file, found once: a walk of every node of the file."""
+    return top_level_definitions(source_tree())
+
+
 def piece_text(*roots):
     """-> (the lines a note-taker copies for roots, their text): every top-level definition they reach, in order."""
-    top, lines = top_level_definitions(SOURCE_TREE), SOURCE.split("\n")
+    top, lines = source_definitions(), SOURCE.split("\n")
     seen, todo = set(), list(roots)
     while todo:
         name = todo.pop()
