@@ -11656,9 +11656,15 @@ def test_cli_ctrl_c_while_waiting_on_stdin_exits_130_subprocess(tiny_checkpoints
     # python transformer.py --load encdec.pt --translate -: given "wo ai", it answers;
     # Ctrl-C while it waits for the next line
     import select  # waits on a pipe: POSIX
-    proc = subprocess.Popen(PROGRAM + ["--load", tiny_checkpoints["encdec"], "--device", "cpu", "--translate", "-"],
-                            cwd=HERE, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    # started as from a terminal: a child inherits an ignored SIGINT (this suite run in the background, `pytest &`,
+    # ignores it) and Python then sets no Ctrl-C handler: the program would wait on stdin forever
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(PROGRAM + ["--load", tiny_checkpoints["encdec"], "--device", "cpu", "--translate", "-"],
+                                cwd=HERE, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         proc.stdin.write("wo ai\n")
         proc.stdin.flush()
