@@ -1316,8 +1316,7 @@ def apply_rope(x, cos, sin):
 # ===========================================================================
 # SwiGLU is a gated feed-forward (Shazeer, 2020, "GLU Variants Improve Transformer"). One projection goes through SiLU
 # (x * sigmoid(x), a smooth ReLU like GELU) and opens or closes each channel of another projection. It has three
-# matrices, so its width is 2/3 of 4 D: 3 * D * 8D/3 = 2 * D * 4D, the parameters and FLOPs of the classic
-# feed-forward.
+# matrices, so its width is 2/3 of 4 D: 3 * D * 8D/3 = 2 * D * 4D, the parameters and FLOPs of the classic feed-forward.
 
 
 def llama_ffn_dim(d_model, multiple_of=256, ffn_dim_multiplier=None):
@@ -1352,9 +1351,8 @@ class SwiGLU(nn.Module):
 # ===========================================================================
 # While a model generates, every layer keeps keys and values for every token. For long or many sequences that cache
 # outgrows the weights: Llama-2-7B in bf16 has 13.5 GB of weights and caches 512 KiB a token (section 23), so the cache
-# is the larger past about 25,700 cached tokens (batch x length). GQA (Ainslie et al., 2023) lets a group of query
-# heads share one key/value head. With n_kv_heads = n_heads it is multi-head attention; with 1, multi-query attention
-# (MQA).
+# is the larger past about 25,700 cached tokens (batch x length). GQA (Ainslie et al., 2023) lets a group of query heads
+# share one key/value head. With n_kv_heads = n_heads it is multi-head attention; with 1, multi-query attention (MQA).
 
 
 def repeat_kv(x, n_rep):
@@ -3094,12 +3092,11 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 # ===========================================================================
 # 38. Attention sinks and alternating windows: gpt-oss (注意力汇与交替窗口)
 # ===========================================================================
-# A softmax row sums to 1, so a head with nothing worth reading must still read something. Trained
-# models park that attention on the first tokens (Xiao et al., 2023, "Efficient Streaming Language
-# Models with Attention Sinks"), and a window like section 35's cuts those tokens off. OpenAI's
-# gpt-oss (2025) gives each head a learned sink logit instead. The sink is one more term in the
-# softmax's denominator, and it reads no value, so a row sums to less than 1 and a head can attend
-# to nothing. A sink fixed at 0 is Evan Miller's softmax_1 ("Attention Is Off By One", 2023).
+# A softmax row sums to 1, so a head with nothing worth reading must still read something. Trained models park that
+# attention on the first tokens (Xiao et al., 2023, "Efficient Streaming Language Models with Attention Sinks"), and a
+# window like section 35's cuts those tokens off. OpenAI's gpt-oss (2025) gives each head a learned sink logit instead.
+# The sink is one more term in the softmax's denominator, and it reads no value, so a row sums to less than 1 and a head
+# can attend to nothing. A sink fixed at 0 is Evan Miller's softmax_1 ("Attention Is Off By One", 2023).
 #
 # The rest of gpt-oss is earlier sections with small changes:
 # - Its layers alternate a window of 128 tokens (section 35, with its rolling cache) and full
@@ -3108,8 +3105,7 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 #   heads, so the heads together are 4096 wide in a model 2880 wide (section 28's free head width).
 # - Its feed-forward is a MoE (section 29) whose router has a bias and softmaxes its top-k logits.
 #   These are Mixtral's weights: the top-k of a softmax over all E, divided by their sum, are the same.
-# - Its experts have biases and a clamped SwiGLU, as OpenAI's reference code (gpt_oss/torch/model.py,
-#   swiglu) writes it:
+# - Its experts have biases and a clamped SwiGLU, as OpenAI's reference code (gpt_oss/torch/model.py, swiglu) writes it:
 #       gate = min(gate, limit), up = clamp(up, -limit, limit), out = (up + 1) * gate * sigmoid(1.702 gate)
 #   x sigmoid(1.702 x) approximates GELU (Hendrycks and Gimpel, 2016). The + 1 lets a channel whose up
 #   is 0 pass gate's value on. The clamps bound both factors; the limit is 7.0 in both models.
@@ -3329,12 +3325,11 @@ GPT_OSS_CONFIGS = [
 # - A zero-centred RMSNorm scales by 1 + w, with w starting at 0. The Qwen3-Next blog reports that
 #   norm weights grew abnormally large in Qwen3's QK-norm. Weight decay on w pulls the scale towards
 #   1, where decay on a plain weight pulls it towards 0 and erases the input.
-# - Gated attention (Qiu et al., 2025, "Gated Attention for Large Language Models: Non-linearity,
-#   Sparsity, and Attention-Sink-Free") makes w_q twice as wide: per head, dk query rows, then dk
-#   gate rows. The attention's output is multiplied by sigmoid(gate), per head and dim, before w_o.
-#   The paper reports steadier training and no attention sink (a first token that soaks up the
-#   attention of heads with nothing to read), because a head can output about 0 itself. The gate
-#   also puts a non-linearity between w_v and w_o, which are otherwise one low-rank linear map.
+# - Gated attention (Qiu et al., 2025, "Gated Attention for Large Language Models: Non-linearity, Sparsity, and
+#   Attention-Sink-Free") makes w_q twice as wide: per head, dk query rows, then dk gate rows. The attention's output is
+#   multiplied by sigmoid(gate), per head and dim, before w_o. The paper reports steadier training and no attention sink
+#   (a first token that soaks up the attention of heads with nothing to read), because a head can output about 0 itself.
+#   The gate also puts a non-linearity between w_v and w_o, which are otherwise one low-rank linear map.
 # - Partial RoPE turns only the first 25% of each head's dims (64 of 256). The rest carry no
 #   position, so part of every head matches by content alone, at any distance.
 
@@ -3407,11 +3402,10 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
     return torch.cat(out, dim=2), memory                                   # [B, H, T, dv], [B, H, dk, dv]
 
 
-# Token by token suits decoding, but a prompt or a training batch would take T small sequential
-# steps. The chunked form (Yang et al., 2024, "Parallelizing Linear Transformers with the Delta Rule
-# over Sequence Length": the WY/UT transform) does c tokens at once. Inside a chunk, let gamma_i be
-# the summed log-decays from its start to token i, and S the memory before it. Unrolling the
-# recurrence gives, for every i at once:
+# Token by token suits decoding, but a prompt or a training batch would take T small sequential steps. The chunked form
+# (Yang et al., 2024, "Parallelizing Linear Transformers with the Delta Rule over Sequence Length": the WY/UT transform)
+# does c tokens at once. Inside a chunk, let gamma_i be the summed log-decays from its start to token i, and S the
+# memory before it. Unrolling the recurrence gives, for every i at once:
 #     d_i + sum_{j<i} beta_i e^(gamma_i - gamma_j) (k_i . k_j) d_j = beta_i v_i - beta_i e^(gamma_i) S^T k_i
 #     o_i = e^(gamma_i) S^T q_i + sum_{j<=i} e^(gamma_i - gamma_j) (q_i . k_j) d_j
 #     S  <- e^(gamma_c) S + sum_j e^(gamma_c - gamma_j) k_j d_j^T
@@ -3701,14 +3695,13 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, 
 # reads only those. The main attention goes from O(T^2) to O(T k) (the V3.2-Exp report). The new
 # shapes: Hi is the indexer's heads (64 in V3.2), di their width (128), and topk = index_topk.
 #
-# The index score of query t for token s is I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]) (the
-# report's equation 1). Its Hi small query heads are made from MLA's query latent, and one key per
-# token serves all of them. It uses ReLU rather than a softmax "for throughput", and the query token
-# sets a weight per head. Its RoPE pairs halves (section 19), where MLA pairs neighbours. DeepSeek's
-# own inference demo turned neighbours here until November 2025, and long-context retrieval suffered
-# (sglang's RULER runs) until the fix. DeepSeek's code also multiplies q and k by a Hadamard matrix
-# before rounding them to FP8. The matrix is orthogonal, so q . k is unchanged in exact arithmetic,
-# and it is left out here, as transformers leaves it out.
+# The index score of query t for token s is I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]) (the report's equation 1). Its
+# Hi small query heads are made from MLA's query latent, and one key per token serves all of them. It uses ReLU rather
+# than a softmax "for throughput", and the query token sets a weight per head. Its RoPE pairs halves (section 19), where
+# MLA pairs neighbours. DeepSeek's own inference demo turned neighbours here until November 2025, and long-context
+# retrieval suffered (sglang's RULER runs) until the fix. DeepSeek's code also multiplies q and k by a Hadamard matrix
+# before rounding them to FP8. The matrix is orthogonal, so q . k is unchanged in exact arithmetic, and it is left out
+# here, as transformers leaves it out.
 
 
 class IndexedLatentCache(LatentCache):
@@ -4766,12 +4759,11 @@ from unittest import mock
 # ===========================================================================
 # 52. Reading released checkpoints: GGUF, safetensors, transformers' names (读取发布的检查点)
 # ===========================================================================
-# Part IV's files. safetensors (what transformers saves) is an 8-byte length, a JSON header {name: dtype, shape,
-# byte offsets}, then the raw tensors. GGUF (llama.cpp's) holds typed key-value metadata (the configuration, the
-# tokenizer), a table of tensors (name, shape, type, offset), then the data, each tensor at a multiple of
-# general.alignment (32 bytes), most in section 25's blocks. One table of renamings copies the weights into the file's
-# classes, one table of fields reads every family's config. The standard library reads the files, and torch does the
-# rest.
+# Part IV's files. safetensors (what transformers saves) is an 8-byte length, a JSON header {name: dtype, shape, byte
+# offsets}, then the raw tensors. GGUF (llama.cpp's) holds typed key-value metadata (the configuration, the tokenizer),
+# a table of tensors (name, shape, type, offset), then the data, each tensor at a multiple of general.alignment (32
+# bytes), most in section 25's blocks. One table of renamings copies the weights into the file's classes, one table of
+# fields reads every family's config. The standard library reads the files, and torch does the rest.
 
 # GGUF's metadata types (8 a string, 9 an array) as struct codes; the ggml tensor types read here
 GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
