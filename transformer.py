@@ -5247,13 +5247,10 @@ def hf_keywords(config):
     if rope == "yarn":  # transformers rounds yarn's ends unless truncate is false
         view.setdefault("truncate", True)
         plain = dict(plain, truncate=False)
-
     def refuse(plain):
         for key, value in plain.items():
             if view.get(key) not in (value, None):
-                raise ValueError(f"config's {key} is {view[key]!r:.60}: this file's {family} has only"
-                                 f" {key}={value!r}")
-
+                raise ValueError(f"config's {key} is {view[key]!r:.60}: this file's {family} has only {key}={value!r}")
     refuse(plain)
     keywords = {}
     for ours, field in fields.items():
@@ -5593,9 +5590,8 @@ class FusedAttention(MultiHeadAttention):
     """Section 3's attention with step 2 in PyTorch's kernel (on a CPU without dropout too: no [Tq, Tk] weights)."""
 
     def attend(self, q, k, v, mask):
+        check_mask(mask)  # a [B, T, T] mask would broadcast wrongly against the heads
         if mask is not None:
-            if mask.dim() != 4:  # a [B, T, T] mask would broadcast wrongly against the heads
-                raise ValueError(f"mask must be 4-D, broadcastable to [B, H, Tq, Tk], got shape {list(mask.shape)}")
             # a query that may attend to nothing reads nothing, as in section 2: unmasked (some kernels: NaN), then 0
             empty = ~mask.any(dim=-1, keepdim=True)                        # [B, 1|H, Tq, 1]
             mask = mask | empty                                            # [B, 1|H, Tq, Tk]
