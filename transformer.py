@@ -4743,16 +4743,7 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
 # ===========================================================================
 # The tools around it: your own data, checkpoints, the demo, the benchmark, the command line. Nothing above uses them.
 
-import argparse
-import inspect
-import io
-import json
-import os
-import stat
-import struct
-import sys
-import tempfile
-import warnings
+import argparse, inspect, io, json, os, stat, struct, sys, tempfile, warnings
 from unittest import mock
 
 
@@ -4784,8 +4775,7 @@ def read_bytes(path):
             raise ValueError(f"cannot read {path}: not a regular file (a folder, a pipe or a device)")
         with open(fd, "rb") as f:
             data = bytearray(info.st_size)
-            if f.readinto(data) != len(data):
-                raise ValueError(f"cannot read {path}: it grew shorter while it was read")
+            if f.readinto(data) != len(data): raise ValueError(f"cannot read {path}: it grew shorter while it was read")
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
     return data
@@ -4923,8 +4913,7 @@ def read_safetensors(path):
             raise ValueError(f"{path}: tensor {name!r:.60} begins at byte {begin:,} of the data, where {at:,} was"
                              f" expected: the tensors overlap or leave a gap")
         at = end
-    if at != size:
-        raise ValueError(f"{path}: its tensors end at byte {at:,} of the data, which holds {size:,}")
+    if at != size: raise ValueError(f"{path}: its tensors end at byte {at:,} of the data, which holds {size:,}")
     tensors = {}
     for name, info in header.items():
         (begin, end), dtype = info["data_offsets"], SAFETENSORS_DTYPES[info["dtype"]]
@@ -4991,12 +4980,10 @@ def load_hf_state_dict(model, state_dict):
     """Copy a transformers state dict (its names, any float dtype) into model, a family of this file, in place -> model.
     Every tensor must have its place, every place its float tensor of the same shape, holding data; else a ValueError
     names them, before anything is copied."""
-    if not isinstance(state_dict, dict):
-        raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    if not isinstance(state_dict, dict): raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     renamed, theirs = {}, {}                                               # ours -> tensor, ours -> their name
     for name, tensor in state_dict.items():
-        if type(name) is not str:
-            raise ValueError(f"state_dict's key {name!r:.40} is not a name")
+        if type(name) is not str: raise ValueError(f"state_dict's key {name!r:.40} is not a name")
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.is_meta:
             what = (type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else "tensor on the meta device"
                     if tensor.is_meta else f"{str(tensor.dtype)[6:]} tensor")           # meta: shapes, no values
@@ -5021,8 +5008,7 @@ def load_hf_state_dict(model, state_dict):
                          f" unexpected {few(unexpected)}")
     wrong = [f"{theirs.get(k, k)} {list(renamed[k].shape)} (the model's {list(v.shape)})"
              for k, v in places.items() if renamed[k].shape != v.shape]
-    if wrong:
-        raise ValueError(f"state_dict's shapes do not fit {type(model).__name__}: {few(wrong)}")
+    if wrong: raise ValueError(f"state_dict's shapes do not fit {type(model).__name__}: {few(wrong)}")
     with torch.no_grad():
         for name, place in places.items():
             place.copy_(renamed[name])
@@ -5222,8 +5208,7 @@ HF_FAMILIES = {
 def hf_keywords(config):
     """A transformers configuration (the dict of its config.json) -> (its kind in MODEL_CLASSES, the class's keywords),
     every field checked as a checkpoint's config is, before any model is built; a ValueError names the field."""
-    if not isinstance(config, dict):
-        raise ValueError(f"config must be a dict, got {type(config).__name__}")
+    if not isinstance(config, dict): raise ValueError(f"config must be a dict, got {type(config).__name__}")
     family = config.get("model_type")
     if type(family) is not str or family not in HF_FAMILIES:
         raise ValueError(f"config's model_type is {family!r:.60}, not a family this file has"
@@ -5235,8 +5220,7 @@ def hf_keywords(config):
     if family == "gpt_oss" and not (config.get("rope_scaling") or config.get("rope_parameters")):
         view = {**HF_GPT_OSS_ROPE, **view}
     bad = next((key for key in view if type(key) is not str), None)
-    if bad is not None:
-        raise ValueError(f"config's key {bad!r:.40} is not a string")
+    if bad is not None: raise ValueError(f"config's key {bad!r:.40} is not a string")
     if view.get("num_local_experts") is None:  # Qwen3-MoE's name in transformers 4.x
         view["num_local_experts"] = view.get("num_experts")
     kind, fields, plain = HF_FAMILIES[family]
@@ -5255,8 +5239,7 @@ def hf_keywords(config):
     keywords = {}
     for ours, field in fields.items():
         field, *default = [field] if isinstance(field, str) else field
-        if view.get(field) is None and not default:
-            raise ValueError(f"config has no {field!r}")
+        if view.get(field) is None and not default: raise ValueError(f"config has no {field!r}")
         keywords[ours] = default[0] if view.get(field) is None else view[field]
         if field in HF_NULL_IS_A_VALUE and field in view and view[field] is None:
             keywords[ours] = None  # written null: one kv head a head, d_model / n_heads wide, no window, a plain w_q
@@ -5425,8 +5408,7 @@ def quantized_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, 
 # Section 35's Mistral for checkpoints: its parameter count, checked before a model is built
 def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
     """Closed form of count_parameters(Mistral(...)): Llama's, since the window holds no parameters."""
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    if window < 1: raise ValueError(f"window must be >= 1, got {window}")
     return llama_param_formula(*llama_arguments, **llama_keywords)
 
 
@@ -5622,8 +5604,7 @@ def fused_twin(module, fused):
 def use_fused_kernels(model, fused=True):
     """Every MultiHeadAttention and LayerNorm in model replaced by its fused twin (fused=False: as written again)
     -> model; a model that is itself one of them comes back as its twin."""
-    if isinstance(model, (MultiHeadAttention, LayerNorm)):
-        return fused_twin(model, fused)
+    if isinstance(model, (MultiHeadAttention, LayerNorm)): return fused_twin(model, fused)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, (MultiHeadAttention, LayerNorm)):
@@ -5701,21 +5682,11 @@ def lora_task(seed):
                     2 * len(p.split()) + 2 for p, _ in pairs))
 
 
-def lora_train(model, task, part, seed, update=None, epochs=2, batch_size=32):
+def lora_train(model, task, part, seed, update, epochs, batch_size):
     """train() on task[part + "_train"] -> seconds (no held-out score an epoch: lora_report scores at the end)."""
     data = PinyinDataset(task[part + "_train"], task["src_vocab"], task["tgt_vocab"])
     return train(model, data, lambda: 0.0, epochs, batch_size, seed=seed, log=lambda line: None,
                  update=update)["history"][-1][1]
-
-
-def lora_adapt(base, task, seed, lr, r=None, alpha=16, targets=("w_q", "w_v")):
-    """A copy of base trained on the new sentences by adamw_update: LoRA of rank r, or all (r None) -> (model, s)."""
-    model = copy.deepcopy(base)
-    if r is not None:
-        add_lora(model, r=r, alpha=alpha, targets=targets)
-    steps = LORA_RECIPE["epochs"] * -(-len(task["new_train"]) // LORA_RECIPE["batch_size"])  # ceil: batches an epoch
-    update = adamw_update(model, lr, LORA_RECIPE["warmup_steps"], steps)
-    return model, lora_train(model, task, "new", seed, update, LORA_RECIPE["epochs"], LORA_RECIPE["batch_size"])
 
 
 def lora_report(device="cpu", seed=0):
@@ -5725,9 +5696,15 @@ def lora_report(device="cpu", seed=0):
     base = Transformer(src_vocab_size=len(task["src_vocab"]), tgt_vocab_size=len(task["tgt_vocab"]),
                        max_len=task["max_len"], **spec["config"]).to(device)
     update = adam_noam(base, spec["lr_factor"], spec["warmup"])
-    seconds = lora_train(base, task, "old", seed, update, spec["epochs"], spec["batch_size"])
-    rows = [("base model", base, seconds)] + [(name, *lora_adapt(base, task, seed, lr, r)) for name, lr, r in (
-        ("LoRA r=8 on w_q, w_v", LORA_LR, 8), ("full fine-tuning", FULL_LR, None))]
+    rows = [("base model", base, lora_train(base, task, "old", seed, update, spec["epochs"], spec["batch_size"]))]
+    epochs, batch_size = LORA_RECIPE["epochs"], LORA_RECIPE["batch_size"]
+    for name, lr, r in (("LoRA r=8 on w_q, w_v", LORA_LR, 8), ("full fine-tuning", FULL_LR, None)):
+        model = copy.deepcopy(base)  # adapted by adamw_update: LoRA of rank r, or all of it (r None)
+        if r is not None:
+            add_lora(model, r=r, alpha=16, targets=("w_q", "w_v"))
+        steps = epochs * -(-len(task["new_train"]) // batch_size)         # ceil: batches an epoch
+        update = adamw_update(model, lr, LORA_RECIPE["warmup_steps"], steps)
+        rows.append((name, model, lora_train(model, task, "new", seed, update, epochs, batch_size)))
     score = lambda model, part: teacher_forced_accuracy(  # noqa: E731
         "encdec", model, task[part + "_test"], task["src_vocab"], task["tgt_vocab"], task["readings"])
     print(f"\nLoRA against full fine-tuning: the encoder-decoder trained on {len(task['old_train']):,} sentences"
