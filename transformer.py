@@ -1316,8 +1316,7 @@ def apply_rope(x, cos, sin):
 # ===========================================================================
 # SwiGLU is a gated feed-forward (Shazeer, 2020, "GLU Variants Improve Transformer"). One projection goes through SiLU
 # (x * sigmoid(x), a smooth ReLU like GELU) and opens or closes each channel of another projection. It has three
-# matrices, so its width is 2/3 of 4 D: 3 * D * 8D/3 = 2 * D * 4D, the parameters and FLOPs of the classic
-# feed-forward.
+# matrices, so its width is 2/3 of 4 D: 3 * D * 8D/3 = 2 * D * 4D, the parameters and FLOPs of the classic feed-forward.
 
 
 def llama_ffn_dim(d_model, multiple_of=256, ffn_dim_multiplier=None):
@@ -1352,9 +1351,8 @@ class SwiGLU(nn.Module):
 # ===========================================================================
 # While a model generates, every layer keeps keys and values for every token. For long or many sequences that cache
 # outgrows the weights: Llama-2-7B in bf16 has 13.5 GB of weights and caches 512 KiB a token (section 23), so the cache
-# is the larger past about 25,700 cached tokens (batch x length). GQA (Ainslie et al., 2023) lets a group of query
-# heads share one key/value head. With n_kv_heads = n_heads it is multi-head attention; with 1, multi-query attention
-# (MQA).
+# is the larger past about 25,700 cached tokens (batch x length). GQA (Ainslie et al., 2023) lets a group of query heads
+# share one key/value head. With n_kv_heads = n_heads it is multi-head attention; with 1, multi-query attention (MQA).
 
 
 def repeat_kv(x, n_rep):
@@ -3094,12 +3092,11 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 # ===========================================================================
 # 38. Attention sinks and alternating windows: gpt-oss (注意力汇与交替窗口)
 # ===========================================================================
-# A softmax row sums to 1, so a head with nothing worth reading must still read something. Trained
-# models park that attention on the first tokens (Xiao et al., 2023, "Efficient Streaming Language
-# Models with Attention Sinks"), and a window like section 35's cuts those tokens off. OpenAI's
-# gpt-oss (2025) gives each head a learned sink logit instead. The sink is one more term in the
-# softmax's denominator, and it reads no value, so a row sums to less than 1 and a head can attend
-# to nothing. A sink fixed at 0 is Evan Miller's softmax_1 ("Attention Is Off By One", 2023).
+# A softmax row sums to 1, so a head with nothing worth reading must still read something. Trained models park that
+# attention on the first tokens (Xiao et al., 2023, "Efficient Streaming Language Models with Attention Sinks"), and a
+# window like section 35's cuts those tokens off. OpenAI's gpt-oss (2025) gives each head a learned sink logit instead.
+# The sink is one more term in the softmax's denominator, and it reads no value, so a row sums to less than 1 and a head
+# can attend to nothing. A sink fixed at 0 is Evan Miller's softmax_1 ("Attention Is Off By One", 2023).
 #
 # The rest of gpt-oss is earlier sections with small changes:
 # - Its layers alternate a window of 128 tokens (section 35, with its rolling cache) and full
@@ -3108,8 +3105,7 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 #   heads, so the heads together are 4096 wide in a model 2880 wide (section 28's free head width).
 # - Its feed-forward is a MoE (section 29) whose router has a bias and softmaxes its top-k logits.
 #   These are Mixtral's weights: the top-k of a softmax over all E, divided by their sum, are the same.
-# - Its experts have biases and a clamped SwiGLU, as OpenAI's reference code (gpt_oss/torch/model.py,
-#   swiglu) writes it:
+# - Its experts have biases and a clamped SwiGLU, as OpenAI's reference code (gpt_oss/torch/model.py, swiglu) writes it:
 #       gate = min(gate, limit), up = clamp(up, -limit, limit), out = (up + 1) * gate * sigmoid(1.702 gate)
 #   x sigmoid(1.702 x) approximates GELU (Hendrycks and Gimpel, 2016). The + 1 lets a channel whose up
 #   is 0 pass gate's value on. The clamps bound both factors; the limit is 7.0 in both models.
@@ -3329,12 +3325,11 @@ GPT_OSS_CONFIGS = [
 # - A zero-centred RMSNorm scales by 1 + w, with w starting at 0. The Qwen3-Next blog reports that
 #   norm weights grew abnormally large in Qwen3's QK-norm. Weight decay on w pulls the scale towards
 #   1, where decay on a plain weight pulls it towards 0 and erases the input.
-# - Gated attention (Qiu et al., 2025, "Gated Attention for Large Language Models: Non-linearity,
-#   Sparsity, and Attention-Sink-Free") makes w_q twice as wide: per head, dk query rows, then dk
-#   gate rows. The attention's output is multiplied by sigmoid(gate), per head and dim, before w_o.
-#   The paper reports steadier training and no attention sink (a first token that soaks up the
-#   attention of heads with nothing to read), because a head can output about 0 itself. The gate
-#   also puts a non-linearity between w_v and w_o, which are otherwise one low-rank linear map.
+# - Gated attention (Qiu et al., 2025, "Gated Attention for Large Language Models: Non-linearity, Sparsity, and
+#   Attention-Sink-Free") makes w_q twice as wide: per head, dk query rows, then dk gate rows. The attention's output is
+#   multiplied by sigmoid(gate), per head and dim, before w_o. The paper reports steadier training and no attention sink
+#   (a first token that soaks up the attention of heads with nothing to read), because a head can output about 0 itself.
+#   The gate also puts a non-linearity between w_v and w_o, which are otherwise one low-rank linear map.
 # - Partial RoPE turns only the first 25% of each head's dims (64 of 256). The rest carry no
 #   position, so part of every head matches by content alone, at any distance.
 
@@ -3407,11 +3402,10 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
     return torch.cat(out, dim=2), memory                                   # [B, H, T, dv], [B, H, dk, dv]
 
 
-# Token by token suits decoding, but a prompt or a training batch would take T small sequential
-# steps. The chunked form (Yang et al., 2024, "Parallelizing Linear Transformers with the Delta Rule
-# over Sequence Length": the WY/UT transform) does c tokens at once. Inside a chunk, let gamma_i be
-# the summed log-decays from its start to token i, and S the memory before it. Unrolling the
-# recurrence gives, for every i at once:
+# Token by token suits decoding, but a prompt or a training batch would take T small sequential steps. The chunked form
+# (Yang et al., 2024, "Parallelizing Linear Transformers with the Delta Rule over Sequence Length": the WY/UT transform)
+# does c tokens at once. Inside a chunk, let gamma_i be the summed log-decays from its start to token i, and S the
+# memory before it. Unrolling the recurrence gives, for every i at once:
 #     d_i + sum_{j<i} beta_i e^(gamma_i - gamma_j) (k_i . k_j) d_j = beta_i v_i - beta_i e^(gamma_i) S^T k_i
 #     o_i = e^(gamma_i) S^T q_i + sum_{j<=i} e^(gamma_i - gamma_j) (q_i . k_j) d_j
 #     S  <- e^(gamma_c) S + sum_j e^(gamma_c - gamma_j) k_j d_j^T
@@ -3701,14 +3695,13 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, 
 # reads only those. The main attention goes from O(T^2) to O(T k) (the V3.2-Exp report). The new
 # shapes: Hi is the indexer's heads (64 in V3.2), di their width (128), and topk = index_topk.
 #
-# The index score of query t for token s is I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]) (the
-# report's equation 1). Its Hi small query heads are made from MLA's query latent, and one key per
-# token serves all of them. It uses ReLU rather than a softmax "for throughput", and the query token
-# sets a weight per head. Its RoPE pairs halves (section 19), where MLA pairs neighbours. DeepSeek's
-# own inference demo turned neighbours here until November 2025, and long-context retrieval suffered
-# (sglang's RULER runs) until the fix. DeepSeek's code also multiplies q and k by a Hadamard matrix
-# before rounding them to FP8. The matrix is orthogonal, so q . k is unchanged in exact arithmetic,
-# and it is left out here, as transformers leaves it out.
+# The index score of query t for token s is I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]) (the report's equation 1). Its
+# Hi small query heads are made from MLA's query latent, and one key per token serves all of them. It uses ReLU rather
+# than a softmax "for throughput", and the query token sets a weight per head. Its RoPE pairs halves (section 19), where
+# MLA pairs neighbours. DeepSeek's own inference demo turned neighbours here until November 2025, and long-context
+# retrieval suffered (sglang's RULER runs) until the fix. DeepSeek's code also multiplies q and k by a Hadamard matrix
+# before rounding them to FP8. The matrix is orthogonal, so q . k is unchanged in exact arithmetic, and it is left out
+# here, as transformers leaves it out.
 
 
 class IndexedLatentCache(LatentCache):
@@ -4750,28 +4743,18 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
 # ===========================================================================
 # The tools around it: your own data, checkpoints, the demo, the benchmark, the command line. Nothing above uses them.
 
-import argparse
-import inspect
-import io
-import json
-import os
-import stat
-import struct
-import sys
-import tempfile
-import warnings
+import argparse, inspect, io, json, os, stat, struct, sys, tempfile, warnings
 from unittest import mock
 
 
 # ===========================================================================
 # 52. Reading released checkpoints: GGUF, safetensors, transformers' names (读取发布的检查点)
 # ===========================================================================
-# Part IV's files. safetensors (what transformers saves) is an 8-byte length, a JSON header {name: dtype, shape,
-# byte offsets}, then the raw tensors. GGUF (llama.cpp's) holds typed key-value metadata (the configuration, the
-# tokenizer), a table of tensors (name, shape, type, offset), then the data, each tensor at a multiple of
-# general.alignment (32 bytes), most in section 25's blocks. One table of renamings copies the weights into the file's
-# classes, one table of fields reads every family's config. The standard library reads the files, and torch does the
-# rest.
+# Part IV's files. safetensors (what transformers saves) is an 8-byte length, a JSON header {name: dtype, shape, byte
+# offsets}, then the raw tensors. GGUF (llama.cpp's) holds typed key-value metadata (the configuration, the tokenizer),
+# a table of tensors (name, shape, type, offset), then the data, each tensor at a multiple of general.alignment (32
+# bytes), most in section 25's blocks. One table of renamings copies the weights into the file's classes, one table of
+# fields reads every family's config. The standard library reads the files, and torch does the rest.
 
 # GGUF's metadata types (8 a string, 9 an array) as struct codes; the ggml tensor types read here
 GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -4792,8 +4775,7 @@ def read_bytes(path):
             raise ValueError(f"cannot read {path}: not a regular file (a folder, a pipe or a device)")
         with open(fd, "rb") as f:
             data = bytearray(info.st_size)
-            if f.readinto(data) != len(data):
-                raise ValueError(f"cannot read {path}: it grew shorter while it was read")
+            if f.readinto(data) != len(data): raise ValueError(f"cannot read {path}: it grew shorter while it was read")
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
     return data
@@ -4931,8 +4913,7 @@ def read_safetensors(path):
             raise ValueError(f"{path}: tensor {name!r:.60} begins at byte {begin:,} of the data, where {at:,} was"
                              f" expected: the tensors overlap or leave a gap")
         at = end
-    if at != size:
-        raise ValueError(f"{path}: its tensors end at byte {at:,} of the data, which holds {size:,}")
+    if at != size: raise ValueError(f"{path}: its tensors end at byte {at:,} of the data, which holds {size:,}")
     tensors = {}
     for name, info in header.items():
         (begin, end), dtype = info["data_offsets"], SAFETENSORS_DTYPES[info["dtype"]]
@@ -4999,12 +4980,10 @@ def load_hf_state_dict(model, state_dict):
     """Copy a transformers state dict (its names, any float dtype) into model, a family of this file, in place -> model.
     Every tensor must have its place, every place its float tensor of the same shape, holding data; else a ValueError
     names them, before anything is copied."""
-    if not isinstance(state_dict, dict):
-        raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    if not isinstance(state_dict, dict): raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     renamed, theirs = {}, {}                                               # ours -> tensor, ours -> their name
     for name, tensor in state_dict.items():
-        if type(name) is not str:
-            raise ValueError(f"state_dict's key {name!r:.40} is not a name")
+        if type(name) is not str: raise ValueError(f"state_dict's key {name!r:.40} is not a name")
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.is_meta:
             what = (type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else "tensor on the meta device"
                     if tensor.is_meta else f"{str(tensor.dtype)[6:]} tensor")           # meta: shapes, no values
@@ -5029,8 +5008,7 @@ def load_hf_state_dict(model, state_dict):
                          f" unexpected {few(unexpected)}")
     wrong = [f"{theirs.get(k, k)} {list(renamed[k].shape)} (the model's {list(v.shape)})"
              for k, v in places.items() if renamed[k].shape != v.shape]
-    if wrong:
-        raise ValueError(f"state_dict's shapes do not fit {type(model).__name__}: {few(wrong)}")
+    if wrong: raise ValueError(f"state_dict's shapes do not fit {type(model).__name__}: {few(wrong)}")
     with torch.no_grad():
         for name, place in places.items():
             place.copy_(renamed[name])
@@ -5230,8 +5208,7 @@ HF_FAMILIES = {
 def hf_keywords(config):
     """A transformers configuration (the dict of its config.json) -> (its kind in MODEL_CLASSES, the class's keywords),
     every field checked as a checkpoint's config is, before any model is built; a ValueError names the field."""
-    if not isinstance(config, dict):
-        raise ValueError(f"config must be a dict, got {type(config).__name__}")
+    if not isinstance(config, dict): raise ValueError(f"config must be a dict, got {type(config).__name__}")
     family = config.get("model_type")
     if type(family) is not str or family not in HF_FAMILIES:
         raise ValueError(f"config's model_type is {family!r:.60}, not a family this file has"
@@ -5243,8 +5220,7 @@ def hf_keywords(config):
     if family == "gpt_oss" and not (config.get("rope_scaling") or config.get("rope_parameters")):
         view = {**HF_GPT_OSS_ROPE, **view}
     bad = next((key for key in view if type(key) is not str), None)
-    if bad is not None:
-        raise ValueError(f"config's key {bad!r:.40} is not a string")
+    if bad is not None: raise ValueError(f"config's key {bad!r:.40} is not a string")
     if view.get("num_local_experts") is None:  # Qwen3-MoE's name in transformers 4.x
         view["num_local_experts"] = view.get("num_experts")
     kind, fields, plain = HF_FAMILIES[family]
@@ -5255,19 +5231,15 @@ def hf_keywords(config):
     if rope == "yarn":  # transformers rounds yarn's ends unless truncate is false
         view.setdefault("truncate", True)
         plain = dict(plain, truncate=False)
-
     def refuse(plain):
         for key, value in plain.items():
             if view.get(key) not in (value, None):
-                raise ValueError(f"config's {key} is {view[key]!r:.60}: this file's {family} has only"
-                                 f" {key}={value!r}")
-
+                raise ValueError(f"config's {key} is {view[key]!r:.60}: this file's {family} has only {key}={value!r}")
     refuse(plain)
     keywords = {}
     for ours, field in fields.items():
         field, *default = [field] if isinstance(field, str) else field
-        if view.get(field) is None and not default:
-            raise ValueError(f"config has no {field!r}")
+        if view.get(field) is None and not default: raise ValueError(f"config has no {field!r}")
         keywords[ours] = default[0] if view.get(field) is None else view[field]
         if field in HF_NULL_IS_A_VALUE and field in view and view[field] is None:
             keywords[ours] = None  # written null: one kv head a head, d_model / n_heads wide, no window, a plain w_q
@@ -5436,8 +5408,7 @@ def quantized_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, 
 # Section 35's Mistral for checkpoints: its parameter count, checked before a model is built
 def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
     """Closed form of count_parameters(Mistral(...)): Llama's, since the window holds no parameters."""
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    if window < 1: raise ValueError(f"window must be >= 1, got {window}")
     return llama_param_formula(*llama_arguments, **llama_keywords)
 
 
@@ -5601,9 +5572,8 @@ class FusedAttention(MultiHeadAttention):
     """Section 3's attention with step 2 in PyTorch's kernel (on a CPU without dropout too: no [Tq, Tk] weights)."""
 
     def attend(self, q, k, v, mask):
+        check_mask(mask)  # a [B, T, T] mask would broadcast wrongly against the heads
         if mask is not None:
-            if mask.dim() != 4:  # a [B, T, T] mask would broadcast wrongly against the heads
-                raise ValueError(f"mask must be 4-D, broadcastable to [B, H, Tq, Tk], got shape {list(mask.shape)}")
             # a query that may attend to nothing reads nothing, as in section 2: unmasked (some kernels: NaN), then 0
             empty = ~mask.any(dim=-1, keepdim=True)                        # [B, 1|H, Tq, 1]
             mask = mask | empty                                            # [B, 1|H, Tq, Tk]
@@ -5634,8 +5604,7 @@ def fused_twin(module, fused):
 def use_fused_kernels(model, fused=True):
     """Every MultiHeadAttention and LayerNorm in model replaced by its fused twin (fused=False: as written again)
     -> model; a model that is itself one of them comes back as its twin."""
-    if isinstance(model, (MultiHeadAttention, LayerNorm)):
-        return fused_twin(model, fused)
+    if isinstance(model, (MultiHeadAttention, LayerNorm)): return fused_twin(model, fused)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, (MultiHeadAttention, LayerNorm)):
@@ -5713,21 +5682,11 @@ def lora_task(seed):
                     2 * len(p.split()) + 2 for p, _ in pairs))
 
 
-def lora_train(model, task, part, seed, update=None, epochs=2, batch_size=32):
+def lora_train(model, task, part, seed, update, epochs, batch_size):
     """train() on task[part + "_train"] -> seconds (no held-out score an epoch: lora_report scores at the end)."""
     data = PinyinDataset(task[part + "_train"], task["src_vocab"], task["tgt_vocab"])
     return train(model, data, lambda: 0.0, epochs, batch_size, seed=seed, log=lambda line: None,
                  update=update)["history"][-1][1]
-
-
-def lora_adapt(base, task, seed, lr, r=None, alpha=16, targets=("w_q", "w_v")):
-    """A copy of base trained on the new sentences by adamw_update: LoRA of rank r, or all (r None) -> (model, s)."""
-    model = copy.deepcopy(base)
-    if r is not None:
-        add_lora(model, r=r, alpha=alpha, targets=targets)
-    steps = LORA_RECIPE["epochs"] * -(-len(task["new_train"]) // LORA_RECIPE["batch_size"])  # ceil: batches an epoch
-    update = adamw_update(model, lr, LORA_RECIPE["warmup_steps"], steps)
-    return model, lora_train(model, task, "new", seed, update, LORA_RECIPE["epochs"], LORA_RECIPE["batch_size"])
 
 
 def lora_report(device="cpu", seed=0):
@@ -5737,9 +5696,15 @@ def lora_report(device="cpu", seed=0):
     base = Transformer(src_vocab_size=len(task["src_vocab"]), tgt_vocab_size=len(task["tgt_vocab"]),
                        max_len=task["max_len"], **spec["config"]).to(device)
     update = adam_noam(base, spec["lr_factor"], spec["warmup"])
-    seconds = lora_train(base, task, "old", seed, update, spec["epochs"], spec["batch_size"])
-    rows = [("base model", base, seconds)] + [(name, *lora_adapt(base, task, seed, lr, r)) for name, lr, r in (
-        ("LoRA r=8 on w_q, w_v", LORA_LR, 8), ("full fine-tuning", FULL_LR, None))]
+    rows = [("base model", base, lora_train(base, task, "old", seed, update, spec["epochs"], spec["batch_size"]))]
+    epochs, batch_size = LORA_RECIPE["epochs"], LORA_RECIPE["batch_size"]
+    for name, lr, r in (("LoRA r=8 on w_q, w_v", LORA_LR, 8), ("full fine-tuning", FULL_LR, None)):
+        model = copy.deepcopy(base)  # adapted by adamw_update: LoRA of rank r, or all of it (r None)
+        if r is not None:
+            add_lora(model, r=r, alpha=16, targets=("w_q", "w_v"))
+        steps = epochs * -(-len(task["new_train"]) // batch_size)         # ceil: batches an epoch
+        update = adamw_update(model, lr, LORA_RECIPE["warmup_steps"], steps)
+        rows.append((name, model, lora_train(model, task, "new", seed, update, epochs, batch_size)))
     score = lambda model, part: teacher_forced_accuracy(  # noqa: E731
         "encdec", model, task[part + "_test"], task["src_vocab"], task["tgt_vocab"], task["readings"])
     print(f"\nLoRA against full fine-tuning: the encoder-decoder trained on {len(task['old_train']):,} sentences"
