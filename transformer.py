@@ -4883,12 +4883,12 @@ class CopyToRanks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        return x.view_as(x)                                                # as x
+        return x.view_as(x)                                                # [as x]
 
     @staticmethod
     def backward(ctx, grad):
         import torch.distributed as dist
-        grad = grad.clone()                                                # as x
+        grad = grad.clone()                                                # [as x]
         dist.all_reduce(grad)
         return grad
 
@@ -4899,7 +4899,7 @@ class SumOverRanks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         import torch.distributed as dist
-        x = x.clone()                                                      # as x
+        x = x.clone()                                                      # [as x]
         dist.all_reduce(x)
         return x
 
@@ -5729,7 +5729,7 @@ def train_toy_model(kind, train_pairs, test_pairs, device="cpu", epochs=None, se
     result = (train_parallel if parallel else train)(trained, dataset, held_out, epochs=epochs or spec["epochs"],
                                                      batch_size=spec["batch_size"], seed=seed, log=log, update=update)
     if parallel == "fsdp":  # gathered into a plain model on every rank, to answer and save as one process does
-        state, model = gathered_state_dict(model), spec["model"](**model.config).to(device)
+        state, model = gathered_state_dict(model), spec["model"](**model.config).to(device)  # {name: [whole]}
         model.load_state_dict(state)
     return model, src_vocab, tgt_vocab, result
 
