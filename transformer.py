@@ -4965,13 +4965,11 @@ def tensor_parallel(model, rank, world_size, library=False):
         block.attn.n_heads, block.attn.n_kv_heads = H // world_size, Hkv // world_size  # this rank's heads
     return model
 
-# Try it (torchrun --nproc_per_node 2 python -c ...; one process as a world of one, here): the pair equals the layers.
-#   >>> import tempfile, torch.distributed as dist
-#   >>> dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+# Try it: SwiGLU over 2 ranks by hand (w1, w3 by rows, w2 by columns): the parts' sum, g's all_reduce, is the whole.
 #   >>> ffn, x = SwiGLU(8, 16), torch.randn(2, 3, 8)                       # [2, 3, 8]
-#   >>> w1, w3, w2 = (split(linear, 0, 1) for split, linear in zip(
-#   ...     (ColumnParallelLinear, ColumnParallelLinear, RowParallelLinear), (ffn.w1, ffn.w3, ffn.w2)))
-#   >>> torch.allclose(w2(F.silu(w1(x)) * w3(x)), ffn(x), atol=1e-6); dist.destroy_process_group()
+#   >>> parts = [(F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T for w1, w3, w2 in zip(  # [2, 3, 8] each
+#   ...     ffn.w1.weight.chunk(2), ffn.w3.weight.chunk(2), ffn.w2.weight.chunk(2, dim=1))]
+#   >>> torch.allclose(parts[0] + parts[1], ffn(x), atol=1e-6)
 #   True
 
 # ===========================================================================
