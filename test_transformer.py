@@ -13402,6 +13402,18 @@ logprobs = torch.randn(4, 3, requires_grad=True)
 loss = grpo_loss(logprobs, logprobs.detach(), logprobs.detach(), advantages, torch.ones(4, 3, dtype=torch.bool))
 loss.backward()
 assert abs(loss.item()) < 1e-5 and logprobs.grad is not None  # on-policy, at the reference: minus the mean advantage"""),
+    ("tensor parallel: a column-then-row pair, Megatron's f and g", ("ColumnParallelLinear", "RowParallelLinear"), 60,
+     """
+import os, tempfile, torch.distributed as dist  # a world of one here; torchrun runs the same code on N ranks
+dist.init_process_group("gloo", init_method="file://" + os.path.join(tempfile.mkdtemp(), "store"), rank=0, world_size=1)
+try:
+    up, down, x = nn.Linear(8, 16), nn.Linear(16, 8), torch.randn(2, 3, 8, requires_grad=True)
+    out = RowParallelLinear(down, 0, 1)(F.relu(ColumnParallelLinear(up, 0, 1)(x)))
+    assert torch.allclose(out, down(F.relu(up(x))), atol=1e-6)
+    out.sum().backward()  # f's all_reduce, in the backward
+    assert torch.allclose(x.grad, torch.autograd.grad(down(F.relu(up(x))).sum(), x)[0], atol=1e-6)
+finally:
+    dist.destroy_process_group()"""),
     ("speculative decoding", ("speculative_generate", "rejection_rule"), 110, """
 class Bigram(nn.Module):  # token ids and a cache -> logits [B, T, V]; each position reads its own token only
     def __init__(self, seed):
