@@ -10010,7 +10010,7 @@ def test_parallel_runs_save_what_one_process_loads_and_answers_the_same(part_nin
         assert max(max_diff(a, b) for a, b in zip(parallel.state_dict().values(), model.state_dict().values())) < 1e-5
     assert rank0["cli tp"][:2] == [0, _main(["--load", str(folder / "ddp.pt"), "--translate", sentence])[1]]
     status, out, err = rank0["cli mqa"]
-    assert status == 2 and out == "" and err.count("\n") == 1 and "n_kv_heads divide by world_size (2)" in err, err
+    assert status == 2 and out == "" and err.count("\n") == 1 and "n_kv_heads (1) must divide by world_size (2)" in err, err
     assert rank1["cli mqa"] == [2, "", ""]  # rank 1 writes nothing
 
 
@@ -10031,10 +10031,13 @@ def test_parallel_misuse_is_one_line_and_exit_2(argv, env, message, monkeypatch,
 
 
 def test_tensor_parallel_refuses_heads_that_do_not_divide_and_other_families():
-    for model in (tf.Llama(vocab_size=10, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1),
-                  tf.Mistral(vocab_size=10, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2)):
+    for model, message in [(tf.Llama(vocab_size=10, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1),
+                            r"n_heads \(2\) and n_kv_heads \(1\) must divide by world_size \(2\)"),
+                           (tf.Mistral(vocab_size=10, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2),
+                            "splits a Llama, got a Mistral"),
+                           (tf.DecoderOnlyTransformer(10, 16, 1, 2, 32), "splits a Llama, got a DecoderOnlyTransformer")]:
         before = copy.deepcopy(model.state_dict())
-        with pytest.raises(ValueError, match="splits a Llama whose n_heads and n_kv_heads divide by world_size"):
+        with pytest.raises(ValueError, match=message):
             tf.tensor_parallel(model, 0, 2)
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing split
 # ===========================================================================

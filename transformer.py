@@ -4858,24 +4858,25 @@ def sharded_bytes(model, optimizer):
     return sum(t.numel() * t.element_size() for t in held), whole
 
 # The formula is section 46's: zero_memory_per_device(memory_bytes(P, P, 0), N, 3) is 16 P / N in float32, and one
-# block's weights are added. A 7B Llama in bf16 with float32 master weights (16 bytes a parameter) needs 112 GB on one
-# GPU, 14 GB a rank on 8, 1.75 GB on 64; a 70B, 1,120, 140 and 17.5 GB. A step communicates the weights twice (two
-# all_gathers) and the gradients once (reduce_scatter): 3 x 2 bytes a parameter in bf16, where DDP's all_reduce moves
-# 2 x 2.
+# block's weights are added. In bf16 with float32 master weights (16 bytes a parameter as well), Llama-2-7B needs 108
+# GB on one GPU, 13.5 GB a rank on 8 and 1.7 GB on 64; Llama-2-70B 1,104, 138 and 17.2 GB. A step sends the weights
+# twice (two all_gathers) and the gradients once (reduce_scatter): 3 x 2 bytes a parameter in bf16, where DDP's
+# all_reduce sends 2 x 2.
 
 
 # ===========================================================================
 # 54. Tensor parallel: Megatron's f and g, by hand and by DTensor (张量并行)
 # ===========================================================================
 # Sharding still computes each layer whole on one rank; tensor parallelism (Shoeybi et al., 2019, Megatron-LM)
-# splits the layer's work. A linear layer split by output columns (a column-parallel layer: rank r holds rows r of W
-# [out, in]) gives each rank a slice of the output; the next, split by input rows (row-parallel: W's columns r), takes
-# exactly that slice, and the sum of the ranks' outputs is the whole product. So the pair costs one all_reduce in the
+# splits the layer's work. A linear layer split by output features (column-parallel: rank r holds the r-th slice of
+# the rows of W [out, in]) gives each rank a slice of the output; the next, split by input features (row-parallel: the
+# r-th slice of W's columns), takes exactly that slice, and the sum of the ranks' outputs is the whole product. So the pair costs one all_reduce in the
 # forward, Megatron's g, and nothing between: a nonlinearity acting on each element (SiLU, the gate's product) runs
 # on the slices as on the whole. Its mirror f is the identity forward and the all_reduce backward, since each rank's
 # slice sends back only part of the input's gradient. Attention splits the same way by heads, which never mix before
 # w_o: w_q by query heads, w_k and w_v by key/value heads (a GQA group stays on one rank), w_o by rows. A block costs
-# 2 all_reduces of [B, T, D] forward, 2 backward; each rank caches only its key/value heads.
+# 2 all_reduces of [B, T, D] forward and 2 backward (Megatron runs one f before the fused q, k, v; here each
+# column-parallel layer has its own f, 5 in all); each rank caches only its key/value heads.
 
 
 class CopyToRanks(torch.autograd.Function):
@@ -4944,17 +4945,20 @@ def tensor_parallel(model, rank, world_size, library=False):
     """A Llama (section 22) split in place over world_size ranks -> model: each block's attention by query and
     key/value heads, its SwiGLU by w1 and w3 columns, then w2 rows. The embedding, the norms and lm_head stay whole on
     every rank. library=True splits the same matrices with DTensor's parallelize_module."""
+    if type(model) is not Llama:  # a family's own layers would stay whole, and answer wrong
+        raise ValueError(f"tensor_parallel splits a Llama, got a {type(model).__name__}")
     H, Hkv = model.config["n_heads"], model.config["n_kv_heads"] or model.config["n_heads"]
-    if type(model) is not Llama or H % world_size or Hkv % world_size:  # a family's layers would not be split
-        raise ValueError(f"tensor_parallel splits a Llama whose n_heads and n_kv_heads divide by world_size"
-                         f" ({world_size}), got a {type(model).__name__} with {H} and {Hkv}")
+    if H % world_size or Hkv % world_size:
+        raise ValueError(f"tensor_parallel splits a Llama by heads: its n_heads ({H}) and n_kv_heads ({Hkv}) must"
+                         f" divide by world_size ({world_size})")
     plan = {"attn.w_q": "col", "attn.w_k": "col", "attn.w_v": "col", "attn.w_o": "row",
             "ffn.w1": "col", "ffn.w3": "col", "ffn.w2": "row"}
+    if library:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh(model.cos.device.type, (world_size,))      # the ranks in a row
     for block in model.layers:
-        if library:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-            mesh = init_device_mesh(model.cos.device.type, (world_size,))  # the ranks in a row
+        if library:  # each weight a DTensor sharded as the plan says; the layer's output is a plain tensor again
             parallelize_module(block, mesh, {name: ColwiseParallel() if way == "col" else RowwiseParallel()
                                              for name, way in plan.items()})
         else:
@@ -7123,7 +7127,10 @@ def main(argv=None):
         loaded = load_checkpoint(args.load, device) if args.load else None
         if args.parallel == "tp":  # each rank its heads and columns; the answers come out whole on every rank
             import torch.distributed as dist
-            tensor_parallel(loaded[1], dist.get_rank(), dist.get_world_size())
+            try:
+                tensor_parallel(loaded[1], dist.get_rank(), dist.get_world_size())
+            except ValueError as e:
+                raise ValueError(f"--parallel tp --load {shown(args.load)}: {e}") from None
     except ValueError as e:
         parser.error(str(e))
     if loaded and not longest_sentence(*loaded[:2]):  # not "takes at most -1 syllables", later
