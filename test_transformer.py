@@ -9978,7 +9978,7 @@ def test_data_parallel_equals_one_process_on_a_pad_heavy_batch_split_unevenly(pa
     for found in part_nine[0]:
         assert found["ddp grad"] <= 1e-6 and found["fsdp grad"] <= 1e-6, found
         assert found["ddp weights"] <= 1e-5 and found["fsdp weights"] <= 1e-5, found  # after 3 AdamW steps
-        assert found["naive grad"] > 1e-3  # each rank's own mean: this batch tells the two apart
+        assert found["naive grad"] > 0.1  # each rank's own mean (0.24 off): this batch tells the two apart
 
 
 def test_fsdp_holds_zero_3s_share_plus_one_block(part_nine):

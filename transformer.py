@@ -7152,7 +7152,7 @@ def main(argv=None):
         return 0
     if args.translate is None:
         print(f"device: {device}, torch {torch.__version__}\n")
-        if not (loaded or args.data):
+        if not (loaded or args.data or args.parallel):
             show_models(device)
             show_training_costs()
         run(args, device, pairs, loaded)
