@@ -4779,11 +4779,11 @@ def global_token_loss(logits, target, ignore_index=-100, label_smoothing=0.0):
                             label_smoothing=label_smoothing, reduction="sum")  # []: this rank's token losses
     count = (target != ignore_index).sum()                                 # []: this rank's real tokens
     dist.all_reduce(count)                                                 # []: every rank's, summed
-    return total * dist.get_world_size() / count.clamp(min=1)             # []: DDP divides the gradient by N
+    return total * dist.get_world_size() / count.clamp(min=1)             # []: DDP divides by N; no token: 0
 
 
-def train_parallel(model, dataset, evaluate_fn, epochs=10, batch_size=64, label_smoothing=0.1, seed=0, log=print,
-                   update=None):
+def train_parallel(model, dataset, evaluate_fn, update, epochs=10, batch_size=64, label_smoothing=0.1, seed=0,
+                   log=print):
     """train() (section 13) on every rank at once: the same seed gives every rank the same batches in the same
     order, each computes its share, and update (built for the model as data_parallel left it) steps the weights.
     The loss logged is the whole batch's. -> train()'s dict."""
@@ -4802,7 +4802,7 @@ def train_parallel(model, dataset, evaluate_fn, epochs=10, batch_size=64, label_
             loss.backward()                                                # DDP: the gradients averaged here
             update()
             losses.append(loss.detach() / world_size)                      # []: this rank's part of the mean
-        mean = torch.stack(losses).mean() if losses else torch.zeros((), device=device)  # []
+        mean = torch.stack(losses).mean()                                  # []
         dist.all_reduce(mean)                                              # []: the batches' losses, as one process
         accuracy = evaluate_fn()
         history.append((epoch, time.perf_counter() - start, accuracy))
