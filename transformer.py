@@ -7018,16 +7018,16 @@ def start_parallel(args):
     """This process as one rank of torchrun's (Part IX): its process group (NCCL on CUDA GPUs, gloo on CPUs) and its
     device; ranks but 0 print and save nothing. -> the device, or ValueError: why this run cannot be parallel."""
     import torch.distributed as dist
-    usage = f"torchrun --nproc_per_node 2 transformer.py --parallel {args.parallel} ..."
-    if not (dist.is_available() and "RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        raise ValueError(f"--parallel runs as torchrun's processes ({usage})" if dist.is_available() else
-                         "--parallel: this torch was built without torch.distributed")
     if args.parallel == "tp" and (args.load is None or args.translate is None):
         raise ValueError("--parallel tp answers --translate with a --load'ed Llama, split by heads; it does not train")
     if args.parallel != "tp" and (args.load is not None or args.model != "llama"):
         raise ValueError(f"--parallel {args.parallel} trains the Llama (--model llama); --load skips training")
     if args.translate == "-":
         raise ValueError("--parallel: --translate takes a sentence; '-' would have every rank read standard input")
+    usage = f"torchrun --nproc_per_node 2 transformer.py --parallel {args.parallel} ..."
+    if not (dist.is_available() and "RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        raise ValueError(f"--parallel runs as torchrun's processes ({usage})" if dist.is_available() else
+                         "--parallel: this torch was built without torch.distributed")
     device = pick_device(args.device)
     if device.type not in ("cpu", "cuda"): raise ValueError(f"--parallel runs on CPUs or CUDA GPUs, not {device}")
     if device.type == "cuda":  # one GPU a rank: torchrun numbers the ranks of each machine by LOCAL_RANK
