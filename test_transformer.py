@@ -9878,6 +9878,166 @@ def test_run_grpo_refuses_temperature_zero_before_training():
     with pytest.raises(ValueError, match="temperature must be > 0"):
         tf.run_grpo(gpt, None, [], 0, tf.PREFERENCE, temperature=0.0)
     assert all(torch.equal(before[k], v) for k, v in gpt.state_dict().items())
+
+
+# ===========================================================================
+# Part IX: beyond one device. One launch of 2 gloo processes (forked: nothing to import again) meeting through a
+# file in tmp_path runs every check; each rank writes what it found, and the tests read it.
+# ===========================================================================
+
+def part_nine_batch():
+    """A toy Llama and a pad-heavy batch of 5 rows: split 3 and 2 over 2 ranks, they hold 25 and 4 real tokens."""
+    torch.manual_seed(0)
+    model = tf.Llama(vocab_size=30, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_len=16)
+    ids, target = torch.randint(1, 30, (2, 5, 12))                         # [5, 12] each
+    for row, real in enumerate([12, 11, 2, 1, 3]):
+        target[row, real:] = tf.Vocab.PAD
+    return model, ids, target
+
+
+def one_process_loss(model, ids, target):
+    return F.cross_entropy(model(ids).flatten(0, 1), target.flatten(), ignore_index=tf.Vocab.PAD, label_smoothing=0.1)
+
+
+def parallel_worker(rank, world_size, folder, sentence):
+    """Rank of world_size: each strategy against one process, then the command line's three runs."""
+    import datetime
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    found, (model, ids, target) = {}, part_nine_batch()
+    whole = lambda t: t.full_tensor() if isinstance(t, DTensor) else t   # noqa: E731
+    one = copy.deepcopy(model)
+    one_process_loss(one, ids, target).backward()
+    grads, optimizer = {n: p.grad.clone() for n, p in one.named_parameters()}, tf.AdamW(one.parameters(), lr=1e-2)
+    for step in range(3):
+        if step: optimizer.zero_grad(), one_process_loss(one, ids, target).backward()
+        optimizer.step()
+    share = tf.rank_share([ids, target], rank, world_size)                # [3 | 2, 12] each
+    for strategy in ("ddp", "fsdp", "naive"):  # naive: DDP with each rank's own mean
+        copied = copy.deepcopy(model)
+        trained = tf.data_parallel(copied, "ddp" if strategy == "naive" else strategy)
+        optimizer = tf.AdamW(copied.parameters(), lr=1e-2)
+        for step in range(3):
+            optimizer.zero_grad()
+            loss = (one_process_loss(trained, *share) if strategy == "naive" else
+                    tf.global_token_loss(trained(share[0]), share[1], tf.Vocab.PAD, label_smoothing=0.1))
+            loss.backward()
+            if step == 0:
+                found[f"{strategy} grad"] = max(max_diff(whole(p.grad), grads[n]) for n, p in copied.named_parameters())
+            optimizer.step()
+        state = tf.gathered_state_dict(copied)
+        found[f"{strategy} weights"] = max(max_diff(state[n], p) for n, p in one.named_parameters())
+        if strategy == "fsdp":
+            found["fsdp bytes"] = tf.sharded_bytes(copied, optimizer)
+            found["fsdp local"] = [whole(p).numel() > p.to_local().numel() for p in copied.parameters()]
+    for library in (False, True):
+        split = tf.tensor_parallel(copy.deepcopy(model).eval(), rank, world_size, library)
+        with torch.no_grad():
+            found[f"tp {library} logits"] = max_diff(split(ids), model(ids))
+        found[f"tp {library} greedy"] = torch.equal(tf.generate_tokens(split, ids[:, :4], 10),
+                                                    tf.generate_tokens(model, ids[:, :4], 10))
+        found[f"tp {library} local"] = list(split.layers[0].attn.w_k.weight.to_local().shape if library else
+                                            split.layers[0].attn.w_k.weight.shape)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))  # as torchrun sets them
+    common = ["--data", f"{folder}/pairs.tsv", "--size", "small", "--epochs", "1", "--translate", sentence]
+    for name, argv in [("ddp", ["--save", f"{folder}/ddp.pt"]), ("fsdp", ["--save", f"{folder}/fsdp.pt"]),
+                       ("tp", ["--load", f"{folder}/ddp.pt"]), ("mqa", ["--load", f"{folder}/mqa.pt"])]:
+        argv = ["--parallel", name if name != "mqa" else "tp"] + argv + common[6 * (name in ("tp", "mqa")):]
+        found[f"cli {name}"] = _main(argv)
+    with open(f"{folder}/rank{rank}.json", "w") as f:
+        json.dump(found, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def part_nine(tmp_path_factory):
+    """What each of 2 gloo ranks found (rank 0's and rank 1's dicts) and the one-process command line's runs."""
+    import torch.distributed.fsdp  # noqa: F401  imported once here, not in each child
+    import torch.distributed.tensor.parallel  # noqa: F401
+    import torch.multiprocessing
+    folder = tmp_path_factory.mktemp("parallel")
+    pairs = tf.make_toy_data(n_sentences=40, seed=0)
+    sentence = tf.split_data(pairs, seed=0)[0][0][0]  # a training sentence: its syllables are in the vocabulary
+    (folder / "pairs.tsv").write_text("".join(f"{p}\t{h}\n" for p, h in pairs), encoding="utf-8")
+    vocab = tf.build_gpt_vocab(pairs)  # a Llama of one key/value head: 2 ranks cannot split it by heads
+    mqa = tf.Llama(vocab_size=len(vocab), d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, max_len=30)
+    tf.save_checkpoint(str(folder / "mqa.pt"), "llama", mqa, vocab, vocab)
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))])  # the optimizers' first use imports for seconds: here, once
+    torch.multiprocessing.start_processes(parallel_worker, args=(2, str(folder), sentence), nprocs=2,
+                                          start_method="fork" if sys.platform == "linux" else "spawn")
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
+    one = _main(["--model", "llama", "--data", str(folder / "pairs.tsv"), "--size", "small", "--epochs", "1",
+                 "--translate", sentence, "--save", str(folder / "one.pt")])  # the same run in one process
+    return ranks, one, folder, sentence
+
+
+def test_data_parallel_equals_one_process_on_a_pad_heavy_batch_split_unevenly(part_nine):
+    for found in part_nine[0]:
+        assert found["ddp grad"] <= 1e-6 and found["fsdp grad"] <= 1e-6, found
+        assert found["ddp weights"] <= 1e-5 and found["fsdp weights"] <= 1e-5, found  # after 3 AdamW steps
+        assert found["naive grad"] > 0.1  # each rank's own mean (0.24 off): this batch tells the two apart
+
+
+def test_fsdp_holds_zero_3s_share_plus_one_block(part_nine):
+    model = part_nine_batch()[0]
+    P, block = tf.count_parameters(model), tf.count_parameters(model.layers[0])
+    formula = tf.zero_memory_per_device(tf.memory_bytes(P, P, 0), 2, 3)["total"]  # 16 P / 2 in float32
+    for found in part_nine[0]:
+        held, whole = found["fsdp bytes"]
+        assert whole == 4 * block and abs(held - formula) <= 0.1 * formula, (held, formula)
+        assert all(found["fsdp local"])  # every parameter is split, none held whole
+    assert sum(found["fsdp bytes"][0] for found in part_nine[0]) == 16 * P  # the shards, together: all of it once
+
+
+def test_tensor_parallel_by_hand_and_by_dtensor_equals_one_process_with_the_cache(part_nine):
+    for found in part_nine[0]:
+        for library in (False, True):
+            assert found[f"tp {library} logits"] <= 1e-5 and found[f"tp {library} greedy"], found
+            assert found[f"tp {library} local"] == [8, 32]  # 1 of the 2 key/value heads of width 8
+
+
+def test_parallel_runs_save_what_one_process_loads_and_answers_the_same(part_nine):
+    (rank0, rank1), one, folder, sentence = part_nine
+    status, answer, _ = one
+    assert status == 0 and answer.strip()
+    _, model, *_ = tf.load_checkpoint(str(folder / "one.pt"))
+    for name in ("ddp", "fsdp"):
+        assert rank0[f"cli {name}"][:2] == [0, answer] and rank1[f"cli {name}"][:2] == [0, ""]  # rank 0 alone prints
+        _, parallel, *_ = tf.load_checkpoint(str(folder / f"{name}.pt"))
+        assert max(max_diff(a, b) for a, b in zip(parallel.state_dict().values(), model.state_dict().values())) < 1e-5
+    assert rank0["cli tp"][:2] == [0, _main(["--load", str(folder / "ddp.pt"), "--translate", sentence])[1]]
+    status, out, err = rank0["cli mqa"]
+    assert status == 2 and out == "" and err.count("\n") == 1 and "n_kv_heads (1) must divide by world_size (2)" in err, err
+    assert rank1["cli mqa"] == [2, "", ""]  # rank 1 writes nothing
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parallel", "ddp"], "--parallel runs as torchrun's processes (torchrun --nproc_per_node 2"),
+    (["--parallel", "tp", "--translate", "wo"], "answers --translate with a --load"),
+    (["--parallel", "tp", "--load", "x.pt"], "it does not train"),
+    (["--parallel", "ddp", "--model", "gpt"], "trains the Llama (--model llama)"),
+    (["--parallel", "fsdp", "--load", "x.pt"], "--load skips training"),
+    (["--parallel", "ddp", "--translate", "-"], "every rank read standard input"),
+    (["--parallel", "ddp", "--after"], "--after runs models of its own, then exits, so --parallel does not")])
+def test_parallel_misuse_is_one_line_and_exit_2(argv, message, monkeypatch, capsys):
+    for name in ("RANK", "WORLD_SIZE"):  # found before torchrun's absence: each is wrong under torchrun too
+        monkeypatch.delenv(name, raising=False)
+    assert message in _usage_error(capsys, argv)
+
+
+def test_tensor_parallel_refuses_heads_that_do_not_divide_and_other_families():
+    for model, message in [(tf.Llama(vocab_size=10, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1),
+                            r"n_heads \(2\) and n_kv_heads \(1\) must divide by world_size \(2\)"),
+                           (tf.Mistral(vocab_size=10, d_model=16, n_layers=1, n_heads=2, n_kv_heads=2),
+                            "splits a Llama, got a Mistral"),
+                           (tf.DecoderOnlyTransformer(10, 16, 1, 2, 32), "splits a Llama, got a DecoderOnlyTransformer")]:
+        before = copy.deepcopy(model.state_dict())
+        with pytest.raises(ValueError, match=message):
+            tf.tensor_parallel(model, 0, 2)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing split
 # ===========================================================================
 # Tools: your own data, checkpoints, the demo, the benchmark, the command line
 # ===========================================================================
@@ -13255,6 +13415,18 @@ logprobs = torch.randn(4, 3, requires_grad=True)
 loss = grpo_loss(logprobs, logprobs.detach(), logprobs.detach(), advantages, torch.ones(4, 3, dtype=torch.bool))
 loss.backward()
 assert abs(loss.item()) < 1e-5 and logprobs.grad is not None  # on-policy, at the reference: minus the mean advantage"""),
+    ("tensor parallel: a column-then-row pair, Megatron's f and g", ("ColumnParallelLinear", "RowParallelLinear"), 60,
+     """
+import os, tempfile, torch.distributed as dist  # a world of one here; torchrun runs the same code on N ranks
+dist.init_process_group("gloo", init_method="file://" + os.path.join(tempfile.mkdtemp(), "store"), rank=0, world_size=1)
+try:
+    up, down, x = nn.Linear(8, 16), nn.Linear(16, 8), torch.randn(2, 3, 8, requires_grad=True)
+    out = RowParallelLinear(down, 0, 1)(F.relu(ColumnParallelLinear(up, 0, 1)(x)))
+    assert torch.allclose(out, down(F.relu(up(x))), atol=1e-6)
+    out.sum().backward()  # f's all_reduce, in the backward
+    assert torch.allclose(x.grad, torch.autograd.grad(down(F.relu(up(x))).sum(), x)[0], atol=1e-6)
+finally:
+    dist.destroy_process_group()"""),
     ("speculative decoding", ("speculative_generate", "rejection_rule"), 110, """
 class Bigram(nn.Module):  # token ids and a cache -> logits [B, T, V]; each position reads its own token only
     def __init__(self, seed):

@@ -4739,6 +4739,237 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
 
 
 # ===========================================================================
+# Part IX: beyond one device (第九部分：多设备)
+# ===========================================================================
+# A model that outgrows one device is split over many. torchrun starts one process a device (a rank), tells each its
+# RANK and WORLD_SIZE, and torch.distributed lets them meet: all_reduce sums a tensor over every rank, all_gather
+# concatenates their pieces. Data parallelism splits the batch, fully sharded data parallelism splits the weights and
+# their optimizer state too, and tensor parallelism splits each layer's matrices. torch does the communication (gloo
+# on CPUs, NCCL on GPUs); this part uses it as shipped and tests each split equal to one process.
+
+# ===========================================================================
+# 52. Data parallel and the global token count (数据并行与全局词元数)
+# ===========================================================================
+# Each rank keeps a whole copy of the model and takes its share of every batch. DistributedDataParallel (DDP) averages
+# the ranks' gradients with all_reduce while the backward runs, so every rank takes the same AdamW step and the copies
+# stay equal. Its average has the pitfall of section 43: each rank's loss must not be a mean over its own tokens. With
+# padding, ranks hold different numbers of real tokens, and the mean of their means weighs a token of a short share
+# more. Each rank sums its token losses and divides by the real tokens of all ranks, one all_reduce of a number; times
+# N, because DDP divides by N.
+
+
+def rank_share(batch, rank, world_size):
+    """Rank's rows of each tensor in batch: torch.tensor_split's rank-th of world_size pieces (when B does not
+    divide, the first ranks take one row more; a rank may take none)."""
+    return [t.tensor_split(world_size)[rank] for t in batch]              # [about B / N, ...] each
+
+
+def global_token_loss(logits, target, ignore_index=-100, label_smoothing=0.0):
+    """logits [b, T, V] and target [b, T] of this rank's share -> [] whose DDP-averaged gradient is that of the whole
+    batch's mean over its real tokens (target != ignore_index), as one process computes it."""
+    import torch.distributed as dist
+    total = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=ignore_index,
+                            label_smoothing=label_smoothing, reduction="sum")  # []: this rank's token losses
+    count = (target != ignore_index).sum()                                 # []: this rank's real tokens
+    dist.all_reduce(count)                                                 # []: every rank's, summed
+    return total * dist.get_world_size() / count.clamp(min=1)             # []: DDP divides by N; no token: 0
+
+
+def train_parallel(model, dataset, evaluate_fn, update, epochs=10, batch_size=64, label_smoothing=0.1, seed=0,
+                   log=print):
+    """train() (section 13) on every rank at once: the same seed gives every rank the same batches in the same
+    order, each computes its share, and update (built for the model as data_parallel left it) steps the weights.
+    The loss logged is the whole batch's. -> train()'s dict."""
+    import torch.distributed as dist
+    rank, world_size, device = dist.get_rank(), dist.get_world_size(), next(model.parameters()).device
+    torch.manual_seed(seed)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, collate_fn=collate,
+                                         generator=torch.Generator().manual_seed(seed))  # [B, longest] fields
+    start, history, accuracy = time.perf_counter(), [], 0.0
+    for epoch in range(1, epochs + 1):
+        model.train()
+        losses = []
+        for batch in loader:
+            *inputs, target = [t.to(device) for t in rank_share(batch, rank, world_size)]  # [b, S]..., [b, T]
+            loss = global_token_loss(model(*inputs), target, Vocab.PAD, label_smoothing)  # []
+            loss.backward()                                                # DDP: the gradients averaged here
+            update()
+            losses.append(loss.detach() / world_size)                      # []: this rank's part of the mean
+        mean = torch.stack(losses).mean()                                  # []
+        dist.all_reduce(mean)                                              # []: the batches' losses, as one process
+        accuracy = evaluate_fn()
+        history.append((epoch, time.perf_counter() - start, accuracy))
+        log(f"epoch {epoch:2d}  loss {mean.item():.3f}  held-out accuracy {100 * accuracy:5.1f}%  "
+            f"{time.perf_counter() - start:5.1f}s  ({world_size} ranks)")
+    return {"loss": mean.item(), "accuracy": accuracy, "seconds": time.perf_counter() - start, "interrupted": False,
+            "history": history}
+
+
+# ===========================================================================
+# 53. Fully sharded data parallel: FSDP2 (全分片数据并行)
+# ===========================================================================
+# DDP keeps 16 bytes a parameter on every rank in float32 with AdamW (weights, gradients, m and v: section 46), so a
+# model is no larger on 64 GPUs than on one. FSDP (ZeRO-3, section 46) keeps 1/N of each: a rank holds rows of every
+# weight. Before a block's forward the ranks all_gather its weights, and after it they drop the others' rows; the
+# backward gathers them again, and reduce_scatter leaves each rank the sum of its own rows' gradients. AdamW then
+# updates each shard where it lies, with moments of the shard's size. FSDP2's fully_shard makes each parameter a
+# DTensor, a tensor that knows its placement; a rank holds its to_local() piece. Sharding each block apart means one
+# block at a time is whole, so a rank holds the ZeRO-3 share plus one block.
+
+
+def data_parallel(model, strategy):
+    """model (the same on every rank, on this rank's device) made ready for training: "ddp" wraps it in
+    DistributedDataParallel (the model stays inside as .module); "fsdp" shards, in place, each of its layers, then the
+    rest (embedding, final norm, head). Build the optimizer after: FSDP's parameters are new DTensors."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
+    if strategy == "ddp":
+        return DistributedDataParallel(model)
+    for layer in model.layers:
+        fully_shard(layer)                                                 # its own all_gather, one block at a time
+    return fully_shard(model)
+
+
+def gathered_state_dict(model):
+    """model's state_dict with each FSDP shard gathered whole (a collective: every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+    return {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in model.state_dict().items()}
+
+
+def sharded_bytes(model, optimizer):
+    """(bytes of weights, gradients and optimizer state this rank holds, bytes of one block gathered whole)."""
+    from torch.distributed.tensor import DTensor
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t        # noqa: E731  this rank's piece
+    held = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters() if p.grad is not None]
+    held += [local(t) for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    block = model.layers[0]
+    block.unshard()                                                        # its weights whole, as in its forward
+    whole = sum(p.numel() * p.element_size() for p in block.parameters())
+    block.reshard()
+    return sum(t.numel() * t.element_size() for t in held), whole
+
+# The formula is section 46's: zero_memory_per_device(memory_bytes(P, P, 0), N, 3) is 16 P / N in float32, and one
+# block's weights are added. In bf16 with float32 master weights (16 bytes a parameter as well), Llama-2-7B needs 108
+# GB on one GPU, 13.5 GB a rank on 8 and 1.7 GB on 64; Llama-2-70B 1,104, 138 and 17.2 GB. A step sends the weights
+# twice (two all_gathers) and the gradients once (reduce_scatter): 3 x 2 bytes a parameter in bf16, where DDP's
+# all_reduce sends 2 x 2.
+
+
+# ===========================================================================
+# 54. Tensor parallel: Megatron's f and g, by hand and by DTensor (张量并行)
+# ===========================================================================
+# Sharding still computes each layer whole on one rank; tensor parallelism (Shoeybi et al., 2019, Megatron-LM)
+# splits the layer's work. A linear layer split by output features (column-parallel: rank r holds the r-th slice of
+# the rows of W [out, in]) gives each rank a slice of the output; the next, split by input features (row-parallel: the
+# r-th slice of W's columns), takes exactly that slice, and the sum of the ranks' outputs is the whole product. So the pair costs one all_reduce in the
+# forward, Megatron's g, and nothing between: a nonlinearity acting on each element (SiLU, the gate's product) runs
+# on the slices as on the whole. Its mirror f is the identity forward and the all_reduce backward, since each rank's
+# slice sends back only part of the input's gradient. Attention splits the same way by heads, which never mix before
+# w_o: w_q by query heads, w_k and w_v by key/value heads (a GQA group stays on one rank), w_o by rows. A block costs
+# 2 all_reduces of [B, T, D] forward and 2 backward (Megatron runs one f before the fused q, k, v; here each
+# column-parallel layer has its own f, 5 in all); each rank caches only its key/value heads.
+
+
+class CopyToRanks(torch.autograd.Function):
+    """Megatron's f: x as it is; its gradient summed over the ranks."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)                                                # [as x]
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+        grad = grad.clone()                                                # [as x]
+        dist.all_reduce(grad)
+        return grad
+
+
+class SumOverRanks(torch.autograd.Function):
+    """Megatron's g: x summed over the ranks; its gradient as it is (every rank holds the same)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        import torch.distributed as dist
+        x = x.clone()                                                      # [as x]
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class ColumnParallelLinear(nn.Module):
+    """Rank's share of linear's output features (rows of its weight [out, in], and of its bias): x whole in, a
+    slice [..., out / N] out."""
+
+    def __init__(self, linear, rank, world_size):
+        super().__init__()
+        if linear.out_features % world_size:
+            raise ValueError(f"out_features ({linear.out_features}) must divide by world_size ({world_size})")
+        self.weight = nn.Parameter(linear.weight.detach().chunk(world_size)[rank].clone())  # [out / N, in]
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().chunk(world_size)[rank].clone())  # [out / N]
+
+    def forward(self, x):
+        return F.linear(CopyToRanks.apply(x), self.weight, self.bias)     # [..., out / N]
+
+
+class RowParallelLinear(nn.Module):
+    """Rank's share of linear's input features (columns of its weight): a slice [..., in / N] in, the sum over the
+    ranks [..., out] out; the bias added once, after the sum."""
+
+    def __init__(self, linear, rank, world_size):
+        super().__init__()
+        if linear.in_features % world_size:
+            raise ValueError(f"in_features ({linear.in_features}) must divide by world_size ({world_size})")
+        self.weight = nn.Parameter(linear.weight.detach().chunk(world_size, dim=1)[rank].clone())  # [out, in / N]
+        self.bias = linear.bias                                            # [out] or None, whole on every rank
+
+    def forward(self, x):
+        out = SumOverRanks.apply(F.linear(x, self.weight))                 # [..., out]
+        return out if self.bias is None else out + self.bias               # [..., out]
+
+
+def tensor_parallel(model, rank, world_size, library=False):
+    """A Llama (section 22) split in place over world_size ranks -> model: each block's attention by query and
+    key/value heads, its SwiGLU by w1 and w3 columns, then w2 rows. The embedding, the norms and lm_head stay whole on
+    every rank. library=True splits the same matrices with DTensor's parallelize_module."""
+    if type(model) is not Llama:  # a family's own layers would stay whole, and answer wrong
+        raise ValueError(f"tensor_parallel splits a Llama, got a {type(model).__name__}")
+    H, Hkv = model.config["n_heads"], model.config["n_kv_heads"] or model.config["n_heads"]
+    if H % world_size or Hkv % world_size:
+        raise ValueError(f"tensor_parallel splits a Llama by heads: its n_heads ({H}) and n_kv_heads ({Hkv}) must"
+                         f" divide by world_size ({world_size})")
+    plan = {"attn.w_q": "col", "attn.w_k": "col", "attn.w_v": "col", "attn.w_o": "row",
+            "ffn.w1": "col", "ffn.w3": "col", "ffn.w2": "row"}
+    if library:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh(model.cos.device.type, (world_size,))      # the ranks in a row
+    for block in model.layers:
+        if library:  # each weight a DTensor sharded as the plan says; the layer's output is a plain tensor again
+            parallelize_module(block, mesh, {name: ColwiseParallel() if way == "col" else RowwiseParallel()
+                                             for name, way in plan.items()})
+        else:
+            for name, way in plan.items():
+                parent, child = name.split(".")
+                split = ColumnParallelLinear if way == "col" else RowParallelLinear
+                setattr(getattr(block, parent), child, split(getattr(getattr(block, parent), child), rank, world_size))
+        block.attn.n_heads, block.attn.n_kv_heads = H // world_size, Hkv // world_size  # this rank's heads
+    return model
+
+# Try it: SwiGLU over 2 ranks by hand (w1, w3 by rows, w2 by columns): the parts' sum, g's all_reduce, is the whole.
+#   >>> ffn, x = SwiGLU(8, 16), torch.randn(2, 3, 8)                       # [2, 3, 8]
+#   >>> parts = [(F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T for w1, w3, w2 in zip(  # [2, 3, 8] each
+#   ...     ffn.w1.weight.chunk(2), ffn.w3.weight.chunk(2), ffn.w2.weight.chunk(2, dim=1))]
+#   >>> torch.allclose(parts[0] + parts[1], ffn(x), atol=1e-6)
+#   True
+
+# ===========================================================================
 # The article ends here (正文到此结束)
 # ===========================================================================
 # The tools around it: your own data, checkpoints, the demo, the benchmark, the command line. Nothing above uses them.
@@ -5444,8 +5675,10 @@ TOY_MODELS = {
 }
 
 
-def train_toy_model(kind, train_pairs, test_pairs, device="cpu", epochs=None, seed=0, log=print, recipes=None):
-    """Build and train (recipes or TOY_MODELS)[kind] on the data -> (model, src_vocab, tgt_vocab, train's result)."""
+def train_toy_model(kind, train_pairs, test_pairs, device="cpu", epochs=None, seed=0, log=print, recipes=None,
+                    parallel=None):
+    """Build and train (recipes or TOY_MODELS)[kind] on the data -> (model, src_vocab, tgt_vocab, train's result);
+    parallel "ddp" or "fsdp": on every rank of a process group, with Part IX's data_parallel and train_parallel."""
     check_list("train_pairs", train_pairs, "(pinyin, hanzi) pairs")
     check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
     spec = (recipes or TOY_MODELS)[kind]
@@ -5464,9 +5697,13 @@ def train_toy_model(kind, train_pairs, test_pairs, device="cpu", epochs=None, se
     model.to(device)
     log(f"\n{spec['name']}: {count_parameters(model):,} parameters, {spec['config']}")
     held_out = lambda: teacher_forced_accuracy(kind, model, test_pairs, src_vocab, tgt_vocab, readings)  # noqa: E731
+    trained = data_parallel(model, parallel) if parallel else model  # before the optimizer: FSDP's are new DTensors
     update = spec["update"](model) if "update" in spec else adam_noam(model, spec["lr_factor"], spec["warmup"])
-    result = train(model, dataset, held_out, epochs=epochs or spec["epochs"], batch_size=spec["batch_size"],
-                   seed=seed, log=log, update=update)
+    result = (train_parallel if parallel else train)(trained, dataset, held_out, epochs=epochs or spec["epochs"],
+                                                     batch_size=spec["batch_size"], seed=seed, log=log, update=update)
+    if parallel == "fsdp":  # gathered into a plain model on every rank, to answer and save as one process does
+        state, model = gathered_state_dict(model), spec["model"](**model.config).to(device)  # {name: [whole]}
+        model.load_state_dict(state)
     return model, src_vocab, tgt_vocab, result
 
 
@@ -6446,7 +6683,7 @@ def run(args, device, pairs, loaded):
             spans = SIZES[args.size][kind].get("spans", 0)  # a piece of a sentence is one more: the vocabulary stays
             model, src_vocab, tgt_vocab, result = train_toy_model(  # each epoch shown as it ends, even | tee
                 kind, with_pieces(train_pairs, spans, args.seed), test_pairs, device, args.epochs, args.seed,
-                log=lambda line: print(line, flush=True), recipes=SIZES[args.size])
+                log=lambda line: print(line, flush=True), recipes=SIZES[args.size], parallel=args.parallel)
             readings = syllable_readings(train_pairs)
         if not answering:
             longest = longest_sentence(kind, model)
@@ -6673,7 +6910,7 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
 
 MAX_LINE = 2 ** 20  # characters in one --translate - line; a sentence takes at most MAX_SYLLABLES syllables
 MAX_BEAM = 64       # --beam: wider beams cost memory and time and, on this task, gain nothing
-ALONE = ("data", "load", "save", "translate", "epochs", "model", "size", "beam", "free", "head")
+ALONE = ("data", "load", "save", "translate", "epochs", "model", "size", "beam", "free", "head", "parallel")
 IGNORED_BY = {"load": ("skips training", ("save", "epochs", "model", "size")),  # refused, never silently ignored
               "after": ("runs models of its own, then exits", ALONE + ("bench",)),
               "bench": ("runs models of its own, then exits", ALONE),
@@ -6742,6 +6979,33 @@ class GuardedStream:
         return getattr(self.stream, name)
 
 
+def start_parallel(args):
+    """This process as one rank of torchrun's (Part IX): its process group (NCCL on CUDA GPUs, gloo on CPUs) and its
+    device; ranks but 0 print and save nothing. -> the device, or ValueError: why this run cannot be parallel."""
+    import torch.distributed as dist
+    if args.parallel == "tp" and (args.load is None or args.translate is None):
+        raise ValueError("--parallel tp answers --translate with a --load'ed Llama, split by heads; it does not train")
+    if args.parallel != "tp" and (args.load is not None or args.model != "llama"):
+        raise ValueError(f"--parallel {args.parallel} trains the Llama (--model llama); --load skips training")
+    if args.translate == "-":
+        raise ValueError("--parallel: --translate takes a sentence; '-' would have every rank read standard input")
+    usage = f"torchrun --nproc_per_node 2 transformer.py --parallel {args.parallel} ..."
+    if not (dist.is_available() and "RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        raise ValueError(f"--parallel runs as torchrun's processes ({usage})" if dist.is_available() else
+                         "--parallel: this torch was built without torch.distributed")
+    device = pick_device(args.device)
+    if device.type not in ("cpu", "cuda"): raise ValueError(f"--parallel runs on CPUs or CUDA GPUs, not {device}")
+    if device.type == "cuda":  # one GPU a rank: torchrun numbers the ranks of each machine by LOCAL_RANK
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():  # torchrun's MASTER_ADDR and MASTER_PORT: where the ranks meet
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if dist.get_rank():
+        sys.stdout = sys.stderr = GuardedStream(open(os.devnull, "w"))
+        args.save = None
+    return device
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="transformer.py", description=__doc__.split("\n\n")[0])
     # a usage error is one line and exit status 2, no usage dump; a path in it can be a megabyte
@@ -6769,6 +7033,8 @@ def main(argv=None):
     option("--temperature", type=number_in(0, 100, float), default=0.0, help="with --gguf: 0 is greedy (the default)")
     option("--top-k", type=number_in(1), help="with --gguf: sample from the k most likely tokens only")
     option("--top-p", type=number_in(1e-9, 1, float), help="with --gguf: sample from the smallest set holding p")
+    option("--parallel", choices=("ddp", "fsdp", "tp"), help="under torchrun (Part IX): train the Llama with DDP or"
+                                                          " FSDP, or split a --load'ed one by heads for --translate")
     args = parser.parse_args(argv)
     GuardedStream.keep_going = args.save is not None  # the reader of the output may leave: the model is saved
     empty = next((name for name in ("data", "load", "save") if getattr(args, name) == ""), None)
@@ -6817,13 +7083,19 @@ def main(argv=None):
         print(f"({speed:.1f} tokens/s)", file=sys.stderr)
         return 0
     args.size = args.size or ("base" if args.data else "small")
-    args.model = args.model or ("encdec" if args.data else "all")
+    args.model = args.model or ("llama" if args.parallel else "encdec" if args.data else "all")
     problem = args.save and save_target_problem(args.save, args.data)
     if problem: parser.error(f"--save {quote(args.save)}: {problem}")
     try:
-        device = pick_device(args.device)
+        device = start_parallel(args) if args.parallel else pick_device(args.device)
         pairs = read_pairs(args.data) if args.data else make_toy_data(seed=args.seed)
         loaded = load_checkpoint(args.load, device) if args.load else None
+        if args.parallel == "tp":  # each rank its heads and columns; the answers come out whole on every rank
+            import torch.distributed as dist
+            try:
+                tensor_parallel(loaded[1], dist.get_rank(), dist.get_world_size())
+            except ValueError as e:
+                raise ValueError(f"--parallel tp --load {shown(args.load)}: {e}") from None
     except ValueError as e:
         parser.error(str(e))
     if loaded and not longest_sentence(*loaded[:2]):  # not "takes at most -1 syllables", later
@@ -6845,7 +7117,7 @@ def main(argv=None):
         return 0
     if args.translate is None:
         print(f"device: {device}, torch {torch.__version__}\n")
-        if not (loaded or args.data):
+        if not (loaded or args.data or args.parallel):
             show_models(device)
             show_training_costs()
         run(args, device, pairs, loaded)
