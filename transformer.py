@@ -4802,6 +4802,20 @@ def read_bytes(path):
 def read_gguf(path, architectures=None):
     """A GGUF file -> (metadata {key: value}, tensors {llama.cpp's name: float32 tensor in torch's shape}), a "llama"
     file's w_q and w_k rows reordered back. A file of none of architectures (None: any) is refused before its data."""
+    metadata, stored = read_gguf_blocks(path, architectures)
+    return metadata, {name: as_float32(*parts) for name, parts in stored.items()}
+
+
+def as_float32(fmt, shape, rows):
+    """A tensor as GGUF stores it (rows: a uint8 tensor [rows, bytes a row]) -> float32 of shape."""
+    if fmt in FLOATS:
+        return rows.view(FLOATS[fmt]).to(torch.float32, copy=True).reshape(shape)  # [*shape]
+    return dequantize(rows.flatten(), fmt, shape)                          # [*shape]
+
+
+def read_gguf_blocks(path, architectures=None):
+    """read_gguf's work, each tensor left as stored -> (metadata, {name: (its format, torch's shape, its bytes as a
+    uint8 tensor [rows, bytes a row])}), rows reordered as read_gguf's are."""
     data, pos = read_bytes(path), 0
 
     def take(code, count=1):  # count little-endian values of the struct code at pos
@@ -4866,9 +4880,8 @@ def read_gguf(path, architectures=None):
         if start + offset + size > len(data):
             raise ValueError(f"{path} is truncated: tensor {name} ends at byte {start + offset + size:,},"
                              f" the file at {len(data):,}")
-        raw = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=start + offset)  # [size]
-        w = (raw.view(FLOATS[fmt]).to(torch.float32, copy=True).reshape(shape) if fmt in FLOATS
-             else dequantize(raw, fmt, shape))                             # [*shape]
+        rows = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=start + offset).view(
+            math.prod(shape[:-1]), -1)                                     # [rows, bytes a row]
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             key = "llama.attention.head_count"
             key += "_kv" * ("attn_k" in name and key + "_kv" in metadata)
@@ -4876,8 +4889,8 @@ def read_gguf(path, architectures=None):
             if type(heads) is not int or heads < 1 or shape[0] % (2 * heads):
                 raise ValueError(f"{path}: {key} is {heads!r:.60}, expected a count of heads that divides"
                                  f" {name}'s {shape[0]} rows into pairs")
-            w = unpermute_rope_rows(w, heads)                              # [H * dk, D]
-        tensors[name] = w
+            rows = unpermute_rope_rows(rows, heads)                        # [H * dk, bytes a row]
+        tensors[name] = fmt, shape, rows
     return metadata, tensors
 
 
