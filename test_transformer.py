@@ -11876,7 +11876,7 @@ def test_gguf_answers_on_stdout_as_it_makes_it_and_says_its_speed_on_stderr(tmp_
     for options in ([], ["--float32"]):  # the quantized model by default, the article's Llama with --float32
         status, out, err = _main(["--gguf", str(path), "--prompt", "the cat", "--max-new-tokens", "5", *options])
         assert status == 0 and out == expected + "\n"
-        assert re.fullmatch(r"\(prompt: 21 tokens in [\d.]+ s; answer: 4 more tokens at [\d.]+ tokens a second;"
+        assert re.fullmatch(r"\(prompt: 40 tokens in [\d.]+ s; answer: 4 more tokens at [\d.]+ tokens a second;"
                             r" peak memory (\d+|None) MB\)\n", err), err
 
 
