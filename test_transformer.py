@@ -3751,9 +3751,10 @@ def test_hf_load_checks_every_tensor_before_it_copies_any(bad, message):
         tf.load_hf_state_dict(model, {7: torch.zeros(1)})
 
 
-def tiny_gguf_llama(tmp_path, permute=True, change=None):
+def tiny_gguf_llama(tmp_path, permute=True, change=None, fmt=None):
     """A tiny Llama and its tokenizer written as llama.cpp writes a GGUF (q and k rows reordered,
-    the embedding in Q8_0) -> (path, the model with the embedding as the file holds it, tokenizer)."""
+    the embedding in Q8_0, the blocks' matrices in fmt, else F32) -> (path, the model with its
+    weights as the file holds them, tokenizer)."""
     tok = tf.train_gpt2_bpe(BPE_TEXT, vocab_size=280)
     tokens = tok.tokens + ["<|im_start|>", "<|im_end|>"]
     model = tf.Llama(vocab_size=282, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_len=128,
@@ -3761,8 +3762,10 @@ def tiny_gguf_llama(tmp_path, permute=True, change=None):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape) * (p.size(-1) ** -0.5 if p.dim() == 2 else 0.1) + (p.dim() == 1))
-        embedding = model.token_embedding.weight
-        embedding.copy_(tf.dequantize(tf.quantize(embedding, "Q8_0"), "Q8_0", embedding.shape))
+        for name, w in model.named_parameters():
+            kind = "Q8_0" if name == "token_embedding.weight" else fmt if "layers" in name and w.dim() == 2 else None
+            if kind:
+                w.copy_(tf.dequantize(tf.quantize(w, kind), kind, w.shape))
     names = [("token_embedding", "token_embd"), ("final_norm", "output_norm"), ("lm_head", "output"),
              ("layers.", "blk."), ("attn.w_q", "attn_q"), ("attn.w_k", "attn_k"), ("attn.w_v", "attn_v"),
              ("attn.w_o", "attn_output"), ("ffn.w1", "ffn_gate"), ("ffn.w3", "ffn_up"), ("ffn.w2", "ffn_down")]
@@ -3772,8 +3775,10 @@ def tiny_gguf_llama(tmp_path, permute=True, change=None):
             name = name.replace(ours, theirs)
         if permute and ("attn_q" in name or "attn_k" in name):
             w = llama_cpp_permute(w, 4 if "attn_q" in name else 2)
-        data = tf.quantize(w, "Q8_0") if name == "token_embd.weight" else w.numpy().tobytes()
-        tensors[name] = (8 if name == "token_embd.weight" else 0, data, tuple(w.shape))
+        kind = "Q8_0" if name == "token_embd.weight" else fmt if name.startswith("blk.") and w.dim() == 2 else None
+        kind = kind or "F32"
+        data = w.numpy().tobytes() if kind == "F32" else tf.quantize(w, kind)
+        tensors[name] = ({"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8}[kind], data, tuple(w.shape))
     arch = {f"llama.{k}": (4, v) for k, v in (("block_count", 2), ("context_length", 128), ("embedding_length", 64),
                                               ("feed_forward_length", 96), ("attention.head_count", 4),
                                               ("attention.head_count_kv", 2))}
@@ -3786,6 +3791,79 @@ def tiny_gguf_llama(tmp_path, permute=True, change=None):
     metadata.update(change or {})  # {key: (type, value)}, None a key dropped
     metadata = {k: v for k, v in metadata.items() if v is not None}
     return write_gguf(tmp_path / "tiny.gguf", metadata, tensors), model, tok
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0", "F32"])
+def test_stored_linear_multiplies_by_the_blocks_as_dequantize_then_matmul_does(fmt):
+    """StoredLinear on a format's bytes (two parts fused along the output dim, as q, k and v are) gives
+    what F.linear gives with the dequantized weights, within bf16's rounding of x and the scales; Q4_0
+    and Q4_1 through the int4 kernel, Q8_0 through the int8 one, where torch has them."""
+    g = torch.Generator().manual_seed(0)
+    ws, x = [torch.randn(n, 96, generator=g) for n in (32, 16)], torch.randn(3, 5, 96, generator=g)
+    parts, dense = [], []
+    for w in ws:
+        data = w.numpy().tobytes() if fmt == "F32" else tf.quantize(w, fmt)
+        rows = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(w.size(0), -1)
+        parts.append((fmt, tuple(w.shape), rows))
+        dense.append(tf.as_float32(fmt, tuple(w.shape), rows))
+    bias = [torch.randn(32, generator=g), torch.randn(16, generator=g)]
+    linear = tf.StoredLinear(parts, bias, torch.float32, torch.device("cpu"))
+    assert linear.int4 == (tf.INT4_KERNEL and fmt.startswith("Q4"))
+    assert linear.weight.dtype == (torch.float16 if fmt == "Q8_0" else torch.uint8 if linear.int4 else torch.float32)
+    expected = F.linear(x, torch.cat(dense), torch.cat(bias))            # [3, 5, 48]
+    y = linear(x)
+    assert y.shape == (3, 5, 48) and y.dtype == torch.float32
+    tolerance = 0 if fmt == "F32" else 0.003 if fmt == "Q8_0" else 0.03  # float16's 11 bits, bf16's 8 of x, d and m
+    assert max_diff(y, expected) <= tolerance * expected.abs().max() + 1e-5, max_diff(y, expected)
+    if fmt.startswith("Q4"):  # and not from weights rounded some other way: (q - 8) d + (m + 8 d) is Q4_1's d q + m
+        assert max_diff(y, expected) < 0.2 * max_diff(expected, F.linear(x, torch.cat(ws), torch.cat(bias)))
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_0", None])
+def test_fast_llama_gives_the_llamas_logits_from_the_files_blocks(tmp_path, fmt):
+    """fast_gguf's model, from a file whose matrices are in fmt: the logits of load_gguf's float32
+    Llama within bf16's rounding (exactly, in float32, where the weights are F32), prompt then one token
+    at a time through the static cache as in one pass, and greedy tokens the same."""
+    path, written, _ = tiny_gguf_llama(tmp_path, fmt=fmt)
+    exact, _ = tf.load_gguf(path)
+    fast, _ = tf.fast_gguf(path)
+    fast.warm_up(40)
+    assert fast.max_len == 40 and {b.qkv.int4 for b in fast.layers} == {bool(fmt and tf.INT4_KERNEL)}
+    ids = torch.randint(0, 282, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full, cache = exact(ids), fast.new_cache()
+        steps = torch.cat([fast(ids[:, :6], cache)] + [fast(ids[:, :t], cache) for t in range(7, 13)], dim=1)
+        assert len(cache) == 12 and max_diff(steps, fast(ids, fast.new_cache())) < 1e-4
+    assert max_diff(steps, full) <= (0.05 if fmt else 1e-4) * full.abs().max()
+    tokens = [tf.chat((model, tok), "the cat", max_new_tokens=8, out=io.StringIO())[0]
+              for model, tok in (tf.load_gguf(path), tf.fast_gguf(path))]
+    assert tokens[0] == tokens[1]
+    with pytest.raises(ValueError, match=r"input_ids must be \[1, T\] with 12 < T <= max_len 40"):
+        fast(ids, cache)                                                  # nothing new
+    assert len(cache) == 12                                               # a failing call changes nothing
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "fails"])
+def test_fast_llama_compiles_its_step_once_and_gives_the_eager_tokens(tmp_path, capsys, backend):
+    """The step for one token compiled (aot_eager needs no C compiler) makes the eager step's tokens and
+    compiles once for a whole answer; a backend that fails leaves one note and the eager step."""
+    import torch._dynamo
+    path, _, _ = tiny_gguf_llama(tmp_path, fmt="Q4_1")
+
+    def fails(graph, inputs):
+        raise RuntimeError("no C++ compiler here")
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled, tok = tf.fast_gguf(path, compile=fails if backend == "fails" else backend)
+    compiled.warm_up(60)
+    eager, _ = tf.fast_gguf(path)
+    answers = [tf.chat((model, tok), "the cat", max_new_tokens=10, out=io.StringIO())[0] for model in (compiled, eager)]
+    assert answers[0] == answers[1]
+    if backend == "fails":
+        assert not compiled.compiled and capsys.readouterr().err.count("torch.compile failed (BackendCompilerFailed") == 1
+    else:
+        assert compiled.compiled and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # no recompiling
 
 
 def test_gguf_load_gives_the_model_written_and_its_tokenizer(tmp_path):
@@ -4220,8 +4298,9 @@ def test_chat_prints_whole_characters_only_and_stops_at_the_end_of_turn():
                           chat_template="<|im_start|>{{ messages }}")
     script = [*"中".encode(), ord("!"), *"😀".encode()[:2], 256, 65]           # 😀 cut off by the end of turn
     out = Writes()
-    answer, speed = tf.chat((ScriptedModel(script, 257), tok), "hi", max_new_tokens=10, out=out)
-    assert answer == "中!\ufffd" and "".join(out) == answer and speed > 0
+    answer, times = tf.chat((ScriptedModel(script, 257), tok), "hi", max_new_tokens=10, out=out)
+    assert answer == "中!\ufffd" and "".join(out) == answer
+    assert len(times) == 7 and times == sorted(times) and times[0] > 0  # 6 tokens, then the end of turn
     assert [w for w in out if w] == ["中", "!", "\ufffd"]                     # nothing printed before 中 is whole
     out = Writes()
     answer, _ = tf.chat((ScriptedModel([65] * 10, 257), tok), "hi", max_new_tokens=3, out=out)
@@ -11958,11 +12037,13 @@ def test_claim_seeds_go_up_to_torchs_limit_2_64_minus_1():
 def test_gguf_answers_on_stdout_as_it_makes_it_and_says_its_speed_on_stderr(tmp_path):
     """--gguf PATH --prompt TEXT through main(): the answer chat() makes for the same file, greedy,
     on stdout alone, then the speed on stderr."""
-    path, _, _ = tiny_gguf_llama(tmp_path)
-    status, out, err = _main(["--gguf", str(path), "--prompt", "the cat", "--max-new-tokens", "5"])
+    path, _, _ = tiny_gguf_llama(tmp_path, fmt="Q4_1")
     expected, _ = tf.chat(tf.load_gguf(path), "the cat", max_new_tokens=5, out=io.StringIO())
-    assert status == 0 and out == expected + "\n"
-    assert re.fullmatch(r"\([\d.]+ tokens/s\)\n", err), err
+    for options in ([], ["--float32"]):  # the quantized model by default, the article's Llama with --float32
+        status, out, err = _main(["--gguf", str(path), "--prompt", "the cat", "--max-new-tokens", "5", *options])
+        assert status == 0 and out == expected + "\n"
+        assert re.fullmatch(r"\(prompt: 40 tokens in [\d.]+ s; answer: 4 more tokens at [\d.]+ tokens a second;"
+                            r" peak memory (\d+|None) MB\)\n", err), err
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -11984,6 +12065,9 @@ def test_gguf_answers_on_stdout_as_it_makes_it_and_says_its_speed_on_stderr(tmp_
     (["--gguf", "{tiny}", "--prompt", "hi", "--device", "cuda:0" if not torch.cuda.is_available() else "cuda:99"],
      "is not available here" if not torch.cuda.is_available() else "cuda"),
     (["--gguf", "{tiny}", "--prompt", "hi", "--top-k", "5"], "--top-k applies to sampling, with --temperature above 0"),
+    (["--gguf", "{tiny}", "--prompt", "hi", "--float32", "--compile"], "--compile applies to the quantized model"),
+    (["--float32"], "--float32 applies to --gguf, which was not given"),
+    (["--compile"], "--compile applies to --gguf, which was not given"),
     (["--gguf", "{tiny}", "--prompt", "hi", "--top-p", "0.9", "--temperature", "0"], "--top-p applies to sampling"),
     (["--gguf", "{fifo}", "--prompt", "hi"], "cannot read {fifo}: not a regular file (a folder, a pipe or a device)"),
     (["--gguf", "{folder}", "--prompt", "hi"], "cannot read {folder}: "),

