@@ -12671,7 +12671,7 @@ _PAIRS = "(pinyin, hanzi) pairs"
 @pytest.fixture(scope="module")
 def list_arguments(hard):
     """Every library argument that takes a list (of sentences, pairs, syllables, tokens,
-    ids, labels or lines) in sections 11-56: name -> (call(value), argument, its items)."""
+    ids, labels or lines) in sections 11-60: name -> (call(value), argument, its items)."""
     kind, model, sv, tv, readings = tf.load_checkpoint(hard["encdec"])
     _, gpt, _, vocab, _ = tf.load_checkpoint(hard["gpt"])
     pairs = tf.make_toy_data(n_sentences=10, seed=0)

@@ -19,8 +19,9 @@ Mistral (a window) each extend the Llama. test_transformer.py tests every piece 
                     attention sinks (gpt-oss), Gated DeltaNet (Qwen3-Next), sparse attention (V3.2)
   Part VII   41-47  training by hand: AdamW, schedules, clipping, FLOPs, precision, memory, LoRA
   Part VIII  48-51  after pretraining: speculative decoding, log-probabilities, DPO, GRPO
-  Tools      52-58  reading released files, the runs behind the article, your own data, checkpoints, the demo,
-                    the benchmark, the command line
+  Part IX    52-54  beyond one device: data parallel, fully sharded (FSDP2), tensor parallel, under torchrun
+  Tools      55-62  reading released files, the released model at speed, the runs behind the article, your own
+                    data, checkpoints, the demo, the benchmark, the command line
 
 The encoder-decoder (Part I) and its shapes, for a batch of B sentences:
 
@@ -5002,7 +5003,7 @@ from unittest import mock
 
 
 # ===========================================================================
-# 52. Reading released checkpoints: GGUF, safetensors, transformers' names (读取发布的检查点)
+# 55. Reading released checkpoints: GGUF, safetensors, transformers' names (读取发布的检查点)
 # ===========================================================================
 # Part IV's files. safetensors (what transformers saves) is an 8-byte length, a JSON header {name: dtype, shape, byte
 # offsets}, then the raw tensors. GGUF (llama.cpp's) holds typed key-value metadata (the configuration, the tokenizer),
@@ -5287,7 +5288,7 @@ def quote(text, limit=40):
     return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text):,} characters)"
 
 
-# The class of each kind a checkpoint's config (section 55) or transformers' (below) names
+# The class of each kind a checkpoint's config (section 59) or transformers' (below) names
 MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer, "llama": Llama, "qwen3": Qwen3,
                  "mixtral": Mixtral, "qwen3moe": Qwen3MoE, "mistral": Mistral, "deepseek": DeepSeekV3,
                  "gptoss": GptOss, "qwen3_next": Qwen3Next, "deepseek_v32": DeepSeekV32}
@@ -5304,7 +5305,7 @@ def constructor_keywords(cls):
     return own if len(own) == len(parameters) else {**constructor_keywords(cls.__mro__[1]), **own}
 
 
-# A config's fields (a checkpoint's, section 55, or a transformers config's, below), each with its rule: (type,
+# A config's fields (a checkpoint's, section 59, or a transformers config's, below), each with its rule: (type,
 # smallest, largest) for numbers, where largest None means no bound but torch's indexing for an integer (2^31 - 1)
 # and a finite value for a float; (type,) for the others. A forged size is refused here, by name, before any formula
 # or model is computed from it.
@@ -5682,7 +5683,7 @@ def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
 
 
 # ===========================================================================
-# 5X. The released model at speed: its blocks as stored, a static cache, one compiled step (发布模型的快速推理)
+# 56. The released model at speed: its blocks as stored, a static cache, one compiled step (发布模型的快速推理)
 # ===========================================================================
 # Section 25's floor, approached as gpt-fast approaches it. The products read the file's 4-bit blocks: torch's int4
 # kernel takes groups of 32 with a scale and a zero each, (q - 8) scale + zero, so Q4_1's zero is m + 8 d and Q4_0's is
@@ -5701,7 +5702,8 @@ INT4_KERNEL = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")  # torch 2.
 
 class StoredLinear(nn.Module):
     """x W^T + b for parts [(fmt, shape, rows)] of W stacked along the output dim: Q4_0 and Q4_1 multiplied from their
-    blocks by the CPU's int4 kernel where torch has it, Q8_0 in float16 on the CPU, anything else dequantized to dtype."""
+    blocks by the CPU's int4 kernel where torch has it, Q8_0 in float16 on the CPU, anything else dequantized to
+    dtype."""
 
     def __init__(self, parts, bias, dtype, device):
         super().__init__()
@@ -5711,13 +5713,15 @@ class StoredLinear(nn.Module):
         if self.int4:
             blocks = torch.cat([rows for _, _, rows in parts]).view(n, k // 32, -1)  # [N, K/32, bytes a block]
             d = blocks[..., :2].view(torch.float16).float()                # [N, K/32, 1]
-            zero = blocks[..., 2:4].view(torch.float16).float() + 8 * d if formats == {"Q4_1"} else 0 * d  # [N, K/32, 1]
+            m = blocks[..., 2:4].view(torch.float16).float() if formats == {"Q4_1"} else -8 * d  # [N, K/32, 1]
+            zero = m + 8 * d                                               # [N, K/32, 1]: Q4_0's is 0
             nibbles = blocks[..., -16:]                                    # [N, K/32, 16]
             q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).view(n, k).int()  # [N, K]: values 0-15
             self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # [N, K/2]
             self.scales = torch.cat([d, zero], dim=-1).transpose(0, 1).bfloat16().contiguous()  # [K/32, N, 2]
         else:  # 1,024 rows at a time: a float32 copy of a large Q8_0 matrix would double the memory
-            self.weight, row = torch.empty(n, k, dtype=torch.float16 if cpu and formats == {"Q8_0"} else dtype), 0
+            self.weight = torch.empty(n, k, dtype=torch.float16 if cpu and formats == {"Q8_0"} else dtype)  # [N, K]
+            row = 0
             for fmt, _, part in parts:
                 for chunk in part.split(1024):
                     self.weight[row:row + len(chunk)] = as_float32(fmt, (len(chunk), k), chunk)  # [N, K]
@@ -5739,7 +5743,8 @@ class StaticCache:
     """Every layer's keys and values, allocated once: [n_layers, 1, Hkv, max_len, dk] each; length of them filled."""
 
     def __init__(self, n_layers, n_kv_heads, max_len, head_dim, dtype, device):
-        self.k = torch.zeros(n_layers, 1, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)  # [L, 1, Hkv, S, dk]
+        shape = (n_layers, 1, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)            # [L, 1, Hkv, S, dk]
         self.v = torch.zeros_like(self.k)                                  # [L, 1, Hkv, S, dk]
         self.length = 0
 
@@ -5786,7 +5791,8 @@ class FastLlama(nn.Module):
         super().__init__()
         device = torch.device(device)
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        self.dtype, self.max_len, eps = torch.bfloat16 if bf16 else torch.float32, model.max_len, model.config["norm_eps"]
+        self.dtype, self.max_len = torch.bfloat16 if bf16 else torch.float32, model.max_len
+        eps = model.config["norm_eps"]
         attn, self.layers = model.layers[0].attn, nn.ModuleList()
         for i in range(len(model.layers)):
             self.layers.append(FastBlock(stored, f"layers.{i}.", attn, eps, self.dtype, device))
@@ -5799,11 +5805,12 @@ class FastLlama(nn.Module):
         cos, sin = model.rope_tables(model.max_len, model.config["rope_theta"])  # [max_len, dk] each
         self.cos, self.sin = cos.to(device, self.dtype), sin.to(device, self.dtype)  # [max_len, dk] each
         self.slots = torch.arange(model.max_len, device=device)            # [S]: the cache's positions
-        self.compiled = compile and torch.compile(self.step, backend=compile, fullgraph=True, dynamic=False)
+        self.compiled = compile and torch.compile(self.step, backend=compile, fullgraph=True, dynamic=False)  # [1,1,V]
 
     def new_cache(self):
         attn = self.layers[0]
-        return StaticCache(len(self.layers), attn.n_kv_heads, self.max_len, attn.head_dim, self.dtype, self.slots.device)
+        return StaticCache(len(self.layers), attn.n_kv_heads, self.max_len, attn.head_dim, self.dtype,
+                           self.slots.device)                              # [L, 1, Hkv, S, dk] each
 
     def step(self, x, positions, k, v):
         """x [1, Tn, D], the new tokens' embeddings at positions [Tn]; k, v a StaticCache's -> logits [1, Tn, V]."""
@@ -5823,7 +5830,10 @@ class FastLlama(nn.Module):
         positions = torch.arange(past, T, device=input_ids.device)        # [Tn]
         fmt, shape, rows = self.embedding
         x = as_float32(fmt, (T - past, shape[-1]), rows[input_ids[0, past:]]).to(self.dtype)[None]  # [1, Tn, D]
-        logits = self.decode(x, positions, cache) if T - past == 1 else self.step(x, positions, cache.k, cache.v)
+        if T - past == 1:
+            logits = self.decode(x, positions, cache)                      # [1, 1, V]
+        else:
+            logits = self.step(x, positions, cache.k, cache.v)             # [1, Tn, V]
         cache.length = T
         return logits.float()                                              # [1, Tn, V]
 
@@ -5843,7 +5853,7 @@ class FastLlama(nn.Module):
         -> the seconds compiling took."""
         self.max_len = min(length, self.max_len)
         self.slots = self.slots[:self.max_len]                             # [S]
-        start, cache = time.perf_counter(), self.new_cache()
+        start, cache = time.perf_counter(), self.new_cache()               # [L, 1, Hkv, S, dk] each
         if self.compiled and self.max_len > 1:
             cache.length = 1
             with torch.no_grad():
@@ -5855,7 +5865,7 @@ def fast_gguf(path, device="cpu", compile=None):
     """A GGUF file -> (its FastLlama, its BPETokenizer): every check load_gguf makes is made, but no float32 copy of
     the weights."""
     metadata, stored = read_gguf_blocks(path, GGUF_ARCHITECTURES)
-    shapes = {name: torch.zeros(()).expand(shape) for name, (_, shape, _) in stored.items()}  # names and shapes only
+    shapes = {name: torch.zeros(()).expand(shape) for name, (_, shape, _) in stored.items()}  # [*shape]: no values
     try:
         model, tokenizer = model_of_gguf(metadata, shapes, device="meta")
     except ValueError as e:
@@ -5880,7 +5890,8 @@ def quantized_quality(exact, fast, ids, window=256):
         p, q = exact(chunk).log_softmax(dim=-1), fast(chunk, fast.new_cache()).log_softmax(dim=-1)  # [1, T, V] each
         agree.append(p.argmax(dim=-1) == q.argmax(dim=-1))                 # [1, T]
         kl.append((p.exp() * (p - q)).sum(dim=-1))                         # [1, T]
-    return torch.cat(agree, dim=1).float().mean().item(), torch.cat(kl, dim=1).mean().item()
+    agree, kl = torch.cat(agree, dim=1), torch.cat(kl, dim=1)             # [1, N - 1] each
+    return agree.float().mean().item(), kl.mean().item()                  # [] each: floats
 
 
 def trim_memory():
@@ -5901,7 +5912,7 @@ def peak_memory_mb():
 
 
 # ===========================================================================
-# 53. The runs behind the article (实验与报告)
+# 57. The runs behind the article (实验与报告)
 # ===========================================================================
 # The toy models' registry and the runs that train and report them: Part II's, then those of Parts V to VIII. The
 # article's sections explain each idea; the demo and --after call these to show it on the toy task.
@@ -6463,7 +6474,7 @@ def preference_report(seed=0, **changes):
 
 
 # ===========================================================================
-# 54. Your own data (自己的数据)
+# 58. Your own data (自己的数据)
 # ===========================================================================
 # With --data FILE.tsv the models train on your pairs instead of the generated ones. The file is UTF-8 text with one
 # "pinyin<TAB>hanzi" pair a line and one syllable per character; blank lines and # comments are skipped. A line that
@@ -6555,7 +6566,7 @@ def read_pairs(path):
 
 
 # ===========================================================================
-# 55. Saving and loading (保存与加载)
+# 59. Saving and loading (保存与加载)
 # ===========================================================================
 # A checkpoint holds data only (the configuration, the weights, the vocabularies), so torch.load(weights_only=True)
 # reads it without running pickled code. It is written to a temporary file and renamed over the target, so a save
@@ -6740,7 +6751,7 @@ def load_checkpoint(path, device="cpu"):
 
 
 # ===========================================================================
-# 56. The demo (演示): python transformer.py
+# 60. The demo (演示): python transformer.py
 # ===========================================================================
 # The demo first shows shapes and parameter counts (the tutorials' own configuration among them) and measures the
 # cache. Then the toy models learn pinyin to hanzi and answer sentences they never saw, and the encoder-decoder shows
@@ -6985,7 +6996,7 @@ def run(args, device, pairs, loaded):
     return kind, model, src_vocab, tgt_vocab, readings
 
 # ===========================================================================
-# 57. The benchmark (基准测试): python transformer.py --bench
+# 61. The benchmark (基准测试): python transformer.py --bench
 # ===========================================================================
 # The benchmark shows where the time goes, in one run. The hand-written model trains against nn.Transformer with the
 # same weights, the KV cache runs against the memory-bandwidth bound, and FlashAttention's tiles run against section 2
@@ -7130,20 +7141,39 @@ def bench_released(device, tokens=64, rounds=3):
             runs[way].append((float(numbers[1]), int(numbers[2]), time.perf_counter() - start))
     bandwidth = memory_bandwidth()
     print(f"\nthe released model (SmolLM2-135M-Instruct, its Q4_1 file), {tokens} greedy tokens, 1 thread, medians of"
-          f" {rounds}, each a command line of its own\n  {'way':26s} {'tokens/s':>8s} {'floor':>9s} {'peak memory':>11s}"
+          f" {rounds}, each a command line of its own\n  {'way':26s} {'tokens/s':>8s} {'floor':>9s}"
+          f" {'peak memory':>11s}"
           f" {'to the last token':>17s}")
     for way, bytes_a_token in zip(ways, (538e6, 96e6, 96e6)):
         speed, peak, seconds = (sorted(column)[len(column) // 2] for column in zip(*runs[way]))
         print(f"  {way:26s} {speed:8.1f} {bandwidth / bytes_a_token:9.1f} {peak:8d} MB {seconds:16.1f}s")
-    print(f"  floor: the bytes a token reads at the {bandwidth / 1e9:.1f} GB/s this machine copies")
     exact, tokenizer = load_gguf(path)
+    ids = torch.tensor([tokenizer.encode(chat_prompt(tokenizer, RELEASED_PROMPT))])  # [1, T]
+    try:  # transformers' own float32 generate on the same file, in this process, on 1 thread
+        from transformers import AutoModelForCausalLM
+        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).eval()
+        threads, seconds = torch.get_num_threads(), []                    # [2 * rounds] seconds, soon
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            for n in [1, tokens] * rounds:  # the time of tokens - 1 tokens after the first
+                start = time.perf_counter()
+                hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                seconds.append(time.perf_counter() - start)
+        torch.set_num_threads(threads)
+        decode = sorted(b - a for a, b in zip(seconds[::2], seconds[1::2]))[rounds // 2]
+        print(f"  {'transformers float32':26s} {(tokens - 1) / decode:8.1f} {bandwidth / 538e6:9.1f}"
+              f"  (generate, in this process)")
+    except ImportError:
+        print("  transformers' generate: not installed")
+    print(f"  floor: the bytes a token reads at the {bandwidth / 1e9:.1f} GB/s this machine copies")
     fast, _ = fast_gguf(path)
     text = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md"), encoding="utf-8").read()
-    ids = torch.tensor(tokenizer.encode(text))                              # [N]
+    ids = torch.tensor(tokenizer.encode(text.split("## 阅读指南")[0]))[:4096]  # [N]: English, and code
     agreement, kl = quantized_quality(exact, fast, ids)
     question = "What is the capital of France?"
     answers = [chat((model, tokenizer), question, 30, out=io.StringIO())[0] for model in (exact, fast)]
-    print(f"  quality on README.md ({len(ids):,} tokens): the most likely token agrees with float32's {agreement:.1%}"
+    print(f"  quality on README.md's English ({len(ids):,} tokens): the most likely token agrees with float32's"
+          f" {agreement:.1%}"
           f" of the time,\n  mean KL divergence {kl:.4f}; {question!r}: {answers[1]!r}"
           f" ({'the same' if answers[0] == answers[1] else f'float32: {answers[0]!r}'})")
 
@@ -7209,7 +7239,7 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
 
 
 # ===========================================================================
-# 58. The command line (命令行)
+# 62. The command line (命令行)
 # ===========================================================================
 # Every mistake is one line on stderr with exit status 2, found before the work where it can be. Answers go to stdout.
 
