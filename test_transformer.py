@@ -11309,7 +11309,7 @@ TINY_BENCH = {  # each benchmark at a size that takes a fraction of a second
     "bench_kv_cache": dict(lengths=(4, 12), d_model=32, n_heads=2, d_ff=64, n_layers=1, megabytes=8),
     "bench_long_sequences": dict(lengths=(64, 512), heads=2, dk=16),
     "mixed_precision_report": dict(n_sentences=40, epochs=1),
-    "bench_released": dict(tokens=3, rounds=1, transformers=False),  # and a tiny file's path, below
+    "bench_released": dict(tokens=3, rounds=1, transformers=False, compile=False),  # a tiny file's path, below
 }
 
 
@@ -11344,7 +11344,7 @@ def test_bench_runs_every_benchmark_in_order(bench_run):
 
 def test_bench_released_runs_each_way_as_a_command_line_and_measures_the_quality(bench_run):
     out = bench_run[1]
-    for way in ("float32 (--float32)", "quantized (the default)", "quantized, --compile"):
+    for way in ("float32 (--float32)", "quantized (the default)"):  # --compile's: a minute of compiling
         assert re.search(rf"\n  {re.escape(way)} +[\d.]+ +[\d.]+ +\d+ MB +[\d.]+s\n", out), (way, out)
     quality = re.search(r"agrees with float32's ([\d.]+)% of the time,\n  mean KL divergence ([\d.]+);", out)
     assert quality and 0 <= float(quality[1]) <= 100 and float(quality[2]) >= 0, out
