@@ -5698,6 +5698,7 @@ def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
 # the step as it is). The article's Llama stays as it is: this model is built beside it, from the file's blocks.
 
 INT4_KERNEL = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")  # torch 2.5 and later
+GQA_IN_SDPA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa: torch 2.5
 
 
 class StoredLinear(nn.Module):
@@ -5776,7 +5777,11 @@ class FastBlock(nn.Module):
         k = apply_rope(k.view(B, Tn, Hkv, dk).transpose(1, 2), cos, sin)   # [1, Hkv, Tn, dk]
         k_cache.index_copy_(2, positions, k)                               # [1, Hkv, S, dk]
         v_cache.index_copy_(2, positions, v.view(B, Tn, Hkv, dk).transpose(1, 2))  # [1, Hkv, S, dk]
-        out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)  # [1, H, Tn, dk]
+        if GQA_IN_SDPA:  # each query head reads its group's key/value head without a copy
+            out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)  # [1, H, Tn, dk]
+        else:
+            k_cache, v_cache = repeat_kv(k_cache, H // Hkv), repeat_kv(v_cache, H // Hkv)  # [1, H, S, dk] each
+            out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)  # [1, H, Tn, dk]
         x = x + self.w_o(out.transpose(1, 2).reshape(B, Tn, H * dk))       # [1, Tn, D]
         gate, up = self.gate_up(self.ffn_norm(x)).chunk(2, dim=-1)         # [1, Tn, Dff] each
         return x + self.down(F.silu(gate) * up)                            # [1, Tn, D]
