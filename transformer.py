@@ -7149,7 +7149,7 @@ def bench_released(device, tokens=64, rounds=3, path=None, transformers=True, co
             runs[way].append((float(numbers[1]), int(numbers[2]), time.perf_counter() - start))
     bandwidth = memory_bandwidth()
     print(f"\nthe released model (SmolLM2-135M-Instruct, its Q4_1 file), {tokens} greedy tokens, 1 thread, medians of"
-          f" {rounds}, each a command line of its own\n  {'way':26s} {'tokens/s':>8s} {'floor':>9s}"
+          f" {rounds}, each a command line of its own\n  {'way':26s} {'tokens/s':>8s} {'at most':>9s}"
           f" {'peak memory':>11s}"
           f" {'to the last token':>17s}")
     for way, bytes_a_token in zip(ways, (538e6, 96e6, 96e6)):
@@ -7176,7 +7176,8 @@ def bench_released(device, tokens=64, rounds=3, path=None, transformers=True, co
               f"  (generate, in this process)")
     except ImportError:
         print("  transformers' generate: not installed")
-    print(f"  floor: the bytes a token reads at the {bandwidth / 1e9:.1f} GB/s this machine copies")
+    print(f"  at most: the tokens a second if a token took only the time to read its bytes at the"
+          f" {bandwidth / 1e9:.1f} GB/s\n  this machine copies; --compile's time includes compiling")
     fast, _ = fast_gguf(path)
     text = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md"), encoding="utf-8").read()
     ids = torch.tensor(tokenizer.encode(text.split("## 阅读指南")[0]))[:4096]  # [N]: English, and code
