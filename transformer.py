@@ -4884,15 +4884,15 @@ def sharded_bytes(model, optimizer):
 # ===========================================================================
 # 54. Tensor parallel: Megatron's f and g, by hand and by DTensor (张量并行)
 # ===========================================================================
-# Sharding still computes each layer whole on one rank; tensor parallelism (Shoeybi et al., 2019, Megatron-LM)
-# splits the layer's work. A linear layer split by output features (column-parallel: rank r holds the r-th slice of
-# the rows of W [out, in]) gives each rank a slice of the output; the next, split by input features (row-parallel: the
-# r-th slice of W's columns), takes exactly that slice, and the sum of the ranks' outputs is the whole product. So the pair costs one all_reduce in the
-# forward, Megatron's g, and nothing between: a nonlinearity acting on each element (SiLU, the gate's product) runs
-# on the slices as on the whole. Its mirror f is the identity forward and the all_reduce backward, since each rank's
-# slice sends back only part of the input's gradient. Attention splits the same way by heads, which never mix before
-# w_o: w_q by query heads, w_k and w_v by key/value heads (a GQA group stays on one rank), w_o by rows. A block costs
-# 2 all_reduces of [B, T, D] forward and 2 backward (Megatron runs one f before the fused q, k, v; here each
+# Sharding still computes each layer whole on one rank; tensor parallelism (Shoeybi et al., 2019, Megatron-LM) splits
+# the layer's work. A linear layer split by output features (column-parallel: rank r holds the r-th slice of the rows of
+# W [out, in]) gives each rank a slice of the output; the next, split by input features (row-parallel: the r-th slice of
+# W's columns), takes exactly that slice, and the sum of the ranks' outputs is the whole product. So the pair costs one
+# all_reduce in the forward, Megatron's g, and nothing between: a nonlinearity acting on each element (SiLU, the gate's
+# product) runs on the slices as on the whole. Its mirror f is the identity forward and the all_reduce backward, since
+# each rank's slice sends back only part of the input's gradient. Attention splits the same way by heads, which never
+# mix before w_o: w_q by query heads, w_k and w_v by key/value heads (a GQA group stays on one rank), w_o row-parallel. A
+# block costs 2 all_reduces of [B, T, D] forward and 2 backward (Megatron runs one f before the fused q, k, v; here each
 # column-parallel layer has its own f, 5 in all); each rank caches only its key/value heads.
 
 
