@@ -11319,21 +11319,33 @@ def fake_peak_bytes(kind, T, H, dk):
     return 2 ** 20 * T // 8 if kind == "plain" else 2 ** 19
 
 
+def command_line_in_this_process(argv, **kwargs):
+    """subprocess.run for `python transformer.py ARGV` as bench_released starts it (its output captured as text,
+    on one thread), run by main(argv) here: each python would spend seconds importing torch. -> CompletedProcess."""
+    assert argv[:2] == [sys.executable, os.path.abspath(tf.__file__)], argv
+    assert kwargs["capture_output"] and kwargs["text"] and kwargs["env"]["OMP_NUM_THREADS"] == "1", kwargs
+    status, out, err = _main(argv[2:])
+    return subprocess.CompletedProcess(argv, status, out, err)
+
+
 @pytest.fixture(scope="module")
 def bench_run(one_thread, tmp_path_factory):
     """python transformer.py --bench through main(), each benchmark at its TINY_BENCH size, the released
-    model's on a tiny Llama's Q4_1 file: -> (exit status, stdout, stderr, the calls to attention_peak_bytes)."""
-    peak_calls, tiny = [], tiny_gguf_llama(tmp_path_factory.mktemp("bench"), fmt="Q4_1")[0]
+    model's on a tiny Llama's Q4_1 file, its command lines run by main() too: -> (exit status, stdout,
+    stderr, the calls to attention_peak_bytes, the released model's command lines)."""
+    peak_calls, command_lines, tiny = [], [], tiny_gguf_llama(tmp_path_factory.mktemp("bench"), fmt="Q4_1")[0]
     with pytest.MonkeyPatch.context() as patch:
         for name, sizes in TINY_BENCH.items():
             patch.setattr(tf, name, functools.partial(getattr(tf, name), **sizes,
                                                       **{"path": str(tiny)} if name == "bench_released" else {}))
         patch.setattr(tf, "attention_peak_bytes", lambda *args: peak_calls.append(args) or fake_peak_bytes(*args))
-        return (*_main(["--bench", "--device", "cpu"]), peak_calls)
+        patch.setattr(subprocess, "run", lambda argv, **kwargs: command_lines.append(argv[2:])
+                      or command_line_in_this_process(argv, **kwargs))
+        return (*_main(["--bench", "--device", "cpu"]), peak_calls, (str(tiny), command_lines))
 
 
 def test_bench_runs_every_benchmark_in_order(bench_run):
-    status, out, err, _ = bench_run
+    status, out, err, *_ = bench_run
     assert (status, err) == (0, "")
     assert out.startswith(f"device: cpu, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     titles = ["training throughput", "KV cache: decoder-only", "attention, causal", "the released model",
@@ -11343,7 +11355,9 @@ def test_bench_runs_every_benchmark_in_order(bench_run):
 
 
 def test_bench_released_runs_each_way_as_a_command_line_and_measures_the_quality(bench_run):
-    out = bench_run[1]
+    out, (tiny, command_lines) = bench_run[1], bench_run[4]
+    way = ["--gguf", tiny, "--prompt", tf.RELEASED_PROMPT, "--max-new-tokens", "3"]
+    assert command_lines == [way + ["--float32"], way], command_lines          # one round, --compile left out
     for way in ("float32 (--float32)", "quantized (the default)"):  # --compile's: a minute of compiling
         assert re.search(rf"\n  {re.escape(way)} +[\d.]+ +[\d.]+ +\d+ MB +[\d.]+s\n", out), (way, out)
     quality = re.search(r"agrees with float32's ([\d.]+)% of the time,\n  mean KL divergence ([\d.]+);", out)
@@ -11379,7 +11393,7 @@ def test_bench_kv_cache_gives_the_same_tokens_with_and_without_the_cache(bench_r
 def test_bench_long_sequences_flash_equals_section_2(bench_run):
     """Part VI measured, tiny: flash_attention's output equals section 2's; the peak memory
     column shows what attention_peak_bytes measured."""
-    _, out, _, peak_calls = bench_run
+    _, out, _, peak_calls, _ = bench_run
     sizes = TINY_BENCH["bench_long_sequences"]
     heads, dk = sizes["heads"], sizes["dk"]
     assert peak_calls == [(kind, T, heads, dk) for T in sizes["lengths"] for kind in ("plain", "flash")]
