@@ -31,9 +31,10 @@ section's tests sit under its number; helpers sit beside the tests that use them
 Everything runs in-process (main(argv) with capsys and tmp_path), except the few
 checks that need a real `python transformer.py` (signals, a closed or full standard
 stream, a process's own peak memory, the sections cut out and run alone): those use
-subprocess with a timeout. pytest-xdist spreads the tests over the cores:
+subprocess with a timeout. pytest-xdist spreads the tests over the cores, a worker
+that runs out taking tests from the other:
 
-    python -m pytest -q -n auto
+    python -m pytest -q -n auto --dist worksteal
 """
 
 import argparse
