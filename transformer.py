@@ -5789,10 +5789,10 @@ class FastBlock(nn.Module):
 
 class FastLlama(nn.Module):
     """A GGUF file's Llama (model: its shapes, on the meta device; stored: its weights by this file's names) for one
-    sequence, with StoredLinear products, a StaticCache and, with compile a torch.compile backend ("inductor"), the
-    step for one token compiled. Called as the Llama is (every id so far and a cache), so chat() drives it."""
+    sequence, with StoredLinear products, a StaticCache and, given a torch.compile backend ("inductor"), the step for
+    one token compiled. Called as the Llama is (every id so far and a cache), so chat() drives it."""
 
-    def __init__(self, model, stored, device="cpu", compile=None):
+    def __init__(self, model, stored, device="cpu", backend=None):
         super().__init__()
         device = torch.device(device)
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
@@ -5810,7 +5810,7 @@ class FastLlama(nn.Module):
         cos, sin = model.rope_tables(model.max_len, model.config["rope_theta"])  # [max_len, dk] each
         self.cos, self.sin = cos.to(device, self.dtype), sin.to(device, self.dtype)  # [max_len, dk] each
         self.slots = torch.arange(model.max_len, device=device)            # [S]: the cache's positions
-        self.compiled = compile and torch.compile(self.step, backend=compile, fullgraph=True, dynamic=False)  # [1,1,V]
+        self.compiled = backend and torch.compile(self.step, backend=backend, fullgraph=True, dynamic=False)  # [1,1,V]
 
     def new_cache(self):
         attn = self.layers[0]
@@ -5853,7 +5853,7 @@ class FastLlama(nn.Module):
                 self.compiled = None
         return self.step(x, positions, cache.k, cache.v)                   # [1, 1, V]
 
-    def warm_up(self, length):
+    def prepare(self, length):
         """Size the cache to length tokens (at most max_len) and compile the step for it now, on a cache of its own
         -> the seconds compiling took."""
         self.max_len = min(length, self.max_len)
@@ -5866,7 +5866,7 @@ class FastLlama(nn.Module):
         return time.perf_counter() - start
 
 
-def fast_gguf(path, device="cpu", compile=None):
+def fast_gguf(path, device="cpu", backend=None):
     """A GGUF file -> (its FastLlama, its BPETokenizer): every check load_gguf makes is made, but no float32 copy of
     the weights."""
     metadata, stored = read_gguf_blocks(path, GGUF_ARCHITECTURES)
@@ -5880,7 +5880,7 @@ def fast_gguf(path, device="cpu", compile=None):
         for pattern, replacement in GGUF_NAMES + HF_NAMES:
             name = re.sub(pattern, replacement, name)
         ours[name] = parts
-    return FastLlama(model, ours, device, compile), tokenizer
+    return FastLlama(model, ours, device, backend), tokenizer
 
 
 @torch.no_grad()
@@ -5889,7 +5889,7 @@ def quantized_quality(exact, fast, ids, window=256):
     empty cache, as llama.cpp's perplexity tool measures a quantization -> (how often their most likely tokens agree,
     the mean KL divergence from exact's distribution to fast's)."""
     window = min(window, exact.max_len)
-    fast.warm_up(window)
+    fast.prepare(window)
     agree, kl = [], []
     for start in range(0, len(ids) - 1, window):
         chunk = ids[None, start:start + window]                            # [1, T]
@@ -7435,7 +7435,7 @@ def main(argv=None):
                 model, tokenizer = fast_gguf(args.gguf, device, "inductor" if args.compile else None)
             prompt = len(tokenizer.encode(chat_prompt(tokenizer, args.prompt)))
             if not args.float32:  # the cache sized to the answer, within the file's length
-                compiling = model.warm_up(prompt + args.max_new_tokens)
+                compiling = model.prepare(prompt + args.max_new_tokens)
             _, times = chat((model, tokenizer), *(getattr(args, name) for name in GGUF_OPTIONS))
         except ValueError as e:
             parser.error(f"--gguf {shown(args.gguf)}: {e}" if shown(args.gguf) not in str(e) else str(e))
