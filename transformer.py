@@ -5685,17 +5685,15 @@ def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
 # ===========================================================================
 # 56. The released model at speed: its blocks as stored, a static cache, one compiled step (发布模型的快速推理)
 # ===========================================================================
-# Section 25's floor, approached as gpt-fast approaches it. The products read the file's 4-bit blocks: torch's int4
-# kernel takes groups of 32 with a scale and a zero each, (q - 8) scale + zero, so Q4_1's zero is m + 8 d and Q4_0's is
-# 0. It is fast on the CPU only with bf16 inputs, so each product takes its input in bf16 and gives float32 back; the
-# rest of the step (norms, RoPE, attention) stays in float32, which a CPU without bf16 units computes several times
-# faster. Q8_0 (SmolLM2's embedding, also its output head) is kept in float16: torch's int8 kernel takes one scale a
-# row, and SmolLM2's head requantized that way changed 1 in 22 of its next-token choices, in bf16 (8 bits of x) 1 in 40,
-# in float16 (11 bits) 1 in 100, as fast. On a GPU, or where torch lacks the
-# kernel, the weights are dequantized once (bf16 on a GPU that has it). q, k and v are one product, gate and up another.
-# The cache is allocated once, to the answer's length, so every step has the same shapes, and with a compiler
-# torch.compile compiles the step that makes one token once, fusing its small operations (a compiler that fails leaves
-# the step as it is). The article's Llama stays as it is: this model is built beside it, from the file's blocks.
+# Section 25's floor, approached as gpt-fast approaches it. Q4_0 and Q4_1 matrices are multiplied from their blocks
+# by torch's int4 kernel, which takes groups of 32 with a scale and a zero each, (q - 8) scale + zero: Q4_1's zero is
+# m + 8 d, Q4_0's is 0. On the CPU it is fast only with bf16 inputs, so each product takes bf16 in and gives float32
+# back; the rest of the step (norms, RoPE, attention) stays in float32, which a CPU without bf16 units computes several
+# times faster. The Q8_0 embedding, also the output head, is kept in float16: requantized for torch's int8 kernel (one
+# scale a row) it changed 1 in 22 next-token choices, in bf16 1 in 40, in float16 1 in 100, as fast. On a GPU, or where
+# torch lacks the kernel, the weights are dequantized once. q, k and v are one product, gate and up another. The cache
+# is allocated once, so every step has the same shapes and torch.compile compiles the step for one token once (a
+# compiler that fails leaves the step as it is). The article's Llama stays as it is: this model is built beside it.
 
 INT4_KERNEL = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")  # torch 2.5 and later
 GQA_IN_SDPA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa: torch 2.5
