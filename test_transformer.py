@@ -3828,7 +3828,7 @@ def test_fast_llama_gives_the_llamas_logits_from_the_files_blocks(tmp_path, fmt)
     path, written, _ = tiny_gguf_llama(tmp_path, fmt=fmt)
     exact, _ = tf.load_gguf(path)
     fast, _ = tf.fast_gguf(path)
-    fast.warm_up(40)
+    fast.prepare(40)
     assert fast.max_len == 40 and {b.qkv.int4 for b in fast.layers} == {bool(fmt and tf.INT4_KERNEL)}
     ids = torch.randint(0, 282, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -3856,8 +3856,8 @@ def test_fast_llama_compiles_its_step_once_and_gives_the_eager_tokens(tmp_path, 
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled, tok = tf.fast_gguf(path, compile=fails if backend == "fails" else backend)
-    compiled.warm_up(60)
+    compiled, tok = tf.fast_gguf(path, backend=fails if backend == "fails" else backend)
+    compiled.prepare(60)
     eager, _ = tf.fast_gguf(path)
     answers = [tf.chat((model, tok), "the cat", max_new_tokens=10, out=io.StringIO())[0] for model in (compiled, eager)]
     assert answers[0] == answers[1]

@@ -5685,17 +5685,15 @@ def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
 # ===========================================================================
 # 56. The released model at speed: its blocks as stored, a static cache, one compiled step (发布模型的快速推理)
 # ===========================================================================
-# Section 25's floor, approached as gpt-fast approaches it. The products read the file's 4-bit blocks: torch's int4
-# kernel takes groups of 32 with a scale and a zero each, (q - 8) scale + zero, so Q4_1's zero is m + 8 d and Q4_0's is
-# 0. It is fast on the CPU only with bf16 inputs, so each product takes its input in bf16 and gives float32 back; the
-# rest of the step (norms, RoPE, attention) stays in float32, which a CPU without bf16 units computes several times
-# faster. Q8_0 (SmolLM2's embedding, also its output head) is kept in float16: torch's int8 kernel takes one scale a
-# row, and SmolLM2's head requantized that way changed 1 in 22 of its next-token choices, in bf16 (8 bits of x) 1 in 40,
-# in float16 (11 bits) 1 in 100, as fast. On a GPU, or where torch lacks the
-# kernel, the weights are dequantized once (bf16 on a GPU that has it). q, k and v are one product, gate and up another.
-# The cache is allocated once, to the answer's length, so every step has the same shapes, and with a compiler
-# torch.compile compiles the step that makes one token once, fusing its small operations (a compiler that fails leaves
-# the step as it is). The article's Llama stays as it is: this model is built beside it, from the file's blocks.
+# Section 25's floor, approached as gpt-fast approaches it. Q4_0 and Q4_1 matrices are multiplied from their blocks
+# by torch's int4 kernel, which takes groups of 32 with a scale and a zero each, (q - 8) scale + zero: Q4_1's zero is
+# m + 8 d, Q4_0's is 0. On the CPU it is fast only with bf16 inputs, so each product takes bf16 in and gives float32
+# back; the rest of the step (norms, RoPE, attention) stays in float32, which a CPU without bf16 units computes several
+# times faster. The Q8_0 embedding, also the output head, is kept in float16: requantized for torch's int8 kernel (one
+# scale a row) it changed 1 in 22 next-token choices, in bf16 1 in 40, in float16 1 in 100, as fast. On a GPU, or where
+# torch lacks the kernel, the weights are dequantized once. q, k and v are one product, gate and up another. The cache
+# is allocated once, so every step has the same shapes and torch.compile compiles the step for one token once (a
+# compiler that fails leaves the step as it is). The article's Llama stays as it is: this model is built beside it.
 
 INT4_KERNEL = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")  # torch 2.5 and later
 GQA_IN_SDPA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa: torch 2.5
@@ -5789,10 +5787,10 @@ class FastBlock(nn.Module):
 
 class FastLlama(nn.Module):
     """A GGUF file's Llama (model: its shapes, on the meta device; stored: its weights by this file's names) for one
-    sequence, with StoredLinear products, a StaticCache and, with compile a torch.compile backend ("inductor"), the
-    step for one token compiled. Called as the Llama is (every id so far and a cache), so chat() drives it."""
+    sequence, with StoredLinear products, a StaticCache and, given a torch.compile backend ("inductor"), the step for
+    one token compiled. Called as the Llama is (every id so far and a cache), so chat() drives it."""
 
-    def __init__(self, model, stored, device="cpu", compile=None):
+    def __init__(self, model, stored, device="cpu", backend=None):
         super().__init__()
         device = torch.device(device)
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
@@ -5810,7 +5808,7 @@ class FastLlama(nn.Module):
         cos, sin = model.rope_tables(model.max_len, model.config["rope_theta"])  # [max_len, dk] each
         self.cos, self.sin = cos.to(device, self.dtype), sin.to(device, self.dtype)  # [max_len, dk] each
         self.slots = torch.arange(model.max_len, device=device)            # [S]: the cache's positions
-        self.compiled = compile and torch.compile(self.step, backend=compile, fullgraph=True, dynamic=False)  # [1,1,V]
+        self.compiled = backend and torch.compile(self.step, backend=backend, fullgraph=True, dynamic=False)  # [1,1,V]
 
     def new_cache(self):
         attn = self.layers[0]
@@ -5853,7 +5851,7 @@ class FastLlama(nn.Module):
                 self.compiled = None
         return self.step(x, positions, cache.k, cache.v)                   # [1, 1, V]
 
-    def warm_up(self, length):
+    def prepare(self, length):
         """Size the cache to length tokens (at most max_len) and compile the step for it now, on a cache of its own
         -> the seconds compiling took."""
         self.max_len = min(length, self.max_len)
@@ -5866,7 +5864,7 @@ class FastLlama(nn.Module):
         return time.perf_counter() - start
 
 
-def fast_gguf(path, device="cpu", compile=None):
+def fast_gguf(path, device="cpu", backend=None):
     """A GGUF file -> (its FastLlama, its BPETokenizer): every check load_gguf makes is made, but no float32 copy of
     the weights."""
     metadata, stored = read_gguf_blocks(path, GGUF_ARCHITECTURES)
@@ -5880,7 +5878,7 @@ def fast_gguf(path, device="cpu", compile=None):
         for pattern, replacement in GGUF_NAMES + HF_NAMES:
             name = re.sub(pattern, replacement, name)
         ours[name] = parts
-    return FastLlama(model, ours, device, compile), tokenizer
+    return FastLlama(model, ours, device, backend), tokenizer
 
 
 @torch.no_grad()
@@ -5889,7 +5887,7 @@ def quantized_quality(exact, fast, ids, window=256):
     empty cache, as llama.cpp's perplexity tool measures a quantization -> (how often their most likely tokens agree,
     the mean KL divergence from exact's distribution to fast's)."""
     window = min(window, exact.max_len)
-    fast.warm_up(window)
+    fast.prepare(window)
     agree, kl = [], []
     for start in range(0, len(ids) - 1, window):
         chunk = ids[None, start:start + window]                            # [1, T]
@@ -7435,7 +7433,7 @@ def main(argv=None):
                 model, tokenizer = fast_gguf(args.gguf, device, "inductor" if args.compile else None)
             prompt = len(tokenizer.encode(chat_prompt(tokenizer, args.prompt)))
             if not args.float32:  # the cache sized to the answer, within the file's length
-                compiling = model.warm_up(prompt + args.max_new_tokens)
+                compiling = model.prepare(prompt + args.max_new_tokens)
             _, times = chat((model, tokenizer), *(getattr(args, name) for name in GGUF_OPTIONS))
         except ValueError as e:
             parser.error(f"--gguf {shown(args.gguf)}: {e}" if shown(args.gguf) not in str(e) else str(e))
