@@ -5045,8 +5045,7 @@ def read_gguf(path, architectures=None):
 
 def as_float32(fmt, shape, rows):
     """A tensor as GGUF stores it (rows: a uint8 tensor [rows, bytes a row]) -> float32 of shape."""
-    if fmt in FLOATS:
-        return rows.view(FLOATS[fmt]).to(torch.float32, copy=True).reshape(shape)  # [*shape]
+    if fmt in FLOATS: return rows.view(FLOATS[fmt]).to(torch.float32, copy=True).reshape(shape)  # [*shape]
     return dequantize(rows.flatten(), fmt, shape)                          # [*shape]
 
 
@@ -5103,10 +5102,8 @@ def read_gguf_blocks(path, architectures=None):
         if len(name.encode()) >= 64 or not name.isprintable() or len(shape) > 4:  # as llama.cpp refuses them
             raise ValueError(f"{path}: tensor {name!r:.60} of {len(shape):,} dims: expected a printable name under"
                              f" 64 bytes and at most 4 dims")
-        if name in tensors:
-            raise ValueError(f"{path}: the tensor name {name!r:.60} appears twice")
-        if 0 in shape:
-            raise ValueError(f"{path}: tensor {name} {list(shape)} holds no values")
+        if name in tensors: raise ValueError(f"{path}: the tensor name {name!r:.60} appears twice")
+        if 0 in shape: raise ValueError(f"{path}: tensor {name} {list(shape)} holds no values")
         if kind not in GGML_TYPES:
             raise ValueError(f"{path}: tensor {name} has ggml type {kind}, which this file does not read"
                              f" (it reads {', '.join(GGML_TYPES.values())})")
@@ -5257,8 +5254,7 @@ def load_hf_state_dict(model, state_dict):
                     if tensor.is_meta else f"{str(tensor.dtype)[6:]} tensor")           # meta: shapes, no values
             raise ValueError(f"state_dict's {quote(name)} is a {what}: expected a float tensor with its values")
         ours = name
-        for pattern, replacement in HF_NAMES:
-            ours = re.sub(pattern, replacement, ours)
+        for pattern, replacement in HF_NAMES: ours = re.sub(pattern, replacement, ours)
         if ours in renamed:  # two of their names for one place: neither may win in silence
             raise ValueError(f"state_dict's {quote(theirs[ours])} and {quote(name)} both name {ours}")
         renamed[ours], theirs[ours] = tensor, name
@@ -5278,8 +5274,7 @@ def load_hf_state_dict(model, state_dict):
              for k, v in places.items() if renamed[k].shape != v.shape]
     if wrong: raise ValueError(f"state_dict's shapes do not fit {type(model).__name__}: {few(wrong)}")
     with torch.no_grad():
-        for name, place in places.items():
-            place.copy_(renamed[name])
+        for name, place in places.items(): place.copy_(renamed[name])
     return model
 
 
@@ -5512,8 +5507,7 @@ def hf_keywords(config):
         if field in HF_NULL_IS_A_VALUE and field in view and view[field] is None:
             keywords[ours] = None  # written null: one kv head a head, d_model / n_heads wide, no window, a plain w_q
     for ours, same in (("n_kv_heads", "n_heads"), ("window", "max_len")):  # transformers' default: the other
-        if ours in keywords and keywords[ours] is None:
-            keywords[ours] = keywords[same]
+        if ours in keywords and keywords[ours] is None: keywords[ours] = keywords[same]
     if rope == "yarn":
         keywords["rope_scaling"] = dict(type="yarn", factor=view.get("factor"),
                                         original_max_len=view.get("original_max_position_embeddings"),
@@ -5530,8 +5524,7 @@ def hf_keywords(config):
             raise ValueError(f"config's full_attention_interval is {interval!r:.60}, expected an integer >= 1")
         keywords["layer_types"] = qwen3_next_layer_types(keywords["n_layers"], interval)
     for key, value in keywords.items():  # an integer where a float belongs, as config.json may write one
-        if CONFIG_RULES[key][0] is float and type(value) is int:
-            keywords[key] = float(value)
+        if CONFIG_RULES[key][0] is float and type(value) is int: keywords[key] = float(value)
     return kind, keywords
 
 
@@ -5600,8 +5593,7 @@ def tokenizer_from_gguf(metadata):
                    f"has type {token_type}, not one of llama.cpp's (0 to 6)" if not 0 <= token_type <= 6 else
                    f"holds {stray!r}, which stands for no byte, in a token of type {token_type}, not text (3 control"
                    f" or 4 user-defined)" if stray is not None else None)
-        if problem:
-            raise ValueError(f"the file's token {i}, {token[:40]!r}{'...' * (len(token) > 40)}, {problem}")
+        if problem: raise ValueError(f"the file's token {i}, {token[:40]!r}{'...' * (len(token) > 40)}, {problem}")
         ids[token] = i
     merges, seen = [m.split(" ") for m in lists["merges"]], set()
     for line, merge in zip(lists["merges"], merges):
@@ -5640,19 +5632,16 @@ def model_of_gguf(metadata, tensors, device="cpu"):
     check_rope_tables(hf_keywords(config)[1], f"{arch}.context_length")  # before from_hf_config's own check
     state = {}
     for name, tensor in tensors.items():
-        for pattern, replacement in GGUF_NAMES:
-            name = re.sub(pattern, replacement, name)
+        for pattern, replacement in GGUF_NAMES: name = re.sub(pattern, replacement, name)
         state[name] = tensor
     with torch.device("meta"):  # shapes only: drawing 135M random weights to overwrite them costs seconds
         model = load_hf_state_dict(from_hf_config(config), state)  # names and shapes checked, nothing copied
-    if device == "meta":
-        return model.eval(), tokenizer
+    if device == "meta": return model.eval(), tokenizer
     # memory for every tensor, uninitialized: the weights come from the file, the RoPE tables (no weights) are
     # computed again, and the embeddings tied again (to_empty parts them)
     model = model.to_empty(device="cpu")
     model.cos, model.sin = model.rope_tables(model.max_len, model.config["rope_theta"])  # [max_len, dk] each
-    if model.config["tie_weights"]:
-        model.lm_head.weight = model.token_embedding.weight
+    if model.config["tie_weights"]: model.lm_head.weight = model.token_embedding.weight
     return load_hf_state_dict(model, state).eval(), tokenizer
 
 
@@ -5931,8 +5920,7 @@ def check_list(name, value, items):
 
 def translator(kind, model, src_vocab, tgt_vocab, readings=None, beam_size=1):
     """pinyin list -> hanzi list with the encoder-decoder ("encdec") or a decoder-only model (any other kind)."""
-    if kind == "encdec":
-        return lambda sentences: translate(model, sentences, src_vocab, tgt_vocab, readings, beam_size)
+    if kind == "encdec": return lambda sentences: translate(model, sentences, src_vocab, tgt_vocab, readings, beam_size)
     return lambda sentences: gpt_translate(model, sentences, tgt_vocab, readings, beam_size)
 
 
@@ -5946,7 +5934,20 @@ TOY_MODELS = {
                 batch_size=32, config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=3, dropout=0.0)),
     "llama": dict(name="Llama-style", model=Llama, epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
                   config=dict(d_model=64, n_heads=4, n_kv_heads=2, d_ff=256, n_layers=2)),
-}
+    # MLA, a dense block, then 8 sigmoid-routed experts (2 a token) and a shared one, balanced after every step (V3's
+    # rate, 0.001, moves too little in 150 steps)
+    "deepseek": dict(name="DeepSeek-style", model=DeepSeekV3, epochs=2, batch_size=32,
+                     update=lambda model: with_router_bias(adam_noam(model, lr_factor=0.35, warmup=50), model, 0.01),
+                     config=dict(d_model=64, n_heads=4, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16,
+                                 d_ff=256, expert_d_ff=32, n_experts=8, top_k=2, n_shared=1, n_layers=2,
+                                 n_dense_layers=1)),
+    # a DeltaNet layer, then an attention layer (the toy's sentences are short; one of each is the smallest hybrid),
+    # 4 experts, 2 a token
+    "qwen3_next": dict(name="Qwen3-Next-style", model=Qwen3Next, epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
+                       config=dict(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2,
+                                   layer_types=["linear_attention", "full_attention"], partial_rotary=0.5,
+                                   linear_k_heads=2, linear_v_heads=4, linear_k_dim=16, linear_v_dim=16, n_experts=4,
+                                   top_k=2, expert_d_ff=32, shared_d_ff=32))}
 
 
 def train_toy_model(kind, train_pairs, test_pairs, device="cpu", epochs=None, seed=0, log=print, recipes=None,
@@ -6012,8 +6013,7 @@ def expert_load(model, pairs, vocab):
     with eval_mode(model):
         for rows in by_length.values():
             model(torch.tensor(rows, device=model.lm_head.weight.device))  # [B, L, V]; fills tokens_per_expert
-            for i, moe in moes.items():
-                totals[i] += moe.tokens_per_expert.cpu()                   # [E]
+            for i, moe in moes.items(): totals[i] += moe.tokens_per_expert.cpu()                   # [E]
     return {i: total / total.sum() for i, total in totals.items()}         # [E] each
 
 
@@ -6035,14 +6035,6 @@ def render_expert_load(loads, uniform=10):
 #     expert  2                0.0%
 
 
-# MLA, a dense block, then 8 sigmoid-routed experts (2 a token) and a shared one, balanced after every step (V3's
-# rate, 0.001, moves too little in 150 steps).
-TOY_MODELS["deepseek"] = dict(
-    name="DeepSeek-style", model=DeepSeekV3, epochs=2, batch_size=32,
-    update=lambda model: with_router_bias(adam_noam(model, lr_factor=0.35, warmup=50), model, rate=0.01),
-    config=dict(d_model=64, n_heads=4, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, d_ff=256,
-                expert_d_ff=32, n_experts=8, top_k=2, n_shared=1, n_layers=2, n_dense_layers=1))
-
 
 # An MTP module for a trained model, the model frozen (its loss term is then constant; V3 trains both together): a
 # few seconds.
@@ -6057,25 +6049,15 @@ def train_mtp(model, pairs, vocab, epochs=2, batch_size=32, seed=0):
     frozen = [p for p in model.parameters() if p.requires_grad]
     with eval_mode(model):
         try:
-            for p in frozen:
-                p.requires_grad_(False)
+            for p in frozen: p.requires_grad_(False)
             for _ in range(epochs):
                 for ids, target in loader:                                 # [B, T] each
                     mtp_loss(model, mtp, ids.to(device), target.to(device), 1.0, Vocab.PAD).backward()
                     update()
         finally:
-            for p in frozen:
-                p.requires_grad_(True)
+            for p in frozen: p.requires_grad_(True)
     return mtp.eval()
 
-
-# On the toy task (section 16), by the Llama's recipe: a DeltaNet layer, then an attention layer (the toy's sentences
-# are short; one of each is the smallest hybrid), 4 experts, 2 a token.
-TOY_MODELS["qwen3_next"] = dict(
-    name="Qwen3-Next-style", model=Qwen3Next, epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
-    config=dict(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, layer_types=["linear_attention",
-                "full_attention"], partial_rotary=0.5, linear_k_heads=2, linear_v_heads=4, linear_k_dim=16,
-                linear_v_dim=16, n_experts=4, top_k=2, expert_d_ff=32, shared_d_ff=32))
 
 # Section 34's fused kernels, for --bench: a model's attention and LayerNorms rebuilt on PyTorch's kernels, holding
 # the same Linear modules and Parameters (an optimizer keeps training them).
@@ -6118,8 +6100,7 @@ def use_fused_kernels(model, fused=True):
     if isinstance(model, (MultiHeadAttention, LayerNorm)): return fused_twin(model, fused)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, (MultiHeadAttention, LayerNorm)):
-                setattr(parent, name, fused_twin(child, fused))
+            if isinstance(child, (MultiHeadAttention, LayerNorm)): setattr(parent, name, fused_twin(child, fused))
     return model
 
 
@@ -6211,8 +6192,7 @@ def lora_report(device="cpu", seed=0):
     epochs, batch_size = LORA_RECIPE["epochs"], LORA_RECIPE["batch_size"]
     for name, lr, r in (("LoRA r=8 on w_q, w_v", LORA_LR, 8), ("full fine-tuning", FULL_LR, None)):
         model = copy.deepcopy(base)  # adapted by adamw_update: LoRA of rank r, or all of it (r None)
-        if r is not None:
-            add_lora(model, r=r, alpha=16, targets=("w_q", "w_v"))
+        if r is not None: add_lora(model, r=r, alpha=16, targets=("w_q", "w_v"))
         steps = epochs * -(-len(task["new_train"]) // batch_size)         # ceil: batches an epoch
         update = adamw_update(model, lr, LORA_RECIPE["warmup_steps"], steps)
         rows.append((name, model, lora_train(model, task, "new", seed, update, epochs, batch_size)))
@@ -6254,8 +6234,7 @@ def count_forwards(*models):
     try:
         yield counts
     finally:
-        for hook in hooks:
-            hook.remove()
+        for hook in hooks: hook.remove()
 
 
 def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), mtp_ks=(1, 2), device="cpu", log=print):
@@ -6299,8 +6278,7 @@ def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), m
                 synchronize(device)
                 rows[way]["seconds"][r] += time.perf_counter() - start
     median = {way: sorted(row["seconds"])[repeats // 2] for way, row in rows.items()}
-    if mtp is not None:
-        mtp_draft.close()  # the hook on the target goes: its forwards keep no states after this
+    if mtp is not None: mtp_draft.close()  # the hook on the target goes: its forwards keep no states after this
     log(f"\nspeculative decoding, seed {seed}: target {TOY_MODELS[kind]['name']}, {count_parameters(target):,}"
         f" parameters; draft {DRAFT_MODELS[kind]['name']}, {count_parameters(draft):,} (held-out exact match,"
         f" constrained as in training: {100 * result['accuracy']:.1f}% and {100 * draft_result['accuracy']:.1f}%)")
@@ -6397,8 +6375,7 @@ def sampled_answers(model, vocab, pairs, group, generator, temperature=1.0):
 def pairs_by_length(pairs):
     """{syllable count: pairs}: prompts of one length share a batch with no padding."""
     buckets = {}
-    for pair in pairs:
-        buckets.setdefault(len(pair[0].split()), []).append(pair)
+    for pair in pairs: buckets.setdefault(len(pair[0].split()), []).append(pair)
     return buckets
 
 
@@ -7090,8 +7067,7 @@ def memory_bandwidth(device=torch.device("cpu"), megabytes=256):
     x, y = torch.ones(2, megabytes * 2 ** 20 // 4, device=device)         # [N] each, float32: y's pages touched
     synchronize(device)
     start = time.perf_counter()
-    for _ in range(5):
-        y.copy_(x)
+    for _ in range(5): y.copy_(x)
     synchronize(device)
     return 5 * 2 * x.nelement() * 4 / (time.perf_counter() - start)
 
@@ -7420,8 +7396,7 @@ def main(argv=None):
         sampling = next((name for name in ("top_k", "top_p") if getattr(args, name) is not None), None)
         if sampling and args.temperature == 0:  # greedy takes the most likely token: k and p would change nothing
             parser.error(f"--{sampling.replace('_', '-')} applies to sampling, with --temperature above 0")
-        if args.float32 and args.compile:
-            parser.error("--compile applies to the quantized model, not to --float32")
+        if args.float32 and args.compile: parser.error("--compile applies to the quantized model, not to --float32")
         try:
             device = pick_device(args.device)
         except ValueError as e:
