@@ -805,7 +805,6 @@ class BigramHMM:
 # the paper; common practice since), so that one bad batch cannot throw the weights far. Here torch's Adam and
 # clip_grad_norm_ do the work; Part VII writes each of them out.
 
-
 def noam(step, warmup_steps, d_model):
     """The paper's learning rate ("Noam" after Noam Shazeer, its second author): d_model^-0.5 *
     min(s^-0.5, s * warmup_steps^-1.5), s = step + 1 (never 0): a linear rise to s = warmup_steps, then 1 / sqrt(s)."""
@@ -1267,7 +1266,6 @@ class RMSNorm(nn.Module):
 # dot product q . k then depends only on m - n. Only q and k are turned, never v, because the position shapes WHERE a
 # query looks, not what it reads there.
 
-
 def rope_frequencies(head_dim, theta=10000.0):
     """[dk/2]: pair i turns theta^(-2i/dk) radians per position, the first pairs fast, the last slowly;
     float32 even for a bf16 model, whose 8 significant bits round position 1001 to 1000."""
@@ -1319,7 +1317,6 @@ def apply_rope(x, cos, sin):
 # (x * sigmoid(x), a smooth ReLU like GELU) and opens or closes each channel of another projection. It has three
 # matrices, so its width is 2/3 of 4 D: 3 * D * 8D/3 = 2 * D * 4D, the parameters and FLOPs of the classic feed-forward.
 
-
 def llama_ffn_dim(d_model, multiple_of=256, ffn_dim_multiplier=None):
     """Llama's Dff: 2/3 of 4 D, optionally scaled, rounded UP to a multiple of multiple_of."""
     hidden = int((ffn_dim_multiplier or 1) * int(2 * 4 * d_model / 3))
@@ -1354,7 +1351,6 @@ class SwiGLU(nn.Module):
 # outgrows the weights: Llama-2-7B in bf16 has 13.5 GB of weights and caches 512 KiB a token (section 23), so the cache
 # is the larger past about 25,700 cached tokens (batch x length). GQA (Ainslie et al., 2023) lets a group of query heads
 # share one key/value head. With n_kv_heads = n_heads it is multi-head attention; with 1, multi-query attention (MQA).
-
 
 def repeat_kv(x, n_rep):
     """[B, Hkv, T, dk] -> [B, Hkv * n_rep, T, dk]: query head h reads kv head h // n_rep."""
@@ -1528,7 +1524,6 @@ class Llama(nn.Module):
 # This section repeats section 10's check on published models. Three numbers agree to the last parameter: the
 # formula, the count of the model built on the meta device (shapes only, no memory) and the published total. Then comes
 # what decides how many tokens fit on a GPU: the KV cache.
-
 
 def gqa_params(d_model, n_heads, n_kv_heads, head_dim, bias):
     """w_q and w_o (H * dk wide), w_k and w_v (Hkv * dk wide), and the q, k, v biases."""
@@ -2122,7 +2117,6 @@ def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
 # top_k, and divide them by their sum (norm_topk); after that division the weights are a softmax over the top_k logits.
 # Without the division (Qwen1.5-MoE), taking the top k before the softmax or after it gives two different models.
 
-
 class MoE(nn.Module):
     """Mixtral's mixture of experts: each token runs its top_k SwiGLU experts, weighted by the router's softmax."""
 
@@ -2259,7 +2253,6 @@ def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=N
 # W_uk c_n depend on the pair of positions, and W_uk could then not be folded into the query once for all keys (3a
 # below). DeepSeek's checkpoints pair neighbours (x[2i], x[2i+1]) in the rope part (rope_interleave=True); that is
 # section 19's halves after a fixed permutation of the rope rows of w_uq (or w_q) and w_dkv.
-
 
 class LatentCache:
     """One MLA module's cache, with KVCache's append and len: latents [B, t, r] and turned rope keys [B, t, rope]."""
@@ -2501,7 +2494,6 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
 # shared head. The extra loss makes the training signal denser (DeepSeek-V3 report, section 2.2). At inference the
 # module is a free draft for speculative decoding (section 48): it reads the target's hidden state and needs no model
 # of its own.
-
 
 class MultiTokenPrediction(nn.Module):
     """DeepSeek-V3's MTP module. The embedding and the output head are the model's own (passed to forward), shared."""
@@ -2768,7 +2760,6 @@ def flash_attention(q, k, v, causal=False, block_size=64):
 # The pitfall: len(cache) must count every token seen, not the `window` held. RoPE turns the next token by its absolute
 # position, and the mask counts from it, so a length that stops at `window` restarts the positions.
 
-
 def make_window_mask(T, window, device=None, past=0):
     """[1, 1, T, past + T]: the query at position p = past + i sees the keys p - window + 1 .. p."""
     if window < 1:  # a window of 0 would read no key at all
@@ -2870,7 +2861,6 @@ def window_reach(n_layers, window):
 # its blocks through a block table, and gives them back when it ends, so it wastes less than one block. Here a
 # PagedKVCache holds one layer of one sequence (vLLM shares one block table across the layers). It gathers its blocks
 # into one [1, Hkv, t, dk] tensor, where vLLM's kernel reads each block in place.
-
 
 class KVPool:
     """n_blocks blocks of block_size token slots each, shared by many PagedKVCaches. Its storage
@@ -3357,7 +3347,6 @@ GPT_OSS_CONFIGS = [
 # - Partial RoPE turns only the first 25% of each head's dims (64 of 256). The rest carry no
 #   position, so part of every head matches by content alone, at any distance.
 
-
 class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm scaled by 1 + weight, weight starting at 0: every Qwen3-Next norm (q_norm and k_norm too) except the
     DeltaNet's gated output norm (a plain weight, from 1)."""
@@ -3411,7 +3400,6 @@ class GatedAttention(QKNormAttention):
 #     S <- alpha_t S,   d_t = beta_t (v_t - S^T k_t),   S <- S + k_t d_t^T,   o_t = S^T q_t
 # With |k_t| = 1 and beta_t = 1, S^T k_t is exactly v_t afterwards. So a write replaces what the key
 # held, where plain linear attention (S <- S + k v^T) piles every value on top of the last.
-
 
 def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
     """The memory token by token (decoding): q, k [B, H, T, dk] L2-normed, v [B, H, T, dv], g (log-decay, <= 0)
@@ -3727,7 +3715,6 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, 
 # before rounding them to FP8. The matrix is orthogonal, so q . k is unchanged in exact arithmetic, and it is left out
 # here, as transformers leaves it out.
 
-
 class IndexedLatentCache(LatentCache):
     """LatentCache plus the lightning indexer's keys [B, t, di]: di values a token a layer more."""
 
@@ -3907,7 +3894,6 @@ def indexer_flops(config, batch_size, seq_len):
 # large gradients is hardly decayed. AdamW (Loshchilov and Hutter, "Decoupled Weight Decay Regularization", ICLR 2019)
 # therefore shrinks the weight itself, apart from the gradient: p <- p * (1 - lr * weight_decay).
 
-
 class AdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update in torch's order of operations: another order rounds differently in the last bit,
     and training carries that on. As in torch, the decay is multiplied by the whole lr; the paper's Algorithm 2
@@ -3983,7 +3969,6 @@ def decay_groups(model, weight_decay):
 # needs the run's length in advance. WSD (warmup-stable-decay) holds the peak and decays only over the last steps, so
 # a run can be extended, and decayed at any point.
 
-
 def warmup_cosine(step, warmup_steps, total_steps, min_ratio=0.0):
     """The multiplier at step: step / warmup_steps during the warmup (0 at step 0, so the first step moves no
     weight: transformers' convention), then half a cosine from 1 down to min_ratio at total_steps, then min_ratio."""
@@ -4026,7 +4011,6 @@ def warmup_stable_decay(step, warmup_steps, total_steps, decay_steps, min_ratio=
 # Clipping (section 13's clip_grad_norm_) scales the whole gradient down to max_norm when it is longer, and keeps its
 # direction. A batch too big for memory runs as micro-batches, whose gradients add up in .grad before one step; their
 # sum must be the big batch's gradient.
-
 
 @torch.no_grad()
 def clip_grad_norm(parameters, max_norm):
@@ -4151,7 +4135,6 @@ def training_flops(model, batch_size, seq_len):
 # embeddings, a MoE's active parameters) is 6 W + 6 T A here. W is N less the table (unless it is tied), the norms and
 # the biases. 6 T A is PaLM's 12 L H Q T (Q the head width), and it adds 29% for Llama-3-8B at 8K.
 
-
 def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
     """Model FLOPs utilization: the FLOPs a run needed over what its GPUs do at peak in its time."""
     return flops_per_token * tokens / (gpu_hours * 3600 * peak_flops)
@@ -4171,7 +4154,6 @@ def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
 # subnormal down to 2^-24. bfloat16 has float32's 8 exponent bits and 8 significant ones, so 1 + 0.001 is 1 in it. CPU
 # autocast to bf16 runs linear, matmul, bmm and scaled_dot_product_attention in bf16 and the losses in float32 (CUDA's
 # also softmax and layer_norm); the rest runs in its inputs' dtype, and float32 with bf16 gives float32.
-
 
 class LossScaler:
     """torch.amp.GradScaler's loss scaling: scale(loss).backward(), step(optimizer), update(). float16 rounds a
@@ -4330,7 +4312,6 @@ def zero_memory_per_device(memory, n_devices, zero_stage):
 # The paper's hypothesis is that adapting a model needs a change of low "intrinsic rank". Merged, W + (alpha / r) B A
 # runs at the base model's cost; unmerged, the base can serve other adapters.
 
-
 class LoRALinear(nn.Module):
     """base(x) + (alpha / r) B A dropout(x), base frozen; lora_A [r, in], lora_B [out, r]."""
 
@@ -4447,7 +4428,6 @@ def merge_lora(model, merge=True):
 # for a cut to 0, and such a model is refused before anything runs (transformers refuses assisted decoding for its
 # stateful models too).
 
-
 def crop_cache(cache, length):
     """Every layer's cache cut to `length` tokens (a layer holding fewer keeps them): its own crop, or each tensor's
     dim -2 ([B, H, t, dk], [B, t, r])."""
@@ -4547,7 +4527,6 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 # gets 1.8 times the tokens per second). There the module is one block of 62. On the toy it is one of 3 and of the
 # costliest kind (MLA and the 8-expert MoE cost about a whole target forward), so it saves target forwards, not time
 # (the --after run measures both).
-
 
 class MTPCache:
     """MTPDraft's cache: the target's states it has read [1, t, D], its block's layer cache, its own last state."""
@@ -4666,7 +4645,6 @@ def sequence_logprobs(model, input_ids, response_mask):
 # between two answers to one prompt. So the pairs train the model directly, by a logistic loss on the chosen answer's
 # reward minus the rejected one's: no reward model, no sampling, four sequence log-probabilities (section 49) a pair.
 
-
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1):
     """Sequence log-probabilities [B] of the chosen and the rejected answers, under the model trained and under the
     frozen reference -> (loss [], chosen_rewards [B], rejected_rewards [B]): the mean of -log sigmoid(chosen -
@@ -4702,7 +4680,6 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1)
 # answers: it samples G for each prompt, scores them, and raises the probability of those better than their group.
 # GRPO (Shao et al., 2024, "DeepSeekMath"; the RL of DeepSeek-R1, 2025) is PPO with the group's mean reward as the
 # baseline (and its std as the scale) instead of a learned value model: no critic to train, G answers a prompt.
-
 
 def group_advantages(rewards, eps=1e-4):
     """rewards [B, G], G answers to each of B prompts -> advantages [B, G]: each reward against its own group,
@@ -6106,7 +6083,6 @@ def use_fused_kernels(model, fused=True):
 
 # The runs of Parts VII and VIII on the toy task: mixed precision, LoRA against full fine-tuning, speculative
 # decoding with a small draft and with the MTP module, and DPO, GRPO and plain supervised steps from one start.
-
 
 def adamw_update(model, lr, warmup_steps, total_steps, weight_decay=0.01, max_norm=1.0):
     """Section 13's update step, written out with Part VII's pieces: after each backward, update() clips to
