@@ -594,12 +594,7 @@ def decoder_only_param_formula(vocab_size, d_model, n_layers, d_ff, tie_weights=
 # This part teaches a model a task that it learns in seconds on a CPU. It shows the training loop, the ways to decode
 # an answer, and what the models learned.
 
-import contextlib
-import copy
-import random
-import signal
-import threading
-import time
+import contextlib, copy, random, signal, threading, time
 
 
 # ===========================================================================
@@ -1586,11 +1581,7 @@ LLAMA_CONFIGS = [
 # answers through section 22's Llama, read from the GGUF file that llama.cpp users download, with its own tokenizer.
 # Three ideas take it there: byte-level BPE, the quantized blocks the file holds, and the chat loop.
 
-import codecs
-import functools
-import heapq
-import re
-import unicodedata
+import codecs, functools, heapq, re, unicodedata
 
 
 # ===========================================================================
@@ -6632,8 +6623,7 @@ def checked_checkpoint(checkpoint, device):
                     in config else 2 * (config.get("head_dim") or config["d_model"] // config["n_heads"]))  # cos, sin
     if config["max_len"] * per_position > max(held, 2 ** 24):  # the position tables
         raise ValueError(f"max_len {config['max_len']} asks for position tables far larger than the model")
-    cls = MODEL_CLASSES[kind]
-    model = cls(**config).to(device)
+    model = MODEL_CLASSES[kind](**config).to(device)
     if scaling is not None: with_rope_scaling(model, scaling)
     shapes = {name: list(t.shape) for name, t in model.state_dict().items()}
     wrong = next((n for n in {**shapes, **state} if shapes.get(n) != list(getattr(state.get(n), "shape", ()))), None)
@@ -6760,8 +6750,7 @@ def show_models(device):
     models = {}
     for kind, cfg in small.items():  # each named as the toy task's model of its kind
         cfg = dict(cfg, d_model=128, n_layers=2, n_heads=4)
-        model = models[kind] = MODEL_CLASSES[kind](**cfg).eval()
-        model.to(device)
+        model = models[kind] = MODEL_CLASSES[kind](**cfg).eval().to(device)
         logits = model(src, tgt) if kind == "encdec" else model(tgt)       # [B, T, V]
         inputs = "src [2, 7], tgt [2, 5]" if kind == "encdec" else "input [2, 5]"
         print(f"  {TOY_MODELS[kind]['name']:19s} {inputs:22s} -> output {list(logits.shape)}; parameters "
