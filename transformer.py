@@ -5966,7 +5966,7 @@ def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head=None, 
     print(render_heatmap(weights, pinyin.split(), chars))
 
 
-# Part V on the toy task of Part II (section 16): where the routed tokens went, DeepSeek-V3's recipe, an MTP module.
+# Part V on the toy task of Part II (section 16): where the routed tokens went, an MTP module.
 @torch.no_grad()
 def expert_load(model, pairs, vocab):
     """Share of the routed slots each expert took over "pinyin <sep> hanzi <eos>" of pairs: {MoE layer: [E] summing
