@@ -6623,7 +6623,8 @@ def checked_checkpoint(checkpoint, device):
                     in config else 2 * (config.get("head_dim") or config["d_model"] // config["n_heads"]))  # cos, sin
     if config["max_len"] * per_position > max(held, 2 ** 24):  # the position tables
         raise ValueError(f"max_len {config['max_len']} asks for position tables far larger than the model")
-    model = MODEL_CLASSES[kind](**config).to(device)
+    cls = MODEL_CLASSES[kind]
+    model = cls(**config).to(device)
     if scaling is not None: with_rope_scaling(model, scaling)
     shapes = {name: list(t.shape) for name, t in model.state_dict().items()}
     wrong = next((n for n in {**shapes, **state} if shapes.get(n) != list(getattr(state.get(n), "shape", ()))), None)
@@ -6750,7 +6751,8 @@ def show_models(device):
     models = {}
     for kind, cfg in small.items():  # each named as the toy task's model of its kind
         cfg = dict(cfg, d_model=128, n_layers=2, n_heads=4)
-        model = models[kind] = MODEL_CLASSES[kind](**cfg).eval().to(device)
+        model = models[kind] = MODEL_CLASSES[kind](**cfg).eval()
+        model.to(device)
         logits = model(src, tgt) if kind == "encdec" else model(tgt)       # [B, T, V]
         inputs = "src [2, 7], tgt [2, 5]" if kind == "encdec" else "input [2, 5]"
         print(f"  {TOY_MODELS[kind]['name']:19s} {inputs:22s} -> output {list(logits.shape)}; parameters "
