@@ -1673,12 +1673,11 @@ def train_bpe(text, vocab_size):
 # A released tokenizer adds three steps around the merges. A special token's text (<|im_start|>) is cut out first and
 # becomes that token. A pre-tokenizer splits the rest into pieces (words, numbers, runs of spaces) that merges never
 # cross, so " dog" is one token whether "." or "!" follows it. The vocabulary file spells each token's bytes in GPT-2's
-# 256 printable stand-ins (a space is Ġ), so that it is printable text, and a token's id is its place in the file.
-# A vocabulary may lack bytes: SmolLM2's lacks 21 that its training text never had (controls such as \x1d, bytes that
-# UTF-8 never or hardly uses), and its tokenizer drops them.
-# BasicTokenizer's loop counts every pair of a piece again after each merge: plain, and quadratic in a piece's length,
-# so a word without a space (one piece) of 1 MiB takes minutes. BPETokenizer's apply_merges finds the same ids with a
-# heap, as the tokenizers library and llama.cpp merge: about n log n, the 1 MiB word in seconds.
+# 256 printable stand-ins (a space is Ġ), and a token's id is its place in the file. A vocabulary may lack bytes:
+# SmolLM2's lacks 21 that its training text never had (controls such as \x1d, bytes that UTF-8 never or hardly uses),
+# and its tokenizer drops them. BasicTokenizer's loop counts every pair again after each merge, so it is quadratic in a
+# piece's length: a 1 MiB word without a space takes minutes. BPETokenizer's apply_merges finds the same ids with a
+# heap, as the tokenizers library and llama.cpp do: about n log n steps, the 1 MiB word in seconds.
 
 def byte_to_char():
     """GPT-2's stand-ins, {byte: character} (bytes_to_unicode in its encoder.py). A printable byte stands for itself;
@@ -1728,9 +1727,8 @@ class BPETokenizer(BasicTokenizer):
         if bad:  # -1 would name the last token in silence
             raise ValueError(f"specials holds {bad[0]!r}: expected ids of tokens, 0 to {len(self.tokens) - 1}")
         self.specials = {self.tokens[i]: i for i in specials}
-        # the merges on ids, for BasicTokenizer's loop; their ranks are the file's order
-        self.merges = {(self.ids[a], self.ids[b]): self.ids[a + b] for a, b in merges}
-        self.ranks = {(self.ids[a], self.ids[b]): rank for rank, (a, b) in enumerate(merges)}
+        self.merges = {(self.ids[a], self.ids[b]): self.ids[a + b] for a, b in merges}  # on ids, for the loop
+        self.ranks = {(self.ids[a], self.ids[b]): rank for rank, (a, b) in enumerate(merges)}  # the file's order
         char = byte_to_char()
         byte = {c: b for b, c in char.items()}                             # stand-in -> byte
         self.byte_ids = {b: self.ids[c] for b, c in char.items() if c in self.ids}  # a byte it lacks: none
@@ -1751,10 +1749,8 @@ class BPETokenizer(BasicTokenizer):
         return pieces
 
     def apply_merges(self, ids):
-        """BasicTokenizer's loop, the same ids without counting every pair again after each merge. It keeps where each
-        pair of neighbours that is a merge stands, under the merge's rank, and a heap of those ranks, the earliest on
-        top; each place links to its neighbours, so that a merge changes a few links, not the whole list. A piece of n
-        bytes then costs about n log n steps (the tokenizers library and llama.cpp also merge with a heap)."""
+        """BasicTokenizer's ids, by a heap: each merge's rank holds the places of its pairs, the earliest rank on top,
+        and each place links to its neighbours, so that a merge changes a few links, not the whole list."""
         ids, n = list(ids), len(ids)
         left, right = list(range(-1, n - 1)), list(range(1, n + 1))  # the neighbours' places; -1 and n: none
         places = {}                                                        # {rank: [place of its pair, ...]}
@@ -2043,12 +2039,12 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
 # 28. QK-norm and free head widths: Qwen3 (QK 归一化与自由头宽)
 # ===========================================================================
 # Qwen3's attention differs from Llama's in two places. First, head_dim frees a head's width from D / H: Qwen3-30B-A3B
-# has D 2048 and 32 heads of 128, so w_q is 4096 wide and w_o brings the H * dk values back to D. Second, QK-norm keeps
-# the scores from growing with the lengths of q and k. Left to grow, they make the softmax one-hot, and its gradient
-# vanishes; Dehghani et al. (2023, "Scaling Vision Transformers to 22 Billion Parameters") saw such logits make training
-# diverge. Qwen3 and Gemma 3 apply an RMSNorm over each head's dk dims to q and k BEFORE RoPE, with one weight [dk]
-# shared by all heads. OLMo 2 instead normalizes all H * dk dims before it splits the heads. The order matters once the
-# weight is learned: RoPE keeps the length of each pair, but a weight that scales dim i and not its partner does not.
+# has D 2048 and 32 heads of 128, so w_q is 4096 wide. Second, QK-norm keeps the scores from growing with the lengths of
+# q and k. Grown scores make the softmax one-hot and its gradient vanish; Dehghani et al. (2023, "Scaling Vision
+# Transformers to 22 Billion Parameters") saw such logits make training diverge. Qwen3 and Gemma 3 apply an RMSNorm over
+# each head's dk dims, one weight [dk] for all heads, to q and k BEFORE RoPE; OLMo 2 normalizes all H * dk dims before
+# it splits the heads. The order matters once the weight is learned: RoPE keeps the length of each pair, but a weight
+# that scales dim i and not its partner does not.
 
 class QKNormAttention(GroupedQueryAttention):
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, bias=False, norm_eps=1e-6):
@@ -2104,9 +2100,9 @@ def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
 # and a router that sends each token to top_k of them. The model gets E times the parameters for about top_k times the
 # compute: Mixtral-8x7B runs 2 of its 8 SwiGLU experts a token. Left alone, a router sends most tokens to a few experts,
 # which then learn more and are chosen more; an auxiliary loss (below) or DeepSeek's bias (section 31) balances them.
-# Mixtral and Qwen3-MoE weigh the chosen experts alike. They take p = softmax(logits) over all E experts, keep the
-# top_k, and divide them by their sum (norm_topk); after that division the weights are a softmax over the top_k logits.
-# Without the division (Qwen1.5-MoE), taking the top k before the softmax or after it gives two different models.
+# Mixtral and Qwen3-MoE take p = softmax(logits) over all E experts, keep the top_k and divide them by their sum
+# (norm_topk), which makes them a softmax over the top_k logits. Without the division (Qwen1.5-MoE), the top k before
+# the softmax and after it are two different models.
 
 class MoE(nn.Module):
     """Mixtral's mixture of experts: each token runs its top_k SwiGLU experts, weighted by the router's softmax."""
@@ -2149,10 +2145,10 @@ class MoE(nn.Module):
 
 
 def load_balancing_loss(router_logits, top_k):
-    """The Switch Transformer's auxiliary loss, as transformers' Mixtral computes it from router logits [N, E]:
-    E * sum_e f_e * P_e. Here f_e is the share of the N tokens' top-k slots that expert e took (a count, so it has no
-    gradient), and P_e is the mean of softmax(logits)[:, e]. The loss is top_k when routing is uniform and grows where
-    the probability piles up. Add it to the loss times a small factor (Switch used 0.01)."""
+    """The Switch Transformer's auxiliary loss from router logits [N, E], as transformers' Mixtral computes it: E *
+    sum_e f_e * P_e, f_e the share of the top-k slots that expert e took (a count: no gradient), P_e the mean of
+    softmax(logits)[:, e]. It is top_k when routing is uniform and grows where the probability piles up; add it to the
+    loss times a small factor (Switch used 0.01)."""
     if router_logits.dim() != 2 or len(router_logits) == 0:  # no tokens would give 0 / 0
         raise ValueError(f"router_logits must be [N, E] with N >= 1 tokens, got shape {list(router_logits.shape)}")
     E = router_logits.size(-1)
@@ -2235,15 +2231,16 @@ def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=N
 # 30. Multi-head latent attention, MLA (多头潜在注意力)
 # ===========================================================================
 # GQA shrinks the cache by sharing heads; MLA (DeepSeek-V2, 2024, and V3) shrinks it by compressing. w_dkv maps each
-# token to a latent c of kv_lora_rank dims (512 in V3), which kv_norm normalizes, and to one rope key (64 dims) for all
-# heads. w_ukv expands c into every head's key (its nope part, 128 dims) and value (128 dims). So the cache keeps only c
-# and the rope key, 576 values a token a layer in V3, against 128 x (192 + 128) = 40,960 for per-head keys and values.
-# The queries pass a low-rank bottleneck of their own (w_dq, q_norm, w_uq) "to reduce the activation memory during
-# training" (DeepSeek-V2). A head's q and k are [nope | rope], and RoPE turns only the rope part. The rope part is kept
-# apart because a rotation between the query and W_uk would make the score q^T R(m)^T R(n) W_uk c_n = q^T R(n - m)
-# W_uk c_n depend on the pair of positions, and W_uk could then not be folded into the query once for all keys (3a
-# below). DeepSeek's checkpoints pair neighbours (x[2i], x[2i+1]) in the rope part (rope_interleave=True); that is
-# section 19's halves after a fixed permutation of the rope rows of w_uq (or w_q) and w_dkv.
+# token to a latent c of kv_lora_rank dims (512 in V3, normed by kv_norm) and to one rope key of 64 dims for all heads;
+# w_ukv expands c into every head's key (its nope part, 128 dims) and value (128 dims). So the cache keeps only c and
+# the rope key, 576 values a token a layer in V3, against 128 x (192 + 128) = 40,960 for per-head keys and values. The
+# queries pass a low-rank bottleneck of their own (w_dq, q_norm, w_uq) "to reduce the activation memory during training"
+# (DeepSeek-V2). RoPE turns only the rope part of a head's q and k, [nope | rope]: a rotation between the query and W_uk
+# would make the score q^T R(m)^T R(n) W_uk c_n = q^T R(n - m) W_uk c_n depend on the pair of positions, and W_uk could
+# not be folded into the query once for all keys (3a below). DeepSeek's checkpoints pair neighbours (x[2i], x[2i+1]) in
+# the rope part (rope_interleave=True), which is section 19's halves after a fixed permutation of the rope rows of w_uq
+# (or w_q) and w_dkv.
+
 
 class LatentCache:
     """One MLA module's cache, with KVCache's append and len: latents [B, t, r] and turned rope keys [B, t, rope]."""
