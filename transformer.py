@@ -2241,7 +2241,6 @@ def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=N
 # the rope part (rope_interleave=True), which is section 19's halves after a fixed permutation of the rope rows of w_uq
 # (or w_q) and w_dkv.
 
-
 class LatentCache:
     """One MLA module's cache, with KVCache's append and len: latents [B, t, r] and turned rope keys [B, t, rope]."""
 
@@ -3101,19 +3100,18 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 # can attend to nothing. A sink fixed at 0 is Evan Miller's softmax_1 ("Attention Is Off By One", 2023).
 #
 # The rest of gpt-oss is earlier sections with small changes:
-# - Its layers alternate a window of 128 tokens (section 35, with its rolling cache) and full
-#   attention, in the order the configuration's layer_types lists.
-# - Its attention is GQA with biases on q, k, v and o. 64 query heads 64 wide share 8 key/value
-#   heads, so the heads together are 4096 wide in a model 2880 wide (section 28's free head width).
-# - Its feed-forward is a MoE (section 29) whose router has a bias and softmaxes its top-k logits.
-#   These are Mixtral's weights: the top-k of a softmax over all E, divided by their sum, are the same.
-# - Its experts have biases and a clamped SwiGLU, as OpenAI's reference code (gpt_oss/torch/model.py, swiglu) writes it:
-#       gate = min(gate, limit), up = clamp(up, -limit, limit), out = (up + 1) * gate * sigmoid(1.702 gate)
-#   x sigmoid(1.702 x) approximates GELU (Hendrycks and Gimpel, 2016). The + 1 lets a channel whose up
-#   is 0 pass gate's value on. The clamps bound both factors; the limit is 7.0 in both models.
-# - Its RoPE is YaRN (section 37) from 4,096 to 131,072 positions, with the ramp's ends left unrounded.
-#   So a GptOss takes its scaling only as rope_scaling=, where it is built: section 37's with_rope_scaling
-#   would give it the rounded ramp, and its checkpoint would come back with its own.
+# - Its layers alternate a window of 128 tokens (section 35, with its rolling cache) and full attention, in the order
+#   the configuration's layer_types lists.
+# - Its attention is GQA with biases on q, k, v and o. 64 query heads 64 wide share 8 key/value heads, so the heads
+#   together are 4096 wide in a model 2880 wide (section 28's free head width).
+# - Its feed-forward is a MoE (section 29) whose router has a bias and softmaxes its top-k logits, which gives Mixtral's
+#   weights: the top-k of a softmax over all E, divided by their sum.
+# - Its experts have biases and a clamped SwiGLU, as OpenAI's reference code (gpt_oss/torch/model.py, swiglu) writes it
+#   (ClampedSwiGLU below). x sigmoid(1.702 x) approximates GELU (Hendrycks and Gimpel, 2016). The + 1 lets a channel
+#   whose up is 0 pass gate's value on. The clamps bound both factors; the limit is 7.0 in both models.
+# - Its RoPE is YaRN (section 37) from 4,096 to 131,072 positions, with the ramp's ends left unrounded. So a GptOss
+#   takes its scaling only as rope_scaling=, where it is built: section 37's with_rope_scaling would give it the rounded
+#   ramp, and its checkpoint would come back with its own.
 
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names in layer_types
 
@@ -3137,12 +3135,11 @@ class SinkAttention(GroupedQueryAttention):
 
 
 class GptOssAttention(SinkAttention):
-    """SinkAttention with heads head_dim wide, biases on q, k, v and o, and window None (full causal
-    attention) or section 35's band of the last `window` keys."""
+    """SinkAttention with heads head_dim wide, biases on q, k, v and o, and window None (full causal attention) or
+    section 35's band of the last `window` keys."""
 
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, bias=True, window=None):
-        # GQA's constructor at the width H * head_dim makes the heads head_dim wide. The projections are
-        # built again, because they read d_model and w_o has a bias too.
+        # GQA at the width H * head_dim makes the heads head_dim wide; the projections, which read d_model, come again
         super().__init__(n_heads * head_dim, n_heads, n_kv_heads, bias)
         self.w_q = nn.Linear(d_model, n_heads * head_dim, bias=bias)
         self.w_k = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
@@ -3156,11 +3153,9 @@ class GptOssAttention(SinkAttention):
         return super().attend(q, k, v, mask)                               # [B, H, Tn, dk]
 
 
-# FlashAttention (section 34) takes a sink in one line. The sink adds e^sink to the running sum l,
-# so the output is acc / (l + e^sink) = out * l / (l + e^sink) = out * sigmoid(lse - sink).
 def flash_attention_with_sinks(q, k, v, sinks, causal=False, block_size=64):
-    """Section 34's tiles, then each head's sink as one more term of the running sum -> (out
-    [B, H, Tq, dv], lse [B, H, Tq] with the sink in it); sinks [H]. Equal to SinkAttention's softmax."""
+    """Section 34's tiles with each head's sink (sinks [H]) as one more term e^sink of the running sum l: out becomes
+    acc / (l + e^sink) = out * sigmoid(lse - sink). -> (out [B, H, Tq, dv], lse [B, H, Tq] with the sink in it)."""
     if sinks.shape != q.shape[1:2]:  # one sink would broadcast over every head without an error
         raise ValueError(f"sinks must be [H], a logit per query head: got {list(sinks.shape)} for H = {q.size(1)}")
     out, lse = flash_attention(q, k, v, causal, block_size)                # [B, H, Tq, dv], [B, H, Tq]
@@ -3184,8 +3179,7 @@ class ClampedSwiGLU(SwiGLU):
 
 
 class BiasedRouterMoE(MoE):
-    """Section 29's softmax MoE (norm_topk: a softmax over the top_k logits) with a bias on the
-    router and ClampedSwiGLU experts. router_bias, DeepSeek's ranking bias, stays 0."""
+    """Section 29's softmax MoE (norm_topk) with a bias on the router and ClampedSwiGLU experts; router_bias stays 0."""
 
     def __init__(self, d_model, d_ff, n_experts, top_k, limit=7.0):
         super().__init__(d_model, d_ff, n_experts, top_k)
@@ -3194,21 +3188,19 @@ class BiasedRouterMoE(MoE):
 
 
 def gpt_oss_yarn_frequencies(head_dim, theta, scaling):
-    """Section 37's yarn with the ramp's ends unrounded, as gpt-oss has it (transformers' truncate=False,
-    OpenAI's reference code) -> (inv_freq [dk/2], the temperature for cos and sin)."""
+    """Section 37's yarn with the ramp's ends unrounded, as gpt-oss has it (transformers' truncate=False, OpenAI's
+    reference code) -> (inv_freq [dk/2], the temperature for cos and sin). Section 37's ends, rounded outwards, would
+    give some pairs 1.76 times the frequency gpt-oss trained with (43% lower): other angles, and a worse model."""
     if scaling.get("type") != "yarn":  # another stretch would be read as yarn's ramp without an error
         raise ValueError(f"rope_scaling must be None or gpt-oss's yarn, a dict with 'type': 'yarn', got {scaling!r}")
     _, temperature = scaled_rope_frequencies(head_dim, theta, scaling)     # its checks and its temperature
-    # Section 37 rounds the ends outwards (floor, ceil). At gpt-oss's configuration that gives some pairs
-    # 1.76 times the frequency gpt-oss trained with (43% lower): other angles, and a worse model.
     start, end = yarn_ends(head_dim, theta, scaling)
     return yarn_blend(rope_frequencies(head_dim, theta), scaling["factor"], start, end), temperature  # [dk/2], a float
 
 
 class GptOss(Mixtral):
-    """gpt-oss: Mixtral with GptOssAttention (sinks; biases on q, k, v and o when qkv_bias; heads head_dim
-    wide) and BiasedRouterMoE feed-forwards. The layers that layer_types calls sliding get the window (None:
-    every other layer, the first one sliding). rope_scaling is None or gpt-oss's yarn."""
+    """gpt-oss: Mixtral with GptOssAttention (biases when qkv_bias) and BiasedRouterMoE feed-forwards. The layers that
+    layer_types calls sliding get the window (None: every other layer, the first one sliding)."""
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=True, n_experts=8, top_k=2,
@@ -3254,8 +3246,7 @@ def gpt_oss_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=Non
                           rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=True, n_experts=8, top_k=2,
                           expert_d_ff=None, head_dim=None, window=128, layer_types=None, swiglu_limit=7.0,
                           rope_scaling=None, active=False):
-    """Closed form of count_parameters(GptOss(...)), the same keywords; active=True: one token's (the
-    whole embedding table counted, as in section 33)."""
+    """Closed form of count_parameters(GptOss(...)), the same keywords; active=True: one token's (as section 33)."""
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
     head_dim = d_model // n_heads if head_dim is None else head_dim
     width = expert_d_ff or (llama_ffn_dim(d_model) if d_ff is None else d_ff)
@@ -3270,19 +3261,19 @@ def gpt_oss_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=Non
 GPT_OSS_YARN = {"type": "yarn", "factor": 32.0, "original_max_len": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
 GPT_OSS_COMMON = dict(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64, d_ff=2880, top_k=4,
                       max_len=131072, rope_theta=150000.0, norm_eps=1e-5, window=128, rope_scaling=GPT_OSS_YARN)
-# Each entry: the name, the kind, the configuration as released, the total, the active count as
-# section 33 counts it, and what OpenAI reports. OpenAI's active counts leave out the input
-# embedding table (V D = 579,133,440, of which a token reads one row): 5,132,849,472 and 3,608,307,264.
+# Each entry: the name, the kind, the configuration as released, the total, the active count as section 33 counts it,
+# and what OpenAI reports. OpenAI's active counts leave out the input embedding table (V D = 579,133,440, of which a
+# token reads one row): 5,132,849,472 and 3,608,307,264.
 GPT_OSS_CONFIGS = [
     ("gpt-oss-120b", "gptoss", dict(GPT_OSS_COMMON, n_layers=36, n_experts=128), 116_829_156_672, 5_711_982_912,
      "116.8B / 5.1B (active without the embedding table)"),
     ("gpt-oss-20b", "gptoss", dict(GPT_OSS_COMMON, n_layers=24, n_experts=32), 20_914_757_184, 4_187_440_704,
      "20.9B / 3.6B (active without the embedding table)"),
 ]
-# Where gpt-oss-120b's 116.8B go: 36 layers x 128 experts x (3 x 2880 x 2880 + biases) = 114.7B are
-# experts (98%). A token runs 4 of them, 3.6B, plus 0.96B of attention and 1.16B of embeddings and
-# lm_head. Its cache in bf16 takes 2 x 8 x 64 x 2 bytes = 2 KiB a token a layer: 36 KiB a token in the
-# 18 full layers, while the 18 sliding ones hold 128 tokens each, 4.5 MiB in all.
+# Where gpt-oss-120b's 116.8B go: 36 layers x 128 experts x (3 x 2880 x 2880 + biases) = 114.7B are experts (98%). A
+# token runs 4 of them, 3.6B, plus 0.96B of attention and 1.16B of embeddings and lm_head. Its cache in bf16 takes 2 x 8
+# x 64 x 2 bytes = 2 KiB a token a layer: 36 KiB a token in the 18 full layers, while the 18 sliding ones hold 128
+# tokens each, 4.5 MiB in all.
 
 # Try it: a sink of -inf is section 2's attention; a large one takes everything, and the head reads nothing.
 #   >>> attn = SinkAttention(d_model=32, n_heads=4, n_kv_heads=2)
@@ -3315,25 +3306,24 @@ GPT_OSS_CONFIGS = [
 # ===========================================================================
 # 39. Gated attention and Gated DeltaNet: Qwen3-Next (门控注意力与门控 DeltaNet)
 # ===========================================================================
-# Attention's cache grows with every token. A linear-attention layer keeps a memory of fixed size
-# instead: a [dk, dv] matrix per head, which each token writes and each query reads. It costs the
-# same at token 10 and at token 10 million. Qwen3-Next (Qwen team, September 2025) stacks three such
-# layers, Gated DeltaNet, to one layer of gated attention, which still sees every token exactly.
-# Every block's feed-forward is a MoE of 512 experts and a shared one. The new symbols: Hk and Hv
-# are the DeltaNet's key and value heads, dk and dv their widths, C = 2 Hk dk + Hv dv the channels
-# of its convolution, K the convolution's taps, c a chunk's tokens and n the number of chunks.
+# Attention's cache grows with every token. A linear-attention layer keeps a memory of fixed size instead: a [dk, dv]
+# matrix per head, which each token writes and each query reads, so it costs the same at token 10 and at token 10
+# million. Qwen3-Next (Qwen team, September 2025) stacks three such layers, Gated DeltaNet, to one layer of gated
+# attention, which still sees every token exactly. Every block's feed-forward is a MoE of 512 experts and a shared one.
+# The new symbols: Hk and Hv are the DeltaNet's key and value heads, dk and dv their widths, C = 2 Hk dk + Hv dv the
+# channels of its convolution, K the convolution's taps, c a chunk's tokens and n the number of chunks.
 #
 # Qwen3's attention and norms change in three small ways first:
-# - A zero-centred RMSNorm scales by 1 + w, with w starting at 0. The Qwen3-Next blog reports that
-#   norm weights grew abnormally large in Qwen3's QK-norm. Weight decay on w pulls the scale towards
-#   1, where decay on a plain weight pulls it towards 0 and erases the input.
+# - A zero-centred RMSNorm scales by 1 + w, with w starting at 0. The Qwen3-Next blog reports that norm weights grew
+#   abnormally large in Qwen3's QK-norm. Weight decay on w pulls the scale towards 1, where decay on a plain weight
+#   pulls it towards 0 and erases the input.
 # - Gated attention (Qiu et al., 2025, "Gated Attention for Large Language Models: Non-linearity, Sparsity, and
 #   Attention-Sink-Free") makes w_q twice as wide: per head, dk query rows, then dk gate rows. The attention's output is
 #   multiplied by sigmoid(gate), per head and dim, before w_o. The paper reports steadier training and no attention sink
 #   (a first token that soaks up the attention of heads with nothing to read), because a head can output about 0 itself.
 #   The gate also puts a non-linearity between w_v and w_o, which are otherwise one low-rank linear map.
-# - Partial RoPE turns only the first 25% of each head's dims (64 of 256). The rest carry no
-#   position, so part of every head matches by content alone, at any distance.
+# - Partial RoPE turns only the first 25% of each head's dims (64 of 256). The rest carry no position, so part of every
+#   head matches by content alone, at any distance.
 
 class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm scaled by 1 + weight, weight starting at 0: every Qwen3-Next norm (q_norm and k_norm too) except the
@@ -3379,15 +3369,14 @@ class GatedAttention(QKNormAttention):
         return self.w_o(out * gate.reshape(B, Tn, -1).sigmoid())          # [B, Tn, D]
 
 
-# Gated DeltaNet (Yang, Kautz & Hatamizadeh, 2024, "Gated Delta Networks: Improving Mamba2 with Delta
-# Rule"). A head's memory S [dk, dv] maps keys to values. A query reads S^T q: the values, weighted by
-# how well their keys match q. This is linear attention, with no softmax and so no [T, T] scores.
-# Each token first lets S fade by alpha_t = e^(g_t) in (0, 1), Mamba-2's forget gate. Then it writes
-# by the delta rule (Widrow and Hoff's; Schlag et al., 2021, "Linear Transformers Are Secretly Fast
-# Weight Programmers"): it recalls what S holds for k_t and moves that towards v_t by beta_t in (0, 1):
+# Gated DeltaNet (Yang, Kautz & Hatamizadeh, 2024, "Gated Delta Networks: Improving Mamba2 with Delta Rule"). A head's
+# memory S [dk, dv] maps keys to values. A query reads S^T q: the values, weighted by how well their keys match q. This
+# is linear attention: no softmax, so no [T, T] scores. Each token first lets S fade by alpha_t = e^(g_t) in (0, 1),
+# Mamba-2's forget gate. Then it writes by the delta rule (Widrow and Hoff's; Schlag et al., 2021, "Linear Transformers
+# Are Secretly Fast Weight Programmers"): it moves what S recalls for k_t towards v_t by beta_t in (0, 1):
 #     S <- alpha_t S,   d_t = beta_t (v_t - S^T k_t),   S <- S + k_t d_t^T,   o_t = S^T q_t
-# With |k_t| = 1 and beta_t = 1, S^T k_t is exactly v_t afterwards. So a write replaces what the key
-# held, where plain linear attention (S <- S + k v^T) piles every value on top of the last.
+# With |k_t| = 1 and beta_t = 1, S^T k_t is exactly v_t afterwards. So a write replaces what the key held, where plain
+# linear attention (S <- S + k v^T) piles every value on top of the last.
 
 def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
     """The memory token by token (decoding): q, k [B, H, T, dk] L2-normed, v [B, H, T, dv], g (log-decay, <= 0)
@@ -3409,13 +3398,13 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
 #     d_i + sum_{j<i} beta_i e^(gamma_i - gamma_j) (k_i . k_j) d_j = beta_i v_i - beta_i e^(gamma_i) S^T k_i
 #     o_i = e^(gamma_i) S^T q_i + sum_{j<=i} e^(gamma_i - gamma_j) (q_i . k_j) d_j
 #     S  <- e^(gamma_c) S + sum_j e^(gamma_c - gamma_j) k_j d_j^T
-# The first line is a unit lower-triangular system in the d_i, so d = u - w S. One triangular solve
-# gives u and w (right-hand sides beta v and beta e^gamma k) for all chunks together, by matmuls; only
-# "d = u - w S" and the two lines after it run chunk after chunk. The pitfall is e^(gamma_i - gamma_j):
-# a difference of two cumulative log-decays hundreds large keeps their rounding (~|gamma| * 6e-8: 3e-7
-# in float32 where |g| reaches 20 a token), and after a g of -inf (forget everything) it is -inf - -inf,
-# NaN, where token by token is finite. So it is summed as g_(j+1) + ... + g_i (transformers subtracts).
-# The two forms then agree up to rounding: 1e-15 in float64; in float32, a few 1e-7 from float64 (|o| near 1).
+# The first line is a unit lower-triangular system in the d_i, so d = u - w S. One triangular solve gives u and w
+# (right-hand sides beta v and beta e^gamma k) for all chunks together, by matmuls; only "d = u - w S" and the two lines
+# after it run chunk after chunk. The pitfall is e^(gamma_i - gamma_j): a difference of two cumulative log-decays
+# hundreds large keeps their rounding (~|gamma| * 6e-8: 3e-7 in float32 where |g| reaches 20 a token), and after a g of
+# -inf (forget everything) it is -inf - -inf, NaN, where token by token is finite. So it is summed as g_(j+1) + ... +
+# g_i (transformers subtracts). The two forms then agree up to rounding: 1e-15 in float64; in float32, a few 1e-7 from
+# float64 (|o| near 1).
 def gated_delta_rule_chunked(q, k, v, g, beta, memory, chunk=64):
     """The same, `chunk` tokens at a time (training, the prompt; 64 as transformers and flash-linear-attention)."""
     T, pad = q.size(2), -q.size(2) % chunk  # padded tokens neither fade (g 0) nor write (beta 0, k 0)
@@ -3452,8 +3441,7 @@ class DeltaNetCache:
         return self.seen
 
     def crop(self, length):
-        """Refused, whatever the length. Speculative decoding (section 48) cuts a cache back to take rejected
-        tokens out, and a memory that folded them in cannot give them back."""
+        """Refused: speculative decoding (section 48) cuts rejected tokens out, and a memory cannot give them back."""
         raise ValueError(f"a DeltaNet layer's cache cannot be cut back to {length} tokens: its recurrent memory "
                          f"holds all {self.seen} tokens folded into one [dk, dv] matrix a head, with no earlier "
                          f"prefix to return to (transformers refuses assisted generation for such models too)")
@@ -3526,11 +3514,9 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(B, Tn, Hv * dv))                    # [B, Tn, D]
 
 
-# The model. Qwen's shared expert has a gate of its own: a sigmoid of the token scales it, where
-# DeepSeek's shared expert runs at full weight on every token.
-
 class GatedSharedExpert(SwiGLU):
-    """A SwiGLU every token runs, scaled by sigmoid(gate(x)), one number a token."""
+    """Qwen's shared expert: a SwiGLU every token runs, scaled by sigmoid(gate(x)), one number a token, where DeepSeek's
+    shared expert runs at full weight on every token."""
 
     def __init__(self, d_model, d_ff):
         super().__init__(d_model, d_ff)
@@ -3546,11 +3532,9 @@ def qwen3_next_layer_types(n_layers, interval=4):
 
 
 class Qwen3Next(Qwen3):
-    """Qwen3 with Qwen3-Next's blocks. Each block mixes tokens by a GatedDeltaNet or a GatedAttention, as
-    layer_types says (None: three DeltaNet layers, then one attention layer, over and over), and has a
-    softmax-routed MoE with a gated shared expert. Every norm but the DeltaNet's output norm is
-    zero-centred. The DeltaNet and MoE sizes default to Qwen3-Next-80B-A3B's; max_len, theta and eps
-    default to Llama's."""
+    """Qwen3 with Qwen3-Next's blocks: a GatedDeltaNet or a GatedAttention as layer_types says (None: three DeltaNet
+    layers, then one attention layer, over and over), and a softmax MoE with a gated shared expert. The DeltaNet and MoE
+    sizes default to Qwen3-Next-80B-A3B's; max_len, theta and eps to Llama's."""
     cache_kind = object  # the kind differs by layer: new_cache() gives them, and forward checks them
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, head_dim=None, max_len=2048,
@@ -3631,10 +3615,10 @@ def qwen3_next_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=
 
 
 def qwen3_next_cache_bytes(config, length, bytes_per_value=2):
-    """Cache bytes after `length` tokens of the Qwen3Next of config (its keywords, as model.config): section 23's
-    keys and values in each attention layer; in each DeltaNet layer its memory and the convolution's last K - 1
-    inputs, the same at any length. bytes_per_value counts for all; GatedDeltaNet here keeps the memory in
-    float32 even in a bf16 model, as transformers' torch path does: 4 bytes there."""
+    """Cache bytes after `length` tokens of the Qwen3Next of config (its keywords, as model.config): section 23's keys
+    and values in each attention layer; in each DeltaNet layer its memory and the convolution's last K - 1 inputs, the
+    same at any length. bytes_per_value counts for all (GatedDeltaNet here keeps the memory in float32 even in a bf16
+    model, as transformers' torch path does)."""
     n_attention = (config["layer_types"] or qwen3_next_layer_types(config["n_layers"])).count("full_attention")
     head_dim = config["head_dim"] or config["d_model"] // config["n_heads"]
     kv = kv_cache_bytes_per_token(1, config["n_kv_heads"] or config["n_heads"], head_dim, bytes_per_value)  # a layer
@@ -3644,19 +3628,18 @@ def qwen3_next_cache_bytes(config, length, bytes_per_value=2):
     return n_attention * kv * length + (config["n_layers"] - n_attention) * state * bytes_per_value
 
 
-# Qwen3-Next-80B-A3B as released (its config.json; max_len 262,144 without YaRN). Its model card says
-# "80B in total and 3B activated"; the formula gives 79,674,391,296 and 3,874,929,408. That counts all
-# of the embedding table as used, as section 33 does: 3.56B without it, 3.25B without the lm_head too.
-# Its multi-token-prediction layer is not built here; transformers skips it too.
+# Qwen3-Next-80B-A3B as released (its config.json; max_len 262,144 without YaRN). Its model card says "80B in total and
+# 3B activated"; the formula gives 79,674,391,296 and 3,874,929,408. That counts all of the embedding table as used, as
+# section 33 does: 3.56B without it, 3.25B without the lm_head too. Its multi-token-prediction layer is not built here;
+# transformers skips it too.
 QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, n_kv_heads=2, head_dim=256,
                       max_len=262144, rope_theta=10000000.0, norm_eps=1e-6, tie_weights=False, partial_rotary=0.25,
                       layer_types=None, linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128,
                       conv_size=4, n_experts=512, top_k=10, expert_d_ff=512, shared_d_ff=512, norm_topk=True)
-# Its cache in bf16: 12 attention layers x 2 kv heads x 256 x (K and V) x 2 bytes = 24 KiB a token,
-# and 36 DeltaNet layers x (32 x 128 x 128 + 3 x 8192) x 2 bytes = 37.7 MiB at any length. At 4K,
-# 32K and 256K tokens that is 133.7 MiB, 805.7 MiB and 6,181.7 MiB, against Llama-3-8B's 128 KiB a
-# token: 512, 4,096 and 32,768 MiB. Attention still dominates past about 1,600 tokens. (The memory
-# is counted at 2 bytes, as a bf16 kernel keeps it; this file's GatedDeltaNet keeps it in float32: 72 MiB.)
+# Its cache in bf16: 12 attention layers x 2 kv heads x 256 x (K and V) x 2 bytes = 24 KiB a token, and 36 DeltaNet
+# layers x (32 x 128 x 128 + 3 x 8192) x 2 bytes = 37.7 MiB at any length (a bf16 kernel's; this file's float32 memory
+# makes it 72 MiB). At 4K, 32K and 256K tokens that is 133.7 MiB, 805.7 MiB and 6,181.7 MiB, against Llama-3-8B's 128
+# KiB a token: 512, 4,096 and 32,768 MiB. Attention still dominates past about 1,600 tokens.
 
 # Try it: the two forms of the delta rule agree; the hybrid's cache; the memory it saves.
 #   >>> _ = torch.manual_seed(0)
