@@ -3672,11 +3672,11 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, 
 # ===========================================================================
 # 40. DeepSeek's sparse attention: DeepSeek-V3.2 (DeepSeek 稀疏注意力)
 # ===========================================================================
-# MLA made the cache small, but each new token still reads all of it, so attention's work grows with
-# the context. DeepSeek-V3.2 (DeepSeek Sparse Attention, DSA) lets a cheap scorer, the lightning
-# indexer, pick index_topk earlier tokens (2048) for each query, and section 30's latent attention
-# reads only those. The main attention goes from O(T^2) to O(T k) (the V3.2-Exp report). The new
-# shapes: Hi is the indexer's heads (64 in V3.2), di their width (128), and topk = index_topk.
+# MLA made the cache small, but each new token still reads all of it, so attention's work grows with the context.
+# DeepSeek-V3.2 (DeepSeek Sparse Attention, DSA) lets a cheap scorer, the lightning indexer, pick index_topk earlier
+# tokens (2048) for each query, and section 30's latent attention reads only those. The main attention goes from O(T^2)
+# to O(T k) (the V3.2-Exp report). The new shapes: Hi is the indexer's heads (64 in V3.2), di their width (128), and
+# topk = index_topk.
 #
 # The index score of query t for token s is I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]) (the report's equation 1). Its
 # Hi small query heads are made from MLA's query latent, and one key per token serves all of them. It uses ReLU rather
@@ -3694,14 +3694,13 @@ class IndexedLatentCache(LatentCache):
         self.index_keys = None                                             # [B, t, di] once filled
 
     def append_index_keys(self, k):
-        """Add this step's indexer keys [B, Tn, di]; return all of them."""
         self.index_keys = k if self.index_keys is None else torch.cat([self.index_keys, k], dim=1)  # [B, t, di]
         return self.index_keys
 
 
 class LightningIndexer(nn.Module):
-    """DeepSeek-V3.2's lightning indexer in DeepSeek's layout (its wq_b, wk, k_norm, weights_proj are
-    w_uq, w_k, k_norm, w_heads here): the index_topk tokens each query's latent attention reads."""
+    """DeepSeek-V3.2's lightning indexer in DeepSeek's layout (its wq_b, wk, k_norm, weights_proj are w_uq, w_k, k_norm,
+    w_heads here): the index_topk tokens each query's latent attention reads."""
 
     def __init__(self, d_model, q_lora_rank, qk_rope_dim, index_n_heads=64, index_head_dim=128, index_topk=2048):
         super().__init__()
@@ -3715,16 +3714,14 @@ class LightningIndexer(nn.Module):
         self.k_norm = LayerNorm(index_head_dim, eps=1e-6)                 # a LayerNorm (bias too), not an RMSNorm
         self.w_heads = nn.Linear(d_model, index_n_heads, bias=False)      # each head's weight, set by the query
 
-    def turn(self, x, cos, sin):
-        """RoPE on the first qk_rope_dim dims of x [..., Tn, di], pairing halves; the rest as it is."""
-        return torch.cat([apply_rope(x[..., :self.rope], cos, sin), x[..., self.rope:]], dim=-1)  # [..., Tn, di]
-
     def scores(self, x, q_latent, cos, sin, cache=None):
         """I[t, s] for the new tokens t and every token s: x [B, Tn, D]; q_latent [B, Tn, q rank], MLA's
-        q_norm(w_dq(x)); cos, sin [Tn, rope]; cache an IndexedLatentCache -> [B, Tn, t]."""
+        q_norm(w_dq(x)); cos, sin [Tn, rope]; cache an IndexedLatentCache -> [B, Tn, t]. RoPE turns the first rope dims
+        of q and k, pairing halves (section 39's partial RoPE)."""
         B, Tn, _ = x.shape
         q = self.w_uq(q_latent).view(B, Tn, self.n_heads, self.head_dim).transpose(1, 2)  # [B, Hi, Tn, di]
-        q, k = self.turn(q, cos, sin), self.turn(self.k_norm(self.w_k(x)), cos, sin)  # [B, Hi, Tn, di], [B, Tn, di]
+        q = apply_partial_rope(q, cos, sin)                                # [B, Hi, Tn, di]
+        k = apply_partial_rope(self.k_norm(self.w_k(x)), cos, sin)         # [B, Tn, di]
         if cache is not None:  # the keys are the indexer's own: MLA's latents cannot stand in for them
             k = cache.append_index_keys(k)                                 # [B, t, di]
         # a head votes for s by how far q . k is above 0, or not at all (ReLU: no softmax over s)
@@ -3732,9 +3729,8 @@ class LightningIndexer(nn.Module):
         w = self.w_heads(x) / math.sqrt(self.n_heads)                      # [B, Tn, Hi]
         return torch.einsum("bhts,bth->bts", relu, w)                      # [B, Tn, t]
 
-    # No gradient: top-k is a choice, not a function of the weights that autograd could follow, and the
-    # main loss gives the indexer nothing anyway. DeepSeek trains it apart, towards the dense attention's
-    # distribution by a KL loss, so here it runs as an inference-only scorer.
+    # No gradient: top-k is a choice, not a function of the weights that autograd could follow, and the main loss gives
+    # the indexer nothing anyway. DeepSeek trains it apart, towards the dense attention's distribution by a KL loss.
     @torch.no_grad()
     def forward(self, x, q_latent, cos, sin, mask=None, cache=None):
         """As scores(); mask [1, 1, Tn, t] or None -> [B, 1, Tn, t], True at the tokens each query keeps."""
@@ -3757,15 +3753,14 @@ class SparseLatentAttention(MultiHeadLatentAttention):
                                         index_head_dim, index_topk)
 
     def forward(self, x, cos, sin, mask=None, cache=None, absorb=None):
-        """As MLA's, reading only the tokens the indexer keeps. The query latent is computed again for
-        the indexer (one [D, q rank] product more), so that section 30's forward stays as it is."""
+        """As MLA's, reading only the tokens the indexer keeps. The query latent is computed again for the indexer (one
+        [D, q rank] product more), so that section 30's forward stays as it is."""
         keep = self.indexer(x, self.q_norm(self.w_dq(x)), cos, sin, mask, cache)  # [B, 1, Tn, t]
         return super().forward(x, cos, sin, keep, cache, absorb)          # [B, Tn, D]
 
 
 class DeepSeekV32(DeepSeekV3):
-    """DeepSeek-V3 with sparse latent attention in every block; q_lora_rank is required. The rest of
-    the keywords are DeepSeekV3's."""
+    """DeepSeek-V3 with sparse latent attention in every block; q_lora_rank is required."""
     cache_kind = IndexedLatentCache                                        # [B, t, r], [B, t, rope], [B, t, di]
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim,
@@ -3781,53 +3776,52 @@ class DeepSeekV32(DeepSeekV3):
 
 
 def deepseek_v32_param_formula(index_n_heads=64, index_head_dim=128, index_topk=2048, **deepseek):
-    """Closed form of count_parameters(DeepSeekV32(...)), its keywords: deepseek_param_formula's (active
-    too) and every layer's indexer, w_uq, w_k, k_norm (weight and bias), w_heads, which every token runs."""
+    """Closed form of count_parameters(DeepSeekV32(...)), its keywords: deepseek_param_formula's (active too) and every
+    layer's indexer, w_uq, w_k, k_norm (weight and bias), w_heads, which every token runs."""
     D, di, Hi = deepseek["d_model"], index_head_dim, index_n_heads
     indexer = deepseek["q_lora_rank"] * Hi * di + D * di + 2 * di + D * Hi
     return deepseek_param_formula(**deepseek) + deepseek["n_layers"] * indexer
 
-# DeepSeek-V3.2 at DeepSeek-V3's sizes (section 33) and the indexer's (64 heads of 128, top 2048) has
-# 671,877,929,216 parameters: V3's 671.03B and 61 x 13,959,424 = 0.85B of indexers (the count of
-# transformers' DeepseekV32ForCausalLM on the meta device). 38.40B of them are active.
+# DeepSeek-V3.2 at DeepSeek-V3's sizes (section 33) and the indexer's (64 heads of 128, top 2048) has 671,877,929,216
+# parameters: V3's 671.03B and 61 x 13,959,424 = 0.85B of indexers (the count of transformers' DeepseekV32ForCausalLM on
+# the meta device). 38.40B of them are active.
 
 
-# What a token costs. Decoding one token over t cached tokens, absorbed MLA (section 30) does, per
-# head, q . [c | k_rope] (r + rope) and the sum over c (r) for every token: 2 H (2 r + rope) t FLOPs a
-# layer. DSA does that for min(t, topk) tokens. The indexer adds 2 Hi (di + 1) t for ReLU(q . k) and
-# the weighted sum over every token, and its projections, 2 x its parameters, once a token.
+# What a token costs. Decoding one token over t cached tokens, absorbed MLA (section 30) does, per head, q . [c |
+# k_rope] (r + rope) and the sum over c (r) for every token: 2 H (2 r + rope) t FLOPs a layer. DSA does that for min(t,
+# topk) tokens. The indexer adds 2 Hi (di + 1) t for ReLU(q . k) and the weighted sum over every token, and its
+# projections, 2 x its parameters, once a token.
 def sparse_attention_flops(context, n_heads=128, kv_lora_rank=512, qk_rope_dim=64, d_model=7168, q_lora_rank=1536,
                            index_n_heads=64, index_head_dim=128, index_topk=2048):
-    """FLOPs of one layer for a token reading context tokens, (dense latent attention, sparse): what
-    grows with the context, and the indexer's projections; the defaults are DeepSeek-V3.2's configuration."""
+    """FLOPs of one layer for a token reading context tokens, (dense latent attention, sparse): what grows with the
+    context, and the indexer's projections; the defaults are DeepSeek-V3.2's configuration."""
     per_token = 2 * n_heads * (2 * kv_lora_rank + qk_rope_dim)            # every head, one key and one value
     Hi, di = index_n_heads, index_head_dim
     projections = 2 * (q_lora_rank * Hi * di + d_model * di + d_model * Hi)
     return per_token * context, per_token * min(context, index_topk) + 2 * Hi * (di + 1) * context + projections
 
-# At V3.2's sizes, a layer costs 1.14 GFLOPs dense and 0.67 sparse at 4K tokens (58%: 2048 of 4096
-# tokens read, the indexer 0.10). At 128K it costs 36.5 GFLOPs dense and 2.76 sparse (7.6%), of which
-# the indexer takes 2.19. These count what grows with the context and the indexer; MLA's own
-# projections (0.37 GFLOPs a token) cost both the same, and with them the ratios are 69% and 8.5%.
-# Past about 35K tokens, scoring costs more than attending: its slope is 16,512 FLOPs a token, dense
-# attention's 278,528. DeepSeek keeps it cheap with few heads and FP8. The cache
-# gains di = 128 values a token a layer (576 + 128: 85,888 bytes a token in bf16 over 61 layers).
+# At V3.2's sizes, a layer costs 1.14 GFLOPs dense and 0.67 sparse at 4K tokens (58%: 2048 of 4096 tokens read, the
+# indexer 0.10). At 128K it costs 36.5 GFLOPs dense and 2.76 sparse (7.6%), of which the indexer takes 2.19. These count
+# what grows with the context and the indexer; MLA's own projections (0.37 GFLOPs a token) cost both the same, and with
+# them the ratios are 69% and 8.5%. Past about 35K tokens, scoring costs more than attending: its slope is 16,512 FLOPs
+# a token, dense attention's 278,528. DeepSeek keeps it cheap with few heads and FP8. The cache gains di = 128 values a
+# token a layer (576 + 128: 85,888 bytes a token in bf16 over 61 layers).
 #
-# Training. Under no_grad the indexer's forward costs FLOPs and its backward none. A weight costs 2
-# FLOPs a token (a multiply, an add), not the 6 of a trained one (the backward's 4 compute the
-# gradients of input and weight). Its scores cost 2 T^2 Hi (di + 1) a layer for a sequence of T, once,
-# not three times. Masked as here, the main attention still computes all T^2 scores; a sparse kernel
-# computes T x topk of them. The KL loss DeepSeek trains the indexer with adds its backward back.
+# Training. Under no_grad the indexer's forward costs FLOPs and its backward none. A weight costs 2 FLOPs a token (a
+# multiply, an add), not the 6 of a trained one (the backward's 4 compute the gradients of input and weight). Its scores
+# cost 2 T^2 Hi (di + 1) a layer for a sequence of T, once, not three times. Masked as here, the main attention still
+# computes all T^2 scores; a sparse kernel computes T x topk of them. The KL loss DeepSeek trains the indexer with adds
+# its backward back.
 def indexer_flops(config, batch_size, seq_len):
-    """FLOPs of every layer's indexer in a forward of [batch_size, seq_len] (config: a DeepSeekV32's),
-    with the query latent computed again for it; the same in training: it has no backward."""
+    """FLOPs of every layer's indexer in a forward of [batch_size, seq_len] (config: a DeepSeekV32's), with the query
+    latent computed again for it; the same in training: it has no backward."""
     L, D, qr = config["n_layers"], config["d_model"], config["q_lora_rank"]
     Hi, di = config["index_n_heads"], config["index_head_dim"]
     projections = qr * Hi * di + D * di + D * Hi + D * qr                  # + w_dq again (SparseLatentAttention)
     return 2 * L * batch_size * seq_len * (projections + seq_len * Hi * (di + 1))
 
-# Each query keeps at most index_topk = 3 earlier tokens; the cache changes the speed, not the
-# tokens; with a topk past the length the model is DeepSeek-V3 with the same weights.
+# Each query keeps at most index_topk = 3 earlier tokens; the cache changes the speed, not the tokens; with a topk
+# past the length the model is DeepSeek-V3 with the same weights.
 # Try it:
 #   >>> _ = torch.manual_seed(0)
 #   >>> config = dict(vocab_size=100, d_model=32, n_layers=2, n_heads=4, kv_lora_rank=16, qk_nope_dim=8,
@@ -4381,23 +4375,22 @@ def merge_lora(model, merge=True):
 # ===========================================================================
 # 48. Speculative decoding (投机解码)
 # ===========================================================================
-# Decoding one sequence reads all of the target model's weights for each token. While that reading dominates, scoring
-# k + 1 tokens in one forward costs about what scoring one does. So a small draft proposes k tokens one at a time, the
+# Decoding one sequence reads all of the target model's weights for each token. While that reading dominates, scoring k
+# + 1 tokens in one forward costs about what scoring one does. So a small draft proposes k tokens one at a time, the
 # target scores all k + 1 positions in one forward, and the longest prefix it agrees with is kept, plus one token of its
 # own (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al., 2023,
 # "Accelerating Large Language Model Decoding with Speculative Sampling").
 # A drafted x, drawn from the draft's law q, is kept with chance min(1, p(x) / q(x)), p the target's law; at the first
 # rejection a token is drawn from max(0, p - q), normalized. The output then follows p exactly: y comes out kept with
-# chance q(y) min(1, p(y) / q(y)) = min(p(y), q(y)); a rejection has chance 1 - sum(min(p, q)) = sum(max(0, p - q)),
-# the residual's own total, so the redraw adds max(0, p - q)(y), and min + max(0, p - q) = p. A redraw from p itself
-# would give min(p, q) + (1 - sum(min(p, q))) p, too much of the tokens the draft likes. p and q are next_token_probs
-# (section 9), after temperature, top_k and top_p; at temperature 0 they are one-hot, and the tokens are greedy's.
+# chance q(y) min(1, p(y) / q(y)) = min(p(y), q(y)); a rejection has chance 1 - sum(min(p, q)) = sum(max(0, p - q)), the
+# residual's own total, so the redraw adds max(0, p - q)(y), and min + max(0, p - q) = p. A redraw from p itself would
+# give min(p, q) + (1 - sum(min(p, q))) p, too much of the tokens the draft likes. p and q are next_token_probs (section
+# 9), after temperature, top_k and top_p; at temperature 0 they are one-hot, and the tokens are greedy's.
 # The pitfall is the caches: after a rejection both still hold the rejected tokens' keys, and crop_cache cuts them off.
-# A rolling cache (section 35) cannot take back tokens it has let go, so here it holds k tokens more than its window:
-# a round cuts at most k, and the whole window the next query reads stays.
-# A recurrent memory (Gated DeltaNet, section 39) cannot be cut back at all, so speculation_cache asks each fresh cache
-# for a cut to 0, and such a model is refused before anything runs (transformers refuses assisted decoding for its
-# stateful models too).
+# A rolling cache (section 35) cannot take back tokens it has let go, so here it holds k tokens more than its window: a
+# round cuts at most k, and the whole window the next query reads stays. A recurrent memory (Gated DeltaNet, section 39)
+# cannot be cut back at all, so speculation_cache asks each fresh cache for a cut to 0, and such a model is refused
+# before anything runs (transformers refuses assisted decoding for its stateful models too).
 
 def crop_cache(cache, length):
     """Every layer's cache cut to `length` tokens (a layer holding fewer keeps them): its own crop, or each tensor's
