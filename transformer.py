@@ -2043,8 +2043,8 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
 # q and k. Grown scores make the softmax one-hot and its gradient vanish; Dehghani et al. (2023, "Scaling Vision
 # Transformers to 22 Billion Parameters") saw such logits make training diverge. Qwen3 and Gemma 3 apply an RMSNorm over
 # each head's dk dims, one weight [dk] for all heads, to q and k BEFORE RoPE; OLMo 2 normalizes all H * dk dims before
-# it splits the heads. The order matters once the weight is learned: RoPE keeps the length of each pair, but a weight
-# that scales dim i and not its partner does not.
+# it splits the heads. The order matters once the weight is learned: RoPE keeps each pair's length, a weight on dim i
+# alone does not.
 
 class QKNormAttention(GroupedQueryAttention):
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, bias=False, norm_eps=1e-6):
@@ -2147,8 +2147,8 @@ class MoE(nn.Module):
 def load_balancing_loss(router_logits, top_k):
     """The Switch Transformer's auxiliary loss from router logits [N, E], as transformers' Mixtral computes it: E *
     sum_e f_e * P_e, f_e the share of the top-k slots that expert e took (a count: no gradient), P_e the mean of
-    softmax(logits)[:, e]. It is top_k when routing is uniform and grows where the probability piles up; add it to the
-    loss times a small factor (Switch used 0.01)."""
+    softmax(logits)[:, e]. It is top_k when routing is uniform, more where the probability piles up; add it times a
+    small factor (Switch: 0.01)."""
     if router_logits.dim() != 2 or len(router_logits) == 0:  # no tokens would give 0 / 0
         raise ValueError(f"router_logits must be [N, E] with N >= 1 tokens, got shape {list(router_logits.shape)}")
     E = router_logits.size(-1)
@@ -2238,8 +2238,8 @@ def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=N
 # (DeepSeek-V2). RoPE turns only the rope part of a head's q and k, [nope | rope]: a rotation between the query and W_uk
 # would make the score q^T R(m)^T R(n) W_uk c_n = q^T R(n - m) W_uk c_n depend on the pair of positions, and W_uk could
 # not be folded into the query once for all keys (3a below). DeepSeek's checkpoints pair neighbours (x[2i], x[2i+1]) in
-# the rope part (rope_interleave=True), which is section 19's halves after a fixed permutation of the rope rows of w_uq
-# (or w_q) and w_dkv.
+# the rope part (rope_interleave=True): section 19's halves after a fixed permutation of the rope rows of w_uq and
+# w_dkv.
 
 class LatentCache:
     """One MLA module's cache, with KVCache's append and len: latents [B, t, r] and turned rope keys [B, t, rope]."""
@@ -2479,8 +2479,7 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
 # DeepSeek-V3 trains one more block to predict the token after next. The block takes the model's final-normed hidden
 # state at t and the embedding of token t + 1, is of the model's own kind, and gives logits for token t + 2 through the
 # shared head. The extra loss makes the training signal denser (DeepSeek-V3 report, section 2.2). At inference the
-# module is a free draft for speculative decoding (section 48): it reads the target's hidden state and needs no model
-# of its own.
+# module, which reads the target's hidden state, is a free draft for speculative decoding (section 48).
 
 class MultiTokenPrediction(nn.Module):
     """DeepSeek-V3's MTP module. The embedding and the output head are the model's own (passed to forward), shared."""
@@ -2567,18 +2566,17 @@ def mtp_loss(model, mtp, input_ids, target, weight=0.3, ignore_index=-100):
 # ===========================================================================
 # 33. Total and active parameters, the latent cache (总参数、激活参数与潜在缓存)
 # ===========================================================================
-# A MoE model has two sizes. The total must fit in memory; the active parameters, the ones one token's forward uses,
-# set the compute. Each family's formula gives both, and the count on the meta device checks the total. The active
-# count takes all of the input embedding table (0.93B in DeepSeek-V3), although a token reads one row: so it gives
-# 37.55B where DeepSeek says 37B.
+# A MoE model has two sizes. The total must fit in memory; the active parameters, the ones one token's forward uses, set
+# the compute. Each family's formula gives both, and the count on the meta device checks the total. The active count
+# takes all of the input embedding table (0.93B in DeepSeek-V3), though a token reads one row: 37.55B where DeepSeek
+# says 37B.
 
 def mla_cache_bytes_per_token(n_layers, kv_lora_rank, qk_rope_dim, bytes_per_value=2):
     """The cache memory one token takes in MLA: its latent and its rope key in every layer, 2 bytes a value in bf16."""
     return n_layers * (kv_lora_rank + qk_rope_dim) * bytes_per_value
 
 # Each row: name, kind, the configuration as released (but DeepSeek-V3's max_len, 4K before YaRN), total, active, and
-# what the release reports. Mixtral and Qwen3 publish exact totals and DeepSeek 671B; 671,026,404,352 is the count of
-# transformers' DeepseekV3.
+# what the release reports. Mixtral and Qwen3 publish exact totals; DeepSeek's 671B is 671,026,404,352 in transformers.
 FRONTIER_CONFIGS = [
     ("Mixtral-8x7B", "mixtral", dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                                    d_ff=14336, max_len=32768, rope_theta=1000000.0, norm_eps=1e-5,
@@ -2607,10 +2605,9 @@ FRONTIER_CONFIGS = [
 # ===========================================================================
 # Part VI: long sequences (第六部分：长序列)
 # ===========================================================================
-# Past a few thousand tokens, four things break. The [Tq, Tk] scores grow to 16 M numbers a head at 4k tokens; the
-# cache grows with every token; a batch reserves memory for its longest request; and RoPE meets angles that training
-# never showed. FlashAttention and the paged cache are tested equal to what they replace. The window and the RoPE
-# scaling change the model.
+# Past a few thousand tokens, four things break. The [Tq, Tk] scores grow to 16 M numbers a head at 4k tokens; the cache
+# grows with every token; a batch reserves memory for its longest request; and RoPE meets angles that training never
+# showed. FlashAttention and the paged cache equal what they replace; the window and the RoPE scaling change the model.
 
 # ===========================================================================
 # 34. FlashAttention's tiles, the online softmax; fused kernels (FlashAttention 的分块：在线 softmax)
@@ -2907,8 +2904,7 @@ class PagedKVCache(KVCache):
                              f" got k {list(k.shape)}, v {list(v.shape)}")
         store_k, store_v = self.pool.storage_for(k, v)                     # [n_blocks, Hkv, bs, dk] each
         bs, Tn = self.pool.block_size, k.size(2)
-        # in place: where a model puts its caches back after a failed forward (section 22), the blocks taken here
-        # stay in the table, reserved for the next tokens
+        # in place: after a failed forward (section 22) the blocks taken here stay, reserved for the next tokens
         self.blocks += self.pool.take(-(-(self.n + Tn) // bs) - len(self.blocks))  # ceil: the blocks needed
         position = torch.arange(self.n, self.n + Tn, device=k.device)     # [Tn]
         block = torch.tensor(self.blocks, device=k.device)[position // bs]  # [Tn]: the block table, read
@@ -3262,8 +3258,8 @@ GPT_OSS_YARN = {"type": "yarn", "factor": 32.0, "original_max_len": 4096, "beta_
 GPT_OSS_COMMON = dict(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64, d_ff=2880, top_k=4,
                       max_len=131072, rope_theta=150000.0, norm_eps=1e-5, window=128, rope_scaling=GPT_OSS_YARN)
 # Each entry: the name, the kind, the configuration as released, the total, the active count as section 33 counts it,
-# and what OpenAI reports. OpenAI's active counts leave out the input embedding table (V D = 579,133,440, of which a
-# token reads one row): 5,132,849,472 and 3,608,307,264.
+# and what OpenAI reports, whose active counts leave out the input embedding table (V D = 579,133,440): 5,132,849,472
+# and 3,608,307,264.
 GPT_OSS_CONFIGS = [
     ("gpt-oss-120b", "gptoss", dict(GPT_OSS_COMMON, n_layers=36, n_experts=128), 116_829_156_672, 5_711_982_912,
      "116.8B / 5.1B (active without the embedding table)"),
@@ -3403,8 +3399,7 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
 # after it run chunk after chunk. The pitfall is e^(gamma_i - gamma_j): a difference of two cumulative log-decays
 # hundreds large keeps their rounding (~|gamma| * 6e-8: 3e-7 in float32 where |g| reaches 20 a token), and after a g of
 # -inf (forget everything) it is -inf - -inf, NaN, where token by token is finite. So it is summed as g_(j+1) + ... +
-# g_i (transformers subtracts). The two forms then agree up to rounding: 1e-15 in float64; in float32, a few 1e-7 from
-# float64 (|o| near 1).
+# g_i (transformers subtracts). The two forms then agree to 1e-15 in float64, and float32 is a few 1e-7 from float64.
 def gated_delta_rule_chunked(q, k, v, g, beta, memory, chunk=64):
     """The same, `chunk` tokens at a time (training, the prompt; 64 as transformers and flash-linear-attention)."""
     T, pad = q.size(2), -q.size(2) % chunk  # padded tokens neither fade (g 0) nor write (beta 0, k 0)
@@ -3630,8 +3625,7 @@ def qwen3_next_cache_bytes(config, length, bytes_per_value=2):
 
 # Qwen3-Next-80B-A3B as released (its config.json; max_len 262,144 without YaRN). Its model card says "80B in total and
 # 3B activated"; the formula gives 79,674,391,296 and 3,874,929,408. That counts all of the embedding table as used, as
-# section 33 does: 3.56B without it, 3.25B without the lm_head too. Its multi-token-prediction layer is not built here;
-# transformers skips it too.
+# section 33 does: 3.56B without it, 3.25B without the lm_head too. Like transformers, this file skips its MTP layer.
 QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, n_kv_heads=2, head_dim=256,
                       max_len=262144, rope_theta=10000000.0, norm_eps=1e-6, tie_weights=False, partial_rotary=0.25,
                       layer_types=None, linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128,
@@ -3675,16 +3669,15 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, 
 # MLA made the cache small, but each new token still reads all of it, so attention's work grows with the context.
 # DeepSeek-V3.2 (DeepSeek Sparse Attention, DSA) lets a cheap scorer, the lightning indexer, pick index_topk earlier
 # tokens (2048) for each query, and section 30's latent attention reads only those. The main attention goes from O(T^2)
-# to O(T k) (the V3.2-Exp report). The new shapes: Hi is the indexer's heads (64 in V3.2), di their width (128), and
-# topk = index_topk.
+# to O(T k) (the V3.2-Exp report). The new shapes: Hi is the indexer's heads (64 in V3.2), di their width (128).
 #
 # The index score of query t for token s is I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]) (the report's equation 1). Its
 # Hi small query heads are made from MLA's query latent, and one key per token serves all of them. It uses ReLU rather
 # than a softmax "for throughput", and the query token sets a weight per head. Its RoPE pairs halves (section 19), where
 # MLA pairs neighbours. DeepSeek's own inference demo turned neighbours here until November 2025, and long-context
 # retrieval suffered (sglang's RULER runs) until the fix. DeepSeek's code also multiplies q and k by a Hadamard matrix
-# before rounding them to FP8. The matrix is orthogonal, so q . k is unchanged in exact arithmetic, and it is left out
-# here, as transformers leaves it out.
+# before rounding them to FP8; the matrix is orthogonal, so q . k is unchanged, and here, as in transformers, it is left
+# out.
 
 class IndexedLatentCache(LatentCache):
     """LatentCache plus the lightning indexer's keys [B, t, di]: di values a token a layer more."""
@@ -3716,8 +3709,7 @@ class LightningIndexer(nn.Module):
 
     def scores(self, x, q_latent, cos, sin, cache=None):
         """I[t, s] for the new tokens t and every token s: x [B, Tn, D]; q_latent [B, Tn, q rank], MLA's
-        q_norm(w_dq(x)); cos, sin [Tn, rope]; cache an IndexedLatentCache -> [B, Tn, t]. RoPE turns the first rope dims
-        of q and k, pairing halves (section 39's partial RoPE)."""
+        q_norm(w_dq(x)); cos, sin [Tn, rope]; cache an IndexedLatentCache -> [B, Tn, t]."""
         B, Tn, _ = x.shape
         q = self.w_uq(q_latent).view(B, Tn, self.n_heads, self.head_dim).transpose(1, 2)  # [B, Hi, Tn, di]
         q = apply_partial_rope(q, cos, sin)                                # [B, Hi, Tn, di]
@@ -3783,14 +3775,14 @@ def deepseek_v32_param_formula(index_n_heads=64, index_head_dim=128, index_topk=
     return deepseek_param_formula(**deepseek) + deepseek["n_layers"] * indexer
 
 # DeepSeek-V3.2 at DeepSeek-V3's sizes (section 33) and the indexer's (64 heads of 128, top 2048) has 671,877,929,216
-# parameters: V3's 671.03B and 61 x 13,959,424 = 0.85B of indexers (the count of transformers' DeepseekV32ForCausalLM on
-# the meta device). 38.40B of them are active.
+# parameters, 38.40B active: V3's 671.03B and 61 x 13,959,424 = 0.85B of indexers (transformers' count on the meta
+# device).
 
 
-# What a token costs. Decoding one token over t cached tokens, absorbed MLA (section 30) does, per head, q . [c |
-# k_rope] (r + rope) and the sum over c (r) for every token: 2 H (2 r + rope) t FLOPs a layer. DSA does that for min(t,
-# topk) tokens. The indexer adds 2 Hi (di + 1) t for ReLU(q . k) and the weighted sum over every token, and its
-# projections, 2 x its parameters, once a token.
+# What a token costs. Over t cached tokens, absorbed MLA (section 30) does, per head, q . [c | k_rope] (r + rope) and
+# the sum over c (r) for every token: 2 H (2 r + rope) t FLOPs a layer. DSA does that for min(t, topk) tokens. The
+# indexer adds 2 Hi (di + 1) t for ReLU(q . k) and the weighted sum, and its projections, 2 x its parameters, once a
+# token.
 def sparse_attention_flops(context, n_heads=128, kv_lora_rank=512, qk_rope_dim=64, d_model=7168, q_lora_rank=1536,
                            index_n_heads=64, index_head_dim=128, index_topk=2048):
     """FLOPs of one layer for a token reading context tokens, (dense latent attention, sparse): what grows with the
@@ -3810,8 +3802,8 @@ def sparse_attention_flops(context, n_heads=128, kv_lora_rank=512, qk_rope_dim=6
 # Training. Under no_grad the indexer's forward costs FLOPs and its backward none. A weight costs 2 FLOPs a token (a
 # multiply, an add), not the 6 of a trained one (the backward's 4 compute the gradients of input and weight). Its scores
 # cost 2 T^2 Hi (di + 1) a layer for a sequence of T, once, not three times. Masked as here, the main attention still
-# computes all T^2 scores; a sparse kernel computes T x topk of them. The KL loss DeepSeek trains the indexer with adds
-# its backward back.
+# computes all T^2 scores; a sparse kernel computes T x topk of them. DeepSeek's KL loss for the indexer adds its
+# backward back.
 def indexer_flops(config, batch_size, seq_len):
     """FLOPs of every layer's indexer in a forward of [batch_size, seq_len] (config: a DeepSeekV32's), with the query
     latent computed again for it; the same in training: it has no backward."""
@@ -4393,8 +4385,8 @@ def merge_lora(model, merge=True):
 # before anything runs (transformers refuses assisted decoding for its stateful models too).
 
 def crop_cache(cache, length):
-    """Every layer's cache cut to `length` tokens (a layer holding fewer keeps them): its own crop, or each tensor's
-    dim -2 ([B, H, t, dk], [B, t, r])."""
+    """Every layer's cache cut to `length` tokens (fewer stay): its own crop, or each tensor's dim -2 ([B, H, t,
+    dk])."""
     if length < 0:  # a slice to -1 would keep all but the last token
         raise ValueError(f"length must be >= 0, got {length}")
     for c in cache:  # first the layers with a crop of their own: one may refuse (a rolling cache, a recurrent state)
@@ -4489,8 +4481,8 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 # MTP drafting. A second drafted token of a round has no target state before it, so the module's own state stands in
 # (vLLM does the same and warns that fewer are kept; DeepSeek-V3's report drafts one token, keeps 85-90% of them, and
 # gets 1.8 times the tokens per second). There the module is one block of 62. On the toy it is one of 3 and of the
-# costliest kind (MLA and the 8-expert MoE cost about a whole target forward), so it saves target forwards, not time
-# (the --after run measures both).
+# costliest kind (MLA and the 8-expert MoE cost about a whole target forward): it saves target forwards, not time
+# (--after).
 
 class MTPCache:
     """MTPDraft's cache: the target's states it has read [1, t, D], its block's layer cache, its own last state."""
