@@ -2043,8 +2043,7 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
 # q and k. Grown scores make the softmax one-hot and its gradient vanish; Dehghani et al. (2023, "Scaling Vision
 # Transformers to 22 Billion Parameters") saw such logits make training diverge. Qwen3 and Gemma 3 apply an RMSNorm over
 # each head's dk dims, one weight [dk] for all heads, to q and k BEFORE RoPE; OLMo 2 normalizes all H * dk dims before
-# it splits the heads. The order matters once the weight is learned: RoPE keeps each pair's length, a weight on dim i
-# alone does not.
+# it splits the heads. The order matters once the weight is learned: RoPE keeps each pair's length, a weight does not.
 
 class QKNormAttention(GroupedQueryAttention):
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, bias=False, norm_eps=1e-6):
@@ -2147,8 +2146,7 @@ class MoE(nn.Module):
 def load_balancing_loss(router_logits, top_k):
     """The Switch Transformer's auxiliary loss from router logits [N, E], as transformers' Mixtral computes it: E *
     sum_e f_e * P_e, f_e the share of the top-k slots that expert e took (a count: no gradient), P_e the mean of
-    softmax(logits)[:, e]. It is top_k when routing is uniform, more where the probability piles up; add it times a
-    small factor (Switch: 0.01)."""
+    softmax(logits)[:, e]. It is top_k for uniform routing, more where probability piles up; Switch adds 0.01 x it."""
     if router_logits.dim() != 2 or len(router_logits) == 0:  # no tokens would give 0 / 0
         raise ValueError(f"router_logits must be [N, E] with N >= 1 tokens, got shape {list(router_logits.shape)}")
     E = router_logits.size(-1)
@@ -2238,8 +2236,7 @@ def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=N
 # (DeepSeek-V2). RoPE turns only the rope part of a head's q and k, [nope | rope]: a rotation between the query and W_uk
 # would make the score q^T R(m)^T R(n) W_uk c_n = q^T R(n - m) W_uk c_n depend on the pair of positions, and W_uk could
 # not be folded into the query once for all keys (3a below). DeepSeek's checkpoints pair neighbours (x[2i], x[2i+1]) in
-# the rope part (rope_interleave=True): section 19's halves after a fixed permutation of the rope rows of w_uq and
-# w_dkv.
+# the rope part (rope_interleave=True): section 19's halves after a fixed permutation of w_uq's and w_dkv's rope rows.
 
 class LatentCache:
     """One MLA module's cache, with KVCache's append and len: latents [B, t, r] and turned rope keys [B, t, rope]."""
@@ -2568,8 +2565,7 @@ def mtp_loss(model, mtp, input_ids, target, weight=0.3, ignore_index=-100):
 # ===========================================================================
 # A MoE model has two sizes. The total must fit in memory; the active parameters, the ones one token's forward uses, set
 # the compute. Each family's formula gives both, and the count on the meta device checks the total. The active count
-# takes all of the input embedding table (0.93B in DeepSeek-V3), though a token reads one row: 37.55B where DeepSeek
-# says 37B.
+# takes all of the input embedding table (0.93B in DeepSeek-V3), though a token reads one row: 37.55B, DeepSeek's 37B.
 
 def mla_cache_bytes_per_token(n_layers, kv_lora_rank, qk_rope_dim, bytes_per_value=2):
     """The cache memory one token takes in MLA: its latent and its rope key in every layer, 2 bytes a value in bf16."""
@@ -2590,9 +2586,9 @@ FRONTIER_CONFIGS = [
                                      n_groups=8, topk_groups=4, routed_scale=2.5),
      671_026_404_352, 37_552_282_624, "671B / 37B (685B with the MTP module)"),
 ]
-# Where DeepSeek-V3's 671B go: 58 MoE layers x 256 experts x 3 x 7168 x 2048 = 654B sit in routed experts (97%). A token
-# runs 8 of them, 20.4B, plus 11.4B of attention (61 layers), 2.6B of shared experts, 1.2B of dense feed-forward (3
-# layers) and 1.9B of embeddings and lm_head: 37.6B.
+# Where DeepSeek-V3's 671B go: 58 MoE layers x 256 experts x 3 x 7168 x 2048 = 654B are routed experts (97%). A token
+# runs 8 of them, 20.4B, plus 11.4B of attention, 2.6B of shared experts, 1.2B of dense feed-forward and 1.9B of
+# embeddings and lm_head: 37.6B.
 
 # Try it: DeepSeek-V3's totals, and the bf16 cache a token takes, latent against per-head (68.6 KiB, 4.77 MiB).
 #   >>> name, kind, config, total, active, reported = FRONTIER_CONFIGS[2]
@@ -2638,8 +2634,7 @@ def flash_tile_scores(q_block, k_block, q_start, k_start, offset, causal):
     if causal and k_start + k_block.size(2) - 1 > q_start + offset:        # the tile crosses the diagonal
         rows = torch.arange(q_start, q_start + q_block.size(2), device=q_block.device) + offset  # [bq]
         cols = torch.arange(k_start, k_start + k_block.size(2), device=q_block.device)  # [bk]
-        # -inf is safe here, unlike in section 2's masks: every query sees key 0 (Tq <= Tk), so its running max is
-        # finite after the first tile, and e^-inf is an exact 0
+        # -inf is safe, unlike in section 2: each query sees key 0 (Tq <= Tk), so its max is finite after tile 1
         scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))  # [B, H, bq, bk]
     return scores
 
@@ -3096,8 +3091,7 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 # can attend to nothing. A sink fixed at 0 is Evan Miller's softmax_1 ("Attention Is Off By One", 2023).
 #
 # The rest of gpt-oss is earlier sections with small changes:
-# - Its layers alternate a window of 128 tokens (section 35, with its rolling cache) and full attention, in the order
-#   the configuration's layer_types lists.
+# - Its layers alternate full attention and a 128-token window (section 35, with its rolling cache), per layer_types.
 # - Its attention is GQA with biases on q, k, v and o. 64 query heads 64 wide share 8 key/value heads, so the heads
 #   together are 4096 wide in a model 2880 wide (section 28's free head width).
 # - Its feed-forward is a MoE (section 29) whose router has a bias and softmaxes its top-k logits, which gives Mixtral's
@@ -3105,9 +3099,8 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 # - Its experts have biases and a clamped SwiGLU, as OpenAI's reference code (gpt_oss/torch/model.py, swiglu) writes it
 #   (ClampedSwiGLU below). x sigmoid(1.702 x) approximates GELU (Hendrycks and Gimpel, 2016). The + 1 lets a channel
 #   whose up is 0 pass gate's value on. The clamps bound both factors; the limit is 7.0 in both models.
-# - Its RoPE is YaRN (section 37) from 4,096 to 131,072 positions, with the ramp's ends left unrounded. So a GptOss
-#   takes its scaling only as rope_scaling=, where it is built: section 37's with_rope_scaling would give it the rounded
-#   ramp, and its checkpoint would come back with its own.
+# - Its RoPE is YaRN (section 37) from 4,096 to 131,072 positions, with the ramp's ends unrounded. So a GptOss takes its
+#   scaling only as rope_scaling= when built: with_rope_scaling would give it the rounded ramp, lost on reloading.
 
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names in layer_types
 
@@ -3131,8 +3124,7 @@ class SinkAttention(GroupedQueryAttention):
 
 
 class GptOssAttention(SinkAttention):
-    """SinkAttention with heads head_dim wide, biases on q, k, v and o, and window None (full causal attention) or
-    section 35's band of the last `window` keys."""
+    """SinkAttention with heads head_dim wide, biases on q, k, v and o, and window None (full) or section 35's band."""
 
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, bias=True, window=None):
         # GQA at the width H * head_dim makes the heads head_dim wide; the projections, which read d_model, come again
@@ -3258,8 +3250,7 @@ GPT_OSS_YARN = {"type": "yarn", "factor": 32.0, "original_max_len": 4096, "beta_
 GPT_OSS_COMMON = dict(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64, d_ff=2880, top_k=4,
                       max_len=131072, rope_theta=150000.0, norm_eps=1e-5, window=128, rope_scaling=GPT_OSS_YARN)
 # Each entry: the name, the kind, the configuration as released, the total, the active count as section 33 counts it,
-# and what OpenAI reports, whose active counts leave out the input embedding table (V D = 579,133,440): 5,132,849,472
-# and 3,608,307,264.
+# and OpenAI's, which leave out the input embedding table (V D = 579,133,440): 5,132,849,472 and 3,608,307,264.
 GPT_OSS_CONFIGS = [
     ("gpt-oss-120b", "gptoss", dict(GPT_OSS_COMMON, n_layers=36, n_experts=128), 116_829_156_672, 5_711_982_912,
      "116.8B / 5.1B (active without the embedding table)"),
@@ -3267,9 +3258,8 @@ GPT_OSS_CONFIGS = [
      "20.9B / 3.6B (active without the embedding table)"),
 ]
 # Where gpt-oss-120b's 116.8B go: 36 layers x 128 experts x (3 x 2880 x 2880 + biases) = 114.7B are experts (98%). A
-# token runs 4 of them, 3.6B, plus 0.96B of attention and 1.16B of embeddings and lm_head. Its cache in bf16 takes 2 x 8
-# x 64 x 2 bytes = 2 KiB a token a layer: 36 KiB a token in the 18 full layers, while the 18 sliding ones hold 128
-# tokens each, 4.5 MiB in all.
+# token runs 4 of them, 3.6B, plus 0.96B of attention and 1.16B of embeddings and lm_head. Its bf16 cache takes
+# 2 x 8 x 64 x 2 bytes = 2 KiB a token a layer: 36 KiB a token in the 18 full layers; the 18 sliding ones hold 4.5 MiB.
 
 # Try it: a sink of -inf is section 2's attention; a large one takes everything, and the head reads nothing.
 #   >>> attn = SinkAttention(d_model=32, n_heads=4, n_kv_heads=2)
@@ -3310,20 +3300,17 @@ GPT_OSS_CONFIGS = [
 # channels of its convolution, K the convolution's taps, c a chunk's tokens and n the number of chunks.
 #
 # Qwen3's attention and norms change in three small ways first:
-# - A zero-centred RMSNorm scales by 1 + w, with w starting at 0. The Qwen3-Next blog reports that norm weights grew
-#   abnormally large in Qwen3's QK-norm. Weight decay on w pulls the scale towards 1, where decay on a plain weight
-#   pulls it towards 0 and erases the input.
+# - A zero-centred RMSNorm scales by 1 + w, with w starting at 0. The Qwen3-Next blog reports abnormally large norm
+#   weights in Qwen3's QK-norm. Decay on w pulls the scale to 1, where a plain weight decays to 0 and erases the input.
 # - Gated attention (Qiu et al., 2025, "Gated Attention for Large Language Models: Non-linearity, Sparsity, and
 #   Attention-Sink-Free") makes w_q twice as wide: per head, dk query rows, then dk gate rows. The attention's output is
 #   multiplied by sigmoid(gate), per head and dim, before w_o. The paper reports steadier training and no attention sink
 #   (a first token that soaks up the attention of heads with nothing to read), because a head can output about 0 itself.
 #   The gate also puts a non-linearity between w_v and w_o, which are otherwise one low-rank linear map.
-# - Partial RoPE turns only the first 25% of each head's dims (64 of 256). The rest carry no position, so part of every
-#   head matches by content alone, at any distance.
+# - Partial RoPE turns only the first 25% of each head's dims (64 of 256); the rest match by content, at any distance.
 
 class ZeroCenteredRMSNorm(RMSNorm):
-    """RMSNorm scaled by 1 + weight, weight starting at 0: every Qwen3-Next norm (q_norm and k_norm too) except the
-    DeltaNet's gated output norm (a plain weight, from 1)."""
+    """RMSNorm scaled by 1 + weight, weight from 0: every Qwen3-Next norm but the DeltaNet's gated output norm."""
 
     def __init__(self, d_model, eps=1e-6):
         super().__init__(d_model, eps)
@@ -3510,8 +3497,7 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedSharedExpert(SwiGLU):
-    """Qwen's shared expert: a SwiGLU every token runs, scaled by sigmoid(gate(x)), one number a token, where DeepSeek's
-    shared expert runs at full weight on every token."""
+    """Qwen's shared expert: a SwiGLU every token runs, times sigmoid(gate(x)), a number a token (DeepSeek's: 1)."""
 
     def __init__(self, d_model, d_ff):
         super().__init__(d_model, d_ff)
@@ -3610,10 +3596,9 @@ def qwen3_next_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=
 
 
 def qwen3_next_cache_bytes(config, length, bytes_per_value=2):
-    """Cache bytes after `length` tokens of the Qwen3Next of config (its keywords, as model.config): section 23's keys
-    and values in each attention layer; in each DeltaNet layer its memory and the convolution's last K - 1 inputs, the
-    same at any length. bytes_per_value counts for all (GatedDeltaNet here keeps the memory in float32 even in a bf16
-    model, as transformers' torch path does)."""
+    """Cache bytes after `length` tokens of the Qwen3Next of config (its keywords): section 23's keys and values in each
+    attention layer; in each DeltaNet layer its memory and the convolution's last K - 1 inputs, the same at any length.
+    bytes_per_value counts for all (the GatedDeltaNet here, as transformers', keeps a float32 memory)."""
     n_attention = (config["layer_types"] or qwen3_next_layer_types(config["n_layers"])).count("full_attention")
     head_dim = config["head_dim"] or config["d_model"] // config["n_heads"]
     kv = kv_cache_bytes_per_token(1, config["n_kv_heads"] or config["n_heads"], head_dim, bytes_per_value)  # a layer
@@ -3676,8 +3661,7 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, 
 # than a softmax "for throughput", and the query token sets a weight per head. Its RoPE pairs halves (section 19), where
 # MLA pairs neighbours. DeepSeek's own inference demo turned neighbours here until November 2025, and long-context
 # retrieval suffered (sglang's RULER runs) until the fix. DeepSeek's code also multiplies q and k by a Hadamard matrix
-# before rounding them to FP8; the matrix is orthogonal, so q . k is unchanged, and here, as in transformers, it is left
-# out.
+# before rounding them to FP8; the matrix is orthogonal, so q . k is unchanged, and here, as in transformers, it is out.
 
 class IndexedLatentCache(LatentCache):
     """LatentCache plus the lightning indexer's keys [B, t, di]: di values a token a layer more."""
@@ -3775,14 +3759,12 @@ def deepseek_v32_param_formula(index_n_heads=64, index_head_dim=128, index_topk=
     return deepseek_param_formula(**deepseek) + deepseek["n_layers"] * indexer
 
 # DeepSeek-V3.2 at DeepSeek-V3's sizes (section 33) and the indexer's (64 heads of 128, top 2048) has 671,877,929,216
-# parameters, 38.40B active: V3's 671.03B and 61 x 13,959,424 = 0.85B of indexers (transformers' count on the meta
-# device).
+# parameters, 38.40B active: V3's 671.03B and 61 x 13,959,424 = 0.85B of indexers (transformers' meta-device count).
 
 
 # What a token costs. Over t cached tokens, absorbed MLA (section 30) does, per head, q . [c | k_rope] (r + rope) and
 # the sum over c (r) for every token: 2 H (2 r + rope) t FLOPs a layer. DSA does that for min(t, topk) tokens. The
-# indexer adds 2 Hi (di + 1) t for ReLU(q . k) and the weighted sum, and its projections, 2 x its parameters, once a
-# token.
+# indexer adds 2 Hi (di + 1) t for ReLU(q . k) and the weighted sum, and its projections, 2 x its parameters, once.
 def sparse_attention_flops(context, n_heads=128, kv_lora_rank=512, qk_rope_dim=64, d_model=7168, q_lora_rank=1536,
                            index_n_heads=64, index_head_dim=128, index_topk=2048):
     """FLOPs of one layer for a token reading context tokens, (dense latent attention, sparse): what grows with the
@@ -3802,8 +3784,7 @@ def sparse_attention_flops(context, n_heads=128, kv_lora_rank=512, qk_rope_dim=6
 # Training. Under no_grad the indexer's forward costs FLOPs and its backward none. A weight costs 2 FLOPs a token (a
 # multiply, an add), not the 6 of a trained one (the backward's 4 compute the gradients of input and weight). Its scores
 # cost 2 T^2 Hi (di + 1) a layer for a sequence of T, once, not three times. Masked as here, the main attention still
-# computes all T^2 scores; a sparse kernel computes T x topk of them. DeepSeek's KL loss for the indexer adds its
-# backward back.
+# computes all T^2 scores; a sparse kernel computes T x topk. DeepSeek's KL loss for the indexer adds its backward back.
 def indexer_flops(config, batch_size, seq_len):
     """FLOPs of every layer's indexer in a forward of [batch_size, seq_len] (config: a DeepSeekV32's), with the query
     latent computed again for it; the same in training: it has no backward."""
@@ -4385,8 +4366,7 @@ def merge_lora(model, merge=True):
 # before anything runs (transformers refuses assisted decoding for its stateful models too).
 
 def crop_cache(cache, length):
-    """Every layer's cache cut to `length` tokens (fewer stay): its own crop, or each tensor's dim -2 ([B, H, t,
-    dk])."""
+    """Every layer's cache cut to `length` tokens (fewer stay): its own crop, or each tensor's dim -2 cut."""
     if length < 0:  # a slice to -1 would keep all but the last token
         raise ValueError(f"length must be >= 0, got {length}")
     for c in cache:  # first the layers with a crop of their own: one may refuse (a rolling cache, a recurrent state)
@@ -4481,8 +4461,7 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 # MTP drafting. A second drafted token of a round has no target state before it, so the module's own state stands in
 # (vLLM does the same and warns that fewer are kept; DeepSeek-V3's report drafts one token, keeps 85-90% of them, and
 # gets 1.8 times the tokens per second). There the module is one block of 62. On the toy it is one of 3 and of the
-# costliest kind (MLA and the 8-expert MoE cost about a whole target forward): it saves target forwards, not time
-# (--after).
+# costliest kind (MLA and the 8-expert MoE cost a target forward): it saves target forwards, not time (--after).
 
 class MTPCache:
     """MTPDraft's cache: the target's states it has read [1, t, D], its block's layer cache, its own last state."""
