@@ -1708,10 +1708,9 @@ WHITESPACE = "\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(?![^{S}])|[{S}]+"
 # tokenizer.ggml.pre -> the patterns that split in turn, each inside the pieces the one before it left. SmolLM2's
 # "smollm" (llama.cpp's name; its tokenizer.json: Digits(individual_digits=True), then ByteLevel) first makes each
-# number character a piece: Unicode Nd, Nl and No, so ½, Ⅷ and ² as well as 0-9, but not the letter 三.
-# transformers 5.24 builds this file's tokenizer without that step. No merge of SmolLM2 joins a digit 0-9 to anything,
-# so " 2024" comes out the same either way, but " ½" is two pieces with the step and one without, and its ids differ
-# ([Ġ, Â½] against [ĠÂ, ½]). Such details make hand-written tokenizers disagree.
+# number character a piece: Unicode Nd, Nl and No, so ½, Ⅷ and ² as well as 0-9, but not the letter 三. transformers 5.24
+# builds this file's tokenizer without that step. No merge of SmolLM2 joins a digit 0-9 to anything, so " 2024" is the
+# same either way, but " ½" is two pieces with the step and one without, with other ids ([Ġ, Â½] against [ĠÂ, ½]).
 PRE_TOKENIZERS = {"gpt-2": [GPT2_SPLIT], "smollm": ["[{N}]", GPT2_SPLIT]}
 
 
@@ -2617,16 +2616,15 @@ FRONTIER_CONFIGS = [
 #   l     = e^(m - m_new) l   + rowsum(e^(S_j - m_new))
 #   and at the end out = acc / l (one division, FlashAttention-2's order) and lse = m + ln l.
 # A worked example (the Try it below) has scores (1, 2 | 3, 0) and values (10, 20 | 30, 40) in two blocks. Block 1
-# gives m = 2, l = e^-1 + e^0 = 1.3679 and acc = 0.3679 * 10 + 20 = 23.679. In block 2 the max grows to 3, so l and
-# acc shrink by e^(2 - 3) before the new terms join: l = 1.5530, acc = 40.70, out = 26.21 and lse = 3 + ln l = 3.4402,
-# as one softmax over all four gives. The max keeps every e^x <= 1, so nothing overflows, and the rescaling makes the
-# order of the blocks irrelevant.
-# A GPU gains because the tiles stay in on-chip SRAM (19 TB/s on an A100, against 1.5-2.0 TB/s of HBM, the paper's
-# numbers), where section 2 writes S and P to HBM and reads them back; the fused kernel does more arithmetic and is
-# still faster. Here a tile is a dozen torch calls, so the code shows the math and the O(T * block) memory, and --bench
-# measures its speed. The backward saves q, k, v, out and the lse [Tq], and recomputes each tile's P = e^(S - lse): more
-# FLOPs for less memory, which on a GPU is still faster than reading a saved [T, T] P. Softmax's Jacobian enters through
-# delta = rowsum(dO * O), which equals the sum over keys of P * dP, in dS = P * (dP - delta).
+# gives m = 2, l = e^-1 + e^0 = 1.3679 and acc = 0.3679 * 10 + 20 = 23.679. In block 2 the max grows to 3, so l and acc
+# shrink by e^(2 - 3) before the new terms join: l = 1.5530, acc = 40.70, out = 26.21 and lse = 3 + ln l = 3.4402, as
+# one softmax over all four gives. The max keeps every e^x <= 1, so nothing overflows, and the rescaling makes the order
+# of the blocks irrelevant. A GPU gains because the tiles stay in on-chip SRAM (19 TB/s on an A100, against 1.5-2.0 TB/s
+# of HBM, the paper's numbers), where section 2 writes S and P to HBM and reads them back; the fused kernel does more
+# arithmetic and is still faster. Here a tile is a dozen torch calls, so the code shows the math and the O(T * block)
+# memory, and --bench measures its speed. The backward saves q, k, v, out and the lse [Tq], and recomputes each tile's P
+# = e^(S - lse): more FLOPs for less memory, which on a GPU is still faster than reading a saved [T, T] P. Softmax's
+# Jacobian enters through delta = rowsum(dO * O), which equals the sum over keys of P * dP, in dS = P * (dP - delta).
 
 def flash_tile_scores(q_block, k_block, q_start, k_start, offset, causal):
     """A tile's scaled scores [B, H, bq, bk]; causal: -inf on the keys after each query (query i is key i + offset)."""
@@ -2732,12 +2730,11 @@ def flash_attention(q, k, v, causal=False, block_size=64):
 # Mistral-7B (Jiang et al., 2023) lets each query see only the last `window` keys, itself included (4096 in v0.1). A
 # kernel that skips the hidden keys does T * window work instead of T^2 / 2; the masks here only hide them. The cache
 # never holds more than `window` tokens: 512 MiB for Mistral-7B, where 32k tokens take 4 GiB. (Mistral's own cache
-# writes token p into slot p mod W of a fixed buffer; this one keeps the tokens in order.)
-# Older tokens still count, through the layers. Layer 2 reads layer 1's outputs at p - (W - 1) .. p, so L layers reach
-# back L * (W - 1) positions: 32 * 4095 = 131,040 for Mistral-7B (the paper's 4096 x 32 = 131,072 counts W a layer).
-# A token further back changes nothing at all.
-# The pitfall: len(cache) must count every token seen, not the `window` held. RoPE turns the next token by its absolute
-# position, and the mask counts from it, so a length that stops at `window` restarts the positions.
+# writes token p into slot p mod W of a fixed buffer; this one keeps the tokens in order.) Older tokens still count,
+# through the layers. Layer 2 reads layer 1's outputs at p - (W - 1) .. p, so L layers reach back L * (W - 1) positions:
+# 32 * 4095 = 131,040 for Mistral-7B (the paper's 4096 x 32 = 131,072 counts W a layer). A token further back changes
+# nothing at all. The pitfall: len(cache) must count every token seen, not the `window` held. RoPE turns the next token
+# by its absolute position, and the mask counts from it, so a length that stops at `window` restarts the positions.
 
 def make_window_mask(T, window, device=None, past=0):
     """[1, 1, T, past + T]: the query at position p = past + i sees the keys p - window + 1 .. p."""
@@ -2838,8 +2835,8 @@ def window_reach(n_layers, window):
 # answer reserves as much as a 4000-token one. vLLM (Kwon et al., 2023, "PagedAttention") cuts the cache into
 # fixed-size blocks, as an operating system pages memory. A sequence takes a new block when its last one fills, finds
 # its blocks through a block table, and gives them back when it ends, so it wastes less than one block. Here a
-# PagedKVCache holds one layer of one sequence (vLLM shares one block table across the layers). It gathers its blocks
-# into one [1, Hkv, t, dk] tensor, where vLLM's kernel reads each block in place.
+# PagedKVCache holds one layer of one sequence (vLLM's block table serves all layers) and gathers its blocks into one
+# [1, Hkv, t, dk] tensor, where vLLM's kernel reads them in place.
 
 class KVPool:
     """n_blocks blocks of block_size token slots each, shared by many PagedKVCaches. Its storage
@@ -3092,10 +3089,8 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 #
 # The rest of gpt-oss is earlier sections with small changes:
 # - Its layers alternate full attention and a 128-token window (section 35, with its rolling cache), per layer_types.
-# - Its attention is GQA with biases on q, k, v and o. 64 query heads 64 wide share 8 key/value heads, so the heads
-#   together are 4096 wide in a model 2880 wide (section 28's free head width).
-# - Its feed-forward is a MoE (section 29) whose router has a bias and softmaxes its top-k logits, which gives Mixtral's
-#   weights: the top-k of a softmax over all E, divided by their sum.
+# - Its attention is GQA with biases: 64 query heads 64 wide (4096 in a model 2880 wide: section 28) share 8 kv heads.
+# - Its feed-forward is a MoE (section 29) with a biased router; a softmax over its top-k logits is Mixtral's weights.
 # - Its experts have biases and a clamped SwiGLU, as OpenAI's reference code (gpt_oss/torch/model.py, swiglu) writes it
 #   (ClampedSwiGLU below). x sigmoid(1.702 x) approximates GELU (Hendrycks and Gimpel, 2016). The + 1 lets a channel
 #   whose up is 0 pass gate's value on. The clamps bound both factors; the limit is 7.0 in both models.
@@ -3472,8 +3467,7 @@ class GatedDeltaNet(nn.Module):
         past = qkv.new_zeros(B, qkv.size(1), self.conv1d.kernel_size[0] - 1) if fresh else cache.conv  # [B, C, K-1]
         qkv = torch.cat([past, qkv], dim=-1)                               # [B, C, K-1+Tn]
         mixed = F.silu(F.conv1d(qkv, self.conv1d.weight, groups=qkv.size(1))).transpose(1, 2)  # [B, Tn, C]
-        # 3. heads, in float32 at least (a bf16 memory would round away what it accumulates); |q| = |k| = 1 keeps
-        # every write a bounded step, and q / sqrt(dk) as attention's scale
+        # 3. heads in float32 at least (a bf16 memory would round away what it sums); |q| = |k| = 1 bounds each write
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         q, k, v = (t.reshape(B, Tn, -1, d).transpose(1, 2).to(work) for t, d in zip(
             mixed.split([Hk * dk, Hk * dk, Hv * dv], dim=-1), (dk, dk, dv)))  # [B, Hk|Hv, Tn, dk|dv]
@@ -3513,9 +3507,8 @@ def qwen3_next_layer_types(n_layers, interval=4):
 
 
 class Qwen3Next(Qwen3):
-    """Qwen3 with Qwen3-Next's blocks: a GatedDeltaNet or a GatedAttention as layer_types says (None: three DeltaNet
-    layers, then one attention layer, over and over), and a softmax MoE with a gated shared expert. The DeltaNet and MoE
-    sizes default to Qwen3-Next-80B-A3B's; max_len, theta and eps to Llama's."""
+    """Qwen3 with Qwen3-Next's blocks: a GatedDeltaNet or a GatedAttention by layer_types (None: 3 DeltaNet layers to 1
+    attention layer, repeated) and a softmax MoE with a gated shared expert; sizes as Qwen3-Next-80B-A3B's."""
     cache_kind = object  # the kind differs by layer: new_cache() gives them, and forward checks them
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, head_dim=None, max_len=2048,
@@ -3676,8 +3669,7 @@ class IndexedLatentCache(LatentCache):
 
 
 class LightningIndexer(nn.Module):
-    """DeepSeek-V3.2's lightning indexer in DeepSeek's layout (its wq_b, wk, k_norm, weights_proj are w_uq, w_k, k_norm,
-    w_heads here): the index_topk tokens each query's latent attention reads."""
+    """DeepSeek-V3.2's lightning indexer, in DeepSeek's layout (its wq_b, wk, weights_proj are w_uq, w_k, w_heads)."""
 
     def __init__(self, d_model, q_lora_rank, qk_rope_dim, index_n_heads=64, index_head_dim=128, index_topk=2048):
         super().__init__()
@@ -3729,8 +3721,7 @@ class SparseLatentAttention(MultiHeadLatentAttention):
                                         index_head_dim, index_topk)
 
     def forward(self, x, cos, sin, mask=None, cache=None, absorb=None):
-        """As MLA's, reading only the tokens the indexer keeps. The query latent is computed again for the indexer (one
-        [D, q rank] product more), so that section 30's forward stays as it is."""
+        """As MLA's on the tokens the indexer keeps; the query latent is made again, so section 30's forward stays."""
         keep = self.indexer(x, self.q_norm(self.w_dq(x)), cos, sin, mask, cache)  # [B, 1, Tn, t]
         return super().forward(x, cos, sin, keep, cache, absorb)          # [B, Tn, D]
 
