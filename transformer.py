@@ -1680,8 +1680,7 @@ def train_bpe(text, vocab_size):
 # heap, as the tokenizers library and llama.cpp do: about n log n steps, the 1 MiB word in seconds.
 
 def byte_to_char():
-    """GPT-2's stand-ins, {byte: character} (bytes_to_unicode in its encoder.py). A printable byte stands for itself;
-    each of the other 68 (controls, space, ...) stands for chr(256 + n), n counting them."""
+    """GPT-2's stand-ins {byte: character} (its encoder.py's bytes_to_unicode): the 68 unprintable get chr(256 + n)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
@@ -1791,8 +1790,7 @@ class BPETokenizer(BasicTokenizer):
 
 
 def train_gpt2_bpe(text, vocab_size, pre="gpt-2"):
-    """It learns the merges on the pre-tokenizer's pieces of text, so that none crosses two pieces (minbpe's
-    RegexTokenizer), and spells the tokens in GPT-2's stand-ins -> a BPETokenizer."""
+    """A BPETokenizer whose merges, learned on the pre-tokenizer's pieces, never cross two (minbpe's RegexTokenizer)."""
     merges = learn_merges([list(piece.encode("utf-8")) for piece in BPETokenizer([], [], pre).pieces(text)], vocab_size)
     char, vocab = byte_to_char(), BasicTokenizer(merges).vocab
     tokens = ["".join(char[b] for b in vocab[i]) for i in range(len(vocab))]
@@ -2502,8 +2500,7 @@ class MultiTokenPrediction(nn.Module):
         # writes [RMSNorm(h); RMSNorm(Emb)], and the two orders give other numbers on the same weights.
         x = torch.cat([self.enorm(model.token_embedding(next_ids)), self.hnorm(hidden)], dim=-1)  # [B, Tn, 2D]
         x = self.eh_proj(x)                                                # [B, Tn, D]
-        # The block reads token t + 1, so it takes RoPE's angles of position t + 1 (transformers' position_ids; RoPE
-        # is relative, so any offset gives these numbers) and its own causal mask.
+        # The block reads token t + 1 at RoPE's position t + 1, as transformers' position_ids (any offset: same numbers)
         cos, sin = model.cos[past + 1:past + 1 + x.size(1)], model.sin[past + 1:past + 1 + x.size(1)]  # [Tn, dk]
         mask = make_causal_mask(x.size(1), x.device, past)                 # [1, 1, Tn, past+Tn]
         states = self.final_norm(self.block(x, cos, sin, mask, cache))    # [B, Tn, D]
@@ -2524,8 +2521,7 @@ def mtp_module(model):
 
 
 def logits_and_hidden(model, input_ids, cache=None):
-    """model(input_ids, cache) [B, Tn, V] and the output of its final_norm [B, Tn, D], the states its lm_head read and
-    MTP reads. A hook catches them, because the families' forward returns logits only."""
+    """model(input_ids, cache) [B, Tn, V] and, caught by a hook, its final_norm's output [B, Tn, D], which MTP reads."""
     read = []
     hook = model.final_norm.register_forward_hook(lambda module, args, out: read.append(out))
     try:
@@ -2547,8 +2543,7 @@ def mtp_loss(model, mtp, input_ids, target, weight=0.3, ignore_index=-100):
 
 # Try it: a Llama's MTP module; with the model's state at t and token t + 1, logits for t + 2.
 #   >>> _ = torch.manual_seed(0)
-#   >>> llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=16)
-#   >>> mtp = mtp_module(llama)
+#   >>> llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=16); mtp = mtp_module(llama)
 #   >>> ids = torch.randint(0, 50, (2, 7))                                 # [2, 7]
 #   >>> logits, hidden = logits_and_hidden(llama, ids)                     # [2, 7, 50], [2, 7, 32]
 #   >>> mtp(llama, hidden[:, :-1], ids[:, 1:])[0].shape                    # logits for tokens 2 .. 7
@@ -2839,8 +2834,7 @@ def window_reach(n_layers, window):
 # [1, Hkv, t, dk] tensor, where vLLM's kernel reads them in place.
 
 class KVPool:
-    """n_blocks blocks of block_size token slots each, shared by many PagedKVCaches. Its storage
-    [n_blocks, Hkv, block_size, dk] takes the shape, dtype and device of the first keys written."""
+    """n_blocks blocks of block_size token slots, shared by PagedKVCaches; its storage is made for the first keys."""
 
     def __init__(self, n_blocks, block_size):
         if n_blocks < 1 or block_size < 1:
@@ -2981,8 +2975,7 @@ SCALING_KEYS = {  # each type's keys, then its optional ones
 
 
 def check_scaling(scaling):
-    """Refuse a scaling that would stretch wrongly: an unknown type, a missing or misspelt key (it would fall back
-    silently), a number that is 0, negative, nan or inf, a factor below 1 (a squeeze) or a ramp that runs backwards."""
+    """Refuse a scaling that would stretch wrongly (a misspelt key, for one, would fall back in silence)."""
     kind = scaling.get("type") if isinstance(scaling, dict) else None
     if kind not in SCALING_KEYS:
         raise ValueError(f"scaling type must be 'linear', 'llama3' or 'yarn' (a dict with a 'type' key), got {scaling!r}")
@@ -3272,9 +3265,8 @@ GPT_OSS_CONFIGS = [
 #   >>> out, lse = flash_attention_with_sinks(q, repeat_kv(k, 2), repeat_kv(v, 2), attn.sinks, causal=True)
 #   >>> torch.allclose(out, attn.attend(q, k, v, mask), atol=1e-6)        # the sink as a term of the running sum
 #   True
-#   >>> gpt = GptOss(vocab_size=100, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=24,
-#   ...              n_experts=4, top_k=2, window=3, max_len=64,
-#   ...              rope_scaling={"type": "yarn", "factor": 4.0, "original_max_len": 16})
+#   >>> gpt = GptOss(vocab_size=100, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=24, n_experts=4,
+#   ...             top_k=2, window=3, max_len=64, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_len": 16})
 #   >>> [layer.attn.window for layer in gpt.layers], [type(c).__name__ for c in gpt.new_cache()[:2]]
 #   ([3, None, 3, None], ['RollingKVCache', 'KVCache'])
 #   >>> ids = torch.randint(0, 100, (1, 8))                                # [1, 8]: longer than the window
@@ -3407,8 +3399,7 @@ def gated_delta_rule_chunked(q, k, v, g, beta, memory, chunk=64):
 
 
 class DeltaNetCache:
-    """A Gated DeltaNet layer's state for generation: the convolution's last K - 1 inputs [B, C, K-1] and the
-    memory [B, Hv, dk, dv], the same size after 10 tokens or 10 million; len() counts the tokens seen."""
+    """A Gated DeltaNet layer's state: the convolution's last K - 1 inputs and the memory, one size at any length."""
 
     def __init__(self):
         self.conv = self.memory = None                                     # [B, C, K-1], [B, Hv, dk, dv] once filled
@@ -3454,8 +3445,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(n_v_heads * v_dim, d_model, bias=False)
 
     def forward(self, x, cos=None, sin=None, mask=None, cache=None):
-        """x [B, Tn, D] -> [B, Tn, D]; cache a DeltaNetCache. A block's cos, sin and mask go unused: the
-        convolution and the memory read tokens in order, and order is all the position they need."""
+        """x [B, Tn, D] -> [B, Tn, D]. cos, sin and mask go unused: reading in order, it needs no other position."""
         B, Tn, _ = x.shape
         Hk, Hv, dk, dv, r = self.n_k_heads, self.n_v_heads, self.k_dim, self.v_dim, self.n_v_heads // self.n_k_heads
         # 1. project, and undo the grouping: key head h holds q, k, then v and z of value heads h*r .. h*r + r-1
@@ -3684,8 +3674,7 @@ class LightningIndexer(nn.Module):
         self.w_heads = nn.Linear(d_model, index_n_heads, bias=False)      # each head's weight, set by the query
 
     def scores(self, x, q_latent, cos, sin, cache=None):
-        """I[t, s] for the new tokens t and every token s: x [B, Tn, D]; q_latent [B, Tn, q rank], MLA's
-        q_norm(w_dq(x)); cos, sin [Tn, rope]; cache an IndexedLatentCache -> [B, Tn, t]."""
+        """I[t, s] [B, Tn, t], new tokens t, all tokens s: x [B, Tn, D]; q_latent [B, Tn, q rank] (MLA's); cos, sin."""
         B, Tn, _ = x.shape
         q = self.w_uq(q_latent).view(B, Tn, self.n_heads, self.head_dim).transpose(1, 2)  # [B, Hi, Tn, di]
         q = apply_partial_rope(q, cos, sin)                                # [B, Hi, Tn, di]
@@ -3758,8 +3747,7 @@ def deepseek_v32_param_formula(index_n_heads=64, index_head_dim=128, index_topk=
 # indexer adds 2 Hi (di + 1) t for ReLU(q . k) and the weighted sum, and its projections, 2 x its parameters, once.
 def sparse_attention_flops(context, n_heads=128, kv_lora_rank=512, qk_rope_dim=64, d_model=7168, q_lora_rank=1536,
                            index_n_heads=64, index_head_dim=128, index_topk=2048):
-    """FLOPs of one layer for a token reading context tokens, (dense latent attention, sparse): what grows with the
-    context, and the indexer's projections; the defaults are DeepSeek-V3.2's configuration."""
+    """One layer's FLOPs (dense, sparse) for a token over `context` tokens: what grows with it, and the projections."""
     per_token = 2 * n_heads * (2 * kv_lora_rank + qk_rope_dim)            # every head, one key and one value
     Hi, di = index_n_heads, index_head_dim
     projections = 2 * (q_lora_rank * Hi * di + d_model * di + d_model * Hi)
@@ -3792,9 +3780,7 @@ def indexer_flops(config, batch_size, seq_len):
 #   ...               qk_rope_dim=4, v_head_dim=8, d_ff=64, expert_d_ff=16, n_experts=8, top_k=2, q_lora_rank=24,
 #   ...               n_groups=4, topk_groups=2, max_len=32)
 #   >>> ds = DeepSeekV32(**config, index_n_heads=4, index_head_dim=8, index_topk=3).eval()
-#   >>> ids = torch.randint(0, 100, (1, 8))                                # [1, 8]
-#   >>> x = torch.randn(1, 8, 32)                                          # [1, 8, 32]
-#   >>> attn = ds.layers[0].attn
+#   >>> ids, x, attn = torch.randint(0, 100, (1, 8)), torch.randn(1, 8, 32), ds.layers[0].attn  # [1, 8], [1, 8, 32]
 #   >>> keep = attn.indexer(x, attn.q_norm(attn.w_dq(x)), ds.cos[:8], ds.sin[:8], make_causal_mask(8))  # [1, 1, 8, 8]
 #   >>> keep.sum(-1).flatten().tolist()
 #   [1, 2, 3, 3, 3, 3, 3, 3]
