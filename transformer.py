@@ -2097,8 +2097,7 @@ def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
 # compute: Mixtral-8x7B runs 2 of its 8 SwiGLU experts a token. Left alone, a router sends most tokens to a few experts,
 # which then learn more and are chosen more; an auxiliary loss (below) or DeepSeek's bias (section 31) balances them.
 # Mixtral and Qwen3-MoE take p = softmax(logits) over all E experts, keep the top_k and divide them by their sum
-# (norm_topk), which makes them a softmax over the top_k logits. Without the division (Qwen1.5-MoE), the top k before
-# the softmax and after it are two different models.
+# (norm_topk): a softmax over the top_k logits. Without it (Qwen1.5-MoE), top-k before or after the softmax differ.
 
 class MoE(nn.Module):
     """Mixtral's mixture of experts: each token runs its top_k SwiGLU experts, weighted by the router's softmax."""
@@ -2581,8 +2580,7 @@ FRONTIER_CONFIGS = [
      671_026_404_352, 37_552_282_624, "671B / 37B (685B with the MTP module)"),
 ]
 # Where DeepSeek-V3's 671B go: 58 MoE layers x 256 experts x 3 x 7168 x 2048 = 654B are routed experts (97%). A token
-# runs 8 of them, 20.4B, plus 11.4B of attention, 2.6B of shared experts, 1.2B of dense feed-forward and 1.9B of
-# embeddings and lm_head: 37.6B.
+# runs 8 of them, 20.4B, plus 11.4B attention, 2.6B shared experts, 1.2B dense feed-forward, 1.9B embeddings: 37.6B.
 
 # Try it: DeepSeek-V3's totals, and the bf16 cache a token takes, latent against per-head (68.6 KiB, 4.77 MiB).
 #   >>> name, kind, config, total, active, reported = FRONTIER_CONFIGS[2]
@@ -2603,9 +2601,8 @@ FRONTIER_CONFIGS = [
 # 34. FlashAttention's tiles, the online softmax; fused kernels (FlashAttention 的分块：在线 softmax)
 # ===========================================================================
 # Section 2 writes all [Tq, Tk] scores, so its memory grows as Tq * Tk. FlashAttention (Dao et al., 2022;
-# FlashAttention-2, Dao, 2023) computes the same output one [block, block] tile at a time. It keeps a running max and
-# a running sum for each query, so nothing of size Tq * Tk ever exists. For one block of queries and key block j, with
-# S_j its scaled scores, the recurrence is:
+# FlashAttention-2, Dao, 2023) computes the same output one [block, block] tile at a time, keeping a running max and
+# sum for each query, so nothing of size Tq * Tk exists. For a block of queries and key block j (scores S_j), it runs:
 #   m_new = max(m, rowmax(S_j))                       the largest score so far (m starts at -inf)
 #   acc   = e^(m - m_new) acc + e^(S_j - m_new) V_j   the old sum rescaled to the new max, then the new terms
 #   l     = e^(m - m_new) l   + rowsum(e^(S_j - m_new))
@@ -2826,12 +2823,11 @@ def window_reach(n_layers, window):
 # ===========================================================================
 # 36. The paged KV cache (分页 KV 缓存)
 # ===========================================================================
-# A server that batches requests of very different lengths wastes most of a padded [B, max_len] cache: a 30-token
-# answer reserves as much as a 4000-token one. vLLM (Kwon et al., 2023, "PagedAttention") cuts the cache into
-# fixed-size blocks, as an operating system pages memory. A sequence takes a new block when its last one fills, finds
-# its blocks through a block table, and gives them back when it ends, so it wastes less than one block. Here a
-# PagedKVCache holds one layer of one sequence (vLLM's block table serves all layers) and gathers its blocks into one
-# [1, Hkv, t, dk] tensor, where vLLM's kernel reads them in place.
+# A batch of requests of very different lengths wastes most of a padded [B, max_len] cache: a 30-token answer reserves
+# as much as a 4000-token one. vLLM (Kwon et al., 2023, "PagedAttention") cuts the cache into fixed-size blocks, as an
+# operating system pages memory. A sequence takes a block when its last one fills, finds its blocks through a block
+# table and gives them back at its end, wasting less than a block. Here a PagedKVCache holds one layer of one sequence
+# (vLLM's table serves all layers) and gathers its blocks into one tensor; vLLM's kernel reads them in place.
 
 class KVPool:
     """n_blocks blocks of block_size token slots, shared by PagedKVCaches; its storage is made for the first keys."""
@@ -2949,14 +2945,13 @@ def padded_and_paged_slots(lengths, block_size):
 # ===========================================================================
 # 37. RoPE for long context: interpolation, Llama 3.1, YaRN (长上下文的 RoPE)
 # ===========================================================================
-# A model trained on L positions has never seen RoPE angles past L * theta_i, and it falls apart beyond them. Three
-# stretches replace section 19's inverse frequencies with new ones:
+# A model trained on L positions never saw RoPE angles past L * theta_i and falls apart beyond them. Three stretches:
 # - linear (position interpolation, Chen et al., 2023) divides every frequency by the factor s, so position p looks like
 #   p / s. It squeezes the fast pairs too, and the YaRN paper hypothesizes that this loses the fine local order learned.
 # - llama3 (Llama 3.1) keeps the pairs whose wavelength 2 pi / theta_i is below L / high_freq_factor, divides those
 #   above L / low_freq_factor by the factor, and blends linearly in L / wavelength between. Llama-3.1-8B (dk 128, theta
-#   500000, factor 8, low and high factors 1 and 4, L 8192) keeps pairs 0-28, blends 29-34 and slows 35-63, reaching
-#   131,072 positions with Llama-3-8B's 8,030,261,248 parameters.
+#   500000, factor 8, low and high factors 1 and 4, L 8192) keeps pairs 0-28, blends 29-34 and slows 35-63: 131,072
+#   positions with Llama-3-8B's 8,030,261,248 parameters.
 # - yarn ("by parts", Peng et al., 2023, after bloc97's NTK-aware base theta * s^(dk/(dk-2))) keeps a pair that turned
 #   many times within L, because training showed it every angle, and slows by s a pair that never finished a turn. A
 #   ramp runs between, from the pair that turns beta_fast (32) times within L to the one that turns beta_slow (1) time,
@@ -2965,8 +2960,8 @@ def padded_and_paged_slots(lengths, block_size):
 #   DeepSeek-V3 stretches its RoPE by yarn from 4K to 128K tokens, but MLA turns only its rope dims, so it puts (0.1 *
 #   mscale_all_dim * ln s + 1)^2 into its softmax scale instead, and with_rope_scaling refuses yarn for MLA.
 # The pitfall: the cache holds keys already turned (section 21). A static scaling, the kind here, is chosen once, and
-# turning the cached keys again (to switch mid-generation) turns them twice. Dynamic NTK and YaRN rescale with the
-# length, so they cache the keys before RoPE (the YaRN paper, section 3.3).
+# turning the cached keys again (to switch mid-generation) turns them twice. Dynamic NTK and YaRN, which rescale with
+# the length, cache the keys before RoPE (the YaRN paper, section 3.3).
 
 SCALING_KEYS = {  # each type's keys, then its optional ones
     "linear": (["factor"], []),
@@ -3345,8 +3340,7 @@ class GatedAttention(QKNormAttention):
 # Mamba-2's forget gate. Then it writes by the delta rule (Widrow and Hoff's; Schlag et al., 2021, "Linear Transformers
 # Are Secretly Fast Weight Programmers"): it moves what S recalls for k_t towards v_t by beta_t in (0, 1):
 #     S <- alpha_t S,   d_t = beta_t (v_t - S^T k_t),   S <- S + k_t d_t^T,   o_t = S^T q_t
-# With |k_t| = 1 and beta_t = 1, S^T k_t is exactly v_t afterwards. So a write replaces what the key held, where plain
-# linear attention (S <- S + k v^T) piles every value on top of the last.
+# With |k_t| = 1 and beta_t = 1 a write replaces what k_t held; plain linear attention (S <- S + k v^T) piles values up.
 
 def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
     """The memory token by token (decoding): q, k [B, H, T, dk] L2-normed, v [B, H, T, dv], g (log-decay, <= 0)
@@ -3363,8 +3357,7 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
 
 # Token by token suits decoding, but a prompt or a training batch would take T small sequential steps. The chunked form
 # (Yang et al., 2024, "Parallelizing Linear Transformers with the Delta Rule over Sequence Length": the WY/UT transform)
-# does c tokens at once. Inside a chunk, let gamma_i be the summed log-decays from its start to token i, and S the
-# memory before it. Unrolling the recurrence gives, for every i at once:
+# does c tokens at once. In a chunk, with gamma_i the log-decays summed to token i and S the memory before, for all i:
 #     d_i + sum_{j<i} beta_i e^(gamma_i - gamma_j) (k_i . k_j) d_j = beta_i v_i - beta_i e^(gamma_i) S^T k_i
 #     o_i = e^(gamma_i) S^T q_i + sum_{j<=i} e^(gamma_i - gamma_j) (q_i . k_j) d_j
 #     S  <- e^(gamma_c) S + sum_j e^(gamma_c - gamma_j) k_j d_j^T
@@ -3757,16 +3750,15 @@ def sparse_attention_flops(context, n_heads=128, kv_lora_rank=512, qk_rope_dim=6
 # indexer 0.10). At 128K it costs 36.5 GFLOPs dense and 2.76 sparse (7.6%), of which the indexer takes 2.19. These count
 # what grows with the context and the indexer; MLA's own projections (0.37 GFLOPs a token) cost both the same, and with
 # them the ratios are 69% and 8.5%. Past about 35K tokens, scoring costs more than attending: its slope is 16,512 FLOPs
-# a token, dense attention's 278,528. DeepSeek keeps it cheap with few heads and FP8. The cache gains di = 128 values a
-# token a layer (576 + 128: 85,888 bytes a token in bf16 over 61 layers).
+# a token, dense attention's 278,528. DeepSeek keeps it cheap with few heads and FP8. The cache gains di = 128 values
+# a token a layer: 85,888 bytes a token in bf16 over 61 layers.
 #
 # Training. Under no_grad the indexer's forward costs FLOPs and its backward none. A weight costs 2 FLOPs a token (a
 # multiply, an add), not the 6 of a trained one (the backward's 4 compute the gradients of input and weight). Its scores
 # cost 2 T^2 Hi (di + 1) a layer for a sequence of T, once, not three times. Masked as here, the main attention still
 # computes all T^2 scores; a sparse kernel computes T x topk. DeepSeek's KL loss for the indexer adds its backward back.
 def indexer_flops(config, batch_size, seq_len):
-    """FLOPs of every layer's indexer in a forward of [batch_size, seq_len] (config: a DeepSeekV32's), with the query
-    latent computed again for it; the same in training: it has no backward."""
+    """All indexers' FLOPs for a [batch_size, seq_len] forward of a DeepSeekV32 config, training too (no backward)."""
     L, D, qr = config["n_layers"], config["d_model"], config["q_lora_rank"]
     Hi, di = config["index_n_heads"], config["index_head_dim"]
     projections = qr * Hi * di + D * di + D * Hi + D * qr                  # + w_dq again (SparseLatentAttention)
