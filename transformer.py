@@ -2331,14 +2331,13 @@ class MultiHeadLatentAttention(nn.Module):
 # ===========================================================================
 # 31. The DeepSeek-V3 model (DeepSeek-V3 模型)
 # ===========================================================================
-# DeepSeek-V3 is Llama with MLA for attention and, after the first n_dense_layers dense blocks (3 in V3), its own kind
-# of MoE, which extends Mixtral's in four ways. A token runs 8 of 256 routed experts and also a shared expert that every
-# token runs. The router scores each expert with a sigmoid, s = sigmoid(logits), not a softmax. The load is balanced
-# without an auxiliary loss: s + router_bias ranks the experts, and s alone weighs the chosen ones, divided by their sum
-# and times routed_scale (2.5). After each optimizer step the bias moves by rate against each expert's load in the last
-# forward, padded positions counted too; V3 trained with rate 0.001, then 0 for its last 500B tokens. Last, with
-# n_groups > 1 (V3 has 8 groups of 32 experts, one node's each), a token chooses only from the topk_groups groups (4 in
-# V3) whose best two experts score highest, so each token's experts sit on few nodes.
+# DeepSeek-V3 is Llama with MLA for attention and, after n_dense_layers dense blocks (3 in V3), its own kind of MoE,
+# which extends Mixtral's in four ways. A token runs 8 of 256 routed experts plus a shared expert. The router scores
+# each expert by s = sigmoid(logits), not a softmax. The load is balanced without an auxiliary loss: s + router_bias
+# ranks the experts, and s alone weighs the chosen ones, divided by their sum and times routed_scale (2.5). After each
+# optimizer step the bias moves by rate against each expert's last load, padded positions counted too; V3 trained with
+# rate 0.001, then 0 for its last 500B tokens. Last, with n_groups > 1 (V3: 8 groups of 32, a node each), a token picks
+# only from the topk_groups (4) groups whose best two experts score highest, so its experts sit on few nodes.
 
 class DeepSeekMoE(MoE):
     def __init__(self, d_model, d_ff, n_experts, top_k, n_shared=0, norm_topk=True, n_groups=1, topk_groups=1,
@@ -2440,8 +2439,7 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
                            d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1, n_dense_layers=1,
                            n_groups=1, topk_groups=1, routed_scale=1.0, norm_topk=True, max_len=4096,
                            rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, rope_interleave=True, active=False):
-    """Closed form of count_parameters(DeepSeekV3(...)), same keywords and the same checks; active=True counts the
-    parameters one token's forward uses. router_bias is a buffer, not a parameter."""
+    """Closed form of count_parameters(DeepSeekV3(...)), same keywords and checks; active=True: one token's share."""
     if n_dense_layers > n_layers:
         raise ValueError(f"n_dense_layers ({n_dense_layers}) must be at most n_layers ({n_layers})")
     if qk_rope_dim % 2:
@@ -2911,8 +2909,7 @@ class PagedKVCache(KVCache):
 
 
 class PagedLatentCache(LatentCache):
-    """MLA's cache (section 30) in a KVPool's blocks, by PagedKVCache's code: the latent and the rope key are stored
-    as one head's k and v. It is a LatentCache, not a KVCache, so a Llama refuses it."""
+    """MLA's cache (section 30) in a KVPool's blocks by PagedKVCache's code, latent and rope key as one head's k, v."""
     __init__, __len__, crop, free = PagedKVCache.__init__, PagedKVCache.__len__, PagedKVCache.crop, PagedKVCache.free
 
     def append(self, latent, k_rope):
@@ -2959,9 +2956,8 @@ def padded_and_paged_slots(lengths, block_size):
 #   s + 1 (fitted on Llama) sharpen every score, which more keys would flatten; a model that forgets it just runs worse.
 #   DeepSeek-V3 stretches its RoPE by yarn from 4K to 128K tokens, but MLA turns only its rope dims, so it puts (0.1 *
 #   mscale_all_dim * ln s + 1)^2 into its softmax scale instead, and with_rope_scaling refuses yarn for MLA.
-# The pitfall: the cache holds keys already turned (section 21). A static scaling, the kind here, is chosen once, and
-# turning the cached keys again (to switch mid-generation) turns them twice. Dynamic NTK and YaRN, which rescale with
-# the length, cache the keys before RoPE (the YaRN paper, section 3.3).
+# The pitfall: cached keys are already turned (section 21), so a static scaling (as here) is chosen once: turned again
+# mid-generation, they turn twice. Dynamic NTK and YaRN rescale with the length and cache keys unturned (YaRN, 3.3).
 
 SCALING_KEYS = {  # each type's keys, then its optional ones
     "linear": (["factor"], []),
@@ -3593,8 +3589,8 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, 
                       conv_size=4, n_experts=512, top_k=10, expert_d_ff=512, shared_d_ff=512, norm_topk=True)
 # Its cache in bf16: 12 attention layers x 2 kv heads x 256 x (K and V) x 2 bytes = 24 KiB a token, and 36 DeltaNet
 # layers x (32 x 128 x 128 + 3 x 8192) x 2 bytes = 37.7 MiB at any length (a bf16 kernel's; this file's float32 memory
-# makes it 72 MiB). At 4K, 32K and 256K tokens that is 133.7 MiB, 805.7 MiB and 6,181.7 MiB, against Llama-3-8B's 128
-# KiB a token: 512, 4,096 and 32,768 MiB. Attention still dominates past about 1,600 tokens.
+# makes it 72 MiB). At 4K, 32K and 256K tokens that is 133.7, 805.7 and 6,181.7 MiB, against Llama-3-8B's 128 KiB a
+# token: 512, 4,096 and 32,768 MiB. Attention dominates past about 1,600 tokens.
 
 # Try it: the two forms of the delta rule agree; the hybrid's cache; the memory it saves.
 #   >>> _ = torch.manual_seed(0)
@@ -3747,11 +3743,10 @@ def sparse_attention_flops(context, n_heads=128, kv_lora_rank=512, qk_rope_dim=6
     return per_token * context, per_token * min(context, index_topk) + 2 * Hi * (di + 1) * context + projections
 
 # At V3.2's sizes, a layer costs 1.14 GFLOPs dense and 0.67 sparse at 4K tokens (58%: 2048 of 4096 tokens read, the
-# indexer 0.10). At 128K it costs 36.5 GFLOPs dense and 2.76 sparse (7.6%), of which the indexer takes 2.19. These count
-# what grows with the context and the indexer; MLA's own projections (0.37 GFLOPs a token) cost both the same, and with
-# them the ratios are 69% and 8.5%. Past about 35K tokens, scoring costs more than attending: its slope is 16,512 FLOPs
-# a token, dense attention's 278,528. DeepSeek keeps it cheap with few heads and FP8. The cache gains di = 128 values
-# a token a layer: 85,888 bytes a token in bf16 over 61 layers.
+# indexer 0.10); at 128K, 36.5 dense and 2.76 sparse (7.6%), the indexer 2.19. These count what grows with the context
+# and the indexer, not MLA's own projections (0.37 GFLOPs a token in both), with which the ratios are 69% and 8.5%. Past
+# about 35K tokens scoring costs more than attending: its slope is 16,512 FLOPs a token, dense attention's 278,528; few
+# heads and FP8 keep it cheap. The cache gains di = 128 values a token a layer (85,888 bytes a token, bf16, 61 layers).
 #
 # Training. Under no_grad the indexer's forward costs FLOPs and its backward none. A weight costs 2 FLOPs a token (a
 # multiply, an add), not the 6 of a trained one (the backward's 4 compute the gradients of input and weight). Its scores
