@@ -1670,14 +1670,13 @@ def train_bpe(text, vocab_size):
 #   >>> tok.decode(tok.encode("naïve 😀, 中文")) == "naïve 😀, 中文"   # any text, unseen bytes too
 #   True
 
-# A released tokenizer adds three steps around the merges. A special token's text (<|im_start|>) is cut out first and
-# becomes that token. A pre-tokenizer splits the rest into pieces (words, numbers, runs of spaces) that merges never
-# cross, so " dog" is one token whether "." or "!" follows it. The vocabulary file spells each token's bytes in GPT-2's
-# 256 printable stand-ins (a space is Ġ), and a token's id is its place in the file. A vocabulary may lack bytes:
-# SmolLM2's lacks 21 that its training text never had (controls such as \x1d, bytes that UTF-8 never or hardly uses),
-# and its tokenizer drops them. BasicTokenizer's loop counts every pair again after each merge, so it is quadratic in a
-# piece's length: a 1 MiB word without a space takes minutes. BPETokenizer's apply_merges finds the same ids with a
-# heap, as the tokenizers library and llama.cpp do: about n log n steps, the 1 MiB word in seconds.
+# A released tokenizer adds three steps around the merges. A special token's text (<|im_start|>) is cut out first as
+# that token. A pre-tokenizer splits the rest into pieces (words, numbers, runs of spaces) that merges never cross, so "
+# dog" is one token before "." or "!". The vocabulary file spells each token's bytes in GPT-2's 256 printable stand-ins
+# (a space is Ġ), ids in file order. A vocabulary may lack bytes: SmolLM2's lacks 21 its training text never had
+# (controls such as \x1d, bytes UTF-8 hardly uses), and its tokenizer drops them. BasicTokenizer's loop recounts every
+# pair after each merge, quadratic in a piece's length: minutes for a 1 MiB word without a space. BPETokenizer's
+# apply_merges gets the same ids by a heap, as the tokenizers library and llama.cpp do: n log n, seconds.
 
 def byte_to_char():
     """GPT-2's stand-ins {byte: character} (its encoder.py's bytes_to_unicode): the 68 unprintable get chr(256 + n)."""
@@ -3270,12 +3269,11 @@ GPT_OSS_CONFIGS = [
 # ===========================================================================
 # 39. Gated attention and Gated DeltaNet: Qwen3-Next (门控注意力与门控 DeltaNet)
 # ===========================================================================
-# Attention's cache grows with every token. A linear-attention layer keeps a memory of fixed size instead: a [dk, dv]
-# matrix per head, which each token writes and each query reads, so it costs the same at token 10 and at token 10
-# million. Qwen3-Next (Qwen team, September 2025) stacks three such layers, Gated DeltaNet, to one layer of gated
-# attention, which still sees every token exactly. Every block's feed-forward is a MoE of 512 experts and a shared one.
-# The new symbols: Hk and Hv are the DeltaNet's key and value heads, dk and dv their widths, C = 2 Hk dk + Hv dv the
-# channels of its convolution, K the convolution's taps, c a chunk's tokens and n the number of chunks.
+# Attention's cache grows with every token. A linear-attention layer keeps a fixed-size memory instead, a [dk, dv]
+# matrix per head that each token writes and each query reads: one cost at token 10 or 10 million. Qwen3-Next (Qwen
+# team, September 2025) stacks three such layers, Gated DeltaNet, to one of gated attention, which sees every token
+# exactly; each feed-forward is a MoE of 512 experts and a shared one. Symbols: Hk, Hv: the DeltaNet's key and value
+# heads, dk, dv their widths, C = 2 Hk dk + Hv dv its convolution's channels, K its taps, c tokens a chunk, n chunks.
 #
 # Qwen3's attention and norms change in three small ways first:
 # - A zero-centred RMSNorm scales by 1 + w, with w starting at 0. The Qwen3-Next blog reports abnormally large norm
@@ -4312,22 +4310,21 @@ def merge_lora(model, merge=True):
 # ===========================================================================
 # 48. Speculative decoding (投机解码)
 # ===========================================================================
-# Decoding one sequence reads all of the target model's weights for each token. While that reading dominates, scoring k
-# + 1 tokens in one forward costs about what scoring one does. So a small draft proposes k tokens one at a time, the
-# target scores all k + 1 positions in one forward, and the longest prefix it agrees with is kept, plus one token of its
-# own (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al., 2023,
-# "Accelerating Large Language Model Decoding with Speculative Sampling").
-# A drafted x, drawn from the draft's law q, is kept with chance min(1, p(x) / q(x)), p the target's law; at the first
-# rejection a token is drawn from max(0, p - q), normalized. The output then follows p exactly: y comes out kept with
-# chance q(y) min(1, p(y) / q(y)) = min(p(y), q(y)); a rejection has chance 1 - sum(min(p, q)) = sum(max(0, p - q)), the
-# residual's own total, so the redraw adds max(0, p - q)(y), and min + max(0, p - q) = p. A redraw from p itself would
-# give min(p, q) + (1 - sum(min(p, q))) p, too much of the tokens the draft likes. p and q are next_token_probs (section
-# 9), after temperature, top_k and top_p; at temperature 0 they are one-hot, and the tokens are greedy's.
-# The pitfall is the caches: after a rejection both still hold the rejected tokens' keys, and crop_cache cuts them off.
-# A rolling cache (section 35) cannot take back tokens it has let go, so here it holds k tokens more than its window: a
-# round cuts at most k, and the whole window the next query reads stays. A recurrent memory (Gated DeltaNet, section 39)
-# cannot be cut back at all, so speculation_cache asks each fresh cache for a cut to 0, and such a model is refused
-# before anything runs (transformers refuses assisted decoding for its stateful models too).
+# Decoding one sequence reads all of the target's weights for each token; while that reading dominates, scoring k + 1
+# tokens in one forward costs about what scoring one does. So a small draft proposes k tokens one at a time, the target
+# scores all k + 1 positions in one forward, and the longest prefix it agrees with is kept, plus one token of its own
+# (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al., 2023, "Accelerating
+# Large Language Model Decoding with Speculative Sampling"). A drafted x, drawn from the draft's law q, is kept with
+# chance min(1, p(x) / q(x)), p the target's law; at the first rejection a token is drawn from max(0, p - q),
+# normalized. The output then follows p exactly: y is kept with chance q(y) min(1, p(y) / q(y)) = min(p(y), q(y)); a
+# rejection has chance 1 - sum(min(p, q)) = sum(max(0, p - q)), the residual's own total, so the redraw adds max(0, p -
+# q)(y), and min + max(0, p - q) = p. A redraw from p itself would give min(p, q) + (1 - sum(min(p, q))) p, too much of
+# what the draft likes. p and q are next_token_probs (section 9) after temperature, top_k and top_p; at temperature 0
+# they are one-hot and the tokens greedy's. The pitfall is the caches: after a rejection both hold the rejected tokens'
+# keys, and crop_cache cuts them off. A rolling cache (section 35) cannot take back tokens it let go, so here it holds k
+# tokens beyond its window: a round cuts at most k, and the window the next query reads stays. A recurrent memory (Gated
+# DeltaNet, section 39) cannot be cut back at all: speculation_cache asks each fresh cache for a cut to 0, so such a
+# model is refused before anything runs (transformers refuses assisted decoding for its stateful models too).
 
 def crop_cache(cache, length):
     """Every layer's cache cut to `length` tokens (fewer stay): its own crop, or each tensor's dim -2 cut."""
@@ -4418,14 +4415,13 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 #   tensor([0.5000, 0.3000, 0.2000, 0.0000])
 
 
-# Multi-token prediction (section 32) can be the draft. Its module reads the target's last hidden state, so MTPDraft
-# wraps it in the draft's interface. Each call reads the states the target's latest forward left for the tokens it
-# kept, and runs the module on the tokens it has not seen. The first round has nothing to read, so it proposes from a
-# uniform law; the guess is almost always rejected and the round writes the target's own token, as in transformers'
-# MTP drafting. A second drafted token of a round has no target state before it, so the module's own state stands in
-# (vLLM does the same and warns that fewer are kept; DeepSeek-V3's report drafts one token, keeps 85-90% of them, and
-# gets 1.8 times the tokens per second). There the module is one block of 62. On the toy it is one of 3 and of the
-# costliest kind (MLA and the 8-expert MoE cost a target forward): it saves target forwards, not time (--after).
+# Multi-token prediction (section 32) can be the draft: MTPDraft gives its module, which reads the target's last hidden
+# state, the draft's interface. Each call reads the states the target's last forward left for the kept tokens and runs
+# the module on unseen ones. The first round, with nothing to read, proposes from a uniform law, almost always rejected:
+# the target writes its own token, as in transformers' MTP drafting. A round's second drafted token has no target state
+# before it, so the module's own stands in (vLLM does so, warning that fewer are kept; DeepSeek-V3 drafts one token,
+# keeps 85-90%, and gets 1.8 times the tokens per second). There the module is one block of 62; on the toy, one of 3 and
+# of the costliest kind (MLA and an 8-expert MoE: a target forward): it saves target forwards, not time (--after).
 
 class MTPCache:
     """MTPDraft's cache: the target's states it has read [1, t, D], its block's layer cache, its own last state."""
