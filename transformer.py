@@ -2604,16 +2604,15 @@ FRONTIER_CONFIGS = [
 #   acc   = e^(m - m_new) acc + e^(S_j - m_new) V_j   the old sum rescaled to the new max, then the new terms
 #   l     = e^(m - m_new) l   + rowsum(e^(S_j - m_new))
 #   and at the end out = acc / l (one division, FlashAttention-2's order) and lse = m + ln l.
-# A worked example (the Try it below) has scores (1, 2 | 3, 0) and values (10, 20 | 30, 40) in two blocks. Block 1
-# gives m = 2, l = e^-1 + e^0 = 1.3679 and acc = 0.3679 * 10 + 20 = 23.679. In block 2 the max grows to 3, so l and acc
-# shrink by e^(2 - 3) before the new terms join: l = 1.5530, acc = 40.70, out = 26.21 and lse = 3 + ln l = 3.4402, as
-# one softmax over all four gives. The max keeps every e^x <= 1, so nothing overflows, and the rescaling makes the order
-# of the blocks irrelevant. A GPU gains because the tiles stay in on-chip SRAM (19 TB/s on an A100, against 1.5-2.0 TB/s
-# of HBM, the paper's numbers), where section 2 writes S and P to HBM and reads them back; the fused kernel does more
-# arithmetic and is still faster. Here a tile is a dozen torch calls, so the code shows the math and the O(T * block)
-# memory, and --bench measures its speed. The backward saves q, k, v, out and the lse [Tq], and recomputes each tile's P
-# = e^(S - lse): more FLOPs for less memory, which on a GPU is still faster than reading a saved [T, T] P. Softmax's
-# Jacobian enters through delta = rowsum(dO * O), which equals the sum over keys of P * dP, in dS = P * (dP - delta).
+# A worked example (the Try it below) has scores (1, 2 | 3, 0) and values (10, 20 | 30, 40) in two blocks. Block 1 gives
+# m = 2, l = e^-1 + 1 = 1.3679 and acc = 0.3679 * 10 + 20 = 23.679. In block 2 the max grows to 3, so l and acc shrink
+# by e^-1: l = 1.5530, acc = 40.70, out = 26.21 and lse = 3 + ln l = 3.4402, as one softmax gives. The max keeps every
+# e^x <= 1, so nothing overflows, and the rescaling makes the blocks' order irrelevant. A GPU gains because the tiles
+# stay in on-chip SRAM (19 TB/s on an A100 against 1.5-2.0 TB/s of HBM, the paper says), where section 2 writes S and P
+# to HBM and reads them back: more arithmetic, and still faster. Here a tile is a dozen torch calls, so the code shows
+# the math and the O(T * block) memory; --bench measures speed. The backward saves q, k, v, out and lse [Tq] and
+# recomputes each tile's P = e^(S - lse): more FLOPs for less memory, still faster on a GPU than reading a saved [T, T]
+# P. Softmax's Jacobian enters as delta = rowsum(dO * O), the sum over keys of P * dP, in dS = P * (dP - delta).
 
 def flash_tile_scores(q_block, k_block, q_start, k_start, offset, causal):
     """A tile's scaled scores [B, H, bq, bk]; causal: -inf on the keys after each query (query i is key i + offset)."""
@@ -3301,8 +3300,7 @@ class ZeroCenteredRMSNorm(RMSNorm):
 
 def apply_partial_rope(x, cos, sin):
     """Section 19's RoPE on the first cos.size(-1) dims of each head of x [B, H, T, dk]; the others unturned."""
-    rotary = cos.size(-1)
-    return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)  # [B, H, T, dk]
+    return torch.cat([apply_rope(x[..., :cos.size(-1)], cos, sin), x[..., cos.size(-1):]], dim=-1)  # [B, H, T, dk]
 
 
 class GatedAttention(QKNormAttention):
@@ -4310,21 +4308,20 @@ def merge_lora(model, merge=True):
 # ===========================================================================
 # 48. Speculative decoding (投机解码)
 # ===========================================================================
-# Decoding one sequence reads all of the target's weights for each token; while that reading dominates, scoring k + 1
-# tokens in one forward costs about what scoring one does. So a small draft proposes k tokens one at a time, the target
-# scores all k + 1 positions in one forward, and the longest prefix it agrees with is kept, plus one token of its own
-# (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al., 2023, "Accelerating
-# Large Language Model Decoding with Speculative Sampling"). A drafted x, drawn from the draft's law q, is kept with
-# chance min(1, p(x) / q(x)), p the target's law; at the first rejection a token is drawn from max(0, p - q),
-# normalized. The output then follows p exactly: y is kept with chance q(y) min(1, p(y) / q(y)) = min(p(y), q(y)); a
-# rejection has chance 1 - sum(min(p, q)) = sum(max(0, p - q)), the residual's own total, so the redraw adds max(0, p -
-# q)(y), and min + max(0, p - q) = p. A redraw from p itself would give min(p, q) + (1 - sum(min(p, q))) p, too much of
-# what the draft likes. p and q are next_token_probs (section 9) after temperature, top_k and top_p; at temperature 0
-# they are one-hot and the tokens greedy's. The pitfall is the caches: after a rejection both hold the rejected tokens'
-# keys, and crop_cache cuts them off. A rolling cache (section 35) cannot take back tokens it let go, so here it holds k
-# tokens beyond its window: a round cuts at most k, and the window the next query reads stays. A recurrent memory (Gated
-# DeltaNet, section 39) cannot be cut back at all: speculation_cache asks each fresh cache for a cut to 0, so such a
-# model is refused before anything runs (transformers refuses assisted decoding for its stateful models too).
+# Decoding one sequence reads all the target's weights a token, so scoring k + 1 tokens in one forward costs about what
+# scoring one does. So a small draft proposes k tokens, the target scores all k + 1 positions in one forward, and the
+# longest prefix it agrees with is kept, plus one token of its own (Leviathan et al., 2023, "Fast Inference from
+# Transformers via Speculative Decoding"; Chen et al., 2023, "Accelerating Large Language Model Decoding with
+# Speculative Sampling"). A drafted x, drawn from the draft's law q, is kept with chance min(1, p(x) / q(x)), p the
+# target's law; at the first rejection a token is drawn from max(0, p - q), normalized. The output then follows p
+# exactly: y is kept with chance q(y) min(1, p(y) / q(y)) = min(p(y), q(y)); a rejection has chance 1 - sum(min(p, q)) =
+# sum(max(0, p - q)), the residual's own total, so the redraw adds max(0, p - q)(y), and min + max(0, p - q) = p. A
+# redraw from p itself would give min(p, q) + (1 - sum(min(p, q))) p, too much of what the draft likes. p and q are
+# next_token_probs (section 9) after temperature, top_k and top_p; at temperature 0 they are one-hot and the tokens
+# greedy's. The pitfall: after a rejection both caches hold the rejected tokens' keys; crop_cache cuts them off. A
+# rolling cache (section 35) cannot take back tokens it let go, so it holds k tokens beyond its window: a round cuts at
+# most k. A recurrent memory (Gated DeltaNet, section 39) cannot be cut back at all: speculation_cache asks each fresh
+# cache for a cut to 0, so such a model is refused before anything runs (transformers refuses it too).
 
 def crop_cache(cache, length):
     """Every layer's cache cut to `length` tokens (fewer stay): its own crop, or each tensor's dim -2 cut."""
