@@ -2943,17 +2943,15 @@ def padded_and_paged_slots(lengths, block_size):
 # A model trained on L positions never saw RoPE angles past L * theta_i and falls apart beyond them. Three stretches:
 # - linear (position interpolation, Chen et al., 2023) divides every frequency by the factor s, so position p looks like
 #   p / s. It squeezes the fast pairs too, and the YaRN paper hypothesizes that this loses the fine local order learned.
-# - llama3 (Llama 3.1) keeps the pairs whose wavelength 2 pi / theta_i is below L / high_freq_factor, divides those
-#   above L / low_freq_factor by the factor, and blends linearly in L / wavelength between. Llama-3.1-8B (dk 128, theta
-#   500000, factor 8, low and high factors 1 and 4, L 8192) keeps pairs 0-28, blends 29-34 and slows 35-63: 131,072
-#   positions with Llama-3-8B's 8,030,261,248 parameters.
+# - llama3 keeps the pairs whose wavelength 2 pi / theta_i is below L / high_freq_factor, divides those above L /
+#   low_freq_factor by the factor, and blends linearly in L / wavelength between. Llama-3.1-8B (LLAMA_3_1_SCALING below)
+#   keeps pairs 0-28, blends 29-34 and slows 35-63: 131,072 positions on Llama-3-8B's 8,030,261,248 parameters.
 # - yarn ("by parts", Peng et al., 2023, after bloc97's NTK-aware base theta * s^(dk/(dk-2))) keeps a pair that turned
-#   many times within L, because training showed it every angle, and slows by s a pair that never finished a turn. A
-#   ramp runs between, from the pair that turns beta_fast (32) times within L to the one that turns beta_slow (1) time,
-#   its ends rounded outwards (floor, ceil) as the references do. YaRN also sets a temperature: cos and sin times 0.1 ln
-#   s + 1 (fitted on Llama) sharpen every score, which more keys would flatten; a model that forgets it just runs worse.
-#   DeepSeek-V3 stretches its RoPE by yarn from 4K to 128K tokens, but MLA turns only its rope dims, so it puts (0.1 *
-#   mscale_all_dim * ln s + 1)^2 into its softmax scale instead, and with_rope_scaling refuses yarn for MLA.
+#   many times within L, having seen every angle, and slows by s a pair that never finished a turn. A ramp runs between,
+#   from the pair turning beta_fast (32) times within L to the one turning beta_slow (1), its ends rounded outwards as
+#   the references do. YaRN also sets a temperature: cos and sin times 0.1 ln s + 1 (fitted on Llama) sharpen every
+#   score, which more keys would flatten; a model that forgets it runs worse. For its yarn (4K to 128K tokens)
+#   DeepSeek-V3, whose MLA turns only rope dims, puts (0.1 * mscale_all_dim * ln s + 1)^2 into its softmax scale.
 # The pitfall: cached keys are already turned (section 21), so a static scaling (as here) is chosen once: turned again
 # mid-generation, they turn twice. Dynamic NTK and YaRN rescale with the length and cache keys unturned (YaRN, 3.3).
 
@@ -3278,10 +3276,9 @@ GPT_OSS_CONFIGS = [
 # - A zero-centred RMSNorm scales by 1 + w, with w starting at 0. The Qwen3-Next blog reports abnormally large norm
 #   weights in Qwen3's QK-norm. Decay on w pulls the scale to 1, where a plain weight decays to 0 and erases the input.
 # - Gated attention (Qiu et al., 2025, "Gated Attention for Large Language Models: Non-linearity, Sparsity, and
-#   Attention-Sink-Free") makes w_q twice as wide: per head, dk query rows, then dk gate rows. The attention's output is
-#   multiplied by sigmoid(gate), per head and dim, before w_o. The paper reports steadier training and no attention sink
-#   (a first token that soaks up the attention of heads with nothing to read), because a head can output about 0 itself.
-#   The gate also puts a non-linearity between w_v and w_o, which are otherwise one low-rank linear map.
+#   Attention-Sink-Free") makes w_q twice as wide, a gate row for each query row, and multiplies the attention's output
+#   by sigmoid(gate) before w_o. The paper reports steadier training and no attention sink (section 38), since a head
+#   can output about 0 itself. The gate also puts a non-linearity between w_v and w_o, otherwise one low-rank map.
 # - Partial RoPE turns only the first 25% of each head's dims (64 of 256); the rest match by content, at any distance.
 
 class ZeroCenteredRMSNorm(RMSNorm):
