@@ -3192,7 +3192,6 @@ class GptOss(Mixtral):
         return BiasedRouterMoE(d_model, self.expert_d_ff or d_ff, self.n_experts, self.top_k, self.swiglu_limit)
 
     def rope_tables(self, max_len, theta):
-        """Section 19's tables, or with rope_scaling gpt-oss's yarn, times its temperature."""
         if self.rope_scaling is None:
             return super().rope_tables(max_len, theta)                     # [max_len, dk] each
         inv_freq, temperature = gpt_oss_yarn_frequencies(self.head_dim, theta, self.rope_scaling)  # [dk/2], a float
@@ -3201,7 +3200,6 @@ class GptOss(Mixtral):
         return emb.cos() * temperature, emb.sin() * temperature            # [max_len, dk] each
 
     def new_cache(self):
-        """A RollingKVCache of `window` tokens for a sliding layer, a KVCache (every token) for a full one."""
         return [KVCache() if layer.attn.window is None else RollingKVCache(layer.attn.window) for layer in self.layers]
 
 
@@ -3530,7 +3528,6 @@ class Qwen3Next(Qwen3):
         return rope_cos_sin(self.rotary_dim, max_len, theta)              # [max_len, rotary dims]: the turned part
 
     def new_cache(self):
-        """A KVCache for each attention layer, a DeltaNetCache for each DeltaNet layer."""
         return [DeltaNetCache() if kind == "linear_attention" else KVCache() for kind in self.layer_types]
 
     def forward(self, input_ids, cache=None):
