@@ -2482,18 +2482,16 @@ class MultiTokenPrediction(nn.Module):
         self.block, self.final_norm = block, RMSNorm(d_model, norm_eps)
 
     def forward(self, model, hidden, next_ids, cache=None):
-        """hidden [B, Tn, D] is the model's final-normed states at t = past .. past + Tn - 1, next_ids [B, Tn] the
-        tokens t + 1, cache the block's layer cache. Returns logits [B, Tn, V] for the tokens t + 2 and the states
-        [B, Tn, D] the head read, which are the module's own stand-in for the model's state at t + 1."""
+        """hidden [B, Tn, D]: final-normed states at t = past .. past + Tn - 1; next_ids [B, Tn]: tokens t + 1 -> logits
+        [B, Tn, V] for tokens t + 2, and the states [B, Tn, D] the head read (its stand-in for the model's at t + 1)."""
         past = len(cache) if cache is not None else 0                      # positions 1 .. past already run
         if hidden.shape[:2] != next_ids.shape:
             raise ValueError(f"hidden {list(hidden.shape)} must have next_ids' {list(next_ids.shape)} first dims")
         if past + 1 + next_ids.size(1) > model.max_len:  # else fewer RoPE angles than tokens, which could broadcast
             raise ValueError(f"next_ids has length {next_ids.size(1)} after {past} cached, expected 1 to"
                              f" max_len - 1 - {past} = {model.max_len - 1 - past}")
-        # The embedding comes first, as the released weights' eh_proj reads it in vLLM's and SGLang's DeepSeek MTP
-        # and transformers' MtpLayer (DeepSeek's released inference code has no MTP module). The report's equation
-        # writes [RMSNorm(h); RMSNorm(Emb)], and the two orders give other numbers on the same weights.
+        # The embedding comes first, as vLLM's, SGLang's and transformers' DeepSeek MTP read the released eh_proj
+        # (DeepSeek's own inference code has none); the report writes [RMSNorm(h); RMSNorm(Emb)]: other numbers.
         x = torch.cat([self.enorm(model.token_embedding(next_ids)), self.hnorm(hidden)], dim=-1)  # [B, Tn, 2D]
         x = self.eh_proj(x)                                                # [B, Tn, D]
         # The block reads token t + 1 at RoPE's position t + 1, as transformers' position_ids (any offset: same numbers)
@@ -2504,8 +2502,7 @@ class MultiTokenPrediction(nn.Module):
 
 
 def mtp_module(model):
-    """model's MTP module, on the model's device. model is a Llama family: the module's block is what its own
-    attention() and feed_forward() would build as block n_layers (DeepSeek-V3's: MLA and the DeepSeekMoE)."""
+    """model's MTP module: its block is what the family's attention() and feed_forward() build as block n_layers."""
     c = model.config
     if "d_ff" not in c:  # a family whose every block is a mixture has no dense width to build the block from
         raise ValueError(f"mtp_module builds a Llama family's next block from its d_ff; a {type(model).__name__}"
@@ -3162,8 +3159,7 @@ def gpt_oss_yarn_frequencies(head_dim, theta, scaling):
 
 
 class GptOss(Mixtral):
-    """gpt-oss: Mixtral with GptOssAttention (biases when qkv_bias) and BiasedRouterMoE feed-forwards. The layers that
-    layer_types calls sliding get the window (None: every other layer, the first one sliding)."""
+    """Mixtral with GptOssAttention and BiasedRouterMoE; layer_types' sliding layers (None: every other) get windows."""
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=True, n_experts=8, top_k=2,
@@ -3299,8 +3295,7 @@ def apply_partial_rope(x, cos, sin):
 
 
 class GatedAttention(QKNormAttention):
-    """Qwen3's attention with zero-centred q_norm and k_norm, RoPE on the first cos.size(-1) dims of each head,
-    and the output times sigmoid(gate) before w_o, the gate a second half of each head's rows in w_q."""
+    """Qwen3's attention with zero-centred norms, partial RoPE, and the output times sigmoid(gate) before w_o."""
 
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, norm_eps=1e-6):
         super().__init__(d_model, n_heads, n_kv_heads, head_dim, False, norm_eps)
@@ -3403,9 +3398,8 @@ class GatedRMSNorm(RMSNorm):
 
 
 class GatedDeltaNet(nn.Module):
-    """Qwen3-Next's linear attention: project; a short causal convolution and SiLU over q, k, v; L2-normed q and
-    k; the gated delta rule on a memory per value head (n_v_heads / n_k_heads value heads share a q and k head,
-    as GQA's query heads share a key); the gated norm; out_proj. transformers' weight names and layouts."""
+    """Qwen3-Next's linear attention: project; a causal convolution and SiLU; L2-normed q and k; the gated delta rule, a
+    memory per value head (n_v_heads / n_k_heads share a q and k head, as in GQA); the gated norm; out_proj."""
 
     def __init__(self, d_model, n_k_heads, n_v_heads, k_dim, v_dim, conv_size=4, norm_eps=1e-6):
         super().__init__()
@@ -3558,9 +3552,8 @@ def qwen3_next_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=
 
 
 def qwen3_next_cache_bytes(config, length, bytes_per_value=2):
-    """Cache bytes after `length` tokens of the Qwen3Next of config (its keywords): section 23's keys and values in each
-    attention layer; in each DeltaNet layer its memory and the convolution's last K - 1 inputs, the same at any length.
-    bytes_per_value counts for all (the GatedDeltaNet here, as transformers', keeps a float32 memory)."""
+    """Cache bytes after `length` tokens of config's Qwen3Next: each attention layer's keys and values, each DeltaNet
+    layer's memory and last K - 1 convolution inputs (bytes_per_value for all; this file's memory is float32)."""
     n_attention = (config["layer_types"] or qwen3_next_layer_types(config["n_layers"])).count("full_attention")
     head_dim = config["head_dim"] or config["d_model"] // config["n_heads"]
     kv = kv_cache_bytes_per_token(1, config["n_kv_heads"] or config["n_heads"], head_dim, bytes_per_value)  # a layer
@@ -3665,8 +3658,7 @@ class LightningIndexer(nn.Module):
         w = self.w_heads(x) / math.sqrt(self.n_heads)                      # [B, Tn, Hi]
         return torch.einsum("bhts,bth->bts", relu, w)                      # [B, Tn, t]
 
-    # No gradient: top-k is a choice, not a function of the weights that autograd could follow, and the main loss gives
-    # the indexer nothing anyway. DeepSeek trains it apart, towards the dense attention's distribution by a KL loss.
+    # No gradient: autograd cannot follow top-k; DeepSeek trains the indexer apart, by a KL loss to the dense attention.
     @torch.no_grad()
     def forward(self, x, q_latent, cos, sin, mask=None, cache=None):
         """As scores(); mask [1, 1, Tn, t] or None -> [B, 1, Tn, t], True at the tokens each query keeps."""
@@ -3711,8 +3703,7 @@ class DeepSeekV32(DeepSeekV3):
 
 
 def deepseek_v32_param_formula(index_n_heads=64, index_head_dim=128, index_topk=2048, **deepseek):
-    """Closed form of count_parameters(DeepSeekV32(...)), its keywords: deepseek_param_formula's (active too) and every
-    layer's indexer, w_uq, w_k, k_norm (weight and bias), w_heads, which every token runs."""
+    """Closed form of count_parameters(DeepSeekV32(...)): deepseek_param_formula's and the indexers all tokens run."""
     D, di, Hi = deepseek["d_model"], index_head_dim, index_n_heads
     indexer = deepseek["q_lora_rank"] * Hi * di + D * di + 2 * di + D * Hi
     return deepseek_param_formula(**deepseek) + deepseek["n_layers"] * indexer
@@ -4430,9 +4421,8 @@ class MTPCache:
 
 
 class MTPDraft(nn.Module):
-    """A draft for speculative_generate made of target and its trained MTP module (mtp_module): forward(input_ids
-    [1, n], cache) -> logits [1, 1, V] for token n. A hook on the target's final_norm keeps the states of its latest
-    forward; close() removes the hook, and so does the end of a `with MTPDraft(target, mtp) as draft:` block."""
+    """speculative_generate's draft from target and its MTP module: forward(input_ids [1, n], cache) -> logits [1, 1, V]
+    for token n. A hook on final_norm keeps the target's latest states until close() or a `with` block's end."""
 
     def __init__(self, target, mtp):
         super().__init__()
