@@ -1687,8 +1687,7 @@ def byte_to_char():
 
 @functools.cache
 def unicode_classes():
-    """{"L": ..., "N": ...}, bodies of re character classes: the code points whose Unicode category starts with L
-    (letters) or N (numbers), the regex module's \\p{L} and \\p{N}, which re lacks; one pass over 1.1M, on first use."""
+    """{"L": ..., "N": ...}: re class bodies of Unicode's L and N categories (regex's \\p{L}, \\p{N}); one 1.1M pass."""
     spans = {"L": [], "N": []}
     for code in range(0x110000):
         runs = spans.get(unicodedata.category(chr(code))[0])
@@ -1713,8 +1712,7 @@ PRE_TOKENIZERS = {"gpt-2": [GPT2_SPLIT], "smollm": ["[{N}]", GPT2_SPLIT]}
 
 
 class BPETokenizer(BasicTokenizer):
-    """BasicTokenizer as a released file holds it: tokens spelled in GPT-2's stand-ins (a token's id is its index),
-    merges as pairs of tokens, earliest first, pre the pre-tokenizer's name, specials the special tokens' ids."""
+    """BasicTokenizer as a file holds it: tokens in GPT-2's stand-ins (id = index), merges as token pairs in order."""
 
     def __init__(self, tokens, merges, pre="gpt-2", specials=(), eos_id=None, chat_template=""):
         super().__init__()
