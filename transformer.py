@@ -2925,8 +2925,7 @@ def padded_and_paged_slots(lengths, block_size):
 #   8
 #   >>> padded_and_paged_slots([30, 4000, 7, 500], block_size=16)         # 4 requests, one long
 #   (16000, 4560)
-#   >>> llama = Llama(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
-#   >>> ids = torch.randint(0, 100, (1, 9))                                # [1, 9]
+#   >>> llama, ids = Llama(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2), torch.randint(100, (1, 9))
 #   >>> paged = [PagedKVCache(KVPool(n_blocks=6, block_size=4)) for _ in llama.layers]  # a pool a layer here
 #   >>> torch.allclose(llama(ids, paged)[:, -1], llama(ids)[:, -1], atol=1e-5)  # the same last logits
 #   True
@@ -3229,9 +3228,8 @@ GPT_OSS_CONFIGS = [
 # 2 x 8 x 64 x 2 bytes = 2 KiB a token a layer: 36 KiB a token in the 18 full layers; the 18 sliding ones hold 4.5 MiB.
 
 # Try it: a sink of -inf is section 2's attention; a large one takes everything, and the head reads nothing.
-#   >>> attn = SinkAttention(d_model=32, n_heads=4, n_kv_heads=2)
+#   >>> attn, mask = SinkAttention(d_model=32, n_heads=4, n_kv_heads=2), make_causal_mask(5)  # mask [1, 1, 5, 5]
 #   >>> q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)  # [B, H|Hkv, T, dk]
-#   >>> mask = make_causal_mask(5)                                         # [1, 1, 5, 5]
 #   >>> plain, _ = scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), mask)  # [1, 4, 5, 8]
 #   >>> with torch.no_grad():
 #   ...     for sink in (-math.inf, 1e4, 0.0):
@@ -4383,8 +4381,7 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 # Try it: the target's own greedy tokens, with a draft a quarter of its size.
 #   >>> _ = torch.manual_seed(0)
 #   >>> target = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=32)
-#   >>> draft = Llama(vocab_size=50, d_model=16, n_layers=1, n_heads=2, max_len=32)
-#   >>> ids = torch.randint(0, 50, (1, 5))                                 # [1, 5]
+#   >>> draft, ids = Llama(vocab_size=50, d_model=16, n_layers=1, n_heads=2, max_len=32), torch.randint(0, 50, (1, 5))
 #   >>> torch.equal(speculative_generate(target, draft, ids, 12, k=3), target.generate(ids, 12))
 #   True
 #   >>> p, q = torch.tensor([0.5, 0.3, 0.2, 0.0]), torch.tensor([0.1, 0.6, 0.0, 0.3])
@@ -4468,8 +4465,7 @@ class MTPDraft(nn.Module):
 
 # Try it: a Llama's own greedy tokens, drafted by its MTP module (untrained, so mostly rejected).
 #   >>> _ = torch.manual_seed(0)
-#   >>> target = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=32)
-#   >>> ids = torch.randint(0, 50, (1, 5))                                 # [1, 5]
+#   >>> target, ids = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=32), torch.randint(0, 50, (1, 5))
 #   >>> with MTPDraft(target, mtp_module(target)) as draft:
 #   ...     [torch.equal(speculative_generate(target, draft, ids, 12, k=k), target.generate(ids, 12)) for k in (1, 3)]
 #   [True, True]
