@@ -3566,10 +3566,9 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, 
                       max_len=262144, rope_theta=10000000.0, norm_eps=1e-6, tie_weights=False, partial_rotary=0.25,
                       layer_types=None, linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128,
                       conv_size=4, n_experts=512, top_k=10, expert_d_ff=512, shared_d_ff=512, norm_topk=True)
-# Its cache in bf16: 12 attention layers x 2 kv heads x 256 x (K and V) x 2 bytes = 24 KiB a token, and 36 DeltaNet
-# layers x (32 x 128 x 128 + 3 x 8192) x 2 bytes = 37.7 MiB at any length (a bf16 kernel's; this file's float32 memory
-# makes it 72 MiB). At 4K, 32K and 256K tokens that is 133.7, 805.7 and 6,181.7 MiB, against Llama-3-8B's 128 KiB a
-# token: 512, 4,096 and 32,768 MiB. Attention dominates past about 1,600 tokens.
+# Its bf16 cache: 12 attention layers x 2 kv heads x 256 x 2 (K, V) x 2 bytes = 24 KiB a token, and 36 DeltaNet layers x
+# (32 x 128 x 128 + 3 x 8192) x 2 bytes = 37.7 MiB at any length (72 MiB here, in float32). At 4K, 32K, 256K tokens:
+# 133.7, 805.7 and 6,181.7 MiB, against Llama-3-8B's 512, 4,096 and 32,768 MiB. Attention dominates past ~1,600 tokens.
 
 # Try it: the two forms of the delta rule agree; the hybrid's cache; the memory it saves.
 #   >>> _ = torch.manual_seed(0)
@@ -3607,12 +3606,11 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, 
 # tokens (2048) for each query, and section 30's latent attention reads only those. The main attention goes from O(T^2)
 # to O(T k) (the V3.2-Exp report). The new shapes: Hi is the indexer's heads (64 in V3.2), di their width (128).
 #
-# The index score of query t for token s is I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]) (the report's equation 1). Its
-# Hi small query heads are made from MLA's query latent, and one key per token serves all of them. It uses ReLU rather
-# than a softmax "for throughput", and the query token sets a weight per head. Its RoPE pairs halves (section 19), where
-# MLA pairs neighbours. DeepSeek's own inference demo turned neighbours here until November 2025, and long-context
-# retrieval suffered (sglang's RULER runs) until the fix. DeepSeek's code also multiplies q and k by a Hadamard matrix
-# before rounding them to FP8; the matrix is orthogonal, so q . k is unchanged, and here, as in transformers, it is out.
+# Query t scores token s by I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]) (the report's eq. 1). Its Hi small query heads
+# come from MLA's query latent, one key a token serves all, and the query weighs each head; ReLU replaces a softmax "for
+# throughput". Its RoPE pairs halves (section 19), where MLA pairs neighbours: DeepSeek's demo turned neighbours until
+# November 2025, hurting long-context retrieval (sglang's RULER runs). DeepSeek's code multiplies q and k by an
+# orthogonal Hadamard matrix before FP8 rounding, leaving q . k unchanged; transformers and this file leave it out.
 
 class IndexedLatentCache(LatentCache):
     """LatentCache plus the lightning indexer's keys [B, t, di]: di values a token a layer more."""
@@ -3736,9 +3734,7 @@ def indexer_flops(config, batch_size, seq_len):
     projections = qr * Hi * di + D * di + D * Hi + D * qr                  # + w_dq again (SparseLatentAttention)
     return 2 * L * batch_size * seq_len * (projections + seq_len * Hi * (di + 1))
 
-# Each query keeps at most index_topk = 3 earlier tokens; the cache changes the speed, not the tokens; with a topk
-# past the length the model is DeepSeek-V3 with the same weights.
-# Try it:
+# Try it: each query keeps at most index_topk = 3 earlier tokens; the cache changes the speed, not the tokens.
 #   >>> _ = torch.manual_seed(0)
 #   >>> config = dict(vocab_size=100, d_model=32, n_layers=2, n_heads=4, kv_lora_rank=16, qk_nope_dim=8,
 #   ...               qk_rope_dim=4, v_head_dim=8, d_ff=64, expert_d_ff=16, n_experts=8, top_k=2, q_lora_rank=24,
@@ -3750,7 +3746,7 @@ def indexer_flops(config, batch_size, seq_len):
 #   [1, 2, 3, 3, 3, 3, 3, 3]
 #   >>> torch.equal(ds.generate(ids, 6), ds.generate(ids, 6, use_cache=False))
 #   True
-#   >>> dense = DeepSeekV3(**config).eval()
+#   >>> dense = DeepSeekV3(**config).eval()                            # with a topk past the length, the same model
 #   >>> _ = dense.load_state_dict(ds.state_dict(), strict=False)           # all but the indexers
 #   >>> ds.layers[0].attn.indexer.topk = ds.layers[1].attn.indexer.topk = 32
 #   >>> torch.allclose(ds(ids), dense(ids), atol=1e-5)
