@@ -2296,9 +2296,8 @@ class MultiHeadLatentAttention(nn.Module):
         w_uk, w_uv = w_ukv.split([self.nope, self.v_dim], dim=1)          # [H, nope, r], [H, v, r]
         absorbed = past > 0 if absorb is None else absorb                  # decoding: absorbed; a prefill: expanded
         if absorbed:
-            # 3a. absorbed: q_nope . (W_uk c) = (W_uk^T q_nope) . c, so each head has one query of width r, and all H
-            # heads share one key [c | k_rope] and one value c (broadcast, as in MQA). Section 2 divides the scores
-            # by sqrt(r + rope) where they need sqrt(nope + rope), so q makes up the difference.
+            # 3a. absorbed: q_nope . (W_uk c) = (W_uk^T q_nope) . c, so each head's query is r wide, and all heads share
+            # one key [c | k_rope] and value c (as in MQA); q is rescaled for section 2's sqrt(r + rope).
             q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)        # [B, H, Tn, r]
             q = torch.cat([q_latent, q_rope], dim=-1) * math.sqrt(
                 (self.kv_lora_rank + self.rope) / (self.nope + self.rope))  # [B, H, Tn, r+rope]
@@ -3233,9 +3232,8 @@ GPT_OSS_CONFIGS = [
 #   >>> plain, _ = scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), mask)  # [1, 4, 5, 8]
 #   >>> with torch.no_grad():
 #   ...     for sink in (-math.inf, 1e4, 0.0):
-#   ...         _ = attn.sinks.fill_(sink)
-#   ...         print(sink, torch.allclose(attn.attend(q, k, v, mask), plain, atol=1e-6),
-#   ...               attn.attend(q, k, v, mask).abs().max().item() == 0)
+#   ...         _, out = attn.sinks.fill_(sink), attn.attend(q, k, v, mask)         # [1, 4, 5, 8]
+#   ...         print(sink, torch.allclose(out, plain, atol=1e-6), out.abs().max().item() == 0)
 #   -inf True False
 #   10000.0 False True
 #   0.0 False False
