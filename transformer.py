@@ -3214,8 +3214,7 @@ def gpt_oss_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=Non
 GPT_OSS_YARN = {"type": "yarn", "factor": 32.0, "original_max_len": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
 GPT_OSS_COMMON = dict(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64, d_ff=2880, top_k=4,
                       max_len=131072, rope_theta=150000.0, norm_eps=1e-5, window=128, rope_scaling=GPT_OSS_YARN)
-# Each entry: the name, the kind, the configuration as released, the total, the active count as section 33 counts it,
-# and OpenAI's, which leave out the input embedding table (V D = 579,133,440): 5,132,849,472 and 3,608,307,264.
+# Rows as FRONTIER_CONFIGS'; OpenAI's active counts leave out the 579,133,440 embeddings: 5,132,849,472, 3,608,307,264.
 GPT_OSS_CONFIGS = [
     ("gpt-oss-120b", "gptoss", dict(GPT_OSS_COMMON, n_layers=36, n_experts=128), 116_829_156_672, 5_711_982_912,
      "116.8B / 5.1B (active without the embedding table)"),
@@ -3465,8 +3464,7 @@ def qwen3_next_layer_types(n_layers, interval=4):
 
 
 class Qwen3Next(Qwen3):
-    """Qwen3 with Qwen3-Next's blocks: a GatedDeltaNet or a GatedAttention by layer_types (None: 3 DeltaNet layers to 1
-    attention layer, repeated) and a softmax MoE with a gated shared expert; sizes as Qwen3-Next-80B-A3B's."""
+    """Qwen3 with GatedDeltaNet or GatedAttention blocks by layer_types (None: 3 to 1), MoE and GatedSharedExpert."""
     cache_kind = object  # the kind differs by layer: new_cache() gives them, and forward checks them
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, head_dim=None, max_len=2048,
