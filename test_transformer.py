@@ -13410,8 +13410,9 @@ def cut_programs():
         text = text_through_section(n)
         imports = [line for line in text.splitlines() if line.startswith(("import ", "from "))]
         # the core four, and Part II's from the standard library (random, time...): nothing to install
-        assert imports[:4] == CORE_IMPORTS and all(line.split()[1] in sys.stdlib_module_names
-                                                   for line in imports[4:]), (n, imports)
+        modules = [name for line in imports[4:] for name in (line.replace(",", " ").split()[1:]
+                                                              if line.startswith("import ") else line.split()[1:2])]
+        assert imports[:4] == CORE_IMPORTS and all(name in sys.stdlib_module_names for name in modules), (n, imports)
         programs[n] = text + "\n\n" + use + "\n"
     return programs
 

@@ -594,12 +594,7 @@ def decoder_only_param_formula(vocab_size, d_model, n_layers, d_ff, tie_weights=
 # This part teaches a model a task that it learns in seconds on a CPU. It shows the training loop, the ways to decode
 # an answer, and what the models learned.
 
-import contextlib
-import copy
-import random
-import signal
-import threading
-import time
+import contextlib, copy, random, signal, threading, time
 
 
 # ===========================================================================
@@ -804,7 +799,6 @@ class BigramHMM:
 # its learning rate rises over a warmup and then decays as 1 / sqrt(step). The gradient's length is also clipped (not in
 # the paper; common practice since), so that one bad batch cannot throw the weights far. Here torch's Adam and
 # clip_grad_norm_ do the work; Part VII writes each of them out.
-
 
 def noam(step, warmup_steps, d_model):
     """The paper's learning rate ("Noam" after Noam Shazeer, its second author): d_model^-0.5 *
@@ -1267,7 +1261,6 @@ class RMSNorm(nn.Module):
 # dot product q . k then depends only on m - n. Only q and k are turned, never v, because the position shapes WHERE a
 # query looks, not what it reads there.
 
-
 def rope_frequencies(head_dim, theta=10000.0):
     """[dk/2]: pair i turns theta^(-2i/dk) radians per position, the first pairs fast, the last slowly;
     float32 even for a bf16 model, whose 8 significant bits round position 1001 to 1000."""
@@ -1319,7 +1312,6 @@ def apply_rope(x, cos, sin):
 # (x * sigmoid(x), a smooth ReLU like GELU) and opens or closes each channel of another projection. It has three
 # matrices, so its width is 2/3 of 4 D: 3 * D * 8D/3 = 2 * D * 4D, the parameters and FLOPs of the classic feed-forward.
 
-
 def llama_ffn_dim(d_model, multiple_of=256, ffn_dim_multiplier=None):
     """Llama's Dff: 2/3 of 4 D, optionally scaled, rounded UP to a multiple of multiple_of."""
     hidden = int((ffn_dim_multiplier or 1) * int(2 * 4 * d_model / 3))
@@ -1354,7 +1346,6 @@ class SwiGLU(nn.Module):
 # outgrows the weights: Llama-2-7B in bf16 has 13.5 GB of weights and caches 512 KiB a token (section 23), so the cache
 # is the larger past about 25,700 cached tokens (batch x length). GQA (Ainslie et al., 2023) lets a group of query heads
 # share one key/value head. With n_kv_heads = n_heads it is multi-head attention; with 1, multi-query attention (MQA).
-
 
 def repeat_kv(x, n_rep):
     """[B, Hkv, T, dk] -> [B, Hkv * n_rep, T, dk]: query head h reads kv head h // n_rep."""
@@ -1529,7 +1520,6 @@ class Llama(nn.Module):
 # formula, the count of the model built on the meta device (shapes only, no memory) and the published total. Then comes
 # what decides how many tokens fit on a GPU: the KV cache.
 
-
 def gqa_params(d_model, n_heads, n_kv_heads, head_dim, bias):
     """w_q and w_o (H * dk wide), w_k and w_v (Hkv * dk wide), and the q, k, v biases."""
     q_width, kv_width = n_heads * head_dim, n_kv_heads * head_dim
@@ -1591,11 +1581,7 @@ LLAMA_CONFIGS = [
 # answers through section 22's Llama, read from the GGUF file that llama.cpp users download, with its own tokenizer.
 # Three ideas take it there: byte-level BPE, the quantized blocks the file holds, and the chat loop.
 
-import codecs
-import functools
-import heapq
-import re
-import unicodedata
+import codecs, functools, heapq, re, unicodedata
 
 
 # ===========================================================================
@@ -1684,19 +1670,16 @@ def train_bpe(text, vocab_size):
 #   >>> tok.decode(tok.encode("naïve 😀, 中文")) == "naïve 😀, 中文"   # any text, unseen bytes too
 #   True
 
-# A released tokenizer adds three steps around the merges. A special token's text (<|im_start|>) is cut out first and
-# becomes that token. A pre-tokenizer splits the rest into pieces (words, numbers, runs of spaces) that merges never
-# cross, so " dog" is one token whether "." or "!" follows it. The vocabulary file spells each token's bytes in GPT-2's
-# 256 printable stand-ins (a space is Ġ), so that it is printable text, and a token's id is its place in the file.
-# A vocabulary may lack bytes: SmolLM2's lacks 21 that its training text never had (controls such as \x1d, bytes that
-# UTF-8 never or hardly uses), and its tokenizer drops them.
-# BasicTokenizer's loop counts every pair of a piece again after each merge: plain, and quadratic in a piece's length,
-# so a word without a space (one piece) of 1 MiB takes minutes. BPETokenizer's apply_merges finds the same ids with a
-# heap, as the tokenizers library and llama.cpp merge: about n log n, the 1 MiB word in seconds.
+# A released tokenizer adds three steps around the merges. A special token's text (<|im_start|>) is cut out first as
+# that token. A pre-tokenizer splits the rest into pieces (words, numbers, runs of spaces) that merges never cross, so "
+# dog" is one token before "." or "!". The vocabulary file spells each token's bytes in GPT-2's 256 printable stand-ins
+# (a space is Ġ), ids in file order. A vocabulary may lack bytes: SmolLM2's lacks 21 its training text never had
+# (controls such as \x1d, bytes UTF-8 hardly uses), and its tokenizer drops them. BasicTokenizer's loop recounts every
+# pair after each merge, quadratic in a piece's length: minutes for a 1 MiB word without a space. BPETokenizer's
+# apply_merges gets the same ids by a heap, as the tokenizers library and llama.cpp do: n log n, seconds.
 
 def byte_to_char():
-    """GPT-2's stand-ins, {byte: character} (bytes_to_unicode in its encoder.py). A printable byte stands for itself;
-    each of the other 68 (controls, space, ...) stands for chr(256 + n), n counting them."""
+    """GPT-2's stand-ins {byte: character} (its encoder.py's bytes_to_unicode): the 68 unprintable get chr(256 + n)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
@@ -1704,8 +1687,7 @@ def byte_to_char():
 
 @functools.cache
 def unicode_classes():
-    """{"L": ..., "N": ...}, bodies of re character classes: the code points whose Unicode category starts with L
-    (letters) or N (numbers), the regex module's \\p{L} and \\p{N}, which re lacks; one pass over 1.1M, on first use."""
+    """{"L": ..., "N": ...}: re class bodies of Unicode's L and N categories (regex's \\p{L}, \\p{N}); one 1.1M pass."""
     spans = {"L": [], "N": []}
     for code in range(0x110000):
         runs = spans.get(unicodedata.category(chr(code))[0])
@@ -1723,16 +1705,14 @@ WHITESPACE = "\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(?![^{S}])|[{S}]+"
 # tokenizer.ggml.pre -> the patterns that split in turn, each inside the pieces the one before it left. SmolLM2's
 # "smollm" (llama.cpp's name; its tokenizer.json: Digits(individual_digits=True), then ByteLevel) first makes each
-# number character a piece: Unicode Nd, Nl and No, so ½, Ⅷ and ² as well as 0-9, but not the letter 三.
-# transformers 5.24 builds this file's tokenizer without that step. No merge of SmolLM2 joins a digit 0-9 to anything,
-# so " 2024" comes out the same either way, but " ½" is two pieces with the step and one without, and its ids differ
-# ([Ġ, Â½] against [ĠÂ, ½]). Such details make hand-written tokenizers disagree.
+# number character a piece: Unicode Nd, Nl and No, so ½, Ⅷ and ² as well as 0-9, but not the letter 三. transformers 5.24
+# builds this file's tokenizer without that step. No merge of SmolLM2 joins a digit 0-9 to anything, so " 2024" is the
+# same either way, but " ½" is two pieces with the step and one without, with other ids ([Ġ, Â½] against [ĠÂ, ½]).
 PRE_TOKENIZERS = {"gpt-2": [GPT2_SPLIT], "smollm": ["[{N}]", GPT2_SPLIT]}
 
 
 class BPETokenizer(BasicTokenizer):
-    """BasicTokenizer as a released file holds it: tokens spelled in GPT-2's stand-ins (a token's id is its index),
-    merges as pairs of tokens, earliest first, pre the pre-tokenizer's name, specials the special tokens' ids."""
+    """BasicTokenizer as a file holds it: tokens in GPT-2's stand-ins (id = index), merges as token pairs in order."""
 
     def __init__(self, tokens, merges, pre="gpt-2", specials=(), eos_id=None, chat_template=""):
         super().__init__()
@@ -1742,9 +1722,8 @@ class BPETokenizer(BasicTokenizer):
         if bad:  # -1 would name the last token in silence
             raise ValueError(f"specials holds {bad[0]!r}: expected ids of tokens, 0 to {len(self.tokens) - 1}")
         self.specials = {self.tokens[i]: i for i in specials}
-        # the merges on ids, for BasicTokenizer's loop; their ranks are the file's order
-        self.merges = {(self.ids[a], self.ids[b]): self.ids[a + b] for a, b in merges}
-        self.ranks = {(self.ids[a], self.ids[b]): rank for rank, (a, b) in enumerate(merges)}
+        self.merges = {(self.ids[a], self.ids[b]): self.ids[a + b] for a, b in merges}  # on ids, for the loop
+        self.ranks = {(self.ids[a], self.ids[b]): rank for rank, (a, b) in enumerate(merges)}  # the file's order
         char = byte_to_char()
         byte = {c: b for b, c in char.items()}                             # stand-in -> byte
         self.byte_ids = {b: self.ids[c] for b, c in char.items() if c in self.ids}  # a byte it lacks: none
@@ -1765,10 +1744,8 @@ class BPETokenizer(BasicTokenizer):
         return pieces
 
     def apply_merges(self, ids):
-        """BasicTokenizer's loop, the same ids without counting every pair again after each merge. It keeps where each
-        pair of neighbours that is a merge stands, under the merge's rank, and a heap of those ranks, the earliest on
-        top; each place links to its neighbours, so that a merge changes a few links, not the whole list. A piece of n
-        bytes then costs about n log n steps (the tokenizers library and llama.cpp also merge with a heap)."""
+        """BasicTokenizer's ids, by a heap: each merge's rank holds the places of its pairs, the earliest rank on top,
+        and each place links to its neighbours, so that a merge changes a few links, not the whole list."""
         ids, n = list(ids), len(ids)
         left, right = list(range(-1, n - 1)), list(range(1, n + 1))  # the neighbours' places; -1 and n: none
         places = {}                                                        # {rank: [place of its pair, ...]}
@@ -1810,8 +1787,7 @@ class BPETokenizer(BasicTokenizer):
 
 
 def train_gpt2_bpe(text, vocab_size, pre="gpt-2"):
-    """It learns the merges on the pre-tokenizer's pieces of text, so that none crosses two pieces (minbpe's
-    RegexTokenizer), and spells the tokens in GPT-2's stand-ins -> a BPETokenizer."""
+    """A BPETokenizer whose merges, learned on the pre-tokenizer's pieces, never cross two (minbpe's RegexTokenizer)."""
     merges = learn_merges([list(piece.encode("utf-8")) for piece in BPETokenizer([], [], pre).pieces(text)], vocab_size)
     char, vocab = byte_to_char(), BasicTokenizer(merges).vocab
     tokens = ["".join(char[b] for b in vocab[i]) for i in range(len(vocab))]
@@ -2057,12 +2033,11 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
 # 28. QK-norm and free head widths: Qwen3 (QK 归一化与自由头宽)
 # ===========================================================================
 # Qwen3's attention differs from Llama's in two places. First, head_dim frees a head's width from D / H: Qwen3-30B-A3B
-# has D 2048 and 32 heads of 128, so w_q is 4096 wide and w_o brings the H * dk values back to D. Second, QK-norm keeps
-# the scores from growing with the lengths of q and k. Left to grow, they make the softmax one-hot, and its gradient
-# vanishes; Dehghani et al. (2023, "Scaling Vision Transformers to 22 Billion Parameters") saw such logits make training
-# diverge. Qwen3 and Gemma 3 apply an RMSNorm over each head's dk dims to q and k BEFORE RoPE, with one weight [dk]
-# shared by all heads. OLMo 2 instead normalizes all H * dk dims before it splits the heads. The order matters once the
-# weight is learned: RoPE keeps the length of each pair, but a weight that scales dim i and not its partner does not.
+# has D 2048 and 32 heads of 128, so w_q is 4096 wide. Second, QK-norm keeps the scores from growing with the lengths of
+# q and k. Grown scores make the softmax one-hot and its gradient vanish; Dehghani et al. (2023, "Scaling Vision
+# Transformers to 22 Billion Parameters") saw such logits make training diverge. Qwen3 and Gemma 3 apply an RMSNorm over
+# each head's dk dims, one weight [dk] for all heads, to q and k BEFORE RoPE; OLMo 2 normalizes all H * dk dims before
+# it splits the heads. The order matters once the weight is learned: RoPE keeps each pair's length, a weight does not.
 
 class QKNormAttention(GroupedQueryAttention):
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, bias=False, norm_eps=1e-6):
@@ -2118,10 +2093,8 @@ def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
 # and a router that sends each token to top_k of them. The model gets E times the parameters for about top_k times the
 # compute: Mixtral-8x7B runs 2 of its 8 SwiGLU experts a token. Left alone, a router sends most tokens to a few experts,
 # which then learn more and are chosen more; an auxiliary loss (below) or DeepSeek's bias (section 31) balances them.
-# Mixtral and Qwen3-MoE weigh the chosen experts alike. They take p = softmax(logits) over all E experts, keep the
-# top_k, and divide them by their sum (norm_topk); after that division the weights are a softmax over the top_k logits.
-# Without the division (Qwen1.5-MoE), taking the top k before the softmax or after it gives two different models.
-
+# Mixtral and Qwen3-MoE take p = softmax(logits) over all E experts, keep the top_k and divide them by their sum
+# (norm_topk): a softmax over the top_k logits. Without it (Qwen1.5-MoE), top-k before or after the softmax differ.
 
 class MoE(nn.Module):
     """Mixtral's mixture of experts: each token runs its top_k SwiGLU experts, weighted by the router's softmax."""
@@ -2164,10 +2137,9 @@ class MoE(nn.Module):
 
 
 def load_balancing_loss(router_logits, top_k):
-    """The Switch Transformer's auxiliary loss, as transformers' Mixtral computes it from router logits [N, E]:
-    E * sum_e f_e * P_e. Here f_e is the share of the N tokens' top-k slots that expert e took (a count, so it has no
-    gradient), and P_e is the mean of softmax(logits)[:, e]. The loss is top_k when routing is uniform and grows where
-    the probability piles up. Add it to the loss times a small factor (Switch used 0.01)."""
+    """The Switch Transformer's auxiliary loss from router logits [N, E], as transformers' Mixtral computes it: E *
+    sum_e f_e * P_e, f_e the share of the top-k slots that expert e took (a count: no gradient), P_e the mean of
+    softmax(logits)[:, e]. It is top_k for uniform routing, more where probability piles up; Switch adds 0.01 x it."""
     if router_logits.dim() != 2 or len(router_logits) == 0:  # no tokens would give 0 / 0
         raise ValueError(f"router_logits must be [N, E] with N >= 1 tokens, got shape {list(router_logits.shape)}")
     E = router_logits.size(-1)
@@ -2250,16 +2222,14 @@ def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=N
 # 30. Multi-head latent attention, MLA (多头潜在注意力)
 # ===========================================================================
 # GQA shrinks the cache by sharing heads; MLA (DeepSeek-V2, 2024, and V3) shrinks it by compressing. w_dkv maps each
-# token to a latent c of kv_lora_rank dims (512 in V3), which kv_norm normalizes, and to one rope key (64 dims) for all
-# heads. w_ukv expands c into every head's key (its nope part, 128 dims) and value (128 dims). So the cache keeps only c
-# and the rope key, 576 values a token a layer in V3, against 128 x (192 + 128) = 40,960 for per-head keys and values.
-# The queries pass a low-rank bottleneck of their own (w_dq, q_norm, w_uq) "to reduce the activation memory during
-# training" (DeepSeek-V2). A head's q and k are [nope | rope], and RoPE turns only the rope part. The rope part is kept
-# apart because a rotation between the query and W_uk would make the score q^T R(m)^T R(n) W_uk c_n = q^T R(n - m)
-# W_uk c_n depend on the pair of positions, and W_uk could then not be folded into the query once for all keys (3a
-# below). DeepSeek's checkpoints pair neighbours (x[2i], x[2i+1]) in the rope part (rope_interleave=True); that is
-# section 19's halves after a fixed permutation of the rope rows of w_uq (or w_q) and w_dkv.
-
+# token to a latent c of kv_lora_rank dims (512 in V3, normed by kv_norm) and to one rope key of 64 dims for all heads;
+# w_ukv expands c into every head's key (its nope part, 128 dims) and value (128 dims). So the cache keeps only c and
+# the rope key, 576 values a token a layer in V3, against 128 x (192 + 128) = 40,960 for per-head keys and values. The
+# queries pass a low-rank bottleneck of their own (w_dq, q_norm, w_uq) "to reduce the activation memory during training"
+# (DeepSeek-V2). RoPE turns only the rope part of a head's q and k, [nope | rope]: a rotation between the query and W_uk
+# would make the score q^T R(m)^T R(n) W_uk c_n = q^T R(n - m) W_uk c_n depend on the pair of positions, and W_uk could
+# not be folded into the query once for all keys (3a below). DeepSeek's checkpoints pair neighbours (x[2i], x[2i+1]) in
+# the rope part (rope_interleave=True): section 19's halves after a fixed permutation of w_uq's and w_dkv's rope rows.
 
 class LatentCache:
     """One MLA module's cache, with KVCache's append and len: latents [B, t, r] and turned rope keys [B, t, rope]."""
@@ -2326,9 +2296,8 @@ class MultiHeadLatentAttention(nn.Module):
         w_uk, w_uv = w_ukv.split([self.nope, self.v_dim], dim=1)          # [H, nope, r], [H, v, r]
         absorbed = past > 0 if absorb is None else absorb                  # decoding: absorbed; a prefill: expanded
         if absorbed:
-            # 3a. absorbed: q_nope . (W_uk c) = (W_uk^T q_nope) . c, so each head has one query of width r, and all H
-            # heads share one key [c | k_rope] and one value c (broadcast, as in MQA). Section 2 divides the scores
-            # by sqrt(r + rope) where they need sqrt(nope + rope), so q makes up the difference.
+            # 3a. absorbed: q_nope . (W_uk c) = (W_uk^T q_nope) . c, so each head's query is r wide, and all heads share
+            # one key [c | k_rope] and value c (as in MQA); q is rescaled for section 2's sqrt(r + rope).
             q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)        # [B, H, Tn, r]
             q = torch.cat([q_latent, q_rope], dim=-1) * math.sqrt(
                 (self.kv_lora_rank + self.rope) / (self.nope + self.rope))  # [B, H, Tn, r+rope]
@@ -2358,14 +2327,13 @@ class MultiHeadLatentAttention(nn.Module):
 # ===========================================================================
 # 31. The DeepSeek-V3 model (DeepSeek-V3 模型)
 # ===========================================================================
-# DeepSeek-V3 is Llama with MLA for attention and, after the first n_dense_layers dense blocks (3 in V3), its own kind
-# of MoE, which extends Mixtral's in four ways. A token runs 8 of 256 routed experts and also a shared expert that every
-# token runs. The router scores each expert with a sigmoid, s = sigmoid(logits), not a softmax. The load is balanced
-# without an auxiliary loss: s + router_bias ranks the experts, and s alone weighs the chosen ones, divided by their sum
-# and times routed_scale (2.5). After each optimizer step the bias moves by rate against each expert's load in the last
-# forward, padded positions counted too; V3 trained with rate 0.001, then 0 for its last 500B tokens. Last, with
-# n_groups > 1 (V3 has 8 groups of 32 experts, one node's each), a token chooses only from the topk_groups groups (4 in
-# V3) whose best two experts score highest, so each token's experts sit on few nodes.
+# DeepSeek-V3 is Llama with MLA for attention and, after n_dense_layers dense blocks (3 in V3), its own kind of MoE,
+# which extends Mixtral's in four ways. A token runs 8 of 256 routed experts plus a shared expert. The router scores
+# each expert by s = sigmoid(logits), not a softmax. The load is balanced without an auxiliary loss: s + router_bias
+# ranks the experts, and s alone weighs the chosen ones, divided by their sum and times routed_scale (2.5). After each
+# optimizer step the bias moves by rate against each expert's last load, padded positions counted too; V3 trained with
+# rate 0.001, then 0 for its last 500B tokens. Last, with n_groups > 1 (V3: 8 groups of 32, a node each), a token picks
+# only from the topk_groups (4) groups whose best two experts score highest, so its experts sit on few nodes.
 
 class DeepSeekMoE(MoE):
     def __init__(self, d_model, d_ff, n_experts, top_k, n_shared=0, norm_topk=True, n_groups=1, topk_groups=1,
@@ -2467,8 +2435,7 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
                            d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1, n_dense_layers=1,
                            n_groups=1, topk_groups=1, routed_scale=1.0, norm_topk=True, max_len=4096,
                            rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, rope_interleave=True, active=False):
-    """Closed form of count_parameters(DeepSeekV3(...)), same keywords and the same checks; active=True counts the
-    parameters one token's forward uses. router_bias is a buffer, not a parameter."""
+    """Closed form of count_parameters(DeepSeekV3(...)), same keywords and checks; active=True: one token's share."""
     if n_dense_layers > n_layers:
         raise ValueError(f"n_dense_layers ({n_dense_layers}) must be at most n_layers ({n_layers})")
     if qk_rope_dim % 2:
@@ -2499,9 +2466,7 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
 # DeepSeek-V3 trains one more block to predict the token after next. The block takes the model's final-normed hidden
 # state at t and the embedding of token t + 1, is of the model's own kind, and gives logits for token t + 2 through the
 # shared head. The extra loss makes the training signal denser (DeepSeek-V3 report, section 2.2). At inference the
-# module is a free draft for speculative decoding (section 48): it reads the target's hidden state and needs no model
-# of its own.
-
+# module, which reads the target's hidden state, is a free draft for speculative decoding (section 48).
 
 class MultiTokenPrediction(nn.Module):
     """DeepSeek-V3's MTP module. The embedding and the output head are the model's own (passed to forward), shared."""
@@ -2514,22 +2479,19 @@ class MultiTokenPrediction(nn.Module):
         self.block, self.final_norm = block, RMSNorm(d_model, norm_eps)
 
     def forward(self, model, hidden, next_ids, cache=None):
-        """hidden [B, Tn, D] is the model's final-normed states at t = past .. past + Tn - 1, next_ids [B, Tn] the
-        tokens t + 1, cache the block's layer cache. Returns logits [B, Tn, V] for the tokens t + 2 and the states
-        [B, Tn, D] the head read, which are the module's own stand-in for the model's state at t + 1."""
+        """hidden [B, Tn, D]: final-normed states at t = past .. past + Tn - 1; next_ids [B, Tn]: tokens t + 1 -> logits
+        [B, Tn, V] for tokens t + 2, and the states [B, Tn, D] the head read (its stand-in for the model's at t + 1)."""
         past = len(cache) if cache is not None else 0                      # positions 1 .. past already run
         if hidden.shape[:2] != next_ids.shape:
             raise ValueError(f"hidden {list(hidden.shape)} must have next_ids' {list(next_ids.shape)} first dims")
         if past + 1 + next_ids.size(1) > model.max_len:  # else fewer RoPE angles than tokens, which could broadcast
             raise ValueError(f"next_ids has length {next_ids.size(1)} after {past} cached, expected 1 to"
                              f" max_len - 1 - {past} = {model.max_len - 1 - past}")
-        # The embedding comes first, as the released weights' eh_proj reads it in vLLM's and SGLang's DeepSeek MTP
-        # and transformers' MtpLayer (DeepSeek's released inference code has no MTP module). The report's equation
-        # writes [RMSNorm(h); RMSNorm(Emb)], and the two orders give other numbers on the same weights.
+        # The embedding comes first, as vLLM's, SGLang's and transformers' DeepSeek MTP read the released eh_proj
+        # (DeepSeek's own inference code has none); the report writes [RMSNorm(h); RMSNorm(Emb)]: other numbers.
         x = torch.cat([self.enorm(model.token_embedding(next_ids)), self.hnorm(hidden)], dim=-1)  # [B, Tn, 2D]
         x = self.eh_proj(x)                                                # [B, Tn, D]
-        # The block reads token t + 1, so it takes RoPE's angles of position t + 1 (transformers' position_ids; RoPE
-        # is relative, so any offset gives these numbers) and its own causal mask.
+        # The block reads token t + 1 at RoPE's position t + 1, as transformers' position_ids (any offset: same numbers)
         cos, sin = model.cos[past + 1:past + 1 + x.size(1)], model.sin[past + 1:past + 1 + x.size(1)]  # [Tn, dk]
         mask = make_causal_mask(x.size(1), x.device, past)                 # [1, 1, Tn, past+Tn]
         states = self.final_norm(self.block(x, cos, sin, mask, cache))    # [B, Tn, D]
@@ -2537,8 +2499,7 @@ class MultiTokenPrediction(nn.Module):
 
 
 def mtp_module(model):
-    """model's MTP module, on the model's device. model is a Llama family: the module's block is what its own
-    attention() and feed_forward() would build as block n_layers (DeepSeek-V3's: MLA and the DeepSeekMoE)."""
+    """model's MTP module: its block is what the family's attention() and feed_forward() build as block n_layers."""
     c = model.config
     if "d_ff" not in c:  # a family whose every block is a mixture has no dense width to build the block from
         raise ValueError(f"mtp_module builds a Llama family's next block from its d_ff; a {type(model).__name__}"
@@ -2550,8 +2511,7 @@ def mtp_module(model):
 
 
 def logits_and_hidden(model, input_ids, cache=None):
-    """model(input_ids, cache) [B, Tn, V] and the output of its final_norm [B, Tn, D], the states its lm_head read and
-    MTP reads. A hook catches them, because the families' forward returns logits only."""
+    """model(input_ids, cache) [B, Tn, V] and, caught by a hook, its final_norm's output [B, Tn, D], which MTP reads."""
     read = []
     hook = model.final_norm.register_forward_hook(lambda module, args, out: read.append(out))
     try:
@@ -2573,8 +2533,7 @@ def mtp_loss(model, mtp, input_ids, target, weight=0.3, ignore_index=-100):
 
 # Try it: a Llama's MTP module; with the model's state at t and token t + 1, logits for t + 2.
 #   >>> _ = torch.manual_seed(0)
-#   >>> llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=16)
-#   >>> mtp = mtp_module(llama)
+#   >>> llama = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=16); mtp = mtp_module(llama)
 #   >>> ids = torch.randint(0, 50, (2, 7))                                 # [2, 7]
 #   >>> logits, hidden = logits_and_hidden(llama, ids)                     # [2, 7, 50], [2, 7, 32]
 #   >>> mtp(llama, hidden[:, :-1], ids[:, 1:])[0].shape                    # logits for tokens 2 .. 7
@@ -2588,18 +2547,16 @@ def mtp_loss(model, mtp, input_ids, target, weight=0.3, ignore_index=-100):
 # ===========================================================================
 # 33. Total and active parameters, the latent cache (总参数、激活参数与潜在缓存)
 # ===========================================================================
-# A MoE model has two sizes. The total must fit in memory; the active parameters, the ones one token's forward uses,
-# set the compute. Each family's formula gives both, and the count on the meta device checks the total. The active
-# count takes all of the input embedding table (0.93B in DeepSeek-V3), although a token reads one row: so it gives
-# 37.55B where DeepSeek says 37B.
+# A MoE model has two sizes. The total must fit in memory; the active parameters, the ones one token's forward uses, set
+# the compute. Each family's formula gives both, and the count on the meta device checks the total. The active count
+# takes all of the input embedding table (0.93B in DeepSeek-V3), though a token reads one row: 37.55B, DeepSeek's 37B.
 
 def mla_cache_bytes_per_token(n_layers, kv_lora_rank, qk_rope_dim, bytes_per_value=2):
     """The cache memory one token takes in MLA: its latent and its rope key in every layer, 2 bytes a value in bf16."""
     return n_layers * (kv_lora_rank + qk_rope_dim) * bytes_per_value
 
 # Each row: name, kind, the configuration as released (but DeepSeek-V3's max_len, 4K before YaRN), total, active, and
-# what the release reports. Mixtral and Qwen3 publish exact totals and DeepSeek 671B; 671,026,404,352 is the count of
-# transformers' DeepseekV3.
+# what the release reports. Mixtral and Qwen3 publish exact totals; DeepSeek's 671B is 671,026,404,352 in transformers.
 FRONTIER_CONFIGS = [
     ("Mixtral-8x7B", "mixtral", dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                                    d_ff=14336, max_len=32768, rope_theta=1000000.0, norm_eps=1e-5,
@@ -2613,9 +2570,8 @@ FRONTIER_CONFIGS = [
                                      n_groups=8, topk_groups=4, routed_scale=2.5),
      671_026_404_352, 37_552_282_624, "671B / 37B (685B with the MTP module)"),
 ]
-# Where DeepSeek-V3's 671B go: 58 MoE layers x 256 experts x 3 x 7168 x 2048 = 654B sit in routed experts (97%). A token
-# runs 8 of them, 20.4B, plus 11.4B of attention (61 layers), 2.6B of shared experts, 1.2B of dense feed-forward (3
-# layers) and 1.9B of embeddings and lm_head: 37.6B.
+# Where DeepSeek-V3's 671B go: 58 MoE layers x 256 experts x 3 x 7168 x 2048 = 654B are routed experts (97%). A token
+# runs 8 of them, 20.4B, plus 11.4B attention, 2.6B shared experts, 1.2B dense feed-forward, 1.9B embeddings: 37.6B.
 
 # Try it: DeepSeek-V3's totals, and the bf16 cache a token takes, latent against per-head (68.6 KiB, 4.77 MiB).
 #   >>> name, kind, config, total, active, reported = FRONTIER_CONFIGS[2]
@@ -2628,33 +2584,29 @@ FRONTIER_CONFIGS = [
 # ===========================================================================
 # Part VI: long sequences (第六部分：长序列)
 # ===========================================================================
-# Past a few thousand tokens, four things break. The [Tq, Tk] scores grow to 16 M numbers a head at 4k tokens; the
-# cache grows with every token; a batch reserves memory for its longest request; and RoPE meets angles that training
-# never showed. FlashAttention and the paged cache are tested equal to what they replace. The window and the RoPE
-# scaling change the model.
+# Past a few thousand tokens, four things break. The [Tq, Tk] scores grow to 16 M numbers a head at 4k tokens; the cache
+# grows with every token; a batch reserves memory for its longest request; and RoPE meets angles that training never
+# showed. FlashAttention and the paged cache equal what they replace; the window and the RoPE scaling change the model.
 
 # ===========================================================================
 # 34. FlashAttention's tiles, the online softmax; fused kernels (FlashAttention 的分块：在线 softmax)
 # ===========================================================================
 # Section 2 writes all [Tq, Tk] scores, so its memory grows as Tq * Tk. FlashAttention (Dao et al., 2022;
-# FlashAttention-2, Dao, 2023) computes the same output one [block, block] tile at a time. It keeps a running max and
-# a running sum for each query, so nothing of size Tq * Tk ever exists. For one block of queries and key block j, with
-# S_j its scaled scores, the recurrence is:
+# FlashAttention-2, Dao, 2023) computes the same output one [block, block] tile at a time, keeping a running max and
+# sum for each query, so nothing of size Tq * Tk exists. For a block of queries and key block j (scores S_j), it runs:
 #   m_new = max(m, rowmax(S_j))                       the largest score so far (m starts at -inf)
 #   acc   = e^(m - m_new) acc + e^(S_j - m_new) V_j   the old sum rescaled to the new max, then the new terms
 #   l     = e^(m - m_new) l   + rowsum(e^(S_j - m_new))
 #   and at the end out = acc / l (one division, FlashAttention-2's order) and lse = m + ln l.
-# A worked example (the Try it below) has scores (1, 2 | 3, 0) and values (10, 20 | 30, 40) in two blocks. Block 1
-# gives m = 2, l = e^-1 + e^0 = 1.3679 and acc = 0.3679 * 10 + 20 = 23.679. In block 2 the max grows to 3, so l and
-# acc shrink by e^(2 - 3) before the new terms join: l = 1.5530, acc = 40.70, out = 26.21 and lse = 3 + ln l = 3.4402,
-# as one softmax over all four gives. The max keeps every e^x <= 1, so nothing overflows, and the rescaling makes the
-# order of the blocks irrelevant.
-# A GPU gains because the tiles stay in on-chip SRAM (19 TB/s on an A100, against 1.5-2.0 TB/s of HBM, the paper's
-# numbers), where section 2 writes S and P to HBM and reads them back; the fused kernel does more arithmetic and is
-# still faster. Here a tile is a dozen torch calls, so the code shows the math and the O(T * block) memory, and --bench
-# measures its speed. The backward saves q, k, v, out and the lse [Tq], and recomputes each tile's P = e^(S - lse): more
-# FLOPs for less memory, which on a GPU is still faster than reading a saved [T, T] P. Softmax's Jacobian enters through
-# delta = rowsum(dO * O), which equals the sum over keys of P * dP, in dS = P * (dP - delta).
+# A worked example (the Try it below) has scores (1, 2 | 3, 0) and values (10, 20 | 30, 40) in two blocks. Block 1 gives
+# m = 2, l = e^-1 + 1 = 1.3679 and acc = 0.3679 * 10 + 20 = 23.679. In block 2 the max grows to 3, so l and acc shrink
+# by e^-1: l = 1.5530, acc = 40.70, out = 26.21 and lse = 3 + ln l = 3.4402, as one softmax gives. The max keeps every
+# e^x <= 1, so nothing overflows, and the rescaling makes the blocks' order irrelevant. A GPU gains because the tiles
+# stay in on-chip SRAM (19 TB/s on an A100 against 1.5-2.0 TB/s of HBM, the paper says), where section 2 writes S and P
+# to HBM and reads them back: more arithmetic, and still faster. Here a tile is a dozen torch calls, so the code shows
+# the math and the O(T * block) memory; --bench measures speed. The backward saves q, k, v, out and lse [Tq] and
+# recomputes each tile's P = e^(S - lse): more FLOPs for less memory, still faster on a GPU than reading a saved [T, T]
+# P. Softmax's Jacobian enters as delta = rowsum(dO * O), the sum over keys of P * dP, in dS = P * (dP - delta).
 
 def flash_tile_scores(q_block, k_block, q_start, k_start, offset, causal):
     """A tile's scaled scores [B, H, bq, bk]; causal: -inf on the keys after each query (query i is key i + offset)."""
@@ -2662,8 +2614,7 @@ def flash_tile_scores(q_block, k_block, q_start, k_start, offset, causal):
     if causal and k_start + k_block.size(2) - 1 > q_start + offset:        # the tile crosses the diagonal
         rows = torch.arange(q_start, q_start + q_block.size(2), device=q_block.device) + offset  # [bq]
         cols = torch.arange(k_start, k_start + k_block.size(2), device=q_block.device)  # [bk]
-        # -inf is safe here, unlike in section 2's masks: every query sees key 0 (Tq <= Tk), so its running max is
-        # finite after the first tile, and e^-inf is an exact 0
+        # -inf is safe, unlike in section 2: each query sees key 0 (Tq <= Tk), so its max is finite after tile 1
         scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))  # [B, H, bq, bk]
     return scores
 
@@ -2761,13 +2712,11 @@ def flash_attention(q, k, v, causal=False, block_size=64):
 # Mistral-7B (Jiang et al., 2023) lets each query see only the last `window` keys, itself included (4096 in v0.1). A
 # kernel that skips the hidden keys does T * window work instead of T^2 / 2; the masks here only hide them. The cache
 # never holds more than `window` tokens: 512 MiB for Mistral-7B, where 32k tokens take 4 GiB. (Mistral's own cache
-# writes token p into slot p mod W of a fixed buffer; this one keeps the tokens in order.)
-# Older tokens still count, through the layers. Layer 2 reads layer 1's outputs at p - (W - 1) .. p, so L layers reach
-# back L * (W - 1) positions: 32 * 4095 = 131,040 for Mistral-7B (the paper's 4096 x 32 = 131,072 counts W a layer).
-# A token further back changes nothing at all.
-# The pitfall: len(cache) must count every token seen, not the `window` held. RoPE turns the next token by its absolute
-# position, and the mask counts from it, so a length that stops at `window` restarts the positions.
-
+# writes token p into slot p mod W of a fixed buffer; this one keeps the tokens in order.) Older tokens still count,
+# through the layers. Layer 2 reads layer 1's outputs at p - (W - 1) .. p, so L layers reach back L * (W - 1) positions:
+# 32 * 4095 = 131,040 for Mistral-7B (the paper's 4096 x 32 = 131,072 counts W a layer). A token further back changes
+# nothing at all. The pitfall: len(cache) must count every token seen, not the `window` held. RoPE turns the next token
+# by its absolute position, and the mask counts from it, so a length that stops at `window` restarts the positions.
 
 def make_window_mask(T, window, device=None, past=0):
     """[1, 1, T, past + T]: the query at position p = past + i sees the keys p - window + 1 .. p."""
@@ -2864,17 +2813,14 @@ def window_reach(n_layers, window):
 # ===========================================================================
 # 36. The paged KV cache (分页 KV 缓存)
 # ===========================================================================
-# A server that batches requests of very different lengths wastes most of a padded [B, max_len] cache: a 30-token
-# answer reserves as much as a 4000-token one. vLLM (Kwon et al., 2023, "PagedAttention") cuts the cache into
-# fixed-size blocks, as an operating system pages memory. A sequence takes a new block when its last one fills, finds
-# its blocks through a block table, and gives them back when it ends, so it wastes less than one block. Here a
-# PagedKVCache holds one layer of one sequence (vLLM shares one block table across the layers). It gathers its blocks
-# into one [1, Hkv, t, dk] tensor, where vLLM's kernel reads each block in place.
-
+# A batch of requests of very different lengths wastes most of a padded [B, max_len] cache: a 30-token answer reserves
+# as much as a 4000-token one. vLLM (Kwon et al., 2023, "PagedAttention") cuts the cache into fixed-size blocks, as an
+# operating system pages memory. A sequence takes a block when its last one fills, finds its blocks through a block
+# table and gives them back at its end, wasting less than a block. Here a PagedKVCache holds one layer of one sequence
+# (vLLM's table serves all layers) and gathers its blocks into one tensor; vLLM's kernel reads them in place.
 
 class KVPool:
-    """n_blocks blocks of block_size token slots each, shared by many PagedKVCaches. Its storage
-    [n_blocks, Hkv, block_size, dk] takes the shape, dtype and device of the first keys written."""
+    """n_blocks blocks of block_size token slots, shared by PagedKVCaches; its storage is made for the first keys."""
 
     def __init__(self, n_blocks, block_size):
         if n_blocks < 1 or block_size < 1:
@@ -2930,8 +2876,7 @@ class PagedKVCache(KVCache):
                              f" got k {list(k.shape)}, v {list(v.shape)}")
         store_k, store_v = self.pool.storage_for(k, v)                     # [n_blocks, Hkv, bs, dk] each
         bs, Tn = self.pool.block_size, k.size(2)
-        # in place: where a model puts its caches back after a failed forward (section 22), the blocks taken here
-        # stay in the table, reserved for the next tokens
+        # in place: after a failed forward (section 22) the blocks taken here stay, reserved for the next tokens
         self.blocks += self.pool.take(-(-(self.n + Tn) // bs) - len(self.blocks))  # ceil: the blocks needed
         position = torch.arange(self.n, self.n + Tn, device=k.device)     # [Tn]
         block = torch.tensor(self.blocks, device=k.device)[position // bs]  # [Tn]: the block table, read
@@ -2956,8 +2901,7 @@ class PagedKVCache(KVCache):
 
 
 class PagedLatentCache(LatentCache):
-    """MLA's cache (section 30) in a KVPool's blocks, by PagedKVCache's code: the latent and the rope key are stored
-    as one head's k and v. It is a LatentCache, not a KVCache, so a Llama refuses it."""
+    """MLA's cache (section 30) in a KVPool's blocks by PagedKVCache's code, latent and rope key as one head's k, v."""
     __init__, __len__, crop, free = PagedKVCache.__init__, PagedKVCache.__len__, PagedKVCache.crop, PagedKVCache.free
 
     def append(self, latent, k_rope):
@@ -2980,8 +2924,7 @@ def padded_and_paged_slots(lengths, block_size):
 #   8
 #   >>> padded_and_paged_slots([30, 4000, 7, 500], block_size=16)         # 4 requests, one long
 #   (16000, 4560)
-#   >>> llama = Llama(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
-#   >>> ids = torch.randint(0, 100, (1, 9))                                # [1, 9]
+#   >>> llama, ids = Llama(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2), torch.randint(100, (1, 9))
 #   >>> paged = [PagedKVCache(KVPool(n_blocks=6, block_size=4)) for _ in llama.layers]  # a pool a layer here
 #   >>> torch.allclose(llama(ids, paged)[:, -1], llama(ids)[:, -1], atol=1e-5)  # the same last logits
 #   True
@@ -2990,24 +2933,20 @@ def padded_and_paged_slots(lengths, block_size):
 # ===========================================================================
 # 37. RoPE for long context: interpolation, Llama 3.1, YaRN (长上下文的 RoPE)
 # ===========================================================================
-# A model trained on L positions has never seen RoPE angles past L * theta_i, and it falls apart beyond them. Three
-# stretches replace section 19's inverse frequencies with new ones:
+# A model trained on L positions never saw RoPE angles past L * theta_i and falls apart beyond them. Three stretches:
 # - linear (position interpolation, Chen et al., 2023) divides every frequency by the factor s, so position p looks like
 #   p / s. It squeezes the fast pairs too, and the YaRN paper hypothesizes that this loses the fine local order learned.
-# - llama3 (Llama 3.1) keeps the pairs whose wavelength 2 pi / theta_i is below L / high_freq_factor, divides those
-#   above L / low_freq_factor by the factor, and blends linearly in L / wavelength between. Llama-3.1-8B (dk 128, theta
-#   500000, factor 8, low and high factors 1 and 4, L 8192) keeps pairs 0-28, blends 29-34 and slows 35-63, reaching
-#   131,072 positions with Llama-3-8B's 8,030,261,248 parameters.
+# - llama3 keeps the pairs whose wavelength 2 pi / theta_i is below L / high_freq_factor, divides those above L /
+#   low_freq_factor by the factor, and blends linearly in L / wavelength between. Llama-3.1-8B (LLAMA_3_1_SCALING below)
+#   keeps pairs 0-28, blends 29-34 and slows 35-63: 131,072 positions on Llama-3-8B's 8,030,261,248 parameters.
 # - yarn ("by parts", Peng et al., 2023, after bloc97's NTK-aware base theta * s^(dk/(dk-2))) keeps a pair that turned
-#   many times within L, because training showed it every angle, and slows by s a pair that never finished a turn. A
-#   ramp runs between, from the pair that turns beta_fast (32) times within L to the one that turns beta_slow (1) time,
-#   its ends rounded outwards (floor, ceil) as the references do. YaRN also sets a temperature: cos and sin times 0.1 ln
-#   s + 1 (fitted on Llama) sharpen every score, which more keys would flatten; a model that forgets it just runs worse.
-#   DeepSeek-V3 stretches its RoPE by yarn from 4K to 128K tokens, but MLA turns only its rope dims, so it puts (0.1 *
-#   mscale_all_dim * ln s + 1)^2 into its softmax scale instead, and with_rope_scaling refuses yarn for MLA.
-# The pitfall: the cache holds keys already turned (section 21). A static scaling, the kind here, is chosen once, and
-# turning the cached keys again (to switch mid-generation) turns them twice. Dynamic NTK and YaRN rescale with the
-# length, so they cache the keys before RoPE (the YaRN paper, section 3.3).
+#   many times within L, having seen every angle, and slows by s a pair that never finished a turn. A ramp runs between,
+#   from the pair turning beta_fast (32) times within L to the one turning beta_slow (1), its ends rounded outwards as
+#   the references do. YaRN also sets a temperature: cos and sin times 0.1 ln s + 1 (fitted on Llama) sharpen every
+#   score, which more keys would flatten; a model that forgets it runs worse. For its yarn (4K to 128K tokens)
+#   DeepSeek-V3, whose MLA turns only rope dims, puts (0.1 * mscale_all_dim * ln s + 1)^2 into its softmax scale.
+# The pitfall: cached keys are already turned (section 21), so a static scaling (as here) is chosen once: turned again
+# mid-generation, they turn twice. Dynamic NTK and YaRN rescale with the length and cache keys unturned (YaRN, 3.3).
 
 SCALING_KEYS = {  # each type's keys, then its optional ones
     "linear": (["factor"], []),
@@ -3016,8 +2955,7 @@ SCALING_KEYS = {  # each type's keys, then its optional ones
 
 
 def check_scaling(scaling):
-    """Refuse a scaling that would stretch wrongly: an unknown type, a missing or misspelt key (it would fall back
-    silently), a number that is 0, negative, nan or inf, a factor below 1 (a squeeze) or a ramp that runs backwards."""
+    """Refuse a scaling that would stretch wrongly (a misspelt key, for one, would fall back in silence)."""
     kind = scaling.get("type") if isinstance(scaling, dict) else None
     if kind not in SCALING_KEYS:
         raise ValueError(f"scaling type must be 'linear', 'llama3' or 'yarn' (a dict with a 'type' key), got {scaling!r}")
@@ -3123,19 +3061,14 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 # can attend to nothing. A sink fixed at 0 is Evan Miller's softmax_1 ("Attention Is Off By One", 2023).
 #
 # The rest of gpt-oss is earlier sections with small changes:
-# - Its layers alternate a window of 128 tokens (section 35, with its rolling cache) and full
-#   attention, in the order the configuration's layer_types lists.
-# - Its attention is GQA with biases on q, k, v and o. 64 query heads 64 wide share 8 key/value
-#   heads, so the heads together are 4096 wide in a model 2880 wide (section 28's free head width).
-# - Its feed-forward is a MoE (section 29) whose router has a bias and softmaxes its top-k logits.
-#   These are Mixtral's weights: the top-k of a softmax over all E, divided by their sum, are the same.
-# - Its experts have biases and a clamped SwiGLU, as OpenAI's reference code (gpt_oss/torch/model.py, swiglu) writes it:
-#       gate = min(gate, limit), up = clamp(up, -limit, limit), out = (up + 1) * gate * sigmoid(1.702 gate)
-#   x sigmoid(1.702 x) approximates GELU (Hendrycks and Gimpel, 2016). The + 1 lets a channel whose up
-#   is 0 pass gate's value on. The clamps bound both factors; the limit is 7.0 in both models.
-# - Its RoPE is YaRN (section 37) from 4,096 to 131,072 positions, with the ramp's ends left unrounded.
-#   So a GptOss takes its scaling only as rope_scaling=, where it is built: section 37's with_rope_scaling
-#   would give it the rounded ramp, and its checkpoint would come back with its own.
+# - Its layers alternate full attention and a 128-token window (section 35, with its rolling cache), per layer_types.
+# - Its attention is GQA with biases: 64 query heads 64 wide (4096 in a model 2880 wide: section 28) share 8 kv heads.
+# - Its feed-forward is a MoE (section 29) with a biased router; a softmax over its top-k logits is Mixtral's weights.
+# - Its experts have biases and a clamped SwiGLU, as OpenAI's reference code (gpt_oss/torch/model.py, swiglu) writes it
+#   (ClampedSwiGLU below). x sigmoid(1.702 x) approximates GELU (Hendrycks and Gimpel, 2016). The + 1 lets a channel
+#   whose up is 0 pass gate's value on. The clamps bound both factors; the limit is 7.0 in both models.
+# - Its RoPE is YaRN (section 37) from 4,096 to 131,072 positions, with the ramp's ends unrounded. So a GptOss takes its
+#   scaling only as rope_scaling= when built: with_rope_scaling would give it the rounded ramp, lost on reloading.
 
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names in layer_types
 
@@ -3159,12 +3092,10 @@ class SinkAttention(GroupedQueryAttention):
 
 
 class GptOssAttention(SinkAttention):
-    """SinkAttention with heads head_dim wide, biases on q, k, v and o, and window None (full causal
-    attention) or section 35's band of the last `window` keys."""
+    """SinkAttention with heads head_dim wide, biases on q, k, v and o, and window None (full) or section 35's band."""
 
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, bias=True, window=None):
-        # GQA's constructor at the width H * head_dim makes the heads head_dim wide. The projections are
-        # built again, because they read d_model and w_o has a bias too.
+        # GQA at the width H * head_dim makes the heads head_dim wide; the projections, which read d_model, come again
         super().__init__(n_heads * head_dim, n_heads, n_kv_heads, bias)
         self.w_q = nn.Linear(d_model, n_heads * head_dim, bias=bias)
         self.w_k = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
@@ -3178,11 +3109,9 @@ class GptOssAttention(SinkAttention):
         return super().attend(q, k, v, mask)                               # [B, H, Tn, dk]
 
 
-# FlashAttention (section 34) takes a sink in one line. The sink adds e^sink to the running sum l,
-# so the output is acc / (l + e^sink) = out * l / (l + e^sink) = out * sigmoid(lse - sink).
 def flash_attention_with_sinks(q, k, v, sinks, causal=False, block_size=64):
-    """Section 34's tiles, then each head's sink as one more term of the running sum -> (out
-    [B, H, Tq, dv], lse [B, H, Tq] with the sink in it); sinks [H]. Equal to SinkAttention's softmax."""
+    """Section 34's tiles with each head's sink (sinks [H]) as one more term e^sink of the running sum l: out becomes
+    acc / (l + e^sink) = out * sigmoid(lse - sink). -> (out [B, H, Tq, dv], lse [B, H, Tq] with the sink in it)."""
     if sinks.shape != q.shape[1:2]:  # one sink would broadcast over every head without an error
         raise ValueError(f"sinks must be [H], a logit per query head: got {list(sinks.shape)} for H = {q.size(1)}")
     out, lse = flash_attention(q, k, v, causal, block_size)                # [B, H, Tq, dv], [B, H, Tq]
@@ -3206,8 +3135,7 @@ class ClampedSwiGLU(SwiGLU):
 
 
 class BiasedRouterMoE(MoE):
-    """Section 29's softmax MoE (norm_topk: a softmax over the top_k logits) with a bias on the
-    router and ClampedSwiGLU experts. router_bias, DeepSeek's ranking bias, stays 0."""
+    """Section 29's softmax MoE (norm_topk) with a bias on the router and ClampedSwiGLU experts; router_bias stays 0."""
 
     def __init__(self, d_model, d_ff, n_experts, top_k, limit=7.0):
         super().__init__(d_model, d_ff, n_experts, top_k)
@@ -3216,21 +3144,18 @@ class BiasedRouterMoE(MoE):
 
 
 def gpt_oss_yarn_frequencies(head_dim, theta, scaling):
-    """Section 37's yarn with the ramp's ends unrounded, as gpt-oss has it (transformers' truncate=False,
-    OpenAI's reference code) -> (inv_freq [dk/2], the temperature for cos and sin)."""
+    """Section 37's yarn with the ramp's ends unrounded, as gpt-oss has it (transformers' truncate=False, OpenAI's
+    reference code) -> (inv_freq [dk/2], the temperature for cos and sin). Section 37's ends, rounded outwards, would
+    give some pairs 1.76 times the frequency gpt-oss trained with (43% lower): other angles, and a worse model."""
     if scaling.get("type") != "yarn":  # another stretch would be read as yarn's ramp without an error
         raise ValueError(f"rope_scaling must be None or gpt-oss's yarn, a dict with 'type': 'yarn', got {scaling!r}")
     _, temperature = scaled_rope_frequencies(head_dim, theta, scaling)     # its checks and its temperature
-    # Section 37 rounds the ends outwards (floor, ceil). At gpt-oss's configuration that gives some pairs
-    # 1.76 times the frequency gpt-oss trained with (43% lower): other angles, and a worse model.
     start, end = yarn_ends(head_dim, theta, scaling)
     return yarn_blend(rope_frequencies(head_dim, theta), scaling["factor"], start, end), temperature  # [dk/2], a float
 
 
 class GptOss(Mixtral):
-    """gpt-oss: Mixtral with GptOssAttention (sinks; biases on q, k, v and o when qkv_bias; heads head_dim
-    wide) and BiasedRouterMoE feed-forwards. The layers that layer_types calls sliding get the window (None:
-    every other layer, the first one sliding). rope_scaling is None or gpt-oss's yarn."""
+    """Mixtral with GptOssAttention and BiasedRouterMoE; layer_types' sliding layers (None: every other) get windows."""
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=True, n_experts=8, top_k=2,
@@ -3259,7 +3184,6 @@ class GptOss(Mixtral):
         return BiasedRouterMoE(d_model, self.expert_d_ff or d_ff, self.n_experts, self.top_k, self.swiglu_limit)
 
     def rope_tables(self, max_len, theta):
-        """Section 19's tables, or with rope_scaling gpt-oss's yarn, times its temperature."""
         if self.rope_scaling is None:
             return super().rope_tables(max_len, theta)                     # [max_len, dk] each
         inv_freq, temperature = gpt_oss_yarn_frequencies(self.head_dim, theta, self.rope_scaling)  # [dk/2], a float
@@ -3268,7 +3192,6 @@ class GptOss(Mixtral):
         return emb.cos() * temperature, emb.sin() * temperature            # [max_len, dk] each
 
     def new_cache(self):
-        """A RollingKVCache of `window` tokens for a sliding layer, a KVCache (every token) for a full one."""
         return [KVCache() if layer.attn.window is None else RollingKVCache(layer.attn.window) for layer in self.layers]
 
 
@@ -3276,8 +3199,7 @@ def gpt_oss_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=Non
                           rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=True, n_experts=8, top_k=2,
                           expert_d_ff=None, head_dim=None, window=128, layer_types=None, swiglu_limit=7.0,
                           rope_scaling=None, active=False):
-    """Closed form of count_parameters(GptOss(...)), the same keywords; active=True: one token's (the
-    whole embedding table counted, as in section 33)."""
+    """Closed form of count_parameters(GptOss(...)), the same keywords; active=True: one token's (as section 33)."""
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
     head_dim = d_model // n_heads if head_dim is None else head_dim
     width = expert_d_ff or (llama_ffn_dim(d_model) if d_ff is None else d_ff)
@@ -3292,39 +3214,33 @@ def gpt_oss_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=Non
 GPT_OSS_YARN = {"type": "yarn", "factor": 32.0, "original_max_len": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
 GPT_OSS_COMMON = dict(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64, d_ff=2880, top_k=4,
                       max_len=131072, rope_theta=150000.0, norm_eps=1e-5, window=128, rope_scaling=GPT_OSS_YARN)
-# Each entry: the name, the kind, the configuration as released, the total, the active count as
-# section 33 counts it, and what OpenAI reports. OpenAI's active counts leave out the input
-# embedding table (V D = 579,133,440, of which a token reads one row): 5,132,849,472 and 3,608,307,264.
+# Rows as FRONTIER_CONFIGS'; OpenAI's active counts leave out the 579,133,440 embeddings: 5,132,849,472, 3,608,307,264.
 GPT_OSS_CONFIGS = [
     ("gpt-oss-120b", "gptoss", dict(GPT_OSS_COMMON, n_layers=36, n_experts=128), 116_829_156_672, 5_711_982_912,
      "116.8B / 5.1B (active without the embedding table)"),
     ("gpt-oss-20b", "gptoss", dict(GPT_OSS_COMMON, n_layers=24, n_experts=32), 20_914_757_184, 4_187_440_704,
      "20.9B / 3.6B (active without the embedding table)"),
 ]
-# Where gpt-oss-120b's 116.8B go: 36 layers x 128 experts x (3 x 2880 x 2880 + biases) = 114.7B are
-# experts (98%). A token runs 4 of them, 3.6B, plus 0.96B of attention and 1.16B of embeddings and
-# lm_head. Its cache in bf16 takes 2 x 8 x 64 x 2 bytes = 2 KiB a token a layer: 36 KiB a token in the
-# 18 full layers, while the 18 sliding ones hold 128 tokens each, 4.5 MiB in all.
+# Where gpt-oss-120b's 116.8B go: 36 layers x 128 experts x (3 x 2880 x 2880 + biases) = 114.7B are experts (98%). A
+# token runs 4 of them, 3.6B, plus 0.96B of attention and 1.16B of embeddings and lm_head. Its bf16 cache takes
+# 2 x 8 x 64 x 2 bytes = 2 KiB a token a layer: 36 KiB a token in the 18 full layers; the 18 sliding ones hold 4.5 MiB.
 
 # Try it: a sink of -inf is section 2's attention; a large one takes everything, and the head reads nothing.
-#   >>> attn = SinkAttention(d_model=32, n_heads=4, n_kv_heads=2)
+#   >>> attn, mask = SinkAttention(d_model=32, n_heads=4, n_kv_heads=2), make_causal_mask(5)  # mask [1, 1, 5, 5]
 #   >>> q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)  # [B, H|Hkv, T, dk]
-#   >>> mask = make_causal_mask(5)                                         # [1, 1, 5, 5]
 #   >>> plain, _ = scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), mask)  # [1, 4, 5, 8]
 #   >>> with torch.no_grad():
 #   ...     for sink in (-math.inf, 1e4, 0.0):
-#   ...         _ = attn.sinks.fill_(sink)
-#   ...         print(sink, torch.allclose(attn.attend(q, k, v, mask), plain, atol=1e-6),
-#   ...               attn.attend(q, k, v, mask).abs().max().item() == 0)
+#   ...         _, out = attn.sinks.fill_(sink), attn.attend(q, k, v, mask)         # [1, 4, 5, 8]
+#   ...         print(sink, torch.allclose(out, plain, atol=1e-6), out.abs().max().item() == 0)
 #   -inf True False
 #   10000.0 False True
 #   0.0 False False
 #   >>> out, lse = flash_attention_with_sinks(q, repeat_kv(k, 2), repeat_kv(v, 2), attn.sinks, causal=True)
 #   >>> torch.allclose(out, attn.attend(q, k, v, mask), atol=1e-6)        # the sink as a term of the running sum
 #   True
-#   >>> gpt = GptOss(vocab_size=100, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=24,
-#   ...              n_experts=4, top_k=2, window=3, max_len=64,
-#   ...              rope_scaling={"type": "yarn", "factor": 4.0, "original_max_len": 16})
+#   >>> gpt = GptOss(vocab_size=100, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=24, n_experts=4,
+#   ...             top_k=2, window=3, max_len=64, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_len": 16})
 #   >>> [layer.attn.window for layer in gpt.layers], [type(c).__name__ for c in gpt.new_cache()[:2]]
 #   ([3, None, 3, None], ['RollingKVCache', 'KVCache'])
 #   >>> ids = torch.randint(0, 100, (1, 8))                                # [1, 8]: longer than the window
@@ -3337,30 +3253,23 @@ GPT_OSS_CONFIGS = [
 # ===========================================================================
 # 39. Gated attention and Gated DeltaNet: Qwen3-Next (门控注意力与门控 DeltaNet)
 # ===========================================================================
-# Attention's cache grows with every token. A linear-attention layer keeps a memory of fixed size
-# instead: a [dk, dv] matrix per head, which each token writes and each query reads. It costs the
-# same at token 10 and at token 10 million. Qwen3-Next (Qwen team, September 2025) stacks three such
-# layers, Gated DeltaNet, to one layer of gated attention, which still sees every token exactly.
-# Every block's feed-forward is a MoE of 512 experts and a shared one. The new symbols: Hk and Hv
-# are the DeltaNet's key and value heads, dk and dv their widths, C = 2 Hk dk + Hv dv the channels
-# of its convolution, K the convolution's taps, c a chunk's tokens and n the number of chunks.
+# Attention's cache grows with every token. A linear-attention layer keeps a fixed-size memory instead, a [dk, dv]
+# matrix per head that each token writes and each query reads: one cost at token 10 or 10 million. Qwen3-Next (Qwen
+# team, September 2025) stacks three such layers, Gated DeltaNet, to one of gated attention, which sees every token
+# exactly; each feed-forward is a MoE of 512 experts and a shared one. Symbols: Hk, Hv: the DeltaNet's key and value
+# heads, dk, dv their widths, C = 2 Hk dk + Hv dv its convolution's channels, K its taps, c tokens a chunk, n chunks.
 #
 # Qwen3's attention and norms change in three small ways first:
-# - A zero-centred RMSNorm scales by 1 + w, with w starting at 0. The Qwen3-Next blog reports that
-#   norm weights grew abnormally large in Qwen3's QK-norm. Weight decay on w pulls the scale towards
-#   1, where decay on a plain weight pulls it towards 0 and erases the input.
+# - A zero-centred RMSNorm scales by 1 + w, with w starting at 0. The Qwen3-Next blog reports abnormally large norm
+#   weights in Qwen3's QK-norm. Decay on w pulls the scale to 1, where a plain weight decays to 0 and erases the input.
 # - Gated attention (Qiu et al., 2025, "Gated Attention for Large Language Models: Non-linearity, Sparsity, and
-#   Attention-Sink-Free") makes w_q twice as wide: per head, dk query rows, then dk gate rows. The attention's output is
-#   multiplied by sigmoid(gate), per head and dim, before w_o. The paper reports steadier training and no attention sink
-#   (a first token that soaks up the attention of heads with nothing to read), because a head can output about 0 itself.
-#   The gate also puts a non-linearity between w_v and w_o, which are otherwise one low-rank linear map.
-# - Partial RoPE turns only the first 25% of each head's dims (64 of 256). The rest carry no
-#   position, so part of every head matches by content alone, at any distance.
-
+#   Attention-Sink-Free") makes w_q twice as wide, a gate row for each query row, and multiplies the attention's output
+#   by sigmoid(gate) before w_o. The paper reports steadier training and no attention sink (section 38), since a head
+#   can output about 0 itself. The gate also puts a non-linearity between w_v and w_o, otherwise one low-rank map.
+# - Partial RoPE turns only the first 25% of each head's dims (64 of 256); the rest match by content, at any distance.
 
 class ZeroCenteredRMSNorm(RMSNorm):
-    """RMSNorm scaled by 1 + weight, weight starting at 0: every Qwen3-Next norm (q_norm and k_norm too) except the
-    DeltaNet's gated output norm (a plain weight, from 1)."""
+    """RMSNorm scaled by 1 + weight, weight from 0: every Qwen3-Next norm but the DeltaNet's gated output norm."""
 
     def __init__(self, d_model, eps=1e-6):
         super().__init__(d_model, eps)
@@ -3375,13 +3284,11 @@ class ZeroCenteredRMSNorm(RMSNorm):
 
 def apply_partial_rope(x, cos, sin):
     """Section 19's RoPE on the first cos.size(-1) dims of each head of x [B, H, T, dk]; the others unturned."""
-    rotary = cos.size(-1)
-    return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)  # [B, H, T, dk]
+    return torch.cat([apply_rope(x[..., :cos.size(-1)], cos, sin), x[..., cos.size(-1):]], dim=-1)  # [B, H, T, dk]
 
 
 class GatedAttention(QKNormAttention):
-    """Qwen3's attention with zero-centred q_norm and k_norm, RoPE on the first cos.size(-1) dims of each head,
-    and the output times sigmoid(gate) before w_o, the gate a second half of each head's rows in w_q."""
+    """Qwen3's attention with zero-centred norms, partial RoPE, and the output times sigmoid(gate) before w_o."""
 
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, norm_eps=1e-6):
         super().__init__(d_model, n_heads, n_kv_heads, head_dim, False, norm_eps)
@@ -3402,16 +3309,13 @@ class GatedAttention(QKNormAttention):
         return self.w_o(out * gate.reshape(B, Tn, -1).sigmoid())          # [B, Tn, D]
 
 
-# Gated DeltaNet (Yang, Kautz & Hatamizadeh, 2024, "Gated Delta Networks: Improving Mamba2 with Delta
-# Rule"). A head's memory S [dk, dv] maps keys to values. A query reads S^T q: the values, weighted by
-# how well their keys match q. This is linear attention, with no softmax and so no [T, T] scores.
-# Each token first lets S fade by alpha_t = e^(g_t) in (0, 1), Mamba-2's forget gate. Then it writes
-# by the delta rule (Widrow and Hoff's; Schlag et al., 2021, "Linear Transformers Are Secretly Fast
-# Weight Programmers"): it recalls what S holds for k_t and moves that towards v_t by beta_t in (0, 1):
+# Gated DeltaNet (Yang, Kautz & Hatamizadeh, 2024, "Gated Delta Networks: Improving Mamba2 with Delta Rule"). A head's
+# memory S [dk, dv] maps keys to values. A query reads S^T q: the values, weighted by how well their keys match q. This
+# is linear attention: no softmax, so no [T, T] scores. Each token first lets S fade by alpha_t = e^(g_t) in (0, 1),
+# Mamba-2's forget gate. Then it writes by the delta rule (Widrow and Hoff's; Schlag et al., 2021, "Linear Transformers
+# Are Secretly Fast Weight Programmers"): it moves what S recalls for k_t towards v_t by beta_t in (0, 1):
 #     S <- alpha_t S,   d_t = beta_t (v_t - S^T k_t),   S <- S + k_t d_t^T,   o_t = S^T q_t
-# With |k_t| = 1 and beta_t = 1, S^T k_t is exactly v_t afterwards. So a write replaces what the key
-# held, where plain linear attention (S <- S + k v^T) piles every value on top of the last.
-
+# With |k_t| = 1 and beta_t = 1 a write replaces what k_t held; plain linear attention (S <- S + k v^T) piles values up.
 
 def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
     """The memory token by token (decoding): q, k [B, H, T, dk] L2-normed, v [B, H, T, dv], g (log-decay, <= 0)
@@ -3428,18 +3332,16 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
 
 # Token by token suits decoding, but a prompt or a training batch would take T small sequential steps. The chunked form
 # (Yang et al., 2024, "Parallelizing Linear Transformers with the Delta Rule over Sequence Length": the WY/UT transform)
-# does c tokens at once. Inside a chunk, let gamma_i be the summed log-decays from its start to token i, and S the
-# memory before it. Unrolling the recurrence gives, for every i at once:
+# does c tokens at once. In a chunk, with gamma_i the log-decays summed to token i and S the memory before, for all i:
 #     d_i + sum_{j<i} beta_i e^(gamma_i - gamma_j) (k_i . k_j) d_j = beta_i v_i - beta_i e^(gamma_i) S^T k_i
 #     o_i = e^(gamma_i) S^T q_i + sum_{j<=i} e^(gamma_i - gamma_j) (q_i . k_j) d_j
 #     S  <- e^(gamma_c) S + sum_j e^(gamma_c - gamma_j) k_j d_j^T
-# The first line is a unit lower-triangular system in the d_i, so d = u - w S. One triangular solve
-# gives u and w (right-hand sides beta v and beta e^gamma k) for all chunks together, by matmuls; only
-# "d = u - w S" and the two lines after it run chunk after chunk. The pitfall is e^(gamma_i - gamma_j):
-# a difference of two cumulative log-decays hundreds large keeps their rounding (~|gamma| * 6e-8: 3e-7
-# in float32 where |g| reaches 20 a token), and after a g of -inf (forget everything) it is -inf - -inf,
-# NaN, where token by token is finite. So it is summed as g_(j+1) + ... + g_i (transformers subtracts).
-# The two forms then agree up to rounding: 1e-15 in float64; in float32, a few 1e-7 from float64 (|o| near 1).
+# The first line is a unit lower-triangular system in the d_i, so d = u - w S. One triangular solve gives u and w
+# (right-hand sides beta v and beta e^gamma k) for all chunks together, by matmuls; only "d = u - w S" and the two lines
+# after it run chunk after chunk. The pitfall is e^(gamma_i - gamma_j): a difference of two cumulative log-decays
+# hundreds large keeps their rounding (~|gamma| * 6e-8: 3e-7 in float32 where |g| reaches 20 a token), and after a g of
+# -inf (forget everything) it is -inf - -inf, NaN, where token by token is finite. So it is summed as g_(j+1) + ... +
+# g_i (transformers subtracts). The two forms then agree to 1e-15 in float64, and float32 is a few 1e-7 from float64.
 def gated_delta_rule_chunked(q, k, v, g, beta, memory, chunk=64):
     """The same, `chunk` tokens at a time (training, the prompt; 64 as transformers and flash-linear-attention)."""
     T, pad = q.size(2), -q.size(2) % chunk  # padded tokens neither fade (g 0) nor write (beta 0, k 0)
@@ -3465,8 +3367,7 @@ def gated_delta_rule_chunked(q, k, v, g, beta, memory, chunk=64):
 
 
 class DeltaNetCache:
-    """A Gated DeltaNet layer's state for generation: the convolution's last K - 1 inputs [B, C, K-1] and the
-    memory [B, Hv, dk, dv], the same size after 10 tokens or 10 million; len() counts the tokens seen."""
+    """A Gated DeltaNet layer's state: the convolution's last K - 1 inputs and the memory, one size at any length."""
 
     def __init__(self):
         self.conv = self.memory = None                                     # [B, C, K-1], [B, Hv, dk, dv] once filled
@@ -3476,8 +3377,7 @@ class DeltaNetCache:
         return self.seen
 
     def crop(self, length):
-        """Refused, whatever the length. Speculative decoding (section 48) cuts a cache back to take rejected
-        tokens out, and a memory that folded them in cannot give them back."""
+        """Refused: speculative decoding (section 48) cuts rejected tokens out, and a memory cannot give them back."""
         raise ValueError(f"a DeltaNet layer's cache cannot be cut back to {length} tokens: its recurrent memory "
                          f"holds all {self.seen} tokens folded into one [dk, dv] matrix a head, with no earlier "
                          f"prefix to return to (transformers refuses assisted generation for such models too)")
@@ -3491,9 +3391,8 @@ class GatedRMSNorm(RMSNorm):
 
 
 class GatedDeltaNet(nn.Module):
-    """Qwen3-Next's linear attention: project; a short causal convolution and SiLU over q, k, v; L2-normed q and
-    k; the gated delta rule on a memory per value head (n_v_heads / n_k_heads value heads share a q and k head,
-    as GQA's query heads share a key); the gated norm; out_proj. transformers' weight names and layouts."""
+    """Qwen3-Next's linear attention: project; a causal convolution and SiLU; L2-normed q and k; the gated delta rule, a
+    memory per value head (n_v_heads / n_k_heads share a q and k head, as in GQA); the gated norm; out_proj."""
 
     def __init__(self, d_model, n_k_heads, n_v_heads, k_dim, v_dim, conv_size=4, norm_eps=1e-6):
         super().__init__()
@@ -3513,8 +3412,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(n_v_heads * v_dim, d_model, bias=False)
 
     def forward(self, x, cos=None, sin=None, mask=None, cache=None):
-        """x [B, Tn, D] -> [B, Tn, D]; cache a DeltaNetCache. A block's cos, sin and mask go unused: the
-        convolution and the memory read tokens in order, and order is all the position they need."""
+        """x [B, Tn, D] -> [B, Tn, D]. cos, sin and mask go unused: reading in order, it needs no other position."""
         B, Tn, _ = x.shape
         Hk, Hv, dk, dv, r = self.n_k_heads, self.n_v_heads, self.k_dim, self.v_dim, self.n_v_heads // self.n_k_heads
         # 1. project, and undo the grouping: key head h holds q, k, then v and z of value heads h*r .. h*r + r-1
@@ -3526,8 +3424,7 @@ class GatedDeltaNet(nn.Module):
         past = qkv.new_zeros(B, qkv.size(1), self.conv1d.kernel_size[0] - 1) if fresh else cache.conv  # [B, C, K-1]
         qkv = torch.cat([past, qkv], dim=-1)                               # [B, C, K-1+Tn]
         mixed = F.silu(F.conv1d(qkv, self.conv1d.weight, groups=qkv.size(1))).transpose(1, 2)  # [B, Tn, C]
-        # 3. heads, in float32 at least (a bf16 memory would round away what it accumulates); |q| = |k| = 1 keeps
-        # every write a bounded step, and q / sqrt(dk) as attention's scale
+        # 3. heads in float32 at least (a bf16 memory would round away what it sums); |q| = |k| = 1 bounds each write
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         q, k, v = (t.reshape(B, Tn, -1, d).transpose(1, 2).to(work) for t, d in zip(
             mixed.split([Hk * dk, Hk * dk, Hv * dv], dim=-1), (dk, dk, dv)))  # [B, Hk|Hv, Tn, dk|dv]
@@ -3550,11 +3447,8 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(B, Tn, Hv * dv))                    # [B, Tn, D]
 
 
-# The model. Qwen's shared expert has a gate of its own: a sigmoid of the token scales it, where
-# DeepSeek's shared expert runs at full weight on every token.
-
 class GatedSharedExpert(SwiGLU):
-    """A SwiGLU every token runs, scaled by sigmoid(gate(x)), one number a token."""
+    """Qwen's shared expert: a SwiGLU every token runs, times sigmoid(gate(x)), a number a token (DeepSeek's: 1)."""
 
     def __init__(self, d_model, d_ff):
         super().__init__(d_model, d_ff)
@@ -3570,11 +3464,7 @@ def qwen3_next_layer_types(n_layers, interval=4):
 
 
 class Qwen3Next(Qwen3):
-    """Qwen3 with Qwen3-Next's blocks. Each block mixes tokens by a GatedDeltaNet or a GatedAttention, as
-    layer_types says (None: three DeltaNet layers, then one attention layer, over and over), and has a
-    softmax-routed MoE with a gated shared expert. Every norm but the DeltaNet's output norm is
-    zero-centred. The DeltaNet and MoE sizes default to Qwen3-Next-80B-A3B's; max_len, theta and eps
-    default to Llama's."""
+    """Qwen3 with GatedDeltaNet or GatedAttention blocks by layer_types (None: 3 to 1), MoE and GatedSharedExpert."""
     cache_kind = object  # the kind differs by layer: new_cache() gives them, and forward checks them
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, head_dim=None, max_len=2048,
@@ -3624,7 +3514,6 @@ class Qwen3Next(Qwen3):
         return rope_cos_sin(self.rotary_dim, max_len, theta)              # [max_len, rotary dims]: the turned part
 
     def new_cache(self):
-        """A KVCache for each attention layer, a DeltaNetCache for each DeltaNet layer."""
         return [DeltaNetCache() if kind == "linear_attention" else KVCache() for kind in self.layer_types]
 
     def forward(self, input_ids, cache=None):
@@ -3655,10 +3544,8 @@ def qwen3_next_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=
 
 
 def qwen3_next_cache_bytes(config, length, bytes_per_value=2):
-    """Cache bytes after `length` tokens of the Qwen3Next of config (its keywords, as model.config): section 23's
-    keys and values in each attention layer; in each DeltaNet layer its memory and the convolution's last K - 1
-    inputs, the same at any length. bytes_per_value counts for all; GatedDeltaNet here keeps the memory in
-    float32 even in a bf16 model, as transformers' torch path does: 4 bytes there."""
+    """Cache bytes after `length` tokens of config's Qwen3Next: each attention layer's keys and values, each DeltaNet
+    layer's memory and last K - 1 convolution inputs (bytes_per_value for all; this file's memory is float32)."""
     n_attention = (config["layer_types"] or qwen3_next_layer_types(config["n_layers"])).count("full_attention")
     head_dim = config["head_dim"] or config["d_model"] // config["n_heads"]
     kv = kv_cache_bytes_per_token(1, config["n_kv_heads"] or config["n_heads"], head_dim, bytes_per_value)  # a layer
@@ -3668,19 +3555,16 @@ def qwen3_next_cache_bytes(config, length, bytes_per_value=2):
     return n_attention * kv * length + (config["n_layers"] - n_attention) * state * bytes_per_value
 
 
-# Qwen3-Next-80B-A3B as released (its config.json; max_len 262,144 without YaRN). Its model card says
-# "80B in total and 3B activated"; the formula gives 79,674,391,296 and 3,874,929,408. That counts all
-# of the embedding table as used, as section 33 does: 3.56B without it, 3.25B without the lm_head too.
-# Its multi-token-prediction layer is not built here; transformers skips it too.
+# Qwen3-Next-80B-A3B as released (its config.json; max_len 262,144 without YaRN). Its model card says "80B in total and
+# 3B activated"; the formula gives 79,674,391,296 and 3,874,929,408. That counts all of the embedding table as used, as
+# section 33 does: 3.56B without it, 3.25B without the lm_head too. Like transformers, this file skips its MTP layer.
 QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, n_kv_heads=2, head_dim=256,
                       max_len=262144, rope_theta=10000000.0, norm_eps=1e-6, tie_weights=False, partial_rotary=0.25,
                       layer_types=None, linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128,
                       conv_size=4, n_experts=512, top_k=10, expert_d_ff=512, shared_d_ff=512, norm_topk=True)
-# Its cache in bf16: 12 attention layers x 2 kv heads x 256 x (K and V) x 2 bytes = 24 KiB a token,
-# and 36 DeltaNet layers x (32 x 128 x 128 + 3 x 8192) x 2 bytes = 37.7 MiB at any length. At 4K,
-# 32K and 256K tokens that is 133.7 MiB, 805.7 MiB and 6,181.7 MiB, against Llama-3-8B's 128 KiB a
-# token: 512, 4,096 and 32,768 MiB. Attention still dominates past about 1,600 tokens. (The memory
-# is counted at 2 bytes, as a bf16 kernel keeps it; this file's GatedDeltaNet keeps it in float32: 72 MiB.)
+# Its bf16 cache: 12 attention layers x 2 kv heads x 256 x 2 (K, V) x 2 bytes = 24 KiB a token, and 36 DeltaNet layers x
+# (32 x 128 x 128 + 3 x 8192) x 2 bytes = 37.7 MiB at any length (72 MiB here, in float32). At 4K, 32K, 256K tokens:
+# 133.7, 805.7 and 6,181.7 MiB, against Llama-3-8B's 512, 4,096 and 32,768 MiB. Attention dominates past ~1,600 tokens.
 
 # Try it: the two forms of the delta rule agree; the hybrid's cache; the memory it saves.
 #   >>> _ = torch.manual_seed(0)
@@ -3713,20 +3597,16 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, 
 # ===========================================================================
 # 40. DeepSeek's sparse attention: DeepSeek-V3.2 (DeepSeek 稀疏注意力)
 # ===========================================================================
-# MLA made the cache small, but each new token still reads all of it, so attention's work grows with
-# the context. DeepSeek-V3.2 (DeepSeek Sparse Attention, DSA) lets a cheap scorer, the lightning
-# indexer, pick index_topk earlier tokens (2048) for each query, and section 30's latent attention
-# reads only those. The main attention goes from O(T^2) to O(T k) (the V3.2-Exp report). The new
-# shapes: Hi is the indexer's heads (64 in V3.2), di their width (128), and topk = index_topk.
+# MLA made the cache small, but each new token still reads all of it, so attention's work grows with the context.
+# DeepSeek-V3.2 (DeepSeek Sparse Attention, DSA) lets a cheap scorer, the lightning indexer, pick index_topk earlier
+# tokens (2048) for each query, and section 30's latent attention reads only those. The main attention goes from O(T^2)
+# to O(T k) (the V3.2-Exp report). The new shapes: Hi is the indexer's heads (64 in V3.2), di their width (128).
 #
-# The index score of query t for token s is I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]) (the report's equation 1). Its
-# Hi small query heads are made from MLA's query latent, and one key per token serves all of them. It uses ReLU rather
-# than a softmax "for throughput", and the query token sets a weight per head. Its RoPE pairs halves (section 19), where
-# MLA pairs neighbours. DeepSeek's own inference demo turned neighbours here until November 2025, and long-context
-# retrieval suffered (sglang's RULER runs) until the fix. DeepSeek's code also multiplies q and k by a Hadamard matrix
-# before rounding them to FP8. The matrix is orthogonal, so q . k is unchanged in exact arithmetic, and it is left out
-# here, as transformers leaves it out.
-
+# Query t scores token s by I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]) (the report's eq. 1). Its Hi small query heads
+# come from MLA's query latent, one key a token serves all, and the query weighs each head; ReLU replaces a softmax "for
+# throughput". Its RoPE pairs halves (section 19), where MLA pairs neighbours: DeepSeek's demo turned neighbours until
+# November 2025, hurting long-context retrieval (sglang's RULER runs). DeepSeek's code multiplies q and k by an
+# orthogonal Hadamard matrix before FP8 rounding, leaving q . k unchanged; transformers and this file leave it out.
 
 class IndexedLatentCache(LatentCache):
     """LatentCache plus the lightning indexer's keys [B, t, di]: di values a token a layer more."""
@@ -3736,14 +3616,12 @@ class IndexedLatentCache(LatentCache):
         self.index_keys = None                                             # [B, t, di] once filled
 
     def append_index_keys(self, k):
-        """Add this step's indexer keys [B, Tn, di]; return all of them."""
         self.index_keys = k if self.index_keys is None else torch.cat([self.index_keys, k], dim=1)  # [B, t, di]
         return self.index_keys
 
 
 class LightningIndexer(nn.Module):
-    """DeepSeek-V3.2's lightning indexer in DeepSeek's layout (its wq_b, wk, k_norm, weights_proj are
-    w_uq, w_k, k_norm, w_heads here): the index_topk tokens each query's latent attention reads."""
+    """DeepSeek-V3.2's lightning indexer, in DeepSeek's layout (its wq_b, wk, weights_proj are w_uq, w_k, w_heads)."""
 
     def __init__(self, d_model, q_lora_rank, qk_rope_dim, index_n_heads=64, index_head_dim=128, index_topk=2048):
         super().__init__()
@@ -3757,16 +3635,12 @@ class LightningIndexer(nn.Module):
         self.k_norm = LayerNorm(index_head_dim, eps=1e-6)                 # a LayerNorm (bias too), not an RMSNorm
         self.w_heads = nn.Linear(d_model, index_n_heads, bias=False)      # each head's weight, set by the query
 
-    def turn(self, x, cos, sin):
-        """RoPE on the first qk_rope_dim dims of x [..., Tn, di], pairing halves; the rest as it is."""
-        return torch.cat([apply_rope(x[..., :self.rope], cos, sin), x[..., self.rope:]], dim=-1)  # [..., Tn, di]
-
     def scores(self, x, q_latent, cos, sin, cache=None):
-        """I[t, s] for the new tokens t and every token s: x [B, Tn, D]; q_latent [B, Tn, q rank], MLA's
-        q_norm(w_dq(x)); cos, sin [Tn, rope]; cache an IndexedLatentCache -> [B, Tn, t]."""
+        """I[t, s] [B, Tn, t], new tokens t, all tokens s: x [B, Tn, D]; q_latent [B, Tn, q rank] (MLA's); cos, sin."""
         B, Tn, _ = x.shape
         q = self.w_uq(q_latent).view(B, Tn, self.n_heads, self.head_dim).transpose(1, 2)  # [B, Hi, Tn, di]
-        q, k = self.turn(q, cos, sin), self.turn(self.k_norm(self.w_k(x)), cos, sin)  # [B, Hi, Tn, di], [B, Tn, di]
+        q = apply_partial_rope(q, cos, sin)                                # [B, Hi, Tn, di]
+        k = apply_partial_rope(self.k_norm(self.w_k(x)), cos, sin)         # [B, Tn, di]
         if cache is not None:  # the keys are the indexer's own: MLA's latents cannot stand in for them
             k = cache.append_index_keys(k)                                 # [B, t, di]
         # a head votes for s by how far q . k is above 0, or not at all (ReLU: no softmax over s)
@@ -3774,9 +3648,7 @@ class LightningIndexer(nn.Module):
         w = self.w_heads(x) / math.sqrt(self.n_heads)                      # [B, Tn, Hi]
         return torch.einsum("bhts,bth->bts", relu, w)                      # [B, Tn, t]
 
-    # No gradient: top-k is a choice, not a function of the weights that autograd could follow, and the
-    # main loss gives the indexer nothing anyway. DeepSeek trains it apart, towards the dense attention's
-    # distribution by a KL loss, so here it runs as an inference-only scorer.
+    # No gradient: autograd cannot follow top-k; DeepSeek trains the indexer apart, by a KL loss to the dense attention.
     @torch.no_grad()
     def forward(self, x, q_latent, cos, sin, mask=None, cache=None):
         """As scores(); mask [1, 1, Tn, t] or None -> [B, 1, Tn, t], True at the tokens each query keeps."""
@@ -3799,15 +3671,13 @@ class SparseLatentAttention(MultiHeadLatentAttention):
                                         index_head_dim, index_topk)
 
     def forward(self, x, cos, sin, mask=None, cache=None, absorb=None):
-        """As MLA's, reading only the tokens the indexer keeps. The query latent is computed again for
-        the indexer (one [D, q rank] product more), so that section 30's forward stays as it is."""
+        """As MLA's on the tokens the indexer keeps; the query latent is made again, so section 30's forward stays."""
         keep = self.indexer(x, self.q_norm(self.w_dq(x)), cos, sin, mask, cache)  # [B, 1, Tn, t]
         return super().forward(x, cos, sin, keep, cache, absorb)          # [B, Tn, D]
 
 
 class DeepSeekV32(DeepSeekV3):
-    """DeepSeek-V3 with sparse latent attention in every block; q_lora_rank is required. The rest of
-    the keywords are DeepSeekV3's."""
+    """DeepSeek-V3 with sparse latent attention in every block; q_lora_rank is required."""
     cache_kind = IndexedLatentCache                                        # [B, t, r], [B, t, rope], [B, t, di]
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim,
@@ -3823,68 +3693,56 @@ class DeepSeekV32(DeepSeekV3):
 
 
 def deepseek_v32_param_formula(index_n_heads=64, index_head_dim=128, index_topk=2048, **deepseek):
-    """Closed form of count_parameters(DeepSeekV32(...)), its keywords: deepseek_param_formula's (active
-    too) and every layer's indexer, w_uq, w_k, k_norm (weight and bias), w_heads, which every token runs."""
+    """Closed form of count_parameters(DeepSeekV32(...)): deepseek_param_formula's and the indexers all tokens run."""
     D, di, Hi = deepseek["d_model"], index_head_dim, index_n_heads
     indexer = deepseek["q_lora_rank"] * Hi * di + D * di + 2 * di + D * Hi
     return deepseek_param_formula(**deepseek) + deepseek["n_layers"] * indexer
 
-# DeepSeek-V3.2 at DeepSeek-V3's sizes (section 33) and the indexer's (64 heads of 128, top 2048) has
-# 671,877,929,216 parameters: V3's 671.03B and 61 x 13,959,424 = 0.85B of indexers (the count of
-# transformers' DeepseekV32ForCausalLM on the meta device). 38.40B of them are active.
+# DeepSeek-V3.2 at DeepSeek-V3's sizes (section 33) and the indexer's (64 heads of 128, top 2048) has 671,877,929,216
+# parameters, 38.40B active: V3's 671.03B and 61 x 13,959,424 = 0.85B of indexers (transformers' meta-device count).
 
 
-# What a token costs. Decoding one token over t cached tokens, absorbed MLA (section 30) does, per
-# head, q . [c | k_rope] (r + rope) and the sum over c (r) for every token: 2 H (2 r + rope) t FLOPs a
-# layer. DSA does that for min(t, topk) tokens. The indexer adds 2 Hi (di + 1) t for ReLU(q . k) and
-# the weighted sum over every token, and its projections, 2 x its parameters, once a token.
+# What a token costs. Over t cached tokens, absorbed MLA (section 30) does, per head, q . [c | k_rope] (r + rope) and
+# the sum over c (r) for every token: 2 H (2 r + rope) t FLOPs a layer. DSA does that for min(t, topk) tokens. The
+# indexer adds 2 Hi (di + 1) t for ReLU(q . k) and the weighted sum, and its projections, 2 x its parameters, once.
 def sparse_attention_flops(context, n_heads=128, kv_lora_rank=512, qk_rope_dim=64, d_model=7168, q_lora_rank=1536,
                            index_n_heads=64, index_head_dim=128, index_topk=2048):
-    """FLOPs of one layer for a token reading context tokens, (dense latent attention, sparse): what
-    grows with the context, and the indexer's projections; the defaults are DeepSeek-V3.2's configuration."""
+    """One layer's FLOPs (dense, sparse) for a token over `context` tokens: what grows with it, and the projections."""
     per_token = 2 * n_heads * (2 * kv_lora_rank + qk_rope_dim)            # every head, one key and one value
     Hi, di = index_n_heads, index_head_dim
     projections = 2 * (q_lora_rank * Hi * di + d_model * di + d_model * Hi)
     return per_token * context, per_token * min(context, index_topk) + 2 * Hi * (di + 1) * context + projections
 
-# At V3.2's sizes, a layer costs 1.14 GFLOPs dense and 0.67 sparse at 4K tokens (58%: 2048 of 4096
-# tokens read, the indexer 0.10). At 128K it costs 36.5 GFLOPs dense and 2.76 sparse (7.6%), of which
-# the indexer takes 2.19. These count what grows with the context and the indexer; MLA's own
-# projections (0.37 GFLOPs a token) cost both the same, and with them the ratios are 69% and 8.5%.
-# Past about 35K tokens, scoring costs more than attending: its slope is 16,512 FLOPs a token, dense
-# attention's 278,528. DeepSeek keeps it cheap with few heads and FP8. The cache
-# gains di = 128 values a token a layer (576 + 128: 85,888 bytes a token in bf16 over 61 layers).
+# At V3.2's sizes, a layer costs 1.14 GFLOPs dense and 0.67 sparse at 4K tokens (58%: 2048 of 4096 tokens read, the
+# indexer 0.10); at 128K, 36.5 dense and 2.76 sparse (7.6%), the indexer 2.19. These count what grows with the context
+# and the indexer, not MLA's own projections (0.37 GFLOPs a token in both), with which the ratios are 69% and 8.5%. Past
+# about 35K tokens scoring costs more than attending: its slope is 16,512 FLOPs a token, dense attention's 278,528; few
+# heads and FP8 keep it cheap. The cache gains di = 128 values a token a layer (85,888 bytes a token, bf16, 61 layers).
 #
-# Training. Under no_grad the indexer's forward costs FLOPs and its backward none. A weight costs 2
-# FLOPs a token (a multiply, an add), not the 6 of a trained one (the backward's 4 compute the
-# gradients of input and weight). Its scores cost 2 T^2 Hi (di + 1) a layer for a sequence of T, once,
-# not three times. Masked as here, the main attention still computes all T^2 scores; a sparse kernel
-# computes T x topk of them. The KL loss DeepSeek trains the indexer with adds its backward back.
+# Training. Under no_grad the indexer's forward costs FLOPs and its backward none. A weight costs 2 FLOPs a token (a
+# multiply, an add), not the 6 of a trained one (the backward's 4 compute the gradients of input and weight). Its scores
+# cost 2 T^2 Hi (di + 1) a layer for a sequence of T, once, not three times. Masked as here, the main attention still
+# computes all T^2 scores; a sparse kernel computes T x topk. DeepSeek's KL loss for the indexer adds its backward back.
 def indexer_flops(config, batch_size, seq_len):
-    """FLOPs of every layer's indexer in a forward of [batch_size, seq_len] (config: a DeepSeekV32's),
-    with the query latent computed again for it; the same in training: it has no backward."""
+    """All indexers' FLOPs for a [batch_size, seq_len] forward of a DeepSeekV32 config, training too (no backward)."""
     L, D, qr = config["n_layers"], config["d_model"], config["q_lora_rank"]
     Hi, di = config["index_n_heads"], config["index_head_dim"]
     projections = qr * Hi * di + D * di + D * Hi + D * qr                  # + w_dq again (SparseLatentAttention)
     return 2 * L * batch_size * seq_len * (projections + seq_len * Hi * (di + 1))
 
-# Each query keeps at most index_topk = 3 earlier tokens; the cache changes the speed, not the
-# tokens; with a topk past the length the model is DeepSeek-V3 with the same weights.
-# Try it:
+# Try it: each query keeps at most index_topk = 3 earlier tokens; the cache changes the speed, not the tokens.
 #   >>> _ = torch.manual_seed(0)
 #   >>> config = dict(vocab_size=100, d_model=32, n_layers=2, n_heads=4, kv_lora_rank=16, qk_nope_dim=8,
 #   ...               qk_rope_dim=4, v_head_dim=8, d_ff=64, expert_d_ff=16, n_experts=8, top_k=2, q_lora_rank=24,
 #   ...               n_groups=4, topk_groups=2, max_len=32)
 #   >>> ds = DeepSeekV32(**config, index_n_heads=4, index_head_dim=8, index_topk=3).eval()
-#   >>> ids = torch.randint(0, 100, (1, 8))                                # [1, 8]
-#   >>> x = torch.randn(1, 8, 32)                                          # [1, 8, 32]
-#   >>> attn = ds.layers[0].attn
+#   >>> ids, x, attn = torch.randint(0, 100, (1, 8)), torch.randn(1, 8, 32), ds.layers[0].attn  # [1, 8], [1, 8, 32]
 #   >>> keep = attn.indexer(x, attn.q_norm(attn.w_dq(x)), ds.cos[:8], ds.sin[:8], make_causal_mask(8))  # [1, 1, 8, 8]
 #   >>> keep.sum(-1).flatten().tolist()
 #   [1, 2, 3, 3, 3, 3, 3, 3]
 #   >>> torch.equal(ds.generate(ids, 6), ds.generate(ids, 6, use_cache=False))
 #   True
-#   >>> dense = DeepSeekV3(**config).eval()
+#   >>> dense = DeepSeekV3(**config).eval()                            # with a topk past the length, the same model
 #   >>> _ = dense.load_state_dict(ds.state_dict(), strict=False)           # all but the indexers
 #   >>> ds.layers[0].attn.indexer.topk = ds.layers[1].attn.indexer.topk = 32
 #   >>> torch.allclose(ds(ids), dense(ids), atol=1e-5)
@@ -3906,7 +3764,6 @@ def indexer_flops(config, batch_size, seq_len):
 # to the gradient (L2, as torch.optim.Adam(weight_decay=...) does it) is divided by that root too, so a weight with
 # large gradients is hardly decayed. AdamW (Loshchilov and Hutter, "Decoupled Weight Decay Regularization", ICLR 2019)
 # therefore shrinks the weight itself, apart from the gradient: p <- p * (1 - lr * weight_decay).
-
 
 class AdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update in torch's order of operations: another order rounds differently in the last bit,
@@ -3983,7 +3840,6 @@ def decay_groups(model, weight_decay):
 # needs the run's length in advance. WSD (warmup-stable-decay) holds the peak and decays only over the last steps, so
 # a run can be extended, and decayed at any point.
 
-
 def warmup_cosine(step, warmup_steps, total_steps, min_ratio=0.0):
     """The multiplier at step: step / warmup_steps during the warmup (0 at step 0, so the first step moves no
     weight: transformers' convention), then half a cosine from 1 down to min_ratio at total_steps, then min_ratio."""
@@ -4026,7 +3882,6 @@ def warmup_stable_decay(step, warmup_steps, total_steps, decay_steps, min_ratio=
 # Clipping (section 13's clip_grad_norm_) scales the whole gradient down to max_norm when it is longer, and keeps its
 # direction. A batch too big for memory runs as micro-batches, whose gradients add up in .grad before one step; their
 # sum must be the big batch's gradient.
-
 
 @torch.no_grad()
 def clip_grad_norm(parameters, max_norm):
@@ -4151,7 +4006,6 @@ def training_flops(model, batch_size, seq_len):
 # embeddings, a MoE's active parameters) is 6 W + 6 T A here. W is N less the table (unless it is tied), the norms and
 # the biases. 6 T A is PaLM's 12 L H Q T (Q the head width), and it adds 29% for Llama-3-8B at 8K.
 
-
 def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
     """Model FLOPs utilization: the FLOPs a run needed over what its GPUs do at peak in its time."""
     return flops_per_token * tokens / (gpu_hours * 3600 * peak_flops)
@@ -4171,7 +4025,6 @@ def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
 # subnormal down to 2^-24. bfloat16 has float32's 8 exponent bits and 8 significant ones, so 1 + 0.001 is 1 in it. CPU
 # autocast to bf16 runs linear, matmul, bmm and scaled_dot_product_attention in bf16 and the losses in float32 (CUDA's
 # also softmax and layer_norm); the rest runs in its inputs' dtype, and float32 with bf16 gives float32.
-
 
 class LossScaler:
     """torch.amp.GradScaler's loss scaling: scale(loss).backward(), step(optimizer), update(). float16 rounds a
@@ -4330,7 +4183,6 @@ def zero_memory_per_device(memory, n_devices, zero_stage):
 # The paper's hypothesis is that adapting a model needs a change of low "intrinsic rank". Merged, W + (alpha / r) B A
 # runs at the base model's cost; unmerged, the base can serve other adapters.
 
-
 class LoRALinear(nn.Module):
     """base(x) + (alpha / r) B A dropout(x), base frozen; lora_A [r, in], lora_B [out, r]."""
 
@@ -4429,28 +4281,23 @@ def merge_lora(model, merge=True):
 # ===========================================================================
 # 48. Speculative decoding (投机解码)
 # ===========================================================================
-# Decoding one sequence reads all of the target model's weights for each token. While that reading dominates, scoring
-# k + 1 tokens in one forward costs about what scoring one does. So a small draft proposes k tokens one at a time, the
-# target scores all k + 1 positions in one forward, and the longest prefix it agrees with is kept, plus one token of its
-# own (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al., 2023,
-# "Accelerating Large Language Model Decoding with Speculative Sampling").
-# A drafted x, drawn from the draft's law q, is kept with chance min(1, p(x) / q(x)), p the target's law; at the first
-# rejection a token is drawn from max(0, p - q), normalized. The output then follows p exactly: y comes out kept with
-# chance q(y) min(1, p(y) / q(y)) = min(p(y), q(y)); a rejection has chance 1 - sum(min(p, q)) = sum(max(0, p - q)),
-# the residual's own total, so the redraw adds max(0, p - q)(y), and min + max(0, p - q) = p. A redraw from p itself
-# would give min(p, q) + (1 - sum(min(p, q))) p, too much of the tokens the draft likes. p and q are next_token_probs
-# (section 9), after temperature, top_k and top_p; at temperature 0 they are one-hot, and the tokens are greedy's.
-# The pitfall is the caches: after a rejection both still hold the rejected tokens' keys, and crop_cache cuts them off.
-# A rolling cache (section 35) cannot take back tokens it has let go, so here it holds k tokens more than its window:
-# a round cuts at most k, and the whole window the next query reads stays.
-# A recurrent memory (Gated DeltaNet, section 39) cannot be cut back at all, so speculation_cache asks each fresh cache
-# for a cut to 0, and such a model is refused before anything runs (transformers refuses assisted decoding for its
-# stateful models too).
-
+# Decoding one sequence reads all the target's weights a token, so scoring k + 1 tokens in one forward costs about what
+# scoring one does. So a small draft proposes k tokens, the target scores all k + 1 positions in one forward, and the
+# longest prefix it agrees with is kept, plus one token of its own (Leviathan et al., 2023, "Fast Inference from
+# Transformers via Speculative Decoding"; Chen et al., 2023, "Accelerating Large Language Model Decoding with
+# Speculative Sampling"). A drafted x, drawn from the draft's law q, is kept with chance min(1, p(x) / q(x)), p the
+# target's law; at the first rejection a token is drawn from max(0, p - q), normalized. The output then follows p
+# exactly: y is kept with chance q(y) min(1, p(y) / q(y)) = min(p(y), q(y)); a rejection has chance 1 - sum(min(p, q)) =
+# sum(max(0, p - q)), the residual's own total, so the redraw adds max(0, p - q)(y), and min + max(0, p - q) = p. A
+# redraw from p itself would give min(p, q) + (1 - sum(min(p, q))) p, too much of what the draft likes. p and q are
+# next_token_probs (section 9) after temperature, top_k and top_p; at temperature 0 they are one-hot and the tokens
+# greedy's. The pitfall: after a rejection both caches hold the rejected tokens' keys; crop_cache cuts them off. A
+# rolling cache (section 35) cannot take back tokens it let go, so it holds k tokens beyond its window: a round cuts at
+# most k. A recurrent memory (Gated DeltaNet, section 39) cannot be cut back at all: speculation_cache asks each fresh
+# cache for a cut to 0, so such a model is refused before anything runs (transformers refuses it too).
 
 def crop_cache(cache, length):
-    """Every layer's cache cut to `length` tokens (a layer holding fewer keeps them): its own crop, or each tensor's
-    dim -2 ([B, H, t, dk], [B, t, r])."""
+    """Every layer's cache cut to `length` tokens (fewer stay): its own crop, or each tensor's dim -2 cut."""
     if length < 0:  # a slice to -1 would keep all but the last token
         raise ValueError(f"length must be >= 0, got {length}")
     for c in cache:  # first the layers with a crop of their own: one may refuse (a rolling cache, a recurrent state)
@@ -4526,8 +4373,7 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 # Try it: the target's own greedy tokens, with a draft a quarter of its size.
 #   >>> _ = torch.manual_seed(0)
 #   >>> target = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=32)
-#   >>> draft = Llama(vocab_size=50, d_model=16, n_layers=1, n_heads=2, max_len=32)
-#   >>> ids = torch.randint(0, 50, (1, 5))                                 # [1, 5]
+#   >>> draft, ids = Llama(vocab_size=50, d_model=16, n_layers=1, n_heads=2, max_len=32), torch.randint(0, 50, (1, 5))
 #   >>> torch.equal(speculative_generate(target, draft, ids, 12, k=3), target.generate(ids, 12))
 #   True
 #   >>> p, q = torch.tensor([0.5, 0.3, 0.2, 0.0]), torch.tensor([0.1, 0.6, 0.0, 0.3])
@@ -4538,16 +4384,13 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 #   tensor([0.5000, 0.3000, 0.2000, 0.0000])
 
 
-# Multi-token prediction (section 32) can be the draft. Its module reads the target's last hidden state, so MTPDraft
-# wraps it in the draft's interface. Each call reads the states the target's latest forward left for the tokens it
-# kept, and runs the module on the tokens it has not seen. The first round has nothing to read, so it proposes from a
-# uniform law; the guess is almost always rejected and the round writes the target's own token, as in transformers'
-# MTP drafting. A second drafted token of a round has no target state before it, so the module's own state stands in
-# (vLLM does the same and warns that fewer are kept; DeepSeek-V3's report drafts one token, keeps 85-90% of them, and
-# gets 1.8 times the tokens per second). There the module is one block of 62. On the toy it is one of 3 and of the
-# costliest kind (MLA and the 8-expert MoE cost about a whole target forward), so it saves target forwards, not time
-# (the --after run measures both).
-
+# Multi-token prediction (section 32) can be the draft: MTPDraft gives its module, which reads the target's last hidden
+# state, the draft's interface. Each call reads the states the target's last forward left for the kept tokens and runs
+# the module on unseen ones. The first round, with nothing to read, proposes from a uniform law, almost always rejected:
+# the target writes its own token, as in transformers' MTP drafting. A round's second drafted token has no target state
+# before it, so the module's own stands in (vLLM does so, warning that fewer are kept; DeepSeek-V3 drafts one token,
+# keeps 85-90%, and gets 1.8 times the tokens per second). There the module is one block of 62; on the toy, one of 3 and
+# of the costliest kind (MLA and an 8-expert MoE: a target forward): it saves target forwards, not time (--after).
 
 class MTPCache:
     """MTPDraft's cache: the target's states it has read [1, t, D], its block's layer cache, its own last state."""
@@ -4565,9 +4408,8 @@ class MTPCache:
 
 
 class MTPDraft(nn.Module):
-    """A draft for speculative_generate made of target and its trained MTP module (mtp_module): forward(input_ids
-    [1, n], cache) -> logits [1, 1, V] for token n. A hook on the target's final_norm keeps the states of its latest
-    forward; close() removes the hook, and so does the end of a `with MTPDraft(target, mtp) as draft:` block."""
+    """speculative_generate's draft from target and its MTP module: forward(input_ids [1, n], cache) -> logits [1, 1, V]
+    for token n. A hook on final_norm keeps the target's latest states until close() or a `with` block's end."""
 
     def __init__(self, target, mtp):
         super().__init__()
@@ -4615,8 +4457,7 @@ class MTPDraft(nn.Module):
 
 # Try it: a Llama's own greedy tokens, drafted by its MTP module (untrained, so mostly rejected).
 #   >>> _ = torch.manual_seed(0)
-#   >>> target = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=32)
-#   >>> ids = torch.randint(0, 50, (1, 5))                                 # [1, 5]
+#   >>> target, ids = Llama(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=32), torch.randint(0, 50, (1, 5))
 #   >>> with MTPDraft(target, mtp_module(target)) as draft:
 #   ...     [torch.equal(speculative_generate(target, draft, ids, 12, k=k), target.generate(ids, 12)) for k in (1, 3)]
 #   [True, True]
@@ -4666,7 +4507,6 @@ def sequence_logprobs(model, input_ids, response_mask):
 # between two answers to one prompt. So the pairs train the model directly, by a logistic loss on the chosen answer's
 # reward minus the rejected one's: no reward model, no sampling, four sequence log-probabilities (section 49) a pair.
 
-
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1):
     """Sequence log-probabilities [B] of the chosen and the rejected answers, under the model trained and under the
     frozen reference -> (loss [], chosen_rewards [B], rejected_rewards [B]): the mean of -log sigmoid(chosen -
@@ -4702,7 +4542,6 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1)
 # answers: it samples G for each prompt, scores them, and raises the probability of those better than their group.
 # GRPO (Shao et al., 2024, "DeepSeekMath"; the RL of DeepSeek-R1, 2025) is PPO with the group's mean reward as the
 # baseline (and its std as the scale) instead of a learned value model: no critic to train, G answers a prompt.
-
 
 def group_advantages(rewards, eps=1e-4):
     """rewards [B, G], G answers to each of B prompts -> advantages [B, G]: each reward against its own group,
@@ -5045,8 +4884,7 @@ def read_gguf(path, architectures=None):
 
 def as_float32(fmt, shape, rows):
     """A tensor as GGUF stores it (rows: a uint8 tensor [rows, bytes a row]) -> float32 of shape."""
-    if fmt in FLOATS:
-        return rows.view(FLOATS[fmt]).to(torch.float32, copy=True).reshape(shape)  # [*shape]
+    if fmt in FLOATS: return rows.view(FLOATS[fmt]).to(torch.float32, copy=True).reshape(shape)  # [*shape]
     return dequantize(rows.flatten(), fmt, shape)                          # [*shape]
 
 
@@ -5103,10 +4941,8 @@ def read_gguf_blocks(path, architectures=None):
         if len(name.encode()) >= 64 or not name.isprintable() or len(shape) > 4:  # as llama.cpp refuses them
             raise ValueError(f"{path}: tensor {name!r:.60} of {len(shape):,} dims: expected a printable name under"
                              f" 64 bytes and at most 4 dims")
-        if name in tensors:
-            raise ValueError(f"{path}: the tensor name {name!r:.60} appears twice")
-        if 0 in shape:
-            raise ValueError(f"{path}: tensor {name} {list(shape)} holds no values")
+        if name in tensors: raise ValueError(f"{path}: the tensor name {name!r:.60} appears twice")
+        if 0 in shape: raise ValueError(f"{path}: tensor {name} {list(shape)} holds no values")
         if kind not in GGML_TYPES:
             raise ValueError(f"{path}: tensor {name} has ggml type {kind}, which this file does not read"
                              f" (it reads {', '.join(GGML_TYPES.values())})")
@@ -5257,8 +5093,7 @@ def load_hf_state_dict(model, state_dict):
                     if tensor.is_meta else f"{str(tensor.dtype)[6:]} tensor")           # meta: shapes, no values
             raise ValueError(f"state_dict's {quote(name)} is a {what}: expected a float tensor with its values")
         ours = name
-        for pattern, replacement in HF_NAMES:
-            ours = re.sub(pattern, replacement, ours)
+        for pattern, replacement in HF_NAMES: ours = re.sub(pattern, replacement, ours)
         if ours in renamed:  # two of their names for one place: neither may win in silence
             raise ValueError(f"state_dict's {quote(theirs[ours])} and {quote(name)} both name {ours}")
         renamed[ours], theirs[ours] = tensor, name
@@ -5278,8 +5113,7 @@ def load_hf_state_dict(model, state_dict):
              for k, v in places.items() if renamed[k].shape != v.shape]
     if wrong: raise ValueError(f"state_dict's shapes do not fit {type(model).__name__}: {few(wrong)}")
     with torch.no_grad():
-        for name, place in places.items():
-            place.copy_(renamed[name])
+        for name, place in places.items(): place.copy_(renamed[name])
     return model
 
 
@@ -5512,8 +5346,7 @@ def hf_keywords(config):
         if field in HF_NULL_IS_A_VALUE and field in view and view[field] is None:
             keywords[ours] = None  # written null: one kv head a head, d_model / n_heads wide, no window, a plain w_q
     for ours, same in (("n_kv_heads", "n_heads"), ("window", "max_len")):  # transformers' default: the other
-        if ours in keywords and keywords[ours] is None:
-            keywords[ours] = keywords[same]
+        if ours in keywords and keywords[ours] is None: keywords[ours] = keywords[same]
     if rope == "yarn":
         keywords["rope_scaling"] = dict(type="yarn", factor=view.get("factor"),
                                         original_max_len=view.get("original_max_position_embeddings"),
@@ -5530,8 +5363,7 @@ def hf_keywords(config):
             raise ValueError(f"config's full_attention_interval is {interval!r:.60}, expected an integer >= 1")
         keywords["layer_types"] = qwen3_next_layer_types(keywords["n_layers"], interval)
     for key, value in keywords.items():  # an integer where a float belongs, as config.json may write one
-        if CONFIG_RULES[key][0] is float and type(value) is int:
-            keywords[key] = float(value)
+        if CONFIG_RULES[key][0] is float and type(value) is int: keywords[key] = float(value)
     return kind, keywords
 
 
@@ -5600,8 +5432,7 @@ def tokenizer_from_gguf(metadata):
                    f"has type {token_type}, not one of llama.cpp's (0 to 6)" if not 0 <= token_type <= 6 else
                    f"holds {stray!r}, which stands for no byte, in a token of type {token_type}, not text (3 control"
                    f" or 4 user-defined)" if stray is not None else None)
-        if problem:
-            raise ValueError(f"the file's token {i}, {token[:40]!r}{'...' * (len(token) > 40)}, {problem}")
+        if problem: raise ValueError(f"the file's token {i}, {token[:40]!r}{'...' * (len(token) > 40)}, {problem}")
         ids[token] = i
     merges, seen = [m.split(" ") for m in lists["merges"]], set()
     for line, merge in zip(lists["merges"], merges):
@@ -5640,19 +5471,16 @@ def model_of_gguf(metadata, tensors, device="cpu"):
     check_rope_tables(hf_keywords(config)[1], f"{arch}.context_length")  # before from_hf_config's own check
     state = {}
     for name, tensor in tensors.items():
-        for pattern, replacement in GGUF_NAMES:
-            name = re.sub(pattern, replacement, name)
+        for pattern, replacement in GGUF_NAMES: name = re.sub(pattern, replacement, name)
         state[name] = tensor
     with torch.device("meta"):  # shapes only: drawing 135M random weights to overwrite them costs seconds
         model = load_hf_state_dict(from_hf_config(config), state)  # names and shapes checked, nothing copied
-    if device == "meta":
-        return model.eval(), tokenizer
+    if device == "meta": return model.eval(), tokenizer
     # memory for every tensor, uninitialized: the weights come from the file, the RoPE tables (no weights) are
     # computed again, and the embeddings tied again (to_empty parts them)
     model = model.to_empty(device="cpu")
     model.cos, model.sin = model.rope_tables(model.max_len, model.config["rope_theta"])  # [max_len, dk] each
-    if model.config["tie_weights"]:
-        model.lm_head.weight = model.token_embedding.weight
+    if model.config["tie_weights"]: model.lm_head.weight = model.token_embedding.weight
     return load_hf_state_dict(model, state).eval(), tokenizer
 
 
@@ -5929,8 +5757,7 @@ def check_list(name, value, items):
 
 def translator(kind, model, src_vocab, tgt_vocab, readings=None, beam_size=1):
     """pinyin list -> hanzi list with the encoder-decoder ("encdec") or a decoder-only model (any other kind)."""
-    if kind == "encdec":
-        return lambda sentences: translate(model, sentences, src_vocab, tgt_vocab, readings, beam_size)
+    if kind == "encdec": return lambda sentences: translate(model, sentences, src_vocab, tgt_vocab, readings, beam_size)
     return lambda sentences: gpt_translate(model, sentences, tgt_vocab, readings, beam_size)
 
 
@@ -5944,7 +5771,20 @@ TOY_MODELS = {
                 batch_size=32, config=dict(d_model=64, n_heads=4, d_ff=256, n_layers=3, dropout=0.0)),
     "llama": dict(name="Llama-style", model=Llama, epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
                   config=dict(d_model=64, n_heads=4, n_kv_heads=2, d_ff=256, n_layers=2)),
-}
+    # MLA, a dense block, then 8 sigmoid-routed experts (2 a token) and a shared one, balanced after every step (V3's
+    # rate, 0.001, moves too little in 150 steps)
+    "deepseek": dict(name="DeepSeek-style", model=DeepSeekV3, epochs=2, batch_size=32,
+                     update=lambda model: with_router_bias(adam_noam(model, lr_factor=0.35, warmup=50), model, 0.01),
+                     config=dict(d_model=64, n_heads=4, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16,
+                                 d_ff=256, expert_d_ff=32, n_experts=8, top_k=2, n_shared=1, n_layers=2,
+                                 n_dense_layers=1)),
+    # a DeltaNet layer, then an attention layer (the toy's sentences are short; one of each is the smallest hybrid),
+    # 4 experts, 2 a token
+    "qwen3_next": dict(name="Qwen3-Next-style", model=Qwen3Next, epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
+                       config=dict(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2,
+                                   layer_types=["linear_attention", "full_attention"], partial_rotary=0.5,
+                                   linear_k_heads=2, linear_v_heads=4, linear_k_dim=16, linear_v_dim=16, n_experts=4,
+                                   top_k=2, expert_d_ff=32, shared_d_ff=32))}
 
 
 def train_toy_model(kind, train_pairs, test_pairs, device="cpu", epochs=None, seed=0, log=print, recipes=None,
@@ -5995,7 +5835,7 @@ def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head=None, 
     print(render_heatmap(weights, pinyin.split(), chars))
 
 
-# Part V on the toy task of Part II (section 16): where the routed tokens went, DeepSeek-V3's recipe, an MTP module.
+# Part V on the toy task of Part II (section 16): where the routed tokens went, an MTP module.
 @torch.no_grad()
 def expert_load(model, pairs, vocab):
     """Share of the routed slots each expert took over "pinyin <sep> hanzi <eos>" of pairs: {MoE layer: [E] summing
@@ -6010,8 +5850,7 @@ def expert_load(model, pairs, vocab):
     with eval_mode(model):
         for rows in by_length.values():
             model(torch.tensor(rows, device=model.lm_head.weight.device))  # [B, L, V]; fills tokens_per_expert
-            for i, moe in moes.items():
-                totals[i] += moe.tokens_per_expert.cpu()                   # [E]
+            for i, moe in moes.items(): totals[i] += moe.tokens_per_expert.cpu()                   # [E]
     return {i: total / total.sum() for i, total in totals.items()}         # [E] each
 
 
@@ -6033,14 +5872,6 @@ def render_expert_load(loads, uniform=10):
 #     expert  2                0.0%
 
 
-# MLA, a dense block, then 8 sigmoid-routed experts (2 a token) and a shared one, balanced after every step (V3's
-# rate, 0.001, moves too little in 150 steps).
-TOY_MODELS["deepseek"] = dict(
-    name="DeepSeek-style", model=DeepSeekV3, epochs=2, batch_size=32,
-    update=lambda model: with_router_bias(adam_noam(model, lr_factor=0.35, warmup=50), model, rate=0.01),
-    config=dict(d_model=64, n_heads=4, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, d_ff=256,
-                expert_d_ff=32, n_experts=8, top_k=2, n_shared=1, n_layers=2, n_dense_layers=1))
-
 
 # An MTP module for a trained model, the model frozen (its loss term is then constant; V3 trains both together): a
 # few seconds.
@@ -6055,25 +5886,15 @@ def train_mtp(model, pairs, vocab, epochs=2, batch_size=32, seed=0):
     frozen = [p for p in model.parameters() if p.requires_grad]
     with eval_mode(model):
         try:
-            for p in frozen:
-                p.requires_grad_(False)
+            for p in frozen: p.requires_grad_(False)
             for _ in range(epochs):
                 for ids, target in loader:                                 # [B, T] each
                     mtp_loss(model, mtp, ids.to(device), target.to(device), 1.0, Vocab.PAD).backward()
                     update()
         finally:
-            for p in frozen:
-                p.requires_grad_(True)
+            for p in frozen: p.requires_grad_(True)
     return mtp.eval()
 
-
-# On the toy task (section 16), by the Llama's recipe: a DeltaNet layer, then an attention layer (the toy's sentences
-# are short; one of each is the smallest hybrid), 4 experts, 2 a token.
-TOY_MODELS["qwen3_next"] = dict(
-    name="Qwen3-Next-style", model=Qwen3Next, epochs=2, lr_factor=0.35, warmup=50, batch_size=32,
-    config=dict(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=2, layer_types=["linear_attention",
-                "full_attention"], partial_rotary=0.5, linear_k_heads=2, linear_v_heads=4, linear_k_dim=16,
-                linear_v_dim=16, n_experts=4, top_k=2, expert_d_ff=32, shared_d_ff=32))
 
 # Section 34's fused kernels, for --bench: a model's attention and LayerNorms rebuilt on PyTorch's kernels, holding
 # the same Linear modules and Parameters (an optimizer keeps training them).
@@ -6116,14 +5937,12 @@ def use_fused_kernels(model, fused=True):
     if isinstance(model, (MultiHeadAttention, LayerNorm)): return fused_twin(model, fused)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, (MultiHeadAttention, LayerNorm)):
-                setattr(parent, name, fused_twin(child, fused))
+            if isinstance(child, (MultiHeadAttention, LayerNorm)): setattr(parent, name, fused_twin(child, fused))
     return model
 
 
 # The runs of Parts VII and VIII on the toy task: mixed precision, LoRA against full fine-tuning, speculative
 # decoding with a small draft and with the MTP module, and DPO, GRPO and plain supervised steps from one start.
-
 
 def adamw_update(model, lr, warmup_steps, total_steps, weight_decay=0.01, max_norm=1.0):
     """Section 13's update step, written out with Part VII's pieces: after each backward, update() clips to
@@ -6209,8 +6028,7 @@ def lora_report(device="cpu", seed=0):
     epochs, batch_size = LORA_RECIPE["epochs"], LORA_RECIPE["batch_size"]
     for name, lr, r in (("LoRA r=8 on w_q, w_v", LORA_LR, 8), ("full fine-tuning", FULL_LR, None)):
         model = copy.deepcopy(base)  # adapted by adamw_update: LoRA of rank r, or all of it (r None)
-        if r is not None:
-            add_lora(model, r=r, alpha=16, targets=("w_q", "w_v"))
+        if r is not None: add_lora(model, r=r, alpha=16, targets=("w_q", "w_v"))
         steps = epochs * -(-len(task["new_train"]) // batch_size)         # ceil: batches an epoch
         update = adamw_update(model, lr, LORA_RECIPE["warmup_steps"], steps)
         rows.append((name, model, lora_train(model, task, "new", seed, update, epochs, batch_size)))
@@ -6252,8 +6070,7 @@ def count_forwards(*models):
     try:
         yield counts
     finally:
-        for hook in hooks:
-            hook.remove()
+        for hook in hooks: hook.remove()
 
 
 def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), mtp_ks=(1, 2), device="cpu", log=print):
@@ -6297,8 +6114,7 @@ def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), m
                 synchronize(device)
                 rows[way]["seconds"][r] += time.perf_counter() - start
     median = {way: sorted(row["seconds"])[repeats // 2] for way, row in rows.items()}
-    if mtp is not None:
-        mtp_draft.close()  # the hook on the target goes: its forwards keep no states after this
+    if mtp is not None: mtp_draft.close()  # the hook on the target goes: its forwards keep no states after this
     log(f"\nspeculative decoding, seed {seed}: target {TOY_MODELS[kind]['name']}, {count_parameters(target):,}"
         f" parameters; draft {DRAFT_MODELS[kind]['name']}, {count_parameters(draft):,} (held-out exact match,"
         f" constrained as in training: {100 * result['accuracy']:.1f}% and {100 * draft_result['accuracy']:.1f}%)")
@@ -6395,8 +6211,7 @@ def sampled_answers(model, vocab, pairs, group, generator, temperature=1.0):
 def pairs_by_length(pairs):
     """{syllable count: pairs}: prompts of one length share a batch with no padding."""
     buckets = {}
-    for pair in pairs:
-        buckets.setdefault(len(pair[0].split()), []).append(pair)
+    for pair in pairs: buckets.setdefault(len(pair[0].split()), []).append(pair)
     return buckets
 
 
@@ -7088,8 +6903,7 @@ def memory_bandwidth(device=torch.device("cpu"), megabytes=256):
     x, y = torch.ones(2, megabytes * 2 ** 20 // 4, device=device)         # [N] each, float32: y's pages touched
     synchronize(device)
     start = time.perf_counter()
-    for _ in range(5):
-        y.copy_(x)
+    for _ in range(5): y.copy_(x)
     synchronize(device)
     return 5 * 2 * x.nelement() * 4 / (time.perf_counter() - start)
 
@@ -7418,8 +7232,7 @@ def main(argv=None):
         sampling = next((name for name in ("top_k", "top_p") if getattr(args, name) is not None), None)
         if sampling and args.temperature == 0:  # greedy takes the most likely token: k and p would change nothing
             parser.error(f"--{sampling.replace('_', '-')} applies to sampling, with --temperature above 0")
-        if args.float32 and args.compile:
-            parser.error("--compile applies to the quantized model, not to --float32")
+        if args.float32 and args.compile: parser.error("--compile applies to the quantized model, not to --float32")
         try:
             device = pick_device(args.device)
         except ValueError as e:
