@@ -1670,16 +1670,19 @@ def train_bpe(text, vocab_size):
 #   >>> tok.decode(tok.encode("naïve 😀, 中文")) == "naïve 😀, 中文"   # any text, unseen bytes too
 #   True
 
-# A released tokenizer adds three steps around the merges. A special token's text (<|im_start|>) is cut out first as
-# that token. A pre-tokenizer splits the rest into pieces (words, numbers, runs of spaces) that merges never cross, so "
-# dog" is one token before "." or "!". The vocabulary file spells each token's bytes in GPT-2's 256 printable stand-ins
-# (a space is Ġ), ids in file order. A vocabulary may lack bytes: SmolLM2's lacks 21 its training text never had
-# (controls such as \x1d, bytes UTF-8 hardly uses), and its tokenizer drops them. BasicTokenizer's loop recounts every
-# pair after each merge, quadratic in a piece's length: minutes for a 1 MiB word without a space. BPETokenizer's
-# apply_merges gets the same ids by a heap, as the tokenizers library and llama.cpp do: n log n, seconds.
+# A released tokenizer adds three steps around the merges. A special token's text (<|im_start|>) is cut out first and
+# becomes that token. A pre-tokenizer splits the rest into pieces (words, numbers, runs of spaces) that merges never
+# cross, so " dog" is one token whether "." or "!" follows it. The vocabulary file spells each token's bytes in GPT-2's
+# 256 printable stand-ins (a space is Ġ) so that it is printable text, and a token's id is its place in the file. A
+# vocabulary may lack bytes: SmolLM2's lacks 21 that its training text never had (controls such as \x1d, bytes that
+# UTF-8 never or hardly uses), and its tokenizer drops them. BasicTokenizer's loop counts every pair again after each
+# merge, which is quadratic in a piece's length: a 1 MiB word without a space is one piece and takes minutes.
+# BPETokenizer's apply_merges finds the same ids with a heap, as the tokenizers library and llama.cpp do, in about
+# n log n steps, so the same word takes seconds.
 
 def byte_to_char():
-    """GPT-2's stand-ins {byte: character} (its encoder.py's bytes_to_unicode): the 68 unprintable get chr(256 + n)."""
+    """GPT-2's stand-ins {byte: character} (bytes_to_unicode in its encoder.py). A printable byte stands for itself;
+    each of the other 68 (controls, space, ...) stands for chr(256 + n), n counting them in byte order."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
@@ -1687,7 +1690,8 @@ def byte_to_char():
 
 @functools.cache
 def unicode_classes():
-    """{"L": ..., "N": ...}: re class bodies of Unicode's L and N categories (regex's \\p{L}, \\p{N}); one 1.1M pass."""
+    """{"L": ..., "N": ...}: bodies of re character classes for the Unicode categories L (letters) and N (numbers),
+    the regex module's \\p{L} and \\p{N}, which re lacks. It takes one pass over 1.1M code points, on first use."""
     spans = {"L": [], "N": []}
     for code in range(0x110000):
         runs = spans.get(unicodedata.category(chr(code))[0])
@@ -1708,11 +1712,13 @@ GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(
 # number character a piece: Unicode Nd, Nl and No, so ½, Ⅷ and ² as well as 0-9, but not the letter 三. transformers 5.24
 # builds this file's tokenizer without that step. No merge of SmolLM2 joins a digit 0-9 to anything, so " 2024" is the
 # same either way, but " ½" is two pieces with the step and one without, with other ids ([Ġ, Â½] against [ĠÂ, ½]).
+# Such details make hand-written tokenizers disagree.
 PRE_TOKENIZERS = {"gpt-2": [GPT2_SPLIT], "smollm": ["[{N}]", GPT2_SPLIT]}
 
 
 class BPETokenizer(BasicTokenizer):
-    """BasicTokenizer as a file holds it: tokens in GPT-2's stand-ins (id = index), merges as token pairs in order."""
+    """BasicTokenizer as a released file holds it: tokens spelled in GPT-2's stand-ins (a token's id is its index),
+    merges as pairs of tokens, earliest first; pre names the pre-tokenizer, and specials are the special tokens' ids."""
 
     def __init__(self, tokens, merges, pre="gpt-2", specials=(), eos_id=None, chat_template=""):
         super().__init__()
@@ -1744,8 +1750,9 @@ class BPETokenizer(BasicTokenizer):
         return pieces
 
     def apply_merges(self, ids):
-        """BasicTokenizer's ids, by a heap: each merge's rank holds the places of its pairs, the earliest rank on top,
-        and each place links to its neighbours, so that a merge changes a few links, not the whole list."""
+        """BasicTokenizer's ids without recounting every pair after each merge. It notes where each pair that is a merge
+        stands, under the merge's rank, and keeps a heap of those ranks, the earliest on top. Each place links to
+        its neighbours, so a merge changes a few links, not the whole list."""
         ids, n = list(ids), len(ids)
         left, right = list(range(-1, n - 1)), list(range(1, n + 1))  # the neighbours' places; -1 and n: none
         places = {}                                                        # {rank: [place of its pair, ...]}
@@ -1787,7 +1794,8 @@ class BPETokenizer(BasicTokenizer):
 
 
 def train_gpt2_bpe(text, vocab_size, pre="gpt-2"):
-    """A BPETokenizer whose merges, learned on the pre-tokenizer's pieces, never cross two (minbpe's RegexTokenizer)."""
+    """A BPETokenizer whose merges are learned on the pre-tokenizer's pieces, so that none crosses two pieces (minbpe's
+    RegexTokenizer), with its tokens spelled in GPT-2's stand-ins."""
     merges = learn_merges([list(piece.encode("utf-8")) for piece in BPETokenizer([], [], pre).pieces(text)], vocab_size)
     char, vocab = byte_to_char(), BasicTokenizer(merges).vocab
     tokens = ["".join(char[b] for b in vocab[i]) for i in range(len(vocab))]
@@ -2037,7 +2045,8 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
 # q and k. Grown scores make the softmax one-hot and its gradient vanish; Dehghani et al. (2023, "Scaling Vision
 # Transformers to 22 Billion Parameters") saw such logits make training diverge. Qwen3 and Gemma 3 apply an RMSNorm over
 # each head's dk dims, one weight [dk] for all heads, to q and k BEFORE RoPE; OLMo 2 normalizes all H * dk dims before
-# it splits the heads. The order matters once the weight is learned: RoPE keeps each pair's length, a weight does not.
+# it splits the heads. The order matters once the weight is learned: RoPE keeps each pair's length, but a weight that
+# scales dim i and not its partner does not.
 
 class QKNormAttention(GroupedQueryAttention):
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, bias=False, norm_eps=1e-6):
@@ -2093,8 +2102,9 @@ def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
 # and a router that sends each token to top_k of them. The model gets E times the parameters for about top_k times the
 # compute: Mixtral-8x7B runs 2 of its 8 SwiGLU experts a token. Left alone, a router sends most tokens to a few experts,
 # which then learn more and are chosen more; an auxiliary loss (below) or DeepSeek's bias (section 31) balances them.
-# Mixtral and Qwen3-MoE take p = softmax(logits) over all E experts, keep the top_k and divide them by their sum
-# (norm_topk): a softmax over the top_k logits. Without it (Qwen1.5-MoE), top-k before or after the softmax differ.
+# Mixtral and Qwen3-MoE take p = softmax(logits) over all E experts, keep the top_k, and divide them by their sum
+# (norm_topk); after that division the weights are a softmax over the top_k logits. Without the division (Qwen1.5-MoE),
+# taking the top k before the softmax or after it gives two different models.
 
 class MoE(nn.Module):
     """Mixtral's mixture of experts: each token runs its top_k SwiGLU experts, weighted by the router's softmax."""
@@ -2137,9 +2147,10 @@ class MoE(nn.Module):
 
 
 def load_balancing_loss(router_logits, top_k):
-    """The Switch Transformer's auxiliary loss from router logits [N, E], as transformers' Mixtral computes it: E *
-    sum_e f_e * P_e, f_e the share of the top-k slots that expert e took (a count: no gradient), P_e the mean of
-    softmax(logits)[:, e]. It is top_k for uniform routing, more where probability piles up; Switch adds 0.01 x it."""
+    """The Switch Transformer's auxiliary loss from router logits [N, E], as transformers' Mixtral computes it:
+    E * sum_e f_e * P_e, where f_e is the share of the top-k slots that expert e took (a count, so it has no gradient)
+    and P_e is the mean of softmax(logits)[:, e]. The loss is top_k for uniform routing and grows where probability
+    piles up. Add it to the loss times a small factor (Switch used 0.01)."""
     if router_logits.dim() != 2 or len(router_logits) == 0:  # no tokens would give 0 / 0
         raise ValueError(f"router_logits must be [N, E] with N >= 1 tokens, got shape {list(router_logits.shape)}")
     E = router_logits.size(-1)
@@ -2226,10 +2237,11 @@ def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=N
 # w_ukv expands c into every head's key (its nope part, 128 dims) and value (128 dims). So the cache keeps only c and
 # the rope key, 576 values a token a layer in V3, against 128 x (192 + 128) = 40,960 for per-head keys and values. The
 # queries pass a low-rank bottleneck of their own (w_dq, q_norm, w_uq) "to reduce the activation memory during training"
-# (DeepSeek-V2). RoPE turns only the rope part of a head's q and k, [nope | rope]: a rotation between the query and W_uk
-# would make the score q^T R(m)^T R(n) W_uk c_n = q^T R(n - m) W_uk c_n depend on the pair of positions, and W_uk could
-# not be folded into the query once for all keys (3a below). DeepSeek's checkpoints pair neighbours (x[2i], x[2i+1]) in
-# the rope part (rope_interleave=True): section 19's halves after a fixed permutation of w_uq's and w_dkv's rope rows.
+# (DeepSeek-V2). RoPE turns only the rope part of a head's q and k, [nope | rope], because a rotation between the query
+# and W_uk would make the score q^T R(m)^T R(n) W_uk c_n = q^T R(n - m) W_uk c_n depend on the pair of positions, and
+# W_uk could not be folded into the query once for all keys (3a below). DeepSeek's checkpoints pair neighbours (x[2i],
+# x[2i+1]) in the rope part (rope_interleave=True), which is section 19's halves after a fixed permutation of the rope
+# rows of w_uq (or w_q) and w_dkv.
 
 class LatentCache:
     """One MLA module's cache, with KVCache's append and len: latents [B, t, r] and turned rope keys [B, t, rope]."""
@@ -2297,7 +2309,8 @@ class MultiHeadLatentAttention(nn.Module):
         absorbed = past > 0 if absorb is None else absorb                  # decoding: absorbed; a prefill: expanded
         if absorbed:
             # 3a. absorbed: q_nope . (W_uk c) = (W_uk^T q_nope) . c, so each head's query is r wide, and all heads share
-            # one key [c | k_rope] and value c (as in MQA); q is rescaled for section 2's sqrt(r + rope).
+            # one key [c | k_rope] and value c (as in MQA). Section 2 divides the scores by sqrt(r + rope) where they
+            # need sqrt(nope + rope), so q makes up the difference.
             q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)        # [B, H, Tn, r]
             q = torch.cat([q_latent, q_rope], dim=-1) * math.sqrt(
                 (self.kv_lora_rank + self.rope) / (self.nope + self.rope))  # [B, H, Tn, r+rope]
@@ -2331,9 +2344,10 @@ class MultiHeadLatentAttention(nn.Module):
 # which extends Mixtral's in four ways. A token runs 8 of 256 routed experts plus a shared expert. The router scores
 # each expert by s = sigmoid(logits), not a softmax. The load is balanced without an auxiliary loss: s + router_bias
 # ranks the experts, and s alone weighs the chosen ones, divided by their sum and times routed_scale (2.5). After each
-# optimizer step the bias moves by rate against each expert's last load, padded positions counted too; V3 trained with
-# rate 0.001, then 0 for its last 500B tokens. Last, with n_groups > 1 (V3: 8 groups of 32, a node each), a token picks
-# only from the topk_groups (4) groups whose best two experts score highest, so its experts sit on few nodes.
+# optimizer step the bias moves by rate against each expert's load in the last forward, padded positions counted too;
+# V3 trained with rate 0.001, then 0 for its last 500B tokens. Last, with n_groups > 1 (V3 has 8 groups of 32 experts,
+# one node's each), a token picks only from the topk_groups groups (4 in V3) whose best two experts score highest, so
+# its experts sit on few nodes.
 
 class DeepSeekMoE(MoE):
     def __init__(self, d_model, d_ff, n_experts, top_k, n_shared=0, norm_topk=True, n_groups=1, topk_groups=1,
@@ -2435,7 +2449,8 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
                            d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1, n_dense_layers=1,
                            n_groups=1, topk_groups=1, routed_scale=1.0, norm_topk=True, max_len=4096,
                            rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, rope_interleave=True, active=False):
-    """Closed form of count_parameters(DeepSeekV3(...)), same keywords and checks; active=True: one token's share."""
+    """Closed form of count_parameters(DeepSeekV3(...)), same keywords and checks; active=True counts the parameters
+    one token's forward uses. router_bias is a buffer, not a parameter."""
     if n_dense_layers > n_layers:
         raise ValueError(f"n_dense_layers ({n_dense_layers}) must be at most n_layers ({n_layers})")
     if qk_rope_dim % 2:
@@ -2487,11 +2502,13 @@ class MultiTokenPrediction(nn.Module):
         if past + 1 + next_ids.size(1) > model.max_len:  # else fewer RoPE angles than tokens, which could broadcast
             raise ValueError(f"next_ids has length {next_ids.size(1)} after {past} cached, expected 1 to"
                              f" max_len - 1 - {past} = {model.max_len - 1 - past}")
-        # The embedding comes first, as vLLM's, SGLang's and transformers' DeepSeek MTP read the released eh_proj
-        # (DeepSeek's own inference code has none); the report writes [RMSNorm(h); RMSNorm(Emb)]: other numbers.
+        # The embedding comes first, as vLLM's and SGLang's DeepSeek MTP and transformers' MtpLayer read the released
+        # eh_proj (DeepSeek's own inference code has no MTP module). The report's equation writes [RMSNorm(h);
+        # RMSNorm(Emb)], and the two orders give other numbers on the same weights.
         x = torch.cat([self.enorm(model.token_embedding(next_ids)), self.hnorm(hidden)], dim=-1)  # [B, Tn, 2D]
         x = self.eh_proj(x)                                                # [B, Tn, D]
-        # The block reads token t + 1 at RoPE's position t + 1, as transformers' position_ids (any offset: same numbers)
+        # The block reads token t + 1, so it takes RoPE's angles of position t + 1, as transformers' position_ids do
+        # (RoPE is relative, so any offset gives the same numbers), and its own causal mask.
         cos, sin = model.cos[past + 1:past + 1 + x.size(1)], model.sin[past + 1:past + 1 + x.size(1)]  # [Tn, dk]
         mask = make_causal_mask(x.size(1), x.device, past)                 # [1, 1, Tn, past+Tn]
         states = self.final_norm(self.block(x, cos, sin, mask, cache))    # [B, Tn, D]
@@ -2511,7 +2528,8 @@ def mtp_module(model):
 
 
 def logits_and_hidden(model, input_ids, cache=None):
-    """model(input_ids, cache) [B, Tn, V] and, caught by a hook, its final_norm's output [B, Tn, D], which MTP reads."""
+    """model(input_ids, cache) [B, Tn, V] and its final_norm's output [B, Tn, D], which lm_head and MTP read. A hook
+    catches that output, because the families' forward returns logits only."""
     read = []
     hook = model.final_norm.register_forward_hook(lambda module, args, out: read.append(out))
     try:
@@ -2549,7 +2567,8 @@ def mtp_loss(model, mtp, input_ids, target, weight=0.3, ignore_index=-100):
 # ===========================================================================
 # A MoE model has two sizes. The total must fit in memory; the active parameters, the ones one token's forward uses, set
 # the compute. Each family's formula gives both, and the count on the meta device checks the total. The active count
-# takes all of the input embedding table (0.93B in DeepSeek-V3), though a token reads one row: 37.55B, DeepSeek's 37B.
+# takes all of the input embedding table (0.93B in DeepSeek-V3), though a token reads one row, so it gives 37.55B where
+# DeepSeek says 37B.
 
 def mla_cache_bytes_per_token(n_layers, kv_lora_rank, qk_rope_dim, bytes_per_value=2):
     """The cache memory one token takes in MLA: its latent and its rope key in every layer, 2 bytes a value in bf16."""
@@ -2571,7 +2590,8 @@ FRONTIER_CONFIGS = [
      671_026_404_352, 37_552_282_624, "671B / 37B (685B with the MTP module)"),
 ]
 # Where DeepSeek-V3's 671B go: 58 MoE layers x 256 experts x 3 x 7168 x 2048 = 654B are routed experts (97%). A token
-# runs 8 of them, 20.4B, plus 11.4B attention, 2.6B shared experts, 1.2B dense feed-forward, 1.9B embeddings: 37.6B.
+# runs 8 of them, 20.4B, plus 11.4B of attention (61 layers), 2.6B of shared experts, 1.2B of dense feed-forward (3
+# layers) and 1.9B of embeddings and lm_head: 37.6B.
 
 # Try it: DeepSeek-V3's totals, and the bf16 cache a token takes, latent against per-head (68.6 KiB, 4.77 MiB).
 #   >>> name, kind, config, total, active, reported = FRONTIER_CONFIGS[2]
@@ -2603,10 +2623,11 @@ FRONTIER_CONFIGS = [
 # by e^-1: l = 1.5530, acc = 40.70, out = 26.21 and lse = 3 + ln l = 3.4402, as one softmax gives. The max keeps every
 # e^x <= 1, so nothing overflows, and the rescaling makes the blocks' order irrelevant. A GPU gains because the tiles
 # stay in on-chip SRAM (19 TB/s on an A100 against 1.5-2.0 TB/s of HBM, the paper says), where section 2 writes S and P
-# to HBM and reads them back: more arithmetic, and still faster. Here a tile is a dozen torch calls, so the code shows
-# the math and the O(T * block) memory; --bench measures speed. The backward saves q, k, v, out and lse [Tq] and
-# recomputes each tile's P = e^(S - lse): more FLOPs for less memory, still faster on a GPU than reading a saved [T, T]
-# P. Softmax's Jacobian enters as delta = rowsum(dO * O), the sum over keys of P * dP, in dS = P * (dP - delta).
+# to HBM and reads them back; the fused kernel does more arithmetic and is still faster. Here a tile is a dozen torch
+# calls, so the code shows the math and the O(T * block) memory, and --bench measures its speed. The backward saves q,
+# k, v, out and lse [Tq] and recomputes each tile's P = e^(S - lse): it spends more FLOPs for less memory, which on a
+# GPU is still faster than reading a saved [T, T] P. Softmax's Jacobian enters through delta = rowsum(dO * O), which
+# equals the sum over keys of P * dP, in dS = P * (dP - delta).
 
 def flash_tile_scores(q_block, k_block, q_start, k_start, offset, causal):
     """A tile's scaled scores [B, H, bq, bk]; causal: -inf on the keys after each query (query i is key i + offset)."""
@@ -2614,7 +2635,8 @@ def flash_tile_scores(q_block, k_block, q_start, k_start, offset, causal):
     if causal and k_start + k_block.size(2) - 1 > q_start + offset:        # the tile crosses the diagonal
         rows = torch.arange(q_start, q_start + q_block.size(2), device=q_block.device) + offset  # [bq]
         cols = torch.arange(k_start, k_start + k_block.size(2), device=q_block.device)  # [bk]
-        # -inf is safe, unlike in section 2: each query sees key 0 (Tq <= Tk), so its max is finite after tile 1
+        # -inf is safe here, unlike in section 2's masks: every query sees key 0 (Tq <= Tk), so its running max is
+        # finite after the first tile, and e^-inf is an exact 0
         scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))  # [B, H, bq, bk]
     return scores
 
@@ -2876,7 +2898,8 @@ class PagedKVCache(KVCache):
                              f" got k {list(k.shape)}, v {list(v.shape)}")
         store_k, store_v = self.pool.storage_for(k, v)                     # [n_blocks, Hkv, bs, dk] each
         bs, Tn = self.pool.block_size, k.size(2)
-        # in place: after a failed forward (section 22) the blocks taken here stay, reserved for the next tokens
+        # in place: when a model puts its caches back after a failed forward (section 22), the blocks taken here stay
+        # in the table, reserved for the next tokens
         self.blocks += self.pool.take(-(-(self.n + Tn) // bs) - len(self.blocks))  # ceil: the blocks needed
         position = torch.arange(self.n, self.n + Tn, device=k.device)     # [Tn]
         block = torch.tensor(self.blocks, device=k.device)[position // bs]  # [Tn]: the block table, read
@@ -2901,7 +2924,8 @@ class PagedKVCache(KVCache):
 
 
 class PagedLatentCache(LatentCache):
-    """MLA's cache (section 30) in a KVPool's blocks by PagedKVCache's code, latent and rope key as one head's k, v."""
+    """MLA's cache (section 30) in a KVPool's blocks, by PagedKVCache's code, with the latent and the rope key stored as
+    one head's k and v. It is a LatentCache, not a KVCache, so a Llama refuses it."""
     __init__, __len__, crop, free = PagedKVCache.__init__, PagedKVCache.__len__, PagedKVCache.crop, PagedKVCache.free
 
     def append(self, latent, k_rope):
@@ -2933,20 +2957,23 @@ def padded_and_paged_slots(lengths, block_size):
 # ===========================================================================
 # 37. RoPE for long context: interpolation, Llama 3.1, YaRN (长上下文的 RoPE)
 # ===========================================================================
-# A model trained on L positions never saw RoPE angles past L * theta_i and falls apart beyond them. Three stretches:
+# A model trained on L positions has never seen RoPE angles past L * theta_i, and it falls apart beyond them. Three
+# stretches replace section 19's inverse frequencies with new ones:
 # - linear (position interpolation, Chen et al., 2023) divides every frequency by the factor s, so position p looks like
 #   p / s. It squeezes the fast pairs too, and the YaRN paper hypothesizes that this loses the fine local order learned.
 # - llama3 keeps the pairs whose wavelength 2 pi / theta_i is below L / high_freq_factor, divides those above L /
 #   low_freq_factor by the factor, and blends linearly in L / wavelength between. Llama-3.1-8B (LLAMA_3_1_SCALING below)
-#   keeps pairs 0-28, blends 29-34 and slows 35-63: 131,072 positions on Llama-3-8B's 8,030,261,248 parameters.
+#   keeps pairs 0-28, blends 29-34 and slows 35-63, so 131,072 positions run on Llama-3-8B's 8,030,261,248 parameters.
 # - yarn ("by parts", Peng et al., 2023, after bloc97's NTK-aware base theta * s^(dk/(dk-2))) keeps a pair that turned
 #   many times within L, having seen every angle, and slows by s a pair that never finished a turn. A ramp runs between,
 #   from the pair turning beta_fast (32) times within L to the one turning beta_slow (1), its ends rounded outwards as
 #   the references do. YaRN also sets a temperature: cos and sin times 0.1 ln s + 1 (fitted on Llama) sharpen every
-#   score, which more keys would flatten; a model that forgets it runs worse. For its yarn (4K to 128K tokens)
-#   DeepSeek-V3, whose MLA turns only rope dims, puts (0.1 * mscale_all_dim * ln s + 1)^2 into its softmax scale.
-# The pitfall: cached keys are already turned (section 21), so a static scaling (as here) is chosen once: turned again
-# mid-generation, they turn twice. Dynamic NTK and YaRN rescale with the length and cache keys unturned (YaRN, 3.3).
+#   score, which more keys would flatten; a model that forgets it runs worse. DeepSeek-V3 stretches its RoPE by yarn
+#   from 4K to 128K tokens, but its MLA turns only the rope dims, so it puts (0.1 * mscale_all_dim * ln s + 1)^2 into
+#   its softmax scale instead; with_rope_scaling refuses yarn for MLA.
+# The pitfall: the cache holds keys already turned (section 21). A static scaling, the kind here, is chosen once:
+# turning the cached keys again to switch mid-generation turns them twice. Dynamic NTK and YaRN rescale with the
+# length, so they cache the keys before RoPE (the YaRN paper, section 3.3).
 
 SCALING_KEYS = {  # each type's keys, then its optional ones
     "linear": (["factor"], []),
@@ -3061,12 +3088,16 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 # can attend to nothing. A sink fixed at 0 is Evan Miller's softmax_1 ("Attention Is Off By One", 2023).
 #
 # The rest of gpt-oss is earlier sections with small changes:
-# - Its layers alternate full attention and a 128-token window (section 35, with its rolling cache), per layer_types.
-# - Its attention is GQA with biases: 64 query heads 64 wide (4096 in a model 2880 wide: section 28) share 8 kv heads.
-# - Its feed-forward is a MoE (section 29) with a biased router; a softmax over its top-k logits is Mixtral's weights.
-# - Its experts have biases and a clamped SwiGLU, as OpenAI's reference code (gpt_oss/torch/model.py, swiglu) writes it
-#   (ClampedSwiGLU below). x sigmoid(1.702 x) approximates GELU (Hendrycks and Gimpel, 2016). The + 1 lets a channel
-#   whose up is 0 pass gate's value on. The clamps bound both factors; the limit is 7.0 in both models.
+# - Its layers alternate a 128-token window (section 35, with its rolling cache) and full attention, the first layer
+#   sliding, in the order that layer_types lists.
+# - Its attention is GQA with biases on q, k, v and o. 64 query heads 64 wide share 8 key/value heads, so the heads
+#   together are 4096 wide in a model 2880 wide (section 28's free head width).
+# - Its feed-forward is a MoE (section 29) whose router has a bias and softmaxes its top-k logits. These are Mixtral's
+#   weights, because the top-k of a softmax over all E, divided by their sum, are the same.
+# - Its experts have biases and a clamped SwiGLU, as OpenAI's reference code (gpt_oss/torch/model.py, swiglu) writes it:
+#   out = (up + 1) * gate * sigmoid(1.702 gate), after gate = min(gate, limit) and up = clamp(up, -limit, limit).
+#   x sigmoid(1.702 x) approximates GELU (Hendrycks and Gimpel, 2016). The + 1 lets a channel whose up is 0 pass gate's
+#   value on. The clamps bound both factors; the limit is 7.0 in both models.
 # - Its RoPE is YaRN (section 37) from 4,096 to 131,072 positions, with the ramp's ends unrounded. So a GptOss takes its
 #   scaling only as rope_scaling= when built: with_rope_scaling would give it the rounded ramp, lost on reloading.
 
@@ -3095,7 +3126,8 @@ class GptOssAttention(SinkAttention):
     """SinkAttention with heads head_dim wide, biases on q, k, v and o, and window None (full) or section 35's band."""
 
     def __init__(self, d_model, n_heads, n_kv_heads, head_dim, bias=True, window=None):
-        # GQA at the width H * head_dim makes the heads head_dim wide; the projections, which read d_model, come again
+        # GQA's constructor at the width H * head_dim makes the heads head_dim wide. The projections are built again,
+        # because they read d_model and w_o has a bias too.
         super().__init__(n_heads * head_dim, n_heads, n_kv_heads, bias)
         self.w_q = nn.Linear(d_model, n_heads * head_dim, bias=bias)
         self.w_k = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
@@ -3155,7 +3187,8 @@ def gpt_oss_yarn_frequencies(head_dim, theta, scaling):
 
 
 class GptOss(Mixtral):
-    """Mixtral with GptOssAttention and BiasedRouterMoE; layer_types' sliding layers (None: every other) get windows."""
+    """Mixtral with GptOssAttention and BiasedRouterMoE. The layers that layer_types calls sliding get the window (None:
+    every other layer, the first one sliding). rope_scaling is None or gpt-oss's yarn."""
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                  rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=True, n_experts=8, top_k=2,
@@ -3214,7 +3247,8 @@ def gpt_oss_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=Non
 GPT_OSS_YARN = {"type": "yarn", "factor": 32.0, "original_max_len": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
 GPT_OSS_COMMON = dict(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64, d_ff=2880, top_k=4,
                       max_len=131072, rope_theta=150000.0, norm_eps=1e-5, window=128, rope_scaling=GPT_OSS_YARN)
-# Rows as FRONTIER_CONFIGS'; OpenAI's active counts leave out the 579,133,440 embeddings: 5,132,849,472, 3,608,307,264.
+# Each row is as in FRONTIER_CONFIGS (section 33). OpenAI's active counts leave out the input embedding table (V D =
+# 579,133,440, of which a token reads one row), so they are 5,132,849,472 and 3,608,307,264.
 GPT_OSS_CONFIGS = [
     ("gpt-oss-120b", "gptoss", dict(GPT_OSS_COMMON, n_layers=36, n_experts=128), 116_829_156_672, 5_711_982_912,
      "116.8B / 5.1B (active without the embedding table)"),
@@ -3222,8 +3256,9 @@ GPT_OSS_CONFIGS = [
      "20.9B / 3.6B (active without the embedding table)"),
 ]
 # Where gpt-oss-120b's 116.8B go: 36 layers x 128 experts x (3 x 2880 x 2880 + biases) = 114.7B are experts (98%). A
-# token runs 4 of them, 3.6B, plus 0.96B of attention and 1.16B of embeddings and lm_head. Its bf16 cache takes
-# 2 x 8 x 64 x 2 bytes = 2 KiB a token a layer: 36 KiB a token in the 18 full layers; the 18 sliding ones hold 4.5 MiB.
+# token runs 4 of them, 3.6B, plus 0.96B of attention and 1.16B of embeddings and lm_head. Its bf16 cache takes 2 x 8 x
+# 64 x 2 bytes = 2 KiB a token a layer: 36 KiB a token in the 18 full layers, while the 18 sliding ones hold 128 tokens
+# each, 4.5 MiB in all.
 
 # Try it: a sink of -inf is section 2's attention; a large one takes everything, and the head reads nothing.
 #   >>> attn, mask = SinkAttention(d_model=32, n_heads=4, n_kv_heads=2), make_causal_mask(5)  # mask [1, 1, 5, 5]
@@ -3254,10 +3289,11 @@ GPT_OSS_CONFIGS = [
 # 39. Gated attention and Gated DeltaNet: Qwen3-Next (门控注意力与门控 DeltaNet)
 # ===========================================================================
 # Attention's cache grows with every token. A linear-attention layer keeps a fixed-size memory instead, a [dk, dv]
-# matrix per head that each token writes and each query reads: one cost at token 10 or 10 million. Qwen3-Next (Qwen
-# team, September 2025) stacks three such layers, Gated DeltaNet, to one of gated attention, which sees every token
-# exactly; each feed-forward is a MoE of 512 experts and a shared one. Symbols: Hk, Hv: the DeltaNet's key and value
-# heads, dk, dv their widths, C = 2 Hk dk + Hv dv its convolution's channels, K its taps, c tokens a chunk, n chunks.
+# matrix per head that each token writes and each query reads, so it costs the same at token 10 and at token 10
+# million. Qwen3-Next (Qwen team, September 2025) stacks three such layers, Gated DeltaNet, to one of gated attention,
+# which sees every token exactly; each feed-forward is a MoE of 512 experts and a shared one. The new symbols: Hk and
+# Hv are the DeltaNet's key and value heads, dk and dv their widths, C = 2 Hk dk + Hv dv the channels of its
+# convolution, K the convolution's taps, c a chunk's tokens and n the number of chunks.
 #
 # Qwen3's attention and norms change in three small ways first:
 # - A zero-centred RMSNorm scales by 1 + w, with w starting at 0. The Qwen3-Next blog reports abnormally large norm
@@ -3266,7 +3302,8 @@ GPT_OSS_CONFIGS = [
 #   Attention-Sink-Free") makes w_q twice as wide, a gate row for each query row, and multiplies the attention's output
 #   by sigmoid(gate) before w_o. The paper reports steadier training and no attention sink (section 38), since a head
 #   can output about 0 itself. The gate also puts a non-linearity between w_v and w_o, otherwise one low-rank map.
-# - Partial RoPE turns only the first 25% of each head's dims (64 of 256); the rest match by content, at any distance.
+# - Partial RoPE turns only the first 25% of each head's dims (64 of 256). The rest carry no position, so part of every
+#   head matches by content alone, at any distance.
 
 class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm scaled by 1 + weight, weight from 0: every Qwen3-Next norm but the DeltaNet's gated output norm."""
@@ -3332,7 +3369,8 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
 
 # Token by token suits decoding, but a prompt or a training batch would take T small sequential steps. The chunked form
 # (Yang et al., 2024, "Parallelizing Linear Transformers with the Delta Rule over Sequence Length": the WY/UT transform)
-# does c tokens at once. In a chunk, with gamma_i the log-decays summed to token i and S the memory before, for all i:
+# does c tokens at once. Within a chunk, let gamma_i be the log-decays summed from its start to token i and S the memory
+# before it; unrolling the recurrence gives, for every i at once:
 #     d_i + sum_{j<i} beta_i e^(gamma_i - gamma_j) (k_i . k_j) d_j = beta_i v_i - beta_i e^(gamma_i) S^T k_i
 #     o_i = e^(gamma_i) S^T q_i + sum_{j<=i} e^(gamma_i - gamma_j) (q_i . k_j) d_j
 #     S  <- e^(gamma_c) S + sum_j e^(gamma_c - gamma_j) k_j d_j^T
@@ -3341,7 +3379,7 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
 # after it run chunk after chunk. The pitfall is e^(gamma_i - gamma_j): a difference of two cumulative log-decays
 # hundreds large keeps their rounding (~|gamma| * 6e-8: 3e-7 in float32 where |g| reaches 20 a token), and after a g of
 # -inf (forget everything) it is -inf - -inf, NaN, where token by token is finite. So it is summed as g_(j+1) + ... +
-# g_i (transformers subtracts). The two forms then agree to 1e-15 in float64, and float32 is a few 1e-7 from float64.
+# g_i (transformers subtracts). The two forms then agree to 1e-15 in float64; float32 is a few 1e-7 off (|o| near 1).
 def gated_delta_rule_chunked(q, k, v, g, beta, memory, chunk=64):
     """The same, `chunk` tokens at a time (training, the prompt; 64 as transformers and flash-linear-attention)."""
     T, pad = q.size(2), -q.size(2) % chunk  # padded tokens neither fade (g 0) nor write (beta 0, k 0)
@@ -3391,8 +3429,9 @@ class GatedRMSNorm(RMSNorm):
 
 
 class GatedDeltaNet(nn.Module):
-    """Qwen3-Next's linear attention: project; a causal convolution and SiLU; L2-normed q and k; the gated delta rule, a
-    memory per value head (n_v_heads / n_k_heads share a q and k head, as in GQA); the gated norm; out_proj."""
+    """Qwen3-Next's linear attention: project; a causal convolution and SiLU; L2-normed q and k; the gated delta
+    rule, a memory per value head (n_v_heads / n_k_heads value heads share a q and k head, as in GQA); the gated norm;
+    out_proj."""
 
     def __init__(self, d_model, n_k_heads, n_v_heads, k_dim, v_dim, conv_size=4, norm_eps=1e-6):
         super().__init__()
@@ -3448,7 +3487,7 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedSharedExpert(SwiGLU):
-    """Qwen's shared expert: a SwiGLU every token runs, times sigmoid(gate(x)), a number a token (DeepSeek's: 1)."""
+    """Qwen's shared expert: a SwiGLU every token runs, times sigmoid(gate(x)) (DeepSeek's runs at full weight)."""
 
     def __init__(self, d_model, d_ff):
         super().__init__(d_model, d_ff)
@@ -3464,7 +3503,9 @@ def qwen3_next_layer_types(n_layers, interval=4):
 
 
 class Qwen3Next(Qwen3):
-    """Qwen3 with GatedDeltaNet or GatedAttention blocks by layer_types (None: 3 to 1), MoE and GatedSharedExpert."""
+    """Qwen3 with Qwen3-Next's blocks: a GatedDeltaNet or a GatedAttention, as layer_types says (None: three DeltaNet
+    layers, then one attention layer, over and over), and a softmax-routed MoE with a gated shared expert. The DeltaNet
+    and MoE sizes default to Qwen3-Next-80B-A3B's."""
     cache_kind = object  # the kind differs by layer: new_cache() gives them, and forward checks them
 
     def __init__(self, vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, head_dim=None, max_len=2048,
@@ -3545,7 +3586,8 @@ def qwen3_next_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=
 
 def qwen3_next_cache_bytes(config, length, bytes_per_value=2):
     """Cache bytes after `length` tokens of config's Qwen3Next: each attention layer's keys and values, each DeltaNet
-    layer's memory and last K - 1 convolution inputs (bytes_per_value for all; this file's memory is float32)."""
+    layer's memory and last K - 1 convolution inputs. bytes_per_value counts for all; this file's GatedDeltaNet keeps
+    the memory in float32 even in a bf16 model, as transformers' torch path does, so pass 4 to count that."""
     n_attention = (config["layer_types"] or qwen3_next_layer_types(config["n_layers"])).count("full_attention")
     head_dim = config["head_dim"] or config["d_model"] // config["n_heads"]
     kv = kv_cache_bytes_per_token(1, config["n_kv_heads"] or config["n_heads"], head_dim, bytes_per_value)  # a layer
@@ -3563,8 +3605,9 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, 
                       layer_types=None, linear_k_heads=16, linear_v_heads=32, linear_k_dim=128, linear_v_dim=128,
                       conv_size=4, n_experts=512, top_k=10, expert_d_ff=512, shared_d_ff=512, norm_topk=True)
 # Its bf16 cache: 12 attention layers x 2 kv heads x 256 x 2 (K, V) x 2 bytes = 24 KiB a token, and 36 DeltaNet layers x
-# (32 x 128 x 128 + 3 x 8192) x 2 bytes = 37.7 MiB at any length (72 MiB here, in float32). At 4K, 32K, 256K tokens:
-# 133.7, 805.7 and 6,181.7 MiB, against Llama-3-8B's 512, 4,096 and 32,768 MiB. Attention dominates past ~1,600 tokens.
+# (32 x 128 x 128 + 3 x 8192) x 2 bytes = 37.7 MiB at any length, as a bf16 kernel keeps it (this file's float32: 72
+# MiB). At 4K, 32K and 256K tokens that is 133.7, 805.7 and 6,181.7 MiB, against 512, 4,096 and 32,768 MiB for
+# Llama-3-8B's 128 KiB a token. Attention still dominates past about 1,600 tokens.
 
 # Try it: the two forms of the delta rule agree; the hybrid's cache; the memory it saves.
 #   >>> _ = torch.manual_seed(0)
@@ -3598,15 +3641,16 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, 
 # 40. DeepSeek's sparse attention: DeepSeek-V3.2 (DeepSeek 稀疏注意力)
 # ===========================================================================
 # MLA made the cache small, but each new token still reads all of it, so attention's work grows with the context.
-# DeepSeek-V3.2 (DeepSeek Sparse Attention, DSA) lets a cheap scorer, the lightning indexer, pick index_topk earlier
-# tokens (2048) for each query, and section 30's latent attention reads only those. The main attention goes from O(T^2)
-# to O(T k) (the V3.2-Exp report). The new shapes: Hi is the indexer's heads (64 in V3.2), di their width (128).
+# DeepSeek-V3.2 (DeepSeek Sparse Attention, DSA) lets a cheap scorer, the lightning indexer, pick topk = index_topk
+# earlier tokens (2048) for each query, and section 30's latent attention reads only those. The main attention goes from
+# O(T^2) to O(T k) (the V3.2-Exp report). The new shapes: Hi is the indexer's heads (64 in V3.2), di their width (128).
 #
-# Query t scores token s by I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]) (the report's eq. 1). Its Hi small query heads
-# come from MLA's query latent, one key a token serves all, and the query weighs each head; ReLU replaces a softmax "for
-# throughput". Its RoPE pairs halves (section 19), where MLA pairs neighbours: DeepSeek's demo turned neighbours until
-# November 2025, hurting long-context retrieval (sglang's RULER runs). DeepSeek's code multiplies q and k by an
-# orthogonal Hadamard matrix before FP8 rounding, leaving q . k unchanged; transformers and this file leave it out.
+# Query t scores token s by I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s]) (the report's equation 1). Its Hi small query
+# heads come from MLA's query latent, one key a token serves all of them, and the query token sets a weight per head.
+# It uses ReLU rather than a softmax "for throughput". Its RoPE pairs halves (section 19), where MLA pairs neighbours;
+# DeepSeek's inference demo turned neighbours here until November 2025, and long-context retrieval suffered (sglang's
+# RULER runs). DeepSeek's code also multiplies q and k by a Hadamard matrix before rounding them to FP8; the matrix is
+# orthogonal, so q . k is unchanged in exact arithmetic, and transformers and this file leave it out.
 
 class IndexedLatentCache(LatentCache):
     """LatentCache plus the lightning indexer's keys [B, t, di]: di values a token a layer more."""
@@ -3636,7 +3680,8 @@ class LightningIndexer(nn.Module):
         self.w_heads = nn.Linear(d_model, index_n_heads, bias=False)      # each head's weight, set by the query
 
     def scores(self, x, q_latent, cos, sin, cache=None):
-        """I[t, s] [B, Tn, t], new tokens t, all tokens s: x [B, Tn, D]; q_latent [B, Tn, q rank] (MLA's); cos, sin."""
+        """I[t, s] for the new tokens t and every token s -> [B, Tn, t]. x [B, Tn, D]; q_latent [B, Tn, q rank] is MLA's
+        q_norm(w_dq(x)); cos, sin [Tn, rope]; cache an IndexedLatentCache."""
         B, Tn, _ = x.shape
         q = self.w_uq(q_latent).view(B, Tn, self.n_heads, self.head_dim).transpose(1, 2)  # [B, Hi, Tn, di]
         q = apply_partial_rope(q, cos, sin)                                # [B, Hi, Tn, di]
@@ -3648,7 +3693,8 @@ class LightningIndexer(nn.Module):
         w = self.w_heads(x) / math.sqrt(self.n_heads)                      # [B, Tn, Hi]
         return torch.einsum("bhts,bth->bts", relu, w)                      # [B, Tn, t]
 
-    # No gradient: autograd cannot follow top-k; DeepSeek trains the indexer apart, by a KL loss to the dense attention.
+    # No gradient: autograd cannot follow top-k, and the main loss gives the indexer nothing anyway. DeepSeek trains it
+    # apart, by a KL loss to the dense attention, so here it runs as an inference-only scorer.
     @torch.no_grad()
     def forward(self, x, q_latent, cos, sin, mask=None, cache=None):
         """As scores(); mask [1, 1, Tn, t] or None -> [B, 1, Tn, t], True at the tokens each query keeps."""
@@ -3699,7 +3745,8 @@ def deepseek_v32_param_formula(index_n_heads=64, index_head_dim=128, index_topk=
     return deepseek_param_formula(**deepseek) + deepseek["n_layers"] * indexer
 
 # DeepSeek-V3.2 at DeepSeek-V3's sizes (section 33) and the indexer's (64 heads of 128, top 2048) has 671,877,929,216
-# parameters, 38.40B active: V3's 671.03B and 61 x 13,959,424 = 0.85B of indexers (transformers' meta-device count).
+# parameters, 38.40B active: V3's 671.03B and 61 x 13,959,424 = 0.85B of indexers (transformers' DeepseekV32ForCausalLM
+# counts the same on the meta device).
 
 
 # What a token costs. Over t cached tokens, absorbed MLA (section 30) does, per head, q . [c | k_rope] (r + rope) and
@@ -3707,7 +3754,8 @@ def deepseek_v32_param_formula(index_n_heads=64, index_head_dim=128, index_topk=
 # indexer adds 2 Hi (di + 1) t for ReLU(q . k) and the weighted sum, and its projections, 2 x its parameters, once.
 def sparse_attention_flops(context, n_heads=128, kv_lora_rank=512, qk_rope_dim=64, d_model=7168, q_lora_rank=1536,
                            index_n_heads=64, index_head_dim=128, index_topk=2048):
-    """One layer's FLOPs (dense, sparse) for a token over `context` tokens: what grows with it, and the projections."""
+    """FLOPs of one layer for a token reading `context` tokens, (dense latent attention, sparse): what grows with the
+    context, and the indexer's projections. The defaults are DeepSeek-V3.2's configuration."""
     per_token = 2 * n_heads * (2 * kv_lora_rank + qk_rope_dim)            # every head, one key and one value
     Hi, di = index_n_heads, index_head_dim
     projections = 2 * (q_lora_rank * Hi * di + d_model * di + d_model * Hi)
@@ -3717,7 +3765,8 @@ def sparse_attention_flops(context, n_heads=128, kv_lora_rank=512, qk_rope_dim=6
 # indexer 0.10); at 128K, 36.5 dense and 2.76 sparse (7.6%), the indexer 2.19. These count what grows with the context
 # and the indexer, not MLA's own projections (0.37 GFLOPs a token in both), with which the ratios are 69% and 8.5%. Past
 # about 35K tokens scoring costs more than attending: its slope is 16,512 FLOPs a token, dense attention's 278,528; few
-# heads and FP8 keep it cheap. The cache gains di = 128 values a token a layer (85,888 bytes a token, bf16, 61 layers).
+# heads and FP8 keep it cheap. The cache gains di = 128 values a token a layer (576 + 128: 85,888 bytes a token in bf16
+# over 61 layers).
 #
 # Training. Under no_grad the indexer's forward costs FLOPs and its backward none. A weight costs 2 FLOPs a token (a
 # multiply, an add), not the 6 of a trained one (the backward's 4 compute the gradients of input and weight). Its scores
@@ -4281,23 +4330,25 @@ def merge_lora(model, merge=True):
 # ===========================================================================
 # 48. Speculative decoding (投机解码)
 # ===========================================================================
-# Decoding one sequence reads all the target's weights a token, so scoring k + 1 tokens in one forward costs about what
-# scoring one does. So a small draft proposes k tokens, the target scores all k + 1 positions in one forward, and the
-# longest prefix it agrees with is kept, plus one token of its own (Leviathan et al., 2023, "Fast Inference from
-# Transformers via Speculative Decoding"; Chen et al., 2023, "Accelerating Large Language Model Decoding with
-# Speculative Sampling"). A drafted x, drawn from the draft's law q, is kept with chance min(1, p(x) / q(x)), p the
-# target's law; at the first rejection a token is drawn from max(0, p - q), normalized. The output then follows p
-# exactly: y is kept with chance q(y) min(1, p(y) / q(y)) = min(p(y), q(y)); a rejection has chance 1 - sum(min(p, q)) =
-# sum(max(0, p - q)), the residual's own total, so the redraw adds max(0, p - q)(y), and min + max(0, p - q) = p. A
-# redraw from p itself would give min(p, q) + (1 - sum(min(p, q))) p, too much of what the draft likes. p and q are
-# next_token_probs (section 9) after temperature, top_k and top_p; at temperature 0 they are one-hot and the tokens
-# greedy's. The pitfall: after a rejection both caches hold the rejected tokens' keys; crop_cache cuts them off. A
-# rolling cache (section 35) cannot take back tokens it let go, so it holds k tokens beyond its window: a round cuts at
-# most k. A recurrent memory (Gated DeltaNet, section 39) cannot be cut back at all: speculation_cache asks each fresh
-# cache for a cut to 0, so such a model is refused before anything runs (transformers refuses it too).
+# Decoding one sequence reads all of the target's weights for each token. While that reading dominates, scoring k + 1
+# tokens in one forward costs about what scoring one does. So a small draft proposes k tokens one at a time, the target
+# scores all k + 1 positions in one forward, and the longest prefix it agrees with is kept, plus one token of its own
+# (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al., 2023,
+# "Accelerating Large Language Model Decoding with Speculative Sampling"). A drafted x, drawn from the draft's law q, is
+# kept with chance min(1, p(x) / q(x)), p the target's law; at the first rejection a token is drawn from max(0, p - q),
+# normalized. The output then follows p exactly: y is kept with chance q(y) min(1, p(y) / q(y)) = min(p(y), q(y)); a
+# rejection has chance 1 - sum(min(p, q)) = sum(max(0, p - q)), the residual's own total, so the redraw adds
+# max(0, p - q)(y), and min + max(0, p - q) = p. A redraw from p itself would give min(p, q) + (1 - sum(min(p, q))) p,
+# too much of what the draft likes. p and q are next_token_probs (section 9) after temperature, top_k and top_p; at
+# temperature 0 they are one-hot, and the tokens are greedy's. The pitfall is the caches: after a rejection both still
+# hold the rejected tokens' keys, and crop_cache cuts them off. A rolling cache (section 35) cannot take back tokens it
+# has let go, so here it holds k tokens more than its window: a round cuts at most k, and the whole window that the next
+# query reads stays. A recurrent memory (Gated DeltaNet, section 39) cannot be cut back at all, so speculation_cache
+# asks each fresh cache for a cut to 0, and such a model is refused before anything runs (transformers refuses assisted
+# decoding for its stateful models too).
 
 def crop_cache(cache, length):
-    """Every layer's cache cut to `length` tokens (fewer stay): its own crop, or each tensor's dim -2 cut."""
+    """Every layer's cache cut to `length` tokens (a shorter one is kept): its own crop, or each tensor's dim -2 cut."""
     if length < 0:  # a slice to -1 would keep all but the last token
         raise ValueError(f"length must be >= 0, got {length}")
     for c in cache:  # first the layers with a crop of their own: one may refuse (a rolling cache, a recurrent state)
@@ -4384,13 +4435,15 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 #   tensor([0.5000, 0.3000, 0.2000, 0.0000])
 
 
-# Multi-token prediction (section 32) can be the draft: MTPDraft gives its module, which reads the target's last hidden
-# state, the draft's interface. Each call reads the states the target's last forward left for the kept tokens and runs
-# the module on unseen ones. The first round, with nothing to read, proposes from a uniform law, almost always rejected:
-# the target writes its own token, as in transformers' MTP drafting. A round's second drafted token has no target state
-# before it, so the module's own stands in (vLLM does so, warning that fewer are kept; DeepSeek-V3 drafts one token,
-# keeps 85-90%, and gets 1.8 times the tokens per second). There the module is one block of 62; on the toy, one of 3 and
-# of the costliest kind (MLA and an 8-expert MoE: a target forward): it saves target forwards, not time (--after).
+# Multi-token prediction (section 32) can be the draft. Its module reads the target's last hidden state, so MTPDraft
+# wraps it in the draft's interface. Each call reads the states that the target's latest forward left for the tokens
+# it kept, and runs the module on the tokens it has not seen. The first round has nothing to read, so it proposes from
+# a uniform law; the guess is almost always rejected, and the round writes the target's own token, as transformers' MTP
+# drafting does. A round's second drafted token has no target state before it, so the module's own state stands in
+# (vLLM does the same and warns that fewer are kept; DeepSeek-V3's report drafts one token, keeps 85-90% of them, and
+# gets 1.8 times the tokens per second). There the module is one block of 62. On the toy it is one of 3 and of the
+# costliest kind (MLA and the 8-expert MoE cost about a whole target forward), so it saves target forwards, not time
+# (the --after run measures both).
 
 class MTPCache:
     """MTPDraft's cache: the target's states it has read [1, t, D], its block's layer cache, its own last state."""
