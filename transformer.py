@@ -2858,10 +2858,12 @@ def check_scaling(scaling):
     """Refuse a scaling that would stretch wrongly (a misspelt key, for one, would fall back in silence)."""
     kind = scaling.get("type") if isinstance(scaling, dict) else None
     if kind not in SCALING_KEYS:
-        raise ValueError(f"scaling type must be 'linear', 'llama3' or 'yarn' (a dict with a 'type' key), got {scaling!r}")
+        raise ValueError(f"scaling type must be 'linear', 'llama3' or 'yarn' (a dict with a 'type' key),"
+                         f" got {scaling!r}")
     needed, optional = SCALING_KEYS[kind]
     if not set(needed) <= set(scaling) - {"type"} <= set(needed + optional):
-        raise ValueError(f"scaling {kind!r} needs the keys {needed} (optional: {optional}) and no others, got {scaling}")
+        raise ValueError(f"scaling {kind!r} needs the keys {needed} (optional: {optional}) and no others,"
+                         f" got {scaling}")
     s = {"beta_fast": 32, "beta_slow": 1, **scaling}                       # yarn's defaults
     for key in needed + optional:
         if not (type(s[key]) in (int, float) and 0 < s[key] < math.inf):
@@ -3837,7 +3839,8 @@ def model_kind(model, formula="model_kind", trains=False, parts=()):
     """model's family. A formula would count wrong in silence for another class, for a module it does not model (an
     adapter, a fused kernel; parts adds modules a caller knows) or for a frozen weight (no dW): each is refused."""
     if type(model) not in MODEL_KINDS:
-        raise ValueError(f"model must be one of {', '.join(k.__name__ for k in MODEL_KINDS)}, got {type(model).__name__}")
+        raise ValueError(f"model must be one of {', '.join(k.__name__ for k in MODEL_KINDS)},"
+                         f" got {type(model).__name__}")
     odd = [f" holds a {type(m).__name__} at {n}" for n, m in model.named_modules()
            if n and type(m) not in MODEL_PARTS + parts]
     odd += [f"'s {name} is frozen (no dW)" for name, p in model.named_parameters() if trains and not p.requires_grad]
@@ -4577,9 +4580,9 @@ def sharded_bytes(model, optimizer):
 # all_reduce in the forward, Megatron's g, and nothing between: a nonlinearity acting on each element (SiLU, the gate's
 # product) runs on the slices as on the whole. Its mirror f is the identity forward and the all_reduce backward, since
 # each rank's slice sends back only part of the input's gradient. Attention splits the same way by heads, which never
-# mix before w_o: w_q by query heads, w_k and w_v by key/value heads (a GQA group stays on one rank), w_o row-parallel. A
-# block costs 2 all_reduces of [B, T, D] forward and 2 backward (Megatron runs one f before the fused q, k, v; here each
-# column-parallel layer has its own f, 5 in all); each rank caches only its key/value heads.
+# mix before w_o: w_q by query heads, w_k and w_v by key/value heads (a GQA group stays on one rank), w_o
+# row-parallel. A block costs 2 all_reduces of [B, T, D] forward and 2 backward (Megatron runs one f before the fused
+# q, k, v; here each column-parallel layer has its own f, 5 in all); each rank caches only its key/value heads.
 
 class CopyToRanks(torch.autograd.Function):
     """Megatron's f: x as it is; its gradient summed over the ranks."""
@@ -5095,7 +5098,8 @@ HF_DEEPSEEK = dict(vocab_size="vocab_size", d_model="hidden_size", n_layers="num
                    expert_d_ff="moe_intermediate_size", n_experts="n_routed_experts", top_k="num_experts_per_tok",
                    n_dense_layers="first_k_dense_replace", n_groups="n_group", topk_groups="topk_group",
                    routed_scale="routed_scaling_factor", norm_topk="norm_topk_prob", max_len="max_position_embeddings",
-                   tie_weights="tie_word_embeddings", q_lora_rank=("q_lora_rank", 1536), n_shared=("n_shared_experts", 1),
+                   tie_weights="tie_word_embeddings", q_lora_rank=("q_lora_rank", 1536),
+                   n_shared=("n_shared_experts", 1),
                    rope_interleave=("rope_interleave", True), rope_theta=("rope_theta", 10000.0),  # 4.x: interleaved
                    norm_eps=(None, 1e-6))  # transformers gives q_a_layernorm and kv_a_layernorm 1e-6 regardless
 HF_FAMILIES = {
@@ -5151,7 +5155,8 @@ def hf_keywords(config):
     ropes = ("default", "yarn") if kind == "gptoss" else ("default",)
     rope = view.get("rope_type") or view.get("type") or "default"
     if rope not in ropes:
-        raise ValueError(f"config's rope_type is {rope!r:.60}: this file's {family} has {' or '.join(map(repr, ropes))}")
+        raise ValueError(f"config's rope_type is {rope!r:.60}: this file's {family} has"
+                         f" {' or '.join(map(repr, ropes))}")
     if rope == "yarn":  # transformers rounds yarn's ends unless truncate is false
         view.setdefault("truncate", True)
         plain = dict(plain, truncate=False)
@@ -5254,7 +5259,8 @@ def tokenizer_from_gguf(metadata):
     merges, seen = [m.split(" ") for m in lists["merges"]], set()
     for line, merge in zip(lists["merges"], merges):
         problem = (": expected two of its tokens, a space between, that join into a third"  # as tokenizers refuses it
-                   if len(merge) != 2 or not {*merge, "".join(merge)} <= ids.keys() else " twice" if line in seen else "")
+                   if len(merge) != 2 or not {*merge, "".join(merge)} <= ids.keys()
+                   else " twice" if line in seen else "")
         if problem:
             raise ValueError(f"the file's tokenizer.ggml.merges holds {line[:80]!r}{'...' * (len(line) > 80)}{problem}")
         seen.add(line)
