@@ -6986,9 +6986,22 @@ def test_dsv32_bad_configurations_raise_value_errors():
 
 def test_dsv32_lightning_indexer_copies_at_its_size():
     """LightningIndexer and its cache, what the file had before (LayerNorm, apply_rope, LatentCache)
-    left out: at most 60 lines, measured 59 with its plain checks."""
+    left out: at most 62 lines, measured 62 with its plain checks (the rope tables' width among them)."""
     assert copy_size("LightningIndexer", "IndexedLatentCache") - copy_size("LayerNorm", "apply_rope",
-                                                                           "LatentCache") <= 60
+                                                                           "LatentCache") <= 62
+
+
+def test_dsv32_lightning_indexer_refuses_rope_tables_of_another_width():
+    """The indexer turns its first qk_rope_dim dims: tables one pair wider or narrower would turn
+    another number of dims and score other tokens in silence, so they are refused."""
+    indexer = tf.LightningIndexer(d_model=32, q_lora_rank=16, qk_rope_dim=4, index_n_heads=2, index_head_dim=8)
+    x, q_latent = torch.randn(1, 3, 32), torch.randn(1, 3, 16)
+    scores = indexer.scores(x, q_latent, *torch.randn(2, 3, 4))           # the right width: [1, 3, 3]
+    assert scores.shape == (1, 3, 3)
+    for width in (2, 6):
+        with pytest.raises(ValueError, match=r"cos and sin must be \[Tn, qk_rope_dim\] = \[Tn, 4\], got \[3, "
+                                             + str(width)):
+            indexer.scores(x, q_latent, *torch.randn(2, 3, width))
 
 
 # Against transformers' DeepseekV32ForCausalLM (eager attention), where it is installed

@@ -3525,6 +3525,8 @@ class LightningIndexer(nn.Module):
     def scores(self, x, q_latent, cos, sin, cache=None):
         """I[t, s] for the new tokens t and every token s -> [B, Tn, t]. x [B, Tn, D]; q_latent [B, Tn, q rank] is MLA's
         q_norm(w_dq(x)); cos, sin [Tn, rope]; cache an IndexedLatentCache."""
+        if cos.size(-1) != self.rope:  # a table of another width would turn another number of dims, in silence
+            raise ValueError(f"cos and sin must be [Tn, qk_rope_dim] = [Tn, {self.rope}], got {list(cos.shape)}")
         B, Tn, _ = x.shape
         q = self.w_uq(q_latent).view(B, Tn, self.n_heads, self.head_dim).transpose(1, 2)  # [B, Hi, Tn, di]
         q = apply_partial_rope(q, cos, sin)                                # [B, Hi, Tn, di]
